@@ -1,0 +1,287 @@
+"""Tiny Qwen3-style models and a locally trained byte-level BPE tokenizer.
+
+Tests and CPU demos must never touch the hub, so everything here is built from code: a fixed,
+generated corpus trains the tokenizer (deterministically), a seeded init builds the weights, and the
+result is saved as an ordinary Hugging Face directory that transformers and vLLM both load.
+
+    build_tiny_model(out_dir, preset="tiny", seed=0) -> Path
+    resolve_model("hpcrl/tiny-qwen3") -> cached dir, built on first use (multi-process safe)
+    hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N]    (main(argv))
+
+torch / transformers / tokenizers are imported inside the functions: `resolve_model` on a warm cache
+and the CLI's argument parsing stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Bump when the corpus, template or architecture changes: cached built-in models are rebuilt.
+KIT_VERSION = 1
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+
+VOCAB_SIZE = 400
+
+PRESETS: dict[str, dict[str, int]] = {
+    # ~0.34 M parameters: fast enough for every unit and integration test.
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    # ~2.5 M parameters: big enough for demos that must visibly learn on CPU.
+    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+}
+
+BUILTIN_MODELS = {"hpcrl/tiny-qwen3": "tiny", "hpcrl/small-qwen3": "small"}
+
+# Qwen/ChatML-style template. Tools are listed as JSON in the system turn and assistant tool calls
+# are rendered as <tool_call>JSON</tool_call>, as Qwen does, so tool-using environments work with the
+# tiny model exactly as with a real one. The rendering of a conversation is a prefix of the rendering
+# of any continuation of it (no reasoning stripping), which exact multi-turn stitching relies on.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Available tools:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>'"
+    " + '<|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}"
+    "{%- if not loop.first %}"
+    "{{- '<|im_start|>system\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{%- for tc in message['tool_calls'] %}"
+    "{%- set fn = tc['function'] if tc['function'] is defined else tc %}"
+    "{%- if (loop.first and message['content']) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}"
+    "{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>tool\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS_TEXT = (
+    "the a an and or not is are was be to of in on at by for with from as it this that these those "
+    "you your we our they their he she his her i me my yes no true false answer question reverse "
+    "text sort sorted alphabet alphabetical order letters letter word words number numbers sum add "
+    "plus minus times divided equals result correct wrong please think step solve compute count "
+    "first second last next before after output input string list call tool function name arguments "
+    "system user assistant tool_call tool_response hello world example test reward good bad "
+    "quick brown fox jumps over lazy dog apple banana cherry orange lemon grape water fire earth "
+    "red green blue black white small large big little one two three four five six seven eight nine ten"
+)
+_WORDS = _WORDS_TEXT.split()
+
+
+def _corpus(seed: int = 1234) -> list[str]:
+    """A small, fixed training corpus: words, letters, digits, arithmetic, punctuation, chat pieces."""
+    rng = random.Random(seed)  # fixed: the tokenizer must not depend on the model seed
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lines: list[str] = [letters, letters.upper(), "0123456789", "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"]
+    for _ in range(400):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 12))]
+        if rng.random() < 0.3:
+            words[0] = words[0].capitalize()
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ",", ":", ""]))
+    for _ in range(300):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*/")
+        lines.append(f"{a} {op} {b} = {rng.randint(0, 9999)}")
+    for _ in range(200):
+        w = "".join(rng.choice(letters) for _ in range(rng.randint(3, 10)))
+        lines.append(f"Reverse: {w} -> {w[::-1]}; sorted: {' '.join(sorted(w))}")
+    for _ in range(100):
+        lines.append(f'<tool_call>{{"name": "{rng.choice(_WORDS)}", "arguments": {{"x": {rng.randint(0, 99)}}}}}'
+                     "</tool_call>")
+        lines.append(f"{IM_START}{rng.choice(['system', 'user', 'assistant', 'tool'])}\n"
+                     f"{' '.join(rng.choice(_WORDS) for _ in range(5))}{IM_END}\n")
+    return lines
+
+
+def build_tokenizer() -> Any:
+    """Train the byte-level BPE tokenizer and wrap it in PreTrainedTokenizerFast (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits split one by one (as Qwen does) so arithmetic is tokenized uniformly.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        bos_token=None,
+        model_max_length=2048,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _model_config(preset: str, tokenizer: Any) -> Any:
+    from transformers import Qwen3Config
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny-model preset {preset!r}; allowed: {sorted(PRESETS)}")
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        dtype="float32",
+        **PRESETS[preset],
+    )
+
+
+def build_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Build a tiny Qwen3 causal LM + tokenizer and save them as a Hugging Face directory.
+
+    Building twice with the same preset and seed gives bit-identical files' tensors.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = _model_config(preset, tokenizer)
+    # fork_rng keeps a caller's global RNG untouched while making the init depend only on `seed`.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "hpcrl_tiny.json").write_text(json.dumps({"kit_version": KIT_VERSION, "preset": preset, "seed": seed}))
+    return out
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("HPCRL_CACHE") or Path.home() / ".cache" / "hpcrl")
+
+
+def _is_current(path: Path) -> bool:
+    try:
+        stamp = json.loads((path / "hpcrl_tiny.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp.get("kit_version") == KIT_VERSION and (path / "config.json").exists()
+
+
+def resolve_model(name: str) -> str:
+    """Directory -> itself; built-in name -> cached build (made on first use); else unchanged (hub id)."""
+    if os.path.isdir(name):
+        return name
+    preset = BUILTIN_MODELS.get(name)
+    if preset is None:
+        return name
+    import fcntl
+
+    models_dir = _cache_root() / "models"
+    target = models_dir / name
+    if _is_current(target):
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = models_dir / (name.replace("/", "__") + ".lock")
+    with open(lock_path, "w") as lock:
+        # Several processes (servers, trainer ranks) may start at once: one builds, the others wait
+        # and then see the finished directory. Build in a temp dir + rename so nobody sees half of it.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if _is_current(target):
+                return str(target)
+            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+            try:
+                build_tiny_model(tmp, preset=preset, seed=0)
+                if target.exists():  # stale build from an older kit version
+                    shutil.rmtree(target)
+                os.rename(tmp, target)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return str(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N]`."""
+    parser = argparse.ArgumentParser(prog="hpcrl make-tiny-model",
+                                     description="Build a tiny Qwen3-style model + BPE tokenizer locally.")
+    parser.add_argument("dir", help="output directory (a Hugging Face model dir)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
+    parser.add_argument("--seed", type=int, default=0, help="weight init seed")
+    args = parser.parse_args(argv)
+    out = build_tiny_model(args.dir, preset=args.preset, seed=args.seed)
+    n_params = _count_params(out)
+    print(f"built {args.preset} model ({n_params / 1e6:.2f} M params) in {out}")
+    return 0
+
+
+def _count_params(path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            n = 1
+            for d in f.get_slice(k).get_shape():
+                n *= d
+            total += n
+    return total
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
