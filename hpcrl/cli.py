@@ -1,0 +1,262 @@
+"""The `hpcrl` command. Thin: parses, validates, then imports the heavy module of the chosen command.
+
+Every user error is one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+USAGE = """usage: hpcrl <command> [cfg.toml | @ a.toml @ b.toml] [--section.field value ...]
+
+commands:
+  run              trainer + orchestrator + inference on this machine (CPU or GPUs)
+  submit           one heterogeneous SLURM job (trainer nodes + inference nodes); --nodes N
+  resume           continue a run from its newest complete checkpoint (--step -1 | N)
+  sft              supervised fine-tuning from a local dataset
+  inference        serve a model over an OpenAI-compatible HTTP API
+  trainer          one trainer rank (started by run/submit; RANK/WORLD_SIZE from the environment)
+  orchestrator     the rollout orchestrator (started by run/submit)
+  status           state of a run directory: steps, checkpoints, job
+  logs             print / follow a component's log (-c trainer|orchestrator|inference|env:NAME, -f)
+  cancel           stop the job that owns a run directory
+  plot             write PNG plots from a run's metrics.jsonl
+  make-tiny-model  build a tiny Qwen3-style model + tokenizer locally (no hub)
+
+`hpcrl <command> --help` lists that command's flags. Config flags are dotted and kebab-case
+(--orchestrator.batch-size 64, --trainer.optim.lr 3e-6, --ckpt, --no-wandb, --trainer @ t.toml).
+"""
+
+
+class UsageError(Exception):
+    """A command-line mistake outside the config (one line, exit 2)."""
+
+
+def _fail(msg: str) -> int:
+    print(f"hpcrl: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _pop_flag(argv: list[str], name: str, takes_value: bool = True) -> str | bool | None:
+    """Remove `--name V` / `--name=V` (or a bare `--name`) from argv; return its value."""
+    for i, tok in enumerate(argv):
+        if tok == name:
+            if not takes_value:
+                del argv[i]
+                return True
+            if i + 1 >= len(argv):
+                raise UsageError(f"{name} needs a value")
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            return value
+        if takes_value and tok.startswith(name + "="):
+            del argv[i]
+            return tok.split("=", 1)[1]
+    return None
+
+
+def _int_flag(argv: list[str], name: str) -> int | None:
+    v = _pop_flag(argv, name)
+    if v is None:
+        return None
+    try:
+        return int(str(v))
+    except ValueError:
+        raise UsageError(f"{name}: expected an integer, got '{v}'") from None
+
+
+def _config_help(command: str, root_name: str = "Config") -> str:
+    from hpcrl.config import fields, schema
+
+    root = getattr(schema, root_name)
+    lines = [f"usage: hpcrl {command} [cfg.toml | @ a.toml @ b.toml] [flags]", "", "config flags:"]
+    for path, typ, desc, default in fields.iter_leaves(root):
+        flag = "--" + path.replace("_", "-")
+        if typ == "section":
+            lines.append(f"  {flag}  [{desc or 'section'}]" if desc else f"  [{path}]")
+            continue
+        dflt = "" if default in (None, [], {}) else f" (default: {default})"
+        lines.append(f"  {flag} {typ}  {desc}{dflt}")
+    return "\n".join(lines)
+
+
+_COMMAND_FLAGS = {
+    "run": "  --dry-run            resolve, validate, write <output_dir>/configs/, print a summary, exit",
+    "submit": "  --nodes N  --partition P  --time T  --account A  --dry-run (renders sbatch, asks sbatch --test-only)",
+    "resume": "  --step -1|N  --output-dir DIR  (plus any config flag, e.g. --max-steps 40)",
+    "inference": "  --run-dir DIR  --server-index N  (announce the server address in a run directory)",
+}
+
+
+def _load(argv: list[str], root_name: str = "Config", require_envs: bool = True):
+    from hpcrl.config import load, schema
+
+    return load(argv, getattr(schema, root_name), require_envs=require_envs)
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------------------
+def cmd_run(argv: list[str]) -> int:
+    dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
+    loaded = _load(argv)
+    from hpcrl.launch import prepare
+
+    prepare.prepare_output_dir(loaded.config, dry_run=dry)
+    layout = prepare.local_plan(loaded)
+    if dry:
+        prepare.print_summary(loaded, layout, "run (this machine)")
+        return 0
+    from hpcrl.launch.local import run_local
+
+    return run_local(loaded, layout)
+
+
+def cmd_submit(argv: list[str]) -> int:
+    dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
+    nodes = _int_flag(argv, "--nodes")
+    for flag in ("--partition", "--time", "--account"):
+        v = _pop_flag(argv, flag)
+        if v is not None:
+            argv += [f"--slurm.{flag[2:]}", str(v)]
+    if "--slurm" not in argv and not any(a.startswith("--slurm.") for a in argv):
+        argv.append("--slurm")
+    loaded = _load(argv)
+    from hpcrl.launch import prepare
+
+    prepare.prepare_output_dir(loaded.config, dry_run=dry)
+    from hpcrl.launch.submit import submit
+
+    return submit(loaded, nodes=nodes, dry_run=dry)
+
+
+def cmd_resume(argv: list[str]) -> int:
+    step = _int_flag(argv, "--step")
+    out = _pop_flag(argv, "--output-dir")
+    if out is None:
+        raise UsageError("resume needs --output-dir DIR (the run to continue)")
+    from hpcrl.launch.resume import resume
+
+    return resume(Path(str(out)), -1 if step is None else step, argv)
+
+
+def cmd_trainer(argv: list[str]) -> int:
+    loaded = _load(argv)
+    from hpcrl.trainer.rl import main
+
+    return main(loaded.config)
+
+
+def cmd_orchestrator(argv: list[str]) -> int:
+    loaded = _load(argv)
+    from hpcrl.orchestrator.loop import main
+
+    return main(loaded.config)
+
+
+def cmd_inference(argv: list[str]) -> int:
+    run_dir = _pop_flag(argv, "--run-dir")
+    index = _int_flag(argv, "--server-index") or 0
+    # A bare `hpcrl inference --model.name DIR` needs no training environments.
+    loaded = _load(argv, require_envs=False)
+    from hpcrl.inference.server import serve_config
+
+    return serve_config(loaded.config, run_dir=None if run_dir is None else str(run_dir), server_index=index)
+
+
+def cmd_sft(argv: list[str]) -> int:
+    dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
+    loaded = _load(argv, "SFTConfig")
+    if dry:
+        from hpcrl.config.resolved import dumps, redact, to_dict
+
+        print(dumps(redact(to_dict(loaded.config))))
+        return 0
+    from hpcrl.trainer.sft import main
+
+    return main(loaded.config)
+
+
+def cmd_status(argv: list[str]) -> int:
+    from hpcrl.launch.manage import status
+
+    return status(argv)
+
+
+def cmd_logs(argv: list[str]) -> int:
+    from hpcrl.launch.manage import logs
+
+    return logs(argv)
+
+
+def cmd_cancel(argv: list[str]) -> int:
+    from hpcrl.launch.manage import cancel
+
+    return cancel(argv)
+
+
+def cmd_plot(argv: list[str]) -> int:
+    from hpcrl.monitor.plots import main
+
+    return main(argv)
+
+
+def cmd_make_tiny_model(argv: list[str]) -> int:
+    from hpcrl.models.tiny import main
+
+    return main(argv) or 0
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
+    "run": (cmd_run, "Config"),
+    "submit": (cmd_submit, "Config"),
+    "resume": (cmd_resume, "Config"),
+    "trainer": (cmd_trainer, "Config"),
+    "orchestrator": (cmd_orchestrator, "Config"),
+    "inference": (cmd_inference, "Config"),
+    "sft": (cmd_sft, "SFTConfig"),
+    "status": (cmd_status, None),
+    "logs": (cmd_logs, None),
+    "cancel": (cmd_cancel, None),
+    "plot": (cmd_plot, None),
+    "make-tiny-model": (cmd_make_tiny_model, None),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from hpcrl import __version__
+
+        print(f"hpcrl {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        from hpcrl.config.errors import nearest
+
+        return _fail(f"unknown command '{name}'{nearest(name, COMMANDS)}; see `hpcrl --help`")
+    fn, root = COMMANDS[name]
+    if root is not None and ("-h" in rest or "--help" in rest):
+        extra = _COMMAND_FLAGS.get(name)
+        print(_config_help(name, root) + (f"\n\ncommand flags:\n{extra}" if extra else ""))
+        return 0
+    from hpcrl.config.errors import ConfigError
+
+    try:
+        return int(fn(rest) or 0)
+    except ConfigError as e:
+        print(e.one_line(), file=sys.stderr)
+        return 2
+    except UsageError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Config loading: TOML files (`cfg.toml` or `@ a.toml @ b.toml`), dotted kebab-case flags, hosted shape.
+
+Order: files merge left to right (tables deep-merge, lists replace), then flags override. The hosted
+(flat) shape is translated to the native shape before the flags apply, shared top-level fields flow
+into sections, and the result is converted to typed Structs. Every mistake is a ConfigError.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from hpcrl.config import fields, hosted
+from hpcrl.config.dicts import deep_merge, get_path, set_path
+from hpcrl.config.errors import ConfigError, nearest
+from hpcrl.config.schema import Config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+@dataclass
+class Loaded:
+    """A resolved config plus what the loader noticed (ignored platform fields, translations)."""
+
+    config: Any
+    notes: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# TOML files and merging
+# ---------------------------------------------------------------------------------------------
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(path), "config file not found")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), f"invalid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), "not a UTF-8 text file") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# argv
+# ---------------------------------------------------------------------------------------------
+_FLAG_RE = re.compile(r"^--(no-)?([A-Za-z0-9][A-Za-z0-9_.\-]*)$")
+
+
+def _parse_value(raw: str, leaf: fields.Leaf) -> Any:
+    """Flags carry TOML literals (64, 3e-6, true, [1, 2]); strings may be bare."""
+    if leaf.type_repr.startswith("str") or "|" in leaf.type_repr and "int" not in leaf.type_repr:
+        return raw
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def parse_argv(argv: list[str], root: type[msgspec.Struct] = Config) -> tuple[list[str], dict[str, Any]]:
+    """Split argv into config files (in order) and a nested dict of flag overrides."""
+    files: list[str] = []
+    over: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "@":
+            if i + 1 >= len(argv):
+                raise ConfigError("@", "expected a TOML file after '@'")
+            files.append(argv[i + 1])
+            i += 2
+            continue
+        if tok.startswith("@") and len(tok) > 1:
+            files.append(tok[1:])
+            i += 1
+            continue
+        if not tok.startswith("--"):
+            if tok.endswith(".toml"):
+                files.append(tok)
+                i += 1
+                continue
+            raise ConfigError(tok, "unexpected argument (config files end in .toml; flags start with --)")
+        value: str | None = None
+        if "=" in tok:
+            tok, value = tok.split("=", 1)
+        m = _FLAG_RE.match(tok)
+        if not m:
+            raise ConfigError(tok, "malformed flag (expected --section.field-name VALUE)")
+        negated = bool(m.group(1))
+        parts = [p.replace("-", "_") for p in m.group(2).split(".")]
+        leaf = fields.resolve(root, parts)
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        i += 1
+        if negated:
+            if value is not None:
+                raise ConfigError(leaf.path, "--no-… flags take no value")
+            if leaf.kind == "bool":
+                set_path(over, parts, False)
+            elif leaf.optional_section:
+                set_path(over, parts, None)
+            else:
+                raise ConfigError(leaf.path, f"is a {leaf.type_repr}; --no- works only on booleans and optional sections")
+            continue
+        if leaf.kind == "section":
+            if value is None and nxt == "@":
+                if i + 1 >= len(argv):
+                    raise ConfigError(leaf.path, "expected a TOML file after '@'")
+                set_path(over, parts, deep_merge(get_path(over, parts) or {}, read_toml(argv[i + 1])))
+                i += 2
+            elif value is not None and value.startswith("@"):
+                set_path(over, parts, deep_merge(get_path(over, parts) or {}, read_toml(value[1:])))
+            elif value is None:
+                if not leaf.optional_section:
+                    raise ConfigError(leaf.path, "is a section: set one of its fields, or give '@ file.toml'")
+                if get_path(over, parts) is None:
+                    set_path(over, parts, {})
+            else:
+                raise ConfigError(leaf.path, "is a section: set one of its fields, or give '@ file.toml'")
+            continue
+        if leaf.kind == "bool":
+            if value is None and nxt is not None and nxt.lower() in ("true", "false"):
+                value = nxt
+                i += 1
+            if value is None:
+                set_path(over, parts, True)
+            elif value.lower() in ("true", "false"):
+                set_path(over, parts, value.lower() == "true")
+            else:
+                raise ConfigError(leaf.path, f"expected true or false, got '{value}'")
+            continue
+        if value is None:
+            if nxt is None or (nxt.startswith("--") and not _is_number(nxt)):
+                raise ConfigError(leaf.path, f"flag needs a value ({leaf.type_repr})")
+            value = nxt
+            i += 1
+        set_path(over, parts, _parse_value(value, leaf))
+    return files, over
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# aliases, shared fields, conversion
+# ---------------------------------------------------------------------------------------------
+_ALIASES = [
+    # (section path, alias, canonical)
+    (["orchestrator"], "group_size", "rollouts_per_example"),
+    (["orchestrator", "train", "sampling"], "max_completion_tokens", "max_tokens"),
+    (["orchestrator", "eval", "sampling"], "max_completion_tokens", "max_tokens"),
+]
+
+
+def apply_aliases(d: dict[str, Any]) -> None:
+    for parts, alias, canonical in _ALIASES:
+        sec = get_path(d, parts)
+        if isinstance(sec, dict) and alias in sec:
+            if canonical in sec and sec[canonical] != sec[alias]:
+                path = ".".join(parts)
+                raise ConfigError(f"{path}.{alias}", f"conflicts with {path}.{canonical} (they are the same setting)")
+            sec[canonical] = sec.pop(alias)
+
+
+_MODEL_SECTIONS = (["model"], ["trainer", "model"], ["orchestrator", "model"], ["inference", "model"])
+_SHARED = {
+    "max_steps": (["max_steps"], ["trainer", "max_steps"], ["orchestrator", "max_steps"]),
+    "seq_len": (["seq_len"], ["trainer", "seq_len"], ["orchestrator", "seq_len"], ["inference", "seq_len"]),
+    "model.name": tuple(p + ["name"] for p in _MODEL_SECTIONS),
+}
+
+
+def check_shared(d: dict[str, Any]) -> dict[str, Any]:
+    """Shared fields set in several places must agree; returns {name: value} of those set anywhere."""
+    resolved: dict[str, Any] = {}
+    for name, places in _SHARED.items():
+        seen: list[tuple[str, Any]] = []
+        for parts in places:
+            v = get_path(d, parts)
+            if v is not None:
+                seen.append((".".join(parts), v))
+        for path, v in seen[1:]:
+            if v != seen[0][1]:
+                raise ConfigError(
+                    path, f"{v!r} conflicts with {seen[0][0]} = {seen[0][1]!r} (shared fields must agree; set it once)"
+                )
+        if seen:
+            resolved[name] = seen[0][1]
+    return resolved
+
+
+def flow_shared(cfg: Config) -> None:
+    """Copy the resolved shared values into every section, so each role reads its own section."""
+    name = cfg.model.name
+    for sec in (cfg.trainer, cfg.orchestrator, cfg.inference):
+        if sec.model is None:
+            sec.model = msgspec.structs.replace(cfg.model)
+        elif sec.model.name is None:
+            sec.model.name = name
+    cfg.trainer.max_steps = cfg.max_steps
+    cfg.orchestrator.max_steps = cfg.max_steps
+    cfg.trainer.seq_len = cfg.seq_len
+    cfg.orchestrator.seq_len = cfg.seq_len
+    cfg.inference.seq_len = cfg.seq_len
+    if cfg.inference.max_model_len is None:
+        cfg.inference.max_model_len = cfg.seq_len
+
+
+_AT_RE = re.compile(r"`\$(?P<path>[^`]*)`")
+
+
+def _dotted(jsonpath: str) -> str:
+    """`$.orchestrator.train.env[0].id` -> `orchestrator.train.env[0].id`."""
+    return jsonpath.lstrip(".")
+
+
+def convert(d: dict[str, Any], root: type[T]) -> T:
+    """msgspec conversion with errors translated into one-line ConfigErrors."""
+    try:
+        return msgspec.convert(d, root, strict=False)
+    except msgspec.ValidationError as e:
+        raise _translate(str(e), root) from None
+
+
+def _translate(msg: str, root: type[msgspec.Struct]) -> ConfigError:
+    head, _, at = msg.rpartition(" - at ")
+    if not head:
+        head, at = msg, "`$`"
+    m = _AT_RE.search(at)
+    path = _dotted(m.group("path")) if m else ""
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", head)
+    if unknown:
+        key = unknown.group(1)
+        parts = [p for p in re.sub(r"\[\d+\]", "", path).split(".") if p]
+        options = fields.field_names(root, parts)
+        full = f"{path}.{key}" if path else key
+        where = path or "top level"
+        return ConfigError(full, f"unknown field in {where}{nearest(key, options)}")
+    missing = re.match(r"Object missing required field `([^`]+)`", head)
+    if missing:
+        key = missing.group(1)
+        return ConfigError(f"{path}.{key}" if path else key, "required field is missing")
+    text = head.replace("`", "")
+    text = text[0].lower() + text[1:] if text else text
+    return ConfigError(path or "config", text)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+def load(argv: list[str], root: type[T] = Config, require_envs: bool = True) -> Loaded:  # type: ignore[assignment]
+    """Resolve a config from CLI arguments (files + flags) into typed Structs."""
+    files, over = parse_argv(argv, root)
+    merged: dict[str, Any] = {}
+    notes: list[str] = []
+    for f in files:
+        data = read_toml(f)
+        if root is Config:
+            data, file_notes = hosted.to_native(data, source=str(f))
+            notes.extend(file_notes)
+        merged = deep_merge(merged, data)
+    merged = deep_merge(merged, over)
+    # `--no-x` on an optional section left None in the dict: that means "absent".
+    _drop_nones(merged)
+    if root is Config:
+        apply_aliases(merged)
+        shared = check_shared(merged)
+        if "model.name" in shared:
+            set_path(merged, ["model", "name"], shared["model.name"])
+        for key in ("max_steps", "seq_len"):
+            if key in shared:
+                merged[key] = shared[key]
+    cfg = convert(merged, root)
+    if isinstance(cfg, Config):
+        flow_shared(cfg)
+        from hpcrl.config.validate import validate
+
+        validate(cfg, require_envs=require_envs)
+    return Loaded(cfg, notes, files)
+
+
+def _drop_nones(d: dict[str, Any]) -> None:
+    for k in [k for k, v in d.items() if v is None]:
+        del d[k]
+    for v in d.values():
+        if isinstance(v, dict):
+            _drop_nones(v)

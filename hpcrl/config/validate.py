@@ -1,0 +1,169 @@
+"""Cross-field validation: the checks a single field's type cannot express. Each raises ConfigError."""
+
+from __future__ import annotations
+
+import re
+
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.schema import Config, EnvConfig
+
+_TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$|^\d+:\d{2}$")
+_MEM_RE = re.compile(r"^\d+[KMGT]?$")
+
+
+def validate(cfg: Config, require_envs: bool = True) -> None:
+    _orchestrator(cfg)
+    _buffer(cfg)
+    _envs(cfg, require_envs)
+    _deployment(cfg)
+    _ckpt(cfg)
+    _slurm(cfg)
+    if cfg.model.name is None or not cfg.model.name.strip():
+        raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
+
+
+def _orchestrator(cfg: Config) -> None:
+    o = cfg.orchestrator
+    if o.batch_size % o.rollouts_per_example:
+        raise ConfigError(
+            "orchestrator.batch_size",
+            f"{o.batch_size} is not a multiple of orchestrator.rollouts_per_example ({o.rollouts_per_example})",
+        )
+    max_tokens = o.train.sampling.max_tokens
+    if max_tokens >= cfg.seq_len:
+        raise ConfigError(
+            "orchestrator.train.sampling.max_tokens",
+            f"{max_tokens} must be smaller than seq_len ({cfg.seq_len}) to leave room for the prompt",
+        )
+    if o.eval is not None and o.eval.sampling is not None and o.eval.sampling.max_tokens >= cfg.seq_len:
+        raise ConfigError("orchestrator.eval.sampling.max_tokens", f"must be smaller than seq_len ({cfg.seq_len})")
+    if o.training_mode in ("opd", "sft") and o.teacher is None:
+        raise ConfigError(
+            "orchestrator.teacher", f"training_mode = '{o.training_mode}' needs [orchestrator.teacher] base_url"
+        )
+    if o.training_mode == "rl" and o.teacher is not None:
+        raise ConfigError("orchestrator.teacher", "is only used with training_mode = 'opd' or 'sft'")
+    if o.max_off_policy_steps < o.max_async_level:
+        raise ConfigError(
+            "orchestrator.max_off_policy_steps",
+            f"{o.max_off_policy_steps} < max_async_level ({o.max_async_level}): every async sample would be dropped",
+        )
+    if cfg.trainer.micro_batch_tokens < cfg.seq_len:
+        raise ConfigError(
+            "trainer.micro_batch_tokens",
+            f"{cfg.trainer.micro_batch_tokens} must be at least seq_len ({cfg.seq_len}) so one sample fits",
+        )
+    if len(cfg.trainer.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.optim.betas):
+        raise ConfigError("trainer.optim.betas", "must be two numbers in [0, 1)")
+
+
+def _buffer(cfg: Config) -> None:
+    b = cfg.orchestrator.buffer
+    if b.hard_threshold > b.easy_threshold:
+        raise ConfigError(
+            "orchestrator.buffer.hard_threshold",
+            f"{b.hard_threshold} is above easy_threshold ({b.easy_threshold}); need hard <= easy",
+        )
+    envs = cfg.orchestrator.train.env
+    if b.env_ratios is not None:
+        if len(b.env_ratios) != len(envs):
+            raise ConfigError(
+                "orchestrator.buffer.env_ratios",
+                f"has {len(b.env_ratios)} entries but there are {len(envs)} training envs",
+            )
+        if any(r < 0 for r in b.env_ratios) or sum(b.env_ratios) <= 0:
+            raise ConfigError("orchestrator.buffer.env_ratios", "must be non-negative with a positive sum")
+        if any(e.ratio is not None for e in envs):
+            raise ConfigError("orchestrator.buffer.env_ratios", "set either buffer.env_ratios or env ratio, not both")
+
+
+def _envs(cfg: Config, require_envs: bool) -> None:
+    o = cfg.orchestrator
+    if require_envs and not o.train.env:
+        raise ConfigError("orchestrator.train.env", "at least one training environment is required ([[orchestrator.train.env]] id = ...)")
+    _unique_names(o.train.env, "orchestrator.train.env")
+    if o.eval is not None:
+        _unique_names(o.eval.env, "orchestrator.eval.env")
+    try:
+        from hpcrl.envs.registry import validate_env_spec
+    except ImportError:  # the env package is optional at this layer
+        return
+    lists = [("orchestrator.train.env", o.train.env)]
+    if o.eval is not None:
+        lists.append(("orchestrator.eval.env", o.eval.env))
+    for path, envs in lists:
+        for i, e in enumerate(envs):
+            try:
+                validate_env_spec(e.id, e.args)
+            except ValueError as err:
+                raise ConfigError(f"{path}[{i}]", str(err)) from None
+
+
+def _unique_names(envs: list[EnvConfig], path: str) -> None:
+    seen: set[str] = set()
+    for i, e in enumerate(envs):
+        name = e.name or e.id.rsplit("/", 1)[-1]
+        if name in seen:
+            raise ConfigError(f"{path}[{i}].name", f"duplicate env name '{name}'; give each env a distinct name")
+        seen.add(name)
+
+
+def _deployment(cfg: Config) -> None:
+    d = cfg.deployment
+    single = d.num_train_gpus is not None or d.num_infer_gpus is not None
+    multi = d.num_train_nodes is not None or d.num_infer_nodes is not None
+    if single and multi:
+        raise ConfigError(
+            "deployment", "set num_train_gpus/num_infer_gpus (one node) or num_train_nodes/num_infer_nodes, not both"
+        )
+    if single:
+        total = (d.num_train_gpus or 0) + (d.num_infer_gpus or 0)
+        if total > d.gpus_per_node:
+            raise ConfigError(
+                "deployment.num_train_gpus",
+                f"num_train_gpus + num_infer_gpus = {total} exceeds gpus_per_node ({d.gpus_per_node})",
+            )
+        if d.num_train_gpus == 0:
+            raise ConfigError("deployment.num_train_gpus", "must be at least 1")
+        if d.num_infer_gpus == 0:
+            raise ConfigError("deployment.num_infer_gpus", "must be at least 1")
+        tp = cfg.inference.parallel.tp
+        if d.num_infer_gpus is not None and d.num_infer_gpus % tp:
+            raise ConfigError("inference.parallel.tp", f"{tp} does not divide num_infer_gpus ({d.num_infer_gpus})")
+    if multi:
+        if (d.num_train_nodes is None) != (d.num_infer_nodes is None):
+            raise ConfigError("deployment.num_infer_nodes", "set both num_train_nodes and num_infer_nodes")
+        tp = cfg.inference.parallel.tp
+        if d.gpus_per_node and d.gpus_per_node % tp and tp <= d.gpus_per_node:
+            raise ConfigError("inference.parallel.tp", f"{tp} does not divide gpus_per_node ({d.gpus_per_node})")
+        if cfg.slurm is not None and cfg.slurm.nodes is not None:
+            total = (d.num_train_nodes or 0) + (d.num_infer_nodes or 0)
+            if total != cfg.slurm.nodes:
+                raise ConfigError(
+                    "slurm.nodes", f"{cfg.slurm.nodes} != num_train_nodes + num_infer_nodes ({total})"
+                )
+
+
+def _ckpt(cfg: Config) -> None:
+    c = cfg.ckpt
+    if c is None:
+        return
+    if c.keep_interval is not None and c.interval is not None and c.keep_interval % c.interval:
+        raise ConfigError("ckpt.keep_interval", f"{c.keep_interval} is not a multiple of ckpt.interval ({c.interval})")
+    if c.resume_step is not None and c.resume_step > cfg.max_steps:
+        raise ConfigError("ckpt.resume_step", f"{c.resume_step} is beyond max_steps ({cfg.max_steps})")
+    if c.save_adapter_separately and cfg.model.lora is None:
+        raise ConfigError("ckpt.save_adapter_separately", "needs LoRA training ([model.lora])")
+
+
+def _slurm(cfg: Config) -> None:
+    s = cfg.slurm
+    if s is None:
+        return
+    if not _TIME_RE.match(s.time):
+        raise ConfigError("slurm.time", f"'{s.time}' is not a SLURM time (HH:MM:SS, D-HH:MM:SS or minutes)")
+    if s.mem is not None and not _MEM_RE.match(s.mem):
+        raise ConfigError("slurm.mem", f"'{s.mem}' is not a SLURM memory size (e.g. 0, 64G, 512000M)")
+    for i, opt in enumerate(s.extra_sbatch):
+        if not opt.startswith("--"):
+            raise ConfigError(f"slurm.extra_sbatch[{i}]", f"'{opt}' must be a long sbatch option like --exclusive")

@@ -1,0 +1,72 @@
+"""What every launch does first: output dir, resolved configs, layout, the --dry-run summary."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.loader import Loaded
+from hpcrl.config.resolved import write_resolved
+from hpcrl.config.schema import Config
+from hpcrl.launch.layout import Layout, local_layout
+from hpcrl.paths import RunPaths
+
+
+def prepare_output_dir(cfg: Config, dry_run: bool = False) -> RunPaths:
+    """Clean (if asked), create the run layout and write the resolved per-process configs."""
+    paths = RunPaths(cfg.output_dir)
+    root = paths.root
+    if root.exists() and not root.is_dir():
+        raise ConfigError("output_dir", f"'{cfg.output_dir}' exists and is not a directory")
+    if cfg.clean_output_dir and root.exists() and not dry_run:
+        if root == Path.home() or root == Path("/") or root == Path.cwd():
+            raise ConfigError("output_dir", f"refusing to clean '{root}'")
+        shutil.rmtree(root)
+    if not dry_run:
+        paths.make_dirs()
+    write_resolved(cfg, paths.configs_dir)
+    return paths
+
+
+def visible_gpus() -> int:
+    """GPUs torch can see; 0 without CUDA (only imports torch when CUDA could exist)."""
+    import os
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return 0
+    if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return 0
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def local_plan(loaded: Loaded) -> Layout:
+    return local_layout(loaded.config, visible_gpus())
+
+
+def print_summary(loaded: Loaded, layout: Layout, target: str, extra: list[str] | None = None) -> None:
+    cfg: Config = loaded.config
+    o = cfg.orchestrator
+    paths = RunPaths(cfg.output_dir)
+    envs = ", ".join(e.name or e.id for e in o.train.env) or "-"
+    lines = [
+        f"hpcrl {target}: dry run OK",
+        f"model:        {cfg.model.name}" + (" (LoRA)" if cfg.model.lora is not None else ""),
+        f"steps:        {cfg.max_steps} (mode {o.training_mode}, max_async_level {o.max_async_level})",
+        f"batch:        {o.batch_size} rollouts = {o.batch_size // o.rollouts_per_example} tasks x "
+        f"{o.rollouts_per_example}, seq_len {cfg.seq_len}, max_tokens {o.train.sampling.max_tokens}",
+        f"envs:         {envs}",
+        *layout.summary(),
+        "checkpoints:  " + ("off (enable with --ckpt)" if cfg.ckpt is None else
+                             f"every {cfg.ckpt.interval or 'end'} step(s)"),
+        f"configs:      {paths.configs_dir}/",
+    ]
+    lines += extra or []
+    for n in loaded.notes:
+        lines.append(f"note:         {n}")
+    print("\n".join(lines))

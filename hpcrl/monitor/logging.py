@@ -1,0 +1,54 @@
+"""One logging setup for every role: `HH:MM:SS LEVEL [role] message`, to the console and a log file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+_FMT = "%(asctime)s %(levelname)-7s [%(role)s] %(message)s"
+
+
+class _RoleFilter(logging.Filter):
+    def __init__(self, role: str):
+        super().__init__()
+        self.role = role
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.role = self.role
+        return True
+
+
+def resolve_level(level: str | None) -> int:
+    name = (level or os.environ.get("HPCRL_LOG_LEVEL") or "info").upper()
+    value = logging.getLevelName(name)
+    if not isinstance(value, int):
+        raise ValueError(f"log level '{level}': expected debug, info, warning or error")
+    return value
+
+
+def setup_logging(role: str, level: str | None = None, log_file: str | Path | None = None,
+                  console: bool = True) -> logging.Logger:
+    """Configure the root logger for one process; returns the `hpcrl` logger."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    lvl = resolve_level(level)
+    root.setLevel(lvl)
+    fmt = logging.Formatter(_FMT, datefmt="%H:%M:%S")
+    role_filter = _RoleFilter(role)
+    handlers: list[logging.Handler] = []
+    if console:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    if log_file is not None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    for h in handlers:
+        h.setFormatter(fmt)
+        h.addFilter(role_filter)
+        root.addHandler(h)
+    # Third-party chatter stays at warning unless we debug.
+    for noisy in ("httpx", "httpcore", "urllib3", "uvicorn.access", "filelock"):
+        logging.getLogger(noisy).setLevel(max(lvl, logging.WARNING))
+    return logging.getLogger("hpcrl")

@@ -1,0 +1,231 @@
+"""RunPaths: the one place that knows every path under a run's output directory.
+
+Nobody else joins path strings for run files. Layout (DESIGN §5):
+
+    <output_dir>/
+      configs/                 resolved per-process configs (secrets redacted)
+      bus/endpoints/           doorbell addresses (one file per listening socket)
+      bus/servers/             inference server addresses (one file per server)
+      bus/rejected/            corrupt or foreign bus files moved aside
+      bus/moved_aside/<tag>/   bus files newer than a resumed checkpoint
+      rollouts/step_N/rank_R.msgpack
+      policy/step_N.msgpack
+      control/                 control messages (stop, shutdown, ...)
+      broadcasts/step_N/       filesystem weight broadcast, cleaned behind
+      checkpoints/step_N/{trainer,orchestrator}/ + COMPLETE
+      weights/step_N/          HF model dir
+      logs/{trainer,orchestrator,inference}.log, logs/envs/{train,eval}/<env>.log, logs/slurm/
+      metrics.jsonl
+      plots/
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_FILE_RE = re.compile(r"^step_(\d+)\.msgpack$")
+_RANK_FILE_RE = re.compile(r"^rank_(\d+)\.msgpack$")
+
+ROLES = ("trainer", "orchestrator", "inference")
+
+
+def parse_step_dir(name: str) -> int | None:
+    """`step_12` -> 12; anything else -> None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_step_file(name: str) -> int | None:
+    """`step_12.msgpack` -> 12; anything else -> None."""
+    m = _STEP_FILE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_rank_file(name: str) -> int | None:
+    """`rank_3.msgpack` -> 3; anything else -> None."""
+    m = _RANK_FILE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Every path under one run's output directory."""
+
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root).absolute())
+
+    # -- configs -------------------------------------------------------------------------
+    @property
+    def configs_dir(self) -> Path:
+        return self.root / "configs"
+
+    def process_config(self, role: str) -> Path:
+        """Resolved config of one process role, e.g. configs/trainer.toml."""
+        return self.configs_dir / f"{role}.toml"
+
+    @property
+    def resolved_config(self) -> Path:
+        """The whole resolved config (all sections), used by resume."""
+        return self.configs_dir / "resolved.toml"
+
+    # -- bus -----------------------------------------------------------------------------
+    @property
+    def bus_dir(self) -> Path:
+        return self.root / "bus"
+
+    @property
+    def endpoints_dir(self) -> Path:
+        return self.bus_dir / "endpoints"
+
+    def endpoint_file(self, name: str) -> Path:
+        """Address file of one doorbell socket, e.g. bus/endpoints/trainer_rank_0.json."""
+        return self.endpoints_dir / f"{name}.json"
+
+    @property
+    def servers_dir(self) -> Path:
+        return self.bus_dir / "servers"
+
+    def server_file(self, index: int) -> Path:
+        """Address file of inference server `index` (written by the server when it is ready)."""
+        return self.servers_dir / f"server_{index}.json"
+
+    @property
+    def rejected_dir(self) -> Path:
+        return self.bus_dir / "rejected"
+
+    def moved_aside_dir(self, tag: str) -> Path:
+        return self.bus_dir / "moved_aside" / tag
+
+    @property
+    def rollouts_dir(self) -> Path:
+        return self.root / "rollouts"
+
+    def rollout_step_dir(self, step: int) -> Path:
+        return self.rollouts_dir / f"step_{step}"
+
+    def rollout_file(self, step: int, rank: int) -> Path:
+        return self.rollout_step_dir(step) / f"rank_{rank}.msgpack"
+
+    @property
+    def policy_dir(self) -> Path:
+        return self.root / "policy"
+
+    def policy_file(self, step: int) -> Path:
+        return self.policy_dir / f"step_{step}.msgpack"
+
+    @property
+    def control_dir(self) -> Path:
+        return self.root / "control"
+
+    def control_file(self, name: str) -> Path:
+        return self.control_dir / f"{name}.msgpack"
+
+    # -- weights ---------------------------------------------------------------------------
+    @property
+    def broadcasts_dir(self) -> Path:
+        return self.root / "broadcasts"
+
+    def broadcast_dir(self, step: int) -> Path:
+        return self.broadcasts_dir / f"step_{step}"
+
+    @property
+    def weights_root(self) -> Path:
+        return self.root / "weights"
+
+    def weights_dir(self, step: int) -> Path:
+        return self.weights_root / f"step_{step}"
+
+    # -- checkpoints -------------------------------------------------------------------------
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints_dir / f"step_{step}"
+
+    def trainer_ckpt_dir(self, step: int) -> Path:
+        return self.checkpoint_dir(step) / "trainer"
+
+    def trainer_rank_ckpt(self, step: int, rank: int) -> Path:
+        return self.trainer_ckpt_dir(step) / f"rank_{rank}.pt"
+
+    def orchestrator_ckpt_dir(self, step: int) -> Path:
+        return self.checkpoint_dir(step) / "orchestrator"
+
+    def complete_file(self, step: int) -> Path:
+        """The manifest written last; its presence and validity make step_N a checkpoint."""
+        return self.checkpoint_dir(step) / "COMPLETE"
+
+    # -- logs and metrics ----------------------------------------------------------------------
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    def log_file(self, role: str) -> Path:
+        """logs/trainer.log, logs/orchestrator.log, logs/inference.log, logs/launcher.log."""
+        return self.logs_dir / f"{role}.log"
+
+    def rank_log_file(self, role: str, rank: int) -> Path:
+        """Per-rank / per-server log, e.g. logs/trainer/rank_1.log."""
+        return self.logs_dir / role / f"rank_{rank}.log"
+
+    def env_log_file(self, kind: str, env_name: str) -> Path:
+        """logs/envs/{train,eval}/<env>.log."""
+        return self.logs_dir / "envs" / kind / f"{env_name}.log"
+
+    @property
+    def slurm_logs_dir(self) -> Path:
+        return self.logs_dir / "slurm"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def slurm_dir(self) -> Path:
+        """Rendered sbatch script, submitit folder and job id."""
+        return self.root / "slurm"
+
+    @property
+    def job_file(self) -> Path:
+        """Records the SLURM job id (or local launcher pid) that owns this run."""
+        return self.root / "job.json"
+
+    # -- listing helpers -----------------------------------------------------------------------
+    @staticmethod
+    def steps_in(directory: Path) -> list[int]:
+        """Sorted steps of the `step_N` entries (dirs or `.msgpack` files) directly under `directory`."""
+        if not directory.is_dir():
+            return []
+        steps = set()
+        for p in directory.iterdir():
+            s = parse_step_dir(p.name)
+            if s is None:
+                s = parse_step_file(p.name)
+            if s is not None:
+                steps.add(s)
+        return sorted(steps)
+
+    def make_dirs(self) -> None:
+        """Create the directories every role expects to exist."""
+        for d in (
+            self.configs_dir,
+            self.endpoints_dir,
+            self.servers_dir,
+            self.rollouts_dir,
+            self.policy_dir,
+            self.control_dir,
+            self.checkpoints_dir,
+            self.weights_root,
+            self.logs_dir,
+        ):
+            d.mkdir(parents=True, exist_ok=True)
