@@ -1,0 +1,160 @@
+"""Resolve an environment id to a factory and build it: `load_environment(env_id, **args)`.
+
+Resolution order:
+  1. built-ins (`reverse-text`, `alphabet-sort`, `arithmetic`/`gsm8k`, `calculator`), also under a
+     known owner prefix (`primeintellect/reverse-text`) and with `_` for `-`;
+  2. `module:function` naming any importable factory;
+  3. an importable module exposing `load_environment` (`my-env` and `owner/my-env` try `my_env`),
+     which is how verifiers environment packages are installed;
+  4. entry points in the `hpcrl.environments` / `verifiers.environments` groups.
+A factory that returns a verifiers `vf.Environment` is wrapped in the verifiers adapter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hpcrl.envs.base import Environment
+
+BUILTINS: dict[str, str] = {
+    "reverse-text": "hpcrl.envs.reverse_text",
+    "alphabet-sort": "hpcrl.envs.alphabet_sort",
+    "arithmetic": "hpcrl.envs.arithmetic",
+    "gsm8k": "hpcrl.envs.arithmetic",
+    "calculator": "hpcrl.envs.calculator",
+}
+# Owners whose ids map onto our built-ins (the hosted configs say primeintellect/<name>).
+BUILTIN_OWNERS = ("primeintellect", "prime-intellect", "hpcrl")
+ENTRY_POINT_GROUPS = ("hpcrl.environments", "verifiers.environments")
+
+Factory = Callable[..., Any]
+
+
+def _builtin_key(env_id: str) -> str | None:
+    key = env_id.strip().lower().replace("_", "-")
+    owner, _, name = key.rpartition("/")
+    if owner and owner not in BUILTIN_OWNERS:
+        return None
+    return name if name in BUILTINS else None
+
+
+def known_env_ids() -> list[str]:
+    return sorted(BUILTINS)
+
+
+def _unknown(env_id: str, why: str = "") -> ValueError:
+    return ValueError(
+        f"unknown environment {env_id!r}{why}; built-ins: {', '.join(known_env_ids())}; "
+        f"otherwise give an importable module with load_environment, 'module:function', "
+        f"or an entry point in {' / '.join(ENTRY_POINT_GROUPS)}"
+    )
+
+
+def _import(module_name: str, env_id: str) -> Any | None:
+    """Import a module if it exists; a module that exists but fails to import is a user error
+    worth surfacing (usually a missing dependency), not a 'not found'."""
+    try:
+        if importlib.util.find_spec(module_name) is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    try:
+        return importlib.import_module(module_name)
+    except Exception as e:
+        raise ValueError(
+            f"environment {env_id!r}: importing {module_name} failed: {type(e).__name__}: {e}"
+        ) from e
+
+
+def resolve_factory(env_id: str) -> Factory:
+    """The callable that builds `env_id`; ValueError when nothing matches."""
+    if not env_id or not env_id.strip():
+        raise _unknown(env_id)
+    key = _builtin_key(env_id)
+    if key is not None:
+        return importlib.import_module(BUILTINS[key]).load_environment
+
+    if ":" in env_id:
+        module_name, _, attr = env_id.partition(":")
+        module = _import(module_name, env_id)
+        if module is None:
+            raise _unknown(env_id, f" (no module {module_name!r})")
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise _unknown(env_id, f" (module {module_name!r} has no callable {attr!r})")
+        return fn
+
+    name = env_id.rpartition("/")[2]
+    for module_name in dict.fromkeys([name.replace("-", "_"), name]):
+        if not module_name.isidentifier():
+            continue
+        module = _import(module_name, env_id)
+        if module is not None and callable(getattr(module, "load_environment", None)):
+            return module.load_environment
+
+    wanted = {env_id, name, name.replace("-", "_"), name.replace("_", "-")}
+    for group in ENTRY_POINT_GROUPS:
+        for ep in importlib.metadata.entry_points(group=group):
+            if ep.name in wanted:
+                obj = ep.load()
+                fn = getattr(obj, "load_environment", obj)  # an entry point may name the module
+                if callable(fn):
+                    return fn
+    raise _unknown(env_id)
+
+
+def _check_args(env_id: str, factory: Factory, args: Mapping[str, Any]) -> None:
+    sig = inspect.signature(factory)
+    params = sig.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for arg in args:
+            if arg not in params:
+                raise ValueError(
+                    f"environment {env_id!r}: unknown argument {arg!r}; accepted: {', '.join(accepted) or '(none)'}"
+                )
+    try:
+        sig.bind(**args)
+    except TypeError as e:
+        raise ValueError(f"environment {env_id!r}: {e}") from e
+
+
+def _build(env_id: str, factory: Factory, args: Mapping[str, Any]) -> Any:
+    _check_args(env_id, factory, args)
+    try:
+        return factory(**args)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"environment {env_id!r}: {e}") from e
+
+
+def load_environment(env_id: str, **args: Any) -> Environment:
+    """Build an environment by id; ValueError (one line) for unknown ids or bad arguments."""
+    factory = resolve_factory(env_id)
+    env = _build(env_id, factory, args)
+    if isinstance(env, Environment):
+        return env
+    from hpcrl.envs.verifiers_adapter import is_verifiers_env, wrap_verifiers_env
+
+    if is_verifiers_env(env):
+        return wrap_verifiers_env(env, name=env_id)
+    raise ValueError(
+        f"environment {env_id!r}: the factory returned {type(env).__name__}, "
+        "expected an hpcrl Environment or a verifiers Environment"
+    )
+
+
+def validate_env_spec(env_id: str, args: Mapping[str, Any] | None = None) -> None:
+    """Check that `env_id` resolves and `args` fit its factory, without loading data or models.
+    Built-ins are also constructed (their tasks are generated lazily), so value errors such as
+    min_len > max_len surface here too."""
+    args = dict(args or {})
+    factory = resolve_factory(env_id)
+    if _builtin_key(env_id) is not None:
+        _build(env_id, factory, args)
+    else:
+        _check_args(env_id, factory, args)
