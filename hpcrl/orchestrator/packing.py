@@ -1,0 +1,187 @@
+"""Pack finished samples into one flat batch per trainer rank with balanced token counts.
+
+Samples are assigned greedily, longest first, to the rank with the fewest tokens so far (ties:
+the lower sample index goes first, the lower rank wins), which keeps the slowest rank - the one
+every other rank waits for - close to the mean. Inside a rank, samples keep their input order and
+are concatenated: `seq_lens` delimits them and `position_ids` restart at 0 for each, so the trainer
+can run them as one packed sequence (varlen attention) or split them back.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+Overlong = Literal["truncate", "drop"]
+
+BATCH_KEYS = (
+    "input_ids",
+    "position_ids",
+    "seq_lens",
+    "loss_mask",
+    "advantages",
+    "inference_logprobs",
+    "policy_versions",
+    "temperatures",
+    "env_names",
+    "example_ids",
+    "rewards",
+    "teacher_logprobs",
+)
+
+
+@dataclass
+class Sample:
+    """One training sequence (prompt + completion tokens, multi-turn already stitched)."""
+
+    input_ids: np.ndarray  # int[L]
+    loss_mask: np.ndarray  # bool[L]: True on sampled tokens
+    inference_logprobs: np.ndarray  # float[L]: sampling logprobs (0 where masked)
+    advantage: float | np.ndarray  # scalar, broadcast to every token, or float[L]
+    policy_version: int  # oldest policy that produced a token of this sample
+    example_id: int
+    env_name: str
+    temperature: float
+    reward: float
+    teacher_logprobs: np.ndarray | None = None  # float[L]
+
+    def __len__(self) -> int:
+        return int(len(self.input_ids))
+
+
+@dataclass
+class PackStats:
+    num_samples: int = 0  # packed
+    num_truncated: int = 0
+    num_dropped: int = 0  # overlong with overlong="drop", empty, or nothing trainable left
+    tokens_per_rank: list[int] = field(default_factory=list)
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.tokens_per_rank, default=0)
+
+    @property
+    def min_tokens(self) -> int:
+        return min(self.tokens_per_rank, default=0)
+
+    def metrics(self) -> dict[str, float]:
+        mean = sum(self.tokens_per_rank) / max(len(self.tokens_per_rank), 1)
+        return {
+            "pack/samples": float(self.num_samples),
+            "pack/truncated": float(self.num_truncated),
+            "pack/dropped": float(self.num_dropped),
+            "pack/max_tokens_per_rank": float(self.max_tokens),
+            "pack/min_tokens_per_rank": float(self.min_tokens),
+            # 1.0 = perfect balance; the slowest rank sets the step time
+            "pack/imbalance": float(self.max_tokens / mean) if mean else 1.0,
+        }
+
+
+def _check(s: Sample, i: int) -> None:
+    n = len(s)
+    for name in ("loss_mask", "inference_logprobs"):
+        if len(getattr(s, name)) != n:
+            raise ValueError(f"sample {i}: {name} has {len(getattr(s, name))} entries for {n} tokens")
+    if s.teacher_logprobs is not None and len(s.teacher_logprobs) != n:
+        raise ValueError(f"sample {i}: teacher_logprobs has {len(s.teacher_logprobs)} entries for {n} tokens")
+    if np.ndim(s.advantage) == 1 and len(s.advantage) != n:  # type: ignore[arg-type]
+        raise ValueError(f"sample {i}: advantage has {len(s.advantage)} entries for {n} tokens")  # type: ignore[arg-type]
+
+
+def _fit(samples: Sequence[Sample], seq_len: int, overlong: Overlong, stats: PackStats) -> list[Sample]:
+    """Apply the seq_len policy; drops samples left with no trainable token."""
+    kept: list[Sample] = []
+    for i, s in enumerate(samples):
+        _check(s, i)
+        if len(s) > seq_len:
+            if overlong == "drop":
+                stats.num_dropped += 1
+                continue
+            stats.num_truncated += 1
+            adv = s.advantage[:seq_len] if np.ndim(s.advantage) == 1 else s.advantage  # type: ignore[index]
+            tlp = None if s.teacher_logprobs is None else s.teacher_logprobs[:seq_len]
+            s = Sample(
+                s.input_ids[:seq_len],
+                s.loss_mask[:seq_len],
+                s.inference_logprobs[:seq_len],
+                adv,
+                s.policy_version,
+                s.example_id,
+                s.env_name,
+                s.temperature,
+                s.reward,
+                tlp,
+            )
+        if len(s) == 0 or not np.any(s.loss_mask):
+            stats.num_dropped += 1
+            continue
+        kept.append(s)
+    return kept
+
+
+def assign_to_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
+    """Greedy longest-first into the least-loaded rank. Returns sample indices per rank, each in
+    ascending order."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    heap = [(0, r) for r in range(num_ranks)]  # (tokens, rank): ties go to the lower rank
+    out: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (load + int(lengths[i]), r))
+    return [sorted(idx) for idx in out]
+
+
+def _concat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+
+
+def _rank_batch(samples: list[Sample], with_teacher: bool) -> dict[str, Any]:
+    lens = [len(s) for s in samples]
+    return {
+        "input_ids": _concat([np.asarray(s.input_ids) for s in samples], np.int32),
+        "position_ids": _concat([np.arange(n) for n in lens], np.int32),
+        "seq_lens": np.asarray(lens, dtype=np.int32),
+        "loss_mask": _concat([np.asarray(s.loss_mask, dtype=bool) for s in samples], bool),
+        "advantages": _concat(
+            [np.broadcast_to(np.asarray(s.advantage, dtype=np.float32), (len(s),)) for s in samples],
+            np.float32,
+        ),
+        "inference_logprobs": _concat([np.asarray(s.inference_logprobs) for s in samples], np.float32),
+        "policy_versions": np.asarray([s.policy_version for s in samples], dtype=np.int32),
+        "temperatures": np.asarray([s.temperature for s in samples], dtype=np.float32),
+        "env_names": [s.env_name for s in samples],
+        "example_ids": np.asarray([s.example_id for s in samples], dtype=np.int64),
+        "rewards": np.asarray([s.reward for s in samples], dtype=np.float32),
+        "teacher_logprobs": _concat([np.asarray(s.teacher_logprobs) for s in samples], np.float32)
+        if with_teacher
+        else None,
+    }
+
+
+def pack_for_ranks(
+    samples: Sequence[Sample], num_ranks: int, seq_len: int, overlong: Overlong = "truncate"
+) -> tuple[list[dict[str, Any]], PackStats]:
+    """One batch dict per rank (keys: BATCH_KEYS) and the packing stats. A rank can be empty
+    (zero-length arrays) when there are fewer samples than ranks."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong={overlong!r} is not one of truncate, drop")
+    stats = PackStats()
+    kept = _fit(samples, seq_len, overlong, stats)
+    has_teacher = [s.teacher_logprobs is not None for s in kept]
+    if any(has_teacher) and not all(has_teacher):
+        raise ValueError("teacher_logprobs must be given for all samples or for none")
+    assignment = assign_to_ranks([len(s) for s in kept], num_ranks)
+    batches = [
+        _rank_batch([kept[i] for i in idx], bool(has_teacher) and all(has_teacher)) for idx in assignment
+    ]
+    stats.num_samples = len(kept)
+    stats.tokens_per_rank = [int(b["seq_lens"].sum()) for b in batches]
+    return batches, stats
