@@ -1,0 +1,229 @@
+"""step_N checkpoints: parts, the COMPLETE manifest, finding the newest valid one, retention.
+
+A checkpoint is `checkpoints/step_N/` holding one directory per part (`trainer/`, `orchestrator/`).
+Each part writes its files and then a `DONE` marker. When every expected part is done, one process
+writes `COMPLETE` last: a manifest listing every file with its size and sha256. Only a step whose
+COMPLETE parses and whose files all match counts as a checkpoint, so a crash at any moment while
+saving leaves the previous checkpoint the newest valid one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import msgspec
+
+from hpcrl.paths import RunPaths, parse_step_dir
+
+log = logging.getLogger("hpcrl.checkpoint")
+
+PARTS = ("trainer", "orchestrator")
+_DONE = "DONE"
+
+
+class FileEntry(msgspec.Struct):
+    path: str  # relative to step_N/
+    size: int
+    sha256: str
+
+
+class Manifest(msgspec.Struct):
+    step: int
+    created_at: float
+    parts: list[str]
+    files: list[FileEntry]
+    format: int = 1
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """tmp + fsync + rename + dir fsync: readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def part_dir(paths: RunPaths, step: int, part: str) -> Path:
+    assert part in PARTS, part
+    return paths.trainer_ckpt_dir(step) if part == "trainer" else paths.orchestrator_ckpt_dir(step)
+
+
+def begin_part(paths: RunPaths, step: int, part: str, clear: bool = True) -> Path:
+    """Create (and by default empty) one part's directory; a stale COMPLETE for this step is removed."""
+    complete = paths.complete_file(step)
+    if complete.exists():
+        complete.unlink()
+    d = part_dir(paths, step, part)
+    if clear and d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def mark_part_done(paths: RunPaths, step: int, part: str, rank: int | None = None) -> None:
+    """Files of this part (or of one rank of it) are durable."""
+    d = part_dir(paths, step, part)
+    for f in d.rglob("*"):
+        if f.is_file() and ".tmp-" not in f.name:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    name = _DONE if rank is None else f"{_DONE}.rank_{rank}"
+    atomic_write_bytes(d / name, str(time.time()).encode())
+
+
+def part_done(paths: RunPaths, step: int, part: str, ranks: int | None = None) -> bool:
+    d = part_dir(paths, step, part)
+    if ranks is None:
+        return (d / _DONE).exists()
+    return all((d / f"{_DONE}.rank_{r}").exists() for r in range(ranks))
+
+
+def write_complete(paths: RunPaths, step: int, parts: tuple[str, ...] = PARTS) -> Manifest:
+    """Hash every file of step_N and write COMPLETE last."""
+    root = paths.checkpoint_dir(step)
+    entries = []
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and f.name != "COMPLETE" and ".tmp-" not in f.name:
+            entries.append(FileEntry(str(f.relative_to(root)), f.stat().st_size, sha256_file(f)))
+    manifest = Manifest(step=step, created_at=time.time(), parts=list(parts), files=entries)
+    atomic_write_bytes(paths.complete_file(step), msgspec.json.encode(manifest))
+    return manifest
+
+
+def finalize_when_ready(paths: RunPaths, step: int, parts: tuple[str, ...], trainer_ranks: int,
+                        timeout: float, poll: float = 0.2) -> Manifest | None:
+    """Wait (bounded) until every part is done, then write COMPLETE. None on timeout (logged)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = all(
+            part_done(paths, step, p, trainer_ranks if p == "trainer" else None) for p in parts
+        )
+        if ready:
+            return write_complete(paths, step, parts)
+        time.sleep(poll)
+    missing = [p for p in parts if not part_done(paths, step, p, trainer_ranks if p == "trainer" else None)]
+    log.error("checkpoint step_%d not finalized: part(s) %s not done after %.0fs", step, missing, timeout)
+    return None
+
+
+def verify(paths: RunPaths, step: int, deep: bool = True) -> str | None:
+    """None if step_N is a valid checkpoint, else the reason it is not."""
+    complete = paths.complete_file(step)
+    if not complete.is_file():
+        return "no COMPLETE manifest"
+    try:
+        manifest = msgspec.json.decode(complete.read_bytes(), type=Manifest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return f"COMPLETE is corrupt ({e})"
+    if manifest.step != step:
+        return f"COMPLETE names step {manifest.step}"
+    root = paths.checkpoint_dir(step)
+    for e in manifest.files:
+        f = root / e.path
+        if not f.is_file():
+            return f"missing file {e.path}"
+        if f.stat().st_size != e.size:
+            return f"size of {e.path} is {f.stat().st_size}, manifest says {e.size}"
+        if deep and sha256_file(f) != e.sha256:
+            return f"checksum of {e.path} does not match"
+    return None
+
+
+def list_steps(paths: RunPaths) -> list[int]:
+    return RunPaths.steps_in(paths.checkpoints_dir)
+
+
+def latest_complete(paths: RunPaths, at_most: int | None = None) -> int | None:
+    """Newest step whose COMPLETE verifies; newer broken ones are skipped with a warning naming them."""
+    for step in reversed(list_steps(paths)):
+        if at_most is not None and step > at_most:
+            continue
+        reason = verify(paths, step)
+        if reason is None:
+            return step
+        log.warning("skipping checkpoint %s: %s", paths.checkpoint_dir(step), reason)
+    return None
+
+
+def resolve_resume_step(paths: RunPaths, requested: int) -> int:
+    """-1 -> newest valid; N -> N if valid. Raises CheckpointError naming what is wrong."""
+    if requested == -1:
+        step = latest_complete(paths)
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint under {paths.checkpoints_dir}")
+        return step
+    reason = verify(paths, requested)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint {paths.checkpoint_dir(requested)} is not usable: {reason}")
+    return requested
+
+
+def retention_keep(steps: list[int], keep_last: int | None, keep_interval: int | None) -> set[int]:
+    """Pure: which complete steps to keep (newest keep_last, plus every keep_interval-th)."""
+    if keep_last is None:
+        return set(steps)
+    keep = set(sorted(steps)[-keep_last:])
+    if keep_interval:
+        keep |= {s for s in steps if s % keep_interval == 0}
+    return keep
+
+
+def apply_retention(paths: RunPaths, keep_last: int | None, keep_interval: int | None) -> list[int]:
+    """Delete complete checkpoints outside the keep set, and incomplete ones older than the newest valid."""
+    steps = list_steps(paths)
+    complete = [s for s in steps if paths.complete_file(s).is_file()]
+    keep = retention_keep(complete, keep_last, keep_interval)
+    newest = max(complete) if complete else None
+    removed = []
+    for s in steps:
+        incomplete_old = s not in complete and newest is not None and s < newest
+        if (s in complete and s not in keep) or incomplete_old:
+            # Remove COMPLETE first: a crash mid-delete leaves an (ignored) incomplete dir, never a
+            # COMPLETE that points at missing files.
+            c = paths.complete_file(s)
+            if c.exists():
+                c.unlink()
+            shutil.rmtree(paths.checkpoint_dir(s), ignore_errors=True)
+            removed.append(s)
+    return removed
+
+
+def is_due(step: int, max_steps: int, interval: int | None) -> bool:
+    """Checkpoint after this step? Every `interval` steps, and always at the final step."""
+    return step == max_steps or (interval is not None and step % interval == 0)
+
+
+__all__ = [
+    "CheckpointError", "Manifest", "apply_retention", "atomic_write_bytes", "begin_part", "finalize_when_ready",
+    "is_due", "latest_complete", "mark_part_done", "part_done", "parse_step_dir", "resolve_resume_step",
+    "retention_keep", "verify", "write_complete",
+]

@@ -1,0 +1,159 @@
+"""`hpcrl run`: inference server(s), orchestrator and trainer rank(s) as processes on this machine.
+
+The launcher assigns ports and devices, redirects every process into the log layout of DESIGN §5,
+prints one console line per step from metrics.jsonl, and supervises: when any process dies, the
+others are stopped within seconds and the exit code and last line name the one that died.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from hpcrl.config.loader import Loaded
+from hpcrl.config.schema import Config
+from hpcrl.launch import resume as resume_mod
+from hpcrl.launch.console import ConsoleReporter
+from hpcrl.launch.layout import Layout
+from hpcrl.paths import RunPaths
+
+GRACE_S = 8.0
+
+
+@dataclass
+class Child:
+    role: str  # "inference[0]", "trainer[0]", "orchestrator"
+    kind: str  # "inference" | "trainer" | "orchestrator"
+    proc: subprocess.Popen
+    log_path: Path
+    log_fh: IO[bytes] = field(repr=False)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads_per_process(layout: Layout) -> int:
+    cores = os.cpu_count() or 1
+    return max(1, cores // max(1, layout.trainer_ranks))
+
+
+def _spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str]) -> Child:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(log_path, "ab", buffering=0)  # noqa: SIM115 - owned by Child, closed in stop_children
+    cmd = [sys.executable, "-m", "hpcrl.cli", kind, *args]
+    # Own session: the whole subtree can be signalled, and a Ctrl-C reaches only the launcher.
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Child(role, kind, proc, log_path, fh)
+
+
+def start_children(cfg: Config, layout: Layout, paths: RunPaths, resume_args: list[str]) -> list[Child]:
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCRL_RUN_DIR": str(paths.root)}
+    if layout.gpus_per_trainer_rank == 0:
+        base_env.setdefault("OMP_NUM_THREADS", str(_threads_per_process(layout)))
+    children: list[Child] = []
+    first_port = cfg.server.port or free_port()
+    for i in range(layout.inference_servers):
+        port = first_port + i if cfg.server.port else (first_port if i == 0 else free_port())
+        log = paths.log_file("inference") if i == 0 else paths.rank_log_file("inference", i)
+        env = dict(base_env)
+        if layout.gpus_per_server:
+            start = layout.trainer_ranks * layout.gpus_per_trainer_rank + i * layout.gpus_per_server
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(start + g) for g in range(layout.gpus_per_server))
+        args = ["@", str(paths.process_config("inference")), "--run-dir", str(paths.root),
+                "--server-index", str(i), "--server.port", str(port)]
+        children.append(_spawn("inference", f"inference[{i}]", args, log, env))
+    master_port = free_port()
+    for r in range(layout.trainer_ranks):
+        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(layout.trainer_ranks),
+                   LOCAL_WORLD_SIZE=str(layout.trainer_ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+        if layout.gpus_per_trainer_rank:
+            env["CUDA_VISIBLE_DEVICES"] = str(r)
+        log = paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r)
+        children.append(_spawn("trainer", f"trainer[{r}]", ["@", str(paths.process_config("trainer")), *resume_args],
+                               log, env))
+    children.append(_spawn("orchestrator", "orchestrator",
+                           ["@", str(paths.process_config("orchestrator")), *resume_args],
+                           paths.log_file("orchestrator"), dict(base_env)))
+    return children
+
+
+def stop_children(children: list[Child], grace: float = GRACE_S) -> None:
+    """SIGTERM every live process group, then SIGKILL what is left after `grace` seconds."""
+    live = [c for c in children if c.proc.poll() is None]
+    for c in live:
+        _signal_group(c.proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in live:
+        try:
+            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(c.proc, signal.SIGKILL)
+            c.proc.wait()
+    for c in children:
+        c.log_fh.close()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def supervise(children: list[Child], console: ConsoleReporter, poll: float = 0.5) -> tuple[int, str]:
+    """Block until the run finishes or a process dies. Returns (exit code, last line)."""
+    workers = [c for c in children if c.kind != "inference"]
+    while True:
+        console.update()
+        for c in children:
+            rc = c.proc.poll()
+            if rc is None:
+                continue
+            if rc != 0 or c.kind == "inference":
+                why = f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
+                return 1, f"hpcrl: {c.role} {why}; see {c.log_path}"
+        if all(c.proc.poll() == 0 for c in workers):
+            console.update()
+            return 0, "hpcrl: run finished"
+        time.sleep(poll)
+
+
+def run_local(loaded: Loaded, layout: Layout) -> int:
+    cfg: Config = loaded.config
+    paths = RunPaths(cfg.output_dir)
+    resume_args = resume_mod.prepare_resume(cfg, paths)
+    from hpcrl.models.tiny import resolve_model
+
+    # Build a built-in tiny model once here, not in three processes at once.
+    resolve_model(cfg.model.name or "")
+    console = ConsoleReporter(paths, cfg.max_steps)
+    console.banner(cfg, layout)
+    children = start_children(cfg, layout, paths, resume_args)
+    stopping = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stopping["sig"] = signum
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code, line = supervise(children, console)
+    except KeyboardInterrupt:
+        code, line = 130, "hpcrl: interrupted; stopping every process"
+    finally:
+        stop_children(children)
+        for s, h in old.items():
+            signal.signal(s, h)
+    console.finish()
+    print(line, file=sys.stderr if code else sys.stdout, flush=True)
+    return code

@@ -1,0 +1,233 @@
+"""`hpcrl trainer`: one rank of the RL trainer.
+
+    wait for batch N on the bus -> forward/backward over packed micro-batches -> optimizer step
+    -> publish policy N (weights to inference + PolicyReady) -> checkpoint when due -> metrics
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcrl import checkpoint
+from hpcrl.bus import Bus, TrainBatch
+from hpcrl.config.schema import Config
+from hpcrl.monitor.logging import setup_logging
+from hpcrl.monitor.metrics import Metrics
+from hpcrl.paths import RunPaths
+from hpcrl.trainer import parallel
+from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
+from hpcrl.trainer.optim import clip_grad_norm, current_lr
+from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed, micro_batches
+from hpcrl.trainer.publish import PolicyPublisher
+from hpcrl.trainer.setup import Training, build_training, loss_params
+from hpcrl.trainer.state import load_trainer_state, save_trainer_state
+
+log = logging.getLogger("hpcrl.trainer")
+
+
+def main(cfg: Config) -> int:
+    setup_logging("trainer", (cfg.trainer.log or cfg.log).level)
+    paths = RunPaths(cfg.output_dir)
+    warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
+    tr = build_training(cfg.trainer.model or cfg.model, cfg.trainer.optim, cfg.max_steps, cfg.seed + cfg.trainer.seed,
+                        warm_start=warm)
+    rank = tr.dist.rank
+    start, progress = restore(cfg, paths, tr)
+    bus = Bus(paths, role="trainer", rank=rank)
+    publisher = make_publisher(cfg, paths, bus, rank)
+    publisher.publish(tr.model, start)  # policy `start` (0 = base weights): servers verify against it
+    metrics = Metrics(paths, "trainer", enabled=rank == 0)
+    params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
+    stop = install_stop_handler()
+    finalizers: list[threading.Thread] = []
+    for step in range(start + 1, cfg.max_steps + 1):
+        t_step = time.perf_counter()
+        batch, t_wait = wait_for_batch(bus, step, rank, cfg.trainer.batch_timeout_s)
+        out = train_step(tr, batch, params, cfg.trainer.micro_batch_tokens, cfg.trainer.optim.max_norm)
+        t_pub = publisher.publish(tr.model, step)
+        progress = advance(progress, out)
+        t_ckpt = maybe_checkpoint(cfg, paths, tr, step, progress, finalizers, force=stop.is_set())
+        metrics.log(step, step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress))
+        if stop.is_set():
+            log.warning("stop requested: checkpointed step %d, exiting", step)
+            break
+    for f in finalizers:
+        f.join()
+    bus.close()
+    metrics.close()
+    parallel.destroy_distributed()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+def restore(cfg: Config, paths: RunPaths, tr: Training) -> tuple[int, dict[str, Any]]:
+    progress = {"step": 0, "total_tokens": 0, "total_samples": 0, "skipped_updates": 0}
+    if cfg.ckpt is None or cfg.ckpt.resume_step is None:
+        return 0, progress
+    step = checkpoint.resolve_resume_step(paths, cfg.ckpt.resume_step)
+    progress = load_trainer_state(paths, step, tr.dist.rank, tr.dist.world_size, tr.model, tr.optimizer, tr.scheduler)
+    log.info("resumed trainer state from %s", paths.checkpoint_dir(step))
+    return step, progress
+
+
+def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int) -> PolicyPublisher:
+    transport = resolve_transport(cfg.trainer.broadcast.transport)
+    keep = cfg.orchestrator.max_async_level + 2
+    group = None
+    if transport == "collective" and rank == 0:
+        from hpcrl.weights.rendezvous import trainer_join_weight_group
+
+        group = trainer_join_weight_group(paths, cfg)
+    return PolicyPublisher(paths, bus, rank, transport, keep, group, cfg.trainer.broadcast.chunk_mb)
+
+
+def resolve_transport(name: str) -> str:
+    if name != "auto":
+        return name
+    return "collective" if torch.cuda.is_available() else "filesystem"
+
+
+def install_stop_handler() -> threading.Event:
+    """SIGUSR2 (SLURM pre-timeout / preemption) and SIGTERM: checkpoint after this step, then exit."""
+    ev = threading.Event()
+
+    def handler(signum, _frame):
+        log.warning("received signal %d: will checkpoint and stop after the current step", signum)
+        ev.set()
+
+    for sig in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return ev
+
+
+def wait_for_batch(bus: Bus, step: int, rank: int, timeout: float) -> tuple[TrainBatch, float]:
+    t0 = time.perf_counter()
+    batch = bus.wait_batch(step, rank, timeout=timeout)
+    return batch, time.perf_counter() - t0
+
+
+def to_packed(batch: TrainBatch, device: torch.device) -> PackedBatch:
+    def t(a: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if a is None else torch.as_tensor(np.asarray(a)).to(device=device, dtype=dtype)
+
+    return PackedBatch(
+        input_ids=t(batch.input_ids, torch.long), position_ids=t(batch.position_ids, torch.long),
+        seq_lens=t(batch.seq_lens, torch.long), loss_mask=t(batch.loss_mask, torch.bool),
+        advantages=t(batch.advantages, torch.float32), inference_logprobs=t(batch.inference_logprobs, torch.float32),
+        temperatures=t(batch.temperatures, torch.float32), teacher_logprobs=t(batch.teacher_logprobs, torch.float32),
+        ref_logprobs=t(batch.reference_logprobs, torch.float32),
+    )
+
+
+def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens: int, max_norm: float
+               ) -> dict[str, Any]:
+    """Forward/backward over this rank's micro-batches, then one (finite-checked) optimizer step."""
+    t0 = time.perf_counter()
+    packed = to_packed(batch, tr.device)
+    packed.validate()
+    mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
+    # FSDP: every rank must run the same number of forward/backward passes.
+    n_mb = int(parallel.all_reduce(float(len(mbs)), op="max"))
+    mbs += [dummy_micro_batch(tr.device) for _ in range(n_mb - len(mbs))]
+    stats = None
+    for mb in mbs:
+        fwd = forward_packed(tr.model, mb)
+        out = compute_loss(params, trainer_logprobs=fwd.logprobs, loss_mask=mb.loss_mask,
+                           num_loss_tokens=batch.total_loss_tokens, inference_logprobs=mb.inference_logprobs,
+                           advantages=mb.advantages, entropy=fwd.entropy, teacher_logprobs=mb.teacher_logprobs,
+                           ref_logprobs=mb.ref_logprobs, seq_lens=mb.seq_lens)
+        out.loss.backward()
+        stats = add_stats(stats, out.stats)
+    t_fb = time.perf_counter() - t0
+    grad_norm = clip_grad_norm(tr.model.parameters(), max_norm if max_norm > 0 else None)
+    summed = unstack_stats(parallel.all_reduce(stack_stats(stats)))
+    ok = math.isfinite(grad_norm) and math.isfinite(float(summed["loss"]))
+    if ok:
+        tr.optimizer.step()
+    else:
+        log.error("non-finite loss (%s) or grad norm (%s) at step %d: update skipped, weights unchanged",
+                  float(summed["loss"]), grad_norm, batch.step)
+    tr.optimizer.zero_grad(set_to_none=True)
+    lr = current_lr(tr.optimizer)
+    tr.scheduler.step()
+    tokens = int(parallel.all_reduce(float(len(batch.input_ids))))
+    samples = int(parallel.all_reduce(float(len(batch.seq_lens))))
+    return {"stats": summarize(summed), "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
+            "time_fb": t_fb, "tokens": tokens, "samples": samples, "micro_batches": n_mb}
+
+
+def advance(progress: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    return {**progress, "step": progress["step"] + 1, "total_tokens": progress["total_tokens"] + out["tokens"],
+            "total_samples": progress["total_samples"] + out["samples"],
+            "skipped_updates": progress["skipped_updates"] + int(out["skipped"])}
+
+
+def maybe_checkpoint(cfg: Config, paths: RunPaths, tr: Training, step: int, progress: dict[str, Any],
+                     finalizers: list[threading.Thread], force: bool = False) -> float:
+    """Trainer part + HF weights; COMPLETE is written (in the background) once the orchestrator's part
+    is done too. Returns seconds spent."""
+    c = cfg.ckpt
+    if c is None or not (force or checkpoint.is_due(step, cfg.max_steps, c.interval)):
+        return 0.0
+    t0 = time.perf_counter()
+    rank, world = tr.dist.rank, tr.dist.world_size
+    from hpcrl.trainer.model import export_hf, is_peft_model, save_adapter
+
+    export_hf(tr.model, tr.tokenizer, paths.weights_dir(step), write=rank == 0)
+    if rank == 0 and c.save_adapter_separately and is_peft_model(tr.model):
+        save_adapter(tr.model, paths.weights_dir(step) / "adapter")
+    if c.weights_only:
+        return time.perf_counter() - t0
+    if rank == 0:
+        checkpoint.begin_part(paths, step, "trainer", clear=True)
+    parallel.barrier()
+    save_trainer_state(paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress)
+    checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
+    if rank == 0:
+        th = threading.Thread(target=_finalize, args=(paths, step, world, cfg), daemon=False)
+        th.start()
+        finalizers.append(th)
+    return time.perf_counter() - t0
+
+
+def _finalize(paths: RunPaths, step: int, world: int, cfg: Config) -> None:
+    timeout = cfg.orchestrator.policy_timeout_s
+    if checkpoint.finalize_when_ready(paths, step, checkpoint.PARTS, world, timeout) is not None:
+        log.info("checkpoint step_%d complete", step)
+        assert cfg.ckpt is not None
+        removed = checkpoint.apply_retention(paths, cfg.ckpt.keep_last, cfg.ckpt.keep_interval)
+        for s in removed:
+            import shutil
+
+            shutil.rmtree(paths.weights_dir(s), ignore_errors=True)
+
+
+def step_metrics(out: dict[str, Any], t_wait: float, t_pub: float, t_ckpt: float, t_step: float,
+                 progress: dict[str, Any]) -> dict[str, Any]:
+    s = out["stats"]
+    m = {
+        "loss/mean": s["loss"], "entropy/mean": s["entropy"], "mismatch_kl/mean": s["mismatch_kl"],
+        "masked_advantage_positive/mean": s["masked_advantage_positive"],
+        "masked_advantage_negative/mean": s["masked_advantage_negative"],
+        "optim/grad_norm": out["grad_norm"], "optim/lr": out["lr"], "optim/skipped_updates": progress["skipped_updates"],
+        "time/wait_for_batch": t_wait, "time/forward_backward": out["time_fb"], "time/broadcast": t_pub,
+        "time/save_ckpt": t_ckpt, "time/step": t_step,
+        "perf/throughput": out["tokens"] / max(out["time_fb"], 1e-9),
+        "progress/total_tokens": progress["total_tokens"], "progress/total_samples": progress["total_samples"],
+        "loss_tokens": s["loss_tokens"], "micro_batches": out["micro_batches"],
+    }
+    if torch.cuda.is_available():
+        m["perf/peak_memory"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        import resource
+
+        m["perf/peak_memory"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss in KiB)
+    return m

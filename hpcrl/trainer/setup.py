@@ -1,0 +1,106 @@
+"""Build what both trainers (RL and SFT) need from the config: device, model, optimizer, scheduler."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcrl.config.schema import LossConfig, ModelConfig, OptimConfig
+from hpcrl.trainer import model as model_lib
+from hpcrl.trainer import optim as optim_lib
+from hpcrl.trainer import parallel
+from hpcrl.trainer.loss import LossParams
+
+log = logging.getLogger("hpcrl.trainer")
+
+
+@dataclass
+class Training:
+    """Everything a training loop mutates."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    device: torch.device
+    model_path: str
+    dist: parallel.DistEnv
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
+def build_training(model_cfg: ModelConfig, optim_cfg: OptimConfig, total_steps: int, seed: int,
+                   warm_start: str | None = None) -> Training:
+    """Distributed init, model (sharded with FSDP2 when world > 1), optimizer and scheduler."""
+    from hpcrl.models.tiny import resolve_model
+
+    env = parallel.dist_env()
+    device = parallel.device_for(env.local_rank)
+    parallel.init_distributed(device)
+    if device.type == "cpu":
+        # Same numerics on every run of the same config: needed for bitwise-identical resumes.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    seed_everything(seed, env.rank)
+    path = resolve_model(model_cfg.name or "")
+    lora = None
+    if model_cfg.lora is not None:
+        lc = model_cfg.lora
+        lora = model_lib.LoraParams(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules))
+    attn = None if model_cfg.attn == "auto" else model_cfg.attn
+    model = model_lib.load_model(path, dtype=resolve_dtype(model_cfg.dtype, device), device=device, attn_impl=attn,
+                                 activation_checkpointing=model_cfg.activation_checkpointing, lora=lora)
+    if warm_start:
+        load_warm_start(model, warm_start)
+    model = parallel.apply_fsdp(model)
+    tokenizer = model_lib.load_tokenizer(path)
+    optimizer = optim_lib.build_optimizer(
+        model, optim_cfg.type, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
+        betas=(optim_cfg.betas[0], optim_cfg.betas[1]), eps=optim_cfg.eps,
+    )
+    scheduler = optim_lib.build_scheduler(
+        optimizer, optim_cfg.scheduler, warmup_steps=optim_cfg.warmup_steps,
+        total_steps=max(total_steps, optim_cfg.warmup_steps + 1), min_lr_ratio=optim_cfg.min_lr_ratio,
+    )
+    n = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %.2fM parameters on %s (world size %d)", path, n / 1e6, device, env.world_size)
+    return Training(model, tokenizer, optimizer, scheduler, device, path, env)
+
+
+def load_warm_start(model: torch.nn.Module, path: str) -> None:
+    """Initialise weights from an HF weights dir (e.g. weights/step_N of an earlier run)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
+    if not files:
+        raise ValueError(f"ckpt.warm_start: {path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
+    if real_missing or unexpected:
+        raise ValueError(f"ckpt.warm_start: weights do not match the model (missing {real_missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    log.info("warm start from %s", path)
+
+
+def loss_params(loss: LossConfig, mode: str) -> LossParams:
+    return LossParams(type=loss.type, mode=mode, eps_low=loss.eps_low, eps_high=loss.eps_high,
+                      max_log_ratio=loss.max_log_ratio, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
+                      kl_target="inference")
