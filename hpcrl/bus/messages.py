@@ -1,0 +1,438 @@
+"""Every type that crosses the bus, and the one binary format they travel in.
+
+A bus message is a msgspec Struct. Numpy fields are declared as `np.ndarray` and are plain numpy
+arrays on both sides: roles never see a wire wrapper. On the wire a message is one frame:
+
+    offset 0   header (48 bytes, little endian, see HEADER)
+               magic "HPCRLBUS" | schema version u16 | type tag u16 | checksum algo u8 | flags u8 |
+               reserved u16 | meta_len u64 | blob_len u64 | checksum u64 | pad u32 | header crc32 u32
+    offset 48  meta: the Struct as msgpack; each array is [dtype, shape, offset, nbytes] into the blob
+               zero padding up to a multiple of 64
+    blob_off   blob: the raw array bytes, each array starting on a 64-byte boundary
+
+`checksum` covers everything after the header; `header crc32` covers the header fields before it, so
+a flipped length can not send the reader off reading garbage. Keeping array bytes out of the msgpack
+body (rather than as msgpack `bin` values) is what lets the writer hand numpy buffers straight to the
+kernel (no encode copy of a 64 MiB batch) and lets the reader return *aligned* zero-copy views into
+the one buffer it read the file into.
+
+No pickle: only msgpack/JSON and raw numeric bytes of a whitelisted dtype ever get decoded.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+from typing import Any, Literal, TypeVar
+
+import msgspec
+import numpy as np
+
+from hpcrl.bus.errors import CorruptMessageError
+
+SCHEMA_VERSION = 1
+MAGIC = b"HPCRLBUS"
+HEADER = struct.Struct("<8sHHBBHQQQ4xI")
+HEADER_SIZE = HEADER.size  # 48
+_HEADER_CRC_SPAN = HEADER_SIZE - 4  # everything before the header crc (the last field)
+ALIGN = 64
+
+CRC32 = 1
+XXH3_64 = 2
+_ALGO_NAMES = {"crc32": CRC32, "xxh3": XXH3_64}
+
+# Numeric kinds only: bool, signed, unsigned, float. Object/void/string dtypes would let a file smuggle
+# in something that is not plain bytes.
+_ALLOWED_KINDS = frozenset("biuf")
+
+
+# ------------------------------------------------------------------------------------------------
+# Messages
+# ------------------------------------------------------------------------------------------------
+def _now() -> float:
+    return time.time()
+
+
+class TrainBatch(msgspec.Struct, kw_only=True, eq=False):
+    """One trainer rank's share of one step: samples packed back to back into T tokens.
+
+    Arrays may be passed as anything numpy accepts; they are stored as the dtypes below.
+    """
+
+    step: int
+    rank: int
+    world_size: int
+    input_ids: np.ndarray  # int32 [T]
+    position_ids: np.ndarray  # int32 [T], restarts at 0 for each sample
+    seq_lens: np.ndarray  # int32 [S], sums to T
+    loss_mask: np.ndarray  # bool [T], True on trainable completion tokens
+    advantages: np.ndarray  # float32 [T]
+    inference_logprobs: np.ndarray  # float32 [T], 0 where loss_mask is False
+    policy_versions: np.ndarray  # int32 [S], oldest policy step that produced any token of the sample
+    temperatures: np.ndarray  # float32 [S]
+    env_names: list[str]  # [S]
+    example_ids: np.ndarray  # int64 [S], task/prompt id: proves no prompt is skipped or repeated
+    rewards: np.ndarray  # float32 [S]
+    total_loss_tokens: int  # loss tokens across ALL ranks of this step (global normalisation)
+    teacher_logprobs: np.ndarray | None = None  # float32 [T]
+    reference_logprobs: np.ndarray | None = None  # float32 [T]
+    created_at: float = msgspec.field(default_factory=_now)
+
+    def __post_init__(self) -> None:
+        # Runs on construction (ValueError for the caller) and on decode (msgspec turns it into a
+        # ValidationError, which the codec reports as a corrupt message).
+        for name, dtype in _TOKEN_FIELDS + _SAMPLE_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            arr = np.asarray(value, dtype=dtype)  # no copy when the dtype already matches
+            if arr.ndim != 1:
+                raise ValueError(f"TrainBatch.{name} must be 1-D, got shape {arr.shape}")
+            setattr(self, name, arr)
+        num_tokens = len(self.input_ids)
+        num_samples = len(self.seq_lens)
+        for name, _ in _TOKEN_FIELDS:
+            arr = getattr(self, name)
+            if arr is not None and len(arr) != num_tokens:
+                raise ValueError(f"TrainBatch.{name} has {len(arr)} tokens, input_ids has {num_tokens}")
+        for name, _ in _SAMPLE_FIELDS:
+            if len(getattr(self, name)) != num_samples:
+                raise ValueError(
+                    f"TrainBatch.{name} has {len(getattr(self, name))} samples, seq_lens has {num_samples}"
+                )
+        if len(self.env_names) != num_samples:
+            raise ValueError(
+                f"TrainBatch.env_names has {len(self.env_names)} samples, expected {num_samples}"
+            )
+        if int(self.seq_lens.sum(dtype=np.int64)) != num_tokens:
+            raise ValueError(f"TrainBatch.seq_lens sums to {int(self.seq_lens.sum())}, expected {num_tokens}")
+        if num_samples and int(self.seq_lens.min()) <= 0:
+            raise ValueError("TrainBatch.seq_lens must be positive")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"TrainBatch.rank {self.rank} outside world_size {self.world_size}")
+        if self.step < 0:
+            raise ValueError(f"TrainBatch.step must be >= 0, got {self.step}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Loss tokens of this rank (compare `total_loss_tokens`, which spans every rank)."""
+        return int(np.count_nonzero(self.loss_mask))
+
+    def sample_offsets(self) -> np.ndarray:
+        """int64 [S+1]: sample i occupies tokens offsets[i]:offsets[i+1]."""
+        out = np.zeros(len(self.seq_lens) + 1, dtype=np.int64)
+        np.cumsum(self.seq_lens, out=out[1:])
+        return out
+
+
+_TOKEN_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("input_ids", np.int32),
+    ("position_ids", np.int32),
+    ("loss_mask", np.bool_),
+    ("advantages", np.float32),
+    ("inference_logprobs", np.float32),
+    ("teacher_logprobs", np.float32),
+    ("reference_logprobs", np.float32),
+)
+_SAMPLE_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("seq_lens", np.int32),
+    ("policy_versions", np.int32),
+    ("temperatures", np.float32),
+    ("example_ids", np.int64),
+    ("rewards", np.float32),
+)
+
+
+class PolicyReady(msgspec.Struct, kw_only=True):
+    """Trainer -> orchestrator: the weights of policy `step` are ready to be loaded."""
+
+    step: int
+    transport: Literal["collective", "filesystem"]
+    path: str | None = None  # weights dir, required for the filesystem transport
+    checksum: str
+    num_params: int
+    num_bytes: int
+    created_at: float = msgspec.field(default_factory=_now)
+
+    def __post_init__(self) -> None:
+        if self.transport == "filesystem" and not self.path:
+            raise ValueError("PolicyReady.path is required when transport is 'filesystem'")
+        if self.transport not in ("collective", "filesystem"):
+            raise ValueError(
+                f"PolicyReady.transport must be 'collective' or 'filesystem', got {self.transport!r}"
+            )
+
+
+class Shutdown(msgspec.Struct, kw_only=True):
+    """Control: every role should stop cleanly. Never consumed, so every role sees it."""
+
+    reason: str
+    origin: str  # e.g. "orchestrator", "trainer_0", "launcher"
+    created_at: float = msgspec.field(default_factory=_now)
+
+
+class ServerInfo(msgspec.Struct, kw_only=True):
+    """Inference server address announcement (written as JSON to RunPaths.server_file(index))."""
+
+    index: int
+    base_url: str
+    host: str
+    port: int
+    pid: int
+    model: str
+    created_at: float = msgspec.field(default_factory=_now)
+
+
+class Endpoint(msgspec.Struct, kw_only=True):
+    """Doorbell address of one listening bus (JSON in RunPaths.endpoint_file(name))."""
+
+    name: str
+    address: str  # tcp://host:port
+    pid: int
+    hostname: str
+    nonce: str  # tells a restarted reader's file apart from its predecessor's
+    created_at: float = msgspec.field(default_factory=_now)
+
+
+class Ring(msgspec.Struct, array_like=True):
+    """Doorbell payload: 'a file for (topic, step, rank) was just renamed into place'. A hint only."""
+
+    topic: str  # "rollouts" | "policy" | "control"
+    step: int = -1
+    rank: int = 0
+    sent_at: float = 0.0
+
+
+Message = TrainBatch | PolicyReady | Shutdown | ServerInfo
+M = TypeVar("M", TrainBatch, PolicyReady, Shutdown, ServerInfo)
+
+# Type tags are part of the file format: never renumber, only append.
+MESSAGE_TAGS: dict[type, int] = {TrainBatch: 1, PolicyReady: 2, Shutdown: 3, ServerInfo: 4}
+_TYPE_OF_TAG = {tag: cls for cls, tag in MESSAGE_TAGS.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Checksums
+# ------------------------------------------------------------------------------------------------
+def _xxhash():
+    try:
+        import xxhash  # a dependency of wandb; ~6x faster than crc32 on 64 MiB
+    except ImportError:
+        return None
+    return xxhash
+
+
+DEFAULT_CHECKSUM = "xxh3" if _xxhash() is not None else "crc32"
+
+
+def _checksum(algo: int, parts: list) -> int:
+    if algo == XXH3_64:
+        xxhash = _xxhash()
+        if xxhash is None:
+            raise CorruptMessageError("written with xxh3 checksums but the xxhash package is not installed")
+        h = xxhash.xxh3_64()
+        for p in parts:
+            h.update(p)
+        return h.intdigest()
+    if algo == CRC32:
+        crc = 0
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        return crc
+    raise CorruptMessageError(f"unknown checksum algorithm id {algo}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Codec
+# ------------------------------------------------------------------------------------------------
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _wire_array(obj: np.ndarray) -> np.ndarray:
+    if obj.dtype.kind not in _ALLOWED_KINDS:
+        raise ValueError(f"bus arrays must be bool/int/uint/float, got dtype {obj.dtype}")
+    return np.ascontiguousarray(obj)
+
+
+def encode_parts(msg: Message, *, checksum: str = DEFAULT_CHECKSUM) -> list:
+    """The frame of `msg` as a list of buffers (header first), ready for a vectored write.
+
+    Array parts are views of the caller's arrays: nothing large is copied.
+    """
+    tag = MESSAGE_TAGS.get(type(msg))
+    if tag is None:
+        raise ValueError(
+            f"{type(msg).__name__} is not a bus message type ({', '.join(c.__name__ for c in MESSAGE_TAGS)})"
+        )
+    algo = _ALGO_NAMES.get(checksum)
+    if algo is None:
+        raise ValueError(f"checksum must be one of {sorted(_ALGO_NAMES)}, got {checksum!r}")
+    arrays: list[tuple[int, np.ndarray]] = []
+    blob_len = 0
+
+    def enc_hook(obj: Any) -> Any:
+        nonlocal blob_len
+        if isinstance(obj, np.ndarray):
+            arr = _wire_array(obj)
+            offset = _align(blob_len)
+            arrays.append((offset, arr))
+            blob_len = offset + arr.nbytes
+            return [arr.dtype.str, list(arr.shape), offset, arr.nbytes]
+        if isinstance(obj, np.generic):  # numpy scalars in int/float fields
+            return obj.item()
+        raise NotImplementedError(f"cannot put {type(obj).__name__} on the bus")
+
+    meta = msgspec.msgpack.Encoder(enc_hook=enc_hook).encode(msg)
+    blob_off = _align(HEADER_SIZE + len(meta))
+    body: list = [meta, bytes(blob_off - HEADER_SIZE - len(meta))]
+    pos = 0
+    for offset, arr in arrays:
+        if offset > pos:
+            body.append(bytes(offset - pos))
+        if arr.nbytes:
+            body.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        pos = offset + arr.nbytes
+    assert pos == blob_len
+    header = bytearray(HEADER_SIZE)
+    HEADER.pack_into(
+        header, 0, MAGIC, SCHEMA_VERSION, tag, algo, 0, 0, len(meta), blob_len, _checksum(algo, body), 0
+    )
+    struct.pack_into("<I", header, _HEADER_CRC_SPAN, zlib.crc32(memoryview(header)[:_HEADER_CRC_SPAN]))
+    return [bytes(header), *body]
+
+
+def encode(msg: Message, *, checksum: str = DEFAULT_CHECKSUM) -> bytes:
+    """`msg` as one framed byte string (the exact bytes a bus file holds)."""
+    return b"".join(encode_parts(msg, checksum=checksum))
+
+
+def peek_type(buf: Any) -> type:
+    """The message type named by a frame's header (checks magic and header crc only)."""
+    return _parse_header(_as_bytes_view(buf))[1]
+
+
+def decode(buf: Any, type: type[M] | None = None) -> M:
+    """Decode one frame. Arrays are zero-copy views into `buf` (writable iff `buf` is).
+
+    Raises CorruptMessageError (without a path) for anything truncated, flipped, foreign, of a
+    newer schema, or of another type than `type`.
+    """
+    mv = _as_bytes_view(buf)
+    (meta_len, blob_len, algo, checksum), cls = _parse_header(mv)
+    if type is not None and cls is not type:
+        raise CorruptMessageError(f"holds a {cls.__name__}, expected a {type.__name__}")
+    blob_off = _align(HEADER_SIZE + meta_len)
+    total = blob_off + blob_len
+    if len(mv) != total:
+        what = "truncated" if len(mv) < total else "has trailing bytes"
+        raise CorruptMessageError(f"{what}: header says {total} bytes, got {len(mv)}")
+    if _checksum(algo, [mv[HEADER_SIZE:]]) != checksum:
+        raise CorruptMessageError("payload checksum mismatch (bit flip or torn write)")
+    blob = mv[blob_off:]
+
+    def dec_hook(tp: Any, obj: Any) -> Any:
+        if tp is np.ndarray:
+            return _array_from_wire(obj, blob)
+        raise NotImplementedError(f"no decoder for {tp}")
+
+    try:
+        return msgspec.msgpack.Decoder(cls, dec_hook=dec_hook).decode(
+            mv[HEADER_SIZE : HEADER_SIZE + meta_len]
+        )
+    except msgspec.DecodeError as e:
+        raise CorruptMessageError(f"invalid {cls.__name__}: {e}") from None
+
+
+def _as_bytes_view(buf: Any) -> memoryview:
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _parse_header(mv: memoryview) -> tuple[tuple[int, int, int, int], type]:
+    if len(mv) < HEADER_SIZE:
+        raise CorruptMessageError(f"truncated: {len(mv)} bytes, the header alone is {HEADER_SIZE}")
+    magic, version, tag, algo, _flags, _reserved, meta_len, blob_len, checksum, header_crc = (
+        HEADER.unpack_from(mv)
+    )
+    if magic != MAGIC:
+        raise CorruptMessageError(f"not a bus file (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if zlib.crc32(mv[:_HEADER_CRC_SPAN]) != header_crc:
+        raise CorruptMessageError("header checksum mismatch")
+    if version != SCHEMA_VERSION:
+        raise CorruptMessageError(f"schema version {version}, this build reads version {SCHEMA_VERSION}")
+    cls = _TYPE_OF_TAG.get(tag)
+    if cls is None:
+        raise CorruptMessageError(f"unknown message type tag {tag}")
+    return (meta_len, blob_len, algo, checksum), cls
+
+
+def _array_from_wire(obj: Any, blob: memoryview) -> np.ndarray:
+    # Every check raises ValueError, which msgspec reports (with the field path) as a ValidationError.
+    if not (isinstance(obj, list) and len(obj) == 4):
+        raise ValueError("array must be [dtype, shape, offset, nbytes]")
+    dtype_str, shape, offset, nbytes = obj
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:
+        raise ValueError(f"bad dtype {dtype_str!r}") from None
+    if dtype.kind not in _ALLOWED_KINDS or dtype.fields is not None:
+        raise ValueError(f"dtype {dtype_str!r} not allowed on the bus")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ValueError(f"bad shape {shape!r}")
+    count = 1
+    for d in shape:
+        count *= d
+    if not (isinstance(offset, int) and isinstance(nbytes, int)) or nbytes != count * dtype.itemsize:
+        raise ValueError(f"nbytes {nbytes!r} does not match shape {shape} of {dtype}")
+    if count == 0:
+        return np.empty(shape, dtype=dtype)
+    if offset < 0 or offset % ALIGN or offset + nbytes > len(blob):
+        raise ValueError(f"array bytes [{offset}, {offset + nbytes}) outside the {len(blob)}-byte blob")
+    return np.frombuffer(blob, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# JSON side files (endpoint and server addresses: small, human-readable)
+# ------------------------------------------------------------------------------------------------
+def encode_json(msg: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(msg) + b"\n"
+
+
+def decode_json(buf: bytes, type: type[M] | type[Endpoint]) -> Any:
+    try:
+        return msgspec.json.decode(buf, type=type)
+    except msgspec.DecodeError as e:
+        raise CorruptMessageError(f"invalid {type.__name__} JSON: {e}") from None
+
+
+__all__ = [
+    "DEFAULT_CHECKSUM",
+    "HEADER_SIZE",
+    "MESSAGE_TAGS",
+    "SCHEMA_VERSION",
+    "Endpoint",
+    "Message",
+    "PolicyReady",
+    "Ring",
+    "ServerInfo",
+    "Shutdown",
+    "TrainBatch",
+    "decode",
+    "decode_json",
+    "encode",
+    "encode_json",
+    "encode_parts",
+    "peek_type",
+]
