@@ -114,7 +114,7 @@ class Rubric:
             self.add(fn, weight)
 
     def add(self, fn: RewardFn, weight: float = 1.0, name: str | None = None) -> None:
-        name = name or getattr(fn, "__name__", f"fn{len(self.funcs)}")
+        name = name or str(getattr(fn, "__name__", f"fn{len(self.funcs)}"))
         if any(n == name for n, _, _ in self.funcs):
             raise ValueError(f"rubric already has a reward function named {name!r}")
         self.funcs.append((name, fn, float(weight)))

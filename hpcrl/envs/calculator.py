@@ -11,6 +11,7 @@ import ast
 import math
 import operator
 import random
+from collections.abc import Callable
 from typing import Any
 
 from hpcrl.envs._common import GeneratedEnvironment, chat_prompt, extract_number, last_assistant_text
@@ -23,7 +24,7 @@ SYSTEM_PROMPT = (
     "and wait for the result. When you know the answer, reply with '#### <number>'."
 )
 
-_BINOPS = {
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -32,7 +33,7 @@ _BINOPS = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNOPS: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPR_CHARS = 200
 MAX_ABS_VALUE = 1e15
 

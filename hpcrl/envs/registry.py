@@ -91,7 +91,7 @@ def resolve_factory(env_id: str) -> Factory:
 
     name = env_id.rpartition("/")[2]
     for module_name in dict.fromkeys([name.replace("-", "_"), name]):
-        if not module_name.isidentifier():
+        if not all(part.isidentifier() for part in module_name.split(".")):
             continue
         module = _import(module_name, env_id)
         if module is not None and callable(getattr(module, "load_environment", None)):

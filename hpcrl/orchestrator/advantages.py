@@ -2,14 +2,14 @@
 
 For one group of G rollouts of the same task with rewards r_i and completion lengths L_i:
 
-    A_i = (r_i - mean(r)) / (std(r) + eps if std_norm else 1)  -  length_penalty * (L_i - mean(L)) / max(mean(L), 1)
+    A_i = (r_i - mean(r)) / (std(r) + eps if std_normalize else 1)  -  length_penalty * (L_i - mean(L)) / max(mean(L), 1)
 
 - `std(r)` is the population std (ddof=0), as in GRPO.
 - The length term pushes towards shorter completions among the group without changing the
   group's total advantage (it sums to zero); it is relative (divided by the mean length) so
   one coefficient means the same on short and long tasks. With length_penalty=0 it vanishes.
 - A group is "zero-advantage" when all its rewards are equal (max - min <= eps): it carries no
-  learning signal about the reward. `zero_adv="drop"` removes such groups; `"keep"` keeps them
+  learning signal about the reward. `zero_advantage="drop"` removes such groups; `"keep"` keeps them
   (their advantages are then 0, or the length term alone).
 """
 
@@ -26,14 +26,17 @@ ZeroAdv = Literal["keep", "drop"]
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    std_norm: bool = False
-    eps: float = 1e-6
+    """Field names match the `[orchestrator.advantage]` config section, so
+    `AdvantageConfig(**msgspec.structs.asdict(cfg.orchestrator.advantage))` works."""
+
+    std_normalize: bool = False
     length_penalty: float = 0.0
-    zero_adv: ZeroAdv = "keep"
+    zero_advantage: ZeroAdv = "drop"
+    eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.zero_adv not in ("keep", "drop"):
-            raise ValueError(f"zero_adv={self.zero_adv!r} is not one of keep, drop")
+        if self.zero_advantage not in ("keep", "drop"):
+            raise ValueError(f"zero_advantage={self.zero_advantage!r} is not one of keep, drop")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.length_penalty < 0:
@@ -49,7 +52,7 @@ def group_advantages(
     rewards: Sequence[float] | np.ndarray,
     lengths: Sequence[int] | np.ndarray | None = None,
     *,
-    std_norm: bool = False,
+    std_normalize: bool = False,
     eps: float = 1e-6,
     length_penalty: float = 0.0,
 ) -> np.ndarray:
@@ -58,7 +61,7 @@ def group_advantages(
     if r.ndim != 1 or r.size == 0:
         raise ValueError(f"rewards must be a non-empty 1-D array, got shape {r.shape}")
     adv = r - r.mean()
-    if std_norm:
+    if std_normalize:
         adv = adv / (r.std() + eps)
     if length_penalty:
         if lengths is None:
@@ -86,7 +89,7 @@ def compute_advantages(
     for g, rewards in enumerate(groups):
         r = np.asarray(rewards, dtype=np.float64)
         zero = is_zero_advantage_group(r, config.eps)
-        if zero and config.zero_adv == "drop":
+        if zero and config.zero_advantage == "drop":
             keep[g] = False
             advs.append(np.zeros(r.shape, dtype=np.float32))
             continue
@@ -94,7 +97,7 @@ def compute_advantages(
             group_advantages(
                 r,
                 None if lengths is None else lengths[g],
-                std_norm=config.std_norm,
+                std_normalize=config.std_normalize,
                 eps=config.eps,
                 length_penalty=config.length_penalty,
             )

@@ -20,14 +20,16 @@ def test_group_mean_baseline():
 def test_std_normalisation():
     # rewards [1, 2, 3]: population std = sqrt(2/3) = 0.8165 -> [-1.2247, 0, 1.2247]
     np.testing.assert_allclose(
-        group_advantages([1, 2, 3], std_norm=True, eps=0.0 + 1e-12), [-1.2247449, 0, 1.2247449], rtol=1e-6
+        group_advantages([1, 2, 3], std_normalize=True, eps=0.0 + 1e-12),
+        [-1.2247449, 0, 1.2247449],
+        rtol=1e-6,
     )
     # [1, 0, 1, 0]: std 0.5 -> +-1 (eps barely matters)
     np.testing.assert_allclose(
-        group_advantages([1, 0, 1, 0], std_norm=True, eps=1e-6), [1, -1, 1, -1], rtol=1e-5
+        group_advantages([1, 0, 1, 0], std_normalize=True, eps=1e-6), [1, -1, 1, -1], rtol=1e-5
     )
     # all-equal group: 0 / (0 + eps) = 0, never NaN
-    np.testing.assert_array_equal(group_advantages([0.7, 0.7], std_norm=True), [0, 0])
+    np.testing.assert_array_equal(group_advantages([0.7, 0.7], std_normalize=True), [0, 0])
 
 
 def test_length_penalty():
@@ -44,22 +46,24 @@ def test_length_penalty():
 
 def test_zero_advantage_groups_keep_or_drop():
     groups = [[1, 1, 1], [1, 0, 0], [0, 0]]
-    advs, keep = compute_advantages(groups, config=AdvantageConfig(zero_adv="keep"))
+    advs, keep = compute_advantages(groups, config=AdvantageConfig(zero_advantage="keep"))
     assert keep.tolist() == [True, True, True]
     np.testing.assert_allclose(advs[0], [0, 0, 0])
     np.testing.assert_allclose(advs[1], [2 / 3, -1 / 3, -1 / 3], rtol=1e-6)
 
-    advs, keep = compute_advantages(groups, config=AdvantageConfig(zero_adv="drop"))
+    advs, keep = compute_advantages(groups, config=AdvantageConfig(zero_advantage="drop"))
     assert keep.tolist() == [False, True, False]
     assert [a.shape for a in advs] == [(3,), (3,), (2,)]  # still aligned with the input
 
     # with a length penalty, kept zero-reward-spread groups carry the length signal only
-    advs, keep = compute_advantages([[1, 1]], [[10, 30]], AdvantageConfig(length_penalty=0.2))
+    advs, keep = compute_advantages(
+        [[1, 1]], [[10, 30]], AdvantageConfig(length_penalty=0.2, zero_advantage="keep")
+    )
     np.testing.assert_allclose(advs[0], [0.1, -0.1], rtol=1e-6)
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="zero_adv"):
-        AdvantageConfig(zero_adv="skip")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="zero_advantage"):
+        AdvantageConfig(zero_advantage="skip")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rewards"):
         group_advantages([])

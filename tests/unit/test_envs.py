@@ -265,6 +265,9 @@ def test_registry_ids_and_errors():
     assert resolve_factory("reverse-text") is resolve_factory("primeintellect/reverse_text")
     assert resolve_factory("gsm8k") is resolve_factory("arithmetic")
     assert resolve_factory("hpcrl.envs.calculator:load_environment") is resolve_factory("calculator")
+    assert resolve_factory("hpcrl.envs.arithmetic") is resolve_factory(
+        "gsm8k"
+    )  # a module with load_environment
     with pytest.raises(ValueError, match=r"unknown environment 'nope-env'.*reverse-text") as e:
         load_environment("nope-env")
     assert "\n" not in str(e.value)

@@ -83,3 +83,22 @@ def test_multi_turn_env_through_adapter():
     traj = asyncio.run(env.rollout(env.tasks()[0], ReverseClient(), {}))
     assert [m["role"] for m in traj.completion] == ["assistant", "user", "assistant"]
     assert len(traj.turns) == 2 and traj.reward == 1.0
+
+
+def test_registry_wraps_an_installed_verifiers_env_module(tmp_path, monkeypatch):
+    (tmp_path / "my_vf_env.py").write_text(
+        "import verifiers as vf\n"
+        "from datasets import Dataset\n"
+        "def load_environment(n: int = 2):\n"
+        "    ds = Dataset.from_list([{'question': str(i), 'answer': str(i)} for i in range(n)])\n"
+        "    return vf.SingleTurnEnv(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion, answer: 1.0]))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from hpcrl.envs import load_environment, validate_env_spec
+
+    env = load_environment("someone/my-vf-env", n=3)
+    assert isinstance(env, VerifiersEnvironment) and env.name == "someone/my-vf-env"
+    assert len(env.tasks("train")) == 3
+    validate_env_spec("my_vf_env", {"n": 1})
+    with pytest.raises(ValueError, match=r"unknown argument 'm'; accepted: n"):
+        validate_env_spec("my-vf-env", {"m": 1})
