@@ -1,0 +1,312 @@
+"""Model and tokenizer loading, LoRA, and export of Hugging Face weights.
+
+``hf_named_tensors`` is the single source of "the policy's weights by Hugging Face name": the
+weight broadcast and ``export_hf`` both read it, so inference always loads exactly what the trainer
+has, whether the model is plain, FSDP-sharded (DTensors, gathered here) or wrapped by peft (LoRA
+merged here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_PEFT_PREFIX = "base_model.model."
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+@dataclass(frozen=True)
+class LoraParams:
+    """LoRA adapter shape. ``target_modules`` are module-name suffixes (Qwen/Llama projections)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora.rank: {self.rank} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout: {self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules must name at least one module")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def default_attn_impl(device: torch.device | str) -> str:
+    """flash_attention_2 on CUDA when flash-attn is installed, else PyTorch SDPA (CPU, tests)."""
+    if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    dtype: str | torch.dtype = "float32",
+    device: torch.device | str = "cpu",
+    attn_impl: str | None = None,
+    activation_checkpointing: bool = False,
+    lora: LoraParams | None = None,
+) -> nn.Module:
+    """Load a causal LM from a local Hugging Face directory, ready to train (``train()`` mode)."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path, "config.json").is_file():
+        raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=parse_dtype(dtype), attn_implementation=attn_impl or default_attn_impl(device)
+    )
+    model.to(device)
+    # The KV cache is useless for training forwards and conflicts with checkpointing.
+    model.config.use_cache = False
+    if activation_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2 and with frozen (LoRA) base weights.
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if lora is not None:
+        model = apply_lora(model, lora)
+    model.train()
+    return model
+
+
+def apply_lora(model: nn.Module, lora: LoraParams) -> nn.Module:
+    """Wrap with a peft LoRA adapter; only adapter weights stay trainable."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ValueError("LoRA needs the 'peft' package: pip install 'hpcrl[lora]'") from e
+    cfg = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing:
+        # Checkpointed blocks need an input that requires grad when the embeddings are frozen.
+        model.enable_input_require_grads()
+    return get_peft_model(model, cfg)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Whole tensor from a possibly sharded DTensor (collective for DTensors: every rank calls it)."""
+    if hasattr(t, "full_tensor"):
+        return t.full_tensor()
+    return t
+
+
+def _lora_scalings(model: nn.Module) -> dict[str, float]:
+    """``{module path (HF naming): scaling}`` of every LoRA layer, for merging without peft's help."""
+    out: dict[str, float] = {}
+    for name, mod in model.named_modules():
+        scaling = getattr(mod, "scaling", None)
+        if isinstance(scaling, dict) and hasattr(mod, "lora_A") and "default" in scaling:
+            out[_strip_peft(name)] = float(scaling["default"])
+    return out
+
+
+def _strip_peft(name: str) -> str:
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX) :]
+    return name.replace(".base_layer", "")
+
+
+def hf_named_tensors(model: nn.Module, *, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for every weight, in a fixed order, one tensor at a time.
+
+    FSDP shards are gathered (collective: EVERY rank must iterate to the end, in step); LoRA is
+    merged into the base weights (W + B @ A * scaling) and adapter tensors are not yielded. Tied
+    weights appear once (the name ``save_pretrained`` keeps)."""
+    sd = model.state_dict()
+    skip = _tied_names(model)
+    if not is_peft_model(model):
+        for name, t in sd.items():
+            full = _full(t).detach()
+            if name not in skip:
+                yield name, full.to(device)
+        return
+    scalings = _lora_scalings(model)
+    for name, t in sd.items():
+        if ".lora_" in name:
+            continue
+        hf = _strip_peft(name)
+        full = _full(t).detach()
+        mod = hf.rsplit(".", 1)[0]
+        if hf.endswith(".weight") and mod in scalings:
+            prefix = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else mod
+            a = _full(sd[f"{prefix}.lora_A.default.weight"]).detach()
+            b = _full(sd[f"{prefix}.lora_B.default.weight"]).detach()
+            full = (full.float() + (b.float() @ a.float()) * scalings[mod]).to(full.dtype)
+        if hf not in skip:
+            yield hf, full.to(device)
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Names dropped when the input and output embeddings are tied (lm_head shares embed_tokens)."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    cfg = getattr(base, "config", None)
+    if cfg is None or not getattr(cfg, "tie_word_embeddings", False):
+        return set()
+    out_emb = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if out_emb is None:
+        return set()
+    names = {n for n, m in base.named_modules() if m is out_emb}
+    return {f"{n}.weight" for n in names}
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full HF-named state dict on CPU (LoRA merged, shards gathered). Collective under FSDP."""
+    return dict(hf_named_tensors(model))
+
+
+def save_adapter(model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:
+    """Write only the LoRA adapter (peft format: adapter_config.json + adapter_model.safetensors)."""
+    if not is_peft_model(model):
+        raise ValueError("save_adapter: the model has no LoRA adapter")
+    out = Path(out_dir)
+    with _atomic_dir(out) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    return out
+
+
+def export_hf(
+    model: nn.Module,
+    tokenizer: Any,
+    out_dir: str | os.PathLike[str],
+    *,
+    write: bool = True,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Atomic: everything goes to a temporary sibling directory that is renamed into place, so a reader
+    never sees a partial export. Under FSDP every rank must call this (weights are gathered); pass
+    ``write = is_rank0()`` so only one rank touches the filesystem."""
+    from safetensors.torch import save_file
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    out = Path(out_dir)
+    tensors = hf_named_tensors(model)
+    if not write:
+        for _ in tensors:  # take part in the gathers
+            pass
+        return out
+    with _atomic_dir(out) as tmp:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t.contiguous()
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                for k, v in shard.items():
+                    weight_map[k] = fname
+                    total += v.numel() * v.element_size()
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        cfg = base.config
+        cfg.save_pretrained(str(tmp))
+        gen = getattr(base, "generation_config", None)
+        if gen is not None:
+            gen.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return out
+
+
+class _atomic_dir:
+    """``with _atomic_dir(final) as tmp:`` fill ``tmp``; on success it replaces ``final`` by rename."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> Path:
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        for f in self.tmp.iterdir():
+            _fsync_path(f)
+        _fsync_path(self.tmp)
+        old = None
+        if self.final.exists():
+            # A directory cannot be atomically replaced by rename; move the old one aside first.
+            old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
+            os.replace(self.final, old)
+        os.replace(self.tmp, self.final)
+        _fsync_path(self.final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

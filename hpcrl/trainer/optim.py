@@ -1,0 +1,139 @@
+"""Optimizer, learning-rate schedule and gradient clipping.
+
+Schedules are ``LambdaLR`` over a pure function of the step, so their ``state_dict`` is just the
+step counter and a resumed run continues on exactly the same curve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+OptimizerName = Literal["adamw", "sgd"]
+ScheduleName = Literal["constant", "linear", "cosine"]
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: biases and norm gains (1-D) are not regularised towards 0. Frozen
+    parameters (LoRA base weights) are left out of the optimizer altogether."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: OptimizerName = "adamw",
+    *,
+    lr: float = 1e-6,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    momentum: float = 0.0,
+) -> Optimizer:
+    """AdamW or SGD over the trainable parameters (build it AFTER sharding: FSDP swaps parameters)."""
+    if lr <= 0:
+        raise ValueError(f"optim.lr: {lr} must be > 0")
+    if weight_decay < 0:
+        raise ValueError(f"optim.weight_decay: {weight_decay} must be >= 0")
+    groups = param_groups(model, weight_decay)
+    if not any(g["params"] for g in groups):
+        raise ValueError("the model has no trainable parameters")
+    if name == "adamw":
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"optim.betas: {betas} must both be in [0, 1)")
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum)
+    raise ValueError(f"optim.name: {name!r} is not one of ['adamw', 'sgd']")
+
+
+def lr_lambda(
+    step: int, *, schedule: ScheduleName, warmup_steps: int, total_steps: int | None, min_lr_ratio: float
+) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based): linear warmup from ~0 over
+    ``warmup_steps``, then constant, linear or cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    assert total_steps is not None, "decaying schedules need total_steps"
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / span))
+    if schedule == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: Optimizer,
+    schedule: ScheduleName = "constant",
+    *,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+) -> LambdaLR:
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optim.scheduler: {schedule!r} is not one of ['constant', 'linear', 'cosine']")
+    if warmup_steps < 0:
+        raise ValueError(f"optim.warmup_steps: {warmup_steps} must be >= 0")
+    if schedule != "constant" and (total_steps is None or total_steps <= warmup_steps):
+        raise ValueError(f"optim.scheduler {schedule!r} needs total_steps > warmup_steps ({warmup_steps})")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio: {min_lr_ratio} must be in [0, 1]")
+
+    def fn(step: int) -> float:
+        return lr_lambda(
+            step,
+            schedule=schedule,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            min_lr_ratio=min_lr_ratio,
+        )
+
+    return LambdaLR(optimizer, fn)
+
+
+def load_scheduler_state(scheduler: LambdaLR, state: dict) -> None:
+    """Restore a scheduler AND re-apply its learning rate to the optimizer: ``load_state_dict`` alone
+    only restores the step counter, so without this the first resumed step would use a stale LR."""
+    scheduler.load_state_dict(state)
+    step = scheduler.last_epoch
+    for group, base, fn in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * fn(step)
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -> float:
+    """Global L2 norm of the gradients (over all ranks under FSDP), clipped to ``max_norm`` when set.
+
+    Returns the norm before clipping; NaN/inf means the step must be skipped (the loop decides)."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm is not None and max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+    else:
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=False)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def current_lr(optimizer: Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])

@@ -1,0 +1,197 @@
+"""torch.distributed setup and FSDP2 sharding: one code path for CPU (gloo) and GPU (nccl).
+
+Gradients are SUM-reduced across ranks (not averaged): the loss of every rank is already divided
+by the step's global loss-token count, so summing gradients gives exactly the gradient of one big
+batch, however samples are spread over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``"gpu[03-05,7],cpu1" -> "gpu03"``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m or not m.group(1):
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Rank layout from torchrun-style variables, else from SLURM's (``srun`` sets those).
+
+    Without either it is a single process on localhost."""
+    env = os.environ if environ is None else environ
+
+    def pick(*names: str, default: str | None = None) -> str | None:
+        for n in names:
+            if env.get(n):
+                return env[n]
+        return default
+
+    rank = int(pick("RANK", "SLURM_PROCID", default="0"))
+    world = int(pick("WORLD_SIZE", "SLURM_NTASKS", default="1"))
+    local = int(pick("LOCAL_RANK", "SLURM_LOCALID", default="0"))
+    addr = pick("MASTER_ADDR")
+    if addr is None:
+        nodes = pick("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+        addr = first_host(nodes) if nodes else "127.0.0.1"
+    port = pick("MASTER_PORT")
+    if port is None:
+        # Deterministic per job so every rank agrees without talking; away from ephemeral ports.
+        job = int(pick("SLURM_JOB_ID", default="0"))
+        port = str(20000 + job % 10000)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside world size {world}")
+    return DistEnv(rank=rank, world_size=world, local_rank=local, master_addr=addr, master_port=int(port))
+
+
+def device_for(local_rank: int = 0) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_distributed(device: torch.device | None = None, timeout_s: float = 1800.0) -> DistEnv:
+    """Join the process group (nccl on CUDA, gloo on CPU). A no-op when already initialised.
+
+    A world of 1 still gets a (gloo/nccl) group so collectives used by the loop are plain no-ops."""
+    env = dist_env()
+    device = device or device_for(env.local_rank)
+    if dist.is_initialized():
+        return env
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return env
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_rank0() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(x: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
+    """All-reduce a copy of ``x`` (sum/max/min) and return it on ``x``'s device; identity alone."""
+    t = torch.as_tensor(x).detach().clone()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"all_reduce op {op!r} is not one of {sorted(ops)}")
+    home = t.device
+    t = t.to(_comm_device())
+    dist.all_reduce(t, op=ops[op])
+    return t.to(home)
+
+
+def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor:
+    return all_reduce(x, "sum")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the largest ``ModuleList`` whose name ends in ``layers`` (HF models
+    call it ``model.layers``; peft nests it under ``base_model.model``)."""
+    best: nn.ModuleList | None = None
+    for name, mod in model.named_modules():
+        is_blocks = isinstance(mod, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks")
+        if is_blocks and (best is None or len(mod) > len(best)):
+            best = mod
+    if best is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return list(best)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    force: bool = False,
+) -> nn.Module:
+    """FSDP2 ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm,
+    lm_head, and tied weights stay together in the root group). A world of 1 is returned as is
+    unless ``force`` (sharding over one rank costs time and buys nothing).
+
+    ``param_dtype`` enables mixed precision (e.g. bf16 compute over fp32 master weights)."""
+    if get_world_size() == 1 and not force:
+        return model
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            # Sum, not mean: see the module docstring. A divide factor alone would use NCCL's
+            # PREMUL_SUM, which gloo lacks; forcing sum-type comms makes it a plain SUM on both.
+            # Neither setter recurses in torch, hence the loop over every FSDP module.
+            mod.set_gradient_divide_factor(1.0)
+            mod.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Raw (module-named) full state dict on CPU on rank 0, ``{}`` elsewhere.
+
+    Collective: every rank must call it. Gathers one tensor at a time to bound peak memory."""
+    out: dict[str, torch.Tensor] = {}
+    keep = is_rank0()
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if keep:
+            out[name] = full.detach().to("cpu", copy=True)
+    return out

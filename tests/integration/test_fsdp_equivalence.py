@@ -1,0 +1,193 @@
+"""A 2-rank FSDP2 run (gloo, CPU) equals a 1-rank run on the same data.
+
+Both runs train the tiny model for 2 optimizer steps on the same 6 packed samples with the default
+RL loss. The 2-rank run splits the samples unevenly (4 | 2), so rank 1 has fewer micro-batches and
+must run a dummy one to keep FSDP's collectives in step. Because every rank divides its loss by
+the GLOBAL loss-token count and FSDP sums (not averages) gradients, the two runs compute the same
+loss, the same gradient and so the same parameters, up to float reordering: we require atol 1e-5
+(fp32) on losses, metrics, grad norms and every parameter, and compare the HF exports too.
+
+The workers are this file run as a script with torchrun-style environment variables, so they go
+through the same ``init_distributed`` / ``apply_fsdp`` code as a real trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LENS = [9, 5, 12, 3, 7, 8]
+RANK_SAMPLES = {1: [(0, 6)], 2: [(0, 4), (4, 6)]}  # [start, end) sample range per rank
+MICRO_BATCH_TOKENS = 16  # rank 0 of 2: [9+5], [12+3]; rank 1: [7+8]; 1 rank: three micro-batches
+STEPS = 2
+ATOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, model_dir: Path, out: Path) -> list[subprocess.Popen]:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        )
+        log = open(out.parent / f"{out.name}.rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, str(model_dir), str(out)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    return procs
+
+
+def test_two_rank_fsdp_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from torch.testing import assert_close
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    procs = _launch(1, tiny_model_dir, one) + _launch(2, tiny_model_dir, two)
+    for p in procs:
+        p.wait(timeout=300)
+    for p, name in zip(procs, ["one.rank0", "two.rank0", "two.rank1"], strict=True):
+        assert p.returncode == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
+
+    m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
+    assert len(m1) == len(m2) == STEPS
+    for a, b in zip(m1, m2, strict=True):
+        assert a["micro_batches"] == 3 and b["micro_batches"] == 2  # max over ranks; rank 1 ran a dummy
+        for key in ("loss", "entropy", "mismatch_kl", "ratio_mean", "masked_advantage_positive",
+                    "masked_advantage_negative", "loss_tokens", "grad_norm"):  # fmt: skip
+            assert abs(a[key] - b[key]) <= ATOL, (key, a[key], b[key])
+    # the data really exercises the trust-region masks (both signs) and produces a gradient
+    assert m1[0]["masked_advantage_positive"] > 0 and m1[0]["masked_advantage_negative"] > 0
+    assert m1[0]["grad_norm"] > 0
+
+    p1, p2 = load_file(str(one / "params.safetensors")), load_file(str(two / "params.safetensors"))
+    assert p1.keys() == p2.keys()
+    init = load_file(str(tiny_model_dir / "model.safetensors"))
+    moved = 0
+    for k in p1:
+        assert_close(p2[k], p1[k], atol=ATOL, rtol=0, msg=k)
+        moved += int(k in init and not init[k].equal(p1[k]))
+    assert moved > 0  # the optimizer actually changed the weights
+    e1, e2 = (
+        load_file(str(one / "export" / "model.safetensors")),
+        load_file(str(two / "export" / "model.safetensors")),
+    )
+    assert e1.keys() == e2.keys() == init.keys()
+    for k in e1:
+        assert_close(e2[k], e1[k], atol=ATOL, rtol=0, msg=k)
+
+
+# ---------------------------------------------------------------------------------- worker process
+
+
+def _worker(model_dir: str, out: str) -> None:
+    import torch
+
+    from hpcrl.trainer import optim
+    from hpcrl.trainer import parallel as par
+    from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
+    from hpcrl.trainer.model import export_hf, load_model
+    from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed, micro_batches
+
+    env = par.init_distributed(torch.device("cpu"))
+    model = load_model(model_dir, "float32", "cpu")
+
+    # The same full batch in every process: inference logprobs = the initial policy's plus noise,
+    # so ratios start near 1 and some tokens fall outside the trust region.
+    g = torch.Generator().manual_seed(1234)
+    vocab = model.config.vocab_size
+    t = sum(LENS)
+    seq_lens = torch.tensor(LENS)
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    loss_mask = torch.rand(t, generator=g) < 0.8
+    loss_mask[starts] = False
+    batch = PackedBatch(
+        input_ids=torch.randint(3, vocab, (t,), generator=g),
+        position_ids=torch.cat([torch.arange(n) for n in LENS]),
+        seq_lens=seq_lens,
+        loss_mask=loss_mask,
+        advantages=torch.randn(t, generator=g),
+        inference_logprobs=torch.zeros(t),
+        temperatures=torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 0.9]),
+    )
+    with torch.no_grad():
+        batch.inference_logprobs = forward_packed(model, batch).logprobs + 0.3 * torch.randn(t, generator=g)
+    batch.validate()
+
+    model = par.apply_fsdp(model)
+    opt = optim.build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.01)
+    sched = optim.build_scheduler(opt, "cosine", warmup_steps=1, total_steps=4)
+    params = LossParams(kl_coef=0.01, kl_target="inference")
+
+    a, b = RANK_SAMPLES[env.world_size][env.rank]
+    local = batch.slice_samples(a, b)
+    mbs = micro_batches(local, MICRO_BATCH_TOKENS)
+    # Every rank needs the global loss-token count and the same number of forward/backward passes.
+    global_tokens = float(par.all_reduce_sum(local.loss_mask.sum()))
+    n_mb = int(par.all_reduce(len(mbs), "max"))
+
+    history = []
+    for _ in range(STEPS):
+        stats = None
+        for i in range(n_mb):
+            mb = mbs[i] if i < len(mbs) else dummy_micro_batch()
+            fwd = forward_packed(model, mb)
+            res = compute_loss(
+                params,
+                trainer_logprobs=fwd.logprobs,
+                inference_logprobs=mb.inference_logprobs,
+                advantages=mb.advantages,
+                loss_mask=mb.loss_mask,
+                num_loss_tokens=global_tokens,
+                entropy=fwd.entropy,
+                seq_lens=mb.seq_lens,
+            )
+            res.loss.backward()
+            stats = add_stats(stats, res.stats)
+        metrics = summarize(unstack_stats(par.all_reduce_sum(stack_stats(stats))))
+        metrics["grad_norm"] = optim.clip_grad_norm(model.parameters(), 1.0)
+        metrics["micro_batches"] = n_mb
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        history.append(metrics)
+
+    full = par.full_state_dict(model)
+    export_hf(model, None, Path(out) / "export", write=par.is_rank0())
+    if par.is_rank0():
+        from safetensors.torch import save_file
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in full.items() if k != "lm_head.weight"},
+            str(Path(out) / "params.safetensors"),
+        )
+        (Path(out) / "metrics.json").write_text(json.dumps(history, indent=1))
+    par.barrier()
+    par.destroy_distributed()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
