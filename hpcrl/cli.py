@@ -75,7 +75,10 @@ def _config_help(command: str, root_name: str = "Config") -> str:
     for path, typ, desc, default in fields.iter_leaves(root):
         flag = "--" + path.replace("_", "-")
         if typ == "section":
-            lines.append(f"  {flag}  [{desc or 'section'}]" if desc else f"  [{path}]")
+            if fields.resolve(root, path.split(".")).optional_section:  # --x enables it, --no-x removes it
+                lines.append(f"  {flag} | --no-{flag[2:]}  [{desc or 'optional section'}]")
+            else:
+                lines.append(f"  [{path}]")
             continue
         dflt = "" if default in (None, [], {}) else f" (default: {default})"
         lines.append(f"  {flag} {typ}  {desc}{dflt}")
@@ -87,6 +90,7 @@ _COMMAND_FLAGS = {
     "submit": "  --nodes N  --partition P  --time T  --account A  --dry-run (renders sbatch, asks sbatch --test-only)",
     "resume": "  --step -1|N  --output-dir DIR  (plus any config flag, e.g. --max-steps 40)",
     "inference": "  --run-dir DIR  --server-index N  (announce the server address in a run directory)",
+    "sft": "  --dry-run            resolve, validate, write <output_dir>/configs/sft.toml, print a summary, exit",
 }
 
 
@@ -170,9 +174,10 @@ def cmd_sft(argv: list[str]) -> int:
     dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
     loaded = _load(argv, "SFTConfig")
     if dry:
-        from hpcrl.config.resolved import dumps, redact, to_dict
+        from hpcrl.launch import prepare
 
-        print(dumps(redact(to_dict(loaded.config))))
+        prepare.prepare_output_dir(loaded.config, dry_run=True)
+        prepare.print_sft_summary(loaded)
         return 0
     from hpcrl.trainer.sft import main
 

@@ -1,7 +1,25 @@
-"""Typed configuration: schema (msgspec Structs), loading (files, flags, hosted shape) and validation."""
+"""Typed configuration: schema (msgspec Structs), loading (files, flags, hosted shape) and validation.
 
-from hpcrl.config.errors import ConfigError
-from hpcrl.config.loader import Loaded, load
-from hpcrl.config.schema import Config, SFTConfig
+Names are imported lazily so `hpcrl <cmd> --help` (which needs only the schema) stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.config.loader import Loaded, load
+    from hpcrl.config.schema import Config, SFTConfig
 
 __all__ = ["Config", "ConfigError", "Loaded", "SFTConfig", "load"]
+
+_WHERE = {"ConfigError": "errors", "Loaded": "loader", "load": "loader", "Config": "schema", "SFTConfig": "schema"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"hpcrl.config.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'hpcrl.config' has no attribute {name!r}")

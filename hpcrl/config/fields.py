@@ -122,6 +122,8 @@ def field_names(root: type[msgspec.Struct], parts: list[str]) -> list[str]:
             return []
         t = f.type
     inner, _, _ = _unwrap(t)
+    if isinstance(inner, mi.ListType):  # `env[0]` in an error path: the fields of a list item
+        inner, _, _ = _unwrap(inner.item_type)
     return list(_struct_fields(inner)) if isinstance(inner, mi.StructType) else []
 
 

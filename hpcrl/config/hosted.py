@@ -10,14 +10,66 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpcrl.config import fields
 from hpcrl.config.dicts import deep_merge
-from hpcrl.config.errors import ConfigError
+from hpcrl.config.errors import ConfigError, nearest
+from hpcrl.config.schema import Config
 
 # Top-level keys only the hosted platform understands: accepted, reported, ignored.
 PLATFORM_ONLY = ("tailscale", "infrastructure", "image_tag")
 _HOSTED_MARKERS = ("batch_size", "rollouts_per_example", "env", "sampling", "learning_rate", "lora_alpha",
                    "oversampling_factor", "trajectory_strategy", "checkpoints", "adapters", "env_file",
                    "checkpoint_id", "buffer", "val", "eval", "max_async_level")
+HOSTED_KEYS = ("model", "max_steps", "wandb", "max_off_policy_steps") + _HOSTED_MARKERS + PLATFORM_ONLY
+
+
+# Defaults the hosted docs state for fields whose native default differs (applied when absent).
+HOSTED_DEFAULTS = {"learning_rate": 1e-4, "oversampling_factor": 2.0, "max_async_level": 2}
+# The hosted shape has no seq_len; a run translated from it gets prime-rl's default (see loader).
+HOSTED_SEQ_LEN = 2048
+# Where hosted paths land in the native shape (for error messages that name both).
+_NATIVE_TO_HOSTED = (
+    ("orchestrator.train.sampling", "sampling"),
+    ("orchestrator.train.env", "env"),
+    ("orchestrator.eval", "eval"),
+    ("orchestrator.val", "val"),
+    ("orchestrator.buffer", "buffer"),
+    ("orchestrator.batch_size", "batch_size"),
+    ("orchestrator.rollouts_per_example", "rollouts_per_example"),
+    ("orchestrator.oversampling_factor", "oversampling_factor"),
+    ("orchestrator.max_async_level", "max_async_level"),
+    ("orchestrator.trajectory_strategy", "trajectory_strategy"),
+    ("trainer.optim.lr", "learning_rate"),
+    ("model.lora.alpha", "lora_alpha"),
+    ("model.name", "model"),
+    ("env_files", "env_file"),
+    ("ckpt.warm_start", "checkpoint_id"),
+    ("ckpt.interval", "checkpoints.interval"),
+    ("ckpt.adapter_interval", "adapters.interval"),
+)
+
+
+def hosted_path(native: str) -> str | None:
+    """The hosted-shape spelling of a native dotted path, or None when it has none."""
+    for nat, host in _NATIVE_TO_HOSTED:
+        if native == nat or native.startswith(nat + ".") or native.startswith(nat + "["):
+            return host + native[len(nat):]
+    return None
+
+
+def apply_defaults(merged: dict[str, Any], notes: list[str]) -> None:
+    """Fill the hosted docs' defaults into a merged native dict where nothing (file or flag) set them."""
+    orch = merged.setdefault("orchestrator", {})
+    for key in ("oversampling_factor", "max_async_level"):
+        orch.setdefault(key, HOSTED_DEFAULTS[key])
+    optim = merged.setdefault("trainer", {}).setdefault("optim", {})
+    optim.setdefault("lr", HOSTED_DEFAULTS["learning_rate"])
+    if "seq_len" not in merged and not any(
+        isinstance(merged.get(s), dict) and "seq_len" in merged[s] for s in ("trainer", "orchestrator", "inference")
+    ):
+        max_tokens = ((orch.get("train") or {}).get("sampling") or {}).get("max_tokens", 0)
+        merged["seq_len"] = max(HOSTED_SEQ_LEN, max_tokens if isinstance(max_tokens, int) else 0)
+        notes.append(f"seq_len not set (the hosted shape has none): using {merged['seq_len']}")
 
 
 def is_hosted(d: dict[str, Any]) -> bool:
@@ -32,8 +84,8 @@ def to_native(d: dict[str, Any], source: str = "") -> tuple[dict[str, Any], list
     d = dict(d)
     for key in PLATFORM_ONLY:
         if key in d:
-            d.pop(key)
-            notes.append(f"{source}: [{key}] is a hosted-platform setting; ignored here")
+            shown = f"[{key}]" if isinstance(d.pop(key), dict) else key
+            notes.append(f"{source}: {shown} is a hosted-platform setting; ignored here")
     if d.get("type") == "full_finetune":
         notes.append(f"{source}: type = \"full_finetune\" (native shape): trains all weights")
     if not is_hosted(d):
@@ -72,8 +124,14 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
             orch[key] = d.pop(key)
 
     # Hosted training is LoRA training: learning_rate / lora_alpha are the adapter's.
-    lr = _take(d, "learning_rate", 1e-4)
-    native["trainer"] = {"optim": {"lr": lr}}
+    # (Defaults of the hosted docs are filled in by apply_defaults once every file is merged, so a
+    # later hosted file cannot reset an earlier file's value to a default.)
+    if "learning_rate" in d:
+        lr = d.pop("learning_rate")
+        native_lr = ((d.get("trainer") or {}).get("optim") or {}).get("lr")
+        if native_lr is not None and native_lr != lr:
+            raise ConfigError("trainer.optim.lr", f"{native_lr!r} conflicts with learning_rate = {lr!r} (set it once)")
+        native["trainer"] = {"optim": {"lr": lr}}
     lora: dict[str, Any] = {}
     if "lora_alpha" in d:
         lora["alpha"] = d.pop("lora_alpha")
@@ -126,5 +184,10 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
     if "wandb" in d:
         native["wandb"] = d.pop("wandb")
     native["orchestrator"] = orch
-    # Anything left is either native (trainer, inference, ...) or a mistake the schema will name.
+    # Anything left must be native (trainer, inference, ...); a stray top-level key is most likely
+    # a misspelt hosted field, so suggest from both vocabularies.
+    native_keys = fields.field_names(Config, [])
+    for key in d:
+        if key not in native_keys:
+            raise ConfigError(key, f"unknown field in top level{nearest(key, HOSTED_KEYS + tuple(native_keys))}")
     return deep_merge(native, d)

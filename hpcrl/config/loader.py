@@ -18,7 +18,7 @@ import msgspec
 from hpcrl.config import fields, hosted
 from hpcrl.config.dicts import deep_merge, get_path, set_path
 from hpcrl.config.errors import ConfigError, nearest
-from hpcrl.config.schema import Config
+from hpcrl.config.schema import Config, SFTConfig, TrainerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -234,10 +234,39 @@ def convert(d: dict[str, Any], root: type[T]) -> T:
     try:
         return msgspec.convert(d, root, strict=False)
     except msgspec.ValidationError as e:
-        raise _translate(str(e), root) from None
+        raise _translate(str(e), root, d) from None
 
 
-def _translate(msg: str, root: type[msgspec.Struct]) -> ConfigError:
+_MISSING = object()
+
+
+def _value_at(d: Any, path: str) -> Any:
+    """The raw value at `a.b[2].c` in the merged dict (for 'got ...' in messages)."""
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        if part.startswith("["):
+            i = int(part[1:-1])
+            if not isinstance(d, list) or i >= len(d):
+                return _MISSING
+            d = d[i]
+        elif isinstance(d, dict) and part in d:
+            d = d[part]
+        else:
+            return _MISSING
+    return d
+
+
+def _allowed(root: type[msgspec.Struct], path: str) -> str:
+    """`rl, opd, sft` for a Literal field, else ''."""
+    parts = [p for p in re.sub(r"\[\d+\]", "", path).split(".") if p]
+    try:
+        leaf = fields.resolve(root, parts)
+    except ConfigError:
+        return ""
+    options = leaf.type_repr.removesuffix(" (optional)")
+    return ", ".join(options.split("|")) if "|" in options and " " not in options else ""
+
+
+def _translate(msg: str, root: type[msgspec.Struct], d: dict[str, Any] | None = None) -> ConfigError:
     head, _, at = msg.rpartition(" - at ")
     if not head:
         head, at = msg, "`$`"
@@ -257,6 +286,14 @@ def _translate(msg: str, root: type[msgspec.Struct]) -> ConfigError:
         return ConfigError(f"{path}.{key}" if path else key, "required field is missing")
     text = head.replace("`", "")
     text = text[0].lower() + text[1:] if text else text
+    for js, toml in (("object", "table"), ("array", "list")):  # msgspec speaks JSON; users wrote TOML
+        text = re.sub(rf"\b{js}\b", toml, text)
+    value = _value_at(d, path) if d is not None and path else _MISSING
+    if text.startswith("invalid enum value"):
+        allowed = _allowed(root, path)
+        text = text.replace("invalid enum value", "invalid value") + (f" (allowed: {allowed})" if allowed else "")
+    elif value is not _MISSING and not isinstance(value, (dict, list)):
+        text += f" ({value!r} given)" if " got " in f" {text}" else f", got {value!r}"
     return ConfigError(path or "config", text)
 
 
@@ -268,30 +305,53 @@ def load(argv: list[str], root: type[T] = Config, require_envs: bool = True) -> 
     files, over = parse_argv(argv, root)
     merged: dict[str, Any] = {}
     notes: list[str] = []
+    any_hosted = False
     for f in files:
         data = read_toml(f)
         if root is Config:
+            any_hosted = any_hosted or hosted.is_hosted(data)
             data, file_notes = hosted.to_native(data, source=str(f))
             notes.extend(file_notes)
         merged = deep_merge(merged, data)
     merged = deep_merge(merged, over)
     # `--no-x` on an optional section left None in the dict: that means "absent".
     _drop_nones(merged)
-    if root is Config:
-        apply_aliases(merged)
-        shared = check_shared(merged)
-        if "model.name" in shared:
-            set_path(merged, ["model", "name"], shared["model.name"])
-        for key in ("max_steps", "seq_len"):
-            if key in shared:
-                merged[key] = shared[key]
-    cfg = convert(merged, root)
-    if isinstance(cfg, Config):
-        flow_shared(cfg)
-        from hpcrl.config.validate import validate
+    try:
+        if root is Config:
+            apply_aliases(merged)
+            if any_hosted:
+                hosted.apply_defaults(merged, notes)
+            shared = check_shared(merged)
+            if "model.name" in shared:
+                set_path(merged, ["model", "name"], shared["model.name"])
+            for key in ("max_steps", "seq_len"):
+                if key in shared:
+                    merged[key] = shared[key]
+            _micro_batch_default(merged)
+        cfg = convert(merged, root)
+        from hpcrl.config.validate import validate, validate_sft
 
-        validate(cfg, require_envs=require_envs)
+        if isinstance(cfg, Config):
+            flow_shared(cfg)
+            validate(cfg, require_envs=require_envs)
+        elif isinstance(cfg, SFTConfig):
+            validate_sft(cfg)
+    except ConfigError as e:
+        # Name the field as the user wrote it too: `orchestrator.batch_size (hosted: batch_size)`.
+        alias = hosted.hosted_path(e.path) if any_hosted else None
+        if alias and alias != e.path:
+            raise ConfigError(e.path, f"{e.message} [hosted field: {alias}]") from None
+        raise
     return Loaded(cfg, notes, files)
+
+
+def _micro_batch_default(merged: dict[str, Any]) -> None:
+    """An unset trainer.micro_batch_tokens grows to seq_len, so a long seq_len alone is valid."""
+    seq_len = merged.get("seq_len")
+    trainer = merged.get("trainer")
+    explicit = isinstance(trainer, dict) and "micro_batch_tokens" in trainer
+    if isinstance(seq_len, int) and not explicit and seq_len > TrainerConfig().micro_batch_tokens:
+        merged.setdefault("trainer", {})["micro_batch_tokens"] = seq_len
 
 
 def _drop_nones(d: dict[str, Any]) -> None:

@@ -11,8 +11,17 @@ import msgspec
 
 from hpcrl.config.schema import Config
 
-_SECRET_RE = re.compile(r"(api_key|apikey|token|secret|password|auth_key)$", re.IGNORECASE)
+_SECRET_RE = re.compile(
+    r"(api_?key|secret|password|passwd|auth_key|access_token|auth_token|api_token|hf_token|^token)$", re.IGNORECASE
+)
 REDACTED = "***"
+# Secrets inside free-form strings (slurm.setup lines, env args): `export HF_TOKEN=hf_...` keeps the
+# name and loses the value; well-known key prefixes are blanked wherever they appear.
+_INLINE_SECRET_RE = re.compile(
+    r"(\b[A-Za-z0-9_]*(?:API_KEY|APIKEY|TOKEN|SECRET|PASSWORD|AUTH_KEY)\s*[=:]\s*)(['\"]?)[^\s'\"]+\2",
+    re.IGNORECASE,
+)
+_KEY_PREFIX_RE = re.compile(r"\b(?:sk-[A-Za-z0-9_\-]{16,}|hf_[A-Za-z0-9]{16,}|tskey-[A-Za-z0-9\-]{8,}|wandb_v1_\w{16,})")
 
 # Which top-level sections each process needs (shared scalars always go along).
 ROLE_SECTIONS = {
@@ -44,6 +53,8 @@ def redact(v: Any, key: str = "") -> Any:
         return [redact(x, key) for x in v]
     if key and _SECRET_RE.search(key) and isinstance(v, str) and not key.endswith("_var"):
         return REDACTED
+    if isinstance(v, str):
+        return _KEY_PREFIX_RE.sub(REDACTED, _INLINE_SECRET_RE.sub(rf"\1\2{REDACTED}\2", v))
     return v
 
 
@@ -59,11 +70,15 @@ def dumps(d: dict[str, Any]) -> str:
     return tomli_w.dumps(d)
 
 
-def write_resolved(cfg: Config, configs_dir: Path) -> list[Path]:
-    """Write resolved.toml (everything) and one file per role; atomic per file."""
+def write_resolved(cfg: msgspec.Struct, configs_dir: Path) -> list[Path]:
+    """Write resolved.toml (everything) and one file per role (RL) or sft.toml (SFT); atomic per file."""
     configs_dir.mkdir(parents=True, exist_ok=True)
     out = []
-    items = [("resolved", redact(to_dict(cfg)))] + [(r, role_dict(cfg, r)) for r in ROLE_SECTIONS]
+    full = redact(to_dict(cfg))
+    if isinstance(cfg, Config):
+        items = [("resolved", full)] + [(r, role_dict(cfg, r)) for r in ROLE_SECTIONS]
+    else:
+        items = [("sft", full)]
     for name, d in items:
         path = configs_dir / f"{name}.toml"
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.schema import Config, EnvConfig
+from hpcrl.config.schema import CkptConfig, Config, EnvConfig, SFTConfig
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$|^\d+:\d{2}$")
 _MEM_RE = re.compile(r"^\d+[KMGT]?$")
@@ -22,6 +22,28 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
 
 
+def validate_sft(cfg: SFTConfig) -> None:
+    """The SFT root's cross-field checks (the data file itself is only opened by the trainer)."""
+    if cfg.model.name is None or not cfg.model.name.strip():
+        raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
+    if not cfg.data.name.strip():
+        raise ConfigError("data.name", "is required (a jsonl/parquet file, a directory of them, or a saved dataset)")
+    if cfg.val.data is not None and not cfg.val.data.name.strip():
+        raise ConfigError("val.data.name", "is empty (give a file, or drop [val.data] to hold out val.fraction)")
+    seq_len = cfg.data.seq_len or cfg.seq_len
+    if cfg.micro_batch_tokens < seq_len:
+        raise ConfigError(
+            "micro_batch_tokens", f"{cfg.micro_batch_tokens} must be at least the packed row length ({seq_len})"
+        )
+    _betas(cfg.optim.betas, "optim.betas")
+    _ckpt_fields(cfg.ckpt, cfg.max_steps)
+
+
+def _betas(betas: list[float], path: str) -> None:
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(path, f"{betas} is not two numbers in [0, 1)")
+
+
 def _orchestrator(cfg: Config) -> None:
     o = cfg.orchestrator
     if o.batch_size % o.rollouts_per_example:
@@ -30,13 +52,18 @@ def _orchestrator(cfg: Config) -> None:
             f"{o.batch_size} is not a multiple of orchestrator.rollouts_per_example ({o.rollouts_per_example})",
         )
     max_tokens = o.train.sampling.max_tokens
-    if max_tokens >= cfg.seq_len:
+    # A completion may fill the whole sequence (the docs' multi-node example sets both to 32768);
+    # only a completion that cannot fit at all is an error.
+    if max_tokens > cfg.seq_len:
         raise ConfigError(
             "orchestrator.train.sampling.max_tokens",
-            f"{max_tokens} must be smaller than seq_len ({cfg.seq_len}) to leave room for the prompt",
+            f"{max_tokens} is longer than seq_len ({cfg.seq_len}); allowed: at most seq_len (raise seq_len)",
         )
-    if o.eval is not None and o.eval.sampling is not None and o.eval.sampling.max_tokens >= cfg.seq_len:
-        raise ConfigError("orchestrator.eval.sampling.max_tokens", f"must be smaller than seq_len ({cfg.seq_len})")
+    if o.eval is not None and o.eval.sampling is not None and o.eval.sampling.max_tokens > cfg.seq_len:
+        raise ConfigError(
+            "orchestrator.eval.sampling.max_tokens",
+            f"{o.eval.sampling.max_tokens} is longer than seq_len ({cfg.seq_len}); allowed: at most seq_len",
+        )
     if o.training_mode in ("opd", "sft") and o.teacher is None:
         raise ConfigError(
             "orchestrator.teacher", f"training_mode = '{o.training_mode}' needs [orchestrator.teacher] base_url"
@@ -53,8 +80,7 @@ def _orchestrator(cfg: Config) -> None:
             "trainer.micro_batch_tokens",
             f"{cfg.trainer.micro_batch_tokens} must be at least seq_len ({cfg.seq_len}) so one sample fits",
         )
-    if len(cfg.trainer.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.optim.betas):
-        raise ConfigError("trainer.optim.betas", "must be two numbers in [0, 1)")
+    _betas(cfg.trainer.optim.betas, "trainer.optim.betas")
 
 
 def _buffer(cfg: Config) -> None:
@@ -148,12 +174,18 @@ def _ckpt(cfg: Config) -> None:
     c = cfg.ckpt
     if c is None:
         return
-    if c.keep_interval is not None and c.interval is not None and c.keep_interval % c.interval:
-        raise ConfigError("ckpt.keep_interval", f"{c.keep_interval} is not a multiple of ckpt.interval ({c.interval})")
-    if c.resume_step is not None and c.resume_step > cfg.max_steps:
-        raise ConfigError("ckpt.resume_step", f"{c.resume_step} is beyond max_steps ({cfg.max_steps})")
+    _ckpt_fields(c, cfg.max_steps)
     if c.save_adapter_separately and cfg.model.lora is None:
         raise ConfigError("ckpt.save_adapter_separately", "needs LoRA training ([model.lora])")
+
+
+def _ckpt_fields(c: CkptConfig | None, max_steps: int) -> None:
+    if c is None:
+        return
+    if c.keep_interval is not None and c.interval is not None and c.keep_interval % c.interval:
+        raise ConfigError("ckpt.keep_interval", f"{c.keep_interval} is not a multiple of ckpt.interval ({c.interval})")
+    if c.resume_step is not None and c.resume_step > max_steps:
+        raise ConfigError("ckpt.resume_step", f"{c.resume_step} is beyond max_steps ({max_steps})")
 
 
 def _slurm(cfg: Config) -> None:

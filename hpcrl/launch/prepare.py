@@ -8,12 +8,12 @@ from pathlib import Path
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
-from hpcrl.config.schema import Config
+from hpcrl.config.schema import Config, SFTConfig
 from hpcrl.launch.layout import Layout, local_layout
 from hpcrl.paths import RunPaths
 
 
-def prepare_output_dir(cfg: Config, dry_run: bool = False) -> RunPaths:
+def prepare_output_dir(cfg: Config | SFTConfig, dry_run: bool = False) -> RunPaths:
     """Clean (if asked), create the run layout and write the resolved per-process configs."""
     paths = RunPaths(cfg.output_dir)
     root = paths.root
@@ -53,7 +53,7 @@ def print_summary(loaded: Loaded, layout: Layout, target: str, extra: list[str] 
     cfg: Config = loaded.config
     o = cfg.orchestrator
     paths = RunPaths(cfg.output_dir)
-    envs = ", ".join(e.name or e.id for e in o.train.env) or "-"
+    envs = ", ".join(e.name or e.id.rsplit("/", 1)[-1] for e in o.train.env) or "-"
     lines = [
         f"hpcrl {target}: dry run OK",
         f"model:        {cfg.model.name}" + (" (LoRA)" if cfg.model.lora is not None else ""),
@@ -69,4 +69,25 @@ def print_summary(loaded: Loaded, layout: Layout, target: str, extra: list[str] 
     lines += extra or []
     for n in loaded.notes:
         lines.append(f"note:         {n}")
+    print("\n".join(lines))
+
+
+def print_sft_summary(loaded: Loaded) -> None:
+    cfg: SFTConfig = loaded.config
+    mask = ", ".join(k for k in ("system", "user", "assistant", "tool") if getattr(cfg.loss_mask, k)) or "nothing"
+    val = "off" if cfg.val.interval == 0 else (
+        f"every {cfg.val.interval} step(s) on "
+        + (cfg.val.data.name if cfg.val.data is not None else f"{cfg.val.fraction:g} of the data held out")
+    )
+    lines = [
+        "hpcrl sft: dry run OK",
+        f"model:        {cfg.model.name}" + (" (LoRA)" if cfg.model.lora is not None else ""),
+        f"data:         {cfg.data.name} (batch {cfg.data.batch_size}, seq_len {cfg.data.seq_len or cfg.seq_len})",
+        f"steps:        {cfg.max_steps} (lr {cfg.optim.lr:g}, loss on {mask} turns)",
+        f"validation:   {val}",
+        "checkpoints:  " + ("off (enable with --ckpt)" if cfg.ckpt is None else
+                             f"every {cfg.ckpt.interval or 'end'} step(s)"),
+        f"configs:      {RunPaths(cfg.output_dir).configs_dir}/",
+    ]
+    lines += [f"note:         {n}" for n in loaded.notes]
     print("\n".join(lines))
