@@ -108,8 +108,9 @@ def cmd_run(argv: list[str]) -> int:
     loaded = _load(argv)
     from hpcrl.launch import prepare
 
-    prepare.prepare_output_dir(loaded.config, dry_run=dry)
     layout = prepare.local_plan(loaded)
+    prepare.apply_layout(loaded.config, layout)
+    prepare.prepare_output_dir(loaded.config, dry_run=dry)
     if dry:
         prepare.print_summary(loaded, layout, "run (this machine)")
         return 0

@@ -23,13 +23,7 @@ _INLINE_SECRET_RE = re.compile(
 )
 _KEY_PREFIX_RE = re.compile(r"\b(?:sk-[A-Za-z0-9_\-]{16,}|hf_[A-Za-z0-9]{16,}|tskey-[A-Za-z0-9\-]{8,}|wandb_v1_\w{16,})")
 
-# Which top-level sections each process needs (shared scalars always go along).
-ROLE_SECTIONS = {
-    "trainer": ("model", "trainer", "deployment", "ckpt", "wandb", "log"),
-    "orchestrator": ("model", "orchestrator", "deployment", "ckpt", "wandb", "log"),
-    "inference": ("model", "inference", "server", "log"),
-}
-_SCALARS = ("name", "type", "max_steps", "seq_len", "output_dir", "seed", "deterministic")
+ROLES = ("trainer", "orchestrator", "inference")
 
 
 def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
@@ -59,9 +53,11 @@ def redact(v: Any, key: str = "") -> Any:
 
 
 def role_dict(cfg: Config, role: str) -> dict[str, Any]:
-    full = redact(to_dict(cfg))
-    keep = set(_SCALARS) | set(ROLE_SECTIONS[role])
-    return {k: v for k, v in full.items() if k in keep}
+    """The config one process is started with. Every role gets the whole resolved config: roles read
+    each other's sections (the trainer needs the orchestrator's mode and async level), and one
+    validated whole is what makes the per-process files consistent."""
+    assert role in ROLES, role
+    return redact(to_dict(cfg))
 
 
 def dumps(d: dict[str, Any]) -> str:
@@ -76,7 +72,7 @@ def write_resolved(cfg: msgspec.Struct, configs_dir: Path) -> list[Path]:
     out = []
     full = redact(to_dict(cfg))
     if isinstance(cfg, Config):
-        items = [("resolved", full)] + [(r, role_dict(cfg, r)) for r in ROLE_SECTIONS]
+        items = [("resolved", full)] + [(r, role_dict(cfg, r)) for r in ROLES]
     else:
         items = [("sft", full)]
     for name, d in items:

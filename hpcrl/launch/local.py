@@ -136,6 +136,9 @@ def run_local(loaded: Loaded, layout: Layout) -> int:
 
     # Build a built-in tiny model once here, not in three processes at once.
     resolve_model(cfg.model.name or "")
+    from hpcrl.launch.manage import write_job
+
+    write_job(paths, {"target": "local", "pid": os.getpid(), "started_at": time.time()})
     console = ConsoleReporter(paths, cfg.max_steps)
     console.banner(cfg, layout)
     children = start_children(cfg, layout, paths, resume_args)

@@ -45,6 +45,12 @@ def visible_gpus() -> int:
         return 0
 
 
+def apply_layout(cfg: Config, layout: Layout) -> None:
+    """Record the process counts in the config, so every role knows how many peers it has."""
+    cfg.deployment.num_trainer_ranks = layout.trainer_ranks
+    cfg.deployment.num_inference_servers = layout.inference_servers
+
+
 def local_plan(loaded: Loaded) -> Layout:
     return local_layout(loaded.config, visible_gpus())
 

@@ -1,0 +1,156 @@
+"""`hpcrl status`, `hpcrl logs`, `hpcrl cancel` for a run directory (local or SLURM)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpcrl.paths import RunPaths
+
+
+def read_job(paths: RunPaths) -> dict[str, Any]:
+    try:
+        return json.loads(paths.job_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def write_job(paths: RunPaths, info: dict[str, Any]) -> None:
+    from hpcrl.checkpoint import atomic_write_bytes
+
+    atomic_write_bytes(paths.job_file, json.dumps(info, indent=2).encode())
+
+
+def _run_dir(args: argparse.Namespace) -> RunPaths:
+    d = Path(args.output_dir)
+    if not (d / "configs").is_dir():
+        print(f"hpcrl: error: {d} is not an hpcrl run directory (no configs/)", file=sys.stderr)
+        raise SystemExit(2)
+    return RunPaths(d)
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"hpcrl {prog}")
+    p.add_argument("output_dir", nargs="?", default=None, help="run directory")
+    p.add_argument("--output-dir", dest="output_dir_flag", default=None, help="run directory")
+    return p
+
+
+def _parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    args = p.parse_args(argv)
+    args.output_dir = args.output_dir_flag or args.output_dir
+    if args.output_dir is None:
+        p.error("give the run directory (positional or --output-dir)")
+    return args
+
+
+def job_state(job: dict[str, Any]) -> str:
+    if job.get("target") == "slurm":
+        jid = str(job.get("job_id", ""))
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True, timeout=10)
+            states = sorted(set(out.stdout.split()))
+            return ",".join(states) if states else "not in queue (finished, failed or cancelled)"
+        except (OSError, subprocess.TimeoutExpired):
+            return "unknown (squeue unavailable)"
+    pid = job.get("pid")
+    if pid:
+        try:
+            os.kill(int(pid), 0)
+            return "running"
+        except OSError:
+            return "not running"
+    return "unknown"
+
+
+def status(argv: list[str]) -> int:
+    args = _parse(_parser("status"), argv)
+    paths = _run_dir(args)
+    from hpcrl import checkpoint
+    from hpcrl.monitor.metrics import read_metrics
+
+    job = read_job(paths)
+    recs = read_metrics(paths.metrics_file)
+    trainer_steps = [r["step"] for r in recs if r.get("role") == "trainer" and "loss/mean" in r]
+    orch = [r for r in recs if r.get("role") == "orchestrator" and "reward/all/mean" in r]
+    ckpts = checkpoint.list_steps(paths)
+    valid = [s for s in ckpts if checkpoint.verify(paths, s, deep=False) is None]
+    lines = [
+        f"run:          {paths.root}",
+        f"job:          {job.get('target', 'unknown')} {job.get('job_id', job.get('pid', ''))} -> {job_state(job)}",
+        f"trained:      step {max(trainer_steps) if trainer_steps else 0}",
+        f"reward:       {orch[-1]['reward/all/mean']:.3f} (step {orch[-1]['step']})" if orch else "reward:       -",
+        f"checkpoints:  {', '.join(f'step_{s}' + ('' if s in valid else ' (incomplete)') for s in ckpts) or 'none'}",
+        f"weights:      {', '.join(f'step_{s}' for s in RunPaths.steps_in(paths.weights_root)) or 'none'}",
+        f"logs:         {paths.logs_dir}/",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def component_log(paths: RunPaths, component: str) -> Path:
+    if component.startswith("env:"):
+        name = component[4:]
+        for kind in ("train", "eval"):
+            p = paths.env_log_file(kind, name)
+            if p.exists():
+                return p
+        return paths.env_log_file("train", name)
+    if component not in ("trainer", "orchestrator", "inference", "launcher"):
+        raise SystemExit(f"hpcrl: error: -c {component}: expected trainer, orchestrator, inference or env:NAME")
+    return paths.log_file(component)
+
+
+def logs(argv: list[str]) -> int:
+    p = _parser("logs")
+    p.add_argument("-c", "--component", default="orchestrator", help="trainer|orchestrator|inference|env:NAME")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    p.add_argument("-n", "--lines", type=int, default=50, help="last N lines (0 = all)")
+    args = _parse(p, argv)
+    paths = _run_dir(args)
+    path = component_log(paths, args.component)
+    if not path.exists() and not args.follow:
+        print(f"hpcrl: error: no log yet at {path}", file=sys.stderr)
+        return 2
+    pos = 0
+    if path.exists():
+        lines = path.read_text(errors="replace").splitlines()
+        for line in lines[-args.lines:] if args.lines else lines:
+            print(line)
+        pos = path.stat().st_size
+    while args.follow:
+        time.sleep(0.5)
+        if path.exists() and path.stat().st_size > pos:
+            with open(path, errors="replace") as f:
+                f.seek(pos)
+                sys.stdout.write(f.read())
+                sys.stdout.flush()
+                pos = f.tell()
+    return 0
+
+
+def cancel(argv: list[str]) -> int:
+    args = _parse(_parser("cancel"), argv)
+    paths = _run_dir(args)
+    job = read_job(paths)
+    if job.get("target") == "slurm":
+        subprocess.run(["scancel", str(job["job_id"])], check=False)
+        print(f"hpcrl: cancelled SLURM job {job['job_id']}")
+        return 0
+    pid = job.get("pid")
+    if not pid:
+        print(f"hpcrl: error: {paths.job_file} names no job", file=sys.stderr)
+        return 2
+    try:
+        os.kill(int(pid), signal.SIGTERM)
+        print(f"hpcrl: sent SIGTERM to launcher {pid}")
+    except ProcessLookupError:
+        print(f"hpcrl: launcher {pid} is not running")
+    return 0
