@@ -83,9 +83,9 @@ def test_trainer_process_trains_publishes_and_checkpoints(tmp_path: Path, tiny_m
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     bus = Bus(paths, role="orchestrator")
     try:
-        from hpcrl.models.tiny import resolve_model  # noqa: F401  (model is a local dir here)
         from safetensors.torch import load_file
 
+        from hpcrl.models.tiny import resolve_model  # noqa: F401  (model is a local dir here)
         from hpcrl.weights.checksum import state_dict_checksum
 
         p0 = bus.wait_policy(0, timeout=120)
