@@ -1,0 +1,104 @@
+"""step_N checkpoints: COMPLETE written last, verification, newest-valid selection, retention."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from hpcrl import checkpoint as ck
+from hpcrl.paths import RunPaths
+
+
+def _save(paths: RunPaths, step: int, payload: bytes = b"weights") -> None:
+    for part in ck.PARTS:
+        d = ck.begin_part(paths, step, part)
+        (d / "state.bin").write_bytes(payload + part.encode())
+        ck.mark_part_done(paths, step, part)
+    assert ck.finalize_when_ready(paths, step, ck.PARTS, trainer_ranks=None, timeout=1) is not None  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> RunPaths:
+    p = RunPaths(tmp_path / "run")
+    p.make_dirs()
+    return p
+
+
+def test_complete_only_after_every_part(paths: RunPaths) -> None:
+    d = ck.begin_part(paths, 3, "trainer")
+    (d / "rank_0.json").write_text("{}")
+    ck.mark_part_done(paths, 3, "trainer", rank=0)
+    # The orchestrator part is missing: no COMPLETE, and the wait is bounded.
+    assert ck.finalize_when_ready(paths, 3, ck.PARTS, trainer_ranks=1, timeout=0.3) is None
+    assert ck.verify(paths, 3) == "no COMPLETE manifest"
+    ck.begin_part(paths, 3, "orchestrator")
+    ck.mark_part_done(paths, 3, "orchestrator")
+    m = ck.finalize_when_ready(paths, 3, ck.PARTS, trainer_ranks=1, timeout=1)
+    assert m is not None and {f.path for f in m.files} >= {"trainer/rank_0.json", "trainer/DONE.rank_0"}
+    assert ck.verify(paths, 3) is None
+
+
+def test_verify_catches_truncation_bitflip_and_garbage(paths: RunPaths) -> None:
+    _save(paths, 1)
+    f = paths.trainer_ckpt_dir(1) / "state.bin"
+    data = f.read_bytes()
+    f.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit flipped
+    assert "checksum" in (ck.verify(paths, 1) or "")
+    f.write_bytes(data[:3])
+    assert "size" in (ck.verify(paths, 1) or "")
+    paths.complete_file(1).write_bytes(b"\x00garbage")
+    assert "corrupt" in (ck.verify(paths, 1) or "")
+
+
+def test_latest_complete_skips_corrupt_newer_with_warning(paths: RunPaths, caplog: pytest.LogCaptureFixture) -> None:
+    _save(paths, 2)
+    _save(paths, 4)
+    (paths.trainer_ckpt_dir(4) / "state.bin").write_bytes(b"oops")
+    ck.begin_part(paths, 6, "trainer")  # a crash mid-checkpoint: no COMPLETE
+    with caplog.at_level(logging.WARNING):
+        assert ck.latest_complete(paths) == 2
+    assert "step_4" in caplog.text and "step_6" in caplog.text
+    assert ck.resolve_resume_step(paths, -1) == 2
+    with pytest.raises(ck.CheckpointError, match="step_4"):
+        ck.resolve_resume_step(paths, 4)
+
+
+def test_no_checkpoint_is_a_clear_error(paths: RunPaths) -> None:
+    with pytest.raises(ck.CheckpointError, match="no complete checkpoint"):
+        ck.resolve_resume_step(paths, -1)
+
+
+@pytest.mark.parametrize(
+    ("steps", "keep_last", "keep_interval", "expected"),
+    [
+        ([1, 2, 3, 4, 5], None, None, {1, 2, 3, 4, 5}),
+        ([1, 2, 3, 4, 5], 2, None, {4, 5}),
+        ([2, 4, 6, 8, 10], 1, 4, {4, 8, 10}),
+        ([5], 3, 2, {5}),
+    ],
+)
+def test_retention_keep(steps: list[int], keep_last: int | None, keep_interval: int | None, expected: set[int]) -> None:
+    assert ck.retention_keep(steps, keep_last, keep_interval) == expected
+
+
+def test_apply_retention_deletes_outside_keep_set_and_stale_incomplete(paths: RunPaths) -> None:
+    for s in (1, 2, 3, 4):
+        _save(paths, s)
+    ck.begin_part(paths, 0, "trainer")  # an old incomplete one
+    removed = ck.apply_retention(paths, keep_last=2, keep_interval=None)
+    assert sorted(removed) == [0, 1, 2]
+    assert ck.list_steps(paths) == [3, 4]
+    assert ck.verify(paths, 4) is None
+
+
+def test_begin_part_removes_stale_complete(paths: RunPaths) -> None:
+    _save(paths, 5)
+    ck.begin_part(paths, 5, "trainer")  # re-saving step 5 after a resume from an earlier step
+    assert ck.verify(paths, 5) == "no COMPLETE manifest"
+
+
+@pytest.mark.parametrize(("step", "interval", "due"), [(5, None, False), (10, None, True), (4, 2, True), (5, 2, False)])
+def test_is_due(step: int, interval: int | None, due: bool) -> None:
+    assert ck.is_due(step, max_steps=10, interval=interval) is due
