@@ -31,3 +31,54 @@ def _hpcrl_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Built-in model names resolve into a per-session cache, never the user's ~/.cache."""
     if "HPCRL_CACHE" not in os.environ:
         os.environ["HPCRL_CACHE"] = str(tmp_path_factory.mktemp("hpcrl_cache"))
+
+
+class InferenceServer:
+    """A real `hpcrl.inference.server` subprocess on 127.0.0.1 (free port), stopped by `stop()`."""
+
+    def __init__(self, model_dir: Path, run_dir: Path, *args: str, index: int = 0, timeout: float = 90.0):
+        import json
+        import subprocess
+        import sys
+        import time
+
+        from hpcrl.paths import RunPaths
+
+        self.run_dir = Path(run_dir)
+        info_file = RunPaths(run_dir).server_file(index)
+        self.log_path = self.run_dir / f"inference_{index}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "hpcrl.inference.server", "--model.name", str(model_dir),
+               "--server.host", "127.0.0.1", "--server.port", "0", "--run-dir", str(run_dir),
+               "--server-index", str(index), *args]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while not info_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"inference server did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        info = json.loads(info_file.read_text())
+        self.base_url: str = info["base_url"]
+        self.port: int = info["port"]
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def inference_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A shared hf-backend server on the tiny model. Read-only: never change its weights or pause it."""
+    server = InferenceServer(tiny_model_dir, tmp_path_factory.mktemp("inference_run"))
+    yield server
+    server.stop()

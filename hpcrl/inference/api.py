@@ -1,0 +1,300 @@
+"""The HTTP API of the embedded (hf) backend: OpenAI/vLLM routes plus hpcrl's admin routes.
+
+Every handler validates its input before it touches the engine, and every failure is answered as
+`{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status: no request can kill the server.
+Blocking work (tokenizing, reading weights, receiving a broadcast) runs in threads so the event loop
+keeps answering /health while it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hpcrl.inference.engine import HFEngine
+from hpcrl.inference.protocol import (
+    APIError,
+    _bool,
+    _int,
+    _int_list,
+    chat_response,
+    completion_response,
+    not_found,
+    parse_completion_prompts,
+    parse_messages,
+    parse_sampling,
+)
+
+log = logging.getLogger("hpcrl.inference.api")
+
+
+class ServerState:
+    """What the routes share: the engine, the served names, the broadcast group, the sync status."""
+
+    def __init__(self, engine: HFEngine, served_name: str, model_path: str):
+        self.engine = engine
+        self.served_name = served_name
+        self.model_path = model_path
+        self.group: Any = None
+        self.sync_error: str | None = None  # set when a loaded update failed verification
+        self.update_lock = asyncio.Lock()
+        self.started = time.time()
+        self.http_errors = 0
+
+    def names(self) -> set[str]:
+        return {self.served_name, self.model_path, os.path.basename(self.model_path.rstrip("/")),
+                *self.engine.lora_adapters}
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"request body is not valid JSON: {e}", type="BadRequestError") from e
+    if not isinstance(body, dict):
+        raise APIError("request body must be a JSON object")
+    return body
+
+
+def _check_model(state: ServerState, body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        return state.served_name
+    if not isinstance(model, str) or model not in state.names():
+        raise not_found(f"The model `{model}` does not exist.", param="model")
+    return model
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="hpcrl inference", docs_url=None, redoc_url=None)
+    app.state.hpcrl = state
+    engine = state.engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        state.http_errors += 1
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        state.http_errors += 1
+        return JSONResponse(APIError(str(exc.detail), status=exc.status_code, type="HTTPError").body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        state.http_errors += 1
+        err = APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="InternalServerError")
+        return JSONResponse(err.body(), status_code=500)
+
+    async def generate(prompt: list[int], body: dict[str, Any], chat: bool) -> tuple[Any, Any]:
+        if state.sync_error:
+            raise APIError(state.sync_error, status=503, type="WeightSyncError")
+        params = parse_sampling(body, chat=chat)
+        fut = engine.submit(prompt, params)
+        return params, await asyncio.wrap_future(fut)
+
+    # -- health and introspection ----------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok" if not state.sync_error else "weights_unverified", "model": state.served_name,
+                "policy_step": engine.policy_step, "paused": engine.paused, **engine.load(),
+                "max_batch_size_seen": engine.stats["max_batch_size_seen"]}
+
+    @app.get("/metrics")
+    async def metrics() -> dict[str, Any]:
+        stats = dict(engine.stats)
+        stats["batch_size_hist"] = {str(k): v for k, v in sorted(stats["batch_size_hist"].items())}
+        return {**stats, **engine.load(), "policy_step": engine.policy_step, "http_errors": state.http_errors,
+                "uptime_s": time.time() - state.started}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "hpcrl",
+                 "root": state.model_path, "parent": None if name == state.served_name else state.served_name,
+                 "max_model_len": engine.max_model_len}
+                for name in [state.served_name, *engine.lora_adapters]]
+        return {"object": "list", "data": data}
+
+    @app.get("/weights")
+    async def weights() -> dict[str, Any]:
+        return {**engine.weights_info(), "verified": state.sync_error is None, "error": state.sync_error}
+
+    # -- generation ------------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> dict[str, Any]:
+        body = await _body(request)
+        model = _check_model(state, body)
+        parse_sampling(body, chat=True)  # reject bad sampling before paying for the template
+        tools = body.get("tools")
+        if body.get("prompt_token_ids") is not None:  # exact continuation of a stitched conversation
+            prompt = _int_list(body["prompt_token_ids"], "prompt_token_ids")
+        else:
+            messages = parse_messages(body)
+            cont = _bool(body, "continue_final_message", False)
+            agp = _bool(body, "add_generation_prompt", not cont)
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
+            prompt = await asyncio.to_thread(engine.encode_chat, messages, tools, agp, cont, kwargs)
+        params, outs = await generate(prompt, body, chat=True)
+        return chat_response(model, prompt, outs, params, parse_tools=bool(tools),
+                             token_str=lambda t: engine.token_info(t)[0],
+                             token_bytes=lambda t: engine.token_info(t)[1])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict[str, Any]:
+        body = await _body(request)
+        model = _check_model(state, body)
+        parse_sampling(body, chat=False)
+        prompts = [p if isinstance(p, list) else await asyncio.to_thread(engine.encode_text, p)
+                   for p in parse_completion_prompts(body)]
+        results = await asyncio.gather(*(generate(p, body, chat=False) for p in prompts))
+        params = results[0][0]
+        return completion_response(model, prompts, [outs for _, outs in results], params,
+                                   token_str=lambda t: engine.token_info(t)[0])
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await _body(request)
+        _check_model(state, body)
+        if body.get("messages") is not None:
+            messages = parse_messages(body)
+            cont = _bool(body, "continue_final_message", False)
+            agp = _bool(body, "add_generation_prompt", not cont)
+            tokens = await asyncio.to_thread(engine.encode_chat, messages, body.get("tools"), agp, cont,
+                                             body.get("chat_template_kwargs") or {})
+        elif isinstance(body.get("prompt"), str):
+            tokens = await asyncio.to_thread(engine.encode_text, body["prompt"])
+        else:
+            raise APIError("/tokenize needs `messages` (a list) or `prompt` (a string)", param="prompt")
+        out: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+                               "token_strs": None}
+        if _bool(body, "return_token_strs", False):
+            out["token_strs"] = [engine.token_info(t)[0] for t in tokens]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await _body(request)
+        _check_model(state, body)
+        tokens = _int_list(body.get("tokens"), "tokens")
+        if tokens and (min(tokens) < 0 or max(tokens) >= engine.vocab_size):
+            raise APIError(f"token ids must be in [0, {engine.vocab_size})", param="tokens")
+        return {"prompt": engine.decode(tokens, skip_special_tokens=False)}
+
+    # -- admin -----------------------------------------------------------------------------------------
+    @app.post("/pause")
+    async def pause() -> dict[str, Any]:
+        engine.pause()
+        return {"status": "paused", "policy_step": engine.policy_step}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, Any]:
+        engine.resume()
+        return {"status": "running", "policy_step": engine.policy_step}
+
+    @app.post("/init_broadcaster")
+    async def init_broadcaster(request: Request) -> dict[str, Any]:
+        from hpcrl.weights.collective import destroy_group, init_group
+
+        body = await _body(request)
+        host = body.get("host")
+        if not isinstance(host, str) or not host:
+            raise APIError("`host` must be a non-empty string", param="host")
+        port = _int(body, "port", None, lo=1, hi=65535)
+        world = _int(body, "world_size", None, lo=2)
+        rank = _int(body, "rank", None, lo=1)
+        if port is None or world is None or rank is None:
+            raise APIError("/init_broadcaster needs host, port, world_size (>= 2) and rank (>= 1)")
+        if rank >= world:
+            raise APIError(f"rank {rank} must be < world_size {world}", param="rank")
+        timeout = float(body.get("timeout", 300))
+        backend = body.get("backend")
+        async with state.update_lock:
+            if state.group is not None:
+                destroy_group(state.group)
+                state.group = None
+            try:
+                state.group = await asyncio.to_thread(init_group, host, port, world, rank, backend=backend,
+                                                      timeout_s=timeout)
+            except Exception as e:
+                raise APIError(f"cannot join the weight broadcast group at {host}:{port}: {e}", status=502,
+                               type="BroadcastError") from e
+        return {"status": "ok", "rank": rank, "world_size": world, "backend": state.group.backend}
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> dict[str, Any]:
+        body = await _body(request)
+        step = _int(body, "step", None, lo=0)
+        if step is None:
+            raise APIError("`step` (an integer >= 0) is required", param="step")
+        expected = body.get("expected_checksum")
+        transport = body.get("transport", "path" if body.get("path") is not None else None)
+        t0 = time.perf_counter()
+        async with state.update_lock:
+            if transport == "path":
+                if not isinstance(body.get("path"), str):
+                    raise APIError("`path` must be a string", param="path")
+                checksum = await asyncio.to_thread(engine.update_weights_from_path, body["path"], step)
+                sent = None
+            elif transport == "collective":
+                if state.group is None:
+                    raise APIError("no weight broadcast group: call /init_broadcaster first", status=409,
+                                   type="BroadcastError")
+                try:
+                    checksum, sent = await asyncio.to_thread(_receive_and_load, state, step)
+                except APIError:
+                    raise
+                except Exception as e:  # sender died, timeout, protocol mismatch
+                    raise APIError(f"receiving the weight broadcast failed: {type(e).__name__}: {e}",
+                                   status=502, type="BroadcastError") from e
+            else:
+                raise APIError("give `path` (a weights dir) or `transport: \"collective\"`", param="transport")
+            problem = None
+            if sent is not None and sent != checksum:
+                problem = f"loaded checksum {checksum} != sender's {sent}"
+            elif expected is not None and expected != checksum:
+                problem = f"loaded checksum {checksum} != expected {expected}"
+            if problem:
+                # The weights are in the model now but cannot be trusted: refuse to generate until a
+                # good update arrives, rather than serve a policy nobody asked for.
+                state.sync_error = f"weight update to step {step} failed verification: {problem}"
+                raise APIError(state.sync_error, status=409, type="WeightSyncError")
+            state.sync_error = None
+        return {"step": step, "checksum": checksum, "seconds": time.perf_counter() - t0,
+                "num_tensors": engine.weights_info()["num_tensors"]}
+
+    async def load_lora(request: Request) -> dict[str, Any]:
+        body = await _body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str):
+            raise APIError("/load_lora_adapter needs `lora_name` and `lora_path` strings")
+        async with state.update_lock:
+            checksum = await asyncio.to_thread(engine.load_lora, name, path)
+        return {"status": "ok", "lora_name": name, "checksum": checksum}
+
+    app.add_api_route("/load_lora_adapter", load_lora, methods=["POST"])
+    app.add_api_route("/v1/load_lora_adapter", load_lora, methods=["POST"])
+    return app
+
+
+def _receive_and_load(state: ServerState, step: int) -> tuple[str, str | None]:
+    from hpcrl.weights.collective import receive_header, receive_tensors
+
+    header = receive_header(state.group)
+    tensors = receive_tensors(state.group, header)
+    if header.step != step:
+        raise APIError(f"the broadcast carried step {header.step}, the request said {step}", status=409,
+                       type="WeightSyncError")
+    return state.engine.update_weights(tensors, step), header.checksum

@@ -1,0 +1,443 @@
+"""Embedded inference engine: a transformers model behind a continuous-batching scheduler thread.
+
+One thread owns the model. Every iteration it (1) admits waiting sequences up to `max_batch_size` by
+prefilling them together and splicing their KV cache into the running batch (left-padded, aligned on
+the right), (2) samples one token for every running row from logits computed in the previous forward,
+(3) retires finished rows, and (4) runs one batched decode forward for the rest. A request that arrives
+while others decode joins at the next iteration instead of waiting for the batch to drain.
+
+Weight updates take the same lock as an iteration, so they land between decode steps. Each token
+records the policy step of the weights whose forward produced its logits; a response lists them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hpcrl.inference.loading import check_compatible, load_lora_delta, load_safetensors_dir
+from hpcrl.inference.protocol import APIError, SamplingParams, SeqOutput
+from hpcrl.inference.sampling import RowParams, processed_logprobs, sample
+from hpcrl.weights.checksum import state_dict_checksum
+
+log = logging.getLogger("hpcrl.inference.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    future: Future
+    seqs: list[_Seq] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: _Request
+    row: RowParams
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    logits_step: int = 0  # policy step of the forward that produced this row's pending logits
+    finish: str | None = None
+    stop_reason: str | int | None = None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable-char table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+class HFEngine:
+    """Serve one causal LM with batched sampling, live weight updates and per-token policy steps."""
+
+    def __init__(self, model_path: str, *, max_batch_size: int = 64, max_model_len: int = 2048,
+                 dtype: str = "auto", seed: int = 0, device: str | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
+        if dtype != "auto":
+            kwargs["dtype"] = _DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(self.device).eval()
+        cfg = self.model.config
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.max_model_len = min(int(max_model_len), int(getattr(cfg, "max_position_embeddings", max_model_len)))
+        self.max_batch_size = int(max_batch_size)
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = {self.tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.eos_ids = {int(e) for e in eos if e is not None}
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share between threads
+        self._weights_lock = threading.Lock()  # held by each iteration and by each weight swap
+        self._update_lock = threading.Lock()  # one update at a time (checksum computed outside _weights_lock)
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._rows: list[_Seq] = []
+        self._kv: Any = None  # DynamicCache of the running rows
+        self._mask: torch.Tensor | None = None  # [B, T] attention mask of the running rows
+        self._pos: torch.Tensor | None = None  # [B] position id of each row's next token
+        self._logits: torch.Tensor | None = None  # [B, V] logits for each row's next token
+        self._paused = False
+        self._stopping = False
+        self.policy_step = 0
+        # Parameters by name, tied aliases included, so an update may name either alias.
+        self._params = dict(self.model.state_dict(keep_vars=False))
+        self._weight_names = self._unique_param_names()
+        self.checksum = state_dict_checksum({n: self._params[n] for n in self._weight_names})
+        self._lora_base: dict[str, torch.Tensor] = {}
+        self.lora_adapters: dict[str, str] = {}
+        self.stats: dict[str, Any] = {"requests": 0, "forward_steps": 0, "prefills": 0, "generated_tokens": 0,
+                                      "batch_size_hist": collections.Counter(), "max_batch_size_seen": 0,
+                                      "engine_errors": 0}
+        self._byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        self._token_cache: dict[int, tuple[str, list[int]]] = {}
+        self._thread = threading.Thread(target=self._loop, name="hpcrl-engine", daemon=True)
+        self._thread.start()
+
+    def _unique_param_names(self) -> list[str]:
+        """State-dict names with tied aliases dropped (first name wins), as save_pretrained writes them."""
+        seen, names = set(), []
+        for name, t in self._params.items():
+            key = (t.data_ptr(), t.dtype, tuple(t.shape))
+            if key not in seen:
+                seen.add(key)
+                names.append(name)
+        return names
+
+    # -- tokenizer (thread-safe wrappers) --------------------------------------------------------------
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        with self._tok_lock:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}))
+            except Exception as e:  # jinja errors, bad message shapes
+                raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_text(self, text: str) -> list[int]:
+        with self._tok_lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_info(self, tid: int) -> tuple[str, list[int]]:
+        """(text, raw bytes) of one token; raw bytes come from the byte-level alphabet when possible."""
+        hit = self._token_cache.get(tid)
+        if hit is None:
+            with self._tok_lock:
+                piece = self.tokenizer.convert_ids_to_tokens(tid)
+                text = self.tokenizer.decode([tid], skip_special_tokens=False)
+            if isinstance(piece, str) and piece and all(c in self._byte_of for c in piece) \
+                    and piece not in self.tokenizer.all_special_tokens:
+                raw = [self._byte_of[c] for c in piece]
+            else:
+                raw = list(text.encode())
+            hit = self._token_cache[tid] = (text, raw)
+        return hit
+
+    # -- requests --------------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        """Queue `params.n` samples continuing `prompt`; the future resolves to list[SeqOutput]."""
+        if not prompt:
+            raise APIError("the prompt is empty", param="prompt")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise APIError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        room = self.max_model_len - len(prompt)
+        if room <= 0:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                           f"{len(prompt)} tokens", param="messages")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, "
+                           f"{params.max_tokens} for the completion)", param="max_tokens")
+        fut: Future = Future()
+        req = _Request(prompt=list(prompt), params=params, max_tokens=params.max_tokens or room, future=fut)
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:  # choice i of a seeded request draws from seed + i
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            req.seqs.append(_Seq(req=req, row=RowParams(params.temperature, params.top_k, params.top_p,
+                                                        params.min_p, params.repetition_penalty, gen)))
+        with self._cv:
+            if self._stopping:
+                raise APIError("the server is shutting down", status=503, type="ServiceUnavailableError")
+            self.stats["requests"] += 1
+            self._waiting.extend(req.seqs)
+            self._cv.notify_all()
+        return fut
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def load(self) -> dict[str, int]:
+        return {"running": len(self._rows), "waiting": len(self._waiting)}
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+        err = APIError("the server shut down before the request finished", status=503,
+                       type="ServiceUnavailableError")
+        for s in list(self._rows) + list(self._waiting):
+            if not s.req.future.done():
+                s.req.future.set_exception(err)
+
+    # -- scheduler -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._stopping and (self._paused or not (self._waiting or self._rows)):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            try:
+                with self._weights_lock:
+                    self._iteration()
+            except Exception as e:  # an engine bug must fail the running requests, not the server
+                log.exception("engine iteration failed")
+                self.stats["engine_errors"] += 1
+                err = APIError(f"engine error: {type(e).__name__}: {e}", status=500, type="InternalServerError")
+                for s in self._rows:
+                    if not s.req.future.done():
+                        s.req.future.set_exception(err)
+                self._rows, self._kv, self._mask, self._pos, self._logits = [], None, None, None, None
+
+    def _iteration(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        if not self._rows:
+            return
+        rows = self._rows
+        seen = [s.req.prompt + s.out if s.row.repetition_penalty != 1.0 else None for s in rows]
+        assert self._logits is not None
+        lp, greedy = processed_logprobs(self._logits, [s.row for s in rows], seen)
+        tokens = sample(lp, greedy, [s.row for s in rows], self._generator)
+        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        k = max(s.req.params.top_logprobs for s in rows)
+        tops = torch.topk(lp, k, dim=1) if k else None
+        self.stats["batch_size_hist"][len(rows)] += 1
+        self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], len(rows))
+        self.stats["generated_tokens"] += len(rows)
+        for i, (s, tok) in enumerate(zip(rows, tokens.tolist())):
+            s.out.append(tok)
+            s.logprobs.append(float(chosen[i]))
+            s.steps.append(s.logits_step)
+            if tops is not None and s.req.params.top_logprobs:
+                n = s.req.params.top_logprobs
+                s.top.append(list(zip(tops.indices[i, :n].tolist(), tops.values[i, :n].tolist())))
+            self._check_finished(s, tok)
+        keep = [i for i, s in enumerate(rows) if s.finish is None]
+        for s in rows:
+            if s.finish is not None:
+                self._maybe_complete(s.req)
+        if len(keep) != len(rows):
+            self._select_rows(keep)
+        if self._rows:
+            self._decode(tokens[keep] if len(keep) != len(rows) else tokens)
+
+    def _check_finished(self, s: _Seq, tok: int) -> None:
+        p = s.req.params
+        if tok in self.eos_ids and not p.ignore_eos:
+            s.finish = "stop"
+        elif tok in p.stop_token_ids:
+            s.finish, s.stop_reason = "stop", tok
+        elif p.stop:
+            window = 4 * max(len(x) for x in p.stop) + 4
+            tail = self.decode(s.out[-window:], p.skip_special_tokens)
+            hit = next((x for x in p.stop if x in tail), None)
+            if hit is not None:
+                s.finish, s.stop_reason = "stop", hit
+        if s.finish is None and len(s.out) >= s.req.max_tokens:
+            s.finish = "length"
+
+    def _maybe_complete(self, req: _Request) -> None:
+        if req.future.done() or any(s.finish is None for s in req.seqs):
+            return
+        outs = []
+        for s in req.seqs:
+            text = self.decode(s.out, req.params.skip_special_tokens)
+            if isinstance(s.stop_reason, str):
+                cut = text.find(s.stop_reason)
+                if cut >= 0:
+                    text = text[: cut + (len(s.stop_reason) if req.params.include_stop_str_in_output else 0)]
+            outs.append(SeqOutput(token_ids=s.out, logprobs=s.logprobs,
+                                  top_logprobs=s.top if req.params.top_logprobs else None, text=text,
+                                  finish_reason=s.finish or "stop", stop_reason=s.stop_reason,
+                                  policy_steps=sorted(set(s.steps))))
+        req.future.set_result(outs)
+
+    def _drop_cancelled(self) -> None:
+        """Forget sequences whose client went away (the HTTP handler cancelled the future)."""
+        with self._cv:
+            if any(s.req.future.cancelled() for s in self._waiting):
+                self._waiting = collections.deque(s for s in self._waiting if not s.req.future.cancelled())
+        keep = [i for i, s in enumerate(self._rows) if not s.req.future.cancelled()]
+        if len(keep) != len(self._rows):
+            self._select_rows(keep)
+
+    def _admit(self) -> None:
+        free = self.max_batch_size - len(self._rows)
+        if free <= 0:
+            return
+        with self._cv:
+            new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        if not new:
+            return
+        # Sequences of one request share the prompt: prefill it once and fan the cache out.
+        reqs = list(dict.fromkeys(s.req for s in new))
+        kv, mask, pos, logits = self._prefill([r.prompt for r in reqs])
+        idx = torch.tensor([reqs.index(s.req) for s in new], device=self.device)
+        for layer in kv.layers:
+            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+        mask, pos, logits = mask[idx], pos[idx], logits[idx]
+        for s in new:
+            s.logits_step = self.policy_step
+        self._merge(new, kv, mask, pos, logits)
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        from transformers import DynamicCache
+
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        kv = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
+                         use_cache=True, logits_to_keep=1)
+        self.stats["prefills"] += 1
+        self.stats["forward_steps"] += 1
+        return out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1].float()
+
+    def _merge(self, new: list[_Seq], kv: Any, mask: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor) -> None:
+        """Append prefilled rows to the running batch, left-padding whichever cache is shorter."""
+        if not self._rows:
+            self._rows, self._kv, self._mask, self._pos, self._logits = new, kv, mask, pos, logits
+            return
+        assert self._mask is not None and self._pos is not None and self._logits is not None
+        t_old, t_new = self._mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+
+        def lpad(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
+            if t == width:
+                return x
+            shape = list(x.shape)
+            shape[dim] = width - t
+            return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+        for old_layer, new_layer in zip(self._kv.layers, kv.layers):
+            old_layer.keys = torch.cat([lpad(old_layer.keys, t_old, 2), lpad(new_layer.keys, t_new, 2)])
+            old_layer.values = torch.cat([lpad(old_layer.values, t_old, 2), lpad(new_layer.values, t_new, 2)])
+        self._mask = torch.cat([lpad(self._mask, t_old, 1), lpad(mask, t_new, 1)])
+        self._pos = torch.cat([self._pos, pos])
+        self._logits = torch.cat([self._logits, logits])
+        self._rows = self._rows + new
+
+    def _select_rows(self, keep: list[int]) -> None:
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._kv, self._mask, self._pos, self._logits = None, None, None, None
+            return
+        assert self._mask is not None and self._pos is not None and self._logits is not None
+        idx = torch.tensor(keep, device=self.device)
+        mask = self._mask[idx]
+        # Columns that are padding for every remaining row are dead weight: trim them.
+        first = int(mask.any(0).nonzero()[0])
+        for layer in self._kv.layers:
+            layer.keys, layer.values = layer.keys[idx, :, first:], layer.values[idx, :, first:]
+        self._mask, self._pos, self._logits = mask[:, first:], self._pos[idx], self._logits[idx]
+
+    def _decode(self, tokens: torch.Tensor) -> None:
+        assert self._mask is not None and self._pos is not None
+        self._mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], dim=1)
+        out = self.model(input_ids=tokens.unsqueeze(1).to(self.device), attention_mask=self._mask,
+                         position_ids=self._pos.unsqueeze(1), past_key_values=self._kv, use_cache=True)
+        self._kv = out.past_key_values
+        self._pos = self._pos + 1
+        self._logits = out.logits[:, -1].float()
+        self.stats["forward_steps"] += 1
+        for s in self._rows:
+            s.logits_step = self.policy_step
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def update_weights(self, tensors: dict[str, torch.Tensor], step: int) -> str:
+        """Copy `tensors` (HF names) into the model between two decode steps; return the loaded checksum.
+
+        The checksum is computed from the model's own parameters after the copy, cast to each incoming
+        tensor's dtype, so it equals the sender's checksum only if the bytes really landed.
+        """
+        check_compatible(self._params, tensors)
+        with self._update_lock:
+            with self._weights_lock:
+                for name, t in tensors.items():
+                    self._params[name].copy_(t)
+                self.policy_step = int(step)
+                self._lora_base.clear()  # a full update replaces any merged adapter
+                self.lora_adapters.clear()
+            loaded = {n: self._params[n].to(tensors[n].dtype) for n in tensors}
+            self.checksum = state_dict_checksum(loaded)
+            self._weight_names = list(tensors)
+            return self.checksum
+
+    def update_weights_from_path(self, path: str, step: int) -> str:
+        return self.update_weights(load_safetensors_dir(path), step)
+
+    def load_lora(self, name: str, path: str) -> str:
+        """Merge a LoRA adapter into the base weights (replacing the previous adapter); return its checksum."""
+        deltas, raw = load_lora_delta(path, self._params)
+        with self._update_lock, self._weights_lock:
+            for pname in list(self._lora_base):  # undo the previous adapter first
+                self._params[pname].copy_(self._lora_base.pop(pname))
+            for pname, delta in deltas.items():
+                p = self._params[pname]
+                self._lora_base[pname] = p.detach().clone()
+                p.add_(delta.to(device=p.device, dtype=p.dtype))
+            self.lora_adapters = {name: path}
+        return state_dict_checksum(raw)
+
+    def weights_info(self) -> dict[str, Any]:
+        return {"step": self.policy_step, "checksum": self.checksum, "num_tensors": len(self._weight_names),
+                "lora_adapters": dict(self.lora_adapters)}
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The served weights under their HF names (tied aliases dropped): for tests and benchmarks."""
+        return {n: self._params[n] for n in self._weight_names}

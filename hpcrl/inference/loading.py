@@ -1,0 +1,90 @@
+"""Reading weight updates from disk: full safetensors checkpoints and LoRA adapters (no pickle)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpcrl.inference.protocol import APIError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of a HF directory (`*.safetensors`) or of one `.safetensors` file, on CPU."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.exists():
+        raise APIError(f"weights path {path!r} does not exist", param="path")
+    files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
+    if not files:
+        raise APIError(f"weights path {path!r} holds no .safetensors file", param="path")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except Exception as e:  # corrupt / truncated file: a client error, not a crash
+            raise APIError(f"cannot read {f}: {e}", param="path") from e
+        for k, v in tensors.items():
+            if k in out:
+                raise APIError(f"tensor {k!r} appears in more than one file under {path!r}", param="path")
+            out[k] = v
+    return out
+
+
+def check_compatible(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse an update that names unknown parameters or has other shapes: nothing is loaded then."""
+    unknown = [k for k in tensors if k not in params]
+    if unknown:
+        raise APIError(f"{len(unknown)} tensor name(s) are not parameters of the served model, e.g. "
+                       f"{unknown[:3]}", param="path")
+    bad = [(k, tuple(t.shape), tuple(params[k].shape)) for k, t in tensors.items()
+           if tuple(t.shape) != tuple(params[k].shape)]
+    if bad:
+        k, got, want = bad[0]
+        raise APIError(f"shape mismatch for {k!r}: update has {got}, model has {want}", param="path")
+    if not tensors:
+        raise APIError("the weight update holds no tensors", param="path")
+
+
+def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                                      dict[str, torch.Tensor]]:
+    """Read a PEFT LoRA adapter dir; return ({base param name: delta W}, raw adapter tensors).
+
+    The server merges base + delta (never cumulative), so loading adapter k replaces adapter k-1.
+    """
+    p = Path(path)
+    cfg_file = p / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise APIError(f"LoRA path {path!r} has no adapter_config.json", param="lora_path")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+        r = int(cfg["r"])
+        alpha = float(cfg.get("lora_alpha", r))
+    except (ValueError, KeyError, TypeError) as e:
+        raise APIError(f"bad adapter_config.json under {path!r}: {e}", param="lora_path") from e
+    scale = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+    raw = load_safetensors_dir(str(p / "adapter_model.safetensors"))
+    deltas: dict[str, torch.Tensor] = {}
+    for key, a in raw.items():
+        if ".lora_A." not in key:
+            continue
+        b = raw.get(key.replace(".lora_A.", ".lora_B."))
+        if b is None:
+            raise APIError(f"LoRA tensor {key!r} has no lora_B partner", param="lora_path")
+        # PEFT names: base_model.model.<hf module>.lora_A.weight -> <hf module>.weight
+        module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+        name = f"{module}.weight"
+        if name not in params:
+            raise APIError(f"LoRA targets {name!r}, which the served model does not have", param="lora_path")
+        delta = (b.float() @ a.float()) * scale
+        if tuple(delta.shape) != tuple(params[name].shape):
+            raise APIError(f"LoRA delta for {name!r} has shape {tuple(delta.shape)}, model has "
+                           f"{tuple(params[name].shape)}", param="lora_path")
+        deltas[name] = delta
+    if not deltas:
+        raise APIError(f"LoRA adapter under {path!r} holds no lora_A/lora_B pairs", param="lora_path")
+    return deltas, raw

@@ -1,0 +1,334 @@
+"""OpenAI/vLLM request parsing and response shapes for the embedded backend (pure Python).
+
+Everything a client can get wrong is checked here and raised as `APIError`, which the server turns into
+`{"error": {"message", "type", "param", "code"}}` with a 4xx status: bad input never reaches the engine.
+Unknown request fields are ignored (OpenAI clients send extras such as `user`), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """A request the server refuses, with the HTTP status and OpenAI error fields to answer with."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "BadRequestError",
+                 param: str | None = None, code: int | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param = message, status, type, param
+        self.code = code if code is not None else status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def not_found(message: str, param: str | None = None) -> APIError:
+    return APIError(message, status=404, type="NotFoundError", param=param)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = None  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+
+
+# -- field readers -------------------------------------------------------------------------------------
+def _int(body: dict[str, Any], key: str, default: int | None, lo: int | None = None,
+         hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise APIError(f"`{key}` must be an integer, got {v!r}", param=key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise APIError(f"`{key}` must be {rng}, got {v}", param=key)
+    return v
+
+
+def _float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
+           lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
+        raise APIError(f"`{key}` must be a number, got {v!r}", param=key)
+    if v > hi or v < lo or (lo_open and v == lo):
+        raise APIError(f"`{key}` must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=key)
+    return float(v)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise APIError(f"`{key}` must be a boolean, got {v!r}", param=key)
+    return v
+
+
+def _int_list(v: Any, key: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise APIError(f"`{key}` must be a list of integers", param=key)
+    return list(v)
+
+
+def parse_sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
+    """Read and validate the sampling fields of a chat or completions request."""
+    if _bool(body, "stream", False):
+        raise APIError("`stream` is not supported by the hf backend; send stream=false", param="stream")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise APIError(f"`{key}` is not supported by the hf backend (use repetition_penalty)", param=key)
+    if body.get("logit_bias"):
+        raise APIError("`logit_bias` is not supported by the hf backend", param="logit_bias")
+    max_tokens = _int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, lo=1)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise APIError("`stop` must be a non-empty string or a list of at most 16 of them", param="stop")
+    top_k = _int(body, "top_k", 0, lo=-1)
+    if chat:
+        logprobs = _bool(body, "logprobs", False)
+        top_logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS) or 0
+        if top_logprobs and not logprobs:
+            raise APIError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    else:  # completions: `logprobs` is the number of alternatives (0 = only the sampled token)
+        lp = body.get("logprobs")
+        if isinstance(lp, bool):
+            lp = 0 if lp else None
+        logprobs = lp is not None
+        top_logprobs = _int({"logprobs": lp}, "logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS) or 0
+    return SamplingParams(
+        n=_int(body, "n", 1, lo=1, hi=MAX_N) or 1,
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(top_k or 0, 0),
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True),
+        stop=stop,
+        stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
+        seed=_int(body, "seed", None),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        ignore_eos=_bool(body, "ignore_eos", False),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        return_token_ids=_bool(body, "return_token_ids", False),
+    )
+
+
+# -- prompts -------------------------------------------------------------------------------------------
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text parts make sense for a text model
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"{where}: only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise APIError(f"{where}: `content` must be a string or a list of text parts", param="messages")
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Validate `messages` and normalise content to strings (what the chat template expects)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("`messages` must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}] must be an object with a string `role`", param="messages")
+        if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
+            raise APIError(f"messages[{i}]: unknown role {m['role']!r}", param="messages")
+        msg = dict(m)
+        msg["role"] = "system" if m["role"] == "developer" else m["role"]
+        msg["content"] = _content_text(m.get("content"), f"messages[{i}]")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise APIError(f"messages[{i}].tool_calls must be a list of objects", param="messages")
+            msg["tool_calls"] = [_normalise_tool_call(c, i) for c in calls]
+        out.append(msg)
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise APIError("`tools` must be a list of objects", param="tools")
+    return out
+
+
+def _normalise_tool_call(call: dict[str, Any], i: int) -> dict[str, Any]:
+    fn = call.get("function", call)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(f"messages[{i}].tool_calls: each call needs function.name", param="messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            pass  # keep the string: the template renders it verbatim
+    return {"type": "function", "id": call.get("id"), "function": {"name": fn["name"], "arguments": args}}
+
+
+def parse_completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a batch of either."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [list(p)]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, list) for x in p):
+            return [_int_list(x, "prompt") for x in p]
+    raise APIError("`prompt` must be a string, a list of token ids, or a non-empty batch of either",
+                   param="prompt")
+
+
+# -- tool calls ----------------------------------------------------------------------------------------
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def extract_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes/Qwen style: <tool_call>{"name": ..., "arguments": ...}</tool_call> → OpenAI tool_calls."""
+    calls = []
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    if not calls:
+        return text, []
+    rest = _TOOL_CALL.sub("", text).strip()
+    return (rest or None), calls
+
+
+# -- responses -----------------------------------------------------------------------------------------
+@dataclass
+class SeqOutput:
+    """One finished choice as the engine reports it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None
+    policy_steps: list[int]
+
+
+def _usage(prompt_tokens: int, outs: list[SeqOutput]) -> dict[str, int]:
+    completion = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def chat_logprobs(out: SeqOutput, token_str: Any, token_bytes: Any) -> dict[str, Any]:
+    content = []
+    for j, (tid, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        tops = out.top_logprobs[j] if out.top_logprobs else []
+        content.append({
+            "token": token_str(tid), "logprob": lp, "bytes": token_bytes(tid),
+            "top_logprobs": [{"token": token_str(t), "logprob": x, "bytes": token_bytes(t)} for t, x in tops],
+        })
+    return {"content": content}
+
+
+def chat_response(model: str, prompt_ids: list[int], outs: list[SeqOutput], params: SamplingParams,
+                  parse_tools: bool, token_str: Any, token_bytes: Any) -> dict[str, Any]:
+    choices = []
+    for i, o in enumerate(outs):
+        message: dict[str, Any] = {"role": "assistant", "content": o.text}
+        finish = o.finish_reason
+        if parse_tools:
+            content, calls = extract_tool_calls(o.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        choice: dict[str, Any] = {
+            "index": i, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
+            "logprobs": chat_logprobs(o, token_str, token_bytes) if params.logprobs else None,
+            "policy_steps": o.policy_steps,
+        }
+        if params.return_token_ids:
+            choice["token_ids"] = o.token_ids
+        choices.append(choice)
+    resp: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model, "choices": choices, "usage": _usage(len(prompt_ids), outs),
+        "policy_steps": sorted({s for o in outs for s in o.policy_steps}),
+    }
+    if params.return_token_ids:
+        resp["prompt_token_ids"] = prompt_ids
+    return resp
+
+
+def completion_response(model: str, prompts: list[list[int]], outs: list[list[SeqOutput]],
+                        params: SamplingParams, token_str: Any) -> dict[str, Any]:
+    choices = []
+    for p, (prompt_ids, group) in enumerate(zip(prompts, outs)):
+        for i, o in enumerate(group):
+            lps = None
+            if params.logprobs:
+                tops = o.top_logprobs or [[] for _ in o.token_ids]
+                lps = {"tokens": [token_str(t) for t in o.token_ids], "token_logprobs": o.logprobs,
+                       "top_logprobs": [{token_str(t): x for t, x in tk} for tk in tops],
+                       "text_offset": []}
+            choice: dict[str, Any] = {"index": p * params.n + i, "text": o.text, "logprobs": lps,
+                                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                                      "policy_steps": o.policy_steps}
+            if params.return_token_ids:
+                choice["token_ids"] = o.token_ids
+                choice["prompt_token_ids"] = prompt_ids
+            choices.append(choice)
+    flat = [o for g in outs for o in g]
+    resp: dict[str, Any] = {
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        "model": model, "choices": choices, "usage": _usage(sum(len(p) for p in prompts), flat),
+        "policy_steps": sorted({s for o in flat for s in o.policy_steps}),
+    }
+    if params.return_token_ids and len(prompts) == 1:
+        resp["prompt_token_ids"] = prompts[0]
+    return resp

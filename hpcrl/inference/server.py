@@ -1,0 +1,202 @@
+"""`hpcrl inference`: serve the policy over HTTP with the embedded (hf) or the vLLM backend.
+
+    serve(ServeOptions(model_name="hpcrl/tiny-qwen3", port=8000))      # blocks until SIGINT/SIGTERM
+    python -m hpcrl.inference.server --model.name DIR --server.port 8000 [--inference.backend hf|vllm]
+
+Once the server listens it writes its address file (RunPaths(run_dir).server_file(index)) so that the
+orchestrator and trainer find it through the shared filesystem. This module imports nothing heavy at
+import time: torch, transformers and vllm load inside `serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hpcrl.inference.server")
+
+
+@dataclass
+class ServeOptions:
+    """Everything one inference server needs; the config system maps its `inference` section onto this."""
+
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: pick a free port (the address file says which)
+    backend: str = "hf"  # "hf" (embedded transformers engine) | "vllm"
+    max_batch_size: int = 64
+    max_model_len: int = 2048
+    dtype: str = "auto"
+    seed: int = 0
+    run_dir: str | None = None
+    server_index: int = 0
+    served_model_name: str | None = None  # name clients send as `model` (default: model_name)
+    device: str | None = None  # hf backend: "cpu" / "cuda" (default: cuda when available)
+    log_level: str = "warning"  # uvicorn access/error log level
+    vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags (vllm backend only)
+
+    def validate(self) -> None:
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"inference.backend: {self.backend!r} is not allowed; use hf or vllm")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port: {self.port} is outside 0..65535")
+        if self.max_batch_size < 1:
+            raise ValueError(f"inference.max_batch_size: must be >= 1, got {self.max_batch_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"inference.max_model_len: must be >= 2, got {self.max_model_len}")
+
+
+def advertised_host(host: str) -> str:
+    """The host other nodes should dial: the machine's name when bound to every interface."""
+    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+
+
+def write_server_info(opts: ServeOptions, port: int) -> Path | None:
+    """Write the ready file atomically (tmp + fsync + rename); the bus ServerInfo when it exists."""
+    if not opts.run_dir:
+        return None
+    from hpcrl.paths import RunPaths
+
+    host = advertised_host(opts.host)
+    info = {"index": opts.server_index, "base_url": f"http://{host}:{port}", "host": host, "port": port,
+            "pid": os.getpid(), "model": opts.served_model_name or opts.model_name}
+    path = RunPaths(opts.run_dir).server_file(opts.server_index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:  # the bus owns the format (ServerInfo as JSON, what Bus.servers() reads)
+        from hpcrl.bus.files import write_atomic
+        from hpcrl.bus.messages import ServerInfo, encode_json
+    except ImportError:
+        pass
+    else:
+        write_atomic(path, [encode_json(ServerInfo(**info))])
+        return path
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"server.port: cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(opts: ServeOptions) -> None:
+    """Load the model, listen, write the address file, serve until interrupted."""
+    opts.validate()
+    from hpcrl.models.tiny import resolve_model
+
+    model_path = resolve_model(opts.model_name)
+    if opts.backend == "vllm":
+        from hpcrl.inference import vllm_backend
+
+        vllm_backend.serve(opts, model_path)
+        return
+    _serve_hf(opts, model_path)
+
+
+def _serve_hf(opts: ServeOptions, model_path: str) -> None:
+    import asyncio
+
+    import uvicorn
+
+    from hpcrl.inference.api import ServerState, build_app
+    from hpcrl.inference.engine import HFEngine
+
+    sock = _bind(opts.host, opts.port)  # fail fast on a taken port, before loading the model
+    engine = HFEngine(model_path, max_batch_size=opts.max_batch_size, max_model_len=opts.max_model_len,
+                      dtype=opts.dtype, seed=opts.seed, device=opts.device)
+    state = ServerState(engine, opts.served_model_name or opts.model_name, model_path)
+    app = build_app(state)
+    config = uvicorn.Config(app, log_level=opts.log_level, access_log=False, timeout_keep_alive=30,
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    port = sock.getsockname()[1]
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        write_server_info(opts, port)
+        print(f"hpcrl inference ready at http://{advertised_host(opts.host)}:{port} "
+              f"(model {state.served_name}, backend hf, pid {os.getpid()})", flush=True)
+
+    async def main() -> None:
+        task = asyncio.create_task(announce())
+        await server.serve(sockets=[sock])
+        task.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+        sock.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcrl inference", description="Serve the policy over an OpenAI-style HTTP API.")
+    p.add_argument("--model.name", dest="model_name", required=True,
+                   help="HF model dir, built-in name (hpcrl/tiny-qwen3) or hub id")
+    p.add_argument("--server.host", dest="host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument("--server.port", dest="port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument("--inference.backend", dest="backend", choices=["hf", "vllm"], default="hf",
+                   help="hf: embedded transformers engine; vllm: vLLM's OpenAI server (GPU)")
+    p.add_argument("--inference.max-batch-size", "--inference.max_batch_size", dest="max_batch_size", type=int,
+                   default=64, help="most sequences decoded together")
+    p.add_argument("--inference.max-model-len", "--inference.max_model_len", dest="max_model_len", type=int,
+                   default=2048, help="context length (prompt + completion)")
+    p.add_argument("--inference.dtype", dest="dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--inference.seed", dest="seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument("--served-model-name", dest="served_model_name", default=None,
+                   help="name clients pass as `model`")
+    p.add_argument("--run-dir", dest="run_dir", default=None, help="run output dir: write the address file there")
+    p.add_argument("--server-index", dest="server_index", type=int, default=0, help="this server's index")
+    p.add_argument("--log-level", dest="log_level", default="warning", help="uvicorn log level")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    kw: dict[str, Any] = vars(args)
+    if extra and kw["backend"] != "vllm":
+        print(f"error: unknown arguments {extra} (only the vllm backend passes extra flags on)", file=sys.stderr)
+        return 2
+    opts = ServeOptions(**kw, vllm_args=extra)
+    try:
+        opts.validate()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("serving %s", asdict(opts))
+    try:
+        serve(opts)
+    except KeyboardInterrupt:
+        pass
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

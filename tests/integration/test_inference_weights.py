@@ -1,0 +1,201 @@
+"""Weight updates of a live hf server: from a path, over gloo, verified by checksum; pause; LoRA."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hpcrl.inference.client import InferenceClient, WeightSyncError  # noqa: E402
+from hpcrl.weights.checksum import state_dict_checksum  # noqa: E402
+from hpcrl.weights.collective import broadcast_weights, init_group, receive_weights  # noqa: E402
+
+MSGS = [{"role": "user", "content": "Sort: d c b a"}]
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from tests.conftest import InferenceServer
+
+    srv = InferenceServer(tiny_model_dir, tmp_path_factory.mktemp("weights_run"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from hpcrl.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("other_weights")
+    return {seed: build_tiny_model(root / f"seed{seed}", seed=seed) for seed in (1, 2)}
+
+
+def load_sd(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(model_dir / "model.safetensors")
+
+
+async def greedy(c: InferenceClient) -> dict:
+    r = await c.chat_completion(MSGS, **GREEDY)
+    ch = r["choices"][0]
+    # Random tiny models often repeat one token greedily: compare logprobs too, not only tokens.
+    return {"tokens": ch["token_ids"], "steps": ch["policy_steps"],
+            "out": (ch["token_ids"], [round(x["logprob"], 5) for x in ch["logprobs"]["content"]])}
+
+
+def test_collective_protocol_round_trip() -> None:
+    """Odd bucket sizes (chunks inside one tensor and across several), bf16, int and 0-dim tensors."""
+    sd = {"w": torch.randn(37, 11), "b": torch.randn(5).bfloat16(), "i": torch.arange(9), "s": torch.tensor(2.5),
+          "big": torch.randn(70_000)}
+
+    def receiver(port: int, got: dict) -> None:
+        got["out"] = receive_weights(init_group("127.0.0.1", port, 2, 1, timeout_s=30))
+
+    for bucket_mb in (1e-4, 0.05, 16):
+        port, got = free_port(), {}
+        recv = threading.Thread(target=receiver, args=(port, got))
+        recv.start()
+        group = init_group("127.0.0.1", port, 2, 0, timeout_s=30)
+        broadcast_weights(group, sd, step=7, bucket_mb=bucket_mb)
+        recv.join(30)
+        step, tensors = got["out"]
+        assert step == 7 and list(tensors) == list(sd)
+        assert all(tensors[k].dtype == sd[k].dtype and torch.equal(tensors[k], sd[k]) for k in sd)
+        assert state_dict_checksum(tensors) == state_dict_checksum(sd)
+
+
+def test_checksum_sees_names_dtypes_shapes_and_bytes() -> None:
+    sd = {"a": torch.ones(2, 3), "b": torch.zeros(4)}
+    ck = state_dict_checksum(sd)
+    assert ck == state_dict_checksum(list(reversed(list(sd.items()))))  # order-independent
+    assert ck != state_dict_checksum({"a2": sd["a"], "b": sd["b"]})
+    assert ck != state_dict_checksum({"a": sd["a"].double(), "b": sd["b"]})
+    assert ck != state_dict_checksum({"a": sd["a"].reshape(3, 2), "b": sd["b"]})
+    bumped = sd["a"].clone()
+    bumped[1, 2] = 1.0000001
+    assert ck != state_dict_checksum({"a": bumped, "b": sd["b"]})
+
+
+def test_update_from_path_changes_outputs_and_checksum(server, other_weights) -> None:
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            start = await c.weights()
+            before = await greedy(c)
+            expected = state_dict_checksum(load_sd(other_weights[1]))
+            r = await c.update_weights(start["step"] + 1, path=str(other_weights[1]), expected_checksum=expected)
+            assert r["checksum"] == expected != start["checksum"]
+            after = await greedy(c)
+            assert after["out"] != before["out"] and after["steps"] == [start["step"] + 1]
+            assert (await c.weights())["checksum"] == expected
+
+    asyncio.run(run())
+
+
+def test_update_over_gloo_changes_outputs_and_checksum(server, other_weights) -> None:
+    sd = load_sd(other_weights[2])
+    expected = state_dict_checksum(sd)
+
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            before = await greedy(c)
+            step = (await c.weights())["step"] + 1
+            port = free_port()
+            group, _ = await asyncio.gather(asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
+                                            c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60))
+            _, r = await asyncio.gather(
+                asyncio.to_thread(broadcast_weights, group, sd, step, bucket_mb=0.25, checksum=expected),
+                c.update_weights(step, collective=True, expected_checksum=expected))
+            assert r["checksum"] == expected
+            after = await greedy(c)
+            assert after["out"] != before["out"] and after["steps"] == [step]
+            assert (await c.weights()) | {"checksum": expected} == await c.weights()
+
+    asyncio.run(run())
+
+
+def test_checksum_mismatch_is_loud_until_a_good_update(server, other_weights) -> None:
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            step = (await c.weights())["step"] + 1
+            with pytest.raises(WeightSyncError, match="checksum"):
+                await c.update_weights(step, path=str(other_weights[1]), expected_checksum="xxh3_128:00")
+            assert (await c.health())["status"] == "weights_unverified"
+            r = await c._http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
+            assert r.status_code == 503 and "failed verification" in r.json()["error"]["message"]
+            good = state_dict_checksum(load_sd(other_weights[1]))
+            await c.update_weights(step + 1, path=str(other_weights[1]), expected_checksum=good)
+            assert (await c.health())["status"] == "ok"
+            assert (await greedy(c))["steps"] == [step + 1]
+
+    asyncio.run(run())
+
+
+def test_update_lands_between_decode_steps(server, other_weights) -> None:
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            step = (await c.weights())["step"]
+            long = asyncio.create_task(c.chat_completion(MSGS, max_tokens=600, ignore_eos=True))
+            while (await c.health())["running"] == 0:
+                await asyncio.sleep(0.01)
+            await c.update_weights(step + 1, path=str(other_weights[2]))
+            r = await long
+            assert r["choices"][0]["policy_steps"] == [step, step + 1]
+            assert len(r["choices"][0]["token_ids"]) == 600
+
+    asyncio.run(run())
+
+
+def test_pause_holds_requests_until_resume(server) -> None:
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            await c.pause()
+            task = asyncio.create_task(c.chat_completion(MSGS, max_tokens=4))
+            await asyncio.sleep(0.3)
+            h = await c.health()
+            assert not task.done() and h["paused"] and h["waiting"] == 1
+            await c.resume()
+            assert len((await task)["choices"]) == 1
+
+    asyncio.run(run())
+
+
+def test_lora_adapter_is_merged_and_listed(server, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    g = torch.Generator().manual_seed(0)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.randn(2, 128, generator=g),
+               f"{prefix}.lora_B.weight": torch.randn(128, 2, generator=g)}, str(adapter / "adapter_model.safetensors"))
+
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            before = await greedy(c)
+            r = await c.load_lora_adapter("reverse-lora", str(adapter))
+            assert r["checksum"].startswith("xxh3_128:") or r["checksum"].startswith("sha256:")
+            assert "reverse-lora" in [m["id"] for m in await c.models()]
+            after = await c.chat_completion(MSGS, model="reverse-lora", **GREEDY)
+            lps = [round(x["logprob"], 5) for x in after["choices"][0]["logprobs"]["content"]]
+            assert (after["choices"][0]["token_ids"], lps) != before["out"]
+            bad = httpx.post(f"{server.base_url}/load_lora_adapter",
+                             json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=30)
+            assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+
+    asyncio.run(run())
