@@ -67,7 +67,8 @@ class Bus:
 
     role/rank name this process's doorbell (`<role>_<rank>`); `listen=False` for processes that
     only publish or only poll (their waits fall back to pure polling). `host` is the address the
-    doorbell binds and advertises: "127.0.0.1" on one node, the node's IP (or "auto") across nodes.
+    doorbell binds and advertises: "127.0.0.1" on one node, the node's IP (or "auto") across nodes;
+    None reads $HPCRL_BUS_HOST (so a launcher can set it for every role), else "127.0.0.1".
     """
 
     def __init__(
@@ -76,7 +77,7 @@ class Bus:
         role: str,
         rank: int = 0,
         *,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         listen: bool = True,
         poll_interval: float = 0.5,
         timeout: float = 1800.0,
@@ -109,6 +110,7 @@ class Bus:
             ensure_dir(d)
         self._clean_tmp()
         self._writer = DoorbellWriter(paths)
+        host = host or os.environ.get("HPCRL_BUS_HOST") or "127.0.0.1"
         self._reader = DoorbellReader(paths, self.name, host) if listen else None
 
     @property

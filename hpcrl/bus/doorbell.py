@@ -121,6 +121,7 @@ class DoorbellWriter:
     def __init__(self, paths: RunPaths):
         self.paths = paths
         self._peers: dict[str, _Peer] = {}
+        self._unreadable: dict[str, tuple[int, int, int]] = {}  # parsed once per file version
         self.sent = 0
         self.dropped = 0
 
@@ -158,10 +159,14 @@ class DoorbellWriter:
         signature = (st.st_ino, st.st_mtime_ns, st.st_size)
         if peer is not None and peer.signature == signature:
             return peer.sock
+        if self._unreadable.get(name) == signature:
+            return None
         try:
             endpoint = decode_json(path.read_bytes(), Endpoint)
         except (OSError, CorruptMessageError) as e:
-            log.warning("doorbell: unreadable endpoint file %s (%s); not ringing", path, e)
+            # Other components keep address files here too (e.g. the weight-broadcast rendezvous).
+            self._unreadable[name] = signature
+            log.debug("doorbell: %s is not a doorbell endpoint (%s); not ringing it", path, e)
             return None
         if peer is not None and peer.address == endpoint.address:
             peer.signature = signature

@@ -67,7 +67,7 @@ def test_sigkilled_writer_never_exposes_a_partial_file(tmp_path):
     paths = RunPaths(tmp_path / "run")
     reads = caught_mid_write = 0
     for _trial in range(3):
-        writer = spawn("hammer", paths.root, 24)
+        writer = spawn("hammer", paths.root, 16)
         deadline = time.monotonic() + 20
         try:
             while time.monotonic() < deadline:
@@ -118,7 +118,7 @@ def test_reader_started_after_the_writer_finds_everything(tmp_path):
 
 def test_restarted_reader_gets_the_rest_of_the_stream_exactly_once(tmp_path):
     paths = RunPaths(tmp_path / "run")
-    total, interval = 30, 0.1
+    total, interval = 20, 0.08
     writer = spawn("writer", paths.root, 0, total, interval)
     first = spawn("reader", paths.root, total)
     got_first = []
@@ -146,7 +146,7 @@ def test_reader_restarted_every_few_steps_clean_or_not(tmp_path):
     """The reader is replaced every 10 steps, half the time without closing (a hung predecessor
     keeps its socket bound): the writer follows each new endpoint file and nothing is lost or repeated."""
     paths = RunPaths(tmp_path / "run")
-    total, interval = 40, 0.05
+    total, interval = 30, 0.04
     writer = spawn("writer", paths.root, 0, total, interval)
     t0 = time.monotonic()
     abandoned = []

@@ -280,3 +280,26 @@ def test_batches_decode_to_plain_numpy(buses):
     batch = trainer.wait_batch(0, timeout=1)
     assert isinstance(batch, TrainBatch) and isinstance(batch.input_ids, np.ndarray)
     assert batch.position_ids[:5].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_host_from_argument_or_environment(paths, monkeypatch):
+    monkeypatch.setenv("HPCRL_BUS_HOST", "auto")  # what a multi-node launcher sets
+    with Bus(paths, "trainer", 3) as bus:
+        host = bus.address.removeprefix("tcp://").rsplit(":", 1)[0]
+        assert host and host != "auto"
+        orch = Bus(paths, "orchestrator", listen=False)
+        orch.publish_batch(0, 3, make_batch(step=0, rank=3, world_size=4))
+        assert bus.wait_batch(0, timeout=2).rank == 3
+        orch.close()
+    with Bus(paths, "trainer", 0, host="127.0.0.1") as bus:
+        assert bus.address.startswith("tcp://127.0.0.1:")
+
+
+def test_policy_rings_skip_foreign_address_files(buses, paths, caplog):
+    orch = buses("orchestrator", poll_interval=SLOW_POLL)
+    trainer = buses("trainer")
+    paths.endpoint_file("weights").write_text('{"host": "h", "port": 1, "world_size": 2}')
+    later(0.2, trainer.publish_policy, policy(0))
+    assert orch.wait_policy(0, timeout=5).step == 0
+    trainer.publish_policy(policy(1))
+    assert "WARNING" not in caplog.text

@@ -1,0 +1,217 @@
+"""Benchmark the bus: hand-off latency, large-batch throughput, codec speed. Prints one table.
+
+    python scripts/bench/bus.py                 # ~30 s on 2 cores; --dir picks the disk to test
+
+(a) latency from the writer's rename to the reader (another process) holding the decoded batch,
+    with the doorbell and with plain 1 s polling; both sides stamp time.time() on one machine.
+(b) write+read of a 64 MiB TrainBatch through the bus (frame, checksum, fsync, rename, dir fsync,
+    read, verify, decode) against a raw write+fsync+read of as many bytes on the same disk.
+(c) encode+decode of a 1M-token TrainBatch against the same data as per-token lists in msgpack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from hpcrl.bus import Bus, TrainBatch, decode, encode  # noqa: E402
+from hpcrl.bus.files import read_bytes, read_message, write_message  # noqa: E402
+from hpcrl.paths import RunPaths  # noqa: E402
+
+TOKEN_BYTES = 17  # int32 ids + int32 positions + bool mask + float32 advantages + float32 logprobs
+
+
+def make_batch(tokens: int, step: int = 0, sample_len: int = 1024) -> TrainBatch:
+    rng = np.random.default_rng(step)
+    lens = [sample_len] * (tokens // sample_len) + ([tokens % sample_len] if tokens % sample_len else [])
+    seq_lens = np.array(lens, dtype=np.int32)
+    s = len(seq_lens)
+    return TrainBatch(
+        step=step,
+        rank=0,
+        world_size=1,
+        input_ids=rng.integers(0, 150_000, tokens, dtype=np.int32),
+        position_ids=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
+        seq_lens=seq_lens,
+        loss_mask=rng.random(tokens) < 0.7,
+        advantages=rng.standard_normal(tokens, dtype=np.float32),
+        inference_logprobs=-rng.random(tokens, dtype=np.float32),
+        policy_versions=np.full(s, step, dtype=np.int32),
+        temperatures=np.ones(s, dtype=np.float32),
+        env_names=["reverse_text"] * s,
+        example_ids=np.arange(s, dtype=np.int64),
+        rewards=rng.random(s, dtype=np.float32),
+        total_loss_tokens=tokens,
+    )
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+# -- (a) latency ------------------------------------------------------------------------------------
+def reader_main(root: str, mode: str, count: int, out: str) -> None:
+    listen = mode == "doorbell"
+    bus = Bus(RunPaths(root), "trainer", 0, listen=listen, poll_interval=0.5 if listen else 1.0)
+    print("ready", flush=True)
+    held = {}
+    for step in range(count):
+        batch = bus.wait_batch(step, timeout=60)
+        held[step] = time.time()
+        assert batch.step == step
+    Path(out).write_text(json.dumps(held))
+    bus.close()
+
+
+def bench_latency(root: Path, mode: str, count: int, gap: tuple[float, float], tokens: int) -> list[float]:
+    paths = RunPaths(root / f"latency_{mode}")
+    out = root / f"latency_{mode}.json"
+    reader = subprocess.Popen(
+        [sys.executable, __file__, "--reader", str(paths.root), mode, str(count), str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+    writer = Bus(paths, "orchestrator", listen=False)
+    batch = make_batch(tokens)
+    renamed = {}
+    rng = random.Random(0)
+    for step in range(count):
+        time.sleep(rng.uniform(*gap))  # random phase against the reader's poll clock
+        batch.step = step
+        writer.publish_batch(step, 0, batch)
+        renamed[step] = writer.last_renamed_at
+    assert reader.wait(timeout=120) == 0
+    writer.close()
+    held = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    return [held[s] - renamed[s] for s in range(count)]
+
+
+# -- (b) throughput ---------------------------------------------------------------------------------
+def bench_throughput(root: Path, mib: int, reps: int, checksum: str) -> tuple[float, float]:
+    """Median seconds of (bus write+read, raw write+fsync+read) of `mib` MiB."""
+    tokens = mib * (1 << 20) // TOKEN_BYTES
+    batch = make_batch(tokens)
+    raw = np.random.default_rng(1).integers(0, 255, tokens * TOKEN_BYTES, dtype=np.uint8)
+    bus_file, raw_file = root / "tp" / "rank_0.msgpack", root / "tp" / "raw.bin"
+    bus_t, raw_t = [], []
+    for _ in range(reps + 1):  # first round warms the page cache and allocator; dropped
+        t0 = time.perf_counter()
+        write_message(bus_file, batch, checksum=checksum)
+        out = read_message(bus_file, TrainBatch)
+        bus_t.append(time.perf_counter() - t0)
+        assert out.num_tokens == tokens
+        t0 = time.perf_counter()
+        fd = os.open(raw_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, raw)
+        os.fsync(fd)
+        os.close(fd)
+        back, _ = read_bytes(raw_file)
+        raw_t.append(time.perf_counter() - t0)
+        assert len(back) == len(raw)
+        del out, back
+    return statistics.median(bus_t[1:]), statistics.median(raw_t[1:])
+
+
+# -- (c) codec --------------------------------------------------------------------------------------
+class ListBatch(msgspec.Struct):
+    """The same batch as per-token Python lists: what a naive JSON/msgpack design would send."""
+
+    input_ids: list[int]
+    position_ids: list[int]
+    loss_mask: list[bool]
+    advantages: list[float]
+    inference_logprobs: list[float]
+    seq_lens: list[int]
+    example_ids: list[int]
+    rewards: list[float]
+
+
+def bench_codec(tokens: int, reps: int) -> tuple[float, float]:
+    batch = make_batch(tokens)
+    lists = ListBatch(**{f: getattr(batch, f).tolist() for f in ListBatch.__struct_fields__})
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ListBatch)
+    ours, theirs = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = decode(encode(batch), TrainBatch)
+        ours.append(time.perf_counter() - t0)
+        assert out.num_tokens == tokens
+        t0 = time.perf_counter()
+        back = dec.decode(enc.encode(lists))
+        theirs.append(time.perf_counter() - t0)
+        assert len(back.input_ids) == tokens
+    return statistics.median(ours), statistics.median(theirs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--dir", type=Path, default=REPO / "outputs" / "bench_bus", help="scratch dir (disk under test)"
+    )
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reader", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.reader:
+        root, mode, count, out = args.reader
+        reader_main(root, mode, int(count), out)
+        return
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    t_start = time.time()
+    rows = []
+    door = bench_latency(args.dir, "doorbell", 200, (0.005, 0.025), 16_384)
+    poll = bench_latency(args.dir, "poll", 40, (0.15, 0.45), 16_384)
+    for name, lat in (("doorbell", door), ("1 s polling", poll)):
+        rows.append(
+            (
+                f"(a) hand-off latency, {name} (16k tokens, n={len(lat)})",
+                f"p50 {pct(lat, 50) * 1e3:7.1f} ms   p99 {pct(lat, 99) * 1e3:7.1f} ms",
+                "",
+            )
+        )
+    for checksum in ("xxh3", "crc32"):
+        bus_s, raw_s = bench_throughput(args.dir, 64, args.reps, checksum)
+        mbps = 64 / bus_s
+        rows.append(
+            (
+                f"(b) 64 MiB write+read, bus ({checksum}) / raw",
+                f"{raw_s / bus_s:5.2f}x   bus {bus_s * 1e3:5.0f} ms ({mbps:4.0f} MiB/s)  raw {raw_s * 1e3:5.0f} ms",
+                "target >= 0.8" if checksum == "xxh3" else "fallback without xxhash",
+            )
+        )
+    ours, theirs = bench_codec(1 << 20, args.reps)
+    rows.append(
+        (
+            "(c) encode+decode 1M tokens, lists / bus",
+            f"{theirs / ours:5.0f}x   bus {ours * 1e3:5.1f} ms  lists {theirs * 1e3:6.0f} ms",
+            "target >= 20",
+        )
+    )
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(r[1]) for r in rows)
+    print(f"{'measure':<{width}}  {'result (medians of ' + str(args.reps) + ' reps)':<{vwidth}}  note")
+    print("-" * (width + vwidth + 25))
+    for label, value, note in rows:
+        print(f"{label:<{width}}  {value:<{vwidth}}  {note}")
+    print(f"\n{os.cpu_count()} cpus, scratch {args.dir}, total {time.time() - t_start:.0f} s")
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
