@@ -18,7 +18,7 @@ import torch
 
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, TrainBatch
-from hpcrl.config.schema import Config
+from hpcrl.config.schema import CkptConfig, Config
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
@@ -53,6 +53,8 @@ def main(cfg: Config) -> int:
         batch, t_wait = wait_for_batch(bus, step, rank, cfg.trainer.batch_timeout_s)
         out = train_step(tr, batch, params, cfg.trainer.micro_batch_tokens, cfg.trainer.optim.max_norm)
         t_pub = publisher.publish(tr.model, step)
+        if rank == 0:
+            bus.cleanup(before_step=step, keep=2)  # every rank has read its shard of `step` by now
         progress = advance(progress, out)
         t_ckpt = maybe_checkpoint(cfg, paths, tr, step, progress, finalizers, force=stop.is_set())
         metrics.log(step, step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress))
@@ -70,9 +72,16 @@ def main(cfg: Config) -> int:
 # ---------------------------------------------------------------------------------------------
 def restore(cfg: Config, paths: RunPaths, tr: Training) -> tuple[int, dict[str, Any]]:
     progress = {"step": 0, "total_tokens": 0, "total_samples": 0, "skipped_updates": 0}
-    if cfg.ckpt is None or cfg.ckpt.resume_step is None:
+    return restore_state(cfg.ckpt, paths, tr, progress)
+
+
+def restore_state(ckpt: CkptConfig | None, paths: RunPaths, tr: Training, progress: dict[str, Any]
+                  ) -> tuple[int, dict[str, Any]]:
+    """(step, progress) of `ckpt.resume_step` with model/optimizer/scheduler/RNG restored into `tr`;
+    (0, `progress`) without one. Shared by the RL and SFT trainers."""
+    if ckpt is None or ckpt.resume_step is None:
         return 0, progress
-    step = checkpoint.resolve_resume_step(paths, cfg.ckpt.resume_step)
+    step = checkpoint.resolve_resume_step(paths, ckpt.resume_step)
     progress = load_trainer_state(paths, step, tr.dist.rank, tr.dist.world_size, tr.model, tr.optimizer, tr.scheduler)
     log.info("resumed trainer state from %s", paths.checkpoint_dir(step))
     return step, progress
@@ -134,6 +143,17 @@ def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens
     packed = to_packed(batch, tr.device)
     packed.validate()
     mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
+    out = step_micro_batches(tr, mbs, params, batch.total_loss_tokens, max_norm, batch.step, t0)
+    tokens = int(parallel.all_reduce(float(len(batch.input_ids))))
+    samples = int(parallel.all_reduce(float(len(batch.seq_lens))))
+    return {**out, "tokens": tokens, "samples": samples}
+
+
+def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams, num_loss_tokens: int | float,
+                       max_norm: float, step: int, t0: float) -> dict[str, Any]:
+    """The core of a step, shared by the RL and SFT trainers: forward/backward over this rank's
+    micro-batches (loss normalised by the step's global loss-token count), then one optimizer step
+    that is skipped - on every rank alike - when the loss or grad norm is not finite."""
     # FSDP: every rank must run the same number of forward/backward passes.
     n_mb = int(parallel.all_reduce(float(len(mbs)), op="max"))
     mbs += [dummy_micro_batch(tr.device) for _ in range(n_mb - len(mbs))]
@@ -141,7 +161,7 @@ def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens
     for mb in mbs:
         fwd = forward_packed(tr.model, mb)
         out = compute_loss(params, trainer_logprobs=fwd.logprobs, loss_mask=mb.loss_mask,
-                           num_loss_tokens=batch.total_loss_tokens, inference_logprobs=mb.inference_logprobs,
+                           num_loss_tokens=num_loss_tokens, inference_logprobs=mb.inference_logprobs,
                            advantages=mb.advantages, entropy=fwd.entropy, teacher_logprobs=mb.teacher_logprobs,
                            ref_logprobs=mb.ref_logprobs, seq_lens=mb.seq_lens)
         out.loss.backward()
@@ -154,14 +174,12 @@ def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens
         tr.optimizer.step()
     else:
         log.error("non-finite loss (%s) or grad norm (%s) at step %d: update skipped, weights unchanged",
-                  float(summed["loss"]), grad_norm, batch.step)
+                  float(summed["loss"]), grad_norm, step)
     tr.optimizer.zero_grad(set_to_none=True)
     lr = current_lr(tr.optimizer)
     tr.scheduler.step()
-    tokens = int(parallel.all_reduce(float(len(batch.input_ids))))
-    samples = int(parallel.all_reduce(float(len(batch.seq_lens))))
     return {"stats": summarize(summed), "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
-            "time_fb": t_fb, "tokens": tokens, "samples": samples, "micro_batches": n_mb}
+            "time_fb": t_fb, "micro_batches": n_mb}
 
 
 def advance(progress: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +195,14 @@ def maybe_checkpoint(cfg: Config, paths: RunPaths, tr: Training, step: int, prog
     c = cfg.ckpt
     if c is None or not (force or checkpoint.is_due(step, cfg.max_steps, c.interval)):
         return 0.0
+    return save_checkpoint(c, paths, tr, step, progress, finalizers, checkpoint.PARTS,
+                           cfg.orchestrator.policy_timeout_s)
+
+
+def save_checkpoint(c: CkptConfig, paths: RunPaths, tr: Training, step: int, progress: dict[str, Any],
+                    finalizers: list[threading.Thread], parts: tuple[str, ...], timeout: float) -> float:
+    """HF weights + this trainer's part; rank 0 writes COMPLETE in the background once every part in
+    `parts` is done (RL: trainer and orchestrator; SFT: trainer only). Returns seconds spent."""
     t0 = time.perf_counter()
     rank, world = tr.dist.rank, tr.dist.world_size
     from hpcrl.trainer.model import export_hf, is_peft_model, save_adapter
@@ -192,18 +218,16 @@ def maybe_checkpoint(cfg: Config, paths: RunPaths, tr: Training, step: int, prog
     save_trainer_state(paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress)
     checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
     if rank == 0:
-        th = threading.Thread(target=_finalize, args=(paths, step, world, cfg), daemon=False)
+        th = threading.Thread(target=_finalize, args=(paths, step, world, c, parts, timeout), daemon=False)
         th.start()
         finalizers.append(th)
     return time.perf_counter() - t0
 
 
-def _finalize(paths: RunPaths, step: int, world: int, cfg: Config) -> None:
-    timeout = cfg.orchestrator.policy_timeout_s
-    if checkpoint.finalize_when_ready(paths, step, checkpoint.PARTS, world, timeout) is not None:
+def _finalize(paths: RunPaths, step: int, world: int, c: CkptConfig, parts: tuple[str, ...], timeout: float) -> None:
+    if checkpoint.finalize_when_ready(paths, step, parts, world, timeout) is not None:
         log.info("checkpoint step_%d complete", step)
-        assert cfg.ckpt is not None
-        removed = checkpoint.apply_retention(paths, cfg.ckpt.keep_last, cfg.ckpt.keep_interval)
+        removed = checkpoint.apply_retention(paths, c.keep_last, c.keep_interval)
         for s in removed:
             import shutil
 
@@ -224,10 +248,14 @@ def step_metrics(out: dict[str, Any], t_wait: float, t_pub: float, t_ckpt: float
         "progress/total_tokens": progress["total_tokens"], "progress/total_samples": progress["total_samples"],
         "loss_tokens": s["loss_tokens"], "micro_batches": out["micro_batches"],
     }
-    if torch.cuda.is_available():
-        m["perf/peak_memory"] = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        import resource
-
-        m["perf/peak_memory"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss in KiB)
+    m["perf/peak_memory"] = peak_memory_gib()
     return m
+
+
+def peak_memory_gib() -> float:
+    """Peak GPU memory, or on CPU the process's peak resident set size."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB
