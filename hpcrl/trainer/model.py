@@ -48,6 +48,9 @@ class LoraParams:
         "up_proj",
         "down_proj",
     )
+    # Seeds the adapter's random init: every rank must start from the same adapter (FSDP shards
+    # each rank's own copy, so different inits would silently mix) and so must a rerun.
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -124,7 +127,10 @@ def apply_lora(model: nn.Module, lora: LoraParams) -> nn.Module:
     if checkpointing:
         # Checkpointed blocks need an input that requires grad when the embeddings are frozen.
         model.enable_input_require_grads()
-    return get_peft_model(model, cfg)
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(lora.seed)
+        return get_peft_model(model, cfg)
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -208,13 +214,24 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(hf_named_tensors(model))
 
 
-def save_adapter(model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:
-    """Write only the LoRA adapter (peft format: adapter_config.json + adapter_model.safetensors)."""
+def save_adapter(model: nn.Module, out_dir: str | os.PathLike[str], *, write: bool = True) -> Path:
+    """Write only the LoRA adapter in peft's format (adapter_config.json + adapter_model.safetensors),
+    loadable with ``PeftModel.from_pretrained``. Atomic; under FSDP every rank must call it (the
+    adapter shards are gathered) with ``write = is_rank0()``."""
     if not is_peft_model(model):
         raise ValueError("save_adapter: the model has no LoRA adapter")
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
     out = Path(out_dir)
+    tensors = {
+        k: _full(v).detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()
+    }
+    if not write:
+        return out
     with _atomic_dir(out) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        model.peft_config["default"].save_pretrained(str(tmp))
     return out
 
 

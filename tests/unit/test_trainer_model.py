@@ -209,9 +209,25 @@ def test_lora_merge_and_adapter(model_dir: Path, tmp_path: Path):
     assert set(merged) == set(reference) - {"lm_head.weight"}
     for k, v in merged.items():
         torch.testing.assert_close(v, reference[k], atol=1e-6, rtol=0)
-    lora = load_model(model_dir, lora=LoraParams(rank=4))
+    # the saved adapter loads back with peft and reproduces the same merged weights
+    from peft import PeftModel
+
+    lora = load_model(model_dir, lora=LoraParams(rank=4, alpha=8, target_modules=("q_proj",)))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
     save_adapter(lora, tmp_path / "adapter")
-    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    back = PeftModel.from_pretrained(load_model(model_dir), tmp_path / "adapter")
+    for (k, v), (k2, v2) in zip(hf_named_tensors(lora), hf_named_tensors(back), strict=True):
+        assert k == k2
+        torch.testing.assert_close(v, v2, atol=0, rtol=0)
+    # the adapter init is seeded: every FSDP rank (and a rerun) starts from the same adapter
+    torch.manual_seed(123)
+    again = load_model(model_dir, lora=LoraParams(rank=4, alpha=8, target_modules=("q_proj",)))
+    a_init = {n: p for n, p in again.named_parameters() if "lora_A" in n}
+    fresh = load_model(model_dir, lora=LoraParams(rank=4, alpha=8, target_modules=("q_proj",)))
+    assert all(p.equal(a_init[n]) for n, p in fresh.named_parameters() if "lora_A" in n)
     with pytest.raises(ValueError, match="no LoRA"):
         save_adapter(load_model(model_dir), tmp_path / "x")
     with pytest.raises(ValueError, match="config.json"):
