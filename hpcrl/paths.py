@@ -16,6 +16,8 @@ Nobody else joins path strings for run files. Layout (DESIGN §5):
       weights/step_N/          HF model dir
       logs/{trainer,orchestrator,inference}.log, logs/envs/{train,eval}/<env>.log, logs/slurm/
       metrics.jsonl
+      samples/step_N/<role>.jsonl  sampled rollouts (W&B log_extras), pointed to from metrics.jsonl
+      wandb/                   W&B run id, sink offset, W&B's own files
       plots/
 """
 
@@ -183,12 +185,40 @@ class RunPaths:
         return self.logs_dir / "slurm"
 
     @property
+    def prompts_log(self) -> Path:
+        """One JSON line per published step: the example ids trained on (orchestrator)."""
+        return self.logs_dir / "prompts.jsonl"
+
+    @property
     def metrics_file(self) -> Path:
         return self.root / "metrics.jsonl"
 
     @property
     def plots_dir(self) -> Path:
         return self.root / "plots"
+
+    @property
+    def samples_dir(self) -> Path:
+        return self.root / "samples"
+
+    def samples_file(self, step: int, role: str) -> Path:
+        """Sampled rollouts of one step, one JSON object per line (Metrics.log_samples)."""
+        return self.samples_dir / f"step_{step}" / f"{role}.jsonl"
+
+    @property
+    def wandb_dir(self) -> Path:
+        """W&B's files (offline runs live here until `wandb sync`) and the sink's own state."""
+        return self.root / "wandb"
+
+    @property
+    def wandb_run_id_file(self) -> Path:
+        """The W&B run id, fixed at the first start so every resume continues the same W&B run."""
+        return self.wandb_dir / "run_id"
+
+    @property
+    def wandb_sink_offset(self) -> Path:
+        """Byte offset into metrics.jsonl up to which the W&B sink has logged (resume skips it)."""
+        return self.wandb_dir / "sink_offset"
 
     @property
     def slurm_dir(self) -> Path:

@@ -1,0 +1,332 @@
+"""`hpcrl orchestrator`: generate, score and publish one batch per training step.
+
+    set up (model, tokenizer, envs, buffer) -> find the servers -> restore a checkpoint (resume)
+    -> load + verify the start policy -> for each step:
+         wait for a fresh-enough policy -> generate + score + filter groups until the batch is full
+         -> pack one TrainBatch per trainer rank and publish it -> metrics
+         -> at the boundary: checkpoint parts that are due, eval, validation
+    -> wait for the final policy, last checkpoint part, final eval -> exit 0
+
+Async: batch `step` may be generated with any policy >= step-1-max_async_level. Without
+`deterministic` a watcher loads every new policy into the servers while generation goes on (each
+completion reports the policies that produced it). With `deterministic` batch `step` is generated
+with exactly policy max(0, step-1-max_async_level), seeded per request; see DESIGN §1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Any
+
+import msgspec
+
+from hpcrl import checkpoint
+from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
+from hpcrl.config.schema import Config
+from hpcrl.monitor.logging import setup_logging
+from hpcrl.monitor.metrics import Metrics
+from hpcrl.orchestrator import setup
+from hpcrl.orchestrator.batch import (
+    StepCounts,
+    build_batches,
+    fill_batch,
+    judge_group,
+    num_rollouts,
+    to_samples,
+)
+from hpcrl.orchestrator.eval import run_eval, run_val
+from hpcrl.orchestrator.metrics import PromptsLog, step_metrics
+from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync
+from hpcrl.orchestrator.rollout import InferenceUnavailable, teacher_logprobs
+from hpcrl.orchestrator.state import GroupRecord, check_compatible, load_part, save_part
+from hpcrl.paths import RunPaths
+
+log = logging.getLogger("hpcrl.orchestrator")
+
+MAX_WAVES = 64  # generation rounds for one batch before filtering is declared to drop everything
+STOP_GRACE_S = 30.0  # after a stop signal: how long to wait for the trainer's forced checkpoint
+
+
+class Stopping(Exception):
+    """SIGTERM / SIGUSR2 arrived: leave the loop at the next safe point."""
+
+
+def main(cfg: Config) -> int:
+    setup_logging("orchestrator", (cfg.orchestrator.log or cfg.log).level)
+    try:
+        return asyncio.run(Orchestrator(cfg).run())
+    except ShutdownRequested as e:
+        log.info("shutdown requested (%s): exiting", e)
+        return 0
+    except (PolicyMismatch, InferenceUnavailable, BusTimeout, TimeoutError, ValueError, FileNotFoundError) as e:
+        log.error("orchestrator failed: %s: %s", type(e).__name__, e)
+        return 1
+
+
+class Orchestrator:
+    def __init__(self, cfg: Config):
+        self.cfg, self.o = cfg, cfg.orchestrator
+        self.paths = RunPaths(cfg.output_dir)
+        self.stop = asyncio.Event()
+        self.published: dict[int, list[TrainBatch]] = {}  # batches the trainer may not have trained yet
+        self.ckpt_done = 0  # newest policy step whose checkpoint question is settled
+
+    async def run(self) -> int:
+        s = setup.build(self.cfg, self.paths)  # fails in one line on a bad env id / args, before any work
+        self.s = s
+        self.install_signals()
+        try:
+            self.sync = await self.connect()
+            self.restore()
+            await self.load_start_policy()
+            await self.maybe_eval()
+            watcher = None if self.cfg.deterministic else asyncio.create_task(self.sync.watch())
+            try:
+                for step in range(self.state.step + 1, self.cfg.max_steps + 1):
+                    t_policy = await self.guard(self.policy_for(step), watcher)
+                    groups, generated, counts, t_gen = await self.guard(self.collect(step), watcher)
+                    batches = self.publish(step, groups, counts)
+                    self.log_step(step, groups, generated, counts, batches, t_policy, t_gen)
+                    await self.guard(self.at_boundary(step), watcher)
+                await self.guard(self.finish(), watcher)
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+        except Stopping:
+            await self.drain()
+        finally:
+            await self.close()
+        return 0
+
+    # -- setup ------------------------------------------------------------------------------------
+    def install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            loop.add_signal_handler(sig, self.on_signal, sig)
+
+    def on_signal(self, sig: int) -> None:
+        log.warning("received signal %d: stopping at the next safe point", sig)
+        self.stop.set()
+
+    async def connect(self) -> PolicySync:
+        s = self.s
+        self.bus = Bus(self.paths, role="orchestrator", timeout=self.o.policy_timeout_s)
+        servers = self.bus.wait_servers(s.num_servers, timeout=self.o.policy_timeout_s)[: s.num_servers]
+        log.info("inference servers: %s", ", ".join(x.base_url for x in servers))
+        sync = PolicySync(self.paths, self.bus, [x.base_url for x in servers], s.transport,
+                          self.o.request_timeout_s, self.o.policy_timeout_s)
+        await sync.wait_healthy()
+        if s.transport == "collective":
+            await sync.join_group()
+        s.attach_servers(servers, lambda: sync.loaded or 0)
+        self.metrics = Metrics(self.paths, "orchestrator")
+        self.prompts = PromptsLog(self.paths)
+        return sync
+
+    def restore(self) -> None:
+        """Fresh state, or checkpoint N's: pending batches N+1..B are re-published bit for bit."""
+        n = self.cfg.ckpt.resume_step if self.cfg.ckpt is not None else None
+        if n is None or n == 0:
+            self.state = self.s.fresh_state()
+            self.start = 0
+            return
+        state, pending = load_part(self.paths, n)
+        check_compatible(state, self.s.world_size, self.o.batch_size, self.o.rollouts_per_example)
+        self.s.buffer.load_state_dict(state.buffer)
+        for m, blobs in sorted(pending.items()):
+            from hpcrl.bus import decode
+
+            batches = [decode(b, TrainBatch) for b in blobs]
+            for b in batches:
+                self.bus.publish_batch(m, b.rank, b)
+            self.published[m] = batches
+        self.state, self.start, self.ckpt_done = state, n, n
+        log.info("resumed from checkpoint %d: re-published batches %s, continuing at step %d",
+                 n, state.pending_steps, state.step + 1)
+
+    async def load_start_policy(self) -> None:
+        """The trainer publishes PolicyReady(start) first; nothing is generated before every server
+        holds exactly those weights."""
+        msg = await self.wait(self.sync.exact(self.start))
+        await self.sync.ensure(msg)
+        await self.sync.verify(msg)
+
+    # -- one step ---------------------------------------------------------------------------------
+    async def policy_for(self, step: int) -> float:
+        t0 = time.perf_counter()
+        oldest_ok = max(0, step - 1 - self.o.max_async_level)
+        if self.cfg.deterministic:
+            msg = await self.wait(self.sync.exact(oldest_ok))
+        else:
+            msg = await self.wait(self.sync.wait_at_least(oldest_ok))
+        await self.sync.ensure(msg)
+        return time.perf_counter() - t0
+
+    async def collect(self, step: int) -> tuple[list[GroupRecord], list[GroupRecord], StepCounts, float]:
+        """Groups for batch `step`: carried-over ones first, then new tasks (with oversampling) until
+        the batch holds batch_size rollouts. Every drawn task ends generated, and is used, filtered
+        or carried over, so the state at the next boundary is exact."""
+        t0 = time.perf_counter()
+        s, counts, generated = self.s, StepCounts(), []
+        ready = list(self.state.ready)
+        for wave in range(MAX_WAVES):
+            missing = self.o.batch_size - num_rollouts(ready)
+            if missing <= 0:
+                break
+            refs = s.buffer.next_tasks(s.buffer.num_tasks_to_request(-(-missing // self.o.rollouts_per_example)))
+            new = await s.generate(refs, step)
+            generated += new
+            for ref, g in zip(refs, new):
+                s.buffer.complete(ref)
+                if judge_group(g, s.buffer, s.advantage, self.o.training_mode, counts):
+                    ready.append(g)
+            if wave and wave % 8 == 0:
+                log.warning("step %d: %d generation rounds and the batch is not full (filters: %s)",
+                            step, wave, dict(counts.filtered))
+        else:
+            raise ValueError(f"step {step}: {MAX_WAVES} generation rounds did not fill a batch of "
+                             f"{self.o.batch_size}; filters dropped {dict(counts.filtered)} (loosen the buffer/"
+                             "advantage filters or check the environment's rewards)")
+        groups, self.state.ready = fill_batch(ready, self.o.batch_size)
+        if self.o.training_mode == "opd":
+            await self.add_teacher_logprobs(groups)
+        return groups, generated, counts, time.perf_counter() - t0
+
+    def publish(self, step: int, groups: list[GroupRecord], counts: StepCounts) -> list[TrainBatch]:
+        samples = to_samples(groups, step, self.o.max_off_policy_steps, self.o.train.sampling.temperature,
+                             self.s.buffer, counts)
+        # Deterministic runs stamp batches with a fixed time so their bytes depend on the data only.
+        batches, self.pack_stats = build_batches(samples, step, self.s.world_size, self.cfg.seq_len,
+                                                 created_at=0.0 if self.cfg.deterministic else None)
+        for b in batches:
+            self.bus.publish_batch(step, b.rank, b)
+        self.published[step] = batches
+        self.state.step = step
+        self.prompts.write(step, groups)
+        return batches
+
+    def log_step(self, step: int, groups: list[GroupRecord], generated: list[GroupRecord], counts: StepCounts,
+                 batches: list[TrainBatch], t_policy: float, t_gen: float) -> None:
+        n_samples = sum(b.num_samples for b in batches)
+        n_tokens = sum(b.num_tokens for b in batches)
+        p = self.state.progress
+        p["total_samples"] = p.get("total_samples", 0) + n_samples
+        p["total_tokens"] = p.get("total_tokens", 0) + n_tokens
+        p["total_problems"] = p.get("total_problems", 0) + len(groups)
+        extra: dict[str, Any] = {**self.pack_stats.metrics(), **self.s.buffer.metrics(),
+                                 "policy/loaded": self.sync.loaded, "progress/total_samples": p["total_samples"]}
+        m = step_metrics(groups, generated, step, counts, t_policy, t_gen, n_samples, n_tokens, extra)
+        self.metrics.log(step, m)
+        log.info("step %d: published %d samples (%d tokens), reward %.3f, policy %s, gen %.1fs",
+                 step, n_samples, n_tokens, m["reward/all/mean"], self.sync.loaded, t_gen)
+
+    # -- boundaries -------------------------------------------------------------------------------
+    async def at_boundary(self, step: int) -> None:
+        if (stop := self.bus.poll_control()) is not None:
+            raise ShutdownRequested(stop)
+        self.checkpoints(forced=False)
+        await self.maybe_eval()
+        v = self.o.val
+        if v is not None and v.interval and step % v.interval == 0:
+            self.metrics.log(step, await run_val(self.s.eval_gen, self.s.envs, v.num_examples,
+                                                 v.rollouts_per_example, self.s.eval_sampling, step))
+
+    def checkpoints(self, forced: bool) -> None:
+        """Write our part of every checkpoint the trainer takes: each due step N up to the newest
+        policy, and (forced) any step whose trainer part appeared (SIGUSR2/SIGTERM checkpoints)."""
+        c = self.cfg.ckpt
+        newest = self.sync.observe()
+        if c is None or c.weights_only:
+            self.ckpt_done = max(self.ckpt_done, newest)
+        else:
+            for n in range(max(1, self.ckpt_done + 1), newest + 1):
+                trainer_began = self.paths.trainer_ckpt_dir(n).is_dir()
+                if checkpoint.is_due(n, self.cfg.max_steps, c.interval) or trainer_began:
+                    self.save(n)
+                    self.ckpt_done = n
+                elif not forced:
+                    self.ckpt_done = max(self.ckpt_done, n - 2)  # a forced checkpoint shows up a little late
+        for m in [m for m in self.published if m <= self.ckpt_done]:
+            del self.published[m]
+
+    def save(self, n: int) -> None:
+        from hpcrl.bus import encode
+
+        pending = [m for m in sorted(self.published) if n < m <= self.state.step]
+        assert pending == list(range(n + 1, self.state.step + 1)), (n, pending, self.state.step)
+        st = msgspec.structs.replace(self.state, checkpoint_step=n, pending_steps=pending,
+                                     buffer=self.s.buffer.state_dict())
+        blobs = {m: [encode(b, checksum=self.bus.checksum) for b in self.published[m]] for m in pending}
+        save_part(self.paths, st, blobs)
+        log.info("checkpoint %d: orchestrator part written (state at batch %d, pending %s)", n, self.state.step,
+                 pending)
+
+    async def maybe_eval(self) -> None:
+        e, k = self.o.eval, self.sync.loaded
+        if e is None or not e.interval or not self.s.eval_envs or k is None or k in self.state.evaluated:
+            return
+        if k % e.interval == 0 and (k > 0 or e.eval_base_model) or k == self.cfg.max_steps:
+            self.state.evaluated.append(k)
+            self.metrics.log(k, await run_eval(self.s.eval_gen, self.s.eval_envs, self.s.eval_sampling, k))
+
+    async def finish(self) -> None:
+        msg = await self.wait(self.sync.exact(self.cfg.max_steps))
+        self.checkpoints(forced=False)
+        if self.o.eval is not None and self.s.eval_envs:
+            await self.sync.ensure(msg)
+            await self.maybe_eval()
+        log.info("done: %d steps published", self.cfg.max_steps)
+
+    async def drain(self) -> None:
+        """After a stop signal: give the trainer a moment to take its forced checkpoint and write
+        our part for it (the state at the last boundary is consistent), then exit."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and hasattr(self, "sync"):
+            before = self.ckpt_done
+            self.checkpoints(forced=True)
+            if self.ckpt_done > before:
+                break
+            await asyncio.sleep(0.5)
+        log.warning("stopped at a batch boundary (last published step %s)", getattr(self, "state", None)
+                    and self.state.step)
+
+    async def close(self) -> None:
+        for name in ("sync", "s"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                await obj.aclose()
+        for name in ("prompts", "metrics", "bus"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                obj.close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    async def wait(self, coro: Any) -> Any:
+        return await self.guard(coro, None)
+
+    async def guard(self, coro: Any, watcher: asyncio.Task | None) -> Any:
+        """Run `coro` unless a stop signal comes first (Stopping) or the policy watcher dies (its error)."""
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self.stop.wait())
+        waits = {task, stop} | ({watcher} if watcher is not None else set())
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if watcher is not None and watcher.done():
+            watcher.result()  # raises the watcher's error (e.g. PolicyMismatch)
+        raise Stopping()
+
+    async def add_teacher_logprobs(self, groups: list[GroupRecord]) -> None:
+        pieces = [p for g in groups for r in g.rollouts if not r.errored for p in r.pieces]
+        lps = await asyncio.gather(*(teacher_logprobs(self.s.teacher, p.input_ids) for p in pieces))
+        for p, lp in zip(pieces, lps):
+            p.teacher_logprobs = lp
+

@@ -1,0 +1,153 @@
+"""Keeping the inference servers on a verified policy.
+
+Every load is checked: each server reports the checksum of what it loaded and it must equal the
+PolicyReady checksum the trainer computed over the same tensors, else PolicyMismatch ends the run
+(a silently stale or corrupt policy would poison every later step). Policy 0 is special only in
+that a server already holding those exact weights (GET /weights) is not reloaded.
+
+Filesystem transport: servers load PolicyReady.path. Collective transport: the trainer broadcasts
+right after publishing PolicyReady and every server must receive each broadcast, in order, so
+policies are loaded one by one, never skipped (servers joined the group at startup: `join_group`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from hpcrl.bus import Bus, BusTimeout, PolicyReady, ShutdownRequested, read_message
+from hpcrl.paths import RunPaths
+
+log = logging.getLogger("hpcrl.orchestrator")
+
+
+class PolicyMismatch(RuntimeError):
+    """A server does not hold the weights the trainer published."""
+
+
+class PolicySync:
+    def __init__(self, paths: RunPaths, bus: Bus, base_urls: list[str], transport: str, timeout: float,
+                 policy_timeout: float):
+        from hpcrl.inference.client import InferenceClient
+
+        self.paths, self.bus, self.transport = paths, bus, transport
+        self.clients = [InferenceClient(u, timeout=timeout) for u in base_urls]
+        self.timeout, self.policy_timeout = timeout, policy_timeout
+        self.loaded: int | None = None  # policy step every server holds (verified)
+        self.newest_seen = -1  # newest PolicyReady observed (for checkpoint triggers)
+        self.load_time = 0.0
+        self._lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        for c in self.clients:
+            await c.aclose()
+
+    # -- startup --------------------------------------------------------------------------------
+    async def wait_healthy(self) -> None:
+        await asyncio.gather(*(c.wait_healthy(timeout=self.timeout) for c in self.clients))
+
+    async def join_group(self) -> None:
+        """Collective transport: every server joins trainer rank 0's weight group (rank 1 + index)."""
+        from hpcrl.weights.rendezvous import read_weight_group_address
+
+        addr = await asyncio.to_thread(read_weight_group_address, self.paths, self.policy_timeout)
+        if addr["world_size"] != 1 + len(self.clients):
+            raise PolicyMismatch(f"the trainer's weight group expects {addr['world_size'] - 1} server(s), "
+                                 f"{len(self.clients)} announced themselves")
+        await asyncio.gather(*(c.init_broadcaster(addr["host"], addr["port"], addr["world_size"], 1 + i,
+                                                  timeout=self.timeout)
+                               for i, c in enumerate(self.clients)))
+        log.info("%d server(s) joined the weight broadcast group at %s:%s", len(self.clients), addr["host"],
+                 addr["port"])
+
+    # -- waiting for policies ---------------------------------------------------------------------
+    async def wait_at_least(self, step: int, poll: float = 0.1) -> PolicyReady:
+        """The newest PolicyReady with step >= `step` (bounded by policy_timeout_s). Polls without
+        blocking the event loop, so the stop signal and the watcher keep working meanwhile."""
+        deadline = time.monotonic() + self.policy_timeout
+        while True:
+            msg = self.bus.latest_policy()
+            if msg is not None:
+                self.newest_seen = max(self.newest_seen, msg.step)
+                if msg.step >= step:
+                    return msg
+            if (stop := self.bus.poll_control()) is not None:
+                raise ShutdownRequested(stop)
+            if time.monotonic() > deadline:
+                have = f"newest is {msg.step}" if msg is not None else "none published"
+                raise BusTimeout(f"no policy >= {step} after {self.policy_timeout:.0f}s ({have}) in "
+                                 f"{self.paths.policy_dir}: is the trainer running?")
+            await asyncio.sleep(poll)
+
+    async def exact(self, step: int) -> PolicyReady:
+        """PolicyReady(step) itself, once it (or a newer one) is published."""
+        await self.wait_at_least(step)
+        msg = read_message(self.paths.policy_file(step), PolicyReady)
+        assert msg.step == step, (msg.step, step)
+        return msg
+
+    def observe(self) -> int:
+        latest = self.bus.latest_policy()
+        if latest is not None:
+            self.newest_seen = max(self.newest_seen, latest.step)
+        return self.newest_seen
+
+    # -- loading ------------------------------------------------------------------------------------
+    async def ensure(self, msg: PolicyReady) -> None:
+        """Make every server hold policy `msg.step` (collective: every policy up to it, in order)."""
+        async with self._lock:
+            if self.loaded == msg.step:
+                return
+            if self.loaded is not None and self.loaded > msg.step and self.transport == "collective":
+                raise PolicyMismatch(f"servers hold policy {self.loaded}; a broadcast of {msg.step} is gone")
+            if self.transport == "collective" and self.loaded is not None:
+                for s in range(self.loaded + 1, msg.step):
+                    await self._load(read_message(self.paths.policy_file(s), PolicyReady))
+            await self._load(msg)
+
+    async def _load(self, msg: PolicyReady) -> None:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self._load_one(c, msg) for c in self.clients))
+        self.loaded = msg.step
+        self.load_time += time.perf_counter() - t0
+        log.info("policy %d loaded on %d server(s) (checksum verified, %.2fs)", msg.step, len(self.clients),
+                 time.perf_counter() - t0)
+
+    async def _load_one(self, client, msg: PolicyReady) -> None:
+        from hpcrl.inference.client import WeightSyncError
+
+        if msg.transport == "filesystem":
+            info = await client.weights()
+            # Same bytes already loaded (policy 0 on fresh servers): reloading would only cost time.
+            if info.get("checksum") == msg.checksum and info.get("step") == msg.step:
+                return
+        try:
+            if msg.transport == "collective":
+                r = await client.update_weights(msg.step, collective=True, expected_checksum=msg.checksum)
+            else:
+                r = await client.update_weights(msg.step, path=msg.path, expected_checksum=msg.checksum)
+        except WeightSyncError as e:
+            raise PolicyMismatch(f"server {client.base_url} failed to load policy {msg.step}: {e}") from None
+        if r.get("checksum") != msg.checksum:
+            raise PolicyMismatch(f"server {client.base_url} holds checksum {r.get('checksum')} after loading "
+                                 f"policy {msg.step}, the trainer published {msg.checksum}")
+
+    async def verify(self, msg: PolicyReady) -> None:
+        """Every server reports exactly `msg`'s checksum (GET /weights)."""
+        infos = await asyncio.gather(*(c.weights() for c in self.clients))
+        for c, info in zip(self.clients, infos):
+            if info.get("checksum") != msg.checksum:
+                raise PolicyMismatch(f"server {c.base_url} holds checksum {info.get('checksum')} (step "
+                                     f"{info.get('step')}), policy {msg.step} has {msg.checksum}")
+
+    # -- in-flight updates (non-deterministic mode) -------------------------------------------------
+    async def watch(self, poll: float = 0.2) -> None:
+        """Load every newer policy as soon as it is published, while generation goes on. Runs until
+        cancelled; a failed load propagates (the main loop checks the task)."""
+        while True:
+            latest = self.bus.latest_policy()
+            if latest is not None and (self.loaded is None or latest.step > self.loaded):
+                self.newest_seen = max(self.newest_seen, latest.step)
+                await self.ensure(latest)
+            await asyncio.sleep(poll)

@@ -1,0 +1,160 @@
+"""Everything the orchestrator builds before its loop: tokenizer, environments, buffer, generators.
+
+`build` runs before any process is contacted, so an unknown environment id or a bad argument is a
+one-line ValueError before any work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from hpcrl.bus import ServerInfo
+from hpcrl.config.schema import Config, EnvConfig
+from hpcrl.envs import Environment, Task, load_environment
+from hpcrl.orchestrator.advantages import AdvantageConfig
+from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
+from hpcrl.orchestrator.eval import EvalEnv
+from hpcrl.orchestrator.rollout import Generator, ServerPool, openai_sampling
+from hpcrl.orchestrator.state import GroupRecord, OrchestratorState
+from hpcrl.paths import RunPaths
+
+
+def env_name(e: EnvConfig) -> str:
+    return e.name or e.id.rsplit("/", 1)[-1]
+
+
+def load_envs(envs: Sequence[EnvConfig], where: str) -> dict[str, Environment]:
+    out = {}
+    for i, e in enumerate(envs):
+        try:
+            out[env_name(e)] = load_environment(e.id, **e.args)
+        except ValueError as err:
+            raise ValueError(f"{where}[{i}]: {err}") from None
+    return out
+
+
+def deployment(cfg: Config) -> tuple[int, int, str]:
+    """(trainer ranks, inference servers, weight transport) as the launcher laid the run out."""
+    from hpcrl.launch.layout import local_layout, slurm_layout
+    from hpcrl.launch.prepare import visible_gpus
+
+    on_slurm = cfg.slurm is not None and bool(os.environ.get("SLURM_JOB_ID"))
+    gpus = visible_gpus()
+    layout = slurm_layout(cfg) if on_slurm else local_layout(cfg, gpus)
+    transport = cfg.trainer.broadcast.transport
+    if transport == "auto":  # the trainer's rule: collective where CUDA exists
+        transport = "collective" if (gpus > 0 or layout.gpus_per_trainer_rank > 0) else "filesystem"
+    return layout.trainer_ranks, layout.inference_servers, transport
+
+
+@dataclass
+class Setup:
+    cfg: Config
+    tokenizer: Any
+    envs: dict[str, Environment]
+    tasks: dict[str, Sequence[Task]]
+    buffer: Buffer
+    advantage: AdvantageConfig
+    world_size: int
+    num_servers: int
+    transport: str
+    eval_envs: list[EvalEnv]
+    train_sampling: dict[str, Any]
+    eval_sampling: dict[str, Any]
+    pools: list[ServerPool] = field(default_factory=list)
+    teacher: ServerPool | None = None
+    train_gen: Generator | None = None
+    eval_gen: Generator | None = None
+
+    def fresh_state(self) -> OrchestratorState:
+        o = self.cfg.orchestrator
+        return OrchestratorState(step=0, checkpoint_step=0, world_size=self.world_size, batch_size=o.batch_size,
+                                 rollouts_per_example=o.rollouts_per_example, buffer={}, ready=[], progress={},
+                                 evaluated=[], pending_steps=[])
+
+    def attach_servers(self, servers: Sequence[ServerInfo], loaded_policy: Callable[[], int]) -> None:
+        """Generators over the student servers (and the teacher for opd/sft)."""
+        cfg, o = self.cfg, self.cfg.orchestrator
+        # Deterministic mode seeds every request; otherwise the servers draw their own randomness.
+        seed = None
+        if cfg.deterministic:
+            seed = o.train.sampling.seed if o.train.sampling.seed is not None else cfg.seed
+        student = ServerPool([s.base_url for s in servers], model=servers[0].model, timeout=o.request_timeout_s,
+                             max_concurrent=o.max_concurrent)
+        self.pools.append(student)
+        self.eval_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed)
+        self.train_gen = self.eval_gen
+        if o.teacher is not None:
+            self.teacher = ServerPool([o.teacher.base_url], model=o.teacher.model, timeout=o.request_timeout_s,
+                                      max_concurrent=o.max_concurrent, api_key=os.environ.get(o.teacher.api_key_var))
+            self.pools.append(self.teacher)
+            if o.training_mode == "sft":  # the teacher writes the completions; they are never stale
+                self.train_gen = Generator(self.teacher, self.tokenizer, cfg.seq_len,
+                                           lambda: max(0, loaded_policy()), seed)
+
+    async def generate(self, refs: Sequence[TaskRef], step: int) -> list[GroupRecord]:
+        assert self.train_gen is not None
+        n = self.cfg.orchestrator.rollouts_per_example
+        results = await asyncio.gather(*(
+            self.train_gen.groups(self.envs[r.env], [self.tasks[r.env][r.index]], n, self.train_sampling,
+                                  "train", step, r.env, r.epoch)
+            for r in refs))
+        return [GroupRecord(env=r.env, example_id=self.tasks[r.env][r.index].example_id, task_index=r.index,
+                            task_epoch=r.epoch, rollouts=res[0]) for r, res in zip(refs, results)]
+
+    async def aclose(self) -> None:
+        for p in self.pools:
+            await p.aclose()
+
+
+def build(cfg: Config, paths: RunPaths) -> Setup:
+    o = cfg.orchestrator
+    envs = load_envs(o.train.env, "orchestrator.train.env")
+    if not envs:
+        raise ValueError("orchestrator.train.env: at least one training environment is required")
+    tasks: dict[str, Sequence[Task]] = {}
+    for e in o.train.env:
+        ts = envs[env_name(e)].tasks("train")
+        tasks[env_name(e)] = ts if e.num_examples in (None, -1) else ts[: e.num_examples]
+        if not tasks[env_name(e)]:
+            raise ValueError(f"orchestrator.train.env: environment {env_name(e)!r} has no training tasks")
+    ratios = o.buffer.env_ratios
+    if ratios is None and any(e.ratio is not None for e in o.train.env):
+        ratios = [e.ratio if e.ratio is not None else 1.0 for e in o.train.env]
+    b = o.buffer
+    buffer = Buffer({k: len(v) for k, v in tasks.items()}, BufferConfig(
+        online_difficulty_filtering=b.online_difficulty_filtering, easy_threshold=b.easy_threshold,
+        hard_threshold=b.hard_threshold, easy_fraction=b.easy_fraction, hard_fraction=b.hard_fraction,
+        env_ratios=None if ratios is None else tuple(ratios), oversampling_factor=o.oversampling_factor,
+        max_off_policy_steps=o.max_off_policy_steps, seed=b.seed + o.seed + cfg.seed))
+    eval_envs = []
+    if o.eval is not None:
+        loaded = load_envs(o.eval.env, "orchestrator.eval.env")
+        for e in o.eval.env:
+            n = e.num_examples if e.num_examples is not None else o.eval.num_examples
+            eval_envs.append(EvalEnv(env_name(e), loaded[env_name(e)], n,
+                                     e.rollouts_per_example or o.eval.rollouts_per_example))
+    world, servers, transport = deployment(cfg)
+    if cfg.deterministic and transport == "collective" and o.max_async_level > 0:
+        raise ValueError("deterministic = true needs trainer.broadcast.transport = 'filesystem' when "
+                         "max_async_level > 0 (a collective broadcast cannot be loaded later)")
+    eval_sampling = o.eval.sampling if o.eval is not None and o.eval.sampling is not None else o.train.sampling
+    return Setup(cfg=cfg, tokenizer=load_tokenizer(cfg), envs=envs, tasks=tasks, buffer=buffer,
+                 advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)), world_size=world,
+                 num_servers=servers, transport=transport, eval_envs=eval_envs,
+                 train_sampling=openai_sampling(o.train.sampling), eval_sampling=openai_sampling(eval_sampling))
+
+
+def load_tokenizer(cfg: Config) -> Any:
+    from transformers import AutoTokenizer
+
+    from hpcrl.models.tiny import resolve_model
+
+    model = cfg.orchestrator.model or cfg.model
+    return AutoTokenizer.from_pretrained(resolve_model(model.name or ""), trust_remote_code=model.trust_remote_code)
