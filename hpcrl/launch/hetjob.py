@@ -1,0 +1,410 @@
+"""Heterogeneous SLURM jobs: one sbatch script, one `srun` per step, the job ends when any step ends.
+
+submitit (1.5.4) writes one homogeneous `#SBATCH` block and one `srun` line; a hetjob needs one
+`#SBATCH` block per component separated by `#SBATCH hetjob`, and per-component `srun --het-group=i`
+lines. `HetJobExecutor` subclasses submitit's `SlurmExecutor` only for what it does well (writing
+the submission file into its folder, calling `sbatch`, parsing the job id, the `SlurmJob` handle);
+the script itself comes from `render_sbatch`, a pure function (used by `--dry-run` and the golden
+file test).
+
+Choice: plain shell commands, no pickled callable. submitit's usual model pickles a Python
+callable plus its arguments into the folder and unpickles it on the node; we submit a *command*
+through `_submit_command` instead, so nothing is pickled at all. Every step runs an ordinary
+command line (normally `sbatch/trainer.sh` / `sbatch/inference.sh`, which call `hpcrl trainer ...`
+/ `hpcrl inference ...`) and finds its inputs through environment variables (`HPCRL_RUN_DIR`,
+`HPCRL_CONFIG` = the resolved config file) - the same contract as the local launcher, and the
+DESIGN rule that no pickle crosses the filesystem holds. It also means a requeued job re-runs the
+same script and re-reads the config from disk, which is what resume wants. The price: submitit's
+`job.result()` does not apply (there is no result pickle); callers track the job by id
+(`job_state`).
+
+What the rendered script does (see `_RUNTIME`):
+- job-wide options (name, log, `--signal=B:USR2@N`, `--requeue`, `--open-mode=append`) go in the
+  first `#SBATCH` block; per-component resources in each block;
+- each step runs as `srun --het-group=i ... --output <folder>/${SLURM_JOB_ID}/<step>.%t.log &`
+  (submitit's own `%j` output path does not expand inside a het step, so the job id comes from
+  the shell);
+- `wait -n` returns when the first step ends; the script names it in the job log
+  ("step 'inference' FAILED (exit 1)"), sends SIGTERM to the other steps, waits `stop_grace_s`,
+  and exits with that step's code - leaving the batch script ends the job and kills leftovers;
+- USR2 (sent `signal_before_s` before the time limit, or by `scancel -b -s USR2` on preemption)
+  is forwarded to the steps with `forward_signal=True` (the trainer writes a checkpoint and
+  exits); once they exit (or `checkpoint_grace_s` passes) the script runs `scontrol requeue`,
+  while `SLURM_RESTART_COUNT < max_requeues`. The requeued job starts the same script again and
+  resumes from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from submitit.slurm.slurm import SlurmExecutor, SlurmJob
+
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A hetjob has one state per component; report the most telling one.
+_STATE_ORDER = (
+    "FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+    "RUNNING", "REQUEUED", "PENDING", "COMPLETING", "CONFIGURING", "SUSPENDED",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HetComponent:
+    """One component of the heterogeneous job: a set of nodes with identical resources.
+
+    `command`, when given, is the component's main step: run by every task of the component
+    (nodes x ntasks_per_node). Extra steps on the same nodes go in `HetJobSpec.steps`.
+    """
+
+    name: str
+    command: Sequence[str] | None = None
+    nodes: int = 1
+    ntasks_per_node: int = 1
+    cpus_per_task: int | None = None
+    gpus_per_node: int | None = None
+    mem: str | None = None  # per node, SLURM syntax: "0" (all), "64G", "512000M"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time: str | int | None = None  # overrides HetJobSpec.time for this component
+    exclusive: bool = False
+    extra_sbatch: Sequence[str] = ()  # e.g. ("--reservation=r1",), written in this block
+    forward_signal: bool = True  # main step receives the pre-timeout USR2
+    srun_args: Sequence[str] = ()  # extra srun options for the main step
+
+
+@dataclass(frozen=True)
+class HetStep:
+    """An extra `srun` launched inside one component's allocation.
+
+    E.g. the orchestrator beside trainer rank 0: `HetStep("orchestrator", component=0, nodes=1,
+    ntasks=1, overlap=True, command=[...])`. `nodes=1` uses the component's first node.
+    """
+
+    name: str
+    component: int
+    command: Sequence[str]
+    nodes: int | None = None
+    ntasks: int | None = None
+    overlap: bool = True  # share the CPUs/GPUs the component's main step already holds
+    forward_signal: bool = True
+    end_job_on_success: bool = True  # False: exiting 0 leaves the job running
+    srun_args: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class HetJobSpec:
+    """Everything `render_sbatch` needs. Pure data, no SLURM calls."""
+
+    job_name: str
+    components: Sequence[HetComponent]
+    steps: Sequence[HetStep] = ()
+    time: str | int = "01:00:00"  # SLURM time string or minutes
+    env: Mapping[str, str] = field(default_factory=dict)  # exported in the batch script
+    setup: Sequence[str] = ()  # shell lines run before the steps (module load, venv)
+    extra_sbatch: Sequence[str] = ()  # job-wide options, first block
+    requeue: bool = True
+    signal_before_s: int | None = 300  # USR2 to the batch shell this long before the limit
+    max_requeues: int = 100
+    checkpoint_grace_s: int | None = None  # default: signal_before_s - 15
+    stop_grace_s: int = 15  # other steps get SIGTERM, then this long before the job exits
+
+    def all_steps(self) -> list[tuple[str, int, HetStep | HetComponent]]:
+        """(name, component index, step-or-component) in launch order: main steps first."""
+        out: list[tuple[str, int, HetStep | HetComponent]] = []
+        for i, c in enumerate(self.components):
+            if c.command is not None:
+                out.append((c.name, i, c))
+        out += [(s.name, s.component, s) for s in self.steps]
+        return out
+
+
+def validate(spec: HetJobSpec) -> None:
+    """Raise ValueError for a spec SLURM would reject late or that would render a broken script."""
+    if not spec.components:
+        raise ValueError("a hetjob needs at least one component")
+    names = [n for n, _, _ in spec.all_steps()]
+    if not names:
+        raise ValueError("nothing to run: give a component a command or add steps")
+    if len(set(names)) != len(names):
+        raise ValueError(f"step names must be unique, got {names}")
+    for n in [c.name for c in spec.components] + names:
+        if not _NAME_RE.match(n):
+            raise ValueError(f"name {n!r}: use letters, digits, '_' or '-', starting with a letter")
+    for c in spec.components:
+        if c.nodes < 1 or c.ntasks_per_node < 1:
+            raise ValueError(f"component {c.name!r}: nodes and ntasks_per_node must be >= 1")
+    for s in spec.steps:
+        if not 0 <= s.component < len(spec.components):
+            raise ValueError(f"step {s.name!r}: component {s.component} does not exist")
+        if s.nodes is not None and s.nodes > spec.components[s.component].nodes:
+            raise ValueError(
+                f"step {s.name!r}: {s.nodes} nodes > its component's {spec.components[s.component].nodes}"
+            )
+    for k in spec.env:
+        if not _ENV_RE.match(k):
+            raise ValueError(f"env name {k!r} is not a shell variable name")
+    for opt in [*spec.extra_sbatch, *(o for c in spec.components for o in c.extra_sbatch)]:
+        if not opt.startswith("--"):
+            raise ValueError(f"extra sbatch option {opt!r} must be a long option like --exclusive")
+    if spec.signal_before_s is not None and spec.signal_before_s < 1:
+        raise ValueError("signal_before_s must be >= 1 (or None for no pre-timeout signal)")
+
+
+# -- rendering -----------------------------------------------------------------------------------
+def _time(t: str | int) -> str:
+    return str(t) if isinstance(t, str) else str(int(t))
+
+
+def _flag(key: str, value: object) -> str:
+    if value is True:
+        return f"#SBATCH --{key}"
+    return f"#SBATCH --{key}={shlex.quote(str(value))}"
+
+
+def _component_block(spec: HetJobSpec, c: HetComponent) -> list[str]:
+    lines = [_flag("nodes", c.nodes), _flag("ntasks-per-node", c.ntasks_per_node)]
+    optional = {
+        "cpus-per-task": c.cpus_per_task,
+        "gpus-per-node": c.gpus_per_node or None,
+        "mem": c.mem,
+        "partition": c.partition,
+        "account": c.account,
+        "qos": c.qos,
+        "constraint": c.constraint,
+    }
+    lines += [_flag(k, v) for k, v in optional.items() if v is not None]
+    # every component carries its own limit: time is not reliably propagated between components
+    lines.append(_flag("time", _time(c.time if c.time is not None else spec.time)))
+    if c.exclusive:
+        lines.append(_flag("exclusive", True))
+    lines += [f"#SBATCH {opt}" for opt in c.extra_sbatch]
+    return lines
+
+
+def _srun_line(name: str, index: int, unit: HetStep | HetComponent) -> str:
+    args = ["srun", f"--het-group={index}", "--unbuffered", "--kill-on-bad-exit=1", "--open-mode=append"]
+    if isinstance(unit, HetStep):
+        if unit.nodes is not None:
+            # --relative=0: the step's first node is the component's first node (rank 0's node)
+            args += [f"--nodes={unit.nodes}", "--relative=0"]
+        if unit.ntasks is not None:
+            args.append(f"--ntasks={unit.ntasks}")
+        if unit.overlap:
+            args.append("--overlap")
+    elif unit.cpus_per_task is not None:
+        args.append(f"--cpus-per-task={unit.cpus_per_task}")  # srun 22.05 does not inherit it
+    args += [f"--export=ALL,HPCRL_STEP={name},HPCRL_COMPONENT_INDEX={index}"]
+    args += list(unit.srun_args)
+    out = f'--output="$STEP_LOGS/{name}.%t.log"'  # double quotes: $STEP_LOGS holds the job id
+    cmd = shlex.join(list(unit.command or ()))
+    return f"{shlex.join(args)} {out} {cmd}"
+
+
+def render_sbatch(spec: HetJobSpec, folder: str | Path) -> str:
+    """The whole sbatch script for `spec`; job logs go under `folder` (must exist on submit)."""
+    validate(spec)
+    folder = Path(folder).absolute()
+    head = [
+        _flag("job-name", spec.job_name),
+        _flag("output", str(folder / "hetjob_%j.log")),  # an existing dir: SLURM does not mkdir
+        _flag("open-mode", "append"),  # a requeued job appends to the same log
+    ]
+    if spec.signal_before_s is not None:
+        head.append(_flag("signal", f"B:USR2@{spec.signal_before_s}"))  # B: batch shell only
+    head.append(_flag("requeue", True) if spec.requeue else _flag("no-requeue", True))
+    head += [f"#SBATCH {opt}" for opt in spec.extra_sbatch]
+
+    lines = ["#!/bin/bash", "# Rendered by hpcrl.launch.hetjob: do not edit, re-render instead."]
+    for i, c in enumerate(spec.components):
+        if i == 0:
+            lines += head
+        else:
+            lines.append("#SBATCH hetjob")
+        lines.append(f"# component {i}: {c.name}")
+        lines += _component_block(spec, c)
+
+    ckpt_grace = spec.checkpoint_grace_s
+    if ckpt_grace is None:
+        ckpt_grace = max(5, (spec.signal_before_s or 60) - 15)
+    lines += [
+        "",
+        "set -uo pipefail  # no -e: step exit codes are handled below",
+        f"MAX_REQUEUES={spec.max_requeues}",
+        f"CHECKPOINT_GRACE_S={ckpt_grace}",
+        f"STOP_GRACE_S={spec.stop_grace_s}",
+        f"REQUEUE={1 if spec.requeue else 0}",
+        f"STEP_LOGS={shlex.quote(str(folder))}/${{SLURM_JOB_ID}}",
+    ]
+    lines += [f"export {k}={shlex.quote(str(v))}" for k, v in spec.env.items()]
+    for i, c in enumerate(spec.components):
+        # HPCRL_NODES_<COMPONENT>: that component's hostnames, comma separated (rendezvous etc.)
+        var = f"HPCRL_NODES_{c.name.upper().replace('-', '_')}"
+        lines.append(
+            f'export {var}="$(scontrol show hostnames "${{SLURM_JOB_NODELIST_HET_GROUP_{i}:-}}" | paste -sd, -)"'
+        )
+    if spec.setup:
+        lines += ["", "# setup", *spec.setup]
+    lines += ["", _RUNTIME.strip(), "", "# steps: one srun each, all in the background"]
+    for name, index, unit in spec.all_steps():
+        fwd = 1 if unit.forward_signal else 0
+        ends = 1 if getattr(unit, "end_job_on_success", True) else 0
+        lines.append(f"{_srun_line(name, index, unit)} &")
+        lines.append(f"track_step $! {name} {fwd} {ends}")
+    lines += ["", "supervise", ""]
+    return "\n".join(lines)
+
+
+# The supervising part of every rendered script. Kept as one literal so the golden file shows it.
+_RUNTIME = r"""
+mkdir -p "$STEP_LOGS"
+declare -A STEP_NAME=() STEP_FWD=() STEP_ENDS=()
+log() { echo "[hpcrl-hetjob $(date +%FT%T)] $*"; }
+log "job ${SLURM_JOB_ID} start (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-?}; step logs in $STEP_LOGS"
+
+track_step() {  # track_step PID NAME FORWARD_SIGNAL END_JOB_ON_SUCCESS
+  STEP_NAME[$1]=$2; STEP_FWD[$1]=$3; STEP_ENDS[$1]=$4
+  log "step '$2' started (srun pid $1)"
+}
+
+stop_steps() {  # SIGTERM every running step (srun forwards it to the tasks), wait a while
+  local pid deadline=$((SECONDS + STOP_GRACE_S))
+  for pid in "${!STEP_NAME[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  for pid in "${!STEP_NAME[@]}"; do
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
+  done
+}
+
+on_usr2() {  # pre-timeout or preemption: let the trainer checkpoint, then requeue
+  trap '' USR2
+  local pid deadline=$((SECONDS + CHECKPOINT_GRACE_S))
+  log "USR2 (time limit near or preemption): forwarding to the steps that checkpoint"
+  for pid in "${!STEP_NAME[@]}"; do
+    [[ ${STEP_FWD[$pid]} == 1 ]] && kill -USR2 "$pid" 2>/dev/null
+  done
+  for pid in "${!STEP_NAME[@]}"; do
+    [[ ${STEP_FWD[$pid]} == 1 ]] || continue
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
+  done
+  if ((REQUEUE)) && ((${SLURM_RESTART_COUNT:-0} < MAX_REQUEUES)); then
+    log "requeueing job ${SLURM_JOB_ID} (restart $((${SLURM_RESTART_COUNT:-0} + 1)) of at most $MAX_REQUEUES)"
+    scontrol requeue "${SLURM_JOB_ID}" || log "scontrol requeue failed"
+  else
+    log "not requeueing (requeue=$REQUEUE, restarts ${SLURM_RESTART_COUNT:-0} of $MAX_REQUEUES)"
+  fi
+  stop_steps
+  exit 0
+}
+trap on_usr2 USR2
+trap 'log "SIGTERM: stopping the steps"; stop_steps; exit 143' TERM
+
+supervise() {  # the first step to end decides the job's fate
+  local pid rc name
+  while ((${#STEP_NAME[@]})); do
+    pid=""
+    wait -n -p pid "${!STEP_NAME[@]}"
+    rc=$?
+    [[ -n $pid ]] || continue  # woken by a signal whose trap returned
+    name=${STEP_NAME[$pid]}
+    unset "STEP_NAME[$pid]"
+    if ((rc == 0)) && [[ ${STEP_ENDS[$pid]} == 0 ]]; then
+      log "step '$name' finished (exit 0); the job goes on"
+      continue
+    fi
+    if ((rc == 0)); then
+      log "step '$name' finished (exit 0): ending the job"
+    else
+      log "step '$name' FAILED (exit $rc): ending the job"
+    fi
+    stop_steps
+    log "job ${SLURM_JOB_ID} exits $rc"
+    exit "$rc"
+  done
+}
+"""
+
+
+# -- submission ----------------------------------------------------------------------------------
+class HetJobExecutor(SlurmExecutor):
+    """submitit's SlurmExecutor, with the submission file replaced by `render_sbatch(spec)`.
+
+    Only `_submit_command` is used (no pickled callable). The folder holds `hetjob_<id>.log`,
+    `<id>/<step>.<task>.log` and submitit's `<id>_submission.sh` link to the script.
+    """
+
+    def __init__(self, folder: str | Path, spec: HetJobSpec) -> None:
+        super().__init__(folder, max_num_timeout=0)
+        self.spec = spec
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return render_sbatch(self.spec, self.folder)
+
+    def _num_tasks(self) -> int:
+        return sum(c.nodes * c.ntasks_per_node for c in self.spec.components)
+
+    def submit_spec(self) -> SlurmJob:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return self._submit_command("")  # command unused: the script renders its own sruns
+
+
+def submit_hetjob(spec: HetJobSpec, folder: str | Path) -> str:
+    """Submit `spec`; returns the SLURM job id (the het leader's, e.g. '42')."""
+    return str(HetJobExecutor(folder, spec).submit_spec().job_id)
+
+
+def sbatch_test_only(script: str) -> tuple[bool, str]:
+    """`sbatch --test-only` on a rendered script: (accepted, sbatch's message)."""
+    if shutil.which("sbatch") is None:
+        return False, "sbatch not found"
+    p = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True, timeout=60)
+    return p.returncode == 0, (p.stderr or p.stdout).strip()
+
+
+def job_state(job_id: str) -> str:
+    """State of a (het) job without accounting: 'PENDING', 'RUNNING', 'COMPLETED', 'FAILED', ...
+
+    Reads `scontrol show job` (which knows finished jobs for MinJobAge seconds), then `sacct`.
+    A hetjob's state is its worst component state. 'UNKNOWN' when SLURM has forgotten the job.
+    """
+    p = subprocess.run(
+        ["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True, timeout=30
+    )
+    states = re.findall(r"\bJobState=(\S+)", p.stdout) if p.returncode == 0 else []
+    if not states and shutil.which("sacct"):
+        p = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-o", "State", "-j", str(job_id)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        states = [s.split()[0] for s in p.stdout.split("\n") if s.strip()] if p.returncode == 0 else []
+    if not states:
+        return "UNKNOWN"
+    for worst in _STATE_ORDER:
+        if worst in states:
+            return worst
+    return states[0]
+
+
+def requeue_now(job_id: str) -> None:
+    """`scontrol requeue` + start at once: SLURM otherwise holds a requeued job ~120 s."""
+    subprocess.run(["scontrol", "requeue", str(job_id)], check=True, capture_output=True, timeout=30)
+    release_now(job_id)
+
+
+def release_now(job_id: str) -> None:
+    """Clear the requeue delay of a pending (requeued) job so the scheduler starts it now."""
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+        check=False,
+        capture_output=True,
+        timeout=30,
+    )

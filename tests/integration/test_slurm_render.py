@@ -1,0 +1,122 @@
+"""Golden-file tests of the rendered hetjob sbatch script (pure: no SLURM needed).
+
+Regenerate the golden files after an intended change with
+    UPDATE_GOLDEN=1 pytest tests/integration/test_slurm_render.py
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcrl.launch.hetjob import HetComponent, HetJobSpec, HetStep, render_sbatch, validate
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+REPO = "/opt/hpcrl"  # fixed paths keep the golden file machine-independent
+RUN = "/scratch/runs/demo"
+
+
+def spec_2x2() -> HetJobSpec:
+    """2 trainer nodes (4 GPUs each) + 2 inference nodes, orchestrator beside trainer rank 0."""
+    common = {"partition": "gpu", "account": "proj", "qos": "high", "constraint": "h100", "mem": "0"}
+    return HetJobSpec(
+        job_name="hpcrl-demo",
+        components=[
+            HetComponent(
+                "trainer", [f"{REPO}/sbatch/trainer.sh"], nodes=2, ntasks_per_node=4, cpus_per_task=8,
+                gpus_per_node=4, exclusive=True, **common,
+            ),
+            HetComponent(
+                "inference", [f"{REPO}/sbatch/inference.sh", "--inference.parallel.tp", "2"], nodes=2,
+                ntasks_per_node=2, cpus_per_task=16, gpus_per_node=4, forward_signal=False,
+                extra_sbatch=["--reservation=infer"], **common,
+            ),
+        ],
+        steps=[HetStep("orchestrator", 0, [f"{REPO}/sbatch/orchestrator.sh"], nodes=1, ntasks=1)],
+        time="12:00:00",
+        env={"HPCRL_RUN_DIR": RUN, "HPCRL_PYTHON": f"{REPO}/.venv/bin/python"},
+        setup=["module load cuda/12.4", f"source {REPO}/.venv/bin/activate"],
+        extra_sbatch=["--mail-type=END"],
+        signal_before_s=300,
+        max_requeues=20,
+    )  # fmt: skip
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(), f"{name} differs from the golden file (UPDATE_GOLDEN=1 to accept)"
+
+
+def test_hetjob_2x2_matches_golden():
+    check_golden("hetjob_2x2.sbatch", render_sbatch(spec_2x2(), f"{RUN}/logs/slurm"))
+
+
+def test_render_structure():
+    text = render_sbatch(spec_2x2(), f"{RUN}/logs/slurm")
+    lines = text.splitlines()
+    # job-wide options only before the first component separator
+    first_het = lines.index("#SBATCH hetjob")
+    assert lines.count("#SBATCH hetjob") == 1
+    for opt in ("--signal=B:USR2@300", "--requeue", "--job-name=hpcrl-demo", "--mail-type=END"):
+        assert any(opt in ln for ln in lines[:first_het]) and not any(opt in ln for ln in lines[first_het:])
+    assert sum(ln.startswith("#SBATCH --time=12:00:00") for ln in lines) == 2  # per component
+    assert "#SBATCH --reservation=infer" in lines[first_het:]
+    # one srun per step, each in the background, each with a het group and a shell-expanded log dir
+    sruns = [ln for ln in lines if ln.startswith("srun ")]
+    assert len(sruns) == 3
+    assert all(ln.endswith("&") and '--output="$STEP_LOGS/' in ln for ln in sruns)
+    assert [ln.split()[1] for ln in sruns] == ["--het-group=0", "--het-group=1", "--het-group=0"]
+    assert "--overlap" in sruns[2] and "--relative=0" in sruns[2]
+    assert "%j" not in "".join(sruns)  # submitit's %j does not expand inside a het step
+    assert "STEP_LOGS=/scratch/runs/demo/logs/slurm/${SLURM_JOB_ID}" in lines
+    assert "track_step $! inference 0 1" in lines  # inference does not get the USR2
+
+
+def test_single_component_and_options():
+    spec = HetJobSpec("one", [HetComponent("w", ["true"])], requeue=False, signal_before_s=None, time=30)
+    text = render_sbatch(spec, "/tmp/x")
+    assert "#SBATCH hetjob" not in text
+    assert "#SBATCH --no-requeue" in text and "--signal" not in text
+    assert "#SBATCH --time=30" in text
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (HetJobSpec("j", []), "at least one component"),
+        (HetJobSpec("j", [HetComponent("a")]), "nothing to run"),
+        (HetJobSpec("j", [HetComponent("a", ["x"]), HetComponent("a", ["y"])]), "unique"),
+        (HetJobSpec("j", [HetComponent("bad name", ["x"])]), "name"),
+        (HetJobSpec("j", [HetComponent("a", ["x"])], steps=[HetStep("s", 3, ["y"])]), "does not exist"),
+        (HetJobSpec("j", [HetComponent("a", ["x"], nodes=1)], steps=[HetStep("s", 0, ["y"], nodes=2)]), "nodes"),
+        (HetJobSpec("j", [HetComponent("a", ["x"])], env={"1X": "v"}), "env name"),
+        (HetJobSpec("j", [HetComponent("a", ["x"], extra_sbatch=["-x"])]), "long option"),
+    ],
+)
+def test_validate_rejects(spec, message):
+    with pytest.raises(ValueError, match=message):
+        validate(spec)
+
+
+def test_rendered_script_is_valid_bash(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    script = tmp_path / "job.sh"
+    script.write_text(render_sbatch(spec_2x2(), tmp_path))
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_sbatch_scripts_are_valid_bash():
+    sbatch = Path(__file__).resolve().parents[2] / "sbatch"
+    scripts = sorted(sbatch.glob("*.sh"))
+    assert {p.name for p in scripts} >= {"trainer.sh", "inference.sh", "orchestrator.sh", "common.sh"}
+    for p in scripts:
+        subprocess.run(["bash", "-n", str(p)], check=True)
