@@ -109,6 +109,8 @@ def build_scheduler(
 def load_scheduler_state(scheduler: LambdaLR, state: dict) -> None:
     """Restore a scheduler AND re-apply its learning rate to the optimizer: ``load_state_dict`` alone
     only restores the step counter, so without this the first resumed step would use a stale LR."""
+    # LambdaLR.load_state_dict requires the key; the lambdas themselves are rebuilt from the config.
+    state = {**state, "lr_lambdas": state.get("lr_lambdas") or [None] * len(scheduler.lr_lambdas)}
     scheduler.load_state_dict(state)
     step = scheduler.last_epoch
     for group, base, fn in zip(
