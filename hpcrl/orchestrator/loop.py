@@ -144,6 +144,7 @@ class Orchestrator:
                 self.bus.publish_batch(m, b.rank, b)
             self.published[m] = batches
         self.state, self.start, self.ckpt_done = state, n, n
+        self.prompts.truncate_after(state.step)
         log.info("resumed from checkpoint %d: re-published batches %s, continuing at step %d",
                  n, state.pending_steps, state.step + 1)
 

@@ -74,9 +74,19 @@ class PromptsLog:
     """Appends {"step", "example_ids", "envs"} lines to RunPaths.prompts_log (one O_APPEND write each)."""
 
     def __init__(self, paths: RunPaths):
-        path = paths.prompts_log
+        self.path = path = paths.prompts_log
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def truncate_after(self, step: int) -> None:
+        """Resume from a state whose last published batch is `step`: forget later lines (those steps
+        are generated again), so the log stays one line per step."""
+        from hpcrl.checkpoint import atomic_write_bytes
+
+        kept = [line for line in self.path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
+        os.close(self.fd)
+        atomic_write_bytes(self.path, "".join(kept).encode())
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, step: int, groups: Sequence[GroupRecord]) -> None:
         line = {"step": step, "example_ids": [g.example_id for g in groups], "envs": [g.env for g in groups]}
@@ -84,3 +94,10 @@ class PromptsLog:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # a torn last line from a crash
+        return float("inf")
