@@ -40,6 +40,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,7 @@ class HetComponent:
     exclusive: bool = False
     extra_sbatch: Sequence[str] = ()  # e.g. ("--reservation=r1",), written in this block
     forward_signal: bool = True  # main step receives the pre-timeout USR2
+    end_job_on_success: bool = True  # False: its main step exiting 0 leaves the job running
     srun_args: Sequence[str] = ()  # extra srun options for the main step
 
 
@@ -256,7 +258,7 @@ def render_sbatch(spec: HetJobSpec, folder: str | Path) -> str:
     lines += ["", _RUNTIME.strip(), "", "# steps: one srun each, all in the background"]
     for name, index, unit in spec.all_steps():
         fwd = 1 if unit.forward_signal else 0
-        ends = 1 if getattr(unit, "end_job_on_success", True) else 0
+        ends = 1 if unit.end_job_on_success else 0
         lines.append(f"{_srun_line(name, index, unit)} &")
         lines.append(f"track_step $! {name} {fwd} {ends}")
     lines += ["", "supervise", ""]
@@ -368,16 +370,23 @@ def sbatch_test_only(script: str) -> tuple[bool, str]:
     return p.returncode == 0, (p.stderr or p.stdout).strip()
 
 
+def _components(job_id: str) -> list[dict[str, str]]:
+    """`scontrol show job` fields of each component (one dict per component, [] if unknown)."""
+    p = subprocess.run(
+        ["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True, timeout=30
+    )
+    if p.returncode != 0:
+        return []
+    return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in p.stdout.splitlines() if "JobState=" in line]
+
+
 def job_state(job_id: str) -> str:
     """State of a (het) job without accounting: 'PENDING', 'RUNNING', 'COMPLETED', 'FAILED', ...
 
     Reads `scontrol show job` (which knows finished jobs for MinJobAge seconds), then `sacct`.
-    A hetjob's state is its worst component state. 'UNKNOWN' when SLURM has forgotten the job.
+    A hetjob's state is its most telling component state. 'UNKNOWN' when SLURM forgot the job.
     """
-    p = subprocess.run(
-        ["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True, timeout=30
-    )
-    states = re.findall(r"\bJobState=(\S+)", p.stdout) if p.returncode == 0 else []
+    states = [c["JobState"] for c in _components(job_id)]
     if not states and shutil.which("sacct"):
         p = subprocess.run(
             ["sacct", "-n", "-X", "-P", "-o", "State", "-j", str(job_id)],
@@ -400,11 +409,26 @@ def requeue_now(job_id: str) -> None:
     release_now(job_id)
 
 
-def release_now(job_id: str) -> None:
-    """Clear the requeue delay of a pending (requeued) job so the scheduler starts it now."""
-    subprocess.run(
-        ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-        check=False,
-        capture_output=True,
-        timeout=30,
-    )
+def release_now(job_id: str, wait_s: float = 20.0) -> bool:
+    """Clear the requeue delay (EligibleTime) of a requeued job so the scheduler starts it now.
+
+    The components of a hetjob are requeued one after the other, and each requeue pushes the
+    begin time ~120 s out again; so wait until every component is PENDING, then set StartTime=now
+    until no component waits for its begin time. False when that did not happen within `wait_s`.
+    """
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        comps = _components(job_id)
+        if comps and all(c.get("JobState") == "PENDING" for c in comps):
+            if not any(c.get("Reason") == "BeginTime" for c in comps):
+                return True
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                check=False,
+                capture_output=True,
+                timeout=30,
+            )
+        elif comps and any(c.get("JobState") == "RUNNING" for c in comps):
+            return True
+        time.sleep(0.5)
+    return False

@@ -96,7 +96,10 @@ def test_single_component_and_options():
         (HetJobSpec("j", [HetComponent("a", ["x"]), HetComponent("a", ["y"])]), "unique"),
         (HetJobSpec("j", [HetComponent("bad name", ["x"])]), "name"),
         (HetJobSpec("j", [HetComponent("a", ["x"])], steps=[HetStep("s", 3, ["y"])]), "does not exist"),
-        (HetJobSpec("j", [HetComponent("a", ["x"], nodes=1)], steps=[HetStep("s", 0, ["y"], nodes=2)]), "nodes"),
+        (
+            HetJobSpec("j", [HetComponent("a", ["x"], nodes=1)], steps=[HetStep("s", 0, ["y"], nodes=2)]),
+            "nodes",
+        ),
         (HetJobSpec("j", [HetComponent("a", ["x"])], env={"1X": "v"}), "env name"),
         (HetJobSpec("j", [HetComponent("a", ["x"], extra_sbatch=["-x"])]), "long option"),
     ],

@@ -1,0 +1,175 @@
+"""Heterogeneous jobs on the real one-machine SLURM (scripts/slurm/up.sh: 4 fake nodes n1..n4).
+
+Skipped, with the reason, when SLURM is not installed or the cluster is down.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from hpcrl.launch.hetjob import (
+    HetComponent,
+    HetJobSpec,
+    HetStep,
+    job_state,
+    release_now,
+    requeue_now,
+    submit_hetjob,
+)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def _idle_nodes() -> int:
+    p = subprocess.run(["sinfo", "-h", "-N", "-t", "idle,mixed", "-o", "%N"], capture_output=True, text=True)
+    return len(set(p.stdout.split())) if p.returncode == 0 else 0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        pytest.skip("SLURM is not installed (sudo bash scripts/slurm/up.sh installs and starts it)")
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    if ping.returncode != 0 or "UP" not in ping.stdout:
+        pytest.skip("SLURM controller is down (start it: sudo bash scripts/slurm/up.sh)")
+    if _idle_nodes() < 3:
+        pytest.skip("fewer than 3 idle SLURM nodes (scripts/slurm/up.sh starts 4)")
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def ended(job_id: str) -> str | None:
+    state = job_state(job_id)
+    return None if state in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED") else state
+
+
+def restarts(job_id: str) -> int:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+    return max((int(n) for n in re.findall(r"\bRestarts=(\d+)", out)), default=0)
+
+
+def sh(script: str) -> list[str]:
+    return ["bash", "-c", script]
+
+
+@pytest.fixture
+def jobs():
+    """Job ids a test submitted; cancelled at the end whatever happened."""
+    ids: list[str] = []
+    yield ids
+    for j in ids:
+        subprocess.run(["scancel", j], capture_output=True)
+
+
+# Each task records who and where it is: SLURM_PROCID, SLURM_HET_SIZE, the fake node, the host.
+RECORD = 'echo "$SLURM_PROCID $SLURM_HET_SIZE $SLURMD_NODENAME $(hostname -s) ${SLURM_RESTART_COUNT:-0}" > "$OUT/$HPCRL_STEP.$SLURM_PROCID"'
+
+
+@pytest.mark.timeout(120)
+def test_hetjob_runs_components_on_distinct_nodes(cluster, jobs, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = HetJobSpec(
+        "hpcrl-test-ok",
+        [
+            HetComponent("trainer", sh(f"{RECORD}; sleep 1"), nodes=2),
+            # only the trainer finishing ends the job: the others must not race it
+            HetComponent("inference", sh(RECORD), nodes=1, end_job_on_success=False),
+        ],
+        steps=[HetStep("orchestrator", 0, sh(RECORD), nodes=1, ntasks=1, end_job_on_success=False)],
+        env={"OUT": str(out)},
+        time=5,
+    )
+    jid = submit_hetjob(spec, tmp_path / "slurm")
+    jobs.append(jid)
+    assert wait_for(lambda: ended(jid), 60, f"job {jid} to end") == "COMPLETED"
+
+    rec = {p.name: p.read_text().split() for p in out.iterdir()}
+    assert sorted(rec) == ["inference.0", "orchestrator.0", "trainer.0", "trainer.1"]
+    assert {r[0] for n, r in rec.items() if n.startswith("trainer")} == {"0", "1"}  # ranks within the step
+    assert all(r[1] == "2" for r in rec.values())  # SLURM_HET_SIZE: two components
+    trainer_nodes = {rec["trainer.0"][2], rec["trainer.1"][2]}
+    assert len(trainer_nodes) == 2 and rec["inference.0"][2] not in trainer_nodes  # distinct fake nodes
+    assert rec["orchestrator.0"][2] == rec["trainer.0"][2]  # beside trainer rank 0
+    log = (tmp_path / "slurm" / f"hetjob_{jid}.log").read_text()
+    assert "step 'orchestrator' finished (exit 0); the job goes on" in log
+    assert "step 'trainer' finished (exit 0): ending the job" in log
+    assert (tmp_path / "slurm" / jid / "trainer.1.log").exists()  # per-step logs under <folder>/<job id>/
+
+
+@pytest.mark.timeout(120)
+def test_failing_component_ends_the_job(cluster, jobs, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = HetJobSpec(
+        "hpcrl-test-fail",
+        [
+            HetComponent("trainer", sh(f"{RECORD}; exec sleep 300")),
+            HetComponent("inference", sh(f"{RECORD}; sleep 1; echo boom >&2; exit 1")),
+        ],
+        env={"OUT": str(out)},
+        time=10,
+        stop_grace_s=5,
+    )
+    jid = submit_hetjob(spec, tmp_path / "slurm")
+    jobs.append(jid)
+    wait_for(lambda: (out / "inference.0").exists(), 60, "the inference component to start")
+    t0 = time.monotonic()
+    assert wait_for(lambda: ended(jid), 30, "the job to end after a component failed") == "FAILED"
+    assert time.monotonic() - t0 < 30
+    log = (tmp_path / "slurm" / f"hetjob_{jid}.log").read_text()
+    assert "step 'inference' FAILED (exit 1): ending the job" in log
+    assert "boom" in (tmp_path / "slurm" / jid / "inference.0.log").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_usr2_checkpoints_then_requeues(cluster, jobs, tmp_path):
+    """Pre-timeout/preemption: USR2 reaches the trainer, it 'checkpoints', the job requeues itself."""
+    out = tmp_path / "out"
+    out.mkdir()
+    trainer = (
+        f'{RECORD}; cp "$OUT/trainer.0" "$OUT/start.${{SLURM_RESTART_COUNT:-0}}"; '
+        "trap 'echo ckpt > \"$OUT/checkpoint.${SLURM_RESTART_COUNT:-0}\"; exit 0' USR2; "
+        "sleep 300 & wait"
+    )
+    spec = HetJobSpec(
+        "hpcrl-test-requeue",
+        [
+            HetComponent("trainer", sh(trainer)),
+            HetComponent("inference", sh("exec sleep 300"), forward_signal=False),
+        ],
+        env={"OUT": str(out)},
+        time=10,
+        signal_before_s=60,
+        checkpoint_grace_s=20,
+        stop_grace_s=3,
+    )
+    jid = submit_hetjob(spec, tmp_path / "slurm")
+    jobs.append(jid)
+    wait_for(lambda: (out / "start.0").exists(), 60, "the first start")
+
+    # what SLURM does `signal_before_s` before the limit (or on preemption): USR2 to the batch shell
+    subprocess.run(["scancel", "--batch", "--signal=USR2", jid], check=True)
+    wait_for(lambda: (out / "checkpoint.0").exists(), 30, "the trainer to checkpoint on USR2")
+    wait_for(lambda: restarts(jid) >= 1, 30, "the job to requeue itself")
+    assert release_now(jid)  # SLURM would hold a requeued job ~120 s (EligibleTime)
+    wait_for(lambda: (out / "start.1").exists(), 60, "the requeued job to start again")
+    log = (tmp_path / "slurm" / f"hetjob_{jid}.log").read_text()
+    assert "requeueing job" in log and f"job {jid} start (restart 1)" in log
+
+    # and an external `scontrol requeue` + StartTime=now restarts it too
+    requeue_now(jid)
+    wait_for(lambda: (out / "start.2").exists(), 60, "the job to start after scontrol requeue")
