@@ -36,7 +36,8 @@ def _hpcrl_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
 class InferenceServer:
     """A real `hpcrl.inference.server` subprocess on 127.0.0.1 (free port), stopped by `stop()`."""
 
-    def __init__(self, model_dir: Path, run_dir: Path, *args: str, index: int = 0, timeout: float = 90.0):
+    def __init__(self, model_dir: Path, run_dir: Path, *args: str, index: int = 0, timeout: float = 90.0,
+                 threads: int | None = 1):
         import json
         import subprocess
         import sys
@@ -48,7 +49,9 @@ class InferenceServer:
         info_file = RunPaths(run_dir).server_file(index)
         self.log_path = self.run_dir / f"inference_{index}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        if threads is not None:  # tests share 2 cores with other test processes: one thread each
+            env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "hpcrl.inference.server", "--model.name", str(model_dir),
                "--server.host", "127.0.0.1", "--server.port", "0", "--run-dir", str(run_dir),
                "--server-index", str(index), *args]

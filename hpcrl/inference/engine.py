@@ -77,11 +77,14 @@ class HFEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
         if dtype != "auto":
             kwargs["dtype"] = _DTYPES[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(self.device).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(self.device).eval()
+        except (OSError, ValueError) as e:  # a user error (wrong path / hub id offline): one line, exit 2
+            raise ValueError(f"model.name: cannot load {model_path!r}: {str(e).splitlines()[0]}") from e
         cfg = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.max_model_len = min(int(max_model_len), int(getattr(cfg, "max_position_embeddings", max_model_len)))

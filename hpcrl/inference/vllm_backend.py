@@ -49,7 +49,8 @@ class HpcrlWorkerExtension:
     def _hpcrl_load(self, tensors: dict[str, Any]) -> str:
         from hpcrl.weights.checksum import state_dict_checksum
 
-        model = self.model_runner.model  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         model.load_weights(weights=list(tensors.items()))  # vLLM maps HF names onto fused params
         return state_dict_checksum(tensors)
 
@@ -151,7 +152,10 @@ def _router(status: dict[str, Any]) -> Any:
 
     @router.post("/load_lora_adapter")
     async def load_lora(request: Request) -> Any:
-        from vllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest
+        try:  # moved between vLLM releases
+            from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+        except ImportError:
+            from vllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest
 
         body = await body_of(request)
         if isinstance(body, JSONResponse):
@@ -218,7 +222,6 @@ def serve(opts: ServeOptions, model_path: str) -> None:
     try:
         import vllm.entrypoints.openai.api_server as api_server
         from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
-        from vllm.utils import FlexibleArgumentParser
     except ImportError as e:
         raise ValueError(f"inference.backend: vllm is not installed ({e}); `pip install hpcrl[gpu]` "
                          "on a GPU machine or use backend hf") from e
@@ -233,6 +236,10 @@ def serve(opts: ServeOptions, model_path: str) -> None:
         return app
 
     api_server.build_app = build_app
+    try:  # moved between vLLM releases
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        from vllm.utils import FlexibleArgumentParser
     parser = make_arg_parser(FlexibleArgumentParser())
     argv = ["--model", model_path, "--host", opts.host, "--port", str(opts.port), "--seed", str(opts.seed),
             "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_batch_size),

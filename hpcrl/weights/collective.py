@@ -168,8 +168,8 @@ def _stream(group: WeightGroup, views: list[torch.Tensor], bucket: int, src: int
             _broadcast(group, views[i][a:b], src)
             continue
         n = sum(b - a for _, a, b in pieces)
-        if scratch is None:
-            scratch = torch.empty(bucket, dtype=torch.uint8, device=group.device)
+        if scratch is None:  # no bigger than the whole payload: small models stay small
+            scratch = torch.empty(min(bucket, sum(sizes)), dtype=torch.uint8, device=group.device)
         buf = scratch[:n]
         pos = 0
         if sending:

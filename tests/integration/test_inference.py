@@ -230,3 +230,42 @@ def test_tool_calls_are_parsed_when_tools_are_given(inference_server) -> None:
             {"role": "tool", "tool_call_id": "c1", "content": "2"}]
     r = post(inference_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "max_tokens": 3})
     assert r.status_code == 200, r.text
+
+
+def test_seeded_request_is_independent_of_its_batch(inference_server) -> None:
+    body = {"messages": MSGS, "max_tokens": 16, "seed": 7, "return_token_ids": True, "ignore_eos": True}
+
+    async def run() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=inference_server.base_url, timeout=60) as c:
+            alone = (await c.post("/v1/chat/completions", json=body)).json()
+            others = [c.post("/v1/chat/completions", json={**body, "seed": None, "max_tokens": 8 + i})
+                      for i in range(7)]
+            crowd = await asyncio.gather(c.post("/v1/chat/completions", json=body), *others)
+        return [alone["choices"][0]["token_ids"], crowd[0].json()["choices"][0]["token_ids"]]
+
+    alone, crowded = asyncio.run(run())
+    assert alone == crowded
+
+
+def test_sampling_filters_match_hand_computation() -> None:
+    from hpcrl.inference.sampling import RowParams, processed_logprobs, sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    probs = torch.softmax(logits, 1)[0]  # [0.61, 0.22, 0.14, 0.03, 0.004]
+    # top_p=0.8: keep tokens while the mass before them is < 0.8 -> {0, 1}
+    lp, _ = processed_logprobs(logits, [RowParams(top_p=0.8)])
+    kept = torch.isfinite(lp[0]) & (lp[0] > -1e30)
+    assert kept.tolist() == [True, True, False, False, False]
+    assert torch.allclose(lp[0, :2].exp(), probs[:2] / probs[:2].sum())
+    # min_p=0.2: keep p >= 0.2 * max -> {0, 1, 2}
+    lp, _ = processed_logprobs(logits, [RowParams(min_p=0.2)])
+    assert (lp[0] > -1e30).tolist() == [True, True, True, False, False]
+    # repetition penalty 2 on tokens {0, 3}: 2.0 -> 1.0 and -1.0 -> -2.0
+    lp, _ = processed_logprobs(logits, [RowParams(repetition_penalty=2.0)], seen=[[0, 3]])
+    want = torch.log_softmax(torch.tensor([1.0, 1.0, 0.5, -2.0, -3.0]), 0)
+    assert torch.allclose(lp[0], want, atol=1e-6)
+    # the exponential race samples the distribution: frequencies within 3 sigma over 4000 draws
+    lp, greedy = processed_logprobs(logits.repeat(4000, 1), [RowParams()] * 4000)
+    draws = sample(lp, greedy, [RowParams()] * 4000, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=5).float() / 4000
+    assert torch.all((freq - probs).abs() < 3 * (probs * (1 - probs) / 4000).sqrt() + 1e-3)

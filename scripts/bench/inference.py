@@ -1,0 +1,131 @@
+"""Benchmark the embedded (hf) inference server: throughput under concurrency and weight-update time.
+
+    python scripts/bench/inference.py [--preset tiny|small] [--repeats 3] [--max-tokens 64]
+
+Starts a real server subprocess on 127.0.0.1 with a locally built model, then measures
+1. generated tokens/s with 1, 8 and 64 concurrent chat requests (each `--max-tokens`, ignore_eos);
+2. the wall time of one weight update from a path and over gloo, next to a raw in-memory copy of the
+   same bytes (the floor any transport is measured against).
+Prints medians of `--repeats` runs as a Markdown table (docs/inference.md quotes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+MSGS = [{"role": "user", "content": "Reverse the text: the quick brown fox"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def throughput(client, concurrency: int, max_tokens: int) -> tuple[float, float]:
+    """(generated tokens per second, mean decode batch size the server reported)."""
+    before = await client.metrics()
+    t0 = time.perf_counter()
+    rs = await asyncio.gather(*(client.chat_completion(MSGS, max_tokens=max_tokens, ignore_eos=True, tokens=False)
+                                for _ in range(concurrency)))
+    dt = time.perf_counter() - t0
+    after = await client.metrics()
+    tokens = sum(r["usage"]["completion_tokens"] for r in rs)
+    steps = sum(after["batch_size_hist"].values()) - sum(before["batch_size_hist"].values())
+    rows = after["generated_tokens"] - before["generated_tokens"]
+    return tokens / dt, rows / max(steps, 1)
+
+
+async def run(args: argparse.Namespace) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from hpcrl.inference.client import InferenceClient
+    from hpcrl.models.tiny import build_tiny_model
+    from hpcrl.weights.checksum import state_dict_checksum
+    from hpcrl.weights.collective import broadcast_weights, init_group
+    from tests.conftest import InferenceServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="hpcrl-bench-"))
+    model_dir = build_tiny_model(tmp / "model", preset=args.preset, seed=0)
+    new_dir = build_tiny_model(tmp / "model_step1", preset=args.preset, seed=1)
+    new_sd = load_file(new_dir / "model.safetensors")
+    nbytes = sum(t.numel() * t.element_size() for t in new_sd.values())
+    server = InferenceServer(model_dir, tmp / "run", "--inference.max-batch-size", "64", threads=args.threads)
+    rows: list[tuple[str, str, str]] = []
+    try:
+        async with InferenceClient(server.base_url) as c:
+            await c.chat_completion(MSGS, max_tokens=4)  # warm-up
+            for conc in (1, 8, 64):
+                runs = [await throughput(c, conc, args.max_tokens) for _ in range(args.repeats)]
+                tps = statistics.median(r[0] for r in runs)
+                batch = statistics.median(r[1] for r in runs)
+                rows.append((f"generate, {conc} concurrent x {args.max_tokens} tokens", f"{tps:,.0f} tok/s",
+                             f"mean decode batch {batch:.1f}"))
+
+            ck = state_dict_checksum(new_sd)
+            times = []
+            for i in range(args.repeats):
+                t0 = time.perf_counter()
+                await c.update_weights(i + 1, path=str(new_dir), expected_checksum=ck)
+                times.append(time.perf_counter() - t0)
+            rows.append(("update_weights from path (safetensors, verified)", f"{statistics.median(times) * 1e3:.1f} ms",
+                         f"{nbytes / 2**20:.1f} MiB"))
+
+            port = free_port()
+            group, _ = await asyncio.gather(asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0),
+                                            c.init_broadcaster("127.0.0.1", port, 2, 1))
+            times = []
+            for i in range(args.repeats):
+                step = 100 + i
+                t0 = time.perf_counter()
+                await asyncio.gather(asyncio.to_thread(broadcast_weights, group, new_sd, step, checksum=ck),
+                                     c.update_weights(step, collective=True, expected_checksum=ck))
+                times.append(time.perf_counter() - t0)
+            rows.append(("update_weights over gloo (broadcast, verified)", f"{statistics.median(times) * 1e3:.1f} ms",
+                         f"{nbytes / 2**20:.1f} MiB"))
+
+        dst = {k: torch.empty_like(v) for k, v in new_sd.items()}
+        times = []
+        for _ in range(max(args.repeats, 5)):
+            t0 = time.perf_counter()
+            for k, v in new_sd.items():
+                dst[k].copy_(v)
+            times.append(time.perf_counter() - t0)
+        rows.append(("raw copy of the same bytes (torch copy_)", f"{statistics.median(times) * 1e3:.2f} ms",
+                     f"{nbytes / 2**20:.1f} MiB"))
+    finally:
+        server.stop()
+
+    print(f"\nhf backend, preset {args.preset}, server torch threads {args.threads}, "
+          f"median of {args.repeats}\n")
+    print("| measurement | median | note |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1,
+                   help="server torch threads (1: OpenMP spinning collapses on a shared 2-core machine)")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    asyncio.run(run(args))
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
