@@ -55,6 +55,10 @@ id = "reverse-text"
 args = {{ num_examples = 50 }}
 """
 
+# Eval on the base model (step 0) and every 2 steps, 4 examples x 2 rollouts.
+EVAL = ("--orchestrator.eval.interval", "2", "--orchestrator.eval.num-examples", "4",
+        "--orchestrator.eval.rollouts-per-example", "2", "--orchestrator.eval.env", '[{id = "reverse-text", name = "rev"}]')
+
 REQUIRED_METRICS = (
     "reward/all/mean", "reward/all/std", "reward/reverse-text/mean", "seq_len/all/mean", "is_truncated/all/mean",
     "num_turns/all/mean", "empty_rollouts/all", "errored_rollouts/all", "off_policy/mean", "off_policy/dropped",
@@ -134,7 +138,7 @@ def test_orchestrator_publishes_valid_batches(tiny_model_dir: Path, run_dir: Pat
     gen_prompt = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     checksum, nparams, nbytes = model_checksum(tiny_model_dir)
     announce(server, run_dir)
-    orch = start_orchestrator(run_dir, tiny_model_dir)
+    orch = start_orchestrator(run_dir, tiny_model_dir, extra=EVAL)
     paths = RunPaths(run_dir)
     bus = Bus(paths, role="trainer", rank=0, timeout=90)
     try:
@@ -154,30 +158,14 @@ def test_orchestrator_publishes_valid_batches(tiny_model_dir: Path, run_dir: Pat
     lines = [json.loads(x) for x in paths.prompts_log.read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and all(len(x["example_ids"]) == 2 for x in lines)
     records = [r for r in read_metrics(paths.metrics_file) if r["role"] == "orchestrator"]
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records if "reward/all/mean" in r] == [1, 2]
+    evals = {r["step"]: r for r in read_metrics(paths.metrics_file) if "eval/rev/avg@2" in r}
+    assert sorted(evals) == [0, 2] and all(0 <= evals[s]["eval/rev/pass@2"] <= 1 for s in evals)
+    records = [r for r in records if "reward/all/mean" in r]
     for r in records:
         missing = [k for k in REQUIRED_METRICS if k not in r]
         assert not missing, missing
         assert r["errored_rollouts/all"] == 0 and r["off_policy/dropped"] == 0
-
-
-@pytest.mark.timeout(120)
-def test_checksum_mismatch_is_a_loud_error(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
-    announce(server, run_dir)
-    orch = start_orchestrator(run_dir, tiny_model_dir)
-    bus = Bus(RunPaths(run_dir), role="trainer", rank=0)
-    try:
-        # The weights on disk are the tiny model, but the trainer claims other bytes.
-        bus.publish_policy(PolicyReady(step=0, transport="filesystem", path=str(tiny_model_dir),
-                                       checksum="xxh3_128:" + "0" * 32, num_params=1, num_bytes=4))
-        assert orch.wait(timeout=90) == 1
-    finally:
-        if orch.poll() is None:
-            orch.kill()
-        bus.close()
-    out = (run_dir / "orchestrator.out").read_text()
-    assert "PolicyMismatch" in out and "checksum" in out
-    assert not RunPaths(run_dir).rollout_step_dir(1).exists()
 
 
 # -- checkpoint + resume -----------------------------------------------------------------------
@@ -304,3 +292,69 @@ def diff(a: bytes, b: bytes, logprob_atol: float = 1e-4) -> list[str]:
             out.append(f"{f}: {u if not isinstance(u, np.ndarray) else u[:40]} != "
                        f"{v if not isinstance(v, np.ndarray) else v[:40]}")
     return out
+
+
+@pytest.mark.timeout(120)
+def test_multi_turn_rollouts_are_stitched_from_sampled_ids(tiny_model_dir: Path, server: InferenceServer,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """alphabet-sort against the real server: turn k>1 prompts are the previous prompt + sampled
+    ids + the env's messages, so each rollout is one sequence whose loss mask covers exactly the
+    sampled tokens (equality with the chat template is checked in tests/unit/test_orchestrator.py)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from hpcrl.envs import load_environment
+    from hpcrl.orchestrator.rollout import Generator, RolloutClient, ServerPool
+
+    # The untrained tiny model almost never ends its turn, and a truncated turn ends the rollout:
+    # report every turn as finished so the env answers and the next turn is stitched.
+    chat = RolloutClient.chat
+
+    async def finished_chat(self, *a, **kw):
+        turn = await chat(self, *a, **kw)
+        turn.finish_reason = "stop"
+        return turn
+
+    monkeypatch.setattr(RolloutClient, "chat", finished_chat)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    env = load_environment("alphabet-sort", min_turns=2, max_turns=3)
+    tasks = list(env.tasks("train")[:2])
+
+    async def go():
+        pool = ServerPool([server.base_url], model=str(tiny_model_dir), timeout=60, max_concurrent=8)
+        try:
+            gen = Generator(pool, tok, 1024, lambda: 0, seed=3)
+            return await gen.groups(env, tasks, 2, {"max_tokens": 8, "temperature": 1.0}, "t")
+        finally:
+            await pool.aclose()
+
+    groups = asyncio.run(go())
+    multi = [r for g in groups for r in g if r.num_turns > 1]
+    assert all(not r.errored for g in groups for r in g) and multi
+    for r in multi:
+        assert len(r.pieces) == 1, "every turn extended the previous one exactly"
+        p = r.pieces[0]
+        assert sum(p.loss_mask) == r.completion_tokens
+        lps = np.asarray(p.logprobs)
+        assert np.all(lps[np.asarray(p.loss_mask)] <= 0) and np.all(lps[~np.asarray(p.loss_mask)] == 0)
+
+
+# Last in the module: it leaves the shared server refusing to generate (unverified weights).
+@pytest.mark.timeout(120)
+def test_checksum_mismatch_is_a_loud_error(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
+    announce(server, run_dir)
+    orch = start_orchestrator(run_dir, tiny_model_dir)
+    bus = Bus(RunPaths(run_dir), role="trainer", rank=0)
+    try:
+        # The weights on disk are the tiny model, but the trainer claims other bytes.
+        bus.publish_policy(PolicyReady(step=0, transport="filesystem", path=str(tiny_model_dir),
+                                       checksum="xxh3_128:" + "0" * 32, num_params=1, num_bytes=4))
+        assert orch.wait(timeout=90) == 1
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+        bus.close()
+    out = (run_dir / "orchestrator.out").read_text()
+    assert "PolicyMismatch" in out and "checksum" in out
+    assert not RunPaths(run_dir).rollout_step_dir(1).exists()
