@@ -11,7 +11,6 @@ import time: torch, transformers and vllm load inside `serve`.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -69,21 +68,62 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
             "pid": os.getpid(), "model": opts.served_model_name or opts.model_name}
     path = RunPaths(opts.run_dir).server_file(opts.server_index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:  # the bus owns the format (ServerInfo as JSON, what Bus.servers() reads)
-        from hpcrl.bus.files import write_atomic
-        from hpcrl.bus.messages import ServerInfo, encode_json
-    except ImportError:
-        pass
-    else:
-        write_atomic(path, [encode_json(ServerInfo(**info))])
-        return path
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads).
+    from hpcrl.bus.files import write_atomic
+    from hpcrl.bus.messages import ServerInfo, encode_json
+
+    write_atomic(path, [encode_json(ServerInfo(**info))])
     return path
+
+
+def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> int:
+    """`hpcrl inference`: map the typed config onto ServeOptions and serve (blocks)."""
+    from hpcrl.models.tiny import resolve_model
+    from hpcrl.monitor.logging import setup_logging
+
+    setup_logging("inference", cfg.log.level)
+    inf = cfg.inference
+    backend = inf.backend
+    if backend == "auto":
+        backend = "vllm" if _has_cuda_and_vllm() else "hf"
+    model = (inf.model.name if inf.model is not None and inf.model.name else None) or cfg.model.name
+    opts = ServeOptions(
+        model_name=resolve_model(model),
+        served_model_name=model,
+        host=cfg.server.host,
+        port=cfg.server.port,
+        backend=backend,
+        # Deterministic mode: one sequence per forward, so logits never depend on which other requests
+        # happen to share a decode batch (bitwise-reproducible logprobs across runs and resumes).
+        max_batch_size=1 if cfg.deterministic else inf.max_batch_size,
+        max_model_len=inf.max_model_len or cfg.seq_len,
+        dtype=cfg.model.dtype,
+        seed=inf.seed,
+        run_dir=run_dir,
+        server_index=server_index,
+    )
+    if backend == "vllm":
+        opts.vllm_args = [f"--tensor-parallel-size={inf.parallel.tp}", f"--gpu-memory-utilization={inf.gpu_memory_utilization}"]
+        if inf.enforce_eager:
+            opts.vllm_args.append("--enforce-eager")
+    try:
+        opts.validate()
+    except ValueError as e:
+        from hpcrl.config.errors import ConfigError
+
+        raise ConfigError("inference", str(e)) from None
+    serve(opts)
+    return 0
+
+
+def _has_cuda_and_vllm() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -43,8 +43,10 @@ def free_port() -> int:
 
 
 def _threads_per_process(layout: Layout) -> int:
+    """CPU runs: split the cores between the compute processes (trainer ranks + servers). Torch's
+    default of one thread per core in every process oversubscribes and runs several times slower."""
     cores = os.cpu_count() or 1
-    return max(1, cores // max(1, layout.trainer_ranks))
+    return max(1, cores // max(1, layout.trainer_ranks + layout.inference_servers))
 
 
 def _spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str]) -> Child:
@@ -56,7 +58,14 @@ def _spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str,
     return Child(role, kind, proc, log_path, fh)
 
 
+def clear_stale_addresses(paths: RunPaths) -> None:
+    """Server and weight-group addresses of a previous (dead) launch must not be dialled."""
+    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights")]:
+        f.unlink(missing_ok=True)
+
+
 def start_children(cfg: Config, layout: Layout, paths: RunPaths, resume_args: list[str]) -> list[Child]:
+    clear_stale_addresses(paths)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCRL_RUN_DIR": str(paths.root)}
     if layout.gpus_per_trainer_rank == 0:
         base_env.setdefault("OMP_NUM_THREADS", str(_threads_per_process(layout)))
@@ -158,5 +167,8 @@ def run_local(loaded: Loaded, layout: Layout) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     console.finish()
+    from hpcrl.monitor.plots import report_plots
+
+    report_plots(paths)  # also after a failure: the plots show how far it got
     print(line, file=sys.stderr if code else sys.stdout, flush=True)
     return code
