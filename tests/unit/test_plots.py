@@ -105,4 +105,4 @@ def test_help_is_fast_and_lazy() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "OUTPUT_DIR" in r.stdout
-    assert float(r.stdout.strip().splitlines()[-1]) < 1.5 and time.perf_counter() - t0 < 10
+    assert float(r.stdout.strip().splitlines()[-1]) < 3.0 and time.perf_counter() - t0 < 15
