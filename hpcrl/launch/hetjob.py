@@ -157,8 +157,36 @@ def validate(spec: HetJobSpec) -> None:
     for opt in [*spec.extra_sbatch, *(o for c in spec.components for o in c.extra_sbatch)]:
         if not opt.startswith("--"):
             raise ValueError(f"extra sbatch option {opt!r} must be a long option like --exclusive")
-    if spec.signal_before_s is not None and spec.signal_before_s < 1:
-        raise ValueError("signal_before_s must be >= 1 (or None for no pre-timeout signal)")
+    if spec.signal_before_s is not None:
+        if spec.signal_before_s < 1:
+            raise ValueError("signal_before_s must be >= 1 (or None for no pre-timeout signal)")
+        limit = time_seconds(spec.time)
+        if limit is not None and spec.signal_before_s >= limit:
+            # SLURM would send the pre-timeout signal at once: the job would requeue forever
+            raise ValueError(
+                f"signal_before_s ({spec.signal_before_s}) must be below the time limit ({limit} s)"
+            )
+
+
+def time_seconds(t: str | int) -> int | None:
+    """A SLURM time limit in seconds (minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None = unlimited."""
+    if isinstance(t, int):
+        return t * 60
+    if t.upper() in ("INFINITE", "UNLIMITED", "-1"):
+        return None
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t.strip())
+    if m is None:
+        raise ValueError(f"time {t!r} is not a SLURM time limit (e.g. 90, 01:30:00, 1-00:00:00)")
+    days, a, b, c = m.groups()
+    parts = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        h, mi, sec = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + mi) * 60 + sec
+    if len(parts) == 1:
+        return parts[0] * 60  # minutes
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]  # M:S
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
 
 
 # -- rendering -----------------------------------------------------------------------------------

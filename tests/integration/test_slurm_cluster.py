@@ -91,7 +91,8 @@ def test_hetjob_runs_components_on_distinct_nodes(cluster, jobs, tmp_path):
         ],
         steps=[HetStep("orchestrator", 0, sh(RECORD), nodes=1, ntasks=1, end_job_on_success=False)],
         env={"OUT": str(out)},
-        time=5,
+        time=10,
+        signal_before_s=60,
     )
     jid = submit_hetjob(spec, tmp_path / "slurm")
     jobs.append(jid)
@@ -122,6 +123,7 @@ def test_failing_component_ends_the_job(cluster, jobs, tmp_path):
         ],
         env={"OUT": str(out)},
         time=10,
+        signal_before_s=60,
         stop_grace_s=5,
     )
     jid = submit_hetjob(spec, tmp_path / "slurm")
@@ -173,3 +175,47 @@ def test_usr2_checkpoints_then_requeues(cluster, jobs, tmp_path):
     # and an external `scontrol requeue` + StartTime=now restarts it too
     requeue_now(jid)
     wait_for(lambda: (out / "start.2").exists(), 60, "the job to start after scontrol requeue")
+
+
+@pytest.mark.timeout(120)
+def test_sbatch_role_scripts_under_srun(cluster, jobs, tmp_path):
+    """sbatch/{trainer,inference,orchestrator}.sh: rank variables, config path, args, role logs."""
+    from hpcrl.launch.slurm import sbatch_dir
+
+    run = tmp_path / "run"
+    fake_python = tmp_path / "python"  # stands in for `python -m hpcrl.cli ...`: prints what it got
+    fake_python.write_text(
+        "#!/bin/bash\n"
+        'echo "ARGS=$* RANK=${RANK:-} WORLD_SIZE=${WORLD_SIZE:-} LOCAL_RANK=${LOCAL_RANK:-} '
+        'LWS=${LOCAL_WORLD_SIZE:-} BUS=$HPCRL_BUS_HOST NODE=$SLURMD_NODENAME"\n'
+        "[[ $3 == trainer ]] && sleep 1\nexit 0\n"
+    )
+    fake_python.chmod(0o755)
+    sb = sbatch_dir()
+    spec = HetJobSpec(
+        "hpcrl-test-roles",
+        [
+            HetComponent("trainer", [str(sb / "trainer.sh"), "--resume"], nodes=2),
+            HetComponent("inference", [str(sb / "inference.sh")], nodes=1, end_job_on_success=False),
+        ],
+        steps=[
+            HetStep(
+                "orchestrator", 0, [str(sb / "orchestrator.sh")], nodes=1, ntasks=1, end_job_on_success=False
+            )
+        ],
+        env={"HPCRL_RUN_DIR": str(run), "HPCRL_PYTHON": str(fake_python)},
+        time=10,
+        signal_before_s=60,
+    )
+    jid = submit_hetjob(spec, tmp_path / "slurm")
+    jobs.append(jid)
+    assert wait_for(lambda: ended(jid), 60, f"job {jid} to end") == "COMPLETED"
+    logs = run / "logs"
+    t0, t1 = (logs / "trainer.log").read_text(), (logs / "trainer" / "rank_1.log").read_text()
+    assert f"ARGS=-m hpcrl.cli trainer @ {run}/configs/trainer.toml --resume RANK=0 WORLD_SIZE=2" in t0
+    assert "RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LWS=1 BUS=auto" in t1
+    inf = (logs / "inference.log").read_text()
+    assert f"inference @ {run}/configs/inference.toml --run-dir {run} --server-index 0" in inf
+    orch = (logs / "orchestrator.log").read_text()
+    assert f"orchestrator @ {run}/configs/orchestrator.toml" in orch
+    assert orch.split("NODE=")[1].split()[0] == t0.split("NODE=")[1].split()[0]  # beside rank 0

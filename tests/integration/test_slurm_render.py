@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch.hetjob import HetComponent, HetJobSpec, HetStep, render_sbatch, validate
+from hpcrl.launch.hetjob import HetComponent, HetJobSpec, HetStep, render_sbatch, time_seconds, validate
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 REPO = "/opt/hpcrl"  # fixed paths keep the golden file machine-independent
@@ -102,11 +102,22 @@ def test_single_component_and_options():
         ),
         (HetJobSpec("j", [HetComponent("a", ["x"])], env={"1X": "v"}), "env name"),
         (HetJobSpec("j", [HetComponent("a", ["x"], extra_sbatch=["-x"])]), "long option"),
+        (HetJobSpec("j", [HetComponent("a", ["x"])], time=5, signal_before_s=300), "below the time limit"),
+        (HetJobSpec("j", [HetComponent("a", ["x"])], time="1:xx"), "not a SLURM time"),
     ],
 )
 def test_validate_rejects(spec, message):
     with pytest.raises(ValueError, match=message):
         validate(spec)
+
+
+@pytest.mark.parametrize(
+    "t, seconds",
+    [(90, 5400), ("90", 5400), ("5:30", 330), ("01:30:00", 5400), ("1-00:00:00", 86400), ("2-3", 183600),
+     ("1-02:03", 93780), ("INFINITE", None)],
+)  # fmt: skip
+def test_time_seconds(t, seconds):
+    assert time_seconds(t) == seconds
 
 
 def test_rendered_script_is_valid_bash(tmp_path):
@@ -123,3 +134,27 @@ def test_sbatch_scripts_are_valid_bash():
     assert {p.name for p in scripts} >= {"trainer.sh", "inference.sh", "orchestrator.sh", "common.sh"}
     for p in scripts:
         subprocess.run(["bash", "-n", str(p)], check=True)
+
+
+def test_spec_from_multi_node_config(tmp_path):
+    """The shipped multi-node config -> 2 trainer nodes x 8 ranks + 2 inference nodes x 2 servers."""
+    from hpcrl.config.loader import load
+    from hpcrl.launch.layout import slurm_layout
+    from hpcrl.launch.slurm import build_spec, render, split_extra_sbatch
+    from hpcrl.paths import RunPaths
+
+    cfg_file = Path(__file__).resolve().parents[2] / "configs" / "multi_node" / "rl.toml"
+    cfg = load([str(cfg_file), "--output-dir", str(tmp_path / "run")]).config
+    paths = RunPaths(tmp_path / "run")
+    spec = build_spec(cfg, slurm_layout(cfg), paths, python="/py", scripts=Path("/opt/hpcrl/sbatch"))
+    trainer, inference = spec.components
+    assert (trainer.nodes, trainer.ntasks_per_node, trainer.gpus_per_node) == (2, 8, 8)
+    assert (inference.nodes, inference.ntasks_per_node, inference.gpus_per_node) == (2, 2, 8)
+    assert trainer.forward_signal and not inference.forward_signal
+    assert spec.steps[0].name == "orchestrator" and spec.steps[0].component == 0
+    assert spec.env == {"HPCRL_RUN_DIR": str(paths.root), "HPCRL_PYTHON": "/py"}
+    text = render(spec, paths)
+    assert text.count("#SBATCH --exclusive") == 2  # a resource option: in every component
+    assert f"#SBATCH --output={paths.slurm_logs_dir}/hetjob_%j.log" in text
+    assert "/opt/hpcrl/sbatch/trainer.sh &" in text
+    assert split_extra_sbatch(["--mail-type=END", "--gres=gpu:8"]) == (["--mail-type=END"], ["--gres=gpu:8"])

@@ -1,0 +1,126 @@
+"""From a resolved config to a heterogeneous SLURM job (the glue `hpcrl submit` calls).
+
+    spec = build_spec(cfg, layout, RunPaths(cfg.output_dir))
+    script = render(spec, paths)          # --dry-run: print / write it, `sbatch_test_only(script)`
+    job_id = submit(spec, paths)          # sbatch; the id also goes to paths.job_file (caller)
+
+Component 0 = trainer nodes (one srun task per torch.distributed rank, `sbatch/trainer.sh`),
+component 1 = inference nodes (one task per server, `sbatch/inference.sh`); the orchestrator is an
+extra one-task step on the first node of the component `deployment.orchestrator_node` names.
+Every role reads its resolved config from `<run>/configs/<role>.toml` (sbatch/common.sh) and its
+run directory from HPCRL_RUN_DIR; nothing is pickled (see hpcrl.launch.hetjob).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpcrl.launch.hetjob import HetComponent, HetJobSpec, HetStep, render_sbatch, submit_hetjob
+from hpcrl.paths import RunPaths
+
+# sbatch options that describe the whole job: first #SBATCH block only. Every other
+# slurm.extra_sbatch option (--exclusive, --reservation=..., --gres=...) is a resource request and
+# goes into every component, since hetjob components do not inherit those from each other.
+_JOB_WIDE = {
+    "begin", "comment", "deadline", "dependency", "export", "kill-on-invalid-dep", "mail-type",
+    "mail-user", "nice", "priority", "wckey", "chdir", "get-user-env", "hold", "parsable",
+}  # fmt: skip
+
+
+def split_extra_sbatch(options: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(job-wide options, per-component options) of `slurm.extra_sbatch`."""
+    job, per_component = [], []
+    for opt in options:
+        name = opt[2:].split("=", 1)[0]
+        (job if name in _JOB_WIDE else per_component).append(opt)
+    return job, per_component
+
+
+def sbatch_dir() -> Path:
+    """The per-role launch scripts: $HPCRL_SBATCH_DIR, else `sbatch/` of this source checkout."""
+    env = os.environ.get("HPCRL_SBATCH_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "sbatch"
+
+
+def build_spec(
+    cfg,
+    layout,
+    paths: RunPaths,
+    *,
+    python: str | None = None,
+    trainer_args: Sequence[str] = (),
+    orchestrator_args: Sequence[str] = (),
+    inference_args: Sequence[str] = (),
+    scripts: Path | None = None,
+) -> HetJobSpec:
+    """The hetjob for `cfg` (a resolved Config with `slurm` set) laid out as `layout` (slurm_layout).
+
+    `*_args` are appended to `hpcrl <role> @ configs/<role>.toml` on the nodes (e.g. resume flags).
+    """
+    from hpcrl.config.schema import SlurmConfig
+
+    s = cfg.slurm if cfg.slurm is not None else SlurmConfig()
+    scripts = scripts or sbatch_dir()
+    job_wide, per_component = split_extra_sbatch(s.extra_sbatch)
+    common = {
+        "partition": s.partition,
+        "account": s.account,
+        "qos": s.qos,
+        "constraint": s.constraint,
+        "mem": s.mem,
+        "cpus_per_task": s.cpus_per_task,
+        "extra_sbatch": per_component,
+    }
+    trainer = HetComponent(
+        "trainer",
+        [str(scripts / "trainer.sh"), *trainer_args],
+        nodes=layout.train_nodes,
+        ntasks_per_node=layout.ranks_per_train_node,
+        gpus_per_node=layout.gpus_per_trainer_rank * layout.ranks_per_train_node or None,
+        forward_signal=True,  # the trainer checkpoints on USR2
+        **common,
+    )
+    inference = HetComponent(
+        "inference",
+        [str(scripts / "inference.sh"), *inference_args],
+        nodes=layout.infer_nodes,
+        ntasks_per_node=layout.servers_per_infer_node,
+        gpus_per_node=layout.gpus_per_server * layout.servers_per_infer_node or None,
+        forward_signal=False,  # servers hold no state: they are stopped when the job requeues
+        **common,
+    )
+    orchestrator = HetStep(
+        "orchestrator",
+        component=0 if layout.orchestrator_on == "trainer" else 1,
+        command=[str(scripts / "orchestrator.sh"), *orchestrator_args],
+        nodes=1,
+        ntasks=1,
+        overlap=True,
+        forward_signal=True,  # it checkpoints its part too
+    )
+    return HetJobSpec(
+        job_name=s.job_name or cfg.name or paths.root.name,
+        components=[trainer, inference],
+        steps=[orchestrator],
+        time=s.time,
+        env={"HPCRL_RUN_DIR": str(paths.root), "HPCRL_PYTHON": python or sys.executable},
+        setup=list(s.setup),
+        extra_sbatch=job_wide,
+        requeue=s.requeue,
+        signal_before_s=s.signal_before_s,
+    )
+
+
+def render(spec: HetJobSpec, paths: RunPaths) -> str:
+    """The sbatch script; its logs go to logs/slurm/ (hetjob_<id>.log, <id>/<step>.<task>.log)."""
+    return render_sbatch(spec, paths.slurm_logs_dir)
+
+
+def submit(spec: HetJobSpec, paths: RunPaths) -> str:
+    """Submit and return the job id. Also keeps the rendered script in paths.slurm_dir."""
+    paths.slurm_dir.mkdir(parents=True, exist_ok=True)
+    (paths.slurm_dir / "hetjob.sbatch").write_text(render(spec, paths))
+    return submit_hetjob(spec, paths.slurm_logs_dir)
