@@ -28,6 +28,7 @@ from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
+from hpcrl.monitor.wandb_sink import start_wandb_sink
 from hpcrl.orchestrator import setup
 from hpcrl.orchestrator.batch import (
     StepCounts,
@@ -38,7 +39,7 @@ from hpcrl.orchestrator.batch import (
     to_samples,
 )
 from hpcrl.orchestrator.eval import run_eval, run_val
-from hpcrl.orchestrator.metrics import PromptsLog, step_metrics
+from hpcrl.orchestrator.metrics import PromptsLog, sample_rows, step_metrics
 from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync
 from hpcrl.orchestrator.rollout import InferenceUnavailable, teacher_logprobs
 from hpcrl.orchestrator.state import GroupRecord, check_compatible, load_part, save_part
@@ -122,7 +123,8 @@ class Orchestrator:
         if s.transport == "collective":
             await sync.join_group()
         s.attach_servers(servers, lambda: sync.loaded or 0)
-        self.metrics = Metrics(self.paths, "orchestrator")
+        self.metrics = Metrics.for_run(self.cfg, self.paths, "orchestrator")
+        self.wandb_sink = start_wandb_sink(self.cfg, self.paths, "orchestrator")
         self.prompts = PromptsLog(self.paths)
         return sync
 
@@ -221,6 +223,11 @@ class Orchestrator:
                                  "policy/loaded": self.sync.loaded, "progress/total_samples": p["total_samples"]}
         m = step_metrics(groups, generated, step, counts, t_policy, t_gen, n_samples, n_tokens, extra)
         self.metrics.log(step, m)
+        if self.metrics.samples_due(step):
+            self.metrics.log_samples(step, sample_rows(groups, self.s.tokenizer, step))
+        if self.metrics.distributions_due(step):
+            self.metrics.log_distribution(step, "reward", [r.reward for g in groups for r in g.rollouts])
+            self.metrics.log_distribution(step, "advantage", [a for g in groups for a in g.advantages or []])
         log.info("step %d: published %d samples (%d tokens), reward %.3f, policy %s, gen %.1fs",
                  step, n_samples, n_tokens, m["reward/all/mean"], self.sync.loaded, t_gen)
 
@@ -280,6 +287,7 @@ class Orchestrator:
             await self.sync.ensure(msg)
             await self.maybe_eval()
         log.info("done: %d steps published", self.cfg.max_steps)
+        self.wandb_sink.close(wait_for_step=self.cfg.max_steps)
 
     async def drain(self) -> None:
         """After a stop signal: give the trainer a moment to take its forced checkpoint and write
@@ -299,7 +307,7 @@ class Orchestrator:
             obj = getattr(self, name, None)
             if obj is not None:
                 await obj.aclose()
-        for name in ("prompts", "metrics", "bus"):
+        for name in ("prompts", "metrics", "wandb_sink", "bus"):
             obj = getattr(self, name, None)
             if obj is not None:
                 obj.close()

@@ -101,3 +101,19 @@ def _step_of(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):  # a torn last line from a crash
         return float("inf")
+
+
+def sample_rows(groups: list[GroupRecord], tokenizer: Any, step: int) -> list[dict[str, Any]]:
+    """Rows of the W&B samples table: prompt / completion text (first piece of each rollout)."""
+    rows = []
+    for g in groups:
+        for r, adv in zip(g.rollouts, g.advantages or [0.0] * len(g.rollouts)):
+            if not r.pieces:
+                continue
+            p = r.pieces[0]
+            start = next((i for i, m in enumerate(p.loss_mask) if m), len(p.input_ids))
+            rows.append({"step": step, "env": g.env, "example_id": g.example_id,
+                         "prompt": tokenizer.decode(p.input_ids[:start]),
+                         "completion": tokenizer.decode(p.input_ids[start:]),
+                         "reward": r.reward, "advantage": adv})
+    return rows

@@ -44,7 +44,7 @@ def main(cfg: Config) -> int:
     bus = Bus(paths, role="trainer", rank=rank)
     publisher = make_publisher(cfg, paths, bus, rank)
     publisher.publish(tr.model, start)  # policy `start` (0 = base weights): servers verify against it
-    metrics = Metrics(paths, "trainer", enabled=rank == 0)
+    metrics = Metrics.for_run(cfg, paths, "trainer", enabled=rank == 0)
     params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
     stop = install_stop_handler()
     finalizers: list[threading.Thread] = []
