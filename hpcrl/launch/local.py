@@ -49,12 +49,26 @@ def _threads_per_process(layout: Layout) -> int:
     return max(1, cores // max(1, layout.trainer_ranks + layout.inference_servers))
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the launcher is killed (even SIGKILL), the kernel kills this
+    process too, so no orphan keeps writing into a run directory that a resume is about to use."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: supervision still stops children on every non-SIGKILL exit
+        pass
+
+
 def _spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str]) -> Child:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(log_path, "ab", buffering=0)  # noqa: SIM115 - owned by Child, closed in stop_children
     cmd = [sys.executable, "-m", "hpcrl.cli", kind, *args]
     # Own session: the whole subtree can be signalled, and a Ctrl-C reaches only the launcher.
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent)
     return Child(role, kind, proc, log_path, fh)
 
 
@@ -140,7 +154,11 @@ def supervise(children: list[Child], console: ConsoleReporter, poll: float = 0.5
 def run_local(loaded: Loaded, layout: Layout) -> int:
     cfg: Config = loaded.config
     paths = RunPaths(cfg.output_dir)
-    resume_args = resume_mod.prepare_resume(cfg, paths)
+    try:
+        resume_args = resume_mod.prepare_resume(cfg, paths)
+    except resume_mod.AlreadyComplete as done:
+        print(done, flush=True)
+        return 0
     from hpcrl.models.tiny import resolve_model
 
     # Build a built-in tiny model once here, not in three processes at once.

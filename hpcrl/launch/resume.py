@@ -17,6 +17,10 @@ from hpcrl.paths import RunPaths
 log = logging.getLogger("hpcrl.resume")
 
 
+class AlreadyComplete(Exception):
+    """The checkpoint to resume from is the final step: there is nothing left to train."""
+
+
 def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
     """If the config asks to resume, validate the checkpoint, move newer bus files aside and return
     the flags that pin every role to that exact step; else []."""
@@ -26,8 +30,11 @@ def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
         step = checkpoint.resolve_resume_step(paths, cfg.ckpt.resume_step)
     except checkpoint.CheckpointError as e:
         raise ConfigError("ckpt.resume_step", str(e)) from None
-    if step >= cfg.max_steps:
-        raise ConfigError("max_steps", f"{cfg.max_steps} is not beyond the resumed step {step} (max_steps is the final step)")
+    if step == cfg.max_steps:
+        raise AlreadyComplete(f"hpcrl: {paths.root} is complete at step {step} (max_steps); "
+                              "pass --max-steps M to train further")
+    if step > cfg.max_steps:
+        raise ConfigError("max_steps", f"{cfg.max_steps} is below the resumed step {step} (max_steps is the final step)")
     from hpcrl.bus import Bus
 
     bus = Bus(paths, role="launcher", listen=False)

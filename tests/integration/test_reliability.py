@@ -1,0 +1,139 @@
+"""Lossless resume under SIGKILL (issue 7): kill a random role at a random moment of a short CPU run,
+`hpcrl resume --step -1`, and check that the run completes, that the sequence of training prompts
+equals an uninterrupted run's (none skipped, none repeated), and — deterministic mode — that the final
+weights are bitwise identical.
+
+HPCRL_RELIABILITY_TRIALS sets the number of trials (default 20).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl import checkpoint
+from hpcrl.paths import RunPaths
+
+TRIALS = int(os.environ.get("HPCRL_RELIABILITY_TRIALS", "20"))
+MAX_STEPS = 6
+ROLES = ("trainer", "orchestrator", "inference", "launcher")
+
+CONFIG = """
+max_steps = {max_steps}
+seq_len = 64
+deterministic = true
+seed = 11
+[model]
+name = "hpcrl/tiny-qwen3"
+[orchestrator]
+batch_size = 16
+rollouts_per_example = 4
+max_async_level = 1
+[orchestrator.train.sampling]
+max_tokens = 8
+[[orchestrator.train.env]]
+id = "reverse-text"
+[trainer.optim]
+lr = 3e-3
+[ckpt]
+interval = 1
+keep_last = 2
+"""
+
+
+def _hpcrl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hpcrl.cli", *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _final_state(out: Path) -> tuple[dict[str, bytes], list[list[int]]]:
+    from safetensors.torch import load_file
+
+    weights = load_file(str(RunPaths(out).weights_dir(MAX_STEPS) / "model.safetensors"))
+    raw = {k: v.numpy().tobytes() for k, v in sorted(weights.items())}
+    prompts = [json.loads(line) for line in RunPaths(out).prompts_log.read_text().splitlines()]
+    by_step = {p["step"]: p["example_ids"] for p in prompts}
+    assert sorted(by_step) == list(range(1, MAX_STEPS + 1)), f"prompt log steps: {sorted(by_step)}"
+    return raw, [by_step[s] for s in range(1, MAX_STEPS + 1)]
+
+
+def _role_pids(out: Path, role: str) -> list[int]:
+    """Processes of this run that play `role` (found through /proc, like `pgrep -f`)."""
+    marker = str(out)
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            env = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if "hpcrl.cli" in args and role in args and marker.encode() in env:
+            pids.append(int(d.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes], list[list[int]]]:
+    root = tmp_path_factory.mktemp("reliability")
+    cfg = root / "cfg.toml"
+    cfg.write_text(CONFIG.format(max_steps=MAX_STEPS))
+    out = root / "reference"
+    r = subprocess.run(_hpcrl("run", str(cfg), "--output-dir", str(out)), env=_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    weights, prompts = _final_state(out)
+    return cfg, weights, prompts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_sigkill_random_role_then_resume_is_lossless(reference, tmp_path: Path) -> None:
+    cfg, ref_weights, ref_prompts = reference
+    rng = random.Random(1234)
+    report = []
+    for trial in range(TRIALS):
+        out = tmp_path / f"trial_{trial}"
+        role = ROLES[trial % len(ROLES)] if trial < len(ROLES) else rng.choice(ROLES)
+        launcher = subprocess.Popen(_hpcrl("run", str(cfg), "--output-dir", str(out)), env=_env(),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        paths = RunPaths(out)
+        # A random moment after the first checkpoint exists (before it there is nothing to resume:
+        # a rerun from scratch is the answer, which needs no test) and before the run could end.
+        deadline = time.monotonic() + 300
+        while checkpoint.latest_complete(paths) is None and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 3.5))
+        victims = [launcher.pid] if role == "launcher" else _role_pids(out, role)
+        killed = launcher.poll() is None and bool(victims)
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait(timeout=120)
+        time.sleep(0.5)
+        assert not any(_role_pids(out, r) for r in ROLES[:3]), f"trial {trial}: processes outlived the launcher"
+        resumed = subprocess.run(_hpcrl("resume", "--step", "-1", "--output-dir", str(out)), env=_env(),
+                                 capture_output=True, text=True, timeout=600)
+        detail = f"trial {trial} (killed {role}: {killed}): {resumed.stdout[-1500:]}{resumed.stderr[-1500:]}"
+        assert resumed.returncode == 0, detail
+        weights, prompts = _final_state(out)
+        assert prompts == ref_prompts, f"{detail}\nprompt sequence differs"
+        assert weights.keys() == ref_weights.keys()
+        assert all(weights[k] == ref_weights[k] for k in weights), f"{detail}\nfinal weights differ"
+        report.append((trial, role, killed))
+    assert sum(k for _, _, k in report) >= TRIALS * 3 // 4, f"too few trials actually killed something: {report}"
