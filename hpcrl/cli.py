@@ -129,12 +129,19 @@ def cmd_submit(argv: list[str]) -> int:
     if "--slurm" not in argv and not any(a.startswith("--slurm.") for a in argv):
         argv.append("--slurm")
     loaded = _load(argv)
-    from hpcrl.launch import prepare
+    if loaded.config.slurm is None:
+        from hpcrl.config.schema import SlurmConfig
 
-    prepare.prepare_output_dir(loaded.config, dry_run=dry)
+        loaded.config.slurm = SlurmConfig()
     from hpcrl.launch.submit import submit
 
     return submit(loaded, nodes=nodes, dry_run=dry)
+
+
+def cmd_prepare_resume(argv: list[str]) -> int:
+    from hpcrl.launch.submit import prepare_resume_main
+
+    return prepare_resume_main(argv)
 
 
 def cmd_resume(argv: list[str]) -> int:
@@ -228,6 +235,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
     "cancel": (cmd_cancel, None),
     "plot": (cmd_plot, None),
     "make-tiny-model": (cmd_make_tiny_model, None),
+    "prepare-resume": (cmd_prepare_resume, None),
 }
 
 

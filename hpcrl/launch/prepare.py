@@ -49,6 +49,9 @@ def apply_layout(cfg: Config, layout: Layout) -> None:
     """Record the process counts in the config, so every role knows how many peers it has."""
     cfg.deployment.num_trainer_ranks = layout.trainer_ranks
     cfg.deployment.num_inference_servers = layout.inference_servers
+    if cfg.trainer.broadcast.transport == "auto":
+        # Decided once here so trainer and orchestrator agree (NCCL on GPUs, files on CPU).
+        cfg.trainer.broadcast.transport = "collective" if layout.gpus_per_trainer_rank else "filesystem"
 
 
 def local_plan(loaded: Loaded) -> Layout:

@@ -64,8 +64,13 @@ def resume(output_dir: Path, step: int, argv: list[str]) -> int:
     if job.get("target") == "slurm":
         from hpcrl.launch.submit import submit
 
-        prepare.prepare_output_dir(loaded.config)
-        return submit(loaded, nodes=job.get("nodes"), dry_run=False)
+        cfg = loaded.config
+        newest = checkpoint.latest_complete(paths) if step == -1 else step
+        if newest is not None and newest >= cfg.max_steps:
+            print(f"hpcrl: {paths.root} is complete at step {newest} (max_steps); pass --max-steps M to train further")
+            return 0
+        # The batch script's prepare-resume pins the roles to the checkpoint on the nodes.
+        return submit(loaded, nodes=job.get("nodes"), dry_run=False, resume_step=step)
     from hpcrl.launch.local import run_local
 
     layout = prepare.local_plan(loaded)

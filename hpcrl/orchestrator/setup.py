@@ -40,17 +40,16 @@ def load_envs(envs: Sequence[EnvConfig], where: str) -> dict[str, Environment]:
 
 
 def deployment(cfg: Config) -> tuple[int, int, str]:
-    """(trainer ranks, inference servers, weight transport) as the launcher laid the run out."""
-    from hpcrl.launch.layout import local_layout, slurm_layout
-    from hpcrl.launch.prepare import visible_gpus
-
-    on_slurm = cfg.slurm is not None and bool(os.environ.get("SLURM_JOB_ID"))
-    gpus = visible_gpus()
-    layout = slurm_layout(cfg) if on_slurm else local_layout(cfg, gpus)
+    """(trainer ranks, inference servers, weight transport) as the launcher laid the run out: the
+    launcher records them in the resolved config (hpcrl.launch.prepare.apply_layout), so every role
+    reads the same values wherever it runs."""
+    d = cfg.deployment
     transport = cfg.trainer.broadcast.transport
-    if transport == "auto":  # the trainer's rule: collective where CUDA exists
-        transport = "collective" if (gpus > 0 or layout.gpus_per_trainer_rank > 0) else "filesystem"
-    return layout.trainer_ranks, layout.inference_servers, transport
+    if transport == "auto":  # a role started by hand, without a launcher: the trainer's own rule
+        from hpcrl.launch.prepare import visible_gpus
+
+        transport = "collective" if visible_gpus() > 0 else "filesystem"
+    return d.num_trainer_ranks or 1, d.num_inference_servers or 1, transport
 
 
 @dataclass

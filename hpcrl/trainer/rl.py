@@ -50,7 +50,12 @@ def main(cfg: Config) -> int:
     finalizers: list[threading.Thread] = []
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
-        batch, t_wait = wait_for_batch(bus, step, rank, cfg.trainer.batch_timeout_s)
+        batch, t_wait = wait_for_batch(bus, step, rank, cfg.trainer.batch_timeout_s, stop)
+        if batch is None:  # stop requested while waiting: the last finished step is the checkpoint
+            if step - 1 > start:
+                maybe_checkpoint(cfg, paths, tr, step - 1, progress, finalizers, force=True)
+            log.warning("stop requested while waiting for batch %d: checkpointed step %d, exiting", step, step - 1)
+            break
         out = train_step(tr, batch, params, cfg.trainer.micro_batch_tokens, cfg.trainer.optim.max_norm)
         t_pub = publisher.publish(tr.model, step)
         if rank == 0:
@@ -117,10 +122,24 @@ def install_stop_handler() -> threading.Event:
     return ev
 
 
-def wait_for_batch(bus: Bus, step: int, rank: int, timeout: float) -> tuple[TrainBatch, float]:
+def wait_for_batch(bus: Bus, step: int, rank: int, timeout: float, stop: threading.Event
+                   ) -> tuple[TrainBatch | None, float]:
+    """Wait in short slices so a stop signal (preemption) is honoured while idle; None if stopped.
+    Collective over ranks: they agree on stopping, so none is left alone in a collective."""
+    from hpcrl.bus import BusTimeout
+
     t0 = time.perf_counter()
-    batch = bus.wait_batch(step, rank, timeout=timeout)
-    return batch, time.perf_counter() - t0
+    deadline = time.monotonic() + timeout
+    while True:
+        stopping = parallel.all_reduce(float(stop.is_set()), op="max") > 0
+        if stopping:
+            return None, time.perf_counter() - t0
+        try:
+            batch = bus.wait_batch(step, rank, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+            return batch, time.perf_counter() - t0
+        except BusTimeout:
+            if time.monotonic() >= deadline:
+                raise
 
 
 def to_packed(batch: TrainBatch, device: torch.device) -> PackedBatch:

@@ -1,0 +1,113 @@
+"""`hpcrl submit`: one heterogeneous SLURM job (trainer nodes + inference nodes) for a resolved config.
+
+Resume without a manual step: the batch script runs `hpcrl prepare-resume` before the roles start
+whenever the job is a requeue (SLURM_RESTART_COUNT > 0) or the submission asked for a resume. It
+pins every role's config to the newest complete checkpoint and moves newer bus files aside.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from hpcrl.config.loader import Loaded
+from hpcrl.config.resolved import write_resolved
+from hpcrl.config.schema import CkptConfig, Config
+from hpcrl.launch import prepare
+from hpcrl.launch.layout import slurm_layout
+from hpcrl.paths import RunPaths
+
+
+def resume_setup_line(paths: RunPaths, python: str, step: int | None) -> str:
+    """Shell line for the batch script: resume on requeue (and on a requested resume)."""
+    run = shlex.quote(str(paths.root))
+    py = shlex.quote(python)
+    requested = "" if step is None else f" --step {step}"
+    cond = '[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]' if step is None else "true"
+    return (f"if {cond}; then {py} -m hpcrl.cli prepare-resume --output-dir {run}{requested or ' --step -1'} "
+            f"--if-checkpoint || exit 1; fi")
+
+
+def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | None = None) -> int:
+    cfg: Config = loaded.config
+    assert cfg.slurm is not None
+    layout = slurm_layout(cfg, nodes)
+    prepare.apply_layout(cfg, layout)
+    notes = []
+    if cfg.slurm.requeue and cfg.ckpt is None:
+        cfg.ckpt = CkptConfig()
+        notes.append("note:         checkpointing enabled (requeue resumes from checkpoints); set [ckpt] to tune")
+    if resume_step is None and cfg.ckpt is not None:
+        cfg.ckpt.resume_step = None  # roles get the step from prepare-resume, never from a stale config
+    paths = prepare.prepare_output_dir(cfg, dry_run=dry_run)
+    from hpcrl.launch import slurm as slurm_mod
+    from hpcrl.launch.hetjob import sbatch_test_only
+
+    python = sys.executable
+    spec = slurm_mod.build_spec(cfg, layout, paths, python=python)
+    spec.setup.insert(0, resume_setup_line(paths, python, resume_step))
+    script = slurm_mod.render(spec, paths)
+    paths.slurm_dir.mkdir(parents=True, exist_ok=True)
+    script_path = paths.slurm_dir / "hetjob.sbatch"
+    script_path.write_text(script)
+    extra = [f"sbatch:       {script_path}"] + notes
+    if dry_run:
+        if shutil.which("sbatch"):
+            ok, msg = sbatch_test_only(script)
+            extra.append(f"sbatch --test-only: {'OK' if ok else 'REJECTED'}: {' '.join(msg.split())[:300]}")
+            prepare.print_summary(loaded, layout, "submit (SLURM hetjob)", extra)
+            return 0 if ok else 1
+        extra.append("sbatch --test-only: skipped (no sbatch on this machine)")
+        prepare.print_summary(loaded, layout, "submit (SLURM hetjob)", extra)
+        return 0
+    from hpcrl.launch.local import clear_stale_addresses
+
+    clear_stale_addresses(paths)
+    job_id = slurm_mod.submit(spec, paths)
+    from hpcrl.launch.manage import write_job
+
+    write_job(paths, {"target": "slurm", "job_id": job_id, "nodes": layout.train_nodes + layout.infer_nodes,
+                      "submitted_at": time.time(), "script": str(script_path)})
+    print(f"hpcrl: submitted SLURM job {job_id} ({layout.train_nodes} trainer + {layout.infer_nodes} inference "
+          f"node(s)); logs: {paths.logs_dir}/  follow: bash tmux.sh {job_id} {paths.root}", flush=True)
+    return 0
+
+
+def prepare_resume_main(argv: list[str]) -> int:
+    """`hpcrl prepare-resume --output-dir DIR [--step -1|N] [--if-checkpoint]` (run by the batch script)."""
+    import argparse
+
+    from hpcrl import checkpoint
+    from hpcrl.bus import Bus
+    from hpcrl.config import load
+
+    p = argparse.ArgumentParser(prog="hpcrl prepare-resume")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--step", type=int, default=-1)
+    p.add_argument("--if-checkpoint", action="store_true", help="no checkpoint yet: start fresh instead of failing")
+    args = p.parse_args(argv)
+    paths = RunPaths(Path(args.output_dir))
+    loaded = load(["@", str(paths.resolved_config)])
+    cfg: Config = loaded.config
+    try:
+        step = checkpoint.resolve_resume_step(paths, args.step)
+    except checkpoint.CheckpointError as e:
+        if not args.if_checkpoint:
+            print(f"hpcrl: error: {e}", file=sys.stderr)
+            return 2
+        step = 0
+    bus = Bus(paths, role="launcher", listen=False)
+    bus.move_aside_after(step, tag=f"resume_{step}_{int(time.time())}")
+    bus.close()
+    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights")]:
+        f.unlink(missing_ok=True)
+    if cfg.ckpt is None:
+        cfg.ckpt = CkptConfig()
+    cfg.ckpt.resume_step = step if step > 0 else None
+    write_resolved(cfg, paths.configs_dir)
+    print(json.dumps({"resume_step": step, "run": str(paths.root)}), flush=True)
+    return 0
