@@ -1,0 +1,110 @@
+"""`hpcrl submit` on the real one-machine SLURM (scripts/slurm/up.sh, fake nodes n1..n4).
+
+The CPU demo as one hetjob over 3 fake nodes finishes with a checkpoint; a preemption signal mid-run
+checkpoints, requeues and the requeued job resumes and finishes on its own; killing one component
+ends the whole job within 30 s and the job log names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl import checkpoint
+from hpcrl.launch.hetjob import release_now
+from hpcrl.paths import RunPaths
+from tests.integration.test_slurm_cluster import cluster, ended, jobs, restarts, wait_for  # noqa: F401
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+CONFIG = """
+max_steps = {steps}
+seq_len = 64
+[model]
+name = "hpcrl/tiny-qwen3"
+[orchestrator]
+batch_size = 16
+rollouts_per_example = 4
+[orchestrator.train.sampling]
+max_tokens = 8
+[[orchestrator.train.env]]
+id = "reverse-text"
+[slurm]
+gpus_per_node = 0
+time = "00:20:00"
+[ckpt]
+interval = {interval}
+"""
+
+
+def _submit(tmp: Path, steps: int, interval: int) -> tuple[RunPaths, str]:
+    cfg = tmp / "cfg.toml"
+    cfg.write_text(CONFIG.format(steps=steps, interval=interval))
+    out = tmp / "run"
+    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(cfg), "--nodes", "3", "--output-dir", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    paths = RunPaths(out)
+    job_id = json.loads(paths.job_file.read_text())["job_id"]
+    return paths, str(job_id)
+
+
+def _job_log(paths: RunPaths, job_id: str) -> str:
+    return "".join(p.read_text(errors="replace") for p in paths.slurm_logs_dir.glob(f"hetjob_{job_id}.log"))
+
+
+def _prompt_steps(paths: RunPaths) -> list[int]:
+    return [json.loads(line)["step"] for line in paths.prompts_log.read_text().splitlines()]
+
+
+def test_submit_runs_the_demo_over_three_nodes(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
+    paths, job_id = _submit(tmp_path, steps=4, interval=2)
+    jobs.append(job_id)
+    state = wait_for(lambda: ended(job_id), 400, "the hetjob to finish", every=2)
+    log = _job_log(paths, job_id)
+    assert state == "COMPLETED", log[-3000:]
+    assert checkpoint.latest_complete(paths) == 4
+    assert (paths.weights_dir(4) / "config.json").is_file()
+    servers = sorted(json.loads(p.read_text())["index"] for p in paths.servers_dir.glob("*.json"))
+    assert servers == [0, 1]  # one server per inference node
+    assert _prompt_steps(paths) == [1, 2, 3, 4]
+
+
+def test_preemption_checkpoints_requeues_and_resumes(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
+    paths, job_id = _submit(tmp_path, steps=10, interval=2)
+    jobs.append(job_id)
+    wait_for(lambda: checkpoint.latest_complete(paths) is not None, 400, "a first checkpoint", every=0.5)
+    # What SLURM sends before the time limit or on preemption (--signal=B:USR2@N): to the batch shell.
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True)
+    wait_for(lambda: restarts(job_id) >= 1, 120, "the job to requeue itself", every=1)
+    assert release_now(job_id, wait_s=60)  # skip SLURM's ~120 s requeue hold
+    state = wait_for(lambda: ended(job_id), 600, "the requeued job to finish", every=2)
+    log = _job_log(paths, job_id)
+    assert state == "COMPLETED", log[-3000:]
+    assert "requeueing job" in log
+    assert checkpoint.latest_complete(paths) == 10
+    steps = _prompt_steps(paths)
+    assert sorted(set(steps)) == list(range(1, 11)) and len(steps) == 10, steps  # none skipped or repeated
+    trainer_log = paths.log_file("trainer").read_text()
+    assert "resumed trainer state" in trainer_log
+
+
+def test_killing_one_component_ends_the_job(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
+    paths, job_id = _submit(tmp_path, steps=50, interval=25)
+    jobs.append(job_id)
+    wait_for(lambda: any(paths.servers_dir.glob("*.json")), 300, "an inference server", every=0.5)
+    pid = json.loads(next(paths.servers_dir.glob("server_1.json")).read_text())["pid"] if (
+        paths.server_file(1).exists()) else json.loads(paths.server_file(0).read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    state = wait_for(lambda: ended(job_id), 60, "the job to end after a component died", every=0.5)
+    assert time.monotonic() - t0 < 30
+    assert state in ("FAILED", "CANCELLED", "NODE_FAIL"), state
+    assert "step 'inference' FAILED" in _job_log(paths, job_id)
