@@ -67,6 +67,12 @@ def main(cfg: SFTConfig) -> int:
 
 def train(cfg: SFTConfig) -> int:
     paths = RunPaths(cfg.output_dir) if os.environ.get(CHILD_ENV) else prepare(cfg)
+    if not launched_as_rank() and "MASTER_PORT" not in os.environ:
+        # A lone rank still opens a (gloo/nccl) group: take a free port, not the fixed default that
+        # another job on this machine may hold.
+        from hpcrl.launch.local import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
     env = parallel.dist_env()
     role = "sft" if env.world_size == 1 else f"sft[{env.rank}]"
     log_file = paths.log_file("trainer") if env.rank == 0 else paths.rank_log_file("trainer", env.rank)

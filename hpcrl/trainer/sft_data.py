@@ -4,7 +4,7 @@
                                      directory (datasets.load_from_disk), or an HF hub name
     row_to_conversation(row)         prompt/completion (TRL) or messages form; messages win; tools
     tokenize_conversation(...)       incremental chat-template rendering -> input_ids, loss_mask
-    pack_rows(lengths, seq_len)      first-fit decreasing into rows of <= seq_len tokens
+    pack_rows(lengths, seq_len)      balanced rows of <= seq_len tokens (as few as first-fit decreasing)
     DataCursor                       epoch + offset into a seeded per-epoch permutation (resumable)
 
     python -m hpcrl.trainer.sft_data make-demo OUT.jsonl --task reverse-text --n 2000 --seed 0
@@ -310,8 +310,15 @@ def truncate(sample: TokenizedSample, seq_len: int) -> TokenizedSample:
 # packing
 # ---------------------------------------------------------------------------------------------
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """First-fit decreasing: sample indices per row, every row <= seq_len tokens (a longer sample
-    gets a row of its own). Deterministic: ties keep index order; rows list samples ascending."""
+    """Sample indices per row, every row <= seq_len tokens (a longer sample gets a row of its own).
+
+    First-fit decreasing finds how many rows are needed; the samples are then spread over that many
+    rows longest-first into the emptiest row (the orchestrator's rank balancing), which leaves the
+    rows about equally full instead of FFD's full rows plus one short tail, so padding the rows to
+    a common length (static-shape kernels, a [rows, T] batch) wastes little. Falls back to the FFD
+    rows when balancing would overflow one. Deterministic; each row lists its samples ascending."""
+    from hpcrl.orchestrator.packing import assign_to_ranks
+
     rows: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
@@ -324,14 +331,19 @@ def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
         else:
             rows.append([i])
             free.append(max(seq_len - n, 0))
+    if not rows:
+        return []
+    balanced = [r for r in assign_to_ranks(lengths, len(rows)) if r]
+    if all(len(r) == 1 or sum(int(lengths[i]) for i in r) <= seq_len for r in balanced):
+        return balanced
     return [sorted(r) for r in rows]
 
 
-def padding_waste(lengths: Sequence[int], rows: Sequence[Sequence[int]], row_len: int) -> float:
-    """Fraction of a fixed-shape [num_rows, row_len] batch that would be padding."""
-    total = len(rows) * row_len
-    used = sum(int(lengths[i]) for r in rows for i in r)
-    return 1.0 - used / total if total else 0.0
+def padding_waste(lengths: Sequence[int], rows: Sequence[Sequence[int]], row_len: int | None = None) -> float:
+    """Fraction of a [num_rows, row_len] batch that would be padding (row_len None: the longest row)."""
+    fill = [sum(int(lengths[i]) for i in r) for r in rows]
+    total = len(rows) * (max(fill, default=0) if row_len is None else row_len)
+    return 1.0 - sum(fill) / total if total else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
