@@ -161,8 +161,24 @@ def build_app(state: ServerState) -> FastAPI:
                    for p in parse_completion_prompts(body)]
         results = await asyncio.gather(*(generate(p, body, chat=False) for p in prompts))
         params = results[0][0]
-        return completion_response(model, prompts, [outs for _, outs in results], params,
+        resp = completion_response(model, prompts, [outs for _, outs in results], params,
                                    token_str=lambda t: engine.token_info(t)[0])
+        if body.get("prompt_logprobs") is not None:
+            await add_prompt_logprobs(resp, prompts, body["prompt_logprobs"], params.n)
+        return resp
+
+    async def add_prompt_logprobs(resp: dict[str, Any], prompts: list[list[int]], k: Any, n: int) -> None:
+        """vLLM's shape: choices[i].prompt_logprobs = [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]
+        for the prompt's own tokens (top-k alternatives beyond them are not computed: k must be 0 or 1)."""
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 1:
+            raise APIError("`prompt_logprobs` must be 0 or 1 (only the prompt tokens' own logprobs)",
+                           param="prompt_logprobs")
+        for p, ids in enumerate(prompts):
+            lps = await asyncio.to_thread(engine.score_prompt, ids)
+            entries = [None] + [{str(t): {"logprob": lp, "rank": None, "decoded_token": engine.token_info(t)[0]}}
+                                for t, lp in zip(ids[1:], lps[1:])]
+            for i in range(n):
+                resp["choices"][p * n + i]["prompt_logprobs"] = entries
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -437,6 +437,20 @@ class HFEngine:
             self.lora_adapters = {name: path}
         return state_dict_checksum(raw)
 
+    def score_prompt(self, ids: list[int]) -> list[float | None]:
+        """Log-probability of every token of `ids` given its prefix (None for the first): vLLM's
+        `prompt_logprobs`, which on-policy distillation asks of a teacher. Raw logits (temperature 1),
+        one forward pass under the weights lock, so it never mixes two policies."""
+        if not ids:
+            return []
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        x = torch.tensor([ids], device=self.device)
+        with self._weights_lock, torch.inference_mode():
+            logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:, None])[:, 0]
+        return [None, *lp.tolist()]
+
     def weights_info(self) -> dict[str, Any]:
         return {"step": self.policy_step, "checksum": self.checksum, "num_tensors": len(self._weight_names),
                 "lora_adapters": dict(self.lora_adapters)}

@@ -269,3 +269,17 @@ def test_sampling_filters_match_hand_computation() -> None:
     draws = sample(lp, greedy, [RowParams()] * 4000, torch.Generator().manual_seed(0))
     freq = torch.bincount(draws, minlength=5).float() / 4000
     assert torch.all((freq - probs).abs() < 3 * (probs * (1 - probs) / 4000).sqrt() + 1e-3)
+
+
+def test_prompt_logprobs_equal_a_direct_forward_pass(inference_server, model) -> None:
+    """vLLM's `prompt_logprobs` (what on-policy distillation asks of a teacher)."""
+    ids = [5, 17, 42, 99, 7, 13]
+    r = post(inference_server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    got = [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    want = reference_logprobs(model, ids[:1], ids[1:])
+    assert max(abs(a - b) for a, b in zip(got, want)) < LOGPROB_ATOL
+    bad = post(inference_server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 5})
+    assert bad.status_code == 400 and "prompt_logprobs" in bad.text

@@ -168,6 +168,32 @@ def test_orchestrator_publishes_valid_batches(tiny_model_dir: Path, run_dir: Pat
         assert r["errored_rollouts/all"] == 0 and r["off_policy/dropped"] == 0
 
 
+@pytest.mark.timeout(180)
+def test_opd_carries_teacher_logprobs(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
+    """training_mode = opd with the policy's own server as teacher: the teacher's logprobs of the
+    sampled tokens must equal the sampler's (same weights), and be absent from prompt tokens."""
+    checksum, nparams, nbytes = model_checksum(tiny_model_dir)
+    announce(server, run_dir)
+    orch = start_orchestrator(run_dir, tiny_model_dir, max_steps=1, extra=(
+        "--orchestrator.training-mode", "opd", "--orchestrator.teacher.base-url", server.base_url))
+    bus = Bus(RunPaths(run_dir), role="trainer", rank=0, timeout=90)
+    try:
+        bus.publish_policy(PolicyReady(step=0, transport="filesystem", path=str(tiny_model_dir),
+                                       checksum=checksum, num_params=nparams, num_bytes=nbytes))
+        batch = bus.wait_batch(1, 0)
+        bus.publish_policy(PolicyReady(step=1, transport="filesystem", path=str(tiny_model_dir),
+                                       checksum=checksum, num_params=nparams, num_bytes=nbytes))
+        assert orch.wait(timeout=60) == 0, (run_dir / "orchestrator.out").read_text()[-3000:]
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+        bus.close()
+    assert batch.teacher_logprobs is not None
+    m = batch.loss_mask
+    assert np.allclose(batch.teacher_logprobs[m], batch.inference_logprobs[m], atol=1e-3)
+    assert np.all(batch.teacher_logprobs[m] <= 0)
+
+
 # -- checkpoint + resume -----------------------------------------------------------------------
 class FakeTrainer:
     """Publishes policies (always the tiny model's weights) and writes the trainer part of due
