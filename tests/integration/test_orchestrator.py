@@ -194,6 +194,33 @@ def test_opd_carries_teacher_logprobs(tiny_model_dir: Path, run_dir: Path, serve
     assert np.all(batch.teacher_logprobs[m] <= 0)
 
 
+@pytest.mark.timeout(180)
+def test_verifiers_env_runs_against_our_server(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
+    """A classic verifiers environment, unchanged, through the adapter against the real server."""
+    pytest.importorskip("verifiers")
+    checksum, nparams, nbytes = model_checksum(tiny_model_dir)
+    announce(server, run_dir)
+    env = '[{id = "tests.integration.vf_env_fixture:load_environment", name = "vf-reverse"}]'
+    orch = start_orchestrator(run_dir, tiny_model_dir, max_steps=1, extra=("--orchestrator.train.env", env))
+    bus = Bus(RunPaths(run_dir), role="trainer", rank=0, timeout=90)
+    try:
+        bus.publish_policy(PolicyReady(step=0, transport="filesystem", path=str(tiny_model_dir),
+                                       checksum=checksum, num_params=nparams, num_bytes=nbytes))
+        batch = bus.wait_batch(1, 0)
+        bus.publish_policy(PolicyReady(step=1, transport="filesystem", path=str(tiny_model_dir),
+                                       checksum=checksum, num_params=nparams, num_bytes=nbytes))
+        assert orch.wait(timeout=60) == 0, (run_dir / "orchestrator.out").read_text()[-3000:]
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+        bus.close()
+    assert set(batch.env_names) == {"vf-reverse"} and batch.num_samples == 8
+    m = batch.loss_mask
+    assert m.any() and np.all(batch.inference_logprobs[m] < 0) and np.all(batch.inference_logprobs[~m] == 0)
+    records = [r for r in read_metrics(RunPaths(run_dir).metrics_file) if "reward/vf-reverse/mean" in r]
+    assert records and records[0]["errored_rollouts/all"] == 0
+
+
 # -- checkpoint + resume -----------------------------------------------------------------------
 class FakeTrainer:
     """Publishes policies (always the tiny model's weights) and writes the trainer part of due
