@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                           processing_class=tokenizer)
 
     clock: dict[str, float] = {}
-    generate_and_score = trainer._generate_and_score_completions
+    # A private TRL method (hence the tight trl pin in the `bench` extra): the one place where a
+    # step's generation + scoring happens, so timing it splits TRL's step like hpcrl's metrics do.
+    generate_and_score = getattr(trainer, "_generate_and_score_completions", None)
+    if generate_and_score is None:
+        raise SystemExit("this TRL version has no GRPOTrainer._generate_and_score_completions; use trl 1.16")
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
         # Instance-level wrapper: the same step structure, plus generation+scoring time per step.

@@ -1,6 +1,6 @@
 """Side-by-side end-to-end benchmark: hpcrl (max_async_level 0 and 1) vs TRL's GRPOTrainer.
 
-    python scripts/bench/e2e.py [--budget-s 90] [--steps 300] [--threads 2] [--only hpcrl|trl]
+    python scripts/bench/e2e.py [--budget-s 90] [--steps 300] [--threads 1] [--only hpcrl|trl]
 
 Same tiny model (hpcrl/tiny-qwen3), same reverse-text tasks rendered through the same chat template,
 same reward (the environment's rubric), same batch (16 prompts x 8 completions x <=16 new tokens),
@@ -250,7 +250,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="max optimizer steps per run (a cap; the budget ends runs)")
     p.add_argument("--budget-s", type=float, default=90.0,
                    help="wall-clock seconds each run trains after its first (warm-up) step")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per process")
+    # Default 1: on a shared 2-core machine, 2 OpenMP threads per process (hpcrl has 3 processes)
+    # oversubscribe the cores and spin-wait stalls swamp the measurement (see docs/e2e.md).
+    p.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per process, both systems")
     p.add_argument("--only", choices=["hpcrl", "trl"], help="run only one side")
     p.add_argument("--out", default="outputs/bench-e2e", help="root of the runs' output dirs")
     return p.parse_args(argv)
