@@ -282,9 +282,11 @@ class Orchestrator:
 
     async def finish(self) -> None:
         msg = await self.wait(self.sync.exact(self.cfg.max_steps))
+        # Always load (and verify) the final policy: servers end on the trained weights, and with the
+        # collective transport the trainer's last broadcast needs the servers on the receiving end.
+        await self.sync.ensure(msg)
         self.checkpoints(forced=False)
         if self.o.eval is not None and self.s.eval_envs:
-            await self.sync.ensure(msg)
             await self.maybe_eval()
         log.info("done: %d steps published", self.cfg.max_steps)
         self.wandb_sink.close(wait_for_step=self.cfg.max_steps)
