@@ -27,8 +27,21 @@ ROLES = ("trainer", "orchestrator", "inference")
 
 
 def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
-    """Struct -> plain dict without None values (TOML has no null)."""
-    return _strip_none(msgspec.to_builtins(cfg))
+    """Struct -> plain dict without None values (TOML has no null). Shared fields appear once, at the
+    top level: the copies the loader flowed into sections are dropped, so a resolved file reloads
+    with overrides (`hpcrl resume --max-steps 40`) instead of conflicting with its own copies."""
+    d = _strip_none(msgspec.to_builtins(cfg))
+    if isinstance(cfg, Config):
+        for sec in ("trainer", "orchestrator", "inference"):
+            part = d.get(sec, {})
+            for key in ("max_steps", "seq_len"):
+                part.pop(key, None)
+            model = part.get("model")
+            if isinstance(model, dict):
+                model.pop("name", None)
+                if model == {k: v for k, v in d.get("model", {}).items() if k != "name"}:
+                    part.pop("model")  # an unchanged copy of [model]
+    return d
 
 
 def _strip_none(v: Any) -> Any:

@@ -63,6 +63,8 @@ def main(cfg: Config) -> int:
         progress = advance(progress, out)
         t_ckpt = maybe_checkpoint(cfg, paths, tr, step, progress, finalizers, force=stop.is_set())
         metrics.log(step, step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress))
+        if metrics.distributions_due(step):
+            metrics.log_distribution(step, "entropy", out["entropies"].numpy())
         if stop.is_set():
             log.warning("stop requested: checkpointed step %d, exiting", step)
             break
@@ -177,8 +179,11 @@ def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams,
     n_mb = int(parallel.all_reduce(float(len(mbs)), op="max"))
     mbs += [dummy_micro_batch(tr.device) for _ in range(n_mb - len(mbs))]
     stats = None
+    entropies: list[torch.Tensor] = []  # per loss token, for the entropy distribution (rank 0 logs it)
     for mb in mbs:
         fwd = forward_packed(tr.model, mb)
+        if fwd.entropy is not None:
+            entropies.append(fwd.entropy.detach()[mb.loss_mask.bool()].float().cpu())
         out = compute_loss(params, trainer_logprobs=fwd.logprobs, loss_mask=mb.loss_mask,
                            num_loss_tokens=num_loss_tokens, inference_logprobs=mb.inference_logprobs,
                            advantages=mb.advantages, entropy=fwd.entropy, teacher_logprobs=mb.teacher_logprobs,
@@ -198,7 +203,8 @@ def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams,
     lr = current_lr(tr.optimizer)
     tr.scheduler.step()
     return {"stats": summarize(summed), "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
-            "time_fb": t_fb, "micro_batches": n_mb}
+            "time_fb": t_fb, "micro_batches": n_mb,
+            "entropies": torch.cat(entropies) if entropies else torch.zeros(0)}
 
 
 def advance(progress: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:

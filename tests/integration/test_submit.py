@@ -94,6 +94,17 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, jobs, tmp_path: Pa
     assert sorted(set(steps)) == list(range(1, 11)) and len(steps) == 10, steps  # none skipped or repeated
     trainer_log = paths.log_file("trainer").read_text()
     assert "resumed trainer state" in trainer_log
+    # From a login node: resubmit the finished run to train further; it resumes from step 10.
+    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", "--step", "-1", "--output-dir", str(paths.root),
+                        "--max-steps", "12"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "submitted SLURM job" in r.stdout, r.stdout + r.stderr
+    job2 = str(json.loads(paths.job_file.read_text())["job_id"])
+    jobs.append(job2)
+    assert job2 != job_id
+    assert wait_for(lambda: ended(job2), 400, "the resubmitted job to finish", every=2) == "COMPLETED"
+    assert checkpoint.latest_complete(paths) == 12
+    steps = _prompt_steps(paths)
+    assert sorted(set(steps)) == list(range(1, 13)) and len(steps) == 12, steps
 
 
 def test_killing_one_component_ends_the_job(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811

@@ -222,10 +222,15 @@ def test_resolved_configs_per_role(base: Path, tmp_path: Path, capsys: pytest.Ca
     assert main(["run", str(base), "--dry-run", "--output-dir", str(out), "--ckpt.interval", "2", "--wandb"]) == 0
     capsys.readouterr()
     d = {p.stem: tomllib.loads(p.read_text()) for p in (out / "configs").glob("*.toml")}
-    assert set(d["trainer"]) >= {"model", "trainer", "ckpt", "wandb", "max_steps"} and "orchestrator" not in d["trainer"]
-    assert "orchestrator" in d["orchestrator"] and "trainer" not in d["orchestrator"]
-    assert "inference" in d["inference"] and "ckpt" not in d["inference"]
+    # Every role gets the whole resolved config (roles read each other's sections), and shared
+    # fields appear once, at the top level, so a reload can override them.
+    for role in ("trainer", "orchestrator", "inference"):
+        assert d[role] == d["resolved"]
+    assert {"model", "trainer", "orchestrator", "inference", "ckpt", "wandb", "max_steps"} <= set(d["trainer"])
+    assert "max_steps" not in d["resolved"]["trainer"] and "seq_len" not in d["resolved"]["orchestrator"]
     assert d["resolved"]["orchestrator"]["batch_size"] == 16
+    longer = cfg_of(out / "configs" / "resolved.toml", "--max-steps", "40", "--seq-len", "256")
+    assert (longer.max_steps, longer.trainer.max_steps, longer.inference.seq_len) == (40, 40, 256)
     # the resolved file is itself a loadable config (round trip)
     again = cfg_of(out / "configs" / "resolved.toml")
     assert again.orchestrator.batch_size == 16 and again.ckpt is not None and again.ckpt.interval == 2
