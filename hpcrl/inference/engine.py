@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from hpcrl.inference.batch import DecodeBatch
 from hpcrl.inference.loading import check_compatible, load_lora_delta, load_safetensors_dir
 from hpcrl.inference.protocol import APIError, SamplingParams, SeqOutput
-from hpcrl.inference.sampling import RowParams, processed_logprobs, sample
+from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.weights.checksum import state_dict_checksum
 
 log = logging.getLogger("hpcrl.inference.engine")
@@ -67,6 +68,19 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
+def _check_cache_layers(config: Any) -> None:
+    """The decode batch keeps a full-attention KV slab; sliding-window or linear-attention layers
+    (whose caches drop or summarise tokens) need vLLM."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache(config=config)
+    kinds = {type(layer) for layer in cache.layers} | ({cache.layer_class_to_replicate} - {None})
+    if kinds - {DynamicLayer}:
+        names = ", ".join(sorted(k.__name__ for k in kinds - {DynamicLayer}))
+        raise ValueError(f"model.name: the hf backend serves full-attention models only (this one has {names} "
+                         "cache layers); use --inference.backend vllm")
+
+
 class HFEngine:
     """Serve one causal LM with batched sampling, live weight updates and per-token policy steps."""
 
@@ -98,11 +112,10 @@ class HFEngine:
         self._update_lock = threading.Lock()  # one update at a time (checksum computed outside _weights_lock)
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
-        self._rows: list[_Seq] = []
-        self._kv: Any = None  # DynamicCache of the running rows
-        self._mask: torch.Tensor | None = None  # [B, T] attention mask of the running rows
-        self._pos: torch.Tensor | None = None  # [B] position id of each row's next token
-        self._logits: torch.Tensor | None = None  # [B, V] logits for each row's next token
+        _check_cache_layers(self.model.config)
+        self._batch = DecodeBatch(self.model, self.max_batch_size, self.device)
+        self._bparams: BatchParams | None = None  # the running rows' sampling tensors
+        self._cancelled = False  # a future was cancelled: look for its rows at the next iteration
         self._paused = False
         self._stopping = False
         self.policy_step = 0
@@ -188,6 +201,7 @@ class HFEngine:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             req.seqs.append(_Seq(req=req, row=RowParams(params.temperature, params.top_k, params.top_p,
                                                         params.min_p, params.repetition_penalty, gen)))
+        fut.add_done_callback(self._on_done)
         with self._cv:
             if self._stopping:
                 raise APIError("the server is shutting down", status=503, type="ServiceUnavailableError")
@@ -210,7 +224,7 @@ class HFEngine:
         return self._paused
 
     def load(self) -> dict[str, int]:
-        return {"running": len(self._rows), "waiting": len(self._waiting)}
+        return {"running": len(self._batch.rows), "waiting": len(self._waiting)}
 
     def shutdown(self) -> None:
         with self._cv:
@@ -219,16 +233,19 @@ class HFEngine:
         self._thread.join(timeout=10)
         err = APIError("the server shut down before the request finished", status=503,
                        type="ServiceUnavailableError")
-        for s in list(self._rows) + list(self._waiting):
+        for s in list(self._batch.rows) + list(self._waiting):
             if not s.req.future.done():
                 s.req.future.set_exception(err)
 
     # -- scheduler -------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
+        with torch.inference_mode():  # no autograd bookkeeping on any tensor the engine makes
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and (self._paused or not (self._waiting or self._rows)):
+                while not self._stopping and (self._paused or not (self._waiting or self._batch.rows)):
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -239,43 +256,61 @@ class HFEngine:
                 log.exception("engine iteration failed")
                 self.stats["engine_errors"] += 1
                 err = APIError(f"engine error: {type(e).__name__}: {e}", status=500, type="InternalServerError")
-                for s in self._rows:
+                for s in self._batch.rows:
                     if not s.req.future.done():
                         s.req.future.set_exception(err)
-                self._rows, self._kv, self._mask, self._pos, self._logits = [], None, None, None, None
+                self._batch.clear()
+                self._bparams = None
 
     def _iteration(self) -> None:
         self._drop_cancelled()
         self._admit()
-        if not self._rows:
+        batch = self._batch
+        if not batch.rows:
             return
-        rows = self._rows
-        seen = [s.req.prompt + s.out if s.row.repetition_penalty != 1.0 else None for s in rows]
-        assert self._logits is not None
-        lp, greedy = processed_logprobs(self._logits, [s.row for s in rows], seen)
-        tokens = sample(lp, greedy, [s.row for s in rows], self._generator)
+        rows: list[_Seq] = batch.rows
+        if self._bparams is None:  # rebuilt only when the batch's membership changes
+            self._bparams = BatchParams.of([s.row for s in rows], self.vocab_size, self.device)
+        bp = self._bparams
+        seen = [s.req.prompt + s.out if s.row.repetition_penalty != 1.0 else None for s in rows] \
+            if bp.any_penalty else None
+        assert batch.logits is not None
+        lp, greedy = processed_logprobs(batch.logits, bp, seen)
+        tokens = sample(lp, greedy, bp, self._generator)
         chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         k = max(s.req.params.top_logprobs for s in rows)
         tops = torch.topk(lp, k, dim=1) if k else None
-        self.stats["batch_size_hist"][len(rows)] += 1
-        self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], len(rows))
-        self.stats["generated_tokens"] += len(rows)
+        top_ids, top_lps = (tops.indices.tolist(), tops.values.tolist()) if tops is not None else (None, None)
+        n = len(rows)
+        self.stats["batch_size_hist"][n] += 1
+        if n > self.stats["max_batch_size_seen"]:
+            self.stats["max_batch_size_seen"] = n
+        self.stats["generated_tokens"] += n
+        finished = []
         for i, (s, tok) in enumerate(zip(rows, tokens.tolist())):
             s.out.append(tok)
-            s.logprobs.append(float(chosen[i]))
+            s.logprobs.append(chosen[i])
             s.steps.append(s.logits_step)
-            if tops is not None and s.req.params.top_logprobs:
-                n = s.req.params.top_logprobs
-                s.top.append(list(zip(tops.indices[i, :n].tolist(), tops.values[i, :n].tolist())))
+            if top_ids is not None and s.req.params.top_logprobs:
+                m = s.req.params.top_logprobs
+                s.top.append(list(zip(top_ids[i][:m], top_lps[i][:m])))
             self._check_finished(s, tok)
-        keep = [i for i, s in enumerate(rows) if s.finish is None]
-        for s in rows:
             if s.finish is not None:
-                self._maybe_complete(s.req)
-        if len(keep) != len(rows):
-            self._select_rows(keep)
-        if self._rows:
-            self._decode(tokens[keep] if len(keep) != len(rows) else tokens)
+                finished.append(i)
+        for i in finished:
+            self._maybe_complete(rows[i].req)
+        if finished:
+            order = self._retire(finished)
+            tokens = tokens[torch.tensor(order, device=tokens.device)] if order else tokens[:0]
+        if batch.rows:
+            batch.step(tokens)
+            self.stats["forward_steps"] += 1
+            for s in batch.rows:
+                s.logits_step = self.policy_step
+
+    def _retire(self, drop: list[int]) -> list[int]:
+        self._bparams = None
+        return self._batch.remove(drop)
 
     def _check_finished(self, s: _Seq, tok: int) -> None:
         p = s.req.params
@@ -310,16 +345,22 @@ class HFEngine:
 
     def _drop_cancelled(self) -> None:
         """Forget sequences whose client went away (the HTTP handler cancelled the future)."""
+        if not self._cancelled:
+            return
         with self._cv:
-            if any(s.req.future.cancelled() for s in self._waiting):
-                self._waiting = collections.deque(s for s in self._waiting if not s.req.future.cancelled())
-        keep = [i for i, s in enumerate(self._rows) if not s.req.future.cancelled()]
-        if len(keep) != len(self._rows):
-            self._select_rows(keep)
+            self._cancelled = False
+            self._waiting = collections.deque(s for s in self._waiting if not s.req.future.cancelled())
+        drop = [i for i, s in enumerate(self._batch.rows) if s.req.future.cancelled()]
+        if drop:
+            self._retire(drop)
+
+    def _on_done(self, fut: Future) -> None:
+        if fut.cancelled():  # checked by the engine thread at its next iteration, not every step
+            self._cancelled = True
 
     def _admit(self) -> None:
-        free = self.max_batch_size - len(self._rows)
-        if free <= 0:
+        free = self.max_batch_size - len(self._batch.rows)
+        if free <= 0 or not self._waiting:
             return
         with self._cv:
             new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
@@ -327,14 +368,13 @@ class HFEngine:
             return
         # Sequences of one request share the prompt: prefill it once and fan the cache out.
         reqs = list(dict.fromkeys(s.req for s in new))
+        where = {id(r): j for j, r in enumerate(reqs)}
         kv, mask, pos, logits = self._prefill([r.prompt for r in reqs])
-        idx = torch.tensor([reqs.index(s.req) for s in new], device=self.device)
-        for layer in kv.layers:
-            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
-        mask, pos, logits = mask[idx], pos[idx], logits[idx]
+        idx = torch.tensor([where[id(s.req)] for s in new], device=self.device)
         for s in new:
             s.logits_step = self.policy_step
-        self._merge(new, kv, mask, pos, logits)
+        self._bparams = None
+        self._batch.add(new, kv, idx, mask, pos, logits)
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         from transformers import DynamicCache
@@ -350,56 +390,6 @@ class HFEngine:
         self.stats["prefills"] += 1
         self.stats["forward_steps"] += 1
         return out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1].float()
-
-    def _merge(self, new: list[_Seq], kv: Any, mask: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor) -> None:
-        """Append prefilled rows to the running batch, left-padding whichever cache is shorter."""
-        if not self._rows:
-            self._rows, self._kv, self._mask, self._pos, self._logits = new, kv, mask, pos, logits
-            return
-        assert self._mask is not None and self._pos is not None and self._logits is not None
-        t_old, t_new = self._mask.shape[1], mask.shape[1]
-        width = max(t_old, t_new)
-
-        def lpad(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
-            if t == width:
-                return x
-            shape = list(x.shape)
-            shape[dim] = width - t
-            return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-        for old_layer, new_layer in zip(self._kv.layers, kv.layers):
-            old_layer.keys = torch.cat([lpad(old_layer.keys, t_old, 2), lpad(new_layer.keys, t_new, 2)])
-            old_layer.values = torch.cat([lpad(old_layer.values, t_old, 2), lpad(new_layer.values, t_new, 2)])
-        self._mask = torch.cat([lpad(self._mask, t_old, 1), lpad(mask, t_new, 1)])
-        self._pos = torch.cat([self._pos, pos])
-        self._logits = torch.cat([self._logits, logits])
-        self._rows = self._rows + new
-
-    def _select_rows(self, keep: list[int]) -> None:
-        self._rows = [self._rows[i] for i in keep]
-        if not self._rows:
-            self._kv, self._mask, self._pos, self._logits = None, None, None, None
-            return
-        assert self._mask is not None and self._pos is not None and self._logits is not None
-        idx = torch.tensor(keep, device=self.device)
-        mask = self._mask[idx]
-        # Columns that are padding for every remaining row are dead weight: trim them.
-        first = int(mask.any(0).nonzero()[0])
-        for layer in self._kv.layers:
-            layer.keys, layer.values = layer.keys[idx, :, first:], layer.values[idx, :, first:]
-        self._mask, self._pos, self._logits = mask[:, first:], self._pos[idx], self._logits[idx]
-
-    def _decode(self, tokens: torch.Tensor) -> None:
-        assert self._mask is not None and self._pos is not None
-        self._mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], dim=1)
-        out = self.model(input_ids=tokens.unsqueeze(1).to(self.device), attention_mask=self._mask,
-                         position_ids=self._pos.unsqueeze(1), past_key_values=self._kv, use_cache=True)
-        self._kv = out.past_key_values
-        self._pos = self._pos + 1
-        self._logits = out.logits[:, -1].float()
-        self.stats["forward_steps"] += 1
-        for s in self._rows:
-            s.logits_step = self.policy_step
 
     # -- weights ---------------------------------------------------------------------------------------
     def update_weights(self, tensors: dict[str, torch.Tensor], step: int) -> str:

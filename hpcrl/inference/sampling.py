@@ -49,48 +49,78 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: Sequence[Sequence[int] 
     return logits
 
 
-def processed_logprobs(logits: torch.Tensor, params: Sequence[RowParams],
+@dataclass
+class BatchParams:
+    """Per-row sampling parameters as tensors, built once per batch composition (not every step);
+    the `any_*` flags let a step skip filters no row uses without a device sync."""
+
+    rows: list[RowParams]
+    temperature: torch.Tensor  # [B] 1 for greedy rows (their logprobs are reported at temperature 1)
+    greedy: torch.Tensor  # [B] bool
+    penalty: torch.Tensor  # [B]
+    top_k: torch.Tensor  # [B] 0 = off
+    top_p: torch.Tensor  # [B]
+    min_p: torch.Tensor  # [B]
+    any_temperature: bool
+    any_penalty: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    seeded: list[int]  # rows with their own generator
+
+    @classmethod
+    def of(cls, rows: Sequence[RowParams], vocab: int, device: torch.device | str = "cpu") -> BatchParams:
+        rows = list(rows)
+        greedy = [p.temperature < GREEDY_EPS for p in rows]
+        temp = [1.0 if g else p.temperature for p, g in zip(rows, greedy)]
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in rows]
+        return cls(
+            rows=rows, temperature=torch.tensor(temp, device=device), greedy=torch.tensor(greedy, device=device),
+            penalty=torch.tensor([p.repetition_penalty for p in rows], device=device),
+            top_k=torch.tensor(top_k, device=device), top_p=torch.tensor([p.top_p for p in rows], device=device),
+            min_p=torch.tensor([p.min_p for p in rows], device=device),
+            any_temperature=any(t != 1.0 for t in temp),
+            any_penalty=any(p.repetition_penalty != 1.0 for p in rows), any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p.top_p < 1.0 for p in rows), any_min_p=any(p.min_p > 0 for p in rows),
+            seeded=[i for i, p in enumerate(rows) if p.generator is not None])
+
+
+def processed_logprobs(logits: torch.Tensor, params: Sequence[RowParams] | BatchParams,
                        seen: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (log-probabilities of the sampling distribution [B, V], greedy mask [B])."""
     logits = logits.float()
-    b, v = logits.shape
-    dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev)
-    greedy = temp < GREEDY_EPS
-    rp = torch.tensor([p.repetition_penalty for p in params], device=dev)
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, rp)
-    logits = logits / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
+    v = logits.shape[1]
+    bp = params if isinstance(params, BatchParams) else BatchParams.of(params, v, logits.device)
+    if seen is not None and bp.any_penalty:
+        logits = apply_repetition_penalty(logits, seen, bp.penalty)
+    if bp.any_temperature:  # x / 1 == x exactly, so skipping it changes no bit
+        logits = logits / bp.temperature.unsqueeze(1)
     neg = torch.finfo(logits.dtype).min
 
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < v else 0 for p in params], device=dev)
-    if bool((top_k > 0).any()):
-        kmax = int(top_k.max())
-        kth = torch.topk(logits, kmax, dim=1).values
-        idx = (top_k.clamp(min=1) - 1).unsqueeze(1)
-        thresh = kth.gather(1, idx)
+    if bp.any_top_k:
+        top_k = bp.top_k
+        kth = torch.topk(logits, int(top_k.max()), dim=1).values
+        thresh = kth.gather(1, (top_k.clamp(min=1) - 1).unsqueeze(1))
         drop = (logits < thresh) & (top_k > 0).unsqueeze(1)
         logits = logits.masked_fill(drop, neg)
 
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if bool((top_p < 1.0).any()):
+    if bp.any_top_p:
         sorted_logits, order = torch.sort(logits, dim=1, descending=True)
         probs = torch.softmax(sorted_logits, dim=1)
         # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
-        drop_sorted = (probs.cumsum(dim=1) - probs) >= top_p.unsqueeze(1)
+        drop_sorted = (probs.cumsum(dim=1) - probs) >= bp.top_p.unsqueeze(1)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, neg)
 
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if bool((min_p > 0).any()):
+    if bp.any_min_p:
         probs = torch.softmax(logits, dim=1)
-        drop = probs < (min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values)
+        drop = probs < (bp.min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values)
         logits = logits.masked_fill(drop, neg)
 
-    return torch.log_softmax(logits, dim=1), greedy
+    return torch.log_softmax(logits, dim=1), bp.greedy
 
 
-def sample(logprobs: torch.Tensor, greedy: torch.Tensor, params: Sequence[RowParams],
+def sample(logprobs: torch.Tensor, greedy: torch.Tensor, params: Sequence[RowParams] | BatchParams,
            shared: torch.Generator) -> torch.Tensor:
     """Draw one token per row: argmax for greedy rows, else the exponential race (= multinomial).
 
@@ -98,13 +128,18 @@ def sample(logprobs: torch.Tensor, greedy: torch.Tensor, params: Sequence[RowPar
     own generator without a Python loop over the vocabulary.
     """
     b, v = logprobs.shape
-    noise = torch.empty(b, v, device=logprobs.device)
-    shared_rows = [i for i, p in enumerate(params) if p.generator is None]
-    if shared_rows:
-        noise[shared_rows] = torch.empty(len(shared_rows), v, device=logprobs.device).exponential_(generator=shared)
-    for i, p in enumerate(params):
-        if p.generator is not None:
-            noise[i] = torch.empty(v, device=logprobs.device).exponential_(generator=p.generator)
+    dev = logprobs.device
+    rows = params.rows if isinstance(params, BatchParams) else list(params)
+    seeded = params.seeded if isinstance(params, BatchParams) else [i for i, p in enumerate(rows) if p.generator is not None]
+    if not seeded:  # the common case: one draw for the whole batch
+        noise = torch.empty(b, v, device=dev).exponential_(generator=shared)
+    else:
+        noise = torch.empty(b, v, device=dev)
+        if len(seeded) < b:
+            shared_rows = torch.tensor([i for i in range(b) if rows[i].generator is None], device=dev)
+            noise[shared_rows] = torch.empty(len(shared_rows), v, device=dev).exponential_(generator=shared)
+        for i in seeded:  # each seeded row draws from its own stream, whatever its neighbours
+            noise[i] = torch.empty(v, device=dev).exponential_(generator=rows[i].generator)
     # A zero draw would turn 0/0 into NaN for filtered tokens.
     drawn = (logprobs.exp() / noise.clamp_(min=1e-30)).argmax(dim=1)
     return torch.where(greedy, logprobs.argmax(dim=1), drawn)
