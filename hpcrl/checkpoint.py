@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 
+from hpcrl.bus.files import write_atomic
 from hpcrl.paths import RunPaths, parse_step_dir
 
 log = logging.getLogger("hpcrl.checkpoint")
@@ -52,24 +53,9 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """tmp + fsync + rename + dir fsync: readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """tmp + fsync + rename + dir fsync (the bus's writer): readers see the old file or the new one."""
+    write_atomic(path, [data])
 
 
 def part_dir(paths: RunPaths, step: int, part: str) -> Path:

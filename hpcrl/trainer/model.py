@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcrl.bus.files import fsync_dir
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -229,7 +231,7 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike[str], *, write: bo
     }
     if not write:
         return out
-    with _atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         model.peft_config["default"].save_pretrained(str(tmp))
     return out
@@ -257,7 +259,7 @@ def export_hf(
         for _ in tensors:  # take part in the gathers
             pass
         return out
-    with _atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors:
@@ -289,8 +291,8 @@ def export_hf(
     return out
 
 
-class _atomic_dir:
-    """``with _atomic_dir(final) as tmp:`` fill ``tmp``; on success it replaces ``final`` by rename."""
+class atomic_dir:
+    """``with atomic_dir(final) as tmp:`` fill ``tmp``; on success it replaces ``final`` by rename."""
 
     def __init__(self, final: Path) -> None:
         self.final = final
@@ -308,22 +310,14 @@ class _atomic_dir:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
         for f in self.tmp.iterdir():
-            _fsync_path(f)
-        _fsync_path(self.tmp)
+            fsync_dir(f)
+        fsync_dir(self.tmp)
         old = None
         if self.final.exists():
             # A directory cannot be atomically replaced by rename; move the old one aside first.
             old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
-        _fsync_path(self.final.parent)
+        fsync_dir(self.final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_path(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

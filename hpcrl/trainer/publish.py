@@ -65,21 +65,12 @@ class PolicyPublisher:
     def _write_files(self, step: int, named: dict[str, torch.Tensor]):
         from safetensors.torch import save_file
 
-        from hpcrl.bus.files import fsync_dir
+        from hpcrl.trainer.model import atomic_dir
 
         final = self.paths.broadcast_dir(step)
-        tmp = final.with_name(final.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        with open(tmp / "model.safetensors", "rb") as f:
-            import os
-
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_dir(final.parent)
+        with atomic_dir(final) as tmp:  # the server never sees a half-written broadcast
+            save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
         return final
 
     def _clean_behind(self, step: int) -> None:

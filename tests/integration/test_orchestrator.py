@@ -168,26 +168,33 @@ def test_orchestrator_publishes_valid_batches(tiny_model_dir: Path, run_dir: Pat
         assert r["errored_rollouts/all"] == 0 and r["off_policy/dropped"] == 0
 
 
-@pytest.mark.timeout(180)
-def test_opd_carries_teacher_logprobs(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
-    """training_mode = opd with the policy's own server as teacher: the teacher's logprobs of the
-    sampled tokens must equal the sampler's (same weights), and be absent from prompt tokens."""
-    checksum, nparams, nbytes = model_checksum(tiny_model_dir)
+def run_one_step(model_dir: Path, run_dir: Path, server: InferenceServer, *flags: str) -> TrainBatch:
+    """Run the orchestrator for one step against the module's server (a fake trainer publishes the
+    unchanged tiny model as policies 0 and 1) and return the published batch."""
+    checksum, nparams, nbytes = model_checksum(model_dir)
     announce(server, run_dir)
-    orch = start_orchestrator(run_dir, tiny_model_dir, max_steps=1, extra=(
-        "--orchestrator.training-mode", "opd", "--orchestrator.teacher.base-url", server.base_url))
+    orch = start_orchestrator(run_dir, model_dir, max_steps=1, extra=flags)
     bus = Bus(RunPaths(run_dir), role="trainer", rank=0, timeout=90)
     try:
-        bus.publish_policy(PolicyReady(step=0, transport="filesystem", path=str(tiny_model_dir),
-                                       checksum=checksum, num_params=nparams, num_bytes=nbytes))
-        batch = bus.wait_batch(1, 0)
-        bus.publish_policy(PolicyReady(step=1, transport="filesystem", path=str(tiny_model_dir),
-                                       checksum=checksum, num_params=nparams, num_bytes=nbytes))
+        for step in (0, 1):
+            bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(model_dir),
+                                           checksum=checksum, num_params=nparams, num_bytes=nbytes))
+            if step == 0:
+                batch = bus.wait_batch(1, 0)
         assert orch.wait(timeout=60) == 0, (run_dir / "orchestrator.out").read_text()[-3000:]
     finally:
         if orch.poll() is None:
             orch.kill()
         bus.close()
+    return batch
+
+
+@pytest.mark.timeout(180)
+def test_opd_carries_teacher_logprobs(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
+    """training_mode = opd with the policy's own server as teacher: the teacher's logprobs of the
+    sampled tokens must equal the sampler's (same weights)."""
+    batch = run_one_step(tiny_model_dir, run_dir, server, "--orchestrator.training-mode", "opd",
+                         "--orchestrator.teacher.base-url", server.base_url)
     assert batch.teacher_logprobs is not None
     m = batch.loss_mask
     assert np.allclose(batch.teacher_logprobs[m], batch.inference_logprobs[m], atol=1e-3)
@@ -198,22 +205,8 @@ def test_opd_carries_teacher_logprobs(tiny_model_dir: Path, run_dir: Path, serve
 def test_verifiers_env_runs_against_our_server(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
     """A classic verifiers environment, unchanged, through the adapter against the real server."""
     pytest.importorskip("verifiers")
-    checksum, nparams, nbytes = model_checksum(tiny_model_dir)
-    announce(server, run_dir)
     env = '[{id = "tests.integration.vf_env_fixture:load_environment", name = "vf-reverse"}]'
-    orch = start_orchestrator(run_dir, tiny_model_dir, max_steps=1, extra=("--orchestrator.train.env", env))
-    bus = Bus(RunPaths(run_dir), role="trainer", rank=0, timeout=90)
-    try:
-        bus.publish_policy(PolicyReady(step=0, transport="filesystem", path=str(tiny_model_dir),
-                                       checksum=checksum, num_params=nparams, num_bytes=nbytes))
-        batch = bus.wait_batch(1, 0)
-        bus.publish_policy(PolicyReady(step=1, transport="filesystem", path=str(tiny_model_dir),
-                                       checksum=checksum, num_params=nparams, num_bytes=nbytes))
-        assert orch.wait(timeout=60) == 0, (run_dir / "orchestrator.out").read_text()[-3000:]
-    finally:
-        if orch.poll() is None:
-            orch.kill()
-        bus.close()
+    batch = run_one_step(tiny_model_dir, run_dir, server, "--orchestrator.train.env", env)
     assert set(batch.env_names) == {"vf-reverse"} and batch.num_samples == 8
     m = batch.loss_mask
     assert m.any() and np.all(batch.inference_logprobs[m] < 0) and np.all(batch.inference_logprobs[~m] == 0)
