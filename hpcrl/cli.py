@@ -24,6 +24,7 @@ commands:
   cancel           stop the job that owns a run directory
   plot             write PNG plots from a run's metrics.jsonl
   make-tiny-model  build a tiny Qwen3-style model + tokenizer locally (no hub)
+  prepare-resume   pin a run's configs to its newest complete checkpoint (run by SLURM jobs on requeue)
 
 `hpcrl <command> --help` lists that command's flags. Config flags are dotted and kebab-case
 (--orchestrator.batch-size 64, --trainer.optim.lr 3e-6, --ckpt, --no-wandb, --trainer @ t.toml).

@@ -81,15 +81,15 @@ def prepare_resume_main(argv: list[str]) -> int:
     """`hpcrl prepare-resume --output-dir DIR [--step -1|N] [--if-checkpoint]` (run by the batch script)."""
     import argparse
 
-    from hpcrl import checkpoint
-    from hpcrl.bus import Bus
-    from hpcrl.config import load
-
     p = argparse.ArgumentParser(prog="hpcrl prepare-resume")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--step", type=int, default=-1)
     p.add_argument("--if-checkpoint", action="store_true", help="no checkpoint yet: start fresh instead of failing")
     args = p.parse_args(argv)
+    from hpcrl import checkpoint  # after parsing: --help stays light
+    from hpcrl.bus import Bus
+    from hpcrl.config import load
+
     paths = RunPaths(Path(args.output_dir))
     loaded = load(["@", str(paths.resolved_config)])
     cfg: Config = loaded.config
