@@ -15,8 +15,9 @@ import os
 import time
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpcrl.inference.engine import HFEngine
@@ -63,6 +64,12 @@ async def _body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError("request body must be a JSON object")
     return body
+
+
+def _json(obj: dict[str, Any]) -> Response:
+    """Encode a response with msgspec: FastAPI's default path (jsonable_encoder walking every per-token
+    dict, then json.dumps) cost more than the decode steps for a batch of logprob-carrying choices."""
+    return Response(msgspec.json.encode(obj), media_type="application/json")
 
 
 def _check_model(state: ServerState, body: dict[str, Any]) -> str:
@@ -132,7 +139,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     # -- generation ------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> dict[str, Any]:
+    async def chat_completions(request: Request) -> Response:
         body = await _body(request)
         model = _check_model(state, body)
         parse_sampling(body, chat=True)  # reject bad sampling before paying for the template
@@ -146,14 +153,16 @@ def build_app(state: ServerState) -> FastAPI:
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
-            prompt = await asyncio.to_thread(engine.encode_chat, messages, tools, agp, cont, kwargs)
+            prompt = engine.cached_chat(engine.chat_key(messages, tools, agp, cont, kwargs))
+            if prompt is None:  # a template render is slow enough to keep off the event loop
+                prompt = await asyncio.to_thread(engine.encode_chat, messages, tools, agp, cont, kwargs)
         params, outs = await generate(prompt, body, chat=True)
-        return chat_response(model, prompt, outs, params, parse_tools=bool(tools),
-                             token_str=lambda t: engine.token_info(t)[0],
-                             token_bytes=lambda t: engine.token_info(t)[1])
+        return _json(chat_response(model, prompt, outs, params, parse_tools=bool(tools),
+                                   token_str=lambda t: engine.token_info(t)[0],
+                                   token_bytes=lambda t: engine.token_info(t)[1]))
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> dict[str, Any]:
+    async def completions(request: Request) -> Response:
         body = await _body(request)
         model = _check_model(state, body)
         parse_sampling(body, chat=False)
@@ -165,7 +174,7 @@ def build_app(state: ServerState) -> FastAPI:
                                    token_str=lambda t: engine.token_info(t)[0])
         if body.get("prompt_logprobs") is not None:
             await add_prompt_logprobs(resp, prompts, body["prompt_logprobs"], params.n)
-        return resp
+        return _json(resp)
 
     async def add_prompt_logprobs(resp: dict[str, Any], prompts: list[list[int]], k: Any, n: int) -> None:
         """vLLM's shape: choices[i].prompt_logprobs = [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from hpcrl.inference.batch import DecodeBatch
@@ -130,6 +131,7 @@ class HFEngine:
                                       "engine_errors": 0}
         self._byte_of = {c: b for b, c in _bytes_to_unicode().items()}
         self._token_cache: dict[int, tuple[str, list[int]]] = {}
+        self._chat_cache: dict[bytes, tuple[int, ...]] = {}
         self._thread = threading.Thread(target=self._loop, name="hpcrl-engine", daemon=True)
         self._thread.start()
 
@@ -144,8 +146,34 @@ class HFEngine:
         return names
 
     # -- tokenizer (thread-safe wrappers) --------------------------------------------------------------
+    @staticmethod
+    def chat_key(*args: Any) -> bytes | None:
+        """Cache key of an encode_chat call (None when the arguments are not plain JSON)."""
+        try:
+            return msgspec.json.encode(args)
+        except (TypeError, msgspec.EncodeError):
+            return None
+
+    def cached_chat(self, key: bytes | None) -> list[int] | None:
+        hit = self._chat_cache.get(key) if key is not None else None
+        return list(hit) if hit is not None else None
+
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        # RL asks for the same prompt once per rollout of a group: rendering the template (jinja) and
+        # tokenizing it again each time is pure overhead, so results are memoised (bounded).
+        key = self.chat_key(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+        ids = self.cached_chat(key)
+        if ids is None:
+            ids = self._encode_chat(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+            if key is not None:
+                if len(self._chat_cache) >= 4096:
+                    self._chat_cache.clear()
+                self._chat_cache[key] = tuple(ids)
+        return ids
+
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
+                     continue_final_message: bool, template_kwargs: dict | None) -> list[int]:
         with self._tok_lock:
             try:
                 text = self.tokenizer.apply_chat_template(
