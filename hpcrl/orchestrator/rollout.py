@@ -229,10 +229,33 @@ class RolloutClient:
         self.turn += 1
         return turn
 
+    async def chat_group(self, messages: list[Message], tools: list[dict[str, Any]] | None,
+                         sampling: Mapping[str, Any], n: int) -> list[Turn]:
+        """`n` samples of a first turn in one request with `n` choices: one HTTP round trip and one
+        prefill instead of n. With a seed, choice i draws from seed + i (the server's rule), so every
+        rollout still has its own reproducible stream."""
+        assert self.turn == 0, "a group request is a conversation's first turn"
+        body = {**sampling}
+        if self.seed is not None:
+            body["seed"] = derive_seed(self.seed, self.turn)
+        room = self.seq_len - len(encode(self.tokenizer, render(self.tokenizer, messages, tools, True)))
+        if room <= 0:
+            return [Turn("", [], [], [], [], finish_reason="length") for _ in range(n)]
+        body["max_tokens"] = min(int(body.get("max_tokens") or room), room)
+        resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.model, tools=tools,
+                                    n=n, **body)
+        choices = resp.get("choices") or []
+        if len(choices) != n:
+            raise RequestFailed(f"asked for {n} choices, the server returned {len(choices)}")
+        return [self._chat_turn(c, resp, messages, tools) for c in choices]
+
     async def _chat(self, messages: list[Message], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
         resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.model, tools=tools,
                                     **body)
-        choice = resp["choices"][0]
+        return self._chat_turn(resp["choices"][0], resp, messages, tools)
+
+    def _chat_turn(self, choice: dict[str, Any], resp: dict[str, Any], messages: list[Message],
+                   tools: list[dict] | None) -> Turn:
         msg = choice.get("message") or {}
         text = msg.get("content") or ""
         ids = choice.get("token_ids")
@@ -310,6 +333,9 @@ async def run_group(env: Environment, task: Task, n: int, sampling: Mapping[str,
     """`n` scored rollouts of `task`. An env or request failure errors that rollout (or the whole
     group for group-run environments); InferenceUnavailable propagates and ends the run."""
     if type(env).rollout_group is Environment.rollout_group:
+        if n > 1 and single_turn(env):
+            shared = SharedFirstTurn(make_client(0), n)
+            return list(await asyncio.gather(*(_one(env, task, sampling, shared.view(), i) for i in range(n))))
         return list(await asyncio.gather(*(_one(env, task, sampling, make_client(i), i) for i in range(n))))
     try:
         trajs = await env.rollout_group(task, GroupClient(make_client), sampling, n)
@@ -320,7 +346,7 @@ async def run_group(env: Environment, task: Task, n: int, sampling: Mapping[str,
     return [to_record(i, t) for i, t in enumerate(trajs)]
 
 
-async def _one(env: Environment, task: Task, sampling: Mapping[str, Any], client: RolloutClient,
+async def _one(env: Environment, task: Task, sampling: Mapping[str, Any], client: RolloutClient | _SharedView,
                index: int) -> RolloutRecord:
     try:
         return to_record(index, await env.rollout(task, client, sampling))
@@ -328,6 +354,89 @@ async def _one(env: Environment, task: Task, sampling: Mapping[str, Any], client
         raise
     except Exception as e:  # noqa: BLE001 - an env that raises errors its rollout, the run goes on
         return _errored(index, e)
+    finally:
+        if isinstance(client, _SharedView):
+            client.close()
+
+
+def single_turn(env: Environment) -> bool:
+    """Rollouts of this env make exactly one chat call (the reference driver, one turn, no tools), so
+    a group's n calls can be one request with n choices."""
+    return env.max_turns <= 1 and not env.tools and type(env).rollout is Environment.rollout
+
+
+class SharedFirstTurn:
+    """Joins the single chat call of each of a group's n rollouts into requests with n choices.
+
+    Each rollout talks to its own `view()`. Once every rollout has either asked or finished without
+    asking (an env error before its turn), the calls go out, one request per distinct (messages,
+    tools, sampling) — normally exactly one — and the choices are handed back in order of asking.
+    """
+
+    def __init__(self, client: RolloutClient, n: int):
+        self.client, self.expected = client, n
+        self.pending: list[tuple[list[Message], list[dict] | None, Mapping[str, Any], asyncio.Future]] = []
+        self.tasks: set[asyncio.Task] = set()
+
+    def view(self) -> _SharedView:
+        return _SharedView(self)
+
+    def ask(self, messages: list[Message], tools: list[dict] | None, sampling: Mapping[str, Any]) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((messages, tools, sampling, fut))
+        self._maybe_send()
+        return fut
+
+    def gone(self) -> None:
+        self.expected -= 1
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        if not self.pending or len(self.pending) < self.expected:
+            return
+        calls, self.pending = self.pending, []
+        same: dict[str, list[tuple[Any, ...]]] = {}
+        for call in calls:
+            same.setdefault(repr(call[:3]), []).append(call)
+        for group in same.values():
+            task = asyncio.ensure_future(self._send(group))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _send(self, group: list[tuple[Any, ...]]) -> None:
+        messages, tools, sampling, _ = group[0]
+        try:
+            turns = await self.client.chat_group(messages, tools, sampling, len(group))
+        except asyncio.CancelledError:
+            for *_, fut in group:
+                fut.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - every waiting rollout gets the failure
+            for *_, fut in group:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (*_, fut), turn in zip(group, turns):
+            if not fut.done():
+                fut.set_result(turn)
+
+
+class _SharedView:
+    """One rollout's ChatClient onto a SharedFirstTurn."""
+
+    def __init__(self, shared: SharedFirstTurn):
+        self.shared, self.asked = shared, False
+
+    async def chat(self, messages: list[Message], tools: list[dict[str, Any]] | None,
+                   sampling: Mapping[str, Any]) -> Turn:
+        assert not self.asked, "a single-turn rollout asked twice"
+        self.asked = True
+        return await self.shared.ask(copy.deepcopy(messages), tools, dict(sampling))
+
+    def close(self) -> None:
+        if not self.asked:  # finished (an env error) without asking: stop waiting for it
+            self.asked = True
+            self.shared.gone()
 
 
 def _errored(index: int, e: BaseException) -> RolloutRecord:
