@@ -3,7 +3,8 @@
     python scripts/bench/inference.py [--preset tiny|small] [--repeats 3] [--max-tokens 64]
 
 Starts a real server subprocess on 127.0.0.1 with a locally built model, then measures
-1. generated tokens/s with 1, 8 and 64 concurrent chat requests (each `--max-tokens`, ignore_eos);
+1. generated tokens/s with 1, 8 and 64 concurrent chat requests (each `--max-tokens`, ignore_eos), and
+   with one request for n=64 choices (how the orchestrator asks for a single-turn group);
 2. the wall time of one weight update from a path and over gloo, next to a raw in-memory copy of the
    same bytes (the floor any transport is measured against).
 Prints medians of `--repeats` runs as a Markdown table (docs/inference.md quotes it).
@@ -32,12 +33,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def throughput(client, concurrency: int, max_tokens: int) -> tuple[float, float]:
+async def throughput(client, concurrency: int, max_tokens: int, n: int = 1) -> tuple[float, float]:
     """(generated tokens per second, mean decode batch size the server reported)."""
     before = await client.metrics()
     t0 = time.perf_counter()
-    rs = await asyncio.gather(*(client.chat_completion(MSGS, max_tokens=max_tokens, ignore_eos=True, tokens=False)
-                                for _ in range(concurrency)))
+    rs = await asyncio.gather(*(client.chat_completion(MSGS, max_tokens=max_tokens, ignore_eos=True, tokens=False,
+                                                       n=n) for _ in range(concurrency)))
     dt = time.perf_counter() - t0
     after = await client.metrics()
     tokens = sum(r["usage"]["completion_tokens"] for r in rs)
@@ -72,6 +73,11 @@ async def run(args: argparse.Namespace) -> None:
                 batch = statistics.median(r[1] for r in runs)
                 rows.append((f"generate, {conc} concurrent x {args.max_tokens} tokens", f"{tps:,.0f} tok/s",
                              f"mean decode batch {batch:.1f}"))
+            # What the orchestrator sends for a single-turn group: one request, n choices, one prefill.
+            runs = [await throughput(c, 1, args.max_tokens, n=64) for _ in range(args.repeats)]
+            rows.append((f"generate, 1 request n=64 x {args.max_tokens} tokens",
+                         f"{statistics.median(r[0] for r in runs):,.0f} tok/s",
+                         f"mean decode batch {statistics.median(r[1] for r in runs):.1f}"))
 
             ck = state_dict_checksum(new_sd)
             times = []
