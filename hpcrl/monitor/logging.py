@@ -52,3 +52,26 @@ def setup_logging(role: str, level: str | None = None, log_file: str | Path | No
     for noisy in ("httpx", "httpcore", "urllib3", "uvicorn.access", "filelock"):
         logging.getLogger(noisy).setLevel(max(lvl, logging.WARNING))
     return logging.getLogger("hpcrl")
+
+
+def env_logger(env_name: str) -> logging.Logger:
+    """Where an environment's own events go (errored rollouts, env warnings): logs/envs/<kind>/<env>.log
+    once attach_env_logs ran, and the role's log too (propagation)."""
+    return logging.getLogger(f"hpcrl.envs.{env_name}")
+
+
+def attach_env_logs(files: dict[str, list[Path]], vf_level: str = "warning", verifiers_envs: tuple[str, ...] = ()
+                    ) -> None:
+    """One file per (kind, env): `files` maps env name -> its log files (train and/or eval). Envs
+    written for verifiers also get verifiers' own log lines, at `vf_level`."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)-7s [%(name)s] %(message)s", datefmt="%H:%M:%S")
+    vf = logging.getLogger("verifiers")
+    vf.setLevel(resolve_level(vf_level))
+    for name, paths in files.items():
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(path)
+            handler.setFormatter(fmt)
+            env_logger(name).addHandler(handler)
+            if name in verifiers_envs:
+                vf.addHandler(handler)

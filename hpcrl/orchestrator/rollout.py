@@ -342,7 +342,7 @@ async def run_group(env: Environment, task: Task, n: int, sampling: Mapping[str,
     except InferenceUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - any env bug must cost only its rollouts
-        return [_errored(i, e) for i in range(n)]
+        return [_errored(i, e, env.name) for i in range(n)]
     return [to_record(i, t) for i, t in enumerate(trajs)]
 
 
@@ -353,7 +353,7 @@ async def _one(env: Environment, task: Task, sampling: Mapping[str, Any], client
     except InferenceUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - an env that raises errors its rollout, the run goes on
-        return _errored(index, e)
+        return _errored(index, e, env.name)
     finally:
         if isinstance(client, _SharedView):
             client.close()
@@ -439,8 +439,10 @@ class _SharedView:
             self.shared.gone()
 
 
-def _errored(index: int, e: BaseException) -> RolloutRecord:
-    log.warning("rollout errored: %s: %s", type(e).__name__, e)
+def _errored(index: int, e: BaseException, env_name: str) -> RolloutRecord:
+    from hpcrl.monitor.logging import env_logger
+
+    env_logger(env_name).warning("rollout %d errored: %s: %s", index, type(e).__name__, e)
     return RolloutRecord(index=index, pieces=[], error=f"{type(e).__name__}: {e}"[:500])
 
 

@@ -10,6 +10,7 @@ import asyncio
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -33,9 +34,11 @@ def load_envs(envs: Sequence[EnvConfig], where: str) -> dict[str, Environment]:
     out = {}
     for i, e in enumerate(envs):
         try:
-            out[env_name(e)] = load_environment(e.id, **e.args)
+            env = load_environment(e.id, **e.args)
         except ValueError as err:
             raise ValueError(f"{where}[{i}]: {err}") from None
+        env.name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
+        out[env.name] = env
     return out
 
 
@@ -139,6 +142,7 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
             n = e.num_examples if e.num_examples is not None else o.eval.num_examples
             eval_envs.append(EvalEnv(env_name(e), loaded[env_name(e)], n,
                                      e.rollouts_per_example or o.eval.rollouts_per_example))
+    open_env_logs(cfg, paths, envs, eval_envs)
     world, servers, transport = deployment(cfg)
     if cfg.deterministic and transport == "collective" and o.max_async_level > 0:
         raise ValueError("deterministic = true needs trainer.broadcast.transport = 'filesystem' when "
@@ -148,6 +152,21 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
                  advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)), world_size=world,
                  num_servers=servers, transport=transport, eval_envs=eval_envs,
                  train_sampling=openai_sampling(o.train.sampling), eval_sampling=openai_sampling(eval_sampling))
+
+
+def open_env_logs(cfg: Config, paths: RunPaths, envs: dict[str, Environment], eval_envs: list[EvalEnv]) -> None:
+    """logs/envs/{train,eval}/<env>.log (DESIGN §5): what `hpcrl logs -c env:NAME` and tmux.sh follow."""
+    from hpcrl.envs.verifiers_adapter import VerifiersEnvironment
+    from hpcrl.monitor.logging import attach_env_logs
+
+    files: dict[str, list[Path]] = {}
+    for name in envs:
+        files.setdefault(name, []).append(paths.env_log_file("train", name))
+    for e in eval_envs:
+        files.setdefault(e.name, []).append(paths.env_log_file("eval", e.name))
+    vf = tuple(n for n, env in [*envs.items(), *((e.name, e.env) for e in eval_envs)]
+               if isinstance(env, VerifiersEnvironment))
+    attach_env_logs(files, cfg.log.vf_level, vf)
 
 
 def load_tokenizer(cfg: Config) -> Any:
