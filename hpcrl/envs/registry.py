@@ -1,8 +1,8 @@
 """Resolve an environment id to a factory and build it: `load_environment(env_id, **args)`.
 
 Resolution order:
-  1. built-ins (`reverse-text`, `alphabet-sort`, `arithmetic`/`gsm8k`, `calculator`), also under a
-     known owner prefix (`primeintellect/reverse-text`) and with `_` for `-`;
+  1. built-ins (`reverse-text`, `reverse-text-demo`, `alphabet-sort`, `arithmetic`/`gsm8k`,
+     `calculator`), also under a known owner prefix (`primeintellect/reverse-text`) and with `_` for `-`;
   2. `module:function` naming any importable factory;
   3. an importable module exposing `load_environment` (`my-env` and `owner/my-env` try `my_env`),
      which is how verifiers environment packages are installed;
@@ -23,6 +23,7 @@ from hpcrl.envs.base import Environment
 
 BUILTINS: dict[str, str] = {
     "reverse-text": "hpcrl.envs.reverse_text",
+    "reverse-text-demo": "hpcrl.envs.reverse_text_demo",  # the CPU learning demo's defaults
     "alphabet-sort": "hpcrl.envs.alphabet_sort",
     "arithmetic": "hpcrl.envs.arithmetic",
     "gsm8k": "hpcrl.envs.arithmetic",
