@@ -1,7 +1,8 @@
 """reverse-text: reverse a short string character by character; reward = edit-distance similarity.
 
-The easy default (3-6 lowercase letters, dense partial credit) is small enough for a ~1 M
-parameter model to improve on CPU within minutes, which is what the learning demo needs.
+The easy default is 3-6 lowercase letters with dense partial credit. The CPU learning demo uses the
+`reverse-text-demo` variant (3-5 letters, no system prompt: shorter samples) after an SFT warm-up;
+from random initialisation RL alone barely moves the reward (docs/demo.md).
 """
 
 from __future__ import annotations
