@@ -15,20 +15,9 @@ import pytest
 from hpcrl import checkpoint
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
+from tests.integration.tiny_run import TINY_RL
 
-CONFIG = """
-max_steps = {steps}
-seq_len = 64
-[model]
-name = "hpcrl/tiny-qwen3"
-[orchestrator]
-batch_size = 16
-rollouts_per_example = 4
-[orchestrator.train.sampling]
-max_tokens = 8
-[[orchestrator.train.env]]
-id = "reverse-text"
-"""
+CONFIG = TINY_RL
 
 
 def _cfg(tmp: Path, steps: int) -> Path:

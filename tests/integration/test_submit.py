@@ -21,21 +21,11 @@ from hpcrl import checkpoint
 from hpcrl.launch.hetjob import release_now
 from hpcrl.paths import RunPaths
 from tests.integration.test_slurm_cluster import cluster, ended, jobs, restarts, wait_for  # noqa: F401
+from tests.integration.tiny_run import TINY_RL
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-CONFIG = """
-max_steps = {steps}
-seq_len = 64
-[model]
-name = "hpcrl/tiny-qwen3"
-[orchestrator]
-batch_size = 16
-rollouts_per_example = 4
-[orchestrator.train.sampling]
-max_tokens = 8
-[[orchestrator.train.env]]
-id = "reverse-text"
+CONFIG = TINY_RL + """
 [slurm]
 gpus_per_node = 0
 time = "00:20:00"
