@@ -247,13 +247,16 @@ class FakeTrainer:
 CKPT = ("--ckpt.interval", "2")
 
 
-def run_uninterrupted(run: Path, model: Path, steps: int) -> dict[int, bytes]:
-    orch = start_orchestrator(run, model, max_steps=steps, deterministic=True, extra=CKPT)
+def run_uninterrupted(run: Path, model: Path, steps: int, start: int = 0, extra: tuple[str, ...] = ()
+                      ) -> dict[int, bytes]:
+    """Orchestrator from `start` (0, or a resumed checkpoint) to `steps` against a fake trainer;
+    returns the published batch files by step."""
+    orch = start_orchestrator(run, model, max_steps=steps, deterministic=True, extra=(*CKPT, *extra))
     trainer = FakeTrainer(run, model)
     out = {}
     try:
-        trainer.policy(0)
-        for s in range(1, steps + 1):
+        trainer.policy(start)  # a resumed trainer re-announces its start policy
+        for s in range(start + 1, steps + 1):
             out[s] = trainer.batch(s)
             trainer.policy(s)
         assert orch.wait(timeout=60) == 0, (run / "orchestrator.out").read_text()[-3000:]
@@ -294,23 +297,14 @@ def test_resume_continues_the_same_prompts_and_batches(tiny_model_dir: Path, tmp
         orch.wait()
     finally:
         trainer.close()
-    before = {s: RunPaths(run).rollout_file(s, 0).read_bytes() for s in range(3, steps + 1)
-              if RunPaths(run).rollout_file(s, 0).exists()}
+    # The batches checkpoint 2 saved as pending (published, not yet trained) must be re-published
+    # byte for byte; a batch published after that boundary is regenerated (new created_at).
+    pending = json.loads((RunPaths(run).orchestrator_ckpt_dir(2) / "state.json").read_text())["pending_steps"]
+    assert pending, "with max_async_level 1 checkpoint 2 holds batch 3 as pending"
+    before = {s: RunPaths(run).rollout_file(s, 0).read_bytes() for s in pending}
     Bus(RunPaths(run), role="launcher", listen=False).move_aside_after(2, tag="resume_test")
 
-    orch = start_orchestrator(run, tiny_model_dir, max_steps=steps, deterministic=True,
-                              extra=(*CKPT, "--ckpt.resume-step", "2"))
-    trainer = FakeTrainer(run, tiny_model_dir)
-    try:
-        trainer.policy(2)  # the resumed trainer re-announces its start policy
-        for s in range(3, steps + 1):
-            got[s] = trainer.batch(s)
-            trainer.policy(s)
-        assert orch.wait(timeout=60) == 0, (run / "orchestrator.out").read_text()[-3000:]
-    finally:
-        if orch.poll() is None:
-            orch.kill()
-        trainer.close()
+    got.update(run_uninterrupted(run, tiny_model_dir, steps, start=2, extra=("--ckpt.resume-step", "2")))
     assert prompts(run) == prompts(ref_run)
     ids = [i for _, step_ids in prompts(run) for i in step_ids]
     assert len(ids) == len(set(ids)) == steps * 2  # 50 tasks: nothing repeats within one epoch
