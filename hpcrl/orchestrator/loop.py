@@ -133,6 +133,7 @@ class Orchestrator:
         n = self.cfg.ckpt.resume_step if self.cfg.ckpt is not None else None
         if n is None or n == 0:
             self.state = self.s.fresh_state()
+            self.state.buffer = self.s.buffer.state_dict()
             self.start = 0
             return
         state, pending = load_part(self.paths, n)
@@ -193,7 +194,8 @@ class Orchestrator:
             raise ValueError(f"step {step}: {MAX_WAVES} generation rounds did not fill a batch of "
                              f"{self.o.batch_size}; filters dropped {dict(counts.filtered)} (loosen the buffer/"
                              "advantage filters or check the environment's rewards)")
-        groups, self.state.ready = fill_batch(ready, self.o.batch_size)
+        # Committed with the batch in publish(): a stop before then leaves the last boundary intact.
+        groups, self.next_ready = fill_batch(ready, self.o.batch_size)
         if self.o.training_mode == "opd":
             await self.add_teacher_logprobs(groups)
         return groups, generated, counts, time.perf_counter() - t0
@@ -207,7 +209,12 @@ class Orchestrator:
         for b in batches:
             self.bus.publish_batch(step, b.rank, b)
         self.published[step] = batches
+        # The boundary: everything a checkpoint saves is taken here, together. The live buffer runs
+        # ahead during the next batch's generation; a forced (SIGTERM/preemption) checkpoint taken
+        # mid-generation must not see cursors past tasks whose groups it does not hold.
         self.state.step = step
+        self.state.ready = self.next_ready
+        self.state.buffer = self.s.buffer.state_dict()
         self.prompts.write(step, groups)
         return batches
 
@@ -265,8 +272,7 @@ class Orchestrator:
 
         pending = [m for m in sorted(self.published) if n < m <= self.state.step]
         assert pending == list(range(n + 1, self.state.step + 1)), (n, pending, self.state.step)
-        st = msgspec.structs.replace(self.state, checkpoint_step=n, pending_steps=pending,
-                                     buffer=self.s.buffer.state_dict())
+        st = msgspec.structs.replace(self.state, checkpoint_step=n, pending_steps=pending)
         blobs = {m: [encode(b, checksum=self.bus.checksum) for b in self.published[m]] for m in pending}
         save_part(self.paths, st, blobs)
         log.info("checkpoint %d: orchestrator part written (state at batch %d, pending %s)", n, self.state.step,
