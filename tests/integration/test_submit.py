@@ -73,7 +73,7 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, jobs, tmp_path: Pa
     wait_for(lambda: checkpoint.latest_complete(paths) is not None, 400, "a first checkpoint", every=0.5)
     # What SLURM sends before the time limit or on preemption (--signal=B:USR2@N): to the batch shell.
     subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True)
-    wait_for(lambda: restarts(job_id) >= 1, 120, "the job to requeue itself", every=1)
+    wait_for(lambda: restarts(job_id) >= 1, 330, "the job to requeue itself", every=1)  # checkpoint grace is 285 s
     assert release_now(job_id, wait_s=60)  # skip SLURM's ~120 s requeue hold
     state = wait_for(lambda: ended(job_id), 600, "the requeued job to finish", every=2)
     log = _job_log(paths, job_id)
