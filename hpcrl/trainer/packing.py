@@ -1,28 +1,33 @@
-"""Packed-sequence forward: many samples in one row, no attention across sample boundaries, no padding.
+"""Packed-sequence forward: whole samples per micro-batch, no attention across sample boundaries.
 
 A rank's batch arrives as flat arrays: ``input_ids [T]``, ``position_ids [T]``, ``seq_lens [S]`` and
 per-token ``loss_mask`` / ``advantages`` / ``inference_logprobs`` (all aligned with ``input_ids``:
-the value at ``t`` is about token ``t``). We cut it into micro-batches of whole samples, run each
-as ONE row of concatenated samples, and return per-token logprobs aligned the same way, so they
-compare one-to-one with the inference logprobs.
+the value at ``t`` is about token ``t``). We cut it into micro-batches of whole samples and return
+per-token logprobs aligned the same way, so they compare one-to-one with the inference logprobs.
 
-How sample boundaries are kept apart depends on the attention kernel:
+How a micro-batch meets the model depends on the attention kernel:
 
-* ``sdpa`` / ``eager`` (CPU, tests): an explicit block-diagonal causal 4D mask; transformers passes
-  a 4D mask through untouched. Independent of how position ids look.
-* ``flash_attention_2`` and other kernels: no mask; transformers detects the packed layout from
-  ``position_ids`` restarting at 0 and runs varlen attention. We check that they do restart.
+* ``flash_attention_2`` and other varlen kernels (GPU): ONE packed row, no mask; transformers finds
+  sample boundaries where ``position_ids`` restart at 0 (we check that they do). No padding at all.
+* ``sdpa`` / ``eager`` (CPU, tests): no varlen kernel, so a single packed row would need a dense
+  ``[T, T]`` block-diagonal mask and cost ``T^2`` attention. Instead the samples are laid out in
+  rows as wide as the longest sample (:class:`RowLayout`), with a per-row block-causal 4D mask
+  (transformers passes 4D masks through untouched). Padding is only the tail of each row and is
+  reported (``ForwardOutput.slots``).
+
+Only the positions that predict a wanted token (the loss mask) go through the LM head and the
+log-softmax (``logits_to_keep``), which is where a large vocabulary spends its time.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
 _MASKED_KERNELS = ("sdpa", "eager")
 
 
@@ -154,33 +159,19 @@ def block_causal_mask(seq_lens: Tensor, dtype: torch.dtype = torch.bool) -> Tens
     return torch.where(allowed, 0.0, neg).to(dtype)[None, None]
 
 
-def shift_labels(input_ids: Tensor, seq_lens: Tensor) -> Tensor:
-    """``labels[t] = input_ids[t + 1]`` within a sample; IGNORE_INDEX at each sample's last token."""
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    labels[:-1] = input_ids[1:]
-    ends = torch.cumsum(seq_lens, 0) - 1
-    labels[ends] = IGNORE_INDEX
-    return labels
-
-
-def token_logprobs(logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0) -> Tensor:
-    """``log softmax(logits[t] / temperature)[labels[t]]`` in fp32; 0 where ``labels == IGNORE_INDEX``.
-
-    Position ``t`` holds the logprob of the NEXT token (pass :func:`shift_labels`). Dividing by the
-    sample's sampling temperature makes these comparable with the logprobs the sampler reported."""
-    logits = _scaled(logits, temperature)
-    valid = labels != IGNORE_INDEX
-    safe = torch.where(valid, labels, torch.zeros_like(labels))
-    picked = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    lp = picked - torch.logsumexp(logits, dim=-1)
-    return torch.where(valid, lp, torch.zeros_like(lp))
-
-
-def token_entropy(logits: Tensor, temperature: Tensor | float = 1.0) -> Tensor:
-    """Entropy of the (temperature-scaled) next-token distribution at every position, fp32, no grad."""
+def next_token_logprobs(logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0,
+                        *, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``log softmax(logits[i] / temperature)[labels[i]]`` in fp32 (with grad) and, if asked, the
+    entropy of that distribution (no grad). Row ``i`` of ``logits`` is the position that predicts
+    ``labels[i]``; dividing by the sample's sampling temperature makes the logprobs comparable with
+    those the sampler reported."""
+    logp = torch.log_softmax(_scaled(logits, temperature), dim=-1)
+    picked = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return picked, None
     with torch.no_grad():
-        logp = torch.log_softmax(_scaled(logits, temperature), dim=-1)
-        return -(logp.exp() * logp).sum(-1)
+        d = logp.detach()
+        return picked, -(d.exp() * d).sum(-1)
 
 
 def _scaled(logits: Tensor, temperature: Tensor | float) -> Tensor:
@@ -190,24 +181,70 @@ def _scaled(logits: Tensor, temperature: Tensor | float) -> Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-def align_to_inputs(pred: Tensor, seq_lens: Tensor) -> Tensor:
-    """Move next-token values (``pred[t]`` is about token ``t+1``) onto the token they describe;
-    each sample's first token gets 0 (nothing predicts it)."""
-    out = torch.cat([pred.new_zeros(1), pred[:-1]])
-    starts = torch.zeros_like(out, dtype=torch.bool)
-    starts[sample_starts(seq_lens)] = True
-    return torch.where(starts, torch.zeros_like(out), out)
-
-
 @dataclass
 class ForwardOutput:
-    logprobs: Tensor  # [T] fp32 with grad, aligned with input_ids (0 at sample starts)
+    logprobs: Tensor  # [T] fp32 with grad, aligned with input_ids (0 at sample starts and unwanted tokens)
     entropy: Tensor | None  # [T] fp32 detached, same alignment
+    slots: int = 0  # token slots the model computed (rows x width); slots - T is padding
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each token of a micro-batch sits in a ``[rows, width]`` grid.
+
+    Samples are laid out in order, next-fit, in rows as wide as the longest sample, so a row-major
+    walk over the real tokens is exactly the packed (flat) order. Attention then costs
+    ``rows * width^2`` instead of ``T^2`` for one packed row with a dense block-diagonal mask."""
+
+    rows: int
+    width: int
+    index: Tensor  # [T] long: flat slot (row * width + column) of token t, strictly increasing
+    segment: Tensor  # [rows * width] long: sample of each slot; padding slot s holds -1 - s
+
+    def grid(self, values: Tensor, fill: int = 0) -> Tensor:
+        out = values.new_full((self.rows * self.width,), fill)
+        out[self.index] = values
+        return out.view(self.rows, self.width)
+
+    def mask(self, dtype: torch.dtype = torch.bool) -> Tensor:
+        """``[rows, 1, width, width]``: same sample and causal. A padding slot sees only itself (a
+        fully masked query row would give NaN), so padding never mixes into real tokens."""
+        seg = self.segment.view(self.rows, self.width)
+        causal = torch.ones(self.width, self.width, dtype=torch.bool, device=seg.device).tril()
+        allowed = (seg[:, :, None] == seg[:, None, :]) & causal
+        if dtype == torch.bool:
+            return allowed[:, None]
+        return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+
+
+def row_layout(seq_lens: Tensor) -> RowLayout:
+    """Next-fit, order-preserving layout of samples into rows of the longest sample's length."""
+    lens = [int(n) for n in seq_lens.tolist()]
+    width = max(lens, default=1)
+    offsets, row, used = [], 0, 0
+    for n in lens:
+        if used + n > width:
+            row, used = row + 1, 0
+        offsets.append(row * width + used)
+        used += n
+    rows = row + 1
+    dev = seq_lens.device
+    lens_t = seq_lens.to(torch.long)
+    within = torch.arange(int(lens_t.sum()), device=dev) - torch.repeat_interleave(sample_starts(lens_t), lens_t)
+    index = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.long, device=dev), lens_t) + within
+    segment = -1 - torch.arange(rows * width, device=dev)
+    segment[index] = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t)
+    return RowLayout(rows=rows, width=width, index=index, segment=segment)
+
+
+def attention_kernel(model: torch.nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
 
 
 def attention_mask_for(model: torch.nn.Module, mb: PackedBatch) -> Tensor | None:
-    """The mask argument that keeps samples apart for this model's attention kernel."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    """The mask that keeps samples apart when ``mb`` runs as ONE packed row (``[1, 1, T, T]`` for
+    masked kernels; None for varlen kernels, which split on position ids restarting at 0)."""
+    impl = attention_kernel(model)
     if impl in _MASKED_KERNELS:
         dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
         return block_causal_mask(mb.seq_lens.to(mb.input_ids.device), dtype)
@@ -224,22 +261,53 @@ def _param_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def forward_packed(model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: bool = True) -> ForwardOutput:
-    """Run ``model`` over one micro-batch as a single packed row; logprobs keep the graph."""
-    mask = attention_mask_for(model, mb)
-    out = model(
-        input_ids=mb.input_ids.unsqueeze(0),
-        position_ids=mb.position_ids.unsqueeze(0),
-        attention_mask=mask,
-        use_cache=False,
-    )
-    logits = out.logits[0]  # [T, V]
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def model_inputs(model: torch.nn.Module, mb: PackedBatch) -> tuple[dict[str, Tensor | None], RowLayout | None]:
+    """Model arguments for a micro-batch: rows of whole samples for masked kernels (sdpa/eager: no
+    varlen attention on CPU), one packed row for varlen kernels (flash-attention)."""
+    impl = attention_kernel(model)
+    if impl not in _MASKED_KERNELS:
+        return {"input_ids": mb.input_ids[None], "position_ids": mb.position_ids[None],
+                "attention_mask": attention_mask_for(model, mb)}, None
+    layout = row_layout(mb.seq_lens.to(mb.input_ids.device))
+    dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
+    return {"input_ids": layout.grid(mb.input_ids), "position_ids": layout.grid(mb.position_ids),
+            "attention_mask": layout.mask(dtype)}, layout
+
+
+def forward_packed(model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: bool = True,
+                   wanted: Tensor | None = None) -> ForwardOutput:
+    """Run ``model`` over one micro-batch; logprobs keep the graph.
+
+    ``wanted`` ([T] bool, e.g. the loss mask) names the tokens whose logprob the caller uses: logits
+    (the LM head and the log-softmax) are computed only at the positions that predict them, and the
+    other entries are 0. None: every token but each sample's first."""
+    dev = mb.input_ids.device
+    seq_lens = mb.seq_lens.to(dev)
+    t = mb.num_tokens
+    target = torch.ones(t, dtype=torch.bool, device=dev) if wanted is None else wanted.to(dev).bool().clone()
+    target[sample_starts(seq_lens)] = False  # nothing predicts a sample's first token
+    predictors = torch.zeros_like(target)
+    predictors[:-1] = target[1:]  # position p predicts token p + 1
+    inputs, layout = model_inputs(model, mb)
+    keep = predictors[None] if layout is None else layout.grid(predictors, False)
+    if _takes_logits_to_keep(model):
+        logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # [P, V], row-major = flat order
+    else:
+        logits = model(**inputs, use_cache=False).logits[keep]
+    pos = predictors.nonzero()[:, 0]
     if mb.temperatures is None:
         temp: Tensor | float = 1.0
     else:
-        # The temperature that sampled token t+1 is its sample's, i.e. the same as token t's.
-        temp = torch.repeat_interleave(mb.temperatures.to(logits.device), mb.seq_lens.to(logits.device))
-    labels = shift_labels(mb.input_ids, mb.seq_lens)
-    lp = align_to_inputs(token_logprobs(logits, labels, temp), mb.seq_lens)
-    ent = align_to_inputs(token_entropy(logits, temp), mb.seq_lens) if compute_entropy else None
-    return ForwardOutput(logprobs=lp, entropy=ent)
+        # The temperature that sampled token p+1 is its sample's, i.e. the same as token p's.
+        sample = torch.repeat_interleave(torch.arange(mb.num_samples, device=dev), seq_lens)
+        temp = mb.temperatures.to(dev)[sample[pos]]
+    picked, ent_p = next_token_logprobs(logits, mb.input_ids[pos + 1], temp, entropy=compute_entropy)
+    lp = torch.zeros(t, dtype=picked.dtype, device=dev).index_copy(0, pos + 1, picked)
+    ent = None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, pos + 1, ent_p)
+    slots = t if layout is None else layout.rows * layout.width
+    return ForwardOutput(logprobs=lp, entropy=ent, slots=slots)

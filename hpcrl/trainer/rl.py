@@ -180,8 +180,10 @@ def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams,
     mbs += [dummy_micro_batch(tr.device) for _ in range(n_mb - len(mbs))]
     stats = None
     entropies: list[torch.Tensor] = []  # per loss token, for the entropy distribution (rank 0 logs it)
+    tokens = slots = 0
     for mb in mbs:
-        fwd = forward_packed(tr.model, mb)
+        fwd = forward_packed(tr.model, mb, wanted=mb.loss_mask)
+        tokens, slots = tokens + mb.num_tokens, slots + fwd.slots
         if fwd.entropy is not None:
             entropies.append(fwd.entropy.detach()[mb.loss_mask.bool()].float().cpu())
         out = compute_loss(params, trainer_logprobs=fwd.logprobs, loss_mask=mb.loss_mask,
@@ -203,7 +205,7 @@ def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams,
     lr = current_lr(tr.optimizer)
     tr.scheduler.step()
     return {"stats": summarize(summed), "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
-            "time_fb": t_fb, "micro_batches": n_mb,
+            "time_fb": t_fb, "micro_batches": n_mb, "padding": 1.0 - tokens / slots if slots else 0.0,
             "entropies": torch.cat(entropies) if entropies else torch.zeros(0)}
 
 
@@ -271,7 +273,7 @@ def step_metrics(out: dict[str, Any], t_wait: float, t_pub: float, t_ckpt: float
         "time/save_ckpt": t_ckpt, "time/step": t_step,
         "perf/throughput": out["tokens"] / max(out["time_fb"], 1e-9),
         "progress/total_tokens": progress["total_tokens"], "progress/total_samples": progress["total_samples"],
-        "loss_tokens": s["loss_tokens"], "micro_batches": out["micro_batches"],
+        "loss_tokens": s["loss_tokens"], "micro_batches": out["micro_batches"], "perf/padding": out["padding"],
     }
     m["perf/peak_memory"] = peak_memory_gib()
     return m

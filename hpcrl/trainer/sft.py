@@ -237,7 +237,7 @@ def validation_loss(tr: Training, data: SFTData) -> float:
     tr.model.eval()
     try:
         for mb in mbs:
-            lp = forward_packed(tr.model, mb, compute_entropy=False).logprobs
+            lp = forward_packed(tr.model, mb, compute_entropy=False, wanted=mb.loss_mask).logprobs
             total += -torch.where(mb.loss_mask, lp, torch.zeros_like(lp)).sum().double().cpu()
     finally:
         tr.model.train()
@@ -272,7 +272,7 @@ def step_metrics(out: dict[str, Any], batch: StepBatch, progress: dict[str, Any]
         "perf/throughput": t["tokens"] / max(out["time_fb"], 1e-9), "perf/peak_memory": peak_memory_gib(),
         "time/step": t_step, "time/forward_backward": out["time_fb"], "time/save_ckpt": t_ckpt,
         "data/truncated": t["truncated"], "data/dropped": t["dropped"], "data/packing_waste": batch.packing_waste,
-        "loss_tokens": t["loss_tokens"], "micro_batches": out["micro_batches"],
+        "loss_tokens": t["loss_tokens"], "micro_batches": out["micro_batches"], "perf/padding": out["padding"],
     }
     if val_loss is not None:
         m["val/loss"], m["time/val"] = val_loss, t_val

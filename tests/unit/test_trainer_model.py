@@ -22,17 +22,14 @@ from hpcrl.trainer.model import (
     save_adapter,
 )
 from hpcrl.trainer.packing import (
-    IGNORE_INDEX,
     PackedBatch,
-    align_to_inputs,
     block_causal_mask,
     dummy_micro_batch,
     forward_packed,
     micro_batches,
-    shift_labels,
+    next_token_logprobs,
+    row_layout,
     split_micro_batches,
-    token_entropy,
-    token_logprobs,
 )
 from hpcrl.trainer.parallel import dist_env, first_host
 
@@ -90,11 +87,8 @@ def test_split_micro_batches_whole_samples_in_order():
     assert sum(mb.num_tokens for mb in mbs) == 9  # no padding anywhere
 
 
-def test_shift_align_and_block_mask():
-    ids, lens = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([3, 2])
-    assert shift_labels(ids, lens).tolist() == [6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]
-    # pred[t] is about token t+1; aligned[t] gets pred[t-1], sample starts get 0
-    assert align_to_inputs(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), lens).tolist() == [0, 1, 2, 0, 4]
+def test_block_mask():
+    lens = torch.tensor([3, 2])
     m = block_causal_mask(lens)[0, 0].int().tolist()
     assert m == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
     f = block_causal_mask(lens, torch.float32)[0, 0]
@@ -104,12 +98,13 @@ def test_shift_align_and_block_mask():
 def test_token_logprobs_and_entropy_by_hand():
     # logits [0, ln 3] -> p = [1/4, 3/4]; at temperature 2: [0, ln 3 / 2] -> p = [1/(1+sqrt3), sqrt3/(1+sqrt3)]
     logits = torch.tensor([[0.0, math.log(3)], [0.0, math.log(3)], [0.0, 0.0]])
-    lp = token_logprobs(logits, torch.tensor([1, 0, IGNORE_INDEX]), torch.tensor([1.0, 2.0, 1.0]))
+    lp, ent = next_token_logprobs(logits, torch.tensor([1, 0, 1]), torch.tensor([1.0, 2.0, 1.0]), entropy=True)
     s3 = math.sqrt(3)
-    assert lp.tolist() == pytest.approx([math.log(0.75), math.log(1 / (1 + s3)), 0.0], abs=1e-6)
+    assert lp.tolist() == pytest.approx([math.log(0.75), math.log(1 / (1 + s3)), math.log(0.5)], abs=1e-6)
     # entropy of [1/4, 3/4] = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335; of [1/2, 1/2] = ln 2
-    ent = token_entropy(logits[[0, 2]])
-    assert ent.tolist() == pytest.approx([0.562335, math.log(2)], abs=1e-6)
+    assert ent is not None and not ent.requires_grad
+    assert ent[[0, 2]].tolist() == pytest.approx([0.562335, math.log(2)], abs=1e-6)
+    assert next_token_logprobs(logits, torch.tensor([1, 0, 1]))[1] is None
 
 
 def test_validate_rejects_malformed_batches():
@@ -148,6 +143,60 @@ def test_packed_row_equals_samples_run_alone(model_dir: Path, attn: str):
             attention_mask=block_causal_mask(b.seq_lens, torch.bool if attn == "sdpa" else torch.float32),
         ).logits
     torch.testing.assert_close(a, m, atol=1e-5, rtol=0)
+
+
+def test_row_layout_by_hand():
+    # width = longest sample (3). Next-fit in order: [3] | [1, 2] | [3]: no padding at all.
+    lay = row_layout(torch.tensor([3, 1, 2, 3]))
+    assert (lay.rows, lay.width) == (3, 3)
+    assert lay.index.tolist() == list(range(9))
+    assert lay.segment.tolist() == [0, 0, 0, 1, 2, 2, 3, 3, 3]
+    # [2, 3, 1]: [2 + pad] | [3] | [1 + pad + pad]; padding slot s holds -1 - s
+    lay = row_layout(torch.tensor([2, 3, 1]))
+    assert lay.index.tolist() == [0, 1, 3, 4, 5, 6]
+    assert lay.segment.tolist() == [0, 0, -3, 1, 1, 1, 2, -8, -9]
+    assert lay.grid(torch.tensor([5, 6, 7, 8, 9, 4]), fill=0).tolist() == [[5, 6, 0], [7, 8, 9], [4, 0, 0]]
+    m = lay.mask()[:, 0].int().tolist()
+    assert m[0] == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]  # the padding slot sees only itself
+    assert m[1] == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert m[2] == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    f = lay.mask(torch.float32)[0, 0]
+    assert f[1, 0] == 0 and f[2, 0] == torch.finfo(torch.float32).min
+
+
+def test_wanted_tokens_only_same_values_and_gradients(model_dir: Path):
+    """Logits only where a wanted token is predicted: identical logprobs there, exact zeros elsewhere,
+    identical gradients of a loss over the wanted tokens; a model without ``logits_to_keep`` too."""
+    b = make_batch([5, 1, 7, 3])
+    wanted = torch.zeros(16, dtype=torch.bool)
+    wanted[[2, 3, 4, 9, 10, 15]] = True
+    grads, outs = [], []
+    for w in (None, wanted):
+        model = load_model(model_dir)
+        out = forward_packed(model, b, wanted=w)
+        torch.where(wanted, out.logprobs * b.advantages, 0.0).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        outs.append(out)
+    full, part = outs
+    torch.testing.assert_close(part.logprobs[wanted], full.logprobs[wanted], atol=1e-6, rtol=0)
+    assert not part.logprobs[~wanted].any() and part.entropy is not None and not part.entropy[~wanted].any()
+    torch.testing.assert_close(part.entropy[wanted], full.entropy[wanted], atol=1e-6, rtol=0)
+    for g_full, g_part in zip(*grads):
+        torch.testing.assert_close(g_part, g_full, atol=1e-6, rtol=0)
+    # [5, 1, 7, 3] at width 7: [5, 1, pad] | [7] | [3, pad x 4] = 21 slots for 16 tokens
+    assert full.slots == 21
+
+    class NoLogitsToKeep(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, position_ids, attention_mask, use_cache):
+            return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                              use_cache=use_cache)
+
+    plain = forward_packed(NoLogitsToKeep(load_model(model_dir)), b, wanted=wanted)
+    torch.testing.assert_close(plain.logprobs, part.logprobs, atol=1e-6, rtol=0)
 
 
 def test_dummy_micro_batch_runs_and_trains_nothing(model_dir: Path):
