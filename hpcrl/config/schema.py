@@ -93,6 +93,10 @@ class TrainerConfig(Section):
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     broadcast: BroadcastConfig = msgspec.field(default_factory=BroadcastConfig)
     micro_batch_tokens: Annotated[int, D("Tokens per forward/backward micro-batch (packed row).", ge=8)] = 4096
+    share_prefix: Annotated[bool, D(
+        "Compute a prefix shared by consecutive samples (a prompt's n completions) once per micro-batch; "
+        "exact. Masked attention kernels only (sdpa/eager: CPU); flash-attention runs samples in full."
+    )] = True
     batch_timeout_s: Annotated[float, D("Seconds to wait for a rollout batch before failing.", gt=0)] = 1800.0
     seed: Annotated[int, D("Trainer RNG seed.")] = 0
     log: Annotated[LogConfig | None, D("Trainer log overrides.")] = None

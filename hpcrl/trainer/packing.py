@@ -11,9 +11,10 @@ How a micro-batch meets the model depends on the attention kernel:
   sample boundaries where ``position_ids`` restart at 0 (we check that they do). No padding at all.
 * ``sdpa`` / ``eager`` (CPU, tests): no varlen kernel, so a single packed row would need a dense
   ``[T, T]`` block-diagonal mask and cost ``T^2`` attention. Instead the samples are laid out in
-  rows as wide as the longest sample (:class:`RowLayout`), with a per-row block-causal 4D mask
-  (transformers passes 4D masks through untouched). Padding is only the tail of each row and is
-  reported (``ForwardOutput.slots``).
+  rows as wide as the longest sample, with a per-row block-causal 4D mask (transformers passes 4D
+  masks through untouched), and samples that begin with the same tokens (a prompt's n completions)
+  compute that prefix once: see :mod:`hpcrl.trainer.layout`. Token slots computed (padding at row
+  ends, shared prefixes counted once) are reported as ``ForwardOutput.slots``.
 
 Only the positions that predict a wanted token (the loss mask) go through the LM head and the
 log-softmax (``logits_to_keep``), which is where a large vocabulary spends its time.
@@ -28,7 +29,10 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-_MASKED_KERNELS = ("sdpa", "eager")
+from hpcrl.trainer.layout import RowLayout, row_layout, shared_prefixes, unit_slots, units_of
+
+MASKED_KERNELS = ("sdpa", "eager")
+_PER_SAMPLE = ("seq_lens", "temperatures", "prefix_lens")
 
 
 @dataclass
@@ -44,6 +48,9 @@ class PackedBatch:
     temperatures: Tensor | None = None  # [S] float, sampling temperature per sample (None: 1.0)
     teacher_logprobs: Tensor | None = None  # [T] float (opd)
     ref_logprobs: Tensor | None = None  # [T] float (KL to a reference policy)
+    # [S] long: tokens a sample shares with the previous one's unit (layout.shared_prefixes);
+    # None or all 0: no sharing. Only masked kernels use it; varlen kernels run samples in full.
+    prefix_lens: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +69,7 @@ class PackedBatch:
             raise ValueError("seq_lens must all be >= 1")
         for f in fields(self):
             v = getattr(self, f.name)
-            if v is None or f.name in ("seq_lens", "temperatures"):
+            if v is None or f.name in _PER_SAMPLE:
                 continue
             if v.shape != (t,):
                 raise ValueError(f"{f.name} has shape {tuple(v.shape)}, expected ({t},)")
@@ -86,7 +93,7 @@ class PackedBatch:
             v = getattr(self, f.name)
             if v is None:
                 out[f.name] = None
-            elif f.name in ("seq_lens", "temperatures"):
+            elif f.name in _PER_SAMPLE:
                 out[f.name] = v[start:end]
             else:
                 out[f.name] = v[t0:t1]
@@ -121,7 +128,18 @@ def split_micro_batches(seq_lens: Sequence[int] | Tensor, micro_batch_tokens: in
 
 
 def micro_batches(batch: PackedBatch, micro_batch_tokens: int) -> list[PackedBatch]:
-    return [batch.slice_samples(a, b) for a, b in split_micro_batches(batch.seq_lens, micro_batch_tokens)]
+    """Micro-batches of whole units (a sample, or samples sharing a prefix), by token slots."""
+    pl = None if batch.prefix_lens is None else batch.prefix_lens.tolist()
+    units = units_of(pl, batch.num_samples)
+    sizes = unit_slots(units, batch.seq_lens.tolist())
+    return [batch.slice_samples(units[a][0], units[b - 1][1]) for a, b in split_micro_batches(sizes, micro_batch_tokens)]
+
+
+def with_shared_prefixes(batch: PackedBatch, micro_batch_tokens: int, key_cost: float = 512.0) -> PackedBatch:
+    """``batch`` with ``prefix_lens`` set (see :func:`hpcrl.trainer.layout.shared_prefixes`)."""
+    pl = shared_prefixes(batch.input_ids.cpu().numpy(), batch.position_ids.cpu().numpy(),
+                         batch.seq_lens.tolist(), micro_batch_tokens, key_cost)
+    return replace(batch, prefix_lens=torch.from_numpy(pl).to(batch.seq_lens.device))
 
 
 def dummy_micro_batch(device: torch.device | str = "cpu") -> PackedBatch:
@@ -185,56 +203,8 @@ def _scaled(logits: Tensor, temperature: Tensor | float) -> Tensor:
 class ForwardOutput:
     logprobs: Tensor  # [T] fp32 with grad, aligned with input_ids (0 at sample starts and unwanted tokens)
     entropy: Tensor | None  # [T] fp32 detached, same alignment
-    slots: int = 0  # token slots the model computed (rows x width); slots - T is padding
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Where each token of a micro-batch sits in a ``[rows, width]`` grid.
-
-    Samples are laid out in order, next-fit, in rows as wide as the longest sample, so a row-major
-    walk over the real tokens is exactly the packed (flat) order. Attention then costs
-    ``rows * width^2`` instead of ``T^2`` for one packed row with a dense block-diagonal mask."""
-
-    rows: int
-    width: int
-    index: Tensor  # [T] long: flat slot (row * width + column) of token t, strictly increasing
-    segment: Tensor  # [rows * width] long: sample of each slot; padding slot s holds -1 - s
-
-    def grid(self, values: Tensor, fill: int = 0) -> Tensor:
-        out = values.new_full((self.rows * self.width,), fill)
-        out[self.index] = values
-        return out.view(self.rows, self.width)
-
-    def mask(self, dtype: torch.dtype = torch.bool) -> Tensor:
-        """``[rows, 1, width, width]``: same sample and causal. A padding slot sees only itself (a
-        fully masked query row would give NaN), so padding never mixes into real tokens."""
-        seg = self.segment.view(self.rows, self.width)
-        causal = torch.ones(self.width, self.width, dtype=torch.bool, device=seg.device).tril()
-        allowed = (seg[:, :, None] == seg[:, None, :]) & causal
-        if dtype == torch.bool:
-            return allowed[:, None]
-        return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
-
-
-def row_layout(seq_lens: Tensor) -> RowLayout:
-    """Next-fit, order-preserving layout of samples into rows of the longest sample's length."""
-    lens = [int(n) for n in seq_lens.tolist()]
-    width = max(lens, default=1)
-    offsets, row, used = [], 0, 0
-    for n in lens:
-        if used + n > width:
-            row, used = row + 1, 0
-        offsets.append(row * width + used)
-        used += n
-    rows = row + 1
-    dev = seq_lens.device
-    lens_t = seq_lens.to(torch.long)
-    within = torch.arange(int(lens_t.sum()), device=dev) - torch.repeat_interleave(sample_starts(lens_t), lens_t)
-    index = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.long, device=dev), lens_t) + within
-    segment = -1 - torch.arange(rows * width, device=dev)
-    segment[index] = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t)
-    return RowLayout(rows=rows, width=width, index=index, segment=segment)
+    slots: int = 0  # token slots the model computed (rows x width; a shared prefix counts once)
+    padding: int = 0  # of which padding (row tails)
 
 
 def attention_kernel(model: torch.nn.Module) -> str:
@@ -245,7 +215,7 @@ def attention_mask_for(model: torch.nn.Module, mb: PackedBatch) -> Tensor | None
     """The mask that keeps samples apart when ``mb`` runs as ONE packed row (``[1, 1, T, T]`` for
     masked kernels; None for varlen kernels, which split on position ids restarting at 0)."""
     impl = attention_kernel(model)
-    if impl in _MASKED_KERNELS:
+    if impl in MASKED_KERNELS:
         dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
         return block_causal_mask(mb.seq_lens.to(mb.input_ids.device), dtype)
     # Varlen kernels find boundaries where position ids restart at 0; make sure they do.
@@ -267,13 +237,15 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
 
 
 def model_inputs(model: torch.nn.Module, mb: PackedBatch) -> tuple[dict[str, Tensor | None], RowLayout | None]:
-    """Model arguments for a micro-batch: rows of whole samples for masked kernels (sdpa/eager: no
-    varlen attention on CPU), one packed row for varlen kernels (flash-attention)."""
+    """Model arguments for a micro-batch: rows of whole units (samples, or samples sharing a prefix)
+    for masked kernels (sdpa/eager: no varlen attention on CPU); one packed row for varlen kernels
+    (flash-attention), which cannot express a shared prefix and run every sample in full."""
     impl = attention_kernel(model)
-    if impl not in _MASKED_KERNELS:
+    if impl not in MASKED_KERNELS:
         return {"input_ids": mb.input_ids[None], "position_ids": mb.position_ids[None],
                 "attention_mask": attention_mask_for(model, mb)}, None
-    layout = row_layout(mb.seq_lens.to(mb.input_ids.device))
+    dev = mb.input_ids.device
+    layout = row_layout(mb.seq_lens.to(dev), None if mb.prefix_lens is None else mb.prefix_lens.to(dev))
     dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
     return {"input_ids": layout.grid(mb.input_ids), "position_ids": layout.grid(mb.position_ids),
             "attention_mask": layout.mask(dtype)}, layout
@@ -294,12 +266,19 @@ def forward_packed(model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: 
     predictors = torch.zeros_like(target)
     predictors[:-1] = target[1:]  # position p predicts token p + 1
     inputs, layout = model_inputs(model, mb)
-    keep = predictors[None] if layout is None else layout.grid(predictors, False)
+    pos = predictors.nonzero()[:, 0]  # position p predicts token p + 1
+    slots = pos if layout is None else layout.index[pos]  # shared-prefix positions repeat
+    n_slots = t if layout is None else layout.rows * layout.width
+    keep = torch.zeros(n_slots, dtype=torch.bool, device=dev)
+    keep[slots] = True
+    rank = torch.cumsum(keep, 0) - 1  # row of each kept slot in the model's [kept, V] output
+    keep_2d = keep[None] if layout is None else keep.view(layout.rows, layout.width)
     if _takes_logits_to_keep(model):
-        logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # [P, V], row-major = flat order
+        logits = model(**inputs, use_cache=False, logits_to_keep=keep_2d).logits  # [kept, V], row-major
     else:
-        logits = model(**inputs, use_cache=False).logits[keep]
-    pos = predictors.nonzero()[:, 0]
+        logits = model(**inputs, use_cache=False).logits[keep_2d]
+    if slots.numel() > 1 and not bool((slots[1:] > slots[:-1]).all()):
+        logits = logits[rank[slots]]  # a shared position predicts a token of every member
     if mb.temperatures is None:
         temp: Tensor | float = 1.0
     else:
@@ -309,5 +288,5 @@ def forward_packed(model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: 
     picked, ent_p = next_token_logprobs(logits, mb.input_ids[pos + 1], temp, entropy=compute_entropy)
     lp = torch.zeros(t, dtype=picked.dtype, device=dev).index_copy(0, pos + 1, picked)
     ent = None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, pos + 1, ent_p)
-    slots = t if layout is None else layout.rows * layout.width
-    return ForwardOutput(logprobs=lp, entropy=ent, slots=slots)
+    padding = 0 if layout is None else int((layout.unit < 0).sum())
+    return ForwardOutput(logprobs=lp, entropy=ent, slots=n_slots, padding=padding)

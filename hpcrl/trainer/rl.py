@@ -23,9 +23,18 @@ from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
+from hpcrl.trainer.layout import key_cost_of
 from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
 from hpcrl.trainer.optim import clip_grad_norm, current_lr
-from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed, micro_batches
+from hpcrl.trainer.packing import (
+    MASKED_KERNELS,
+    PackedBatch,
+    attention_kernel,
+    dummy_micro_batch,
+    forward_packed,
+    micro_batches,
+    with_shared_prefixes,
+)
 from hpcrl.trainer.publish import PolicyPublisher
 from hpcrl.trainer.setup import Training, build_training, loss_params
 from hpcrl.trainer.state import load_trainer_state, save_trainer_state
@@ -56,7 +65,8 @@ def main(cfg: Config) -> int:
                 maybe_checkpoint(cfg, paths, tr, step - 1, progress, finalizers, force=True)
             log.warning("stop requested while waiting for batch %d: checkpointed step %d, exiting", step, step - 1)
             break
-        out = train_step(tr, batch, params, cfg.trainer.micro_batch_tokens, cfg.trainer.optim.max_norm)
+        out = train_step(tr, batch, params, cfg.trainer.micro_batch_tokens, cfg.trainer.optim.max_norm,
+                         share_prefix=cfg.trainer.share_prefix)
         t_pub = publisher.publish(tr.model, step)
         if rank == 0:
             bus.cleanup(before_step=step, keep=2)  # every rank has read its shard of `step` by now
@@ -157,12 +167,14 @@ def to_packed(batch: TrainBatch, device: torch.device) -> PackedBatch:
     )
 
 
-def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens: int, max_norm: float
-               ) -> dict[str, Any]:
+def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens: int, max_norm: float,
+               *, share_prefix: bool = True) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches, then one (finite-checked) optimizer step."""
     t0 = time.perf_counter()
     packed = to_packed(batch, tr.device)
     packed.validate()
+    if share_prefix and attention_kernel(tr.model) in MASKED_KERNELS:
+        packed = with_shared_prefixes(packed, micro_tokens, key_cost_of(tr.model.config))
     mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
     out = step_micro_batches(tr, mbs, params, batch.total_loss_tokens, max_norm, batch.step, t0)
     tokens = int(parallel.all_reduce(float(len(batch.input_ids))))
@@ -180,10 +192,10 @@ def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams,
     mbs += [dummy_micro_batch(tr.device) for _ in range(n_mb - len(mbs))]
     stats = None
     entropies: list[torch.Tensor] = []  # per loss token, for the entropy distribution (rank 0 logs it)
-    tokens = slots = 0
+    tokens = slots = padding = 0
     for mb in mbs:
         fwd = forward_packed(tr.model, mb, wanted=mb.loss_mask)
-        tokens, slots = tokens + mb.num_tokens, slots + fwd.slots
+        tokens, slots, padding = tokens + mb.num_tokens, slots + fwd.slots, padding + fwd.padding
         if fwd.entropy is not None:
             entropies.append(fwd.entropy.detach()[mb.loss_mask.bool()].float().cpu())
         out = compute_loss(params, trainer_logprobs=fwd.logprobs, loss_mask=mb.loss_mask,
@@ -205,7 +217,8 @@ def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams,
     lr = current_lr(tr.optimizer)
     tr.scheduler.step()
     return {"stats": summarize(summed), "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
-            "time_fb": t_fb, "micro_batches": n_mb, "padding": 1.0 - tokens / slots if slots else 0.0,
+            "time_fb": t_fb, "micro_batches": n_mb, "padding": padding / max(slots, 1),
+            "slots_per_token": slots / max(tokens, 1),
             "entropies": torch.cat(entropies) if entropies else torch.zeros(0)}
 
 
@@ -274,6 +287,7 @@ def step_metrics(out: dict[str, Any], t_wait: float, t_pub: float, t_ckpt: float
         "perf/throughput": out["tokens"] / max(out["time_fb"], 1e-9),
         "progress/total_tokens": progress["total_tokens"], "progress/total_samples": progress["total_samples"],
         "loss_tokens": s["loss_tokens"], "micro_batches": out["micro_batches"], "perf/padding": out["padding"],
+        "perf/slots_per_token": out["slots_per_token"],
     }
     m["perf/peak_memory"] = peak_memory_gib()
     return m

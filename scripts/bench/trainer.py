@@ -5,13 +5,15 @@
 1. Throughput. The real RL `train_step` of hpcrl/trainer/rl.py (TrainBatch -> packed micro-batches ->
    forward_packed -> RL loss -> backward -> clip -> AdamW, with its finite checks and stats) and the
    SFT step of hpcrl/trainer/sft.py (rows packed by first-fit decreasing -> the same step core),
-   against a bare loop written plainly below: the same packed micro-batches and block-diagonal mask,
-   cross-entropy, backward, AdamW. Runs are interleaved (one of each per repeat, rotating which goes
+   against a bare loop written plainly below as a Hugging Face loop would: the same micro-batches
+   of whole samples, right-padded to the longest with a 2D mask, cross-entropy, backward, AdamW.
+   Then a GRPO-shaped batch (prompts x completions sharing each prompt) through `train_step` with
+   `share_prefix` off and on: the speed-up of computing each prompt once per group. Runs are interleaved (one of each per repeat, rotating which goes
    first) so load drifts hit all alike; medians after warmup. On CPU the ratio uses process CPU
    time, because on a shared machine wall time mostly measures the neighbours (wall is printed too).
    Target: ours / bare >= 0.9.
-2. Padding waste on the same kind of batch: our micro-batches (variable-length packed rows, nothing
-   padded); our SFT rows if they were padded into a [rows, T] tensor, T = the longest row (dynamic
+2. Padding waste on the same kind of batch: our RL micro-batches (one packed row with varlen
+   kernels: nothing padded; rows as wide as the longest sample with sdpa/eager on CPU); our SFT rows if they were padded into a [rows, T] tensor, T = the longest row (dynamic
    shapes) or T = seq_len (static shapes); and naive right-padding of every sample to the longest
    sample. Target <= 5 %.
 
@@ -58,52 +60,96 @@ def make_batch(rng: np.random.Generator, n: int, lo: int, hi: int, vocab: int):
                       example_ids=np.arange(n), rewards=np.zeros(n), total_loss_tokens=loss_tokens)
 
 
+def make_group_batch(rng: np.random.Generator, prompts: int, group: int, prompt_len: int, lo: int, hi: int,
+                     vocab: int):
+    """A GRPO-shaped TrainBatch: ``prompts`` prompts x ``group`` completions of lo..hi tokens each."""
+    from hpcrl.bus import TrainBatch
+
+    ids, mask, lens = [], [], []
+    for _ in range(prompts):
+        prompt = rng.integers(3, vocab, size=prompt_len)
+        for _ in range(group):
+            n = int(rng.integers(lo, hi + 1))
+            ids.append(np.concatenate([prompt, rng.integers(3, vocab, size=n)]))
+            mask.append(np.arange(prompt_len + n) >= prompt_len)
+            lens.append(prompt_len + n)
+    m = np.concatenate(mask)
+    k = len(lens)
+    return TrainBatch(step=1, rank=0, world_size=1, input_ids=np.concatenate(ids),
+                      position_ids=np.concatenate([np.arange(n) for n in lens]), seq_lens=np.array(lens),
+                      loss_mask=m, advantages=(rng.normal(size=m.size) * m).astype(np.float32),
+                      inference_logprobs=np.where(m, -rng.random(m.size) * 3, 0.0).astype(np.float32),
+                      policy_versions=np.zeros(k), temperatures=np.ones(k), env_names=["bench"] * k,
+                      example_ids=np.arange(k), rewards=np.zeros(k), total_loss_tokens=int(m.sum()))
+
+
 def bare_step(model, opt, batch, micro_tokens: int, device) -> None:
-    """A plain packed training step, written without any hpcrl helper."""
+    """A plain training step as a Hugging Face loop writes it, without any hpcrl helper: greedy
+    micro-batches of whole samples, each right-padded to its longest sample with a 2D mask."""
     import torch
     import torch.nn.functional as F
 
     lens = [int(x) for x in batch.seq_lens]
     ids = torch.as_tensor(batch.input_ids, dtype=torch.long, device=device)
-    pos = torch.as_tensor(batch.position_ids, dtype=torch.long, device=device)
     mask = torch.as_tensor(batch.loss_mask, device=device)
     n_loss = int(mask.sum())
+    offsets = np.concatenate([[0], np.cumsum(lens)])
     start = 0
     while start < len(lens):  # greedy micro-batches of whole samples, <= micro_tokens
         end, used = start, 0
         while end < len(lens) and (used == 0 or used + lens[end] <= micro_tokens):
             used += lens[end]
             end += 1
-        t0, t1 = sum(lens[:start]), sum(lens[:end])
-        seg = torch.repeat_interleave(torch.arange(end - start, device=device),
-                                      torch.tensor(lens[start:end], device=device))
-        attn = (seg[:, None] == seg[None, :]) & torch.ones(used, used, dtype=torch.bool, device=device).tril()
-        logits = model(input_ids=ids[None, t0:t1], position_ids=pos[None, t0:t1], attention_mask=attn[None, None],
-                       use_cache=False).logits[0].float()
-        labels = ids[t0:t1].roll(-1)
-        # token t+1 is trained when its mask is set and it belongs to the same sample as t
-        keep = mask[t0:t1].roll(-1) & (seg == seg.roll(-1))
-        keep[-1] = False
-        loss = F.cross_entropy(logits[keep], labels[keep], reduction="sum") / n_loss
+        width = max(lens[start:end])
+        x = torch.zeros(end - start, width, dtype=torch.long, device=device)
+        attn = torch.zeros_like(x)
+        trained = torch.zeros(end - start, width, dtype=torch.bool, device=device)
+        for r, s in enumerate(range(start, end)):
+            x[r, : lens[s]] = ids[offsets[s] : offsets[s + 1]]
+            attn[r, : lens[s]] = 1
+            trained[r, : lens[s]] = mask[offsets[s] : offsets[s + 1]]
+        logits = model(input_ids=x, attention_mask=attn, use_cache=False).logits.float()
+        # the logits at column c predict column c + 1
+        keep = trained[:, 1:]
+        loss = F.cross_entropy(logits[:, :-1][keep], x[:, 1:][keep], reduction="sum") / n_loss
         loss.backward()
         start = end
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def padding_table(rng: np.random.Generator, n: int, lo: int, hi: int, seq_lens: list[int], trials: int):
+def row_padding(lens: list[int], micro_tokens: int) -> float:
+    """Padding of the CPU row layout (hpcrl/trainer/layout.py) over the RL micro-batches of ``lens``."""
+    import torch
+
+    from hpcrl.trainer.layout import row_layout
+    from hpcrl.trainer.packing import split_micro_batches
+
+    slots = pad = 0
+    for a, b in split_micro_batches(lens, micro_tokens):
+        lay = row_layout(torch.tensor(lens[a:b]))
+        slots, pad = slots + lay.rows * lay.width, pad + int((lay.unit < 0).sum())
+    return pad / slots
+
+
+def padding_table(rng: np.random.Generator, n: int, lo: int, hi: int, seq_lens: list[int], trials: int,
+                  micro_tokens: int):
     from hpcrl.trainer.sft_data import pack_rows, padding_waste
 
     naive, fixed, longest = [], {s: [] for s in seq_lens}, {s: [] for s in seq_lens}
+    rows_cpu = []
     for _ in range(trials):
         lens = rng.integers(lo, hi + 1, size=n).tolist()
         naive.append(1 - sum(lens) / (n * max(lens)))
+        rows_cpu.append(row_padding(lens, micro_tokens))
         for s in seq_lens:
             rows = pack_rows(lens, s)
             fixed[s].append(padding_waste(lens, rows, s))
             longest[s].append(padding_waste(lens, rows))
     med = statistics.median
-    out = [("hpcrl micro-batches (packed varlen rows + block mask: what we run)", "0.0 %", "")]
+    out = [("hpcrl RL micro-batches, varlen kernel (GPU flash-attention: one packed row)", "0.0 %", ""),
+           ("hpcrl RL micro-batches, sdpa/eager (CPU: rows as wide as the longest sample)",
+            f"{100 * med(rows_cpu):.1f} %", "")]
     out += [(f"hpcrl SFT rows, seq_len {s}", f"{100 * med(longest[s]):.1f} %", f"{100 * med(fixed[s]):.1f} %")
             for s in seq_lens]
     out.append(("baseline: right-pad each sample to the longest sample", f"{100 * med(naive):.1f} %", ""))
@@ -121,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--group-shape", default="16x8x56x4-16",
+                    help="GRPO batch for the shared-prefix table: PROMPTSxGROUPxPROMPT_LENxMIN-MAX completion tokens")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("HPCRL_CACHE", str(Path(tempfile.gettempdir()) / "hpcrl-bench-cache"))
@@ -165,12 +213,24 @@ def main(argv: list[str] | None = None) -> int:
     def run_bare() -> None:
         bare_step(bare_model, bare_opt, batch, args.micro_batch_tokens, tr.device)
 
-    paths = [("bare", run_bare), ("rl", run_rl), ("sft", run_sft)]
+    n_prompts, group, prompt_len, span = args.group_shape.split("x")
+    lo, hi = (int(x) for x in span.split("-"))
+    grpo = make_group_batch(rng, int(n_prompts), int(group), int(prompt_len), lo, hi, vocab)
+
+    def run_grpo_full() -> None:
+        train_step(tr, grpo, rl_params, args.micro_batch_tokens, optim.max_norm, share_prefix=False)
+
+    def run_grpo_shared() -> None:
+        train_step(tr, grpo, rl_params, args.micro_batch_tokens, optim.max_norm, share_prefix=True)
+
+    paths = [("bare", run_bare), ("rl", run_rl), ("sft", run_sft), ("grpo_full", run_grpo_full),
+             ("grpo_shared", run_grpo_shared)]
     wall: dict[str, list[float]] = {k: [] for k, _ in paths}
     cpu: dict[str, list[float]] = {k: [] for k, _ in paths}
     t_start = time.perf_counter()
     for i in range(args.warmup + args.repeats):
-        for name, fn in paths[i % 3:] + paths[: i % 3]:  # rotate the order: no path always runs first
+        k = i % len(paths)
+        for name, fn in paths[k:] + paths[:k]:  # rotate the order: no path always runs first
             sync()
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
@@ -197,11 +257,20 @@ def main(argv: list[str] | None = None) -> int:
               "rl": "hpcrl RL `train_step` (rl.py)", "sft": "hpcrl SFT step (packed rows + shared step core)"}
     for k in ("bare", "rl", "sft"):
         print(f"| {labels[k]} | {med[k]:.3f} | {med_wall[k]:.3f} | {tps[k]:,.0f} | {tps[k] / tps['bare']:.2f} |")
+    g_tok = len(grpo.input_ids)
+    print(f"\nGRPO-shaped batch ({n_prompts} prompts x {group} completions, {prompt_len}-token prompts, {lo}-{hi} "
+          f"completion tokens: {g_tok} tokens), RL `train_step` with and without shared prefixes:\n")
+    print(f"| train_step | median {unit} s | median wall s | tokens/s ({unit}) | speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    for k, label in (("grpo_full", "share_prefix = false (every sample in full)"),
+                     ("grpo_shared", "share_prefix = true (each prompt computed once per group)")):
+        print(f"| {label} | {med[k]:.3f} | {med_wall[k]:.3f} | {g_tok / med[k]:,.0f} | "
+              f"{med['grpo_full'] / med[k]:.2f}x |")
     print(f"\n| packing ({args.samples} samples of {args.min_len}-{args.max_len} tokens, median of 200 batches) "
           f"| padded to longest row | padded to seq_len |")
     print("|---|---:|---:|")
     for label, a, b in padding_table(np.random.default_rng(args.seed + 1), args.samples, args.min_len,
-                                     args.max_len, [256, 512, 1024], 200):
+                                     args.max_len, [256, 512, 1024], 200, args.micro_batch_tokens):
         print(f"| {label} | {a} | {b} |")
     from hpcrl.trainer import parallel
 

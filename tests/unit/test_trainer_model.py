@@ -28,7 +28,6 @@ from hpcrl.trainer.packing import (
     forward_packed,
     micro_batches,
     next_token_logprobs,
-    row_layout,
     split_micro_batches,
 )
 from hpcrl.trainer.parallel import dist_env, first_host
@@ -145,25 +144,6 @@ def test_packed_row_equals_samples_run_alone(model_dir: Path, attn: str):
     torch.testing.assert_close(a, m, atol=1e-5, rtol=0)
 
 
-def test_row_layout_by_hand():
-    # width = longest sample (3). Next-fit in order: [3] | [1, 2] | [3]: no padding at all.
-    lay = row_layout(torch.tensor([3, 1, 2, 3]))
-    assert (lay.rows, lay.width) == (3, 3)
-    assert lay.index.tolist() == list(range(9))
-    assert lay.segment.tolist() == [0, 0, 0, 1, 2, 2, 3, 3, 3]
-    # [2, 3, 1]: [2 + pad] | [3] | [1 + pad + pad]; padding slot s holds -1 - s
-    lay = row_layout(torch.tensor([2, 3, 1]))
-    assert lay.index.tolist() == [0, 1, 3, 4, 5, 6]
-    assert lay.segment.tolist() == [0, 0, -3, 1, 1, 1, 2, -8, -9]
-    assert lay.grid(torch.tensor([5, 6, 7, 8, 9, 4]), fill=0).tolist() == [[5, 6, 0], [7, 8, 9], [4, 0, 0]]
-    m = lay.mask()[:, 0].int().tolist()
-    assert m[0] == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]  # the padding slot sees only itself
-    assert m[1] == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
-    assert m[2] == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
-    f = lay.mask(torch.float32)[0, 0]
-    assert f[1, 0] == 0 and f[2, 0] == torch.finfo(torch.float32).min
-
-
 def test_wanted_tokens_only_same_values_and_gradients(model_dir: Path):
     """Logits only where a wanted token is predicted: identical logprobs there, exact zeros elsewhere,
     identical gradients of a loss over the wanted tokens; a model without ``logits_to_keep`` too."""
@@ -184,7 +164,7 @@ def test_wanted_tokens_only_same_values_and_gradients(model_dir: Path):
     for g_full, g_part in zip(*grads):
         torch.testing.assert_close(g_part, g_full, atol=1e-6, rtol=0)
     # [5, 1, 7, 3] at width 7: [5, 1, pad] | [7] | [3, pad x 4] = 21 slots for 16 tokens
-    assert full.slots == 21
+    assert (full.slots, full.padding) == (21, 5)
 
     class NoLogitsToKeep(torch.nn.Module):
         def __init__(self, inner: torch.nn.Module):
