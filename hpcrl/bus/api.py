@@ -113,6 +113,21 @@ class Bus:
         host = host or os.environ.get("HPCRL_BUS_HOST") or "127.0.0.1"
         self._reader = DoorbellReader(paths, self.name, host) if listen else None
 
+    # -- event-loop integration (asyncio readers of the doorbell) ----------------------------------
+    def ring_fd(self) -> int | None:
+        """The doorbell's file descriptor for ``loop.add_reader`` (None without a doorbell). When it
+        fires, call :meth:`rings_pending`; then rescan: a ring only means "something changed"."""
+        return None if self._reader is None else self._reader.fileno()
+
+    def rings_pending(self) -> bool:
+        """Receive (and count) every queued ring without blocking; True if there was any, or if
+        more are queued (so the caller rescans instead of sleeping)."""
+        if self._reader is None:
+            return False
+        n = len(self._reader.wait(0))
+        self.rings_received += n
+        return n > 0 or self._reader.has_rings()
+
     @property
     def address(self) -> str | None:
         """tcp://host:port of this bus's doorbell, None if not listening."""

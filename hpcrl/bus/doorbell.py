@@ -93,6 +93,15 @@ class DoorbellReader:
                     log.warning("doorbell %s: ignored a malformed ring (%d bytes)", self.name, len(raw))
         return rings
 
+    def fileno(self) -> int:
+        """A file descriptor an event loop can watch (``loop.add_reader``). zmq signals it when the
+        socket's state may have changed; :meth:`has_rings` (or a receive) re-arms it."""
+        return int(self._sock.getsockopt(zmq.FD))
+
+    def has_rings(self) -> bool:
+        """Rings are queued (also re-arms :meth:`fileno`, which zmq signals edge-style)."""
+        return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     def close(self) -> None:
         self._sock.close(linger=0)
         # Remove the address only if it is still ours: a successor may already have replaced it.

@@ -38,10 +38,38 @@ class PolicySync:
         self.newest_seen = -1  # newest PolicyReady observed (for checkpoint triggers)
         self.load_time = 0.0
         self._lock = asyncio.Lock()
+        self._bell: asyncio.Event | None = None
+        self._bell_fd: int | None = None
 
     async def aclose(self) -> None:
+        if self._bell_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._bell_fd)
+            self._bell_fd = None
         for c in self.clients:
             await c.aclose()
+
+    async def nap(self, seconds: float) -> None:
+        """Sleep until the bus doorbell rings (the trainer published a policy) or ``seconds`` pass:
+        a new policy is seen within a millisecond instead of on the next poll. The poll stays as
+        the fallback (no doorbell, lost rings)."""
+        if self._bell is None:
+            self._bell = asyncio.Event()
+            fd = self.bus.ring_fd()
+            if fd is not None:
+                asyncio.get_running_loop().add_reader(fd, self._on_ring)
+                self._bell_fd = fd
+        if self.bus.rings_pending():  # no await since the caller's rescan: nothing can be lost
+            return
+        self._bell.clear()
+        try:
+            await asyncio.wait_for(self._bell.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    def _on_ring(self) -> None:
+        # Receiving the rings also re-arms zmq's edge-style fd; without it the loop would spin.
+        if self.bus.rings_pending() and self._bell is not None:
+            self._bell.set()
 
     # -- startup --------------------------------------------------------------------------------
     async def wait_healthy(self) -> None:
@@ -78,7 +106,7 @@ class PolicySync:
                 have = f"newest is {msg.step}" if msg is not None else "none published"
                 raise BusTimeout(f"no policy >= {step} after {self.policy_timeout:.0f}s ({have}) in "
                                  f"{self.paths.policy_dir}: is the trainer running?")
-            await asyncio.sleep(poll)
+            await self.nap(poll)
 
     async def exact(self, step: int) -> PolicyReady:
         """PolicyReady(step) itself, once it (or a newer one) is published."""
@@ -117,9 +145,11 @@ class PolicySync:
     async def _load_one(self, client, msg: PolicyReady) -> None:
         from hpcrl.inference.client import WeightSyncError
 
-        if msg.transport == "filesystem":
+        if msg.transport == "filesystem" and self.loaded is None:
             info = await client.weights()
             # Same bytes already loaded (policy 0 on fresh servers): reloading would only cost time.
+            # Asked only before the first load: afterwards every new policy is new bytes, and the
+            # round trip would sit on the critical path of every step.
             if info.get("checksum") == msg.checksum and info.get("step") == msg.step:
                 return
         try:
@@ -150,4 +180,4 @@ class PolicySync:
             if latest is not None and (self.loaded is None or latest.step > self.loaded):
                 self.newest_seen = max(self.newest_seen, latest.step)
                 await self.ensure(latest)
-            await asyncio.sleep(poll)
+            await self.nap(poll)

@@ -303,3 +303,33 @@ def test_policy_rings_skip_foreign_address_files(buses, paths, caplog):
     assert orch.wait_policy(0, timeout=5).step == 0
     trainer.publish_policy(policy(1))
     assert "WARNING" not in caplog.text
+
+
+def test_asyncio_policy_wait_is_woken_by_the_doorbell(buses, paths):
+    """The orchestrator's event-loop wait (PolicySync.wait_at_least -> nap) wakes on the trainer's
+    ring, not on its next poll; rings that arrive while nobody naps are received (no spinning) and
+    the next rescan still finds the policy."""
+    import asyncio
+
+    from hpcrl.orchestrator.policy import PolicySync
+
+    trainer = buses("trainer")
+    orch = buses("orchestrator")
+
+    async def scenario() -> tuple[int, int, float]:
+        sync = PolicySync(paths, orch, [], "filesystem", timeout=5, policy_timeout=60)
+        try:
+            later(0.2, trainer.publish_policy, policy(1))
+            t0 = time.monotonic()
+            first = await asyncio.wait_for(sync.wait_at_least(1, poll=SLOW_POLL), 10)
+            waited = time.monotonic() - t0
+            trainer.publish_policy(policy(2))  # rung while nobody naps
+            await asyncio.sleep(0.3)  # the loop's reader receives the ring meanwhile
+            second = await asyncio.wait_for(sync.wait_at_least(2, poll=SLOW_POLL), 10)
+            return first.step, second.step, waited
+        finally:
+            await sync.aclose()
+
+    first, second, waited = asyncio.run(scenario())
+    assert (first, second) == (1, 2) and waited < SLOW_POLL / 3
+    assert orch.rings_received >= 2
