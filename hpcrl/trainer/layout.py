@@ -2,7 +2,7 @@
 
 Two ideas, both exact rewrites of "run every sample on its own":
 
-* **Rows.** Samples (or units, below) are laid out in order, next-fit, in rows as wide as the
+* **Rows.** Samples (or units, below) are packed first-fit decreasing into rows as wide as the
   longest one, with a per-row block-causal mask. Attention costs ``rows * width^2`` rather than
   ``T^2`` for a single packed row with a dense block-diagonal mask.
 * **Shared prefixes.** The n completions of one prompt (a GRPO group) begin with the same tokens.
@@ -133,10 +133,25 @@ class RowLayout:
         return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
 
 
+def place_units(sizes: Sequence[int], width: int) -> list[int]:
+    """First-fit decreasing: each unit's first slot in rows of ``width`` (largest units first, each
+    into the first row with room; ties keep their order). Deterministic."""
+    free: list[int] = []  # free slots left in each row
+    start = [0] * len(sizes)
+    for u in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        row = next((r for r, f in enumerate(free) if f >= sizes[u]), None)
+        if row is None:
+            free.append(width)
+            row = len(free) - 1
+        start[u] = row * width + width - free[row]
+        free[row] -= sizes[u]
+    return start
+
+
 def row_layout(seq_lens: Tensor, prefix_lens: Tensor | None = None) -> RowLayout:
-    """Next-fit, order-preserving layout of units (single samples when ``prefix_lens`` is None) into
-    rows as wide as the longest unit. Inside a unit: the shared prefix, then each member's own
-    tokens in sample order, so with no sharing a row-major walk is the flat token order."""
+    """Layout of units (single samples when ``prefix_lens`` is None) into rows as wide as the longest
+    unit, first-fit decreasing (:func:`place_units`). Inside a unit: the shared prefix, then each
+    member's own tokens in sample order."""
     lens = [int(n) for n in seq_lens.tolist()]
     units = units_of(None if prefix_lens is None else prefix_lens.tolist(), len(lens))
     sizes = unit_slots(units, lens)
@@ -145,16 +160,13 @@ def row_layout(seq_lens: Tensor, prefix_lens: Tensor | None = None) -> RowLayout
     own = [0] * len(lens)  # offset of each sample's own tokens inside its unit
     shared = [0] * len(lens)
     unit_id = [0] * len(lens)
-    row, used = 0, 0
-    for u, ((a, b, p), size) in enumerate(zip(units, sizes)):
-        if used + size > width:
-            row, used = row + 1, 0
+    starts = place_units(sizes, width)
+    for u, (a, b, p) in enumerate(units):
         off = p
         for s in range(a, b):
-            base[s], own[s], shared[s], unit_id[s] = row * width + used, off, p, u
+            base[s], own[s], shared[s], unit_id[s] = starts[u], off, p, u
             off += lens[s] - p
-        used += size
-    rows = row + 1
+    rows = max(starts, default=0) // width + 1
     dev = seq_lens.device
     lens_t = seq_lens.to(torch.long)
 

@@ -66,22 +66,24 @@ def test_key_cost_and_a_common_system_prompt():
 
 
 def test_row_layout_without_sharing_by_hand():
-    # width = longest sample (3). Next-fit in order: [3] | [1, 2] | [3]: no padding at all.
+    # width = longest sample (3); first-fit decreasing: s0 (3) | s3 (3) | s2 (2) + s1 (1): no padding
     lay = row_layout(torch.tensor([3, 1, 2, 3]))
     assert (lay.rows, lay.width) == (3, 3)
-    assert lay.index.tolist() == list(range(9))
-    assert lay.unit.tolist() == [0, 0, 0, 1, 2, 2, 3, 3, 3]
-    # [2, 3, 1]: [2 + pad] | [3] | [1 + pad + pad]; padding slot s holds -1 - s
+    assert lay.index.tolist() == [0, 1, 2, 8, 6, 7, 3, 4, 5]
+    assert lay.unit.tolist() == [0, 0, 0, 3, 3, 3, 2, 2, 1]
+    # [2, 3, 1]: s1 | s0 + s2
     lay = row_layout(torch.tensor([2, 3, 1]))
-    assert lay.index.tolist() == [0, 1, 3, 4, 5, 6]
-    assert lay.unit.tolist() == [0, 0, -3, 1, 1, 1, 2, -8, -9]
-    assert lay.member.tolist() == [-1] * 9  # no shared prefix: every slot acts as its unit's prefix
-    assert lay.grid(torch.tensor([5, 6, 7, 8, 9, 4]), fill=0).tolist() == [[5, 6, 0], [7, 8, 9], [4, 0, 0]]
+    assert (lay.rows, lay.width) == (2, 3) and lay.index.tolist() == [3, 4, 0, 1, 2, 5]
+    assert lay.member.tolist() == [-1] * 6  # no shared prefix: every slot acts as its unit's prefix
+    assert lay.grid(torch.tensor([5, 6, 7, 8, 9, 4]), fill=0).tolist() == [[7, 8, 9], [5, 6, 4]]
     m = lay.mask()[:, 0].int().tolist()
-    assert m[0] == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]  # the padding slot sees only itself
-    assert m[1] == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
-    assert m[2] == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
-    f = lay.mask(torch.float32)[0, 0]
+    assert m[0] == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert m[1] == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]  # s2 does not see s0
+    # [3, 2]: s0 | s1 + one padding slot (slot s holds unit -1 - s), which sees only itself
+    lay = row_layout(torch.tensor([3, 2]))
+    assert lay.unit.tolist() == [0, 0, 0, 1, 1, -6]
+    assert lay.mask()[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    f = lay.mask(torch.float32)[1, 0]
     assert f[1, 0] == 0 and f[2, 0] == torch.finfo(torch.float32).min
 
 
