@@ -3,7 +3,7 @@
 # 3-5 lowercase letters), then asynchronous RL from the SFT weights, with eval before and after RL,
 # plots, and a summary (eval before -> after, train reward first -> last steps, wall time).
 #
-#   bash scripts/demo.sh                      # ~5 min on 2 idle cores (see docs/demo.md)
+#   bash scripts/demo.sh                      # ~3 min on 2 idle cores (see docs/demo.md)
 #
 # RL from random init learns almost nothing here, and SFT run to convergence leaves RL nothing to do:
 # the SFT step count is calibrated so the policy has just started reversing (greedy output is often

@@ -1,6 +1,6 @@
 """Side-by-side end-to-end benchmark: hpcrl (max_async_level 0 and 1) vs TRL's GRPOTrainer.
 
-    python scripts/bench/e2e.py [--budget-s 90] [--steps 300] [--threads 1] [--only hpcrl|trl]
+    python scripts/bench/e2e.py [--budget-s 90] [--steps 1000] [--threads 1] [--only hpcrl|trl]
 
 Same tiny model (hpcrl/tiny-qwen3), same reverse-text tasks rendered through the same chat template,
 same reward (the environment's rubric), same batch (16 prompts x 8 completions x <=16 new tokens),
@@ -247,7 +247,7 @@ def run_trl(out_root: Path, steps: int, budget_s: float, threads: int) -> tuple[
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="max optimizer steps per run (a cap; the budget ends runs)")
+    p.add_argument("--steps", type=int, default=1000, help="max optimizer steps per run (a cap; the budget ends runs)")
     p.add_argument("--budget-s", type=float, default=90.0,
                    help="wall-clock seconds each run trains after its first (warm-up) step")
     # Default 1: on a shared 2-core machine, 2 OpenMP threads per process (hpcrl has 3 processes)
