@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from hpcrl.trainer.layout import RowLayout, row_layout, shared_prefixes, unit_slots, units_of
+from hpcrl.trainer.layout import RowLayout, place_units, row_layout, shared_prefixes, unit_slots, units_of
 
 MASKED_KERNELS = ("sdpa", "eager")
 _PER_SAMPLE = ("seq_lens", "temperatures", "prefix_lens")
@@ -99,6 +99,20 @@ class PackedBatch:
                 out[f.name] = v[t0:t1]
         return PackedBatch(**out)
 
+    def select_samples(self, order: Sequence[int]) -> PackedBatch:
+        """The samples ``order`` (indices, in that order) as a new batch (copies)."""
+        offsets = (torch.cumsum(self.seq_lens, 0) - self.seq_lens).tolist()
+        lens = self.seq_lens.tolist()
+        dev = self.seq_lens.device
+        tok = torch.cat([torch.arange(offsets[i], offsets[i] + lens[i], device=dev) for i in order]) if order \
+            else torch.zeros(0, dtype=torch.long, device=dev)
+        idx = torch.tensor(list(order), dtype=torch.long, device=dev)
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = None if v is None else v[idx] if f.name in _PER_SAMPLE else v[tok]
+        return PackedBatch(**out)
+
     def to(self, device: torch.device | str) -> PackedBatch:
         return replace(self, **{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
@@ -133,6 +147,34 @@ def micro_batches(batch: PackedBatch, micro_batch_tokens: int) -> list[PackedBat
     units = units_of(pl, batch.num_samples)
     sizes = unit_slots(units, batch.seq_lens.tolist())
     return [batch.slice_samples(units[a][0], units[b - 1][1]) for a, b in split_micro_batches(sizes, micro_batch_tokens)]
+
+
+def row_micro_batches(batch: PackedBatch, micro_batch_tokens: int) -> list[PackedBatch]:
+    """Micro-batches for masked kernels (CPU): the whole batch's units packed first-fit decreasing
+    into rows as wide as the longest unit, then runs of ``micro_batch_tokens // width`` rows (at
+    least one). Packing once per batch instead of once per micro-batch leaves padding only in the
+    batch's last rows. Samples are reordered (units stay whole, heads first); the loss is a sum over
+    tokens, so the order does not matter. Deterministic."""
+    if batch.num_samples == 0:
+        return []
+    pl = None if batch.prefix_lens is None else batch.prefix_lens.tolist()
+    units = units_of(pl, batch.num_samples)
+    sizes = unit_slots(units, batch.seq_lens.tolist())
+    width = max(sizes)
+    starts = place_units(sizes, width)
+    per_mb = max(1, micro_batch_tokens // width)
+    groups: dict[int, list[int]] = {}
+    for u in sorted(range(len(units)), key=lambda i: starts[i]):
+        groups.setdefault(starts[u] // width // per_mb, []).append(u)
+    order: list[int] = []
+    bounds: list[tuple[int, int]] = []
+    for g in sorted(groups):
+        first = len(order)
+        for u in groups[g]:
+            order.extend(range(units[u][0], units[u][1]))
+        bounds.append((first, len(order)))
+    ordered = batch.select_samples(order)
+    return [ordered.slice_samples(a, b) for a, b in bounds]
 
 
 def with_shared_prefixes(batch: PackedBatch, micro_batch_tokens: int, key_cost: float = 512.0) -> PackedBatch:

@@ -33,6 +33,7 @@ from hpcrl.trainer.packing import (
     dummy_micro_batch,
     forward_packed,
     micro_batches,
+    row_micro_batches,
     with_shared_prefixes,
 )
 from hpcrl.trainer.publish import PolicyPublisher
@@ -173,9 +174,12 @@ def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens
     t0 = time.perf_counter()
     packed = to_packed(batch, tr.device)
     packed.validate()
-    if share_prefix and attention_kernel(tr.model) in MASKED_KERNELS:
-        packed = with_shared_prefixes(packed, micro_tokens, key_cost_of(tr.model.config))
-    mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
+    if attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
+        if share_prefix:
+            packed = with_shared_prefixes(packed, micro_tokens, key_cost_of(tr.model.config))
+        mbs = row_micro_batches(packed, micro_tokens)
+    else:  # varlen kernels: one packed row per micro-batch, in order
+        mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
     out = step_micro_batches(tr, mbs, params, batch.total_loss_tokens, max_norm, batch.step, t0)
     tokens = int(parallel.all_reduce(float(len(batch.input_ids))))
     samples = int(parallel.all_reduce(float(len(batch.seq_lens))))

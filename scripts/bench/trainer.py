@@ -123,11 +123,14 @@ def row_padding(lens: list[int], micro_tokens: int) -> float:
     import torch
 
     from hpcrl.trainer.layout import row_layout
-    from hpcrl.trainer.packing import split_micro_batches
+    from hpcrl.trainer.packing import PackedBatch, row_micro_batches
 
+    t = sum(lens)
+    batch = PackedBatch(input_ids=torch.arange(t), position_ids=torch.cat([torch.arange(n) for n in lens]),
+                        seq_lens=torch.tensor(lens), loss_mask=torch.zeros(t, dtype=torch.bool))
     slots = pad = 0
-    for a, b in split_micro_batches(lens, micro_tokens):
-        lay = row_layout(torch.tensor(lens[a:b]))
+    for mb in row_micro_batches(batch, micro_tokens):
+        lay = row_layout(mb.seq_lens)
         slots, pad = slots + lay.rows * lay.width, pad + int((lay.unit < 0).sum())
     return pad / slots
 

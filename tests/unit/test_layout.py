@@ -165,3 +165,34 @@ def test_micro_batches_keep_units_whole():
     mbs = micro_batches(batch, 30)
     assert [mb.seq_lens.tolist() for mb in mbs] == [[12, 14, 10, 13]] * 3
     assert all(mb.prefix_lens.tolist() == [0, 9, 9, 9] for mb in mbs)
+
+
+def test_row_micro_batches_pack_the_whole_batch_once(model_dir: Path):
+    from hpcrl.trainer.packing import row_micro_batches
+
+    lens = [5, 1, 7, 3]
+    b = PackedBatch(input_ids=torch.arange(16), position_ids=torch.cat([torch.arange(n) for n in lens]),
+                    seq_lens=torch.tensor(lens), loss_mask=torch.zeros(16, dtype=torch.bool),
+                    temperatures=torch.tensor([1.0, 0.7, 1.3, 0.9]))
+    # width 7, first-fit decreasing over the whole batch: s2 | s0 + s1 | s3; 14 tokens = 2 rows each
+    mbs = row_micro_batches(b, 14)
+    assert [mb.seq_lens.tolist() for mb in mbs] == [[7, 5, 1], [3]]
+    assert torch.equal(mbs[0].input_ids[:7], b.input_ids[6:13]) and torch.equal(mbs[1].input_ids, b.input_ids[13:])
+    assert torch.equal(mbs[0].input_ids[7:], b.input_ids[:6])
+    assert mbs[0].temperatures.tolist() == pytest.approx([1.3, 1.0, 0.7]) and mbs[0].position_ids[:7].tolist() == list(range(7))
+    # Same loss gradient as the in-order micro-batches, with and without shared prefixes.
+    batch = group_batch(prompt_len=9, completions=[3, 5, 1, 4], groups=3)
+    grads = []
+    for mbs in (micro_batches(batch, 40), row_micro_batches(batch, 40),
+                row_micro_batches(with_shared_prefixes(batch, 40), 40)):
+        model = load_model(model_dir)
+        tokens = 0
+        for mb in mbs:
+            out = forward_packed(model, mb, wanted=mb.loss_mask)
+            (out.logprobs * mb.advantages).sum().backward()
+            tokens += mb.num_tokens
+        assert tokens == batch.num_tokens
+        grads.append([p.grad for p in model.parameters()])
+    for other in grads[1:]:
+        for a, g in zip(grads[0], other):
+            torch.testing.assert_close(g, a, atol=1e-5, rtol=1e-4)
