@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import msgspec
@@ -110,6 +111,9 @@ def finalize_when_ready(paths: RunPaths, step: int, parts: tuple[str, ...], trai
     """Wait (bounded) until every part is done, then write COMPLETE. None on timeout (logged)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if not paths.checkpoint_dir(step).is_dir():
+            log.warning("checkpoint step_%d was removed before it was finalized", step)
+            return None
         ready = all(
             part_done(paths, step, p, trainer_ranks if p == "trainer" else None) for p in parts
         )
@@ -183,15 +187,18 @@ def retention_keep(steps: list[int], keep_last: int | None, keep_interval: int |
     return keep
 
 
-def apply_retention(paths: RunPaths, keep_last: int | None, keep_interval: int | None) -> list[int]:
-    """Delete complete checkpoints outside the keep set, and incomplete ones older than the newest valid."""
+def apply_retention(paths: RunPaths, keep_last: int | None, keep_interval: int | None,
+                    in_progress: Collection[int] = ()) -> list[int]:
+    """Delete complete checkpoints outside the keep set, and incomplete ones older than the newest
+    valid — except ``in_progress`` ones (their finalizer is still waiting for a part: with fast steps
+    step N+1 can complete before step N, which must not be deleted under its finalizer)."""
     steps = list_steps(paths)
     complete = [s for s in steps if paths.complete_file(s).is_file()]
     keep = retention_keep(complete, keep_last, keep_interval)
     newest = max(complete) if complete else None
     removed = []
     for s in steps:
-        incomplete_old = s not in complete and newest is not None and s < newest
+        incomplete_old = s not in complete and s not in in_progress and newest is not None and s < newest
         if (s in complete and s not in keep) or incomplete_old:
             # Remove COMPLETE first: a crash mid-delete leaves an (ignored) incomplete dir, never a
             # COMPLETE that points at missing files.

@@ -347,6 +347,9 @@ class SFTValConfig(Section):
     interval: Annotated[int, D("Validation loss every N steps (0 = off).", ge=0)] = 0
     data: Annotated[SFTDataConfig | None, D("Validation data (mirrors [data]).")] = None
     fraction: Annotated[float, D("Hold out this fraction of [data] when val.data is unset.", ge=0, lt=1)] = 0.05
+    stop_at_loss: Annotated[float, D(
+        "Stop (and save weights, with [ckpt]) once the validation loss is <= this; 0 = off. A warm-up "
+        "that ends at a level of skill, not at a step count.", ge=0)] = 0.0
 
 
 class SFTConfig(Section):

@@ -30,6 +30,8 @@ def validate_sft(cfg: SFTConfig) -> None:
         raise ConfigError("data.name", "is required (a jsonl/parquet file, a directory of them, or a saved dataset)")
     if cfg.val.data is not None and not cfg.val.data.name.strip():
         raise ConfigError("val.data.name", "is empty (give a file, or drop [val.data] to hold out val.fraction)")
+    if cfg.val.stop_at_loss > 0 and cfg.val.interval == 0:
+        raise ConfigError("val.stop_at_loss", f"{cfg.val.stop_at_loss} needs val.interval > 0 (no validation loss to compare)")
     seq_len = cfg.data.seq_len or cfg.seq_len
     if cfg.micro_batch_tokens < seq_len:
         raise ConfigError(

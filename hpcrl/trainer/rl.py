@@ -262,20 +262,35 @@ def save_checkpoint(c: CkptConfig, paths: RunPaths, tr: Training, step: int, pro
     save_trainer_state(paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress)
     checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
     if rank == 0:
+        with _FINALIZING_LOCK:
+            _FINALIZING.add(step)
         th = threading.Thread(target=_finalize, args=(paths, step, world, c, parts, timeout), daemon=False)
         th.start()
         finalizers.append(th)
     return time.perf_counter() - t0
 
 
+# Steps whose COMPLETE this process is still waiting to write: retention must not delete them.
+_FINALIZING: set[int] = set()
+_FINALIZING_LOCK = threading.Lock()
+
+
 def _finalize(paths: RunPaths, step: int, world: int, c: CkptConfig, parts: tuple[str, ...], timeout: float) -> None:
-    if checkpoint.finalize_when_ready(paths, step, parts, world, timeout) is not None:
+    try:
+        if checkpoint.finalize_when_ready(paths, step, parts, world, timeout) is None:
+            return
         log.info("checkpoint step_%d complete", step)
-        removed = checkpoint.apply_retention(paths, c.keep_last, c.keep_interval)
+        with _FINALIZING_LOCK:
+            _FINALIZING.discard(step)
+            busy = set(_FINALIZING)
+            removed = checkpoint.apply_retention(paths, c.keep_last, c.keep_interval, in_progress=busy)
         for s in removed:
             import shutil
 
             shutil.rmtree(paths.weights_dir(s), ignore_errors=True)
+    finally:
+        with _FINALIZING_LOCK:
+            _FINALIZING.discard(step)
 
 
 def step_metrics(out: dict[str, Any], t_wait: float, t_pub: float, t_ckpt: float, t_step: float,

@@ -97,8 +97,10 @@ def train(cfg: SFTConfig) -> int:
                                  cfg.optim.max_norm, step, time.perf_counter())
         progress = advance(progress, batch, out, data.cursor)
         val_loss, t_val = maybe_validate(cfg, data, tr, step)
+        # The val loss is all-reduced: every rank reaches the same decision.
+        reached = cfg.val.stop_at_loss > 0 and val_loss is not None and val_loss <= cfg.val.stop_at_loss
         t_ckpt = 0.0
-        if cfg.ckpt is not None and (stop.is_set() or checkpoint.is_due(step, cfg.max_steps, cfg.ckpt.interval)):
+        if cfg.ckpt is not None and (stop.is_set() or reached or checkpoint.is_due(step, cfg.max_steps, cfg.ckpt.interval)):
             t_ckpt = save_checkpoint(cfg.ckpt, paths, tr, step, progress, finalizers, SFT_PARTS, FINALIZE_TIMEOUT_S)
         m = metrics.log(step, step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt,
                                            time.perf_counter() - t_step))
@@ -108,6 +110,9 @@ def train(cfg: SFTConfig) -> int:
                      m["optim/grad_norm"], m["perf/throughput"], m["progress/epoch"])
         if stop.is_set():
             log.warning("stop requested: checkpointed step %d, exiting", step)
+            break
+        if reached:
+            log.info("val loss %.4f <= val.stop_at_loss %g at step %d: done", val_loss, cfg.val.stop_at_loss, step)
             break
     for f in finalizers:
         f.join()

@@ -84,6 +84,18 @@ def test_sft_run_learns_and_writes_checkpoints_and_weights(sft_run):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+def test_sft_stops_at_a_validation_loss(sft_run, tiny_model_dir, tmp_path):
+    """val.stop_at_loss ends the warm-up at a level of skill: the first validation at or below it
+    (step 2 here, the same run as the fixture's) saves weights and stops."""
+    run, cfg = sft_run
+    target = losses(run)[2]["val/loss"] + 1e-3
+    out = tmp_path / "stopped"
+    run_sft(str(cfg), "--output-dir", str(out), "--val.stop-at-loss", str(target), "--ckpt.interval", "100")
+    m = losses(out)
+    assert sorted(m) == [1, 2] and m[2]["val/loss"] <= target
+    assert (RunPaths(out).weights_dir(2) / "config.json").is_file()
+
+
 def test_sft_resume_continues_with_the_next_samples(sft_run, tmp_path):
     """Resume from step 2 in a copy of the run: steps 3-4 see the same rows in the same order and land
     on bitwise the same weights as the uninterrupted run."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,31 @@ def test_apply_retention_deletes_outside_keep_set_and_stale_incomplete(paths: Ru
     assert sorted(removed) == [0, 1, 2]
     assert ck.list_steps(paths) == [3, 4]
     assert ck.verify(paths, 4) is None
+
+
+def test_retention_spares_a_checkpoint_still_being_finalized(paths: RunPaths) -> None:
+    """Fast steps: step 6 completes while step 5's finalizer still waits for the orchestrator's part.
+    Retention must not delete step 5 under it (that hung the trainer at exit, caught by the
+    reliability test); once 5 is no longer in progress, an older incomplete step goes as before."""
+    for s in (3, 4, 6):
+        _save(paths, s)
+    ck.begin_part(paths, 5, "trainer")
+    ck.mark_part_done(paths, 5, "trainer", rank=0)
+    assert ck.apply_retention(paths, keep_last=2, keep_interval=None, in_progress={5}) == [3]
+    assert ck.list_steps(paths) == [4, 5, 6]
+    # the orchestrator's part arrives: step 5 finalizes, and is then an ordinary complete step
+    ck.begin_part(paths, 5, "orchestrator")
+    ck.mark_part_done(paths, 5, "orchestrator")
+    assert ck.finalize_when_ready(paths, 5, ("trainer", "orchestrator"), 1, timeout=5) is not None
+    assert ck.apply_retention(paths, keep_last=2, keep_interval=None) == [4]
+
+
+def test_finalizer_gives_up_at_once_when_its_checkpoint_is_gone(paths: RunPaths) -> None:
+    ck.begin_part(paths, 7, "trainer")
+    shutil.rmtree(paths.checkpoint_dir(7))
+    t0 = time.monotonic()
+    assert ck.finalize_when_ready(paths, 7, ("trainer", "orchestrator"), 1, timeout=60) is None
+    assert time.monotonic() - t0 < 30  # not the 60 s timeout
 
 
 def test_begin_part_removes_stale_complete(paths: RunPaths) -> None:

@@ -209,6 +209,9 @@ def test_bad_env_args_are_a_config_error(tmp_path: Path, capsys: pytest.CaptureF
         ('[model]\nname = "m"\n[data]\nname = "d.jsonl"\n', ["--micro-batch-tokens", "64"], "micro_batch_tokens",
          "at least the packed row length (512)"),
         ('[model]\nname = "m"\n[data]\nname = "d.jsonl"\n', ["--val.fraction", "1"], "val.fraction", "< 1"),
+        ('[model]\nname = "m"\n[data]\nname = "d.jsonl"\n', ["--val.stop-at-loss", "1.5"], "val.stop_at_loss",
+         "needs val.interval > 0"),
+        ('[model]\nname = "m"\n[data]\nname = "d.jsonl"\n', ["--val.stop-at-loss", "-1"], "val.stop_at_loss", ">= 0"),
     ],
 )
 def test_bad_sft_config(text: str, flags: list[str], path: str, fragment: str, tmp_path: Path,
