@@ -163,7 +163,9 @@ class BufferConfig(Section):
 class AdvantageConfig(Section):
     std_normalize: Annotated[bool, D("Divide group-relative advantages by the group std.")] = False
     length_penalty: Annotated[float, D("Subtract coef * (len/mean_len - 1) from the advantage (0 = off).", ge=0)] = 0.0
-    zero_advantage: Annotated[Literal["keep", "drop"], D("Groups whose rewards are all equal: keep or drop.")] = "drop"
+    zero_advantage: Annotated[Literal["keep", "drop"], D(
+        "Groups whose rewards are all equal: keep, or drop and generate replacements (after 16 rounds "
+        "that leave the batch short, it is filled with dropped groups, advantage 0, and a warning).")] = "drop"
 
 
 class TeacherConfig(Section):

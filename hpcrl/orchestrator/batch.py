@@ -32,6 +32,7 @@ class StepCounts:
 
     filtered: Counter = field(default_factory=Counter)  # easy / hard / zero_advantage / all_errored
     stale_dropped: int = 0
+    zero_advantage_filled: int = 0  # dropped groups put back because refills kept coming back uniform
 
 
 def judge_group(group: GroupRecord, buffer: Buffer, adv: AdvantageConfig, mode: str, counts: StepCounts) -> bool:
@@ -57,6 +58,7 @@ def judge_group(group: GroupRecord, buffer: Buffer, adv: AdvantageConfig, mode: 
     advs, keep = compute_advantages([rewards], [[r.completion_tokens for r in ok]], adv)
     if not keep[0]:
         counts.filtered["zero_advantage"] += 1
+        group.advantages = [0.0] * len(group.rollouts)  # usable as a last-resort filler (see collect)
         return False
     by_index = {r.index: float(a) for r, a in zip(ok, advs[0])}
     group.advantages = [by_index.get(r.index, 0.0) for r in group.rollouts]

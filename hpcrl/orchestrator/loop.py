@@ -47,7 +47,23 @@ from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
 
+
+def fill_with_uniform(ready: list[GroupRecord], uniform: list[GroupRecord], missing: int
+                      ) -> tuple[list[GroupRecord], int]:
+    """``ready`` plus the first zero-advantage groups that cover ``missing`` rollouts; how many."""
+    taken, got = [], 0
+    for g in uniform:
+        if got >= missing:
+            break
+        taken.append(g)
+        got += num_rollouts([g])
+    return ready + taken, len(taken)
+
 MAX_WAVES = 64  # generation rounds for one batch before filtering is declared to drop everything
+# After this many rounds, a batch that only zero-advantage dropping keeps from filling is filled with
+# those groups (advantage 0: no gradient) instead of generating on: a policy that has mastered an
+# easy environment must not stall or crash a run.
+REFILL_WAVES = 16
 STOP_GRACE_S = 30.0  # after a stop signal: how long to wait for the trainer's forced checkpoint
 
 
@@ -176,9 +192,15 @@ class Orchestrator:
         t0 = time.perf_counter()
         s, counts, generated = self.s, StepCounts(), []
         ready = list(self.state.ready)
+        uniform: list[GroupRecord] = []  # dropped for zero advantage; the last-resort filler
         for wave in range(MAX_WAVES):
             missing = self.o.batch_size - num_rollouts(ready)
             if missing <= 0:
+                break
+            if wave >= REFILL_WAVES and num_rollouts(uniform) >= missing:
+                ready, counts.zero_advantage_filled = fill_with_uniform(ready, uniform, missing)
+                log.warning("step %d: %d generation rounds kept returning groups with equal rewards; filled the "
+                            "batch with %d of them (advantage 0: no gradient)", step, wave, counts.zero_advantage_filled)
                 break
             refs = s.buffer.next_tasks(s.buffer.num_tasks_to_request(-(-missing // self.o.rollouts_per_example)))
             new = await s.generate(refs, step)
@@ -187,6 +209,8 @@ class Orchestrator:
                 s.buffer.complete(ref)
                 if judge_group(g, s.buffer, s.advantage, self.o.training_mode, counts):
                     ready.append(g)
+                elif g.advantages is not None:
+                    uniform.append(g)
             if wave and wave % 8 == 0:
                 log.warning("step %d: %d generation rounds and the batch is not full (filters: %s)",
                             step, wave, dict(counts.filtered))

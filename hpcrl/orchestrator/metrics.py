@@ -59,6 +59,7 @@ def step_metrics(trained: Sequence[GroupRecord], generated: Sequence[GroupRecord
         "filter/easy_dropped": counts.filtered["easy"],
         "filter/hard_dropped": counts.filtered["hard"],
         "filter/zero_advantage_dropped": counts.filtered["zero_advantage"],
+        "filter/zero_advantage_filled": counts.zero_advantage_filled,
         "filter/all_errored_dropped": counts.filtered["all_errored"],
         "time/wait_for_policy": t_policy,
         "time/generate": t_gen,

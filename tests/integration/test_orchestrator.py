@@ -380,6 +380,38 @@ def test_multi_turn_rollouts_are_stitched_from_sampled_ids(tiny_model_dir: Path,
         assert np.all(lps[np.asarray(p.loss_mask)] <= 0) and np.all(lps[~np.asarray(p.loss_mask)] == 0)
 
 
+@pytest.mark.timeout(180)
+def test_uniform_rewards_fill_the_batch_instead_of_stalling(tiny_model_dir: Path, tmp_path: Path,
+                                                            server: InferenceServer) -> None:
+    """zero_advantage = "drop" on an environment where every completion scores the same (a mastered
+    task): after REFILL_WAVES rounds the batch is filled with those groups (advantage 0, no
+    gradient) and the run goes on, instead of failing after MAX_WAVES rounds."""
+    from hpcrl.bus import decode
+    from hpcrl.orchestrator.loop import REFILL_WAVES
+
+    run = tmp_path / "uniform"
+    RunPaths(run).make_dirs()
+    announce(server, run)
+    extra = ("--orchestrator.advantage.zero-advantage", "drop", "--orchestrator.train.env",
+             '[{id = "tests.integration.uniform_env", args = {num_examples = 50}}]')
+    orch = start_orchestrator(run, tiny_model_dir, max_steps=1, extra=extra)
+    trainer = FakeTrainer(run, tiny_model_dir)
+    try:
+        trainer.policy(0)
+        batch = decode(trainer.batch(1), TrainBatch)
+        trainer.policy(1)
+        assert orch.wait(timeout=120) == 0, (run / "orchestrator.out").read_text()[-3000:]
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+        trainer.close()
+    assert batch.num_samples == 8 and not batch.advantages.any() and set(batch.env_names) == {"tests.integration.uniform_env"}
+    m = [r for r in read_metrics(RunPaths(run).metrics_file) if r.get("role") == "orchestrator" and r["step"] == 1][0]
+    assert m["filter/zero_advantage_filled"] == 2  # 8 samples = 2 groups of 4
+    assert m["filter/zero_advantage_dropped"] >= 2 * REFILL_WAVES
+    assert "filled the batch with 2 of them" in (run / "orchestrator.out").read_text()
+
+
 # Last in the module: it leaves the shared server refusing to generate (unverified weights).
 @pytest.mark.timeout(120)
 def test_checksum_mismatch_is_a_loud_error(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:

@@ -134,13 +134,27 @@ def test_advantages_filters_and_errored_rollouts() -> None:
                     rollouts=[rollout(0, 1.0), rollout(1, 0.0, error="boom"), rollout(2, 0.0)])
     assert judge_group(g, buf, AdvantageConfig(), "rl", counts)
     assert g.advantages == [0.5, 0.0, -0.5]  # the errored rollout is outside the baseline
-    assert not judge_group(group(1, [0.3, 0.3]), buf, AdvantageConfig(zero_advantage="drop"), "rl", counts)
+    uniform = group(1, [0.3, 0.3])
+    assert not judge_group(uniform, buf, AdvantageConfig(zero_advantage="drop"), "rl", counts)
     assert counts.filtered["zero_advantage"] == 1
+    assert uniform.advantages == [0.0, 0.0]  # ready to be the last-resort filler of a starved batch
     hard = Buffer({"e": 10}, BufferConfig(online_difficulty_filtering=True))
-    assert not judge_group(group(2, [0.0, 0.1]), hard, AdvantageConfig(), "rl", counts)
+    too_hard = group(2, [0.0, 0.1])
+    assert not judge_group(too_hard, hard, AdvantageConfig(), "rl", counts)
+    assert too_hard.advantages is None  # difficulty-filtered groups are never used
     assert counts.filtered["hard"] == 1
     sft = group(3, [0.0, 0.0])
     assert judge_group(sft, buf, AdvantageConfig(), "sft", counts) and sft.advantages == [1.0, 1.0]
+
+
+def test_fill_with_uniform_takes_just_enough_groups() -> None:
+    from hpcrl.orchestrator.loop import fill_with_uniform
+
+    ready = [group(0, [1.0, 0.0])]
+    uniform = [group(i, [0.5, 0.5, 0.5]) for i in (1, 2, 3)]
+    out, n = fill_with_uniform(ready, uniform, missing=4)  # 3 + 3 rollouts cover 4
+    assert n == 2 and [g.example_id for g in out] == [0, 1, 2]
+    assert fill_with_uniform(ready, uniform, missing=0) == (ready, 0)
 
 
 def test_fill_batch_takes_whole_groups_and_carries_the_rest() -> None:
