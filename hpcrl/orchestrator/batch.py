@@ -3,6 +3,7 @@
 Pure functions over GroupRecords (no I/O), so every rule here is unit-testable:
 
     judge_group      advantages + difficulty filter + zero-advantage filter for one finished group
+    fill_with_uniform   last-resort filler: zero-advantage groups for a batch the filters starve
     fill_batch       accepted groups in, the groups of this step out (the rest carries over)
     build_batches    staleness bound per sample, deterministic order, balanced packing
 """
@@ -67,6 +68,18 @@ def judge_group(group: GroupRecord, buffer: Buffer, adv: AdvantageConfig, mode: 
 
 def num_rollouts(groups: Sequence[GroupRecord]) -> int:
     return sum(sum(not r.errored for r in g.rollouts) for g in groups)
+
+
+def fill_with_uniform(ready: list[GroupRecord], uniform: list[GroupRecord], missing: int
+                      ) -> tuple[list[GroupRecord], int]:
+    """``ready`` plus the first zero-advantage groups that cover ``missing`` rollouts; how many."""
+    taken, got = [], 0
+    for g in uniform:
+        if got >= missing:
+            break
+        taken.append(g)
+        got += num_rollouts([g])
+    return ready + taken, len(taken)
 
 
 def fill_batch(ready: list[GroupRecord], batch_size: int) -> tuple[list[GroupRecord], list[GroupRecord]]:

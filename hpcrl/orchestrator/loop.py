@@ -34,6 +34,7 @@ from hpcrl.orchestrator.batch import (
     StepCounts,
     build_batches,
     fill_batch,
+    fill_with_uniform,
     judge_group,
     num_rollouts,
     to_samples,
@@ -47,17 +48,6 @@ from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
 
-
-def fill_with_uniform(ready: list[GroupRecord], uniform: list[GroupRecord], missing: int
-                      ) -> tuple[list[GroupRecord], int]:
-    """``ready`` plus the first zero-advantage groups that cover ``missing`` rollouts; how many."""
-    taken, got = [], 0
-    for g in uniform:
-        if got >= missing:
-            break
-        taken.append(g)
-        got += num_rollouts([g])
-    return ready + taken, len(taken)
 
 MAX_WAVES = 64  # generation rounds for one batch before filtering is declared to drop everything
 # After this many rounds, a batch that only zero-advantage dropping keeps from filling is filled with

@@ -113,6 +113,11 @@ class RowLayout:
     unit: Tensor  # [rows * width] long: unit of each slot; padding slot s holds -1 - s
     member: Tensor  # [rows * width] long: sample owning the slot, -1 for a unit's shared prefix and padding
 
+    @property
+    def padding(self) -> int:
+        """Slots that hold no token (row tails)."""
+        return int((self.unit < 0).sum())
+
     def grid(self, values: Tensor, fill: int | bool = 0) -> Tensor:
         out = values.new_full((self.rows * self.width,), fill)
         out[self.index] = values  # shared slots are written once per member, with equal values

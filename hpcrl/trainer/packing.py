@@ -308,7 +308,7 @@ def forward_packed(model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: 
     predictors = torch.zeros_like(target)
     predictors[:-1] = target[1:]  # position p predicts token p + 1
     inputs, layout = model_inputs(model, mb)
-    pos = predictors.nonzero()[:, 0]  # position p predicts token p + 1
+    pos = predictors.nonzero()[:, 0]
     slots = pos if layout is None else layout.index[pos]  # shared-prefix positions repeat
     n_slots = t if layout is None else layout.rows * layout.width
     keep = torch.zeros(n_slots, dtype=torch.bool, device=dev)
@@ -330,5 +330,4 @@ def forward_packed(model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: 
     picked, ent_p = next_token_logprobs(logits, mb.input_ids[pos + 1], temp, entropy=compute_entropy)
     lp = torch.zeros(t, dtype=picked.dtype, device=dev).index_copy(0, pos + 1, picked)
     ent = None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, pos + 1, ent_p)
-    padding = 0 if layout is None else int((layout.unit < 0).sum())
-    return ForwardOutput(logprobs=lp, entropy=ent, slots=n_slots, padding=padding)
+    return ForwardOutput(logprobs=lp, entropy=ent, slots=n_slots, padding=0 if layout is None else layout.padding)

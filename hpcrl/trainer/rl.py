@@ -281,8 +281,7 @@ def _finalize(paths: RunPaths, step: int, world: int, c: CkptConfig, parts: tupl
             return
         log.info("checkpoint step_%d complete", step)
         with _FINALIZING_LOCK:
-            _FINALIZING.discard(step)
-            busy = set(_FINALIZING)
+            busy = _FINALIZING - {step}
             removed = checkpoint.apply_retention(paths, c.keep_last, c.keep_interval, in_progress=busy)
         for s in removed:
             import shutil

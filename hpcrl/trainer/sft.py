@@ -199,8 +199,8 @@ class SFTData:
 def micro_batches_for(samples: list[sd.TokenizedSample], seq_len: int, micro_tokens: int,
                       device: torch.device) -> tuple[list[PackedBatch], float]:
     """Pack samples into rows of <= seq_len (first-fit decreasing); a micro-batch is a run of whole
-    rows of <= max(micro_tokens, seq_len) tokens, forwarded as one packed sequence with a
-    block-diagonal mask, so no sample attends to another and no padding is computed."""
+    rows of <= max(micro_tokens, seq_len) tokens, forwarded by forward_packed (one packed row on
+    varlen kernels, rows of samples on CPU), so no sample attends to another."""
     if not samples:
         return [], 0.0
     lengths = [len(s) for s in samples]

@@ -131,7 +131,7 @@ def row_padding(lens: list[int], micro_tokens: int) -> float:
     slots = pad = 0
     for mb in row_micro_batches(batch, micro_tokens):
         lay = row_layout(mb.seq_lens)
-        slots, pad = slots + lay.rows * lay.width, pad + int((lay.unit < 0).sum())
+        slots, pad = slots + lay.rows * lay.width, pad + lay.padding
     return pad / slots
 
 

@@ -148,7 +148,7 @@ def test_advantages_filters_and_errored_rollouts() -> None:
 
 
 def test_fill_with_uniform_takes_just_enough_groups() -> None:
-    from hpcrl.orchestrator.loop import fill_with_uniform
+    from hpcrl.orchestrator.batch import fill_with_uniform
 
     ready = [group(0, [1.0, 0.0])]
     uniform = [group(i, [0.5, 0.5, 0.5]) for i in (1, 2, 3)]
