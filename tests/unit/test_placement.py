@@ -160,3 +160,32 @@ def test_record_appends_a_line_and_keeps_the_newest(tmp_path, monkeypatch):
         ("trainer", 0, [0], 29501, "n2"), ("inference", 1, [2, 3], 8001, "n2")]
     line = placement_line("orchestrator", 0, environ={})
     assert set(line) >= {"role", "rank", "node", "gpus", "host", "port"} and line["gpus"] == []
+
+
+def test_local_launcher_gives_each_child_its_slot():
+    from hpcrl.launch.local import _gpu_env
+
+    cfg = cfg_of("--deployment.num-train-gpus", "2", "--deployment.num-infer-gpus", "2", slurm=False)
+    p = local_placement(cfg, gpus_available=4)
+    assert _gpu_env(p, p.trainer_slot(1)) == {"CUDA_VISIBLE_DEVICES": "1", "HPCRL_GPUS_PER_TASK": "1"}
+    assert _gpu_env(p, p.server_slot(1)) == {"CUDA_VISIBLE_DEVICES": "3", "HPCRL_GPUS_PER_TASK": "1"}
+    assert _gpu_env(local_placement(cfg, 0), p.trainer_slot(0)) == {}
+
+
+@pytest.mark.parametrize("count, local_rank, compute, expected", [
+    (1, 3, None, "cuda:0"),  # bound to its one GPU: cuda:0, never cuda:LOCAL_RANK (the old crash)
+    (4, 3, None, "cuda:3"),  # a node's whole GPU list: its local rank
+    (4, 3, "cpu", "cpu"),  # deployment.compute = "cpu"
+    (0, 0, None, "cpu"),
+])
+def test_trainer_device(monkeypatch, count, local_rank, compute, expected):
+    import torch
+
+    from hpcrl.trainer.parallel import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.delenv("HPCRL_COMPUTE", raising=False)
+    if compute:
+        monkeypatch.setenv("HPCRL_COMPUTE", compute)
+    assert str(device_for(local_rank)) == expected
