@@ -142,6 +142,10 @@ class RunPaths:
     def weights_dir(self, step: int) -> Path:
         return self.weights_root / f"step_{step}"
 
+    def adapter_dir(self, step: int) -> Path:
+        """LoRA adapter alone (peft format), written every ckpt.adapter_interval steps."""
+        return self.root / "adapters" / f"step_{step}"
+
     # -- checkpoints -------------------------------------------------------------------------
     @property
     def checkpoints_dir(self) -> Path:

@@ -188,7 +188,9 @@ class OrchestratorConfig(Section):
     max_off_policy_steps: Annotated[int, D("Drop a sample whose oldest token is this many policies old.", ge=0)] = 8
     oversampling_factor: Annotated[float, D("Request this many times the tasks a batch needs.", ge=1)] = 1.0
     training_mode: Annotated[Literal["rl", "opd", "sft"], D("rl; opd (KL to a teacher); sft (teacher generates).")] = "rl"
-    trajectory_strategy: Annotated[Literal["interleaved", "branching"], D("How multi-turn rollouts are scheduled.")] = "interleaved"
+    trajectory_strategy: Annotated[Literal["interleaved", "branching"], D(
+        "Multi-turn training samples: interleaved (turns stitched into one sample when the tokens extend "
+        "each other exactly) or branching (one sample per turn).")] = "interleaved"
     max_concurrent: Annotated[int, D("Rollouts in flight at once.", ge=1)] = 256
     seed: Annotated[int, D("Seed of task order and environment data.")] = 0
     train: TrainEnvsConfig = msgspec.field(default_factory=TrainEnvsConfig)

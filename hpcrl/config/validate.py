@@ -12,6 +12,7 @@ _MEM_RE = re.compile(r"^\d+[KMGT]?$")
 
 
 def validate(cfg: Config, require_envs: bool = True) -> None:
+    _unsupported(cfg)
     _orchestrator(cfg)
     _buffer(cfg)
     _envs(cfg, require_envs)
@@ -26,6 +27,9 @@ def validate_sft(cfg: SFTConfig) -> None:
     """The SFT root's cross-field checks (the data file itself is only opened by the trainer)."""
     if cfg.model.name is None or not cfg.model.name.strip():
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
+    _unsupported(cfg)
+    if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
+        raise ConfigError("ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])")
     if not cfg.data.name.strip():
         raise ConfigError("data.name", "is required (a jsonl/parquet file, a directory of them, or a saved dataset)")
     if cfg.val.data is not None and not cfg.val.data.name.strip():
@@ -39,6 +43,39 @@ def validate_sft(cfg: SFTConfig) -> None:
         )
     _betas(cfg.optim.betas, "optim.betas")
     _ckpt_fields(cfg.ckpt, cfg.max_steps)
+
+
+# Fields parsed for compatibility with prime-rl / hosted configs that nothing implements yet: a
+# non-default value is an error, never silently ignored. (path, allowed values or None for the
+# default only, what to do instead). Paths are relative to the root; model sections are expanded.
+UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
+    ("model.impl", ("auto", "hf"), "only Hugging Face transformers models are implemented"),
+    ("model.ep", (1,), "expert parallelism is not implemented; MoE models train with FSDP only"),
+    ("inference.parallel.dp", (1,), "run more servers with deployment.num_inference_servers (CPU) or "
+                                    "deployment.num_infer_gpus / num_infer_nodes"),
+    ("orchestrator.renderer.name", ("default",), "the tokenizer's chat template renders every prompt"),
+)
+_MODEL_SECTIONS = ("model", "trainer.model", "orchestrator.model", "inference.model")
+
+
+def _get(root: object, path: str) -> tuple[bool, object]:
+    """(present, value) of a dotted path; a missing section (None) or field is absent."""
+    obj = root
+    for part in path.split("."):
+        if obj is None or not hasattr(obj, part):
+            return False, None
+        obj = getattr(obj, part)
+    return True, obj
+
+
+def _unsupported(cfg: Config | SFTConfig) -> None:
+    for path, allowed, instead in UNSUPPORTED:
+        paths = [s + path[len("model"):] for s in _MODEL_SECTIONS] if path.startswith("model.") else [path]
+        for p in paths:
+            present, value = _get(cfg, p)
+            if present and value not in allowed:
+                ok = ", ".join(repr(a) for a in allowed)
+                raise ConfigError(p, f"{value!r} is not supported yet (allowed: {ok}); {instead}")
 
 
 def _betas(betas: list[float], path: str) -> None:
@@ -177,8 +214,11 @@ def _ckpt(cfg: Config) -> None:
     if c is None:
         return
     _ckpt_fields(c, cfg.max_steps)
-    if c.save_adapter_separately and cfg.model.lora is None:
+    lora = (cfg.trainer.model or cfg.model).lora
+    if c.save_adapter_separately and lora is None:
         raise ConfigError("ckpt.save_adapter_separately", "needs LoRA training ([model.lora])")
+    if c.adapter_interval and lora is None:
+        raise ConfigError("ckpt.adapter_interval", f"{c.adapter_interval} needs LoRA training ([model.lora])")
 
 
 def _ckpt_fields(c: CkptConfig | None, max_steps: int) -> None:

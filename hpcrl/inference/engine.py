@@ -86,7 +86,7 @@ class HFEngine:
     """Serve one causal LM with batched sampling, live weight updates and per-token policy steps."""
 
     def __init__(self, model_path: str, *, max_batch_size: int = 64, max_model_len: int = 2048,
-                 dtype: str = "auto", seed: int = 0, device: str | None = None):
+                 dtype: str = "auto", seed: int = 0, device: str | None = None, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if device is None:
@@ -96,11 +96,11 @@ class HFEngine:
         self.device = torch.device(device)
         if dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-        kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
+        kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "trust_remote_code": trust_remote_code}
         if dtype != "auto":
             kwargs["dtype"] = _DTYPES[dtype]
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(self.device).eval()
         except (OSError, ValueError) as e:  # a user error (wrong path / hub id offline): one line, exit 2
             raise ValueError(f"model.name: cannot load {model_path!r}: {str(e).splitlines()[0]}") from e

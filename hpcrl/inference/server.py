@@ -40,6 +40,7 @@ class ServeOptions:
     device: str | None = None  # hf backend: "cpu" / "cuda" (default: cuda when available)
     log_level: str = "warning"  # uvicorn access/error log level
     vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags (vllm backend only)
+    trust_remote_code: bool = False  # run model code shipped in the model directory
 
     def validate(self) -> None:
         if self.backend not in ("hf", "vllm"):
@@ -93,8 +94,9 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
     if backend == "auto":
         backend = "vllm" if _has_cuda_and_vllm() else "hf"
     model = (inf.model.name if inf.model is not None and inf.model.name else None) or cfg.model.name
+    mcfg = inf.model or cfg.model  # the inference section's own dtype / trust_remote_code (flowed from [model])
     opts = ServeOptions(
-        model_name=resolve_model(model),
+        model_name=resolve_model(model, field="inference.model.name"),
         served_model_name=model,
         host=cfg.server.host,
         port=cfg.server.port,
@@ -103,7 +105,8 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         # happen to share a decode batch (bitwise-reproducible logprobs across runs and resumes).
         max_batch_size=1 if cfg.deterministic else inf.max_batch_size,
         max_model_len=inf.max_model_len or cfg.seq_len,
-        dtype=cfg.model.dtype,
+        dtype=mcfg.dtype,
+        trust_remote_code=mcfg.trust_remote_code,
         seed=inf.seed,
         run_dir=run_dir,
         server_index=server_index,
@@ -112,6 +115,8 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         opts.vllm_args = [f"--tensor-parallel-size={inf.parallel.tp}", f"--gpu-memory-utilization={inf.gpu_memory_utilization}"]
         if inf.enforce_eager:
             opts.vllm_args.append("--enforce-eager")
+        if mcfg.trust_remote_code:
+            opts.vllm_args.append("--trust-remote-code")
     try:
         opts.validate()
     except ValueError as e:
@@ -169,7 +174,7 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
 
     sock = _bind(opts.host, opts.port)  # fail fast on a taken port, before loading the model
     engine = HFEngine(model_path, max_batch_size=opts.max_batch_size, max_model_len=opts.max_model_len,
-                      dtype=opts.dtype, seed=opts.seed, device=opts.device)
+                      dtype=opts.dtype, seed=opts.seed, device=opts.device, trust_remote_code=opts.trust_remote_code)
     state = ServerState(engine, opts.served_model_name or opts.model_name, model_path)
     app = build_app(state)
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=False, timeout_keep_alive=30,

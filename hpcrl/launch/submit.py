@@ -12,6 +12,7 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hpcrl.config.loader import Loaded
@@ -19,6 +20,7 @@ from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import CkptConfig, Config
 from hpcrl.launch import prepare
 from hpcrl.launch.placement import partition_max_gpus, slurm_placement
+from hpcrl.models.hub import job_env as hub_job_env
 from hpcrl.paths import RunPaths
 
 
@@ -53,6 +55,7 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     python = sys.executable
     spec = slurm_mod.build_spec(cfg, placement, paths, python=python)
     spec.setup.insert(0, resume_setup_line(paths, python, resume_step))
+    spec = replace(spec, env={**spec.env, **hub_job_env(cfg, download=not dry_run)})  # nodes run offline
     script = slurm_mod.render(spec, paths)
     paths.slurm_dir.mkdir(parents=True, exist_ok=True)
     script_path = paths.slurm_dir / "hetjob.sbatch"

@@ -5,7 +5,8 @@ generated corpus trains the tokenizer (deterministically), a seeded init builds 
 result is saved as an ordinary Hugging Face directory that transformers and vLLM both load.
 
     build_tiny_model(out_dir, preset="tiny", seed=0) -> Path
-    resolve_model("hpcrl/tiny-qwen3") -> cached dir, built on first use (multi-process safe)
+    resolve_model("hpcrl/tiny-qwen3") -> cached dir, built on first use (multi-process safe);
+    resolve_model("org/name") -> its Hugging Face cache snapshot (hpcrl.models.hub)
     hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N]    (main(argv))
 
 torch / transformers / tokenizers are imported inside the functions: `resolve_model` on a warm cache
@@ -220,13 +221,21 @@ def _is_current(path: Path) -> bool:
     return stamp.get("kit_version") == KIT_VERSION and (path / "config.json").exists()
 
 
-def resolve_model(name: str) -> str:
-    """Directory -> itself; built-in name -> cached build (made on first use); else unchanged (hub id)."""
+def resolve_model(name: str, field: str = "model.name") -> str:
+    """Directory -> itself; built-in name -> cached build (made on first use); else a Hub id ->
+    its snapshot in the Hugging Face cache (hpcrl.models.hub; downloaded unless HF_HUB_OFFLINE=1).
+    An unusable name is a ConfigError naming ``field``."""
     if os.path.isdir(name):
         return name
     preset = BUILTIN_MODELS.get(name)
     if preset is None:
-        return name
+        if not name:
+            from hpcrl.config.errors import ConfigError
+
+            raise ConfigError(field, "is not set (a Hub id, a local model directory or hpcrl/tiny-qwen3)")
+        from hpcrl.models.hub import resolve_hub
+
+        return resolve_hub(name, field=field)
     import fcntl
 
     models_dir = _cache_root() / "models"

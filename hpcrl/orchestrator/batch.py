@@ -6,6 +6,7 @@ Pure functions over GroupRecords (no I/O), so every rule here is unit-testable:
     fill_with_uniform   last-resort filler: zero-advantage groups for a batch the filters starve
     fill_batch       accepted groups in, the groups of this step out (the rest carries over)
     build_batches    staleness bound per sample, deterministic order, balanced packing
+    repack_batches   one step's published batches re-packed for another trainer world size
 """
 
 from __future__ import annotations
@@ -128,3 +129,28 @@ def build_batches(samples: Sequence[Sample], step: int, world_size: int, seq_len
     batches = [TrainBatch(step=step, rank=r, world_size=world_size, total_loss_tokens=total, **b, **extra)
                for r, b in enumerate(packed)]
     return batches, stats
+
+
+def unpack_samples(batch: TrainBatch) -> list[Sample]:
+    """The samples a rank's TrainBatch was packed from (exact: every per-token and per-sample field)."""
+    bounds = np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(int)
+    out = []
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        out.append(Sample(input_ids=batch.input_ids[a:b], loss_mask=batch.loss_mask[a:b],
+                          inference_logprobs=batch.inference_logprobs[a:b], advantage=batch.advantages[a:b],
+                          policy_version=int(batch.policy_versions[i]), example_id=int(batch.example_ids[i]),
+                          env_name=batch.env_names[i], temperature=float(batch.temperatures[i]),
+                          reward=float(batch.rewards[i]),
+                          teacher_logprobs=None if batch.teacher_logprobs is None else batch.teacher_logprobs[a:b]))
+    return out
+
+
+def repack_batches(batches: Sequence[TrainBatch], world_size: int, seq_len: int) -> list[TrainBatch]:
+    """One step's batches (packed for N ranks) re-packed for ``world_size`` ranks: the same samples,
+    so the same prompts and the same global loss-token count (a resumed run with fewer or more trainer
+    ranks trains on exactly what it would have trained on)."""
+    step = batches[0].step
+    samples = [s for b in batches for s in unpack_samples(b)]
+    out, _ = build_batches(samples, step, world_size, seq_len, created_at=batches[0].created_at)
+    assert out[0].total_loss_tokens == batches[0].total_loss_tokens, "re-packing changed the batch"
+    return out

@@ -38,6 +38,7 @@ from hpcrl.orchestrator.batch import (
     fill_with_uniform,
     judge_group,
     num_rollouts,
+    repack_batches,
     to_samples,
 )
 from hpcrl.orchestrator.eval import run_eval, run_val
@@ -145,15 +146,23 @@ class Orchestrator:
             self.start = 0
             return
         state, pending = load_part(self.paths, n)
-        check_compatible(state, self.s.world_size, self.o.batch_size, self.o.rollouts_per_example)
+        check_compatible(state, self.o.batch_size, self.o.rollouts_per_example)
         self.s.buffer.load_state_dict(state.buffer)
         for m, blobs in sorted(pending.items()):
             from hpcrl.bus import decode
 
             batches = [decode(b, TrainBatch) for b in blobs]
+            if state.world_size != self.s.world_size:
+                # Packed for another number of trainer ranks: the same samples, re-packed (no prompt
+                # skipped, repeated or regenerated; only the split over ranks changes).
+                batches = repack_batches(batches, self.s.world_size, self.cfg.seq_len)
             for b in batches:
                 self.bus.publish_batch(m, b.rank, b)
             self.published[m] = batches
+        if state.world_size != self.s.world_size:
+            log.warning("checkpoint %d was taken with %d trainer rank(s), this run has %d: pending batches "
+                        "%s re-packed", n, state.world_size, self.s.world_size, state.pending_steps)
+            state = msgspec.structs.replace(state, world_size=self.s.world_size)
         self.state, self.start, self.ckpt_done = state, n, n
         self.prompts.truncate_after(state.step)
         log.info("resumed from checkpoint %d: re-published batches %s, continuing at step %d",

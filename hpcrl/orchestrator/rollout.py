@@ -165,9 +165,10 @@ def stitch_prompt(prev_prompt: Sequence[int], prev_completion: Sequence[int], en
     return [*prev_prompt, *prev_completion, *env_ids]
 
 
-def pieces_from_turns(turns: Sequence[Turn]) -> list[Piece]:
-    """One Piece for a rollout whose turns stitch exactly, else one Piece per turn."""
-    whole = stitch_turns(turns)
+def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Piece]:
+    """One Piece for a rollout whose turns stitch exactly, else one Piece per turn (always one per
+    turn with ``branching``: orchestrator.trajectory_strategy = "branching")."""
+    whole = None if branching else stitch_turns(turns)
     if whole is not None:
         return [Piece(input_ids=whole.input_ids.tolist(), loss_mask=whole.loss_mask.tolist(),
                       logprobs=whole.logprobs.tolist())]
@@ -177,10 +178,10 @@ def pieces_from_turns(turns: Sequence[Turn]) -> list[Piece]:
             for t in turns]
 
 
-def to_record(index: int, traj: Trajectory) -> RolloutRecord:
+def to_record(index: int, traj: Trajectory, branching: bool = False) -> RolloutRecord:
     sampled = [t for t in traj.turns if t.completion_token_ids]
     return RolloutRecord(
-        index=index, pieces=pieces_from_turns(traj.turns) if sampled else [], reward=float(traj.reward),
+        index=index, pieces=pieces_from_turns(traj.turns, branching) if sampled else [], reward=float(traj.reward),
         policy_version=min((t.oldest_policy_step for t in sampled), default=0), num_turns=len(traj.turns),
         completion_tokens=sum(len(t.completion_token_ids) for t in traj.turns), truncated=traj.truncated,
         error=traj.error, metrics={k: float(v) for k, v in traj.metrics.items()},
@@ -329,27 +330,28 @@ class GroupClient:
 # One group
 # ---------------------------------------------------------------------------------------------
 async def run_group(env: Environment, task: Task, n: int, sampling: Mapping[str, Any],
-                    make_client: Callable[[int], RolloutClient]) -> list[RolloutRecord]:
+                    make_client: Callable[[int], RolloutClient], branching: bool = False) -> list[RolloutRecord]:
     """`n` scored rollouts of `task`. An env or request failure errors that rollout (or the whole
     group for group-run environments); InferenceUnavailable propagates and ends the run."""
     if type(env).rollout_group is Environment.rollout_group:
         if n > 1 and single_turn(env):
             shared = SharedFirstTurn(make_client(0), n)
-            return list(await asyncio.gather(*(_one(env, task, sampling, shared.view(), i) for i in range(n))))
-        return list(await asyncio.gather(*(_one(env, task, sampling, make_client(i), i) for i in range(n))))
+            return list(await asyncio.gather(*(_one(env, task, sampling, shared.view(), i, branching)
+                                               for i in range(n))))
+        return list(await asyncio.gather(*(_one(env, task, sampling, make_client(i), i, branching) for i in range(n))))
     try:
         trajs = await env.rollout_group(task, GroupClient(make_client), sampling, n)
     except InferenceUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - any env bug must cost only its rollouts
         return [_errored(i, e, env.name) for i in range(n)]
-    return [to_record(i, t) for i, t in enumerate(trajs)]
+    return [to_record(i, t, branching) for i, t in enumerate(trajs)]
 
 
 async def _one(env: Environment, task: Task, sampling: Mapping[str, Any], client: RolloutClient | _SharedView,
-               index: int) -> RolloutRecord:
+               index: int, branching: bool = False) -> RolloutRecord:
     try:
-        return to_record(index, await env.rollout(task, client, sampling))
+        return to_record(index, await env.rollout(task, client, sampling), branching)
     except InferenceUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - an env that raises errors its rollout, the run goes on
@@ -469,9 +471,9 @@ class Generator:
     request's sampling seed derives from (seed, key..., example id, rollout index, turn)."""
 
     def __init__(self, pool: ServerPool, tokenizer: Any, seq_len: int, default_policy: Callable[[], int],
-                 seed: int | None):
+                 seed: int | None, branching: bool = False):
         self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
-        self.default_policy, self.seed = default_policy, seed
+        self.default_policy, self.seed, self.branching = default_policy, seed, branching
 
     def client_factory(self, *key: object) -> Callable[[int], RolloutClient]:
         def make(i: int) -> RolloutClient:
@@ -483,4 +485,4 @@ class Generator:
     async def groups(self, env: Environment, tasks: Sequence[Task], n: int, sampling: Mapping[str, Any],
                      *key: object) -> list[list[RolloutRecord]]:
         return list(await asyncio.gather(*(
-            run_group(env, t, n, sampling, self.client_factory(*key, t.example_id)) for t in tasks)))
+            run_group(env, t, n, sampling, self.client_factory(*key, t.example_id), self.branching) for t in tasks)))

@@ -91,14 +91,15 @@ class Setup:
                              max_concurrent=o.max_concurrent)
         self.pools.append(student)
         self.eval_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed)
-        self.train_gen = self.eval_gen
+        branching = o.trajectory_strategy == "branching"  # training samples: one per turn
+        self.train_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed, branching)
         if o.teacher is not None:
             self.teacher = ServerPool([o.teacher.base_url], model=o.teacher.model, timeout=o.request_timeout_s,
                                       max_concurrent=o.max_concurrent, api_key=os.environ.get(o.teacher.api_key_var))
             self.pools.append(self.teacher)
             if o.training_mode == "sft":  # the teacher writes the completions; they are never stale
                 self.train_gen = Generator(self.teacher, self.tokenizer, cfg.seq_len,
-                                           lambda: max(0, loaded_policy()), seed)
+                                           lambda: max(0, loaded_policy()), seed, branching)
 
     async def generate(self, refs: Sequence[TaskRef], step: int) -> list[GroupRecord]:
         assert self.train_gen is not None

@@ -124,10 +124,10 @@ def load_part(paths: RunPaths, ckpt_step: int) -> tuple[OrchestratorState, dict[
     return state, pending
 
 
-def check_compatible(state: OrchestratorState, world_size: int, batch_size: int, rollouts_per_example: int) -> None:
-    """A resumed run must cut batches the same way, or the prompt stream would silently change."""
-    for name, saved, now in (("trainer world size", state.world_size, world_size),
-                             ("orchestrator.batch_size", state.batch_size, batch_size),
+def check_compatible(state: OrchestratorState, batch_size: int, rollouts_per_example: int) -> None:
+    """A resumed run must cut batches the same way, or the prompt stream would silently change.
+    (The trainer world size may change: pending batches are re-packed, see OrchestratorLoop.restore.)"""
+    for name, saved, now in (("orchestrator.batch_size", state.batch_size, batch_size),
                              ("orchestrator.rollouts_per_example", state.rollouts_per_example,
                               rollouts_per_example)):
         if saved != now:

@@ -85,6 +85,7 @@ def load_model(
     attn_impl: str | None = None,
     activation_checkpointing: bool = False,
     lora: LoraParams | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Load a causal LM from a local Hugging Face directory, ready to train (``train()`` mode)."""
     from transformers import AutoModelForCausalLM
@@ -92,7 +93,8 @@ def load_model(
     if not Path(path, "config.json").is_file():
         raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=parse_dtype(dtype), attn_implementation=attn_impl or default_attn_impl(device)
+        str(path), dtype=parse_dtype(dtype), attn_implementation=attn_impl or default_attn_impl(device),
+        trust_remote_code=trust_remote_code,
     )
     model.to(device)
     # The KV cache is useless for training forwards and conflicts with checkpointing.
@@ -139,10 +141,10 @@ def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+def load_tokenizer(path: str | os.PathLike[str], trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,7 @@ def main(cfg: Config) -> int:
             bus.cleanup(before_step=step, keep=2)  # every rank has read its shard of `step` by now
         progress = advance(progress, out)
         t_ckpt = maybe_checkpoint(cfg, paths, tr, step, progress, finalizers, force=stop.is_set())
+        maybe_save_adapter(cfg.ckpt, paths, tr, step, cfg.max_steps)
         metrics.log(step, step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress))
         if metrics.distributions_due(step):
             metrics.log_distribution(step, "entropy", out["entropies"].numpy())
@@ -244,6 +245,19 @@ def maybe_checkpoint(cfg: Config, paths: RunPaths, tr: Training, step: int, prog
         return 0.0
     return save_checkpoint(c, paths, tr, step, progress, finalizers, checkpoint.PARTS,
                            cfg.orchestrator.policy_timeout_s)
+
+
+def maybe_save_adapter(c: CkptConfig | None, paths: RunPaths, tr: Training, step: int, max_steps: int) -> bool:
+    """LoRA: the adapter alone (peft format) under adapters/step_N every ``ckpt.adapter_interval``
+    steps and at the final step (the hosted shape's ``[adapters] interval``). Collective under FSDP."""
+    from hpcrl.trainer.model import is_peft_model, save_adapter
+
+    if c is None or not c.adapter_interval or not is_peft_model(tr.model):
+        return False
+    if step % c.adapter_interval and step != max_steps:
+        return False
+    save_adapter(tr.model, paths.adapter_dir(step), write=tr.dist.rank == 0)
+    return True
 
 
 def save_checkpoint(c: CkptConfig, paths: RunPaths, tr: Training, step: int, progress: dict[str, Any],

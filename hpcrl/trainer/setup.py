@@ -54,18 +54,19 @@ def build_training(model_cfg: ModelConfig, optim_cfg: OptimConfig, total_steps: 
         # Same numerics on every run of the same config: needed for bitwise-identical resumes.
         torch.use_deterministic_algorithms(True, warn_only=True)
     seed_everything(seed, env.rank)
-    path = resolve_model(model_cfg.name or "")
+    path = resolve_model(model_cfg.name or "", field="trainer.model.name")
     lora = None
     if model_cfg.lora is not None:
         lc = model_cfg.lora
         lora = model_lib.LoraParams(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules))
     attn = None if model_cfg.attn == "auto" else model_cfg.attn
     model = model_lib.load_model(path, dtype=resolve_dtype(model_cfg.dtype, device), device=device, attn_impl=attn,
-                                 activation_checkpointing=model_cfg.activation_checkpointing, lora=lora)
+                                 activation_checkpointing=model_cfg.activation_checkpointing, lora=lora,
+                                 trust_remote_code=model_cfg.trust_remote_code)
     if warm_start:
         load_warm_start(model, warm_start)
     model = parallel.apply_fsdp(model)
-    tokenizer = model_lib.load_tokenizer(path)
+    tokenizer = model_lib.load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
     optimizer = optim_lib.build_optimizer(
         model, optim_cfg.type, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
         betas=(optim_cfg.betas[0], optim_cfg.betas[1]), eps=optim_cfg.eps,

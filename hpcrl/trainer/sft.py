@@ -37,6 +37,7 @@ from hpcrl.trainer.loss import LossParams
 from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed, split_micro_batches
 from hpcrl.trainer.rl import (
     install_stop_handler,
+    maybe_save_adapter,
     peak_memory_gib,
     restore_state,
     save_checkpoint,
@@ -102,6 +103,7 @@ def train(cfg: SFTConfig) -> int:
         t_ckpt = 0.0
         if cfg.ckpt is not None and (stop.is_set() or reached or checkpoint.is_due(step, cfg.max_steps, cfg.ckpt.interval)):
             t_ckpt = save_checkpoint(cfg.ckpt, paths, tr, step, progress, finalizers, SFT_PARTS, FINALIZE_TIMEOUT_S)
+        maybe_save_adapter(cfg.ckpt, paths, tr, step, cfg.max_steps)
         m = metrics.log(step, step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt,
                                            time.perf_counter() - t_step))
         if rank == 0 and (step % cfg.log.console_interval == 0 or step == cfg.max_steps):

@@ -3,24 +3,34 @@
 Per rank R under checkpoints/step_N/trainer/:
   rank_R.model.safetensors   this rank's (local shard of the) model state
   rank_R.optim.safetensors   optimizer state tensors, keyed "<param index>.<name>"
-  rank_R.json                param groups, scheduler, RNG states, progress, world size
+  rank_R.json                param groups, scheduler, RNG states, progress, world size, and where
+                             each tensor's rows sit in the whole tensor ("shards": global shape + row
+                             offset; FSDP2 shards along dim 0)
 
-Resuming needs the same number of trainer ranks (shards are per rank).
+Resharding: a checkpoint written by N ranks loads on M ranks. Each rank computes which rows of each
+whole tensor it holds now and reads exactly those rows from the saved shards that overlap them
+(safetensors slices: no rank reads a whole model, nothing is unpickled). With N = M every rank reads
+exactly its own file back: the resume is bitwise identical. RNG states are per rank: ranks beyond
+the saved N keep their fresh seed (only N = M promises bitwise-identical resumes).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from hpcrl.paths import RunPaths
 
-FORMAT = 1
+FORMAT = 2  # 1: same world size only (no "shards"); still loaded when N = M
+log = logging.getLogger("hpcrl.trainer")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -31,19 +41,46 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+def row_range(t: torch.Tensor) -> tuple[list[int], int, int]:
+    """(global shape, first row, row count) of the part of ``t`` this rank holds. A DTensor sharded
+    by FSDP2 holds ``torch.chunk(whole, world, dim=0)[rank]``; a plain tensor holds everything."""
+    shape = list(t.shape)
+    if not hasattr(t, "device_mesh") or t.dim() == 0:
+        return shape, 0, shape[0] if shape else 0
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(t.placements)
+    local_rows = t.to_local().shape[0]
+    if not any(isinstance(p, Shard) for p in placements):
+        return shape, 0, shape[0]
+    assert len(placements) == 1 and placements[0] == Shard(0), f"only FSDP2 dim-0 sharding is supported, got {placements}"
+    world, rank = t.device_mesh.size(), t.device_mesh.get_local_rank()
+    chunk = -(-shape[0] // world)  # torch.chunk: ceil-sized chunks, the last ones short or empty
+    first = min(rank * chunk, shape[0])
+    assert min(chunk, shape[0] - first) == local_rows, (shape, world, rank, local_rows)
+    return shape, first, local_rows
+
+
+def _shard_entry(t: torch.Tensor) -> list[Any]:
+    shape, first, _ = row_range(t)
+    return [shape, first]
+
+
 def save_trainer_state(paths: RunPaths, step: int, rank: int, world_size: int, model: torch.nn.Module,
                        optimizer: torch.optim.Optimizer, scheduler: Any, progress: dict[str, Any]) -> None:
     d = paths.trainer_ckpt_dir(step)
     d.mkdir(parents=True, exist_ok=True)
-    model_sd = {k: _local(v) for k, v in model.state_dict().items()}
+    model_state = model.state_dict()
+    shards: dict[str, dict[str, Any]] = {"model": {k: _shard_entry(v) for k, v in model_state.items()}, "optim": {}}
     # Tied weights share storage; safetensors refuses aliases, so store copies.
-    save_file({k: v.clone() for k, v in model_sd.items()}, str(d / f"rank_{rank}.model.safetensors"))
+    save_file({k: _local(v).clone() for k, v in model_state.items()}, str(d / f"rank_{rank}.model.safetensors"))
     optim_tensors: dict[str, torch.Tensor] = {}
     optim_scalars: dict[str, Any] = {}
     for i, p in enumerate(_params(optimizer)):
         for name, v in optimizer.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 optim_tensors[f"{i}.{name}"] = _local(v).clone()
+                shards["optim"][f"{i}.{name}"] = _shard_entry(v)
             else:
                 optim_scalars[f"{i}.{name}"] = v
     save_file(optim_tensors, str(d / f"rank_{rank}.optim.safetensors"))
@@ -61,6 +98,7 @@ def save_trainer_state(paths: RunPaths, step: int, rank: int, world_size: int, m
             "python": _jsonable(random.getstate()),
         },
         "progress": progress,
+        "shards": shards,
     }
     (d / f"rank_{rank}.json").write_text(json.dumps(meta))
 
@@ -81,44 +119,120 @@ def _tuplify(v: Any) -> Any:
     return tuple(_tuplify(x) for x in v) if isinstance(v, list) else v
 
 
+class _Saved:
+    """Saved shards of one checkpoint, opened lazily; reads only the rows a rank asks for.
+    ``layouts``: (file rank, its "shards" table) for every file that may hold rows."""
+
+    def __init__(self, d: Path, layouts: list[tuple[int, dict[str, Any]]], stack: ExitStack):
+        self.d, self.layouts, self.stack = d, layouts, stack
+        self._files: dict[tuple[str, int], Any] = {}
+
+    def _file(self, part: str, r: int) -> Any:
+        if (part, r) not in self._files:
+            f = safe_open(str(self.d / f"rank_{r}.{part}.safetensors"), framework="pt")
+            self._files[(part, r)] = self.stack.enter_context(f)
+        return self._files[(part, r)]
+
+    def table(self, part: str) -> dict[str, Any]:
+        return self.layouts[0][1][part]
+
+    def rows(self, part: str, key: str, first: int, count: int) -> torch.Tensor:
+        """Rows [first, first+count) of the whole saved tensor ``key``, from every shard overlapping them."""
+        pieces: list[torch.Tensor] = []
+        for r, shards in self.layouts:
+            if key not in shards[part]:
+                raise ValueError(f"checkpoint rank {r} lacks {part} tensor {key}")
+            shape, start = shards[part][key]
+            f = self._file(part, r)
+            if not shape:  # a scalar (AdamW's step) is the same on every rank
+                return f.get_tensor(key)
+            sl = f.get_slice(key)
+            lo, hi = max(first, start), min(first + count, start + sl.get_shape()[0])
+            if lo < hi:
+                pieces.append(sl[lo - start:hi - start])
+        if not pieces:
+            return self._file(part, self.layouts[0][0]).get_slice(key)[0:0]
+        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if out.shape[0] != count:
+            raise ValueError(f"checkpoint shards of {part} tensor {key} cover {out.shape[0]} of rows "
+                             f"[{first}, {first + count})")
+        return out
+
+
 def load_trainer_state(paths: RunPaths, step: int, rank: int, world_size: int, model: torch.nn.Module,
                        optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-    """Restore everything save_trainer_state wrote; returns the progress dict."""
+    """Restore everything save_trainer_state wrote, from any number of saved ranks; returns the
+    progress dict."""
     from hpcrl.trainer.optim import load_scheduler_state
 
     d = paths.trainer_ckpt_dir(step)
-    meta = json.loads((d / f"rank_{rank}.json").read_text())
-    if meta["world_size"] != world_size:
-        raise ValueError(f"checkpoint step_{step} was written by {meta['world_size']} trainer ranks; "
-                         f"this run has {world_size} (use the same deployment to resume)")
-    saved = load_file(str(d / f"rank_{rank}.model.safetensors"))
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if k not in saved:
-                raise ValueError(f"checkpoint step_{step} lacks model tensor {k}")
-            _local_view(v).copy_(saved[k])
-    optim_saved = load_file(str(d / f"rank_{rank}.optim.safetensors"))
-    for i, p in enumerate(_params(optimizer)):
-        st: dict[str, Any] = {}
-        for key, t in optim_saved.items():
-            idx, name = key.split(".", 1)
-            if int(idx) == i:
-                st[name] = _like_param(t, p)
-        for key, v in meta["optim_scalars"].items():
-            idx, name = key.split(".", 1)
-            if int(idx) == i:
-                st[name] = v
-        if st:
-            optimizer.state[p] = st
+    saved_world = json.loads((d / "rank_0.json").read_text())["world_size"]
+    metas = [json.loads((d / f"rank_{r}.json").read_text()) for r in range(saved_world)]
+    meta = metas[min(rank, saved_world - 1)]
+    if all("shards" in m for m in metas):
+        layouts = [(r, m["shards"]) for r, m in enumerate(metas)]
+    elif saved_world == world_size:  # format 1: this rank's own files, read whole
+        layouts = [(rank, _whole_file_layout(d, rank))]
+    else:
+        raise ValueError(f"checkpoint step_{step} was written by {saved_world} trainer ranks in format 1 "
+                         f"(no shard layout); this run has {world_size}: resume with {saved_world} ranks")
+    if saved_world != world_size:
+        log.warning("resharding checkpoint step_%d: written by %d trainer rank(s), loading on %d",
+                    step, saved_world, world_size)
+    with ExitStack() as stack:
+        saved = _Saved(d, layouts, stack)
+        _load_model(saved, model, step)
+        _load_optimizer(saved, optimizer, meta)
     for g, saved_g in zip(optimizer.param_groups, meta["param_groups"], strict=True):
         for k, v in saved_g.items():
             g[k] = _tuplify(v) if k == "betas" else v
     sched = meta["scheduler"]
     sched.pop("lr_lambdas", None)
     load_scheduler_state(scheduler, sched)
-    torch.set_rng_state(torch.tensor(meta["rng"]["torch"], dtype=torch.uint8))
-    random.setstate(_tuplify(meta["rng"]["python"]))
+    if rank < saved_world:
+        torch.set_rng_state(torch.tensor(meta["rng"]["torch"], dtype=torch.uint8))
+        random.setstate(_tuplify(meta["rng"]["python"]))
     return meta["progress"]
+
+
+def _whole_file_layout(d: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Format 1 (no shard table): every tensor of rank R's files, read whole."""
+    out: dict[str, dict[str, Any]] = {}
+    for part in ("model", "optim"):
+        with safe_open(str(d / f"rank_{rank}.{part}.safetensors"), framework="pt") as f:
+            out[part] = {k: [list(f.get_slice(k).get_shape()), 0] for k in f.keys()}  # noqa: SIM118
+    return out
+
+
+def _load_model(saved: _Saved, model: torch.nn.Module, step: int) -> None:
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k not in saved.table("model"):
+                raise ValueError(f"checkpoint step_{step} lacks model tensor {k}")
+            _, first, count = row_range(v)
+            _local_view(v).copy_(saved.rows("model", k, first, count))
+
+
+def _load_optimizer(saved: _Saved, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+    names: dict[int, list[str]] = {}
+    for key in saved.table("optim"):
+        idx, name = key.split(".", 1)
+        names.setdefault(int(idx), []).append(name)
+    for i, p in enumerate(_params(optimizer)):
+        st: dict[str, Any] = {}
+        for name in names.get(i, []):
+            shape, _ = saved.table("optim")[f"{i}.{name}"]
+            if shape:
+                _, first, count = row_range(p)
+                st[name] = _like_param(saved.rows("optim", f"{i}.{name}", first, count), p)
+            else:
+                st[name] = saved.rows("optim", f"{i}.{name}", 0, 0)
+        for key, v in meta["optim_scalars"].items():
+            idx, name = key.split(".", 1)
+            if int(idx) == i:
+                st[name] = v
+        if st:
+            optimizer.state[p] = st
 
 
 def _local_view(t: torch.Tensor) -> torch.Tensor:

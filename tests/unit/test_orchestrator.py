@@ -217,3 +217,11 @@ def test_state_round_trip_continues_the_same_task_stream(tmp_path: Path) -> None
     resumed.load_state_dict(loaded.buffer)
     assert [draw(resumed, 3) for _ in range(3)] == expected
     assert np.array_equal(decode(pending[4][0], TrainBatch).example_ids, [2])
+
+
+def test_branching_makes_one_sample_per_turn_even_when_they_stitch() -> None:
+    t1 = turn([1, 2, 3], [10, 11])
+    t2 = turn(stitch_prompt([1, 2, 3], [10, 11], [4, 5]), [12], step=1)
+    pieces = pieces_from_turns([t1, t2], branching=True)
+    assert [p.input_ids for p in pieces] == [[1, 2, 3, 10, 11], [1, 2, 3, 10, 11, 4, 5, 12]]
+    assert [p.loss_mask for p in pieces] == [[False] * 3 + [True] * 2, [False] * 7 + [True]]

@@ -93,3 +93,29 @@ def test_empty_ranks_and_teacher_logprobs():
     bad.inference_logprobs = np.zeros(4)
     with pytest.raises(ValueError, match="sample 0: inference_logprobs"):
         pack_for_ranks([bad], num_ranks=1, seq_len=8)
+
+
+def test_repack_for_another_world_size_keeps_every_sample() -> None:
+    from hpcrl.orchestrator.batch import build_batches, repack_batches, unpack_samples
+
+    rng = np.random.default_rng(3)
+    samples = []
+    for i, n in enumerate([9, 5, 12, 3, 7, 8, 4]):
+        samples.append(Sample(input_ids=rng.integers(0, 100, n).astype(np.int32), loss_mask=rng.random(n) < 0.7,
+                              inference_logprobs=-rng.random(n).astype(np.float32),
+                              advantage=float(i) - 3, policy_version=i % 2, example_id=100 + i, env_name=f"e{i % 2}",
+                              temperature=1.0, reward=i / 10))
+        samples[-1].loss_mask[-1] = True
+    two, _ = build_batches(samples, step=5, world_size=2, seq_len=64, created_at=1.0)
+
+    def key(s: Sample) -> tuple:
+        return (s.example_id, s.input_ids.tobytes(), s.loss_mask.tobytes(), s.inference_logprobs.tobytes(),
+                np.broadcast_to(np.float32(s.advantage), len(s)).tobytes() if np.ndim(s.advantage) == 0
+                else np.asarray(s.advantage, np.float32).tobytes(), s.policy_version, s.env_name, np.float32(s.reward))
+
+    want = sorted(key(s) for s in samples)
+    for world in (1, 3):
+        again = repack_batches(two, world, seq_len=64)
+        assert [b.rank for b in again] == list(range(world)) and all(b.world_size == world for b in again)
+        assert all(b.step == 5 and b.total_loss_tokens == two[0].total_loss_tokens for b in again)
+        assert sorted(key(s) for b in again for s in unpack_samples(b)) == want

@@ -1,0 +1,148 @@
+"""Trainer checkpoints reshard: state written by N FSDP2 ranks (gloo, CPU) loads on M ranks.
+
+A worker (this file run as a script, torchrun-style environment) builds the tiny model, shards it
+with the trainer's ``apply_fsdp``, takes one AdamW step and saves with ``save_trainer_state``; a
+second launch with another world size loads that checkpoint with ``load_trainer_state``. Both write
+the whole (gathered) model and optimizer state: they must be bitwise equal, and the loaded run must
+be able to keep training.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_fsdp_equivalence import _free_port
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(mode: str, world: int, model_dir: Path, run_dir: Path, out: Path) -> None:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(model_dir), str(run_dir), str(out)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        text, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, text[-3000:]
+
+
+def _full_state(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_checkpoint_reshards(saved: int, loaded: int, tiny_model_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _run("save", saved, tiny_model_dir, run, tmp_path / "saved.safetensors")
+    _run("load", loaded, tiny_model_dir, run, tmp_path / "loaded.safetensors")
+    a, b = _full_state(tmp_path / "saved.safetensors"), _full_state(tmp_path / "loaded.safetensors")
+    assert sorted(a) == sorted(b) and any(k.startswith("optim.") for k in a)
+    import torch
+
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _gathered(model, opt) -> dict:
+    import torch
+
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone().contiguous()
+
+    out = {f"model.{k}": full(v) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for name, v in opt.state[p].items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim.{i}.{name}"] = full(v)
+    return out
+
+
+def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from hpcrl.paths import RunPaths
+    from hpcrl.trainer import optim
+    from hpcrl.trainer import parallel as par
+    from hpcrl.trainer.model import load_model
+    from hpcrl.trainer.state import load_trainer_state, save_trainer_state
+
+    env = par.init_distributed(torch.device("cpu"))
+    torch.manual_seed(0)
+    model = par.apply_fsdp(load_model(model_dir))
+    opt = optim.build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.01)
+    sched = optim.build_scheduler(opt, "constant", warmup_steps=0, total_steps=10)
+    paths = RunPaths(run_dir)
+    ids = torch.arange(3, 35).reshape(2, 16)
+
+    def step() -> None:
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    if mode == "save":
+        step()
+        save_trainer_state(paths, 1, env.rank, env.world_size, model, opt, sched, {"step": 1})
+    else:
+        assert load_trainer_state(paths, 1, env.rank, env.world_size, model, opt, sched) == {"step": 1}
+    state = _gathered(model, opt)
+    if mode == "load":
+        step()  # the resharded optimizer state is usable
+    if env.rank == 0:
+        save_file(state, out)
+    par.barrier()
+    par.destroy_distributed()
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:5])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_run_checkpointed_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+    """`hpcrl resume --step -1 --deployment.num-trainer-ranks 1` after a 2-rank run was cut off while
+    writing checkpoint 3: checkpoint 2 has batch 3 pending (packed for 2 ranks); it is re-packed
+    for 1 rank and trained, and the run reaches max_steps."""
+    import json
+
+    from hpcrl.paths import RunPaths
+    from tests.integration.tiny_run import TINY_RL
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(TINY_RL.format(steps=3))
+    out = tmp_path / "run"
+    hpcrl = [sys.executable, "-m", "hpcrl.cli"]
+    r = subprocess.run([*hpcrl, "run", str(cfg), "--output-dir", str(out), "--ckpt", "--ckpt.interval", "2",
+                        "--deployment.num-trainer-ranks", "2"], capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    paths = RunPaths(out)
+    state = json.loads((paths.orchestrator_ckpt_dir(2) / "state.json").read_text())
+    assert state["world_size"] == 2 and state["pending_steps"] == [3]
+    prompts = paths.prompts_log.read_text().splitlines()
+    paths.complete_file(3).unlink()  # as if the job died while writing checkpoint 3
+    r = subprocess.run([*hpcrl, "resume", "--step", "-1", "--output-dir", str(out),
+                        "--deployment.num-trainer-ranks", "1", "--max-steps", "4"],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "step    4/4" in r.stdout and "hpcrl: run finished" in r.stdout
+    assert "resharding checkpoint step_2: written by 2 trainer rank(s), loading on 1" in \
+        paths.log_file("trainer").read_text()
+    assert "pending batches [3] re-packed" in paths.log_file("orchestrator").read_text()
+    after = paths.prompts_log.read_text().splitlines()
+    assert after[:3] == prompts[:3] and len(after) == 4  # step 3 trained on the same prompts, none repeated
+    assert sorted(p.name for p in paths.trainer_ckpt_dir(4).glob("rank_*.json")) == ["rank_0.json"]
