@@ -52,6 +52,7 @@ def test_submit_renders_an_offline_job_reading_the_submitters_cache(tiny_model_d
     seed_cache(tiny_model_dir, HUB_ID, hf_home / "hub")
     out = tmp_path / "run"
     r = subprocess.run(_hpcrl("submit", str(REPO / "configs/demo/rl.toml"), "--model.name", HUB_ID, "--nodes", "2",
+                              "--slurm.gpus-per-node", "0",
                               "--dry-run", "--output-dir", str(out)),
                        capture_output=True, text=True, env=_offline_env(hf_home), timeout=120)
     assert r.returncode in (0, 1), r.stderr  # 1: a local sbatch --test-only may reject the partition
