@@ -62,7 +62,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str]) -> Child:
+def spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str]) -> Child:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(log_path, "ab", buffering=0)  # noqa: SIM115 - owned by Child, closed in stop_children
     cmd = [sys.executable, "-m", "hpcrl.cli", kind, *args]
@@ -94,7 +94,7 @@ def start_children(cfg: Config, layout: Layout, paths: RunPaths, resume_args: li
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(start + g) for g in range(layout.gpus_per_server))
         args = ["@", str(paths.process_config("inference")), "--run-dir", str(paths.root),
                 "--server-index", str(i), "--server.port", str(port)]
-        children.append(_spawn("inference", f"inference[{i}]", args, log, env))
+        children.append(spawn("inference", f"inference[{i}]", args, log, env))
     master_port = free_port()
     for r in range(layout.trainer_ranks):
         env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(layout.trainer_ranks),
@@ -102,9 +102,9 @@ def start_children(cfg: Config, layout: Layout, paths: RunPaths, resume_args: li
         if layout.gpus_per_trainer_rank:
             env["CUDA_VISIBLE_DEVICES"] = str(r)
         log = paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r)
-        children.append(_spawn("trainer", f"trainer[{r}]", ["@", str(paths.process_config("trainer")), *resume_args],
+        children.append(spawn("trainer", f"trainer[{r}]", ["@", str(paths.process_config("trainer")), *resume_args],
                                log, env))
-    children.append(_spawn("orchestrator", "orchestrator",
+    children.append(spawn("orchestrator", "orchestrator",
                            ["@", str(paths.process_config("orchestrator")), *resume_args],
                            paths.log_file("orchestrator"), dict(base_env)))
     return children
