@@ -73,7 +73,12 @@ class Endpoints:
         self.children.append(child)
         url = f"http://127.0.0.1:{port}"
         log.info("serving %s at %s (log: %s)", model, url, child.log_path)
-        wait_healthy(child, url, self.client.server_timeout_s)
+        try:
+            wait_healthy(child, url, self.client.server_timeout_s)
+        except ServerDied as e:
+            last = next((ln for ln in reversed(_tail(child).splitlines()) if ln.strip()), "")
+            raise ConfigError("model", f"`hpcrl inference` could not serve {model!r}: {e}; last log line: "
+                                       f"{last[:300]} (log: {child.log_path})") from None
         self.served[model] = url
         return url
 
@@ -85,14 +90,14 @@ def wait_healthy(child: Child, url: str, timeout: float, interval: float = 0.25)
     while time.monotonic() < deadline:
         rc = child.proc.poll()
         if rc is not None:
-            raise ServerDied(f"inference server for the model exited with code {rc}:\n{_tail(child)}")
+            raise ServerDied(f"it exited with code {rc}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(interval)
-    raise ServerDied(f"inference server at {url} not healthy after {timeout:.0f}s; see {child.log_path}")
+    raise ServerDied(f"{url} not healthy after {timeout:.0f}s")
 
 
 def _tail(child: Child, chars: int = 2000) -> str:

@@ -113,11 +113,11 @@ def main(cfg: GepaRunConfig) -> int:
     setup_logging("gepa", cfg.log.level, log_file=paths.log_file("gepa"))
     cfg_dict = msgspec.to_builtins(cfg)
     resumed = check_resume(paths, cfg_dict)
-    write_json(paths.config_file, cfg_dict)
     name = env_name(cfg.env[0])
     env = load_envs(cfg.env, "env")[name]
     train, val = split_tasks(cfg, env)
     check_budget(cfg, len(val))
+    write_json(paths.config_file, cfg_dict)
     seed_prompt = base_prompt(cfg, env, val)
     loop = asyncio.new_event_loop()
     try:

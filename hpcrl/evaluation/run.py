@@ -84,10 +84,11 @@ def print_table(summary: dict[str, dict[str, Any]], model: str) -> None:
 
     table = Table(title=f"hpcrl eval: {model}")
     for h in S.TABLE_HEADER:
-        table.add_column(h, justify="left" if h == "env" else "right")
+        table.add_column(h, justify="left" if h == "env" else "right", overflow="fold",
+                         no_wrap=h != "env")
     for row in S.table_rows(summary):
         table.add_row(*row)
-    console = Console()
+    console = Console(width=max(Console().width, 120))  # a log file or pipe gets the whole table
     console.print(table)
     for name, s in summary.items():
         if s.get("recommendation"):

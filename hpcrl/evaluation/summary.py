@@ -90,5 +90,4 @@ def table_rows(summary: dict[str, dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-TABLE_HEADER = ["env", "examples x k", "avg@k", "pass@k", "reward mean ± std", "example std", "all-equal",
-                "errored"]
+TABLE_HEADER = ["env", "n x k", "avg@k", "pass@k", "reward mean ± std", "example std", "all-equal", "errored"]
