@@ -135,3 +135,16 @@ def test_verifiers_env_takes_a_system_prompt_it_has_no_argument_for(tmp_path: Pa
     task = env.tasks("train")[0]
     assert task.prompt[0]["content"] == "Reverse the text."  # the dataset keeps its own
     assert env._rollout_input(task)["prompt"][0] == {"role": "system", "content": "Spell it backwards."}
+
+
+def test_gepa_config_file_with_a_gepa_section(tmp_path: Path) -> None:
+    f = tmp_path / "gepa.toml"
+    f.write_text('model = "hpcrl/tiny-qwen3"\noutput_dir = "out/g"\n[sampling]\nmax_tokens = 16\n'
+                 '[[env]]\nid = "reverse-text"\nargs = { num_examples = 20 }\n'
+                 '[gepa]\nmax_calls = 40\nnum_val = 5\nstate_columns = ["text"]\nperfect_score = 1.0\n')
+    cfg = load_run(["@", str(f), "-B", "50"], GepaRunConfig, GEPA_FLAGS).config
+    assert (cfg.gepa.max_calls, cfg.gepa.num_val, cfg.gepa.state_columns) == (50, 5, ["text"])
+    assert cfg.env[0].args == {"num_examples": 20} and cfg.sampling.max_tokens == 16
+    f.write_text(f.read_text() + "budget = 3\n")
+    with pytest.raises(ConfigError, match="unknown field"):
+        load_run(["@", str(f)], GepaRunConfig, GEPA_FLAGS)
