@@ -24,6 +24,8 @@ commands:
   cancel           stop the job that owns a run directory
   plot             write PNG plots from a run's metrics.jsonl
   make-tiny-model  build a tiny Qwen3-style model + tokenizer locally (no hub)
+  eval             score a model on environments: results.jsonl, avg@k / pass@k (ENV_ID -m MODEL -n N -r K)
+  gepa             optimise an environment's system prompt with GEPA (run ENV_ID -m MODEL -B CALLS)
   prepare-resume   pin a run's configs to its newest complete checkpoint (run by SLURM jobs on requeue)
 
 `hpcrl <command> --help` lists that command's flags. Config flags are dotted and kebab-case
@@ -92,6 +94,21 @@ _COMMAND_FLAGS = {
     "resume": "  --step -1|N  --output-dir DIR  (plus any config flag, e.g. --max-steps 40)",
     "inference": "  --run-dir DIR  --server-index N  (announce the server address in a run directory)",
     "sft": "  --dry-run            resolve, validate, write <output_dir>/configs/sft.toml, print a summary, exit",
+    "eval": """  ENV_ID ...              environments to evaluate (built-in, verifiers module, module:function)
+  -m MODEL                model: local dir, hub id, a run's weights/step_N, or a name at -b
+  -n N  -r R              examples per env (-1 = all), rollouts per example (the k of avg@k / pass@k)
+  -a JSON                 environment arguments, e.g. '{"difficulty": "hard", "system_prompt_file": "p.txt"}'
+  -b URL                  any OpenAI-compatible endpoint (default: start `hpcrl inference` for MODEL)
+  -t N  -T X              sampling.max_tokens, sampling.temperature
+  --output-dir DIR        results.jsonl, summary.json (default: outputs/evals/<env>--<model>/<time>)""",
+    "gepa": """  run ENV_ID              the environment whose system prompt is optimised (or [[env]] in @ cfg.toml)
+  -m / --model MODEL      model for rollouts (as hpcrl eval); -b URL: an OpenAI-compatible endpoint
+  -M / --reflection-model model that proposes prompts (default: MODEL)
+  -B / --max-calls N      budget: scored rollouts, base evaluation included (strict)
+  -n / --num-train N      -N / --num-val N      --minibatch-size N    --perfect-score X
+  --state-columns a,b     task info keys (or answer, metrics) shown to the reflection model
+  -a JSON  -t N  -T X     environment arguments, sampling.max_tokens, sampling.temperature
+  --output-dir DIR        rerunning the same DIR resumes the search (default: outputs/gepa/<env>--<model>)""",
 }
 
 
@@ -217,6 +234,26 @@ def cmd_plot(argv: list[str]) -> int:
     return main(argv)
 
 
+def cmd_eval(argv: list[str]) -> int:
+    from hpcrl.evaluation.args import EVAL_FLAGS, load_run
+    from hpcrl.evaluation.run import main
+
+    return main(load_run(argv, _schema_root("EvalRunConfig"), EVAL_FLAGS).config)
+
+
+def cmd_gepa(argv: list[str]) -> int:
+    from hpcrl.evaluation.args import GEPA_FLAGS, load_run
+    from hpcrl.evaluation.gepa_run import main
+
+    return main(load_run(argv[1:] if argv[:1] == ["run"] else argv, _schema_root("GepaRunConfig"), GEPA_FLAGS).config)
+
+
+def _schema_root(name: str) -> type:
+    from hpcrl.config import schema
+
+    return getattr(schema, name)
+
+
 def cmd_make_tiny_model(argv: list[str]) -> int:
     from hpcrl.models.tiny import main
 
@@ -236,6 +273,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
     "cancel": (cmd_cancel, None),
     "plot": (cmd_plot, None),
     "make-tiny-model": (cmd_make_tiny_model, None),
+    "eval": (cmd_eval, "EvalRunConfig"),
+    "gepa": (cmd_gepa, "GepaRunConfig"),
     "prepare-resume": (cmd_prepare_resume, None),
 }
 

@@ -272,3 +272,54 @@ class RunPaths:
             self.logs_dir,
         ):
             d.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class EvalPaths:
+    """The output directory of `hpcrl eval` / `hpcrl gepa`:
+
+        results.jsonl  summary.json  config.json  logs/{eval,gepa,inference*}.log
+        best_prompt.txt  system_prompt.txt  pareto_frontier.jsonl  metadata.json   (gepa)
+        gepa/                                                                      (gepa's own state: resume)
+    """
+
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def results_file(self) -> Path:
+        return self.root / "results.jsonl"
+
+    @property
+    def summary_file(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def config_file(self) -> Path:
+        return self.root / "config.json"
+
+    def log_file(self, role: str) -> Path:
+        return self.root / "logs" / f"{role}.log"
+
+    @property
+    def gepa_state_dir(self) -> Path:
+        """gepa's run_dir: its pickled state (gepa_state.bin) and run log; a rerun resumes from it."""
+        return self.root / "gepa"
+
+    @property
+    def best_prompt_file(self) -> Path:
+        return self.root / "best_prompt.txt"
+
+    @property
+    def system_prompt_file(self) -> Path:
+        return self.root / "system_prompt.txt"
+
+    @property
+    def pareto_file(self) -> Path:
+        return self.root / "pareto_frontier.jsonl"
+
+    @property
+    def metadata_file(self) -> Path:
+        return self.root / "metadata.json"

@@ -300,9 +300,12 @@ def _translate(msg: str, root: type[msgspec.Struct], d: dict[str, Any] | None = 
 # ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
-def load(argv: list[str], root: type[T] = Config, require_envs: bool = True) -> Loaded:  # type: ignore[assignment]
-    """Resolve a config from CLI arguments (files + flags) into typed Structs."""
+def load(argv: list[str], root: type[T] = Config, require_envs: bool = True,  # type: ignore[assignment]
+         extra: dict[str, Any] | None = None) -> Loaded:
+    """Resolve a config from CLI arguments (files + flags) into typed Structs. `extra` (a nested
+    dict, e.g. from a command's positional arguments and short flags) applies after the flags."""
     files, over = parse_argv(argv, root)
+    over = deep_merge(over, extra or {})
     merged: dict[str, Any] = {}
     notes: list[str] = []
     any_hosted = False

@@ -42,6 +42,16 @@ SPLITS: tuple[str, ...] = ("train", "eval", "val")
 _SPLIT_ALIASES = {"test": "eval", "validation": "val", "dev": "val"}
 
 
+def with_system_prompt(messages: Sequence[Message], system_prompt: str | None) -> list[Message]:
+    """A copy of `messages` whose system message is `system_prompt`: the first system message is
+    replaced (or one is put in front); "" removes it; None keeps the messages as they are."""
+    out = copy.deepcopy(list(messages))
+    if system_prompt is None:
+        return out
+    rest = out[1:] if out and out[0].get("role") == "system" else out
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + rest
+
+
 def normalize_split(split: str) -> str:
     s = _SPLIT_ALIASES.get(split, split)
     if s not in SPLITS:
@@ -164,6 +174,9 @@ class Environment:
     name: str = "env"
     max_turns: int = 1
     tools: list[dict[str, Any]] | None = None  # OpenAI function-calling format
+    # Replaces every task's system message (the `system_prompt` argument of environments whose
+    # factory has none, and GEPA candidates); None keeps the task's own.
+    system_prompt_override: str | None = None
 
     def __init__(self, rubric: Rubric | None = None) -> None:
         self.rubric = rubric or Rubric()
@@ -180,7 +193,7 @@ class Environment:
         return {}
 
     def initial_messages(self, task: Task) -> list[Message]:
-        return copy.deepcopy(task.prompt)
+        return with_system_prompt(task.prompt, self.system_prompt_override)
 
     async def env_response(
         self, task: Task, messages: list[Message], state: dict[str, Any]

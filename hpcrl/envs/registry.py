@@ -8,6 +8,11 @@ Resolution order:
      which is how verifiers environment packages are installed;
   4. entry points in the `hpcrl.environments` / `verifiers.environments` groups.
 A factory that returns a verifiers `vf.Environment` is wrapped in the verifiers adapter.
+
+Every environment takes `system_prompt` (text; "" = none) and `system_prompt_file` (a file holding
+it, e.g. GEPA's best_prompt.txt): a factory with a `system_prompt` parameter receives it, any other
+environment gets it as `Environment.system_prompt_override`, which replaces every task's system
+message.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from hpcrl.envs.base import Environment
@@ -109,6 +115,34 @@ def resolve_factory(env_id: str) -> Factory:
     raise _unknown(env_id)
 
 
+PROMPT_ARGS = ("system_prompt", "system_prompt_file")
+
+
+def _accepts(factory: Factory, name: str) -> bool:
+    params = inspect.signature(factory).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def split_prompt_args(env_id: str, factory: Factory, args: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(the arguments for the factory, a system prompt to apply as an override or None). Reads
+    `system_prompt_file` unless the factory takes that argument itself."""
+    args = dict(args)
+    if "system_prompt_file" in args and not _accepts(factory, "system_prompt_file"):
+        if "system_prompt" in args:
+            raise ValueError(f"environment {env_id!r}: give system_prompt or system_prompt_file, not both")
+        path = args.pop("system_prompt_file")
+        try:
+            args["system_prompt"] = Path(str(path)).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"environment {env_id!r}: system_prompt_file {path!r}: {e.strerror}") from None
+    prompt = args.get("system_prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"environment {env_id!r}: system_prompt must be a string, got {type(prompt).__name__}")
+    if "system_prompt" in args and not _accepts(factory, "system_prompt"):
+        return args, args.pop("system_prompt")
+    return args, None
+
+
 def _check_args(env_id: str, factory: Factory, args: Mapping[str, Any]) -> None:
     sig = inspect.signature(factory)
     params = sig.parameters
@@ -136,14 +170,21 @@ def _build(env_id: str, factory: Factory, args: Mapping[str, Any]) -> Any:
 def load_environment(env_id: str, **args: Any) -> Environment:
     """Build an environment by id; ValueError (one line) for unknown ids or bad arguments."""
     factory = resolve_factory(env_id)
+    args, override = split_prompt_args(env_id, factory, args)
     env = _build(env_id, factory, args)
-    if isinstance(env, Environment):
-        return env
-    from hpcrl.envs.verifiers_adapter import is_verifiers_env, wrap_verifiers_env
+    if not isinstance(env, Environment):
+        from hpcrl.envs.verifiers_adapter import is_verifiers_env, wrap_verifiers_env
 
-    if is_verifiers_env(env):
-        return wrap_verifiers_env(env, name=env_id)
-    raise ValueError(
+        if not is_verifiers_env(env):
+            raise _wrong_type(env_id, env)
+        env = wrap_verifiers_env(env, name=env_id)
+    if override is not None:
+        env.system_prompt_override = override
+    return env
+
+
+def _wrong_type(env_id: str, env: Any) -> ValueError:
+    return ValueError(
         f"environment {env_id!r}: the factory returned {type(env).__name__}, "
         "expected an hpcrl Environment or a verifiers Environment"
     )
@@ -153,8 +194,8 @@ def validate_env_spec(env_id: str, args: Mapping[str, Any] | None = None) -> Non
     """Check that `env_id` resolves and `args` fit its factory, without loading data or models.
     Built-ins are also constructed (their tasks are generated lazily), so value errors such as
     min_len > max_len surface here too."""
-    args = dict(args or {})
     factory = resolve_factory(env_id)
+    args, _ = split_prompt_args(env_id, factory, args or {})
     if _builtin_key(env_id) is not None:
         _build(env_id, factory, args)
     else:

@@ -177,13 +177,12 @@ class VerifiersEnvironment(Environment):
             info=dict(info),
         )
 
-    @staticmethod
-    def _rollout_input(task: Task) -> dict[str, Any]:
+    def _rollout_input(self, task: Task) -> dict[str, Any]:
         info = dict(task.info)
         extra = info.pop(_EXTRA_KEY, {})
         return {
             **extra,
-            "prompt": task.prompt,
+            "prompt": self.initial_messages(task),  # the system prompt override applies here too
             "example_id": task.example_id,
             "answer": task.answer,
             "info": info,

@@ -62,7 +62,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str]) -> Child:
+def spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str]) -> Child:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(log_path, "ab", buffering=0)  # noqa: SIM115 - owned by Child, closed in stop_children
     cmd = [sys.executable, "-m", "hpcrl.cli", kind, *args]
@@ -98,7 +98,7 @@ def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_ar
         env = dict(base_env, **_gpu_env(placement, placement.server_slot(i)))
         args = ["@", str(paths.process_config("inference")), "--run-dir", str(paths.root),
                 "--server-index", str(i), "--server.port", str(port)]
-        children.append(_spawn("inference", f"inference[{i}]", args, log, env))
+        children.append(spawn("inference", f"inference[{i}]", args, log, env))
     master_port = free_port()
     n = placement.trainer_ranks
     for r in range(n):
@@ -107,10 +107,10 @@ def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_ar
         env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), **_gpu_env(placement, placement.trainer_slot(r)))
         log = paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r)
-        children.append(_spawn("trainer", f"trainer[{r}]", ["@", str(paths.process_config("trainer")), *resume_args],
+        children.append(spawn("trainer", f"trainer[{r}]", ["@", str(paths.process_config("trainer")), *resume_args],
                                log, env))
     orch_env = dict(base_env, CUDA_VISIBLE_DEVICES="", **{GPUS_PER_TASK_ENV: "0"}) if placement.uses_gpus else base_env
-    children.append(_spawn("orchestrator", "orchestrator",
+    children.append(spawn("orchestrator", "orchestrator",
                            ["@", str(paths.process_config("orchestrator")), *resume_args],
                            paths.log_file("orchestrator"), dict(orch_env)))
     return children

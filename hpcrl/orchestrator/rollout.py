@@ -329,29 +329,42 @@ class GroupClient:
 # ---------------------------------------------------------------------------------------------
 # One group
 # ---------------------------------------------------------------------------------------------
+Sink = Callable[[Task, int, Trajectory], None]
+"""Sees every finished (not errored) trajectory before it becomes a record: `hpcrl eval` and GEPA
+keep the conversation text that RolloutRecord leaves out."""
+
+
 async def run_group(env: Environment, task: Task, n: int, sampling: Mapping[str, Any],
-                    make_client: Callable[[int], RolloutClient], branching: bool = False) -> list[RolloutRecord]:
+                    make_client: Callable[[int], RolloutClient], branching: bool = False,
+                    sink: Sink | None = None) -> list[RolloutRecord]:
     """`n` scored rollouts of `task`. An env or request failure errors that rollout (or the whole
     group for group-run environments); InferenceUnavailable propagates and ends the run."""
     if type(env).rollout_group is Environment.rollout_group:
         if n > 1 and single_turn(env):
             shared = SharedFirstTurn(make_client(0), n)
-            return list(await asyncio.gather(*(_one(env, task, sampling, shared.view(), i, branching)
+            return list(await asyncio.gather(*(_one(env, task, sampling, shared.view(), i, branching, sink)
                                                for i in range(n))))
-        return list(await asyncio.gather(*(_one(env, task, sampling, make_client(i), i, branching) for i in range(n))))
+        return list(await asyncio.gather(*(_one(env, task, sampling, make_client(i), i, branching, sink)
+                                           for i in range(n))))
     try:
         trajs = await env.rollout_group(task, GroupClient(make_client), sampling, n)
     except InferenceUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - any env bug must cost only its rollouts
         return [_errored(i, e, env.name) for i in range(n)]
-    return [to_record(i, t, branching) for i, t in enumerate(trajs)]
+    return [_record(task, i, t, branching, sink) for i, t in enumerate(trajs)]
+
+
+def _record(task: Task, index: int, traj: Trajectory, branching: bool, sink: Sink | None) -> RolloutRecord:
+    if sink is not None:
+        sink(task, index, traj)
+    return to_record(index, traj, branching)
 
 
 async def _one(env: Environment, task: Task, sampling: Mapping[str, Any], client: RolloutClient | _SharedView,
-               index: int, branching: bool = False) -> RolloutRecord:
+               index: int, branching: bool = False, sink: Sink | None = None) -> RolloutRecord:
     try:
-        return to_record(index, await env.rollout(task, client, sampling), branching)
+        return _record(task, index, await env.rollout(task, client, sampling), branching, sink)
     except InferenceUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - an env that raises errors its rollout, the run goes on
@@ -483,6 +496,7 @@ class Generator:
         return make
 
     async def groups(self, env: Environment, tasks: Sequence[Task], n: int, sampling: Mapping[str, Any],
-                     *key: object) -> list[list[RolloutRecord]]:
+                     *key: object, sink: Sink | None = None) -> list[list[RolloutRecord]]:
         return list(await asyncio.gather(*(
-            run_group(env, t, n, sampling, self.client_factory(*key, t.example_id), self.branching) for t in tasks)))
+            run_group(env, t, n, sampling, self.client_factory(*key, t.example_id), self.branching, sink)
+            for t in tasks)))
