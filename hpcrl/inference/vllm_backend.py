@@ -387,20 +387,30 @@ def parse_serve_args(opts: ServeOptions, model_path: str) -> Any:
     return args
 
 
-def serve(opts: ServeOptions, model_path: str) -> None:
-    """Run vLLM's OpenAI server with hpcrl's worker extension and admin routes (blocks)."""
-    import asyncio
-
+def prepare(opts: ServeOptions, model_path: str) -> tuple[Any, ServeOptions, Any]:
+    """Resolve vLLM, bind the socket, parse vLLM's args: (socket, opts with the real port, args)."""
     from hpcrl.inference.server import bind_server_socket
 
-    run_server_worker = vllm_symbol("run_server_worker")
     for name in VLLM_SYMBOLS:  # every missing name is reported now, not at the first request
         vllm_symbol(name)
     # Bound before the engine loads (minutes on a big model): port 0 becomes a real port that no
     # other process can take in between, and vLLM serves on this very socket.
     sock = bind_server_socket(opts.host, opts.port)
+    sock.listen()  # a socket only bound does not stop another SO_REUSEADDR bind; a listening one does
     opts = replace(opts, port=sock.getsockname()[1])
-    args = parse_serve_args(opts, model_path)
+    try:
+        return sock, opts, parse_serve_args(opts, model_path)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def serve(opts: ServeOptions, model_path: str) -> None:
+    """Run vLLM's OpenAI server with hpcrl's worker extension and admin routes (blocks)."""
+    import asyncio
+
+    sock, opts, args = prepare(opts, model_path)
+    run_server_worker = vllm_symbol("run_server_worker")
     status: dict[str, Any] = {"step": 0, "checksum": None}
     _install_routes(run_server_worker, status)
     threading.Thread(target=_announce_when_ready, args=(opts,), daemon=True).start()
