@@ -38,8 +38,8 @@ prompts), `return_token_ids`, logprobs, /tokenize, /health and /v1/models. hpcrl
   `--logprobs-mode processed_logprobs` (vLLM >= 0.10.2), which `serve` passes.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI resolves a route's string annotations in this
+# module's globals, where the lazily imported `Request` is absent, and would take it for a query field.
 import importlib
 import json
 import sys
@@ -135,7 +135,7 @@ def vllm_lora_rank(rank: int) -> int:
                      "vLLM serves")
 
 
-def vllm_serve_argv(opts: ServeOptions, model_path: str) -> list[str]:
+def vllm_serve_argv(opts: "ServeOptions", model_path: str) -> list[str]:
     """The `vllm serve` flags for `opts` (pure: the conformance tests parse them with vLLM's parser)."""
     argv = ["--model", model_path, "--host", opts.host, "--port", str(opts.port), "--seed", str(opts.seed),
             "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_batch_size),
@@ -325,6 +325,11 @@ def _add_policy_steps(app: Any, status: dict[str, Any]) -> None:
     from fastapi import Request
     from fastapi.responses import Response
 
+    # vLLM 0.33's build_app ends with a SageMaker bootstrap that builds the middleware stack, after
+    # which Starlette refuses new middleware. That stack is built from app.user_middleware alone, so
+    # dropping it is lossless: Starlette rebuilds it, with this one, on the first request.
+    app.middleware_stack = None
+
     @app.middleware("http")
     async def policy_steps(request: Request, call_next: Any) -> Any:
         start = status["step"]
@@ -360,7 +365,7 @@ def _install_routes(run_server_worker: Any, status: dict[str, Any]) -> None:
     module.build_app = build_app
 
 
-def _announce_when_ready(opts: ServeOptions) -> None:
+def _announce_when_ready(opts: "ServeOptions") -> None:
     import httpx
 
     from hpcrl.inference.server import write_server_info
@@ -378,7 +383,7 @@ def _announce_when_ready(opts: ServeOptions) -> None:
         time.sleep(1.0)
 
 
-def parse_serve_args(opts: ServeOptions, model_path: str) -> Any:
+def parse_serve_args(opts: "ServeOptions", model_path: str) -> Any:
     """vLLM's own parser and validators applied to `vllm_serve_argv` (argparse exits 2 on bad flags)."""
     parser = vllm_symbol("make_arg_parser")(vllm_symbol("FlexibleArgumentParser")(prog="vllm serve"))
     args = parser.parse_args(vllm_serve_argv(opts, model_path))
@@ -387,7 +392,7 @@ def parse_serve_args(opts: ServeOptions, model_path: str) -> Any:
     return args
 
 
-def prepare(opts: ServeOptions, model_path: str) -> tuple[Any, ServeOptions, Any]:
+def prepare(opts: "ServeOptions", model_path: str) -> tuple[Any, "ServeOptions", Any]:
     """Resolve vLLM, bind the socket, parse vLLM's args: (socket, opts with the real port, args)."""
     from hpcrl.inference.server import bind_server_socket
 
@@ -405,7 +410,7 @@ def prepare(opts: ServeOptions, model_path: str) -> tuple[Any, ServeOptions, Any
         raise
 
 
-def serve(opts: ServeOptions, model_path: str) -> None:
+def serve(opts: "ServeOptions", model_path: str) -> None:
     """Run vLLM's OpenAI server with hpcrl's worker extension and admin routes (blocks)."""
     import asyncio
 
