@@ -37,7 +37,9 @@ else
   echo "vllm conformance venv $VENV: installing (vllm $VLLM_VERSION without deps, CPU torch $TORCH_VERSION)"
   [ -x "$vpy" ] || "$PY" -m venv "$VENV"
   rm -f "$VENV/.hpcrl-stamp"
-  pip_() { "$vpy" -m pip install -q "$@"; }
+  # The package mirror's find-links entries make pip warn once per package: noise, filtered out.
+  # pip's closing "dependency conflicts" list (the CUDA packages left out, torch 2.13 vs 2.14) is expected.
+  pip_() { "$vpy" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }; }
   # torch first and pinned: anything below that names torch must not pull a multi-GB CUDA build.
   pinned=$(mktemp)
   trap 'rm -f "$pinned" "${reqs:-}"' EXIT
