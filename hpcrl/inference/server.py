@@ -39,8 +39,13 @@ class ServeOptions:
     served_model_name: str | None = None  # name clients send as `model` (default: model_name)
     device: str | None = None  # hf backend: "cpu" / "cuda" (default: cuda when available)
     log_level: str = "warning"  # uvicorn access/error log level
-    vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags (vllm backend only)
     trust_remote_code: bool = False  # run model code shipped in the model directory
+    # vllm backend only:
+    tp: int = 1  # tensor-parallel GPUs of this server (inference.parallel.tp)
+    lora_rank: int | None = None  # model.lora.rank when LoRA is trained: vLLM starts with LoRA enabled
+    gpu_memory_utilization: float | None = None  # None: vLLM's default
+    enforce_eager: bool = False
+    vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags
 
     def validate(self) -> None:
         if self.backend not in ("hf", "vllm"):
@@ -51,6 +56,14 @@ class ServeOptions:
             raise ValueError(f"inference.max_batch_size: must be >= 1, got {self.max_batch_size}")
         if self.max_model_len < 2:
             raise ValueError(f"inference.max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.tp < 1:
+            raise ValueError(f"inference.parallel.tp: must be >= 1, got {self.tp}")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"model.lora.rank: must be >= 1, got {self.lora_rank}")
+        if self.backend == "vllm" and self.lora_rank is not None:
+            from hpcrl.inference.vllm_backend import vllm_lora_rank
+
+            vllm_lora_rank(self.lora_rank)
 
 
 def advertised_host(host: str) -> str:
@@ -110,13 +123,11 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         seed=inf.seed,
         run_dir=run_dir,
         server_index=server_index,
+        tp=inf.parallel.tp,
+        lora_rank=cfg.model.lora.rank if cfg.model.lora is not None else None,
+        gpu_memory_utilization=inf.gpu_memory_utilization,
+        enforce_eager=inf.enforce_eager,
     )
-    if backend == "vllm":
-        opts.vllm_args = [f"--tensor-parallel-size={inf.parallel.tp}", f"--gpu-memory-utilization={inf.gpu_memory_utilization}"]
-        if inf.enforce_eager:
-            opts.vllm_args.append("--enforce-eager")
-        if mcfg.trust_remote_code:
-            opts.vllm_args.append("--trust-remote-code")
     try:
         opts.validate()
     except ValueError as e:
@@ -137,7 +148,8 @@ def _has_cuda_and_vllm() -> bool:
     return use_cuda()
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_server_socket(host: str, port: int) -> socket.socket:
+    """Bind (not yet listen) the server's socket; port 0 picks a free one (getsockname says which)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -172,7 +184,7 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
     from hpcrl.inference.api import ServerState, build_app
     from hpcrl.inference.engine import HFEngine
 
-    sock = _bind(opts.host, opts.port)  # fail fast on a taken port, before loading the model
+    sock = bind_server_socket(opts.host, opts.port)  # fail fast on a taken port, before loading the model
     engine = HFEngine(model_path, max_batch_size=opts.max_batch_size, max_model_len=opts.max_model_len,
                       dtype=opts.dtype, seed=opts.seed, device=opts.device, trust_remote_code=opts.trust_remote_code)
     state = ServerState(engine, opts.served_model_name or opts.model_name, model_path)
@@ -217,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=2048, help="context length (prompt + completion)")
     p.add_argument("--inference.dtype", dest="dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--inference.seed", dest="seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument("--inference.parallel.tp", dest="tp", type=int, default=1,
+                   help="vllm: tensor-parallel GPUs of this server")
+    p.add_argument("--model.lora.rank", dest="lora_rank", type=int, default=None,
+                   help="vllm: rank of the LoRA adapters this server will load (enables LoRA)")
     p.add_argument("--served-model-name", dest="served_model_name", default=None,
                    help="name clients pass as `model`")
     p.add_argument("--run-dir", dest="run_dir", default=None, help="run output dir: write the address file there")

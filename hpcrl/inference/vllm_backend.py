@@ -1,14 +1,30 @@
 """vLLM backend: vLLM's own OpenAI server plus hpcrl's admin routes, through a worker extension.
 
-UNTESTED HERE. vLLM needs CUDA and pins other torch/transformers versions than this project's CPU
-environment, so this module is the only one that imports vllm, does so lazily, and is exercised only
-on GPU machines. It follows vLLM's documented RLHF hooks (checked against the vLLM docs/examples,
-0.10-0.11 API):
+Written against vLLM 0.33 (older layouts are tried where that costs one tuple entry). vLLM needs CUDA
+to serve and pins other torch/transformers versions than this project's CPU environment, so this is
+the only module that imports vllm, and it does so lazily. What is proven without a GPU, by
+`scripts/vllm_conformance.sh` (tests/vllm_conformance/, vLLM 0.33's real modules imported on CPU):
+
+- every vLLM name hpcrl relies on exists: VLLM_SYMBOLS (resolved at start), ENGINE_CLIENT_METHODS
+  (with the keyword arguments passed here), APP_STATE, WORKER_ATTRS, VLLM_LORA_RANKS;
+- the argv `vllm_serve_argv` renders (tp, LoRA, ports, extra flags) parses with vLLM's own parser
+  and passes `validate_parsed_serve_args`, and `build_app` is read from the module hpcrl patches;
+- vLLM's WorkerWrapperBase.init_worker mixes HpcrlWorkerExtension into the real GPU Worker class
+  without a name conflict, and vLLM's `run_method` (what `collective_rpc` runs in each worker) calls
+  its methods with the exact arguments the routes below pass: a real vLLM Qwen3 model, built on CPU,
+  loads the weights (HF names onto fused qkv/gate_up), from a path and over a gloo broadcast; the
+  results survive vLLM's msgpack RPC encoding;
+- the LoRA request type accepts the body hpcrl sends.
+
+Not proven here (needs a GPU): serving itself (engine start, CUDA graphs, NCCL weight broadcast,
+sampling and logprobs on the GPU, pause/resume inside a live engine, LoRA adapters applied).
 
 - `--worker-extension-cls hpcrl.inference.vllm_backend.HpcrlWorkerExtension` mixes the methods below
   into every GPU worker; the API server reaches them with `engine_client.collective_rpc(name, args=...)`,
   which runs between engine steps, so an update lands between decode steps as with the hf backend.
-- Extra routes are added by wrapping `vllm.entrypoints.openai.api_server.build_app` (as prime-rl does).
+- Extra routes are added by wrapping `build_app` in the module vLLM's `run_server_worker` reads it
+  from (as prime-rl does). The listening socket is bound here, before the engine starts, so port 0
+  (what SLURM jobs pass) becomes a real port with no race, and the address file names that port.
 
 Same API as the hf backend: vLLM itself provides /v1/chat/completions, /v1/completions (token-id
 prompts), `return_token_ids`, logprobs, /tokenize, /health and /v1/models. hpcrl adds /update_weights
@@ -22,29 +38,135 @@ prompts), `return_token_ids`, logprobs, /tokenize, /health and /v1/models. hpcrl
   `--logprobs-mode processed_logprobs` (vLLM >= 0.10.2), which `serve` passes.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI resolves a route's string annotations in this
+# module's globals, where the lazily imported `Request` is absent, and would take it for a query field.
+import importlib
 import json
+import sys
 import threading
 import time
+from dataclasses import replace
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpcrl.inference.server import ServeOptions
 
 EXTENSION_CLS = "hpcrl.inference.vllm_backend.HpcrlWorkerExtension"
+SUPPORTED_VLLM = "0.33"
+
+# Every vLLM import hpcrl makes: name -> modules that define it, newest layout first. The backend
+# resolves them at start and the conformance tests check them against the real vLLM.
+VLLM_SYMBOLS: dict[str, tuple[str, ...]] = {
+    "make_arg_parser": ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.openai.cli_args"),
+    "validate_parsed_serve_args": ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.openai.cli_args"),
+    "validate_api_server_args": ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.openai.api_server"),
+    "FlexibleArgumentParser": ("vllm.utils.argparse_utils", "vllm.utils"),
+    # build_app is patched in the module this function comes from (see _install_routes).
+    "run_server_worker": ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server"),
+    "LoadLoRAAdapterRequest": ("vllm.entrypoints.serve.lora.protocol", "vllm.entrypoints.openai.protocol"),
+    "ErrorResponse": ("vllm.entrypoints.serve.engine.protocol", "vllm.entrypoints.openai.protocol"),
+}
+# Methods of app.state.engine_client the routes call, with the keyword arguments they pass.
+ENGINE_CLIENT_METHODS: dict[str, tuple[str, ...]] = {
+    "collective_rpc": ("args",),
+    "reset_prefix_cache": (),
+    "pause_generation": ("mode", "clear_cache"),
+    "resume_generation": (),
+}
+APP_STATE = ("engine_client", "openai_serving_models")  # attributes of app.state the routes read
+WORKER_ATTRS = ("rank", "device", "model_runner")  # attributes of vLLM's worker the extension reads
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.33's MaxLoRARanks
 
 
+def _not_available(message: str) -> Exception:
+    from hpcrl.config.errors import ConfigError
+
+    return ConfigError("inference.backend", message)
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, or None when vllm is not installed."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown" if importlib.util.find_spec("vllm") is not None else None
+
+
+def _missing_module(e: ModuleNotFoundError, module: str) -> bool:
+    """True when `module` itself (or a package above it) does not exist, not one of its imports."""
+    return bool(e.name) and (module == e.name or module.startswith(e.name + "."))
+
+
+@cache
+def vllm_symbol(name: str) -> Any:
+    """Import one of VLLM_SYMBOLS; a one-line ConfigError that says what is missing and from which vLLM."""
+    version = vllm_version()
+    if version is None:
+        raise _not_available("vllm is not installed; `pip install 'hpcrl[gpu]'` on a GPU machine "
+                             "or use --inference.backend hf")
+    modules = VLLM_SYMBOLS[name]
+    for module_name in modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if _missing_module(e, module_name):
+                continue
+            raise _not_available(f"vllm {version} is installed but importing {module_name} failed: {e}; "
+                                 "install the packages vllm requires") from e
+        except Exception as e:  # a broken install: CUDA libraries, an incompatible torch, ...
+            raise _not_available(f"vllm {version} is installed but importing {module_name} failed: "
+                                 f"{type(e).__name__}: {e}") from e
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise _not_available(f"vllm {version} is installed but has no {name} (looked in {', '.join(modules)}); "
+                         f"hpcrl's vllm backend supports vLLM {SUPPORTED_VLLM}")
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that fits a LoRA of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"model.lora.rank: {rank} is above {VLLM_LORA_RANKS[-1]}, the largest LoRA rank "
+                     "vLLM serves")
+
+
+def vllm_serve_argv(opts: "ServeOptions", model_path: str) -> list[str]:
+    """The `vllm serve` flags for `opts` (pure: the conformance tests parse them with vLLM's parser)."""
+    argv = ["--model", model_path, "--host", opts.host, "--port", str(opts.port), "--seed", str(opts.seed),
+            "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_batch_size),
+            "--dtype", opts.dtype, "--served-model-name", opts.served_model_name or opts.model_name,
+            "--tensor-parallel-size", str(opts.tp),
+            "--worker-extension-cls", EXTENSION_CLS, "--logprobs-mode", "processed_logprobs"]
+    if opts.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    if opts.enforce_eager:
+        argv.append("--enforce-eager")
+    if opts.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if opts.lora_rank is not None:  # /load_lora_adapter needs the engine's LoRA slots
+        argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(opts.lora_rank))]
+    return argv + list(opts.vllm_args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side (runs inside every vLLM GPU worker) and the RPCs the routes send it
+# ---------------------------------------------------------------------------------------------
 class HpcrlWorkerExtension:
-    """Mixed into vLLM's GPU worker (`self` is the worker: model_runner, device, rank exist there)."""
+    """Mixed into vLLM's GPU worker (`self` is the worker: WORKER_ATTRS exist there)."""
 
     def hpcrl_init_broadcaster(self, host: str, port: int, world_size: int, rank_offset: int,
                                timeout: float) -> None:
         from hpcrl.weights.collective import init_group
 
+        backend = "nccl" if self.device.type == "cuda" else "gloo"  # type: ignore[attr-defined]
         # Every worker of this server (one per tensor-parallel rank) joins with its own rank.
         self._hpcrl_group = init_group(host, port, world_size, rank_offset + self.rank,  # type: ignore[attr-defined]
-                                       backend="nccl", timeout_s=timeout)
+                                       backend=backend, timeout_s=timeout)
 
     def _hpcrl_load(self, tensors: dict[str, Any]) -> str:
         from hpcrl.weights.checksum import state_dict_checksum
@@ -70,6 +192,37 @@ class HpcrlWorkerExtension:
         return header.step, self._hpcrl_load(tensors), header.checksum
 
 
+def init_broadcaster_rpc(body: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    """(method, args) of the collective_rpc that /init_broadcaster sends for a request body."""
+    return "hpcrl_init_broadcaster", (str(body["host"]), int(body["port"]), int(body["world_size"]),
+                                      int(body["rank"]), float(body.get("timeout", 300)))
+
+
+def update_weights_rpc(body: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    """(method, args) of the collective_rpc that /update_weights sends; ValueError for a bad body."""
+    if body.get("transport") == "collective":
+        return "hpcrl_update_collective", ()
+    if isinstance(body.get("path"), str):
+        return "hpcrl_update_from_path", (body["path"],)
+    raise ValueError('give `path` or `transport: "collective"`')
+
+
+def lora_request_body(body: dict[str, Any]) -> dict[str, Any]:
+    """LoadLoRAAdapterRequest fields for hpcrl's body: a new policy replaces the adapter of that name."""
+    return {"load_inplace": True, **body}
+
+
+def _one_result(results: list[Any]) -> Any:
+    """Every tensor-parallel worker loads the same tensors: they must report the same result."""
+    distinct = {json.dumps(r, default=str) for r in results}
+    if len(distinct) != 1:
+        raise RuntimeError(f"the {len(results)} workers disagree: {sorted(distinct)}")
+    return results[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# API server side
+# ---------------------------------------------------------------------------------------------
 def _router(status: dict[str, Any]) -> Any:
     from fastapi import APIRouter, Request
     from fastapi.responses import JSONResponse
@@ -93,9 +246,11 @@ def _router(status: dict[str, Any]) -> Any:
         if isinstance(body, JSONResponse):
             return body
         try:
-            await request.app.state.engine_client.collective_rpc(
-                "hpcrl_init_broadcaster", args=(body["host"], int(body["port"]), int(body["world_size"]),
-                                                int(body["rank"]), float(body.get("timeout", 300))))
+            method, args = init_broadcaster_rpc(body)
+        except (KeyError, TypeError, ValueError) as e:
+            return err(f"/init_broadcaster needs host, port, world_size, rank: {e}", 400, "BadRequestError")
+        try:
+            await request.app.state.engine_client.collective_rpc(method, args=args)
         except Exception as e:
             return err(f"cannot join the weight broadcast group: {e}", 502, "BroadcastError")
         return {"status": "ok"}
@@ -109,20 +264,22 @@ def _router(status: dict[str, Any]) -> Any:
         step = body.get("step")
         if not isinstance(step, int) or step < 0:
             return err("`step` (an integer >= 0) is required", 400, "BadRequestError")
+        try:
+            method, args = update_weights_rpc(body)
+        except ValueError as e:
+            return err(str(e), 400, "BadRequestError")
         sent = None
         try:
-            if body.get("transport") == "collective":
-                results = await engine.collective_rpc("hpcrl_update_collective")
-                got_step, checksum, sent = results[0]
-                if got_step != step:
-                    return err(f"the broadcast carried step {got_step}, the request said {step}", 409,
-                               "WeightSyncError")
-            elif isinstance(body.get("path"), str):
-                checksum = (await engine.collective_rpc("hpcrl_update_from_path", args=(body["path"],)))[0]
-            else:
-                return err('give `path` or `transport: "collective"`', 400, "BadRequestError")
+            result = _one_result(await engine.collective_rpc(method, args=args))
         except Exception as e:
             return err(f"weight update failed: {e}", 400, "WeightSyncError")
+        if method == "hpcrl_update_collective":
+            got_step, checksum, sent = result  # a list after vLLM's msgpack RPC
+            if got_step != step:
+                return err(f"the broadcast carried step {got_step}, the request said {step}", 409,
+                           "WeightSyncError")
+        else:
+            checksum = result
         await engine.reset_prefix_cache()  # cached KV was computed with the old weights
         expected = body.get("expected_checksum") or sent
         status.update(step=step, checksum=checksum)
@@ -136,33 +293,28 @@ def _router(status: dict[str, Any]) -> Any:
 
     @router.post("/pause")
     async def pause(request: Request) -> Any:
-        fn = getattr(request.app.state.engine_client, "pause_generation", None)
-        if fn is None:
-            return err("this vLLM version cannot pause generation", 501, "NotImplementedError")
-        await fn()
+        # "keep": in-flight requests freeze and continue after /resume, as with the hf backend (vLLM's
+        # default, "abort", would fail them); the prefix cache is reset by /update_weights instead.
+        await request.app.state.engine_client.pause_generation(mode="keep", clear_cache=False)
         return {"status": "paused", "policy_step": status["step"]}
 
     @router.post("/resume")
     async def resume(request: Request) -> Any:
-        fn = getattr(request.app.state.engine_client, "resume_generation", None)
-        if fn is None:
-            return err("this vLLM version cannot resume generation", 501, "NotImplementedError")
-        await fn()
+        await request.app.state.engine_client.resume_generation()
         return {"status": "running", "policy_step": status["step"]}
 
     @router.post("/load_lora_adapter")
     async def load_lora(request: Request) -> Any:
-        try:  # moved between vLLM releases
-            from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
-        except ImportError:
-            from vllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest
-
         body = await body_of(request)
         if isinstance(body, JSONResponse):
             return body
-        handler = request.app.state.openai_serving_models
-        result = await handler.load_lora_adapter(LoadLoRAAdapterRequest(**body))
-        if hasattr(result, "error"):
+        try:
+            lora_request = vllm_symbol("LoadLoRAAdapterRequest")(**lora_request_body(body))
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            return err(f"/load_lora_adapter needs `lora_name` and `lora_path` strings: {e}", 400,
+                       "BadRequestError")
+        result = await request.app.state.openai_serving_models.load_lora_adapter(lora_request)
+        if isinstance(result, vllm_symbol("ErrorResponse")):
             return JSONResponse(result.model_dump(), status_code=result.error.code)
         await request.app.state.engine_client.reset_prefix_cache()
         return {"status": "ok", "lora_name": body.get("lora_name")}
@@ -174,6 +326,11 @@ def _add_policy_steps(app: Any, status: dict[str, Any]) -> None:
     """Add `policy_steps` to every non-streamed completion response (hpcrl extension)."""
     from fastapi import Request
     from fastapi.responses import Response
+
+    # vLLM 0.33's build_app ends with a SageMaker bootstrap that builds the middleware stack, after
+    # which Starlette refuses new middleware. That stack is built from app.user_middleware alone, so
+    # dropping it is lossless: Starlette rebuilds it, with this one, on the first request.
+    app.middleware_stack = None
 
     @app.middleware("http")
     async def policy_steps(request: Request, call_next: Any) -> Any:
@@ -196,57 +353,73 @@ def _add_policy_steps(app: Any, status: dict[str, Any]) -> None:
         return Response(raw, status_code=response.status_code, headers=headers, media_type="application/json")
 
 
-def _announce_when_ready(opts: ServeOptions, port: int) -> None:
+def _install_routes(run_server_worker: Any, status: dict[str, Any]) -> None:
+    """Wrap build_app where run_server_worker's module looks it up, so the served app has hpcrl's routes."""
+    module = sys.modules[run_server_worker.__module__]
+    original = module.build_app
+
+    def build_app(*args: Any, **kwargs: Any) -> Any:
+        app = original(*args, **kwargs)
+        app.include_router(_router(status))
+        _add_policy_steps(app, status)
+        return app
+
+    module.build_app = build_app
+
+
+def _announce_when_ready(opts: "ServeOptions") -> None:
     import httpx
 
     from hpcrl.inference.server import write_server_info
 
+    dial = "127.0.0.1" if opts.host in ("0.0.0.0", "::", "") else opts.host
+    url = f"http://{dial}:{opts.port}/health"
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                write_server_info(opts, port)
-                print(f"hpcrl inference ready on port {port} (backend vllm)", flush=True)
+            if httpx.get(url, timeout=2).status_code == 200:
+                write_server_info(opts, opts.port)
+                print(f"hpcrl inference ready on port {opts.port} (backend vllm)", flush=True)
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1.0)
 
 
-def serve(opts: ServeOptions, model_path: str) -> None:
+def parse_serve_args(opts: "ServeOptions", model_path: str) -> Any:
+    """vLLM's own parser and validators applied to `vllm_serve_argv` (argparse exits 2 on bad flags)."""
+    parser = vllm_symbol("make_arg_parser")(vllm_symbol("FlexibleArgumentParser")(prog="vllm serve"))
+    args = parser.parse_args(vllm_serve_argv(opts, model_path))
+    vllm_symbol("validate_parsed_serve_args")(args)
+    vllm_symbol("validate_api_server_args")(args)
+    return args
+
+
+def prepare(opts: "ServeOptions", model_path: str) -> tuple[Any, "ServeOptions", Any]:
+    """Resolve vLLM, bind the socket, parse vLLM's args: (socket, opts with the real port, args)."""
+    from hpcrl.inference.server import bind_server_socket
+
+    for name in VLLM_SYMBOLS:  # every missing name is reported now, not at the first request
+        vllm_symbol(name)
+    # Bound before the engine loads (minutes on a big model): port 0 becomes a real port that no
+    # other process can take in between, and vLLM serves on this very socket.
+    sock = bind_server_socket(opts.host, opts.port)
+    sock.listen()  # a socket only bound does not stop another SO_REUSEADDR bind; a listening one does
+    opts = replace(opts, port=sock.getsockname()[1])
+    try:
+        return sock, opts, parse_serve_args(opts, model_path)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def serve(opts: "ServeOptions", model_path: str) -> None:
     """Run vLLM's OpenAI server with hpcrl's worker extension and admin routes (blocks)."""
     import asyncio
 
-    if opts.port == 0:
-        raise ValueError("server.port: the vllm backend needs an explicit port (0 is hf-only)")
-
-    try:
-        import vllm.entrypoints.openai.api_server as api_server
-        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
-    except ImportError as e:
-        raise ValueError(f"inference.backend: vllm is not installed ({e}); `pip install hpcrl[gpu]` "
-                         "on a GPU machine or use backend hf") from e
-
+    sock, opts, args = prepare(opts, model_path)
+    run_server_worker = vllm_symbol("run_server_worker")
     status: dict[str, Any] = {"step": 0, "checksum": None}
-    original_build_app = api_server.build_app
-
-    def build_app(*args: Any, **kwargs: Any) -> Any:
-        app = original_build_app(*args, **kwargs)
-        app.include_router(_router(status))
-        _add_policy_steps(app, status)
-        return app
-
-    api_server.build_app = build_app
-    try:  # moved between vLLM releases
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:
-        from vllm.utils import FlexibleArgumentParser
-    parser = make_arg_parser(FlexibleArgumentParser())
-    argv = ["--model", model_path, "--host", opts.host, "--port", str(opts.port), "--seed", str(opts.seed),
-            "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_batch_size),
-            "--dtype", opts.dtype, "--served-model-name", opts.served_model_name or opts.model_name,
-            "--worker-extension-cls", EXTENSION_CLS, "--logprobs-mode", "processed_logprobs",
-            *opts.vllm_args]
-    args = parser.parse_args(argv)
-    validate_parsed_serve_args(args)
-    threading.Thread(target=_announce_when_ready, args=(opts, opts.port), daemon=True).start()
-    asyncio.run(api_server.run_server(args))
+    _install_routes(run_server_worker, status)
+    threading.Thread(target=_announce_when_ready, args=(opts,), daemon=True).start()
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host
+    asyncio.run(run_server_worker(f"http://{host}:{opts.port}", sock, args))

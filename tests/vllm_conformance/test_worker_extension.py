@@ -1,0 +1,291 @@
+"""hpcrl's worker extension and routes against vLLM's real worker machinery, on CPU.
+
+vLLM's WorkerWrapperBase.init_worker mixes HpcrlWorkerExtension into (a CPU-startable subclass of) the
+real GPU Worker; vLLM's app (build_app, patched as `serve` patches it) is served over real HTTP on the
+socket `prepare` bound for port 0; hpcrl's InferenceClient calls the routes; the routes' collective_rpc
+reaches the worker through vLLM's `run_method` with args and results encoded by vLLM's msgpack RPC
+codec; a real vLLM Qwen3 model loads the weights (from a path, and over a gloo broadcast).
+The engine core process and its ZMQ transport are what this stands in for (InProcessEngine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.vllm_conformance._vllm import require_vllm
+
+vllm = require_vllm()
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from hpcrl.inference import vllm_backend as vb  # noqa: E402
+from hpcrl.inference.client import InferenceClient, WeightSyncError  # noqa: E402
+from hpcrl.inference.server import ServeOptions  # noqa: E402
+from hpcrl.weights.checksum import state_dict_checksum  # noqa: E402
+
+WORKER_CLS = "tests.vllm_conformance.cpu_worker.CpuQwenWorker"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessEngine:
+    """Stands in for AsyncLLM -> EngineCore -> executor: same calls, same msgpack codec, one process."""
+
+    def __init__(self, workers: list, model_config):
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        self.workers, self.model_config = workers, model_config
+        self.renderer = self.input_processor = None  # read by OpenAIServingModels, unused by LoRA loads
+        self._enc, self._dec = MsgpackEncoder(), MsgpackDecoder()
+        self._real = AsyncLLM
+        self.calls: list[tuple[str, dict]] = []
+        self.loras: list = []
+
+    def _check(self, name: str, *args, **kwargs) -> None:
+        inspect.signature(getattr(self._real, name)).bind(self, *args, **kwargs)  # valid for vLLM's engine
+        self.calls.append((name, kwargs))
+
+    def _wire(self, obj):
+        return self._dec.decode(self._enc.encode(obj))
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        from vllm.v1.serial_utils import run_method
+
+        self._check("collective_rpc", method, timeout=timeout, args=args, kwargs=kwargs)
+        args = tuple(self._wire(list(args)))
+        results = await asyncio.to_thread(lambda: [run_method(w, method, args, kwargs or {}) for w in self.workers])
+        return self._wire(results)
+
+    async def reset_prefix_cache(self, *args, **kwargs):
+        self._check("reset_prefix_cache", *args, **kwargs)
+        return True
+
+    async def pause_generation(self, *args, **kwargs):
+        self._check("pause_generation", *args, **kwargs)
+
+    async def resume_generation(self, *args, **kwargs):
+        self._check("resume_generation", *args, **kwargs)
+
+    async def add_lora(self, lora_request):
+        self.loras.append(lora_request)
+        return True
+
+    async def check_health(self):
+        return None
+
+    async def is_paused(self):
+        return False
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from hpcrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def vllm_config(model_dir):
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=128, enforce_eager=True,
+                     worker_extension_cls=vb.EXTENSION_CLS).create_engine_config()
+    cfg.parallel_config.worker_cls = WORKER_CLS
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        initialize_model_parallel(1, 1)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def wrapper(vllm_config):
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    w = WorkerWrapperBase(rpc_rank=0)
+    w.init_worker([{"vllm_config": vllm_config, "local_rank": 0, "rank": 0, "is_driver_worker": True,
+                    "distributed_init_method": "tcp://127.0.0.1:1"}])  # vLLM's own mixing + conflict check
+    return w
+
+
+@pytest.fixture(scope="module")
+def server(wrapper, vllm_config, model_dir, tmp_path_factory):
+    """vLLM's real app with hpcrl's routes, served on the socket prepare() bound for port 0."""
+    import uvicorn
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+
+    run_dir = tmp_path_factory.mktemp("run")
+    opts = ServeOptions(model_name=str(model_dir), served_model_name="policy", backend="vllm", port=0,
+                        run_dir=str(run_dir), server_index=3, lora_rank=8)
+    sock, opts, args = vb.prepare(opts, str(model_dir))
+    entry = sys.modules[vb.vllm_symbol("run_server_worker").__module__]
+    original = entry.build_app
+    status = {"step": 0, "checksum": None}
+    vb._install_routes(vb.vllm_symbol("run_server_worker"), status)
+    try:
+        app = entry.build_app(args, ("generate",), vllm_config.model_config)
+    finally:
+        entry.build_app = original
+    engine = InProcessEngine([wrapper], vllm_config.model_config)
+    app.state.engine_client = engine
+    app.state.openai_serving_models = OpenAIServingModels(engine, [BaseModelPath(name="policy",
+                                                                                 model_path=str(model_dir))])
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    vb._announce_when_ready(opts)  # returns once /health answered and the address file is written
+    yield opts, engine, status
+    srv.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _perturbed(model_dir: Path, out: Path, scale: float) -> dict[str, torch.Tensor]:
+    tensors = {k: v * scale + 0.01 for k, v in load_file(model_dir / "model.safetensors").items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors")
+    return tensors
+
+
+def _assert_loaded(wrapper, tensors: dict[str, torch.Tensor]) -> None:
+    params = dict(wrapper.worker.model_runner.get_model().named_parameters())
+    p = "model.layers.0."
+    qkv = torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+    gate_up = torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
+    assert torch.equal(params[p + "self_attn.qkv_proj.weight"], qkv)
+    assert torch.equal(params[p + "mlp.gate_up_proj.weight"], gate_up)
+    embed = tensors["model.embed_tokens.weight"]  # vLLM pads the vocabulary rows
+    assert torch.equal(params["model.embed_tokens.weight"][: embed.shape[0]], embed)
+
+
+def test_vllm_mixes_the_extension_into_its_gpu_worker(wrapper):
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert isinstance(wrapper.worker, Worker) and isinstance(wrapper.worker, vb.HpcrlWorkerExtension)
+    assert wrapper._worker_extension_cls is vb.HpcrlWorkerExtension
+
+
+def test_vllm_rejects_an_extension_that_shadows_the_worker(vllm_config):
+    # The check that passed above is live: a method named like one of Worker's is refused.
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    vllm_config.parallel_config.worker_extension_cls = "tests.vllm_conformance.test_worker_extension.Shadowing"
+    try:
+        with pytest.raises(AssertionError, match="conflicts with the worker"):
+            WorkerWrapperBase(rpc_rank=0).init_worker([{"vllm_config": vllm_config}])
+    finally:
+        vllm_config.parallel_config.worker_extension_cls = vb.EXTENSION_CLS
+
+
+class Shadowing:
+    def init_device(self) -> None: ...
+
+
+def test_port_zero_is_advertised_with_the_real_port(server):
+    from hpcrl.bus.messages import ServerInfo, decode_json
+    from hpcrl.paths import RunPaths
+
+    opts, _, _ = server
+    info = decode_json(RunPaths(opts.run_dir).server_file(3).read_bytes(), ServerInfo)
+    assert info.port == opts.port != 0 and info.base_url == f"http://127.0.0.1:{opts.port}"
+
+
+def test_update_from_path_through_the_route(server, wrapper, model_dir, tmp_path):
+    opts, engine, status = server
+    tensors = _perturbed(model_dir, tmp_path / "step_1", 1.5)
+    expected = state_dict_checksum(tensors)
+
+    async def go():
+        async with InferenceClient(f"http://127.0.0.1:{opts.port}") as c:
+            r = await c.update_weights(1, path=str(tmp_path / "step_1"), expected_checksum=expected)
+            with pytest.raises(WeightSyncError):
+                await c.update_weights(2, path=str(tmp_path / "step_1"), expected_checksum="xxh3_128:" + "0" * 32)
+            return r, await c._request("GET", "/weights")
+
+    r, weights = _run(go())
+    assert r == {"step": 1, "checksum": expected}
+    assert weights["checksum"] == expected
+    _assert_loaded(wrapper, tensors)
+    assert ("reset_prefix_cache", {}) in engine.calls
+
+
+def test_update_over_a_gloo_broadcast_through_the_routes(server, wrapper, model_dir, tmp_path):
+    from hpcrl.weights.collective import broadcast_weights, destroy_group, init_group
+
+    opts, _, _ = server
+    tensors = _perturbed(model_dir, tmp_path / "w", 0.5)
+    checksum = state_dict_checksum(tensors)
+    port, sent = _free_port(), {}
+
+    def trainer():  # rank 0 of the weight group, as the trainer's broadcaster
+        group = init_group("127.0.0.1", port, 2, 0, backend="gloo", timeout_s=60)
+        time.sleep(0.5)
+        broadcast_weights(group, tensors, 5, checksum=checksum)
+        sent["ok"] = True
+        destroy_group(group)
+
+    async def go():
+        async with InferenceClient(f"http://127.0.0.1:{opts.port}") as c:
+            t = threading.Thread(target=trainer)
+            t.start()
+            await c.init_broadcaster("127.0.0.1", port, world_size=2, rank=1, timeout=60)
+            r = await c.update_weights(5, collective=True)
+            await asyncio.to_thread(t.join, 60)
+            return r
+
+    r = _run(go())
+    assert sent == {"ok": True} and r == {"step": 5, "checksum": checksum}
+    _assert_loaded(wrapper, tensors)
+
+
+def test_pause_resume_keep_in_flight_requests(server):
+    opts, engine, _ = server
+
+    async def go():
+        async with InferenceClient(f"http://127.0.0.1:{opts.port}") as c:
+            return await c.pause(), await c.resume()
+
+    paused, resumed = _run(go())
+    assert paused["status"] == "paused" and resumed["status"] == "running"
+    assert ("pause_generation", {"mode": "keep", "clear_cache": False}) in engine.calls
+    assert ("resume_generation", {}) in engine.calls
+
+
+def test_load_lora_adapter_twice_replaces_it(server, tmp_path):
+    opts, engine, _ = server
+
+    async def go():
+        async with InferenceClient(f"http://127.0.0.1:{opts.port}") as c:
+            return [await c.load_lora_adapter("adapter", str(tmp_path / f"step_{i}")) for i in (1, 2)]
+
+    results = _run(go())
+    assert [r["status"] for r in results] == ["ok", "ok"]
+    first, second = engine.loras[-2:]
+    assert (first.lora_name, second.lora_path) == ("adapter", str(tmp_path / "step_2"))
+    assert first.lora_int_id == second.lora_int_id  # same adapter slot, new weights
+    # Without hpcrl's load_inplace default vLLM refuses the second policy's adapter:
+    r = httpx.post(f"http://127.0.0.1:{opts.port}/load_lora_adapter", timeout=30,
+                   json={"lora_name": "adapter", "lora_path": str(tmp_path), "load_inplace": False})
+    assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
