@@ -109,15 +109,15 @@ def cmd_run(argv: list[str]) -> int:
     loaded = _load(argv)
     from hpcrl.launch import prepare
 
-    layout = prepare.local_plan(loaded)
-    prepare.apply_layout(loaded.config, layout)
+    placement = prepare.local_plan(loaded)
+    prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config, dry_run=dry)
     if dry:
-        prepare.print_summary(loaded, layout, "run (this machine)")
+        prepare.print_summary(loaded, placement, "run (this machine)")
         return 0
     from hpcrl.launch.local import run_local
 
-    return run_local(loaded, layout)
+    return run_local(loaded, placement)
 
 
 def cmd_submit(argv: list[str]) -> int:

@@ -185,6 +185,15 @@ class RunPaths:
         return self.logs_dir / "slurm"
 
     @property
+    def placement_log(self) -> Path:
+        """One JSON line per process start: role, rank, node, gpus it sees, host, port."""
+        return self.logs_dir / "placement.jsonl"
+
+    def placement_file(self, role: str, rank: int) -> Path:
+        """The newest placement of one process (what `hpcrl status` shows)."""
+        return self.logs_dir / "placement" / f"{role}_{rank}.json"
+
+    @property
     def prompts_log(self) -> Path:
         """One JSON line per published step: the example ids trained on (orchestrator)."""
         return self.logs_dir / "prompts.jsonl"

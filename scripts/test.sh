@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ "$(id -u)" = 0 ] && [ -x scripts/slurm/up.sh ] && [ -z "${HPCRL_NO_SLURM:-}" ]; then
-  bash scripts/slurm/up.sh || echo "warning: local SLURM bring-up failed; SLURM tests will be skipped"
+  bash scripts/slurm/up.sh --gpus 4 || echo "warning: local SLURM bring-up failed; SLURM tests will be skipped"
 fi
 export HPCRL_CACHE="${HPCRL_CACHE:-$PWD/.cache/hpcrl}"
 exec .venv/bin/python -m pytest -q "$@"

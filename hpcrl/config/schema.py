@@ -237,6 +237,9 @@ class DeploymentConfig(Section):
     num_trainer_ranks: Annotated[Annotated[int, Meta(ge=1)] | None, D("CPU: trainer processes (default 1; on GPU one per trainer GPU).")] = None
     num_inference_servers: Annotated[Annotated[int, Meta(ge=1)] | None, D("CPU: inference servers (default 1).")] = None
     orchestrator_node: Annotated[Literal["trainer", "inference"], D("Where the orchestrator runs on SLURM.")] = "trainer"
+    compute: Annotated[Literal["auto", "cpu"], D(
+        "auto: CUDA where present. cpu: every role computes on CPU even where GPUs are allocated "
+        "(rehearse a GPU job on a fake-GPU SLURM); placement and GPU requests are unchanged.")] = "auto"
 
 
 class SlurmConfig(Section):

@@ -89,7 +89,11 @@ class HFEngine:
                  dtype: str = "auto", seed: int = 0, device: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device is None:
+            from hpcrl.launch.placement import use_cuda
+
+            device = "cuda" if use_cuda() else "cpu"
+        self.device = torch.device(device)
         if dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
         kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}

@@ -86,15 +86,21 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
     from hpcrl.bus.messages import ServerInfo, encode_json
 
     write_atomic(path, [encode_json(ServerInfo(**info))])
+    from hpcrl.launch.placement import record
+
+    record(RunPaths(opts.run_dir), "inference", opts.server_index, port)
     return path
 
 
 def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> int:
     """`hpcrl inference`: map the typed config onto ServeOptions and serve (blocks)."""
+    from hpcrl.launch import placement
     from hpcrl.models.tiny import resolve_model
     from hpcrl.monitor.logging import setup_logging
 
     setup_logging("inference", cfg.log.level)
+    placement.apply_compute(cfg)
+    placement.bind_gpus()  # before CUDA starts; the record follows once the port is known
     inf = cfg.inference
     backend = inf.backend
     if backend == "auto":
@@ -134,9 +140,9 @@ def _has_cuda_and_vllm() -> bool:
 
     if importlib.util.find_spec("vllm") is None:
         return False
-    import torch
+    from hpcrl.launch.placement import use_cuda
 
-    return torch.cuda.is_available()
+    return use_cuda()
 
 
 def bind_server_socket(host: str, port: int) -> socket.socket:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from hpcrl.config.schema import Config
-from hpcrl.launch.layout import Layout
+from hpcrl.launch.placement import Placement
 from hpcrl.monitor.metrics import MetricsFollower
 from hpcrl.paths import RunPaths
 
@@ -106,10 +106,10 @@ class ConsoleReporter:
     def offset(self) -> int:
         return self.follower.offset
 
-    def banner(self, cfg: Config, layout: Layout) -> None:
+    def banner(self, cfg: Config, placement: Placement) -> None:
         """Print the run summary and start the progress display."""
         print(f"hpcrl run: {cfg.model.name} -> {cfg.output_dir} (steps up to {cfg.max_steps})")
-        for line in layout.summary():
+        for line in placement.summary():
             print("  " + line)
         print(f"  logs:         {RunPaths(cfg.output_dir).logs_dir}/", flush=True)
         self.interval = cfg.log.console_interval

@@ -69,7 +69,7 @@ class HetComponent:
     nodes: int = 1
     ntasks_per_node: int = 1
     cpus_per_task: int | None = None
-    gpus_per_node: int | None = None
+    gpus_per_node: int | None = None  # every task of a node sees the node's GPUs
     mem: str | None = None  # per node, SLURM syntax: "0" (all), "64G", "512000M"
     partition: str | None = None
     account: str | None = None
@@ -81,6 +81,7 @@ class HetComponent:
     forward_signal: bool = True  # main step receives the pre-timeout USR2
     end_job_on_success: bool = True  # False: its main step exiting 0 leaves the job running
     srun_args: Sequence[str] = ()  # extra srun options for the main step
+    env: Mapping[str, str] = field(default_factory=dict)  # exported to the main step's tasks only
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class HetStep:
     forward_signal: bool = True
     end_job_on_success: bool = True  # False: exiting 0 leaves the job running
     srun_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)  # exported to this step's tasks only
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,11 @@ def validate(spec: HetJobSpec) -> None:
     for k in spec.env:
         if not _ENV_RE.match(k):
             raise ValueError(f"env name {k!r} is not a shell variable name")
+    for name, _, unit in spec.all_steps():
+        for k, v in unit.env.items():
+            if not _ENV_RE.match(k) or "," in str(v):
+                raise ValueError(f"step {name!r}: env {k}={v!r} must be a shell name with a comma-free value")
+
     for opt in [*spec.extra_sbatch, *(o for c in spec.components for o in c.extra_sbatch)]:
         if not opt.startswith("--"):
             raise ValueError(f"extra sbatch option {opt!r} must be a long option like --exclusive")
@@ -232,7 +239,8 @@ def _srun_line(name: str, index: int, unit: HetStep | HetComponent) -> str:
             args.append("--overlap")
     elif unit.cpus_per_task is not None:
         args.append(f"--cpus-per-task={unit.cpus_per_task}")  # srun 22.05 does not inherit it
-    args += [f"--export=ALL,HPCRL_STEP={name},HPCRL_COMPONENT_INDEX={index}"]
+    exports = {"HPCRL_STEP": name, "HPCRL_COMPONENT_INDEX": index, **unit.env}
+    args += ["--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items())]
     args += list(unit.srun_args)
     out = f'--output="$STEP_LOGS/{name}.%t.log"'  # double quotes: $STEP_LOGS holds the job id
     cmd = shlex.join(list(unit.command or ()))

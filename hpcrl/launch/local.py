@@ -21,7 +21,7 @@ from hpcrl.config.loader import Loaded
 from hpcrl.config.schema import Config
 from hpcrl.launch import resume as resume_mod
 from hpcrl.launch.console import ConsoleReporter
-from hpcrl.launch.layout import Layout
+from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot
 from hpcrl.paths import RunPaths
 
 GRACE_S = 8.0
@@ -42,11 +42,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _threads_per_process(layout: Layout) -> int:
+def _threads_per_process(placement: Placement) -> int:
     """CPU runs: split the cores between the compute processes (trainer ranks + servers). Torch's
     default of one thread per core in every process oversubscribes and runs several times slower."""
     cores = os.cpu_count() or 1
-    return max(1, cores // max(1, layout.trainer_ranks + layout.inference_servers))
+    return max(1, cores // max(1, placement.trainer_ranks + placement.inference_servers))
 
 
 def _die_with_parent() -> None:
@@ -78,35 +78,41 @@ def clear_stale_addresses(paths: RunPaths) -> None:
         f.unlink(missing_ok=True)
 
 
-def start_children(cfg: Config, layout: Layout, paths: RunPaths, resume_args: list[str]) -> list[Child]:
+def _gpu_env(placement: Placement, slot: Slot) -> dict[str, str]:
+    """The placement's GPUs for one child (one machine: node-local indices are the machine's)."""
+    if not placement.uses_gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus)), GPUS_PER_TASK_ENV: str(len(slot.gpus))}
+
+
+def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_args: list[str]) -> list[Child]:
     clear_stale_addresses(paths)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCRL_RUN_DIR": str(paths.root)}
-    if layout.gpus_per_trainer_rank == 0:
-        base_env.setdefault("OMP_NUM_THREADS", str(_threads_per_process(layout)))
+    if not placement.uses_gpus or placement.cpu_compute:
+        base_env.setdefault("OMP_NUM_THREADS", str(_threads_per_process(placement)))
     children: list[Child] = []
     first_port = cfg.server.port or free_port()
-    for i in range(layout.inference_servers):
+    for i in range(placement.inference_servers):
         port = first_port + i if cfg.server.port else (first_port if i == 0 else free_port())
         log = paths.log_file("inference") if i == 0 else paths.rank_log_file("inference", i)
-        env = dict(base_env)
-        if layout.gpus_per_server:
-            start = layout.trainer_ranks * layout.gpus_per_trainer_rank + i * layout.gpus_per_server
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(start + g) for g in range(layout.gpus_per_server))
+        env = dict(base_env, **_gpu_env(placement, placement.server_slot(i)))
         args = ["@", str(paths.process_config("inference")), "--run-dir", str(paths.root),
                 "--server-index", str(i), "--server.port", str(port)]
         children.append(_spawn("inference", f"inference[{i}]", args, log, env))
     master_port = free_port()
-    for r in range(layout.trainer_ranks):
-        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(layout.trainer_ranks),
-                   LOCAL_WORLD_SIZE=str(layout.trainer_ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
-        if layout.gpus_per_trainer_rank:
-            env["CUDA_VISIBLE_DEVICES"] = str(r)
+    n = placement.trainer_ranks
+    for r in range(n):
+        # LOCAL_RANK is the rank's index on this machine; its device is whatever its own
+        # CUDA_VISIBLE_DEVICES holds (cuda:0), never cuda:LOCAL_RANK of a narrowed list.
+        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), **_gpu_env(placement, placement.trainer_slot(r)))
         log = paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r)
         children.append(_spawn("trainer", f"trainer[{r}]", ["@", str(paths.process_config("trainer")), *resume_args],
                                log, env))
+    orch_env = dict(base_env, CUDA_VISIBLE_DEVICES="", **{GPUS_PER_TASK_ENV: "0"}) if placement.uses_gpus else base_env
     children.append(_spawn("orchestrator", "orchestrator",
                            ["@", str(paths.process_config("orchestrator")), *resume_args],
-                           paths.log_file("orchestrator"), dict(base_env)))
+                           paths.log_file("orchestrator"), dict(orch_env)))
     return children
 
 
@@ -151,7 +157,7 @@ def supervise(children: list[Child], console: ConsoleReporter, poll: float = 0.5
         time.sleep(poll)
 
 
-def run_local(loaded: Loaded, layout: Layout) -> int:
+def run_local(loaded: Loaded, placement: Placement) -> int:
     cfg: Config = loaded.config
     paths = RunPaths(cfg.output_dir)
     try:
@@ -167,8 +173,8 @@ def run_local(loaded: Loaded, layout: Layout) -> int:
 
     write_job(paths, {"target": "local", "pid": os.getpid(), "started_at": time.time()})
     console = ConsoleReporter(paths, cfg.max_steps)
-    console.banner(cfg, layout)
-    children = start_children(cfg, layout, paths, resume_args)
+    console.banner(cfg, placement)
+    children = start_children(cfg, placement, paths, resume_args)
     stopping = {"sig": None}
 
     def on_signal(signum, _frame):

@@ -91,8 +91,25 @@ def status(argv: list[str]) -> int:
         f"weights:      {', '.join(f'step_{s}' for s in RunPaths.steps_in(paths.weights_root)) or 'none'}",
         f"logs:         {paths.logs_dir}/",
     ]
-    print("\n".join(lines))
+    print("\n".join(lines + placement_table(paths)))
     return 0
+
+
+def placement_table(paths: RunPaths) -> list[str]:
+    """Where every process runs (its newest record in logs/placement/), as a table."""
+    from hpcrl.launch.placement import read_records
+
+    recs = read_records(paths)
+    if not recs:
+        return []
+    rows = [("role", "rank", "node", "gpus", "host", "port", "pid")] + [
+        (r.get("role", "?"), str(r.get("rank", "")), str(r.get("node", "")),
+         ",".join(map(str, r.get("gpus") or [])) or "-", str(r.get("host", "")),
+         str(r.get("port") or "-"), str(r.get("pid", ""))) for r in recs
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return ["placement:", *table]
 
 
 def component_log(paths: RunPaths, component: str) -> Path:

@@ -1,4 +1,4 @@
-"""What every launch does first: output dir, resolved configs, layout, the --dry-run summary."""
+"""What every launch does first: output dir, resolved configs, placement, the --dry-run summary."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import Config, SFTConfig
-from hpcrl.launch.layout import Layout, local_layout
+from hpcrl.launch.placement import Placement, local_placement
 from hpcrl.paths import RunPaths
 
 
@@ -45,20 +45,20 @@ def visible_gpus() -> int:
         return 0
 
 
-def apply_layout(cfg: Config, layout: Layout) -> None:
+def apply_placement(cfg: Config, placement: Placement) -> None:
     """Record the process counts in the config, so every role knows how many peers it has."""
-    cfg.deployment.num_trainer_ranks = layout.trainer_ranks
-    cfg.deployment.num_inference_servers = layout.inference_servers
+    cfg.deployment.num_trainer_ranks = placement.trainer_ranks
+    cfg.deployment.num_inference_servers = placement.inference_servers
     if cfg.trainer.broadcast.transport == "auto":
         # Decided once here so trainer and orchestrator agree (NCCL on GPUs, files on CPU).
-        cfg.trainer.broadcast.transport = "collective" if layout.gpus_per_trainer_rank else "filesystem"
+        cfg.trainer.broadcast.transport = "collective" if placement.uses_gpus else "filesystem"
 
 
-def local_plan(loaded: Loaded) -> Layout:
-    return local_layout(loaded.config, visible_gpus())
+def local_plan(loaded: Loaded) -> Placement:
+    return local_placement(loaded.config, visible_gpus())
 
 
-def print_summary(loaded: Loaded, layout: Layout, target: str, extra: list[str] | None = None) -> None:
+def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list[str] | None = None) -> None:
     cfg: Config = loaded.config
     o = cfg.orchestrator
     paths = RunPaths(cfg.output_dir)
@@ -70,9 +70,9 @@ def print_summary(loaded: Loaded, layout: Layout, target: str, extra: list[str] 
         f"batch:        {o.batch_size} rollouts = {o.batch_size // o.rollouts_per_example} tasks x "
         f"{o.rollouts_per_example}, seq_len {cfg.seq_len}, max_tokens {o.train.sampling.max_tokens}",
         f"envs:         {envs}",
-        *layout.summary(),
+        *placement.summary(), *placement.plan(),
         "checkpoints:  " + ("off (enable with --ckpt)" if cfg.ckpt is None else
-                             f"every {cfg.ckpt.interval or 'end'} step(s)"),
+                             (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")),
         f"configs:      {paths.configs_dir}/",
     ]
     lines += extra or []
@@ -95,7 +95,7 @@ def print_sft_summary(loaded: Loaded) -> None:
         f"steps:        {cfg.max_steps} (lr {cfg.optim.lr:g}, loss on {mask} turns)",
         f"validation:   {val}",
         "checkpoints:  " + ("off (enable with --ckpt)" if cfg.ckpt is None else
-                             f"every {cfg.ckpt.interval or 'end'} step(s)"),
+                             (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")),
         f"configs:      {RunPaths(cfg.output_dir).configs_dir}/",
     ]
     lines += [f"note:         {n}" for n in loaded.notes]

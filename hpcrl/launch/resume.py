@@ -73,10 +73,10 @@ def resume(output_dir: Path, step: int, argv: list[str]) -> int:
         return submit(loaded, nodes=job.get("nodes"), dry_run=False, resume_step=step)
     from hpcrl.launch.local import run_local
 
-    layout = prepare.local_plan(loaded)
-    prepare.apply_layout(loaded.config, layout)
+    placement = prepare.local_plan(loaded)
+    prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config)
-    return run_local(loaded, layout)
+    return run_local(loaded, placement)
 
 
 def _read_job(paths: RunPaths) -> dict:

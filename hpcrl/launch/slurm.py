@@ -1,6 +1,6 @@
 """From a resolved config to a heterogeneous SLURM job (the glue `hpcrl submit` calls).
 
-    spec = build_spec(cfg, layout, RunPaths(cfg.output_dir))
+    spec = build_spec(cfg, placement, RunPaths(cfg.output_dir))
     script = render(spec, paths)          # --dry-run: print / write it, `sbatch_test_only(script)`
     job_id = submit(spec, paths)          # sbatch; the id also goes to paths.job_file (caller)
 
@@ -47,7 +47,7 @@ def sbatch_dir() -> Path:
 
 def build_spec(
     cfg,
-    layout,
+    placement,
     paths: RunPaths,
     *,
     python: str | None = None,
@@ -56,7 +56,7 @@ def build_spec(
     inference_args: Sequence[str] = (),
     scripts: Path | None = None,
 ) -> HetJobSpec:
-    """The hetjob for `cfg` (a resolved Config with `slurm` set) laid out as `layout` (slurm_layout).
+    """The hetjob for `cfg` (a resolved Config with `slurm` set) placed as `placement` (hpcrl.launch.placement.slurm_placement).
 
     `*_args` are appended to `hpcrl <role> @ configs/<role>.toml` on the nodes (e.g. resume flags).
     """
@@ -74,32 +74,38 @@ def build_spec(
         "cpus_per_task": s.cpus_per_task,
         "extra_sbatch": per_component,
     }
+    from hpcrl.launch.placement import GPUS_PER_TASK_ENV
+
+    tr, inf = placement.resources("trainer"), placement.resources("inference")
     trainer = HetComponent(
         "trainer",
         [str(scripts / "trainer.sh"), *trainer_args],
-        nodes=layout.train_nodes,
-        ntasks_per_node=layout.ranks_per_train_node,
-        gpus_per_node=layout.gpus_per_trainer_rank * layout.ranks_per_train_node or None,
+        nodes=tr["nodes"],
+        ntasks_per_node=tr["ntasks_per_node"],
+        gpus_per_node=tr["gpus_per_node"],
         forward_signal=True,  # the trainer checkpoints on USR2
+        env={GPUS_PER_TASK_ENV: str(placement.gpus_per_task("trainer"))} if placement.uses_gpus else {},
         **common,
     )
     inference = HetComponent(
         "inference",
         [str(scripts / "inference.sh"), *inference_args],
-        nodes=layout.infer_nodes,
-        ntasks_per_node=layout.servers_per_infer_node,
-        gpus_per_node=layout.gpus_per_server * layout.servers_per_infer_node or None,
+        nodes=inf["nodes"],
+        ntasks_per_node=inf["ntasks_per_node"],
+        gpus_per_node=inf["gpus_per_node"],
         forward_signal=False,  # servers hold no state: they are stopped when the job requeues
+        env={GPUS_PER_TASK_ENV: str(placement.gpus_per_task("inference"))} if placement.uses_gpus else {},
         **common,
     )
     orchestrator = HetStep(
         "orchestrator",
-        component=0 if layout.orchestrator_on == "trainer" else 1,
+        component=0 if placement.orchestrator_on == "trainer" else 1,
         command=[str(scripts / "orchestrator.sh"), *orchestrator_args],
         nodes=1,
         ntasks=1,
         overlap=True,
         forward_signal=True,  # it checkpoints its part too
+        env={GPUS_PER_TASK_ENV: "0"} if placement.uses_gpus else {},  # it computes nothing on GPUs
     )
     return HetJobSpec(
         job_name=s.job_name or cfg.name or paths.root.name,

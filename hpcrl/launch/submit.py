@@ -18,7 +18,7 @@ from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import CkptConfig, Config
 from hpcrl.launch import prepare
-from hpcrl.launch.layout import slurm_layout
+from hpcrl.launch.placement import partition_max_gpus, slurm_placement
 from hpcrl.paths import RunPaths
 
 
@@ -35,8 +35,11 @@ def resume_setup_line(paths: RunPaths, python: str, step: int | None) -> str:
 def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | None = None) -> int:
     cfg: Config = loaded.config
     assert cfg.slurm is not None
-    layout = slurm_layout(cfg, nodes)
-    prepare.apply_layout(cfg, layout)
+    # What the partition's nodes offer (sinfo), so an impossible request fails here in one line
+    # instead of pending forever in the queue.
+    offer = partition_max_gpus(cfg.slurm.partition) if cfg.slurm.gpus_per_node else None
+    placement = slurm_placement(cfg, nodes, partition_gpus=offer)
+    prepare.apply_placement(cfg, placement)
     notes = []
     if cfg.slurm.requeue and cfg.ckpt is None:
         cfg.ckpt = CkptConfig()
@@ -48,7 +51,7 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     from hpcrl.launch.hetjob import sbatch_test_only
 
     python = sys.executable
-    spec = slurm_mod.build_spec(cfg, layout, paths, python=python)
+    spec = slurm_mod.build_spec(cfg, placement, paths, python=python)
     spec.setup.insert(0, resume_setup_line(paths, python, resume_step))
     script = slurm_mod.render(spec, paths)
     paths.slurm_dir.mkdir(parents=True, exist_ok=True)
@@ -59,10 +62,10 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
         if shutil.which("sbatch"):
             ok, msg = sbatch_test_only(script)
             extra.append(f"sbatch --test-only: {'OK' if ok else 'REJECTED'}: {' '.join(msg.split())[:300]}")
-            prepare.print_summary(loaded, layout, "submit (SLURM hetjob)", extra)
+            prepare.print_summary(loaded, placement, "submit (SLURM hetjob)", extra)
             return 0 if ok else 1
         extra.append("sbatch --test-only: skipped (no sbatch on this machine)")
-        prepare.print_summary(loaded, layout, "submit (SLURM hetjob)", extra)
+        prepare.print_summary(loaded, placement, "submit (SLURM hetjob)", extra)
         return 0
     from hpcrl.launch.local import clear_stale_addresses
 
@@ -70,9 +73,9 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     job_id = slurm_mod.submit(spec, paths)
     from hpcrl.launch.manage import write_job
 
-    write_job(paths, {"target": "slurm", "job_id": job_id, "nodes": layout.train_nodes + layout.infer_nodes,
+    write_job(paths, {"target": "slurm", "job_id": job_id, "nodes": placement.train_nodes + placement.infer_nodes,
                       "submitted_at": time.time(), "script": str(script_path)})
-    print(f"hpcrl: submitted SLURM job {job_id} ({layout.train_nodes} trainer + {layout.infer_nodes} inference "
+    print(f"hpcrl: submitted SLURM job {job_id} ({placement.train_nodes} trainer + {placement.infer_nodes} inference "
           f"node(s)); logs: {paths.logs_dir}/  follow: bash tmux.sh {job_id} {paths.root}", flush=True)
     return 0
 

@@ -26,6 +26,7 @@ import msgspec
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
+from hpcrl.launch import placement
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
@@ -63,6 +64,7 @@ class Stopping(Exception):
 
 def main(cfg: Config) -> int:
     setup_logging("orchestrator", (cfg.orchestrator.log or cfg.log).level)
+    placement.start_process(cfg, RunPaths(cfg.output_dir), "orchestrator", 0)
     try:
         return asyncio.run(Orchestrator(cfg).run())
     except ShutdownRequested as e:

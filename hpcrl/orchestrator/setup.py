@@ -44,7 +44,7 @@ def load_envs(envs: Sequence[EnvConfig], where: str) -> dict[str, Environment]:
 
 def deployment(cfg: Config) -> tuple[int, int, str]:
     """(trainer ranks, inference servers, weight transport) as the launcher laid the run out: the
-    launcher records them in the resolved config (hpcrl.launch.prepare.apply_layout), so every role
+    launcher records them in the resolved config (hpcrl.launch.prepare.apply_placement), so every role
     reads the same values wherever it runs."""
     d = cfg.deployment
     transport = cfg.trainer.broadcast.transport

@@ -68,7 +68,13 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 
 def device_for(local_rank: int = 0) -> torch.device:
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    """This rank's device. A rank bound to one GPU (hpcrl.launch.placement.bind_gpus, the local
+    launcher) sees it as cuda:0; ranks that share a node's GPU list use their local rank."""
+    from hpcrl.launch.placement import use_cuda
+
+    if not use_cuda():
+        return torch.device("cpu")
+    return torch.device("cuda", 0 if torch.cuda.device_count() == 1 else local_rank)
 
 
 def init_distributed(device: torch.device | None = None, timeout_s: float = 1800.0) -> DistEnv:

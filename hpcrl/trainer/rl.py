@@ -19,6 +19,7 @@ import torch
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, TrainBatch
 from hpcrl.config.schema import CkptConfig, Config
+from hpcrl.launch import placement
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
@@ -46,6 +47,8 @@ log = logging.getLogger("hpcrl.trainer")
 def main(cfg: Config) -> int:
     setup_logging("trainer", (cfg.trainer.log or cfg.log).level)
     paths = RunPaths(cfg.output_dir)
+    denv = parallel.dist_env()
+    placement.start_process(cfg, paths, "trainer", denv.rank, port=denv.master_port)  # before CUDA starts
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
     tr = build_training(cfg.trainer.model or cfg.model, cfg.trainer.optim, cfg.max_steps, cfg.seed + cfg.trainer.seed,
                         warm_start=warm)
@@ -119,7 +122,7 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int) -> PolicyP
 def resolve_transport(name: str) -> str:
     if name != "auto":
         return name
-    return "collective" if torch.cuda.is_available() else "filesystem"
+    return "collective" if placement.use_cuda() else "filesystem"
 
 
 def install_stop_handler() -> threading.Event:

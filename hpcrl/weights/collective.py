@@ -75,7 +75,9 @@ def init_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        from hpcrl.launch.placement import use_cuda
+
+        backend = "nccl" if use_cuda() else "gloo"
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
                           wait_for_workers=False)

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Bring up a real SLURM (Debian slurm-wlm 22.05 + munge) on this one machine, with N fake nodes.
 #
-#   sudo bash scripts/slurm/up.sh [--nodes N] [--cpus C] [--mem MB] [--accounting] [--no-install]
+#   sudo bash scripts/slurm/up.sh [--nodes N] [--gpus G] [--cpus C] [--mem MB] [--accounting] [--no-install]
+#
+# --gpus G: each fake node declares G fake GPUs (GRES gpu:G backed by /dev/fakegpu0..G-1 device
+# nodes), so SLURM really allocates GPUs and sets CUDA_VISIBLE_DEVICES per task, hetjobs included.
+# Nothing computes on them: jobs still run on CPU (hpcrl: deployment.compute = "cpu").
 #
 # Why fake nodes: hetjob components never share a node, so a hetjob on a one-node cluster stays
 # pending forever. Debian's build supports several slurmd on one host: each fake node nX has
@@ -15,6 +19,7 @@ set -euo pipefail
 
 START_NS=$(date +%s%N)
 NODES=${HPCRL_SLURM_NODES:-4}
+GPUS=${HPCRL_SLURM_GPUS:-0}
 CPUS=${HPCRL_SLURM_CPUS:-2}
 MEM_MB=${HPCRL_SLURM_MEM_MB:-2048}
 ACCOUNTING=0
@@ -23,10 +28,11 @@ BASE_PORT=${HPCRL_SLURM_BASE_PORT:-17001}   # slurmd of node nX listens on BASE_
 CTLD_PORT=${HPCRL_SLURM_CTLD_PORT:-6817}
 DBD_PORT=${HPCRL_SLURM_DBD_PORT:-6819}
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
+    --gpus) GPUS=$2; shift 2 ;;
     --cpus) CPUS=$2; shift 2 ;;
     --mem) MEM_MB=$2; shift 2 ;;
     --accounting) ACCOUNTING=1; shift ;;
@@ -37,6 +43,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $EUID -eq 0 ]] || { echo "up.sh: must run as root (daemons and /etc/slurm)" >&2; exit 1; }
 [[ $NODES =~ ^[1-9][0-9]*$ ]] || { echo "up.sh: --nodes must be a positive integer" >&2; exit 2; }
+[[ $GPUS =~ ^[0-9]+$ ]] && (( GPUS <= 64 )) || { echo "up.sh: --gpus must be an integer 0..64" >&2; exit 2; }
 
 log() { printf '[slurm-up %5.1fs] %s\n' "$(elapsed)" "$*"; }
 # awk, not bc: bc is not always installed
@@ -88,10 +95,25 @@ AccountingStoragePort=$DBD_PORT
 JobAcctGatherType=jobacct_gather/linux"
 fi
 node_lines=""
+gres_node=""
+gres_types=""
+if (( GPUS > 0 )); then
+  # fake GPUs: character devices SLURM can "bind" (major 195 = nvidia's; no driver behind them)
+  for g in $(seq 0 $((GPUS - 1))); do
+    [[ -e /dev/fakegpu$g ]] || mknod "/dev/fakegpu$g" c 195 "$g"
+  done
+  gres_node=" Gres=gpu:$GPUS"
+  gres_types="GresTypes=gpu"
+fi
 for i in $(seq 1 "$NODES"); do
-  node_lines+="NodeName=n$i NodeAddr=127.0.0.1 NodeHostname=$HOST Port=$((BASE_PORT + i - 1)) CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$MEM_MB State=UNKNOWN
+  node_lines+="NodeName=n$i NodeAddr=127.0.0.1 NodeHostname=$HOST Port=$((BASE_PORT + i - 1)) CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$MEM_MB$gres_node State=UNKNOWN
 "
 done
+gres_conf="# Written by hpcrl scripts/slurm/up.sh: $GPUS fake GPU(s) per node"
+if (( GPUS > 0 )); then
+  gres_conf+="
+NodeName=n[1-$NODES] Name=gpu File=/dev/fakegpu[0-$((GPUS - 1))]"
+fi
 new_conf=$(cat <<EOF
 # Written by hpcrl scripts/slurm/up.sh -- one machine, $NODES fake nodes. Rerun up.sh to change.
 ClusterName=hpcrl
@@ -131,12 +153,17 @@ SlurmdDebug=info
 JobCompType=jobcomp/filetxt
 JobCompLoc=$LOG_DIR/jobcomp.log
 $acct_lines
+$gres_types
 ${node_lines}PartitionName=debug Nodes=ALL Default=YES OverSubscribe=YES MaxTime=INFINITE State=UP
 EOF
 )
 conf_changed=0
 if [[ ! -f $CONF_DIR/slurm.conf ]] || [[ "$(cat "$CONF_DIR/slurm.conf")" != "$new_conf" ]]; then
   printf '%s\n' "$new_conf" >"$CONF_DIR/slurm.conf"
+  conf_changed=1
+fi
+if [[ ! -f $CONF_DIR/gres.conf ]] || [[ "$(cat "$CONF_DIR/gres.conf")" != "$gres_conf" ]]; then
+  printf '%s\n' "$gres_conf" >"$CONF_DIR/gres.conf"
   conf_changed=1
 fi
 
@@ -244,5 +271,5 @@ until all_up; do
   sleep 0.3
 done
 
-sinfo -N -p debug
-log "SLURM up: $NODES nodes (${node_names[*]}), accounting=$([[ $ACCOUNTING -eq 1 ]] && echo on || echo off), took $(elapsed) s"
+sinfo -N -p debug -o "%N %T %G"
+log "SLURM up: $NODES nodes (${node_names[*]}), $GPUS fake GPU(s) each, accounting=$([[ $ACCOUNTING -eq 1 ]] && echo on || echo off), took $(elapsed) s"

@@ -139,14 +139,14 @@ def test_sbatch_scripts_are_valid_bash():
 def test_spec_from_multi_node_config(tmp_path):
     """The shipped multi-node config -> 2 trainer nodes x 8 ranks + 2 inference nodes x 2 servers."""
     from hpcrl.config.loader import load
-    from hpcrl.launch.layout import slurm_layout
+    from hpcrl.launch.placement import slurm_placement
     from hpcrl.launch.slurm import build_spec, render, split_extra_sbatch
     from hpcrl.paths import RunPaths
 
     cfg_file = Path(__file__).resolve().parents[2] / "configs" / "multi_node" / "rl.toml"
     cfg = load([str(cfg_file), "--output-dir", str(tmp_path / "run")]).config
     paths = RunPaths(tmp_path / "run")
-    spec = build_spec(cfg, slurm_layout(cfg), paths, python="/py", scripts=Path("/opt/hpcrl/sbatch"))
+    spec = build_spec(cfg, slurm_placement(cfg), paths, python="/py", scripts=Path("/opt/hpcrl/sbatch"))
     trainer, inference = spec.components
     assert (trainer.nodes, trainer.ntasks_per_node, trainer.gpus_per_node) == (2, 8, 8)
     assert (inference.nodes, inference.ntasks_per_node, inference.gpus_per_node) == (2, 2, 8)
