@@ -74,15 +74,16 @@ def advertised_host(host: str) -> str:
 _PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp", "--pipeline-parallel-size": "pp", "-pp": "pp"}
 
 
-def weight_receivers(backend: str, vllm_args: Sequence[str]) -> int:
+def weight_receivers(backend: str, vllm_args: Sequence[str], tp: int = 1) -> int:
     """How many processes of this server join the weight group (rendezvous.group_layout).
 
     The hf engine receives in its one process, however many GPUs it spans. vLLM starts one worker
-    per tensor- x pipeline-parallel rank and each loads its own shard, so each one receives; the
-    sizes are read from the flags handed to vLLM (last one wins, as in argparse)."""
+    per tensor- x pipeline-parallel rank and each loads its own shard, so each one receives. `tp` is
+    the size hpcrl renders; flags in `vllm_args` come after it on vLLM's command line, so they win
+    (and the last one of them, as in argparse)."""
     if backend != "vllm":
         return 1
-    sizes = {"tp": 1, "pp": 1}
+    sizes = {"tp": tp, "pp": 1}
     args = list(vllm_args)
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")

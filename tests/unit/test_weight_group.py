@@ -105,6 +105,13 @@ def test_weight_receivers_of_a_server(backend, args, n) -> None:
     assert weight_receivers(backend, args) == n
 
 
+def test_weight_receivers_rendered_tp_and_flags_after_it() -> None:
+    assert weight_receivers("vllm", [], tp=2) == 2
+    assert weight_receivers("vllm", ["-pp", "2"], tp=2) == 4
+    assert weight_receivers("vllm", ["--tensor-parallel-size=4"], tp=2) == 4  # extra flags come last: they win
+    assert weight_receivers("hf", [], tp=2) == 1
+
+
 @pytest.mark.parametrize("args, match", [
     (["--tensor-parallel-size", "two"], "--tensor-parallel-size needs an integer"),
     (["-pp=0"], "parallel sizes must be >= 1"),
