@@ -111,7 +111,7 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
     host = advertised_host(opts.host)
     info = {"index": opts.server_index, "base_url": f"http://{host}:{port}", "host": host, "port": port,
             "pid": os.getpid(), "model": opts.served_model_name or opts.model_name,
-            "weight_receivers": weight_receivers(opts.backend, opts.vllm_args)}
+            "weight_receivers": weight_receivers(opts.backend, opts.vllm_args, opts.tp)}
     path = RunPaths(opts.run_dir).server_file(opts.server_index)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads).

@@ -110,7 +110,7 @@ class TPServer:
             time.sleep(0.02)
         self.base_url = f"http://127.0.0.1:{port}"
         opts = ServeOptions(model_name="tiny", backend="vllm", run_dir=str(run_dir), server_index=index,
-                            vllm_args=[f"--tensor-parallel-size={tp}"])
+                            tp=tp)
         write_server_info(opts, port)
 
     def stop(self) -> None:
