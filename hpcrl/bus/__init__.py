@@ -14,6 +14,7 @@ from hpcrl.bus.messages import (
     ServerInfo,
     Shutdown,
     TrainBatch,
+    WeightGroupAddress,
     decode,
     encode,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "Shutdown",
     "ShutdownRequested",
     "TrainBatch",
+    "WeightGroupAddress",
     "decode",
     "encode",
     "endpoint_name",

@@ -189,7 +189,38 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     port: int
     pid: int
     model: str
+    # Processes of this server that join the collective weight group (hpcrl.weights.rendezvous):
+    # vLLM runs one worker per tensor-/pipeline-parallel rank and each one receives; the embedded hf
+    # engine receives once however many GPUs it spans. Files written before this field read as 1.
+    weight_receivers: int = 1
     created_at: float = msgspec.field(default_factory=_now)
+
+    def __post_init__(self) -> None:
+        if self.weight_receivers < 1:
+            raise ValueError(f"ServerInfo.weight_receivers must be >= 1, got {self.weight_receivers}")
+
+
+class WeightGroupAddress(msgspec.Struct, kw_only=True):
+    """The weight-broadcast group trainer rank 0 hosts (JSON in RunPaths.endpoint_file("weights")).
+
+    The layout it was sized for travels with it, so whoever joins servers to it can check that the
+    servers it sees are the ones the group counts: server `server_indices[i]` brings `receivers[i]`
+    ranks, and world_size = 1 + sum(receivers).
+    """
+
+    host: str
+    port: int
+    world_size: int
+    server_indices: list[int]
+    receivers: list[int]
+    created_at: float = msgspec.field(default_factory=_now)
+
+    def __post_init__(self) -> None:
+        if len(self.server_indices) != len(self.receivers):
+            raise ValueError("WeightGroupAddress: server_indices and receivers differ in length")
+        if self.world_size != 1 + sum(self.receivers):
+            raise ValueError(f"WeightGroupAddress.world_size {self.world_size} != 1 + sum(receivers) "
+                             f"= {1 + sum(self.receivers)}")
 
 
 class Endpoint(msgspec.Struct, kw_only=True):
@@ -410,7 +441,7 @@ def encode_json(msg: msgspec.Struct) -> bytes:
     return msgspec.json.encode(msg) + b"\n"
 
 
-def decode_json(buf: bytes, type: type[M] | type[Endpoint]) -> Any:
+def decode_json(buf: bytes, type: type[M] | type[Endpoint] | type[WeightGroupAddress]) -> Any:
     try:
         return msgspec.json.decode(buf, type=type)
     except msgspec.DecodeError as e:
@@ -429,6 +460,7 @@ __all__ = [
     "ServerInfo",
     "Shutdown",
     "TrainBatch",
+    "WeightGroupAddress",
     "decode",
     "decode_json",
     "encode",

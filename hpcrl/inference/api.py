@@ -244,6 +244,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError("/init_broadcaster needs host, port, world_size (>= 2) and rank (>= 1)")
         if rank >= world:
             raise APIError(f"rank {rank} must be < world_size {world}", param="rank")
+        receivers = _int(body, "receivers", 1, lo=1)
+        if receivers != 1:  # the embedded engine receives in this one process, whatever GPUs it spans
+            raise APIError(f"this hf server receives weights in 1 process, the group counts it as {receivers}",
+                           status=409, param="receivers", type="BroadcastError")
         timeout = float(body.get("timeout", 300))
         backend = body.get("backend")
         async with state.update_lock:

@@ -139,11 +139,17 @@ class InferenceClient:
         return await self._request("POST", "/resume")
 
     async def init_broadcaster(self, host: str, port: int, world_size: int, rank: int,
-                               timeout: float = 300.0) -> dict[str, Any]:
-        """Join the trainer's weight-broadcast group (returns once every rank joined)."""
-        return await self._request("POST", "/init_broadcaster",
-                                   {"host": host, "port": port, "world_size": world_size, "rank": rank,
-                                    "timeout": timeout})
+                               timeout: float = 300.0, receivers: int | None = None) -> dict[str, Any]:
+        """Join the trainer's weight-broadcast group (returns once every rank joined).
+
+        `rank` is this server's rank offset: its workers join as rank, rank + 1, ... `receivers`
+        (what the server announced) lets the server refuse at once if it runs another number of
+        receiving workers, instead of the group timing out."""
+        body: dict[str, Any] = {"host": host, "port": port, "world_size": world_size, "rank": rank,
+                                "timeout": timeout}
+        if receivers is not None:
+            body["receivers"] = receivers
+        return await self._request("POST", "/init_broadcaster", body)
 
     async def update_weights(self, step: int, *, path: str | None = None, collective: bool = False,
                              expected_checksum: str | None = None) -> dict[str, Any]:

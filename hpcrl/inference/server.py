@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,37 @@ def advertised_host(host: str) -> str:
     return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
 
 
+_PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp", "--pipeline-parallel-size": "pp", "-pp": "pp"}
+
+
+def weight_receivers(backend: str, vllm_args: Sequence[str], tp: int = 1) -> int:
+    """How many processes of this server join the weight group (rendezvous.group_layout).
+
+    The hf engine receives in its one process, however many GPUs it spans. vLLM starts one worker
+    per tensor- x pipeline-parallel rank and each loads its own shard, so each one receives. `tp` is
+    the size hpcrl renders; flags in `vllm_args` come after it on vLLM's command line, so they win
+    (and the last one of them, as in argparse)."""
+    if backend != "vllm":
+        return 1
+    sizes = {"tp": tp, "pp": 1}
+    args = list(vllm_args)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag.startswith("--"):
+            flag = flag.replace("_", "-")  # vLLM's parser accepts --tensor_parallel_size too
+        if flag not in _PARALLEL_FLAGS:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        try:
+            sizes[_PARALLEL_FLAGS[flag]] = int(value)
+        except ValueError:
+            raise ValueError(f"inference: {flag} needs an integer, got {value!r}") from None
+    if min(sizes.values()) < 1:
+        raise ValueError(f"inference: parallel sizes must be >= 1, got tp={sizes['tp']} pp={sizes['pp']}")
+    return sizes["tp"] * sizes["pp"]
+
+
 def write_server_info(opts: ServeOptions, port: int) -> Path | None:
     """Write the ready file atomically (tmp + fsync + rename); the bus ServerInfo when it exists."""
     if not opts.run_dir:
@@ -79,7 +111,8 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
 
     host = advertised_host(opts.host)
     info = {"index": opts.server_index, "base_url": f"http://{host}:{port}", "host": host, "port": port,
-            "pid": os.getpid(), "model": opts.served_model_name or opts.model_name}
+            "pid": os.getpid(), "model": opts.served_model_name or opts.model_name,
+            "weight_receivers": weight_receivers(opts.backend, opts.vllm_args, opts.tp)}
     path = RunPaths(opts.run_dir).server_file(opts.server_index)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads).

@@ -159,12 +159,17 @@ def vllm_serve_argv(opts: "ServeOptions", model_path: str) -> list[str]:
 class HpcrlWorkerExtension:
     """Mixed into vLLM's GPU worker (`self` is the worker: WORKER_ATTRS exist there)."""
 
+    def hpcrl_worker_rank(self) -> int:
+        """This worker's rank in its server (0 .. tp x pp - 1): the router counts receivers with it."""
+        return self.rank  # type: ignore[attr-defined]
+
     def hpcrl_init_broadcaster(self, host: str, port: int, world_size: int, rank_offset: int,
                                timeout: float) -> None:
         from hpcrl.weights.collective import init_group
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"  # type: ignore[attr-defined]
-        # Every worker of this server (one per tensor-parallel rank) joins with its own rank.
+        # Every worker of this server (one per tensor-parallel rank) joins with its own rank:
+        # the group counts them all (hpcrl.weights.rendezvous.group_layout).
         self._hpcrl_group = init_group(host, port, world_size, rank_offset + self.rank,  # type: ignore[attr-defined]
                                        backend=backend, timeout_s=timeout)
 
@@ -212,12 +217,21 @@ def lora_request_body(body: dict[str, Any]) -> dict[str, Any]:
     return {"load_inplace": True, **body}
 
 
-def _one_result(results: list[Any]) -> Any:
-    """Every tensor-parallel worker loads the same tensors: they must report the same result."""
-    distinct = {json.dumps(r, default=str) for r in results}
-    if len(distinct) != 1:
-        raise RuntimeError(f"the {len(results)} workers disagree: {sorted(distinct)}")
-    return results[0]
+def collective_result(results: list[Any], step: int) -> tuple[str, str | None]:
+    """(checksum, sender's checksum) of one update, from every worker's (step, checksum, sender's
+    checksum): each worker holds its own shard, so each must have received `step` and computed the
+    sender's checksum. ValueError names the first worker that did not."""
+    if not results:
+        raise ValueError("no vLLM worker answered the update")
+    for w, (got_step, checksum, sent) in enumerate(results):
+        if got_step != step:
+            raise ValueError(f"worker {w} received step {got_step}, the request said {step}")
+        if sent is not None and checksum != sent:
+            raise ValueError(f"worker {w} loaded checksum {checksum} != sender's {sent}")
+    checksums = [r[1] for r in results]
+    if len(set(checksums)) != 1:
+        raise ValueError(f"workers loaded different checksums {checksums}")
+    return results[0][1], results[0][2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,13 +261,25 @@ def _router(status: dict[str, Any]) -> Any:
             return body
         try:
             method, args = init_broadcaster_rpc(body)
+            announced = int(body.get("receivers", 0))
         except (KeyError, TypeError, ValueError) as e:
-            return err(f"/init_broadcaster needs host, port, world_size, rank: {e}", 400, "BadRequestError")
+            return err(f"/init_broadcaster needs host, port, world_size, rank (and receivers): {e}", 400,
+                       "BadRequestError")
+        engine = request.app.state.engine_client
+        world, offset = args[2], args[3]
         try:
-            await request.app.state.engine_client.collective_rpc(method, args=args)
+            # Count the workers before joining: a group sized for another count would only time out.
+            ranks = sorted(await engine.collective_rpc("hpcrl_worker_rank"))
+            if ranks != list(range(len(ranks))) or (announced and announced != len(ranks)):
+                return err(f"this server runs {len(ranks)} weight-receiving worker(s) (ranks {ranks}), the "
+                           f"group counts it as {announced or '?'}", 409, "BroadcastError")
+            if offset < 1 or offset + len(ranks) > world:
+                return err(f"ranks {offset}..{offset + len(ranks) - 1} of this server's workers do not fit "
+                           f"world_size {world}", 400, "BadRequestError")
+            await engine.collective_rpc(method, args=args)  # each worker joins as offset + its rank
         except Exception as e:
             return err(f"cannot join the weight broadcast group: {e}", 502, "BroadcastError")
-        return {"status": "ok"}
+        return {"status": "ok", "rank": offset, "receivers": len(ranks), "world_size": world}
 
     @router.post("/update_weights")
     async def update_weights(request: Request) -> Any:
@@ -268,18 +294,17 @@ def _router(status: dict[str, Any]) -> Any:
             method, args = update_weights_rpc(body)
         except ValueError as e:
             return err(str(e), 400, "BadRequestError")
-        sent = None
         try:
-            result = _one_result(await engine.collective_rpc(method, args=args))
+            results = await engine.collective_rpc(method, args=args)  # one per worker
         except Exception as e:
             return err(f"weight update failed: {e}", 400, "WeightSyncError")
-        if method == "hpcrl_update_collective":
-            got_step, checksum, sent = result  # a list after vLLM's msgpack RPC
-            if got_step != step:
-                return err(f"the broadcast carried step {got_step}, the request said {step}", 409,
-                           "WeightSyncError")
-        else:
-            checksum = result
+        if method != "hpcrl_update_collective":  # a path load answers only its checksum
+            results = [(step, checksum, None) for checksum in results]
+        try:
+            checksum, sent = collective_result(results, step)
+        except ValueError as e:
+            status.update(step=step, checksum=None)  # the workers disagree: nothing verified is loaded
+            return err(f"weight update to step {step} failed verification: {e}", 409, "WeightSyncError")
         await engine.reset_prefix_cache()  # cached KV was computed with the old weights
         expected = body.get("expected_checksum") or sent
         status.update(step=step, checksum=checksum)

@@ -130,7 +130,7 @@ class Orchestrator:
                           self.o.request_timeout_s, self.o.policy_timeout_s)
         await sync.wait_healthy()
         if s.transport == "collective":
-            await sync.join_group()
+            await sync.join_group(servers)
         s.attach_servers(servers, lambda: sync.loaded or 0)
         self.metrics = Metrics.for_run(self.cfg, self.paths, "orchestrator")
         self.wandb_sink = start_wandb_sink(self.cfg, self.paths, "orchestrator")

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
-from hpcrl.bus import Bus, BusTimeout, PolicyReady, ShutdownRequested, read_message
+from hpcrl.bus import Bus, BusTimeout, PolicyReady, ServerInfo, ShutdownRequested, read_message
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
@@ -75,19 +76,31 @@ class PolicySync:
     async def wait_healthy(self) -> None:
         await asyncio.gather(*(c.wait_healthy(timeout=self.timeout) for c in self.clients))
 
-    async def join_group(self) -> None:
-        """Collective transport: every server joins trainer rank 0's weight group (rank 1 + index)."""
-        from hpcrl.weights.rendezvous import read_weight_group_address
+    async def join_group(self, servers: Sequence[ServerInfo]) -> None:
+        """Collective transport: every server joins trainer rank 0's weight group at its rank offset
+        (rendezvous.group_layout), once the group is known to be sized for exactly these servers.
+        `servers[i]` is the announcement of the server `self.clients[i]` talks to."""
+        from hpcrl.weights.rendezvous import (
+            WeightGroupMismatch,
+            by_index,
+            check_layout,
+            read_weight_group_address,
+        )
 
+        if len(servers) != len(self.clients):
+            raise PolicyMismatch(f"join_group got {len(servers)} server announcement(s) for {len(self.clients)} servers")
         addr = await asyncio.to_thread(read_weight_group_address, self.paths, self.policy_timeout)
-        if addr["world_size"] != 1 + len(self.clients):
-            raise PolicyMismatch(f"the trainer's weight group expects {addr['world_size'] - 1} server(s), "
-                                 f"{len(self.clients)} announced themselves")
-        await asyncio.gather(*(c.init_broadcaster(addr["host"], addr["port"], addr["world_size"], 1 + i,
-                                                  timeout=self.timeout)
-                               for i, c in enumerate(self.clients)))
-        log.info("%d server(s) joined the weight broadcast group at %s:%s", len(self.clients), addr["host"],
-                 addr["port"])
+        try:
+            layout = check_layout(addr, servers)
+        except WeightGroupMismatch as e:
+            raise PolicyMismatch(str(e)) from None
+        slot = {s.index: (offset, n) for s, offset, n in
+                zip(by_index(servers), layout.rank_offsets, layout.receivers)}
+        await asyncio.gather(*(c.init_broadcaster(addr.host, addr.port, addr.world_size, slot[s.index][0],
+                                                  receivers=slot[s.index][1], timeout=self.timeout)
+                               for c, s in zip(self.clients, servers)))
+        log.info("%d server(s) joined the weight broadcast group at %s:%s (world_size %d, receivers %s)",
+                 len(self.clients), addr.host, addr.port, addr.world_size, list(layout.receivers))
 
     # -- waiting for policies ---------------------------------------------------------------------
     async def wait_at_least(self, step: int, poll: float = 0.1) -> PolicyReady:

@@ -114,9 +114,9 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int) -> PolicyP
     keep = cfg.orchestrator.max_async_level + 2
     group = None
     if transport == "collective" and rank == 0:
-        from hpcrl.weights.rendezvous import trainer_join_weight_group
+        from hpcrl.weights.rendezvous import num_servers, trainer_join_weight_group
 
-        group = trainer_join_weight_group(paths, cfg)
+        group = trainer_join_weight_group(paths, bus, num_servers(cfg), cfg.trainer.broadcast.timeout_s)
     return PolicyPublisher(paths, bus, rank, transport, keep, group, cfg.trainer.broadcast.chunk_mb)
 
 

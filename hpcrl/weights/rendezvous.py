@@ -1,22 +1,100 @@
 """Rendezvous of the weight-broadcast group (collective transport) through the run directory.
 
-Trainer rank 0 hosts the group's TCPStore: it writes bus/endpoints/weights.json (host, port, world
-size = 1 + number of inference servers) and joins as rank 0. The orchestrator reads that file and
-asks each server to POST /init_broadcaster with rank 1 + its index. Everything is discovered through
-the shared filesystem, so it works across nodes.
+Who is in the group: trainer rank 0 (group rank 0, the sender) and every process of every inference
+server that receives weights. That is not one per server: a vLLM server with tensor parallelism tp
+runs tp workers and each holds its own shard of the model, so each joins (tp x pp with pipeline
+parallelism); the embedded hf engine receives in one process however many GPUs it spans. Each server
+announces its count in its ServerInfo (`weight_receivers`), and one pure function, `group_layout`,
+turns the announcements (ordered by server index) into the group:
+
+    world_size       = 1 + sum(receivers)
+    rank_offset[i]   = 1 + sum(receivers of the servers before server i)
+
+and a server's worker w joins as rank_offset[i] + w. E.g. servers with [2, 1] receivers: world 4,
+offsets [1, 3] (server 0's workers are ranks 1 and 2, server 1 is rank 3).
+
+Why the trainer sizes the group from the announcements rather than from the config: the backend,
+and with it the receiver count, is resolved by each server at runtime (`inference.backend = "auto"`
+picks vLLM only where CUDA and vllm exist, and extra vLLM flags may set tp), so only the running
+server knows what it brings. Trainer rank 0 therefore waits (bounded) for all
+`deployment.num_inference_servers` announcements, computes the layout, writes it with the group's
+address to bus/endpoints/weights.json (WeightGroupAddress) and hosts the TCPStore as rank 0. The
+orchestrator reads the same announcements, recomputes the layout with the same function, and
+refuses in one line if it disagrees with what the trainer sized (`check_layout`), instead of
+letting the group time out; it then asks server i to POST /init_broadcaster with rank_offset[i].
+Everything is discovered through the shared filesystem, so it works across nodes.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import socket
 import time
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from hpcrl.config.schema import Config
 from hpcrl.paths import RunPaths
 
+if TYPE_CHECKING:
+    from hpcrl.bus import Bus, ServerInfo, WeightGroupAddress
+    from hpcrl.config.schema import Config
+
 ENDPOINT = "weights"
+log = logging.getLogger("hpcrl.weights")
+
+
+class WeightGroupMismatch(ValueError):
+    """The servers seen do not match the weight group the trainer sized."""
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Ranks of the weight group: rank 0 is the trainer, server i owns ranks [offset, offset + receivers)."""
+
+    world_size: int
+    rank_offsets: tuple[int, ...]
+    receivers: tuple[int, ...]
+
+
+def group_layout(receivers: Sequence[int]) -> GroupLayout:
+    """The group for servers bringing `receivers[i]` ranks each (in server-index order)."""
+    if not receivers:
+        raise ValueError("weight group: there must be at least one inference server")
+    offsets, nxt = [], 1
+    for i, r in enumerate(receivers):
+        if not isinstance(r, int) or r < 1:
+            raise ValueError(f"weight group: server {i} announces {r!r} weight receivers; must be an integer >= 1")
+        offsets.append(nxt)
+        nxt += r
+    return GroupLayout(world_size=nxt, rank_offsets=tuple(offsets), receivers=tuple(receivers))
+
+
+def by_index(servers: Sequence[ServerInfo]) -> list[ServerInfo]:
+    return sorted(servers, key=lambda s: s.index)
+
+
+def layout_of(servers: Sequence[ServerInfo]) -> GroupLayout:
+    return group_layout([s.weight_receivers for s in by_index(servers)])
+
+
+def check_layout(address: WeightGroupAddress, servers: Sequence[ServerInfo]) -> GroupLayout:
+    """The layout of `servers`, if it is the one trainer rank 0 sized `address` for; else one line."""
+    ordered = by_index(servers)
+    mine = layout_of(ordered)
+    where = f"the trainer's weight group at {address.host}:{address.port}"
+    indices = [s.index for s in ordered]
+    if indices != list(address.server_indices):
+        raise WeightGroupMismatch(f"{where} counts servers {list(address.server_indices)}, the orchestrator "
+                                  f"uses servers {indices}")
+    for s, counted in zip(ordered, address.receivers):
+        if s.weight_receivers != counted:
+            raise WeightGroupMismatch(
+                f"server {s.index} ({s.base_url}) announces {s.weight_receivers} weight receiver(s), {where} "
+                f"was sized for {counted} (world_size {address.world_size}); did the server restart with "
+                "another tensor-parallel size?")
+    assert mine.world_size == address.world_size, (mine, address)  # WeightGroupAddress checks the sum
+    return mine
 
 
 def _host_address() -> str:
@@ -37,27 +115,44 @@ def num_servers(cfg: Config) -> int:
     return cfg.deployment.num_inference_servers or 1
 
 
-def trainer_join_weight_group(paths: RunPaths, cfg: Config, timeout_s: float | None = None) -> Any:
+def trainer_join_weight_group(paths: RunPaths, bus: Bus, num_servers: int, timeout_s: float) -> Any:
+    """Trainer rank 0: wait for the servers' announcements, size and announce the group, host it.
+
+    Blocks until every receiver joined (the orchestrator sends the servers in) or `timeout_s`.
+    """
+    from hpcrl.bus import WeightGroupAddress
     from hpcrl.bus.files import write_atomic
+    from hpcrl.bus.messages import encode_json
     from hpcrl.weights.collective import init_group
 
+    servers = by_index(bus.wait_servers(num_servers, timeout=timeout_s))[:num_servers]
+    layout = layout_of(servers)
     host = _host_address()
     port = _free_port(host)
-    world = 1 + num_servers(cfg)
+    address = WeightGroupAddress(host=host, port=port, world_size=layout.world_size,
+                                 server_indices=[s.index for s in servers], receivers=list(layout.receivers))
     path = paths.endpoint_file(ENDPOINT)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, [json.dumps({"host": host, "port": port, "world_size": world, "time": time.time()}).encode()])
-    return init_group(host, port, world, 0, timeout_s=timeout_s or cfg.trainer.broadcast.timeout_s)
+    write_atomic(path, [encode_json(address)])
+    log.info("weight group at %s:%d: world_size %d = 1 + receivers %s", host, port, layout.world_size,
+             list(layout.receivers))
+    return init_group(host, port, layout.world_size, 0, timeout_s=timeout_s)
 
 
-def read_weight_group_address(paths: RunPaths, timeout_s: float, poll: float = 0.2) -> dict[str, Any]:
-    """Wait (bounded) for trainer rank 0 to announce the group; returns {host, port, world_size}."""
+def read_weight_group_address(paths: RunPaths, timeout_s: float, poll: float = 0.2) -> WeightGroupAddress:
+    """Wait (bounded) for trainer rank 0 to announce the group."""
+    from hpcrl.bus import CorruptMessageError, WeightGroupAddress
+    from hpcrl.bus.files import decode_json_file
+
     path = paths.endpoint_file(ENDPOINT)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            return json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            return decode_json_file(path, WeightGroupAddress)
+        except FileNotFoundError:
             time.sleep(poll)
+        except CorruptMessageError as e:
+            # Written atomically, so a bad file is not half-written: it is from another version.
+            raise WeightGroupMismatch(str(e)) from None
     raise TimeoutError(f"no weight-broadcast group announced at {path} after {timeout_s:.0f}s "
                        "(is trainer rank 0 running with trainer.broadcast.transport = collective?)")

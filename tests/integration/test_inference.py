@@ -163,6 +163,7 @@ MALFORMED: list[tuple[str, object, int]] = [
     ("/update_weights", {"step": 1, "transport": "carrier-pigeon"}, 400),
     ("/init_broadcaster", {"host": "127.0.0.1", "port": 0, "world_size": 2, "rank": 1}, 400),
     ("/init_broadcaster", {"host": "127.0.0.1", "port": 1234, "world_size": 2, "rank": 5}, 400),
+    ("/init_broadcaster", {"host": "127.0.0.1", "port": 1234, "world_size": 2, "rank": 1, "receivers": 0}, 400),
     ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/nope"}, 400),
     ("/load_lora_adapter", {}, 400),
     ("/v1/nothing", {}, 404),
