@@ -32,6 +32,24 @@ def env_api_key() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
+def resolve_api_key(configured: str | None) -> str | None:
+    """A role's key: `server.api_key` when given here, else the environment's. The per-process config
+    files on disk hold it redacted, so a redacted value means "it came through the environment"."""
+    from hpcrl.config.resolved import REDACTED
+
+    return configured if configured and configured != REDACTED else env_api_key()
+
+
+def export_run_api_key(configured: str | None) -> str:
+    """Launchers: the run's key in this process's environment (inherited by every child and by srun),
+    a fresh random token unless the user gave one. Returns it; never print or write it."""
+    import secrets
+
+    key = resolve_api_key(configured) or secrets.token_urlsafe(32)
+    os.environ[API_KEY_ENV] = key
+    return key
+
+
 def check_auth(path: str, authorization: str | None, api_key: str | None) -> None:
     """401 unless the route is open, no key is configured, or `Authorization: Bearer <key>` matches."""
     if api_key is None or path in OPEN_ROUTES:

@@ -86,7 +86,7 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
 
 def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> int:
     """`hpcrl inference`: map the typed config onto ServeOptions and serve (blocks)."""
-    from hpcrl.inference.guard import env_api_key
+    from hpcrl.inference.guard import resolve_api_key
     from hpcrl.models.tiny import resolve_model
     from hpcrl.monitor.logging import setup_logging
 
@@ -110,7 +110,7 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         seed=inf.seed,
         run_dir=run_dir,
         server_index=server_index,
-        api_key=cfg.server.api_key or env_api_key(),
+        api_key=resolve_api_key(cfg.server.api_key),
         allow_open=cfg.server.allow_open,
         allow_any_weights_path=cfg.server.allow_any_weights_path,
     )
@@ -170,6 +170,21 @@ def serve(opts: ServeOptions) -> None:
     _serve_hf(opts, model_path)
 
 
+def _Server(config: Any) -> Any:
+    """uvicorn's server, plus a hard exit deadline from the first SIGTERM/SIGINT: open keep-alive
+    connections or a long generation must not hold the process past SLURM's KillWait."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            from hpcrl.monitor.watchdog import arm_exit_deadline
+
+            arm_exit_deadline("inference")
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
 def _serve_hf(opts: ServeOptions, model_path: str) -> None:
     import asyncio
 
@@ -185,8 +200,8 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
                         run_dir=opts.run_dir, allow_any_weights_path=opts.allow_any_weights_path)
     app = build_app(state)
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=False, timeout_keep_alive=30,
-                            lifespan="off")
-    server = uvicorn.Server(config)
+                            lifespan="off", timeout_graceful_shutdown=3)
+    server = _Server(config)
     port = sock.getsockname()[1]
 
     async def announce() -> None:
