@@ -37,7 +37,7 @@ class InferenceServer:
     """A real `hpcrl.inference.server` subprocess on 127.0.0.1 (free port), stopped by `stop()`."""
 
     def __init__(self, model_dir: Path, run_dir: Path, *args: str, index: int = 0, timeout: float = 90.0,
-                 threads: int | None = 1):
+                 threads: int | None = 1, any_weights_path: bool = True):
         import json
         import subprocess
         import sys
@@ -55,6 +55,8 @@ class InferenceServer:
         cmd = [sys.executable, "-m", "hpcrl.inference.server", "--model.name", str(model_dir),
                "--server.host", "127.0.0.1", "--server.port", "0", "--run-dir", str(run_dir),
                "--server-index", str(index), *args]
+        if any_weights_path:  # most tests load weights built in their own tmp dirs, outside run_dir
+            cmd.append("--server.allow-any-weights-path")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout

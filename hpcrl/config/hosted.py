@@ -60,14 +60,20 @@ def hosted_path(native: str) -> str | None:
 def apply_defaults(merged: dict[str, Any], notes: list[str]) -> None:
     """Fill the hosted docs' defaults into a merged native dict where nothing (file or flag) set them."""
     orch = merged.setdefault("orchestrator", {})
+    trainer = merged.setdefault("trainer", {})
+    if not isinstance(orch, dict) or not isinstance(trainer, dict):
+        return  # a scalar where a table belongs: conversion names it
     for key in ("oversampling_factor", "max_async_level"):
         orch.setdefault(key, HOSTED_DEFAULTS[key])
-    optim = merged.setdefault("trainer", {}).setdefault("optim", {})
-    optim.setdefault("lr", HOSTED_DEFAULTS["learning_rate"])
+    optim = trainer.setdefault("optim", {})
+    if isinstance(optim, dict):
+        optim.setdefault("lr", HOSTED_DEFAULTS["learning_rate"])
     if "seq_len" not in merged and not any(
         isinstance(merged.get(s), dict) and "seq_len" in merged[s] for s in ("trainer", "orchestrator", "inference")
     ):
-        max_tokens = ((orch.get("train") or {}).get("sampling") or {}).get("max_tokens", 0)
+        train = orch.get("train")
+        sampling = train.get("sampling") if isinstance(train, dict) else None
+        max_tokens = sampling.get("max_tokens", 0) if isinstance(sampling, dict) else 0
         merged["seq_len"] = max(HOSTED_SEQ_LEN, max_tokens if isinstance(max_tokens, int) else 0)
         notes.append(f"seq_len not set (the hosted shape has none): using {merged['seq_len']}")
 
@@ -98,6 +104,18 @@ def _take(d: dict[str, Any], key: str, default: Any = None) -> Any:
     return d.pop(key) if key in d else default
 
 
+def _table(value: Any, path: str) -> dict[str, Any]:
+    """A hosted section must be a table ([path]); anything else is the user's one-line error."""
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"expected a table ([{path}]), got {_kind(value)} {value!r}")
+    return dict(value)
+
+
+def _kind(value: Any) -> str:
+    return {"list": "an array", "str": "a string", "int": "an integer", "float": "a float",
+            "bool": "a boolean"}.get(type(value).__name__, f"a {type(value).__name__}")
+
+
 def _env_list(envs: Any, path: str) -> list[dict[str, Any]]:
     if not isinstance(envs, list):
         raise ConfigError(path, f"expected an array of tables ([[{path}]]), got {type(envs).__name__}")
@@ -114,7 +132,12 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
     orch: dict[str, Any] = {}
     model = _take(d, "model")
     if model is not None:
+        if not isinstance(model, (str, dict)):
+            raise ConfigError("model", f"expected a model name (string) or a [model] table, got {_kind(model)} {model!r}")
         native["model"] = {"name": model} if isinstance(model, str) else model
+    for key in ("trainer", "orchestrator", "inference"):
+        if key in d and not isinstance(d[key], dict):
+            _table(d[key], key)
     for key in ("max_steps", "seq_len", "name", "output_dir", "seed"):
         if key in d:
             native[key] = d.pop(key)
@@ -128,7 +151,8 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
     # later hosted file cannot reset an earlier file's value to a default.)
     if "learning_rate" in d:
         lr = d.pop("learning_rate")
-        native_lr = ((d.get("trainer") or {}).get("optim") or {}).get("lr")
+        optim = (d.get("trainer") or {}).get("optim")
+        native_lr = optim.get("lr") if isinstance(optim, dict) else None
         if native_lr is not None and native_lr != lr:
             raise ConfigError("trainer.optim.lr", f"{native_lr!r} conflicts with learning_rate = {lr!r} (set it once)")
         native["trainer"] = {"optim": {"lr": lr}}
@@ -146,21 +170,21 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
         ckpt["warm_start"] = checkpoint_id
     train: dict[str, Any] = {}
     if "sampling" in d:
-        train["sampling"] = d.pop("sampling")
+        train["sampling"] = _table(d.pop("sampling"), "sampling")
     if "env" in d:
         train["env"] = _env_list(d.pop("env"), "env")
     orch["train"] = train
     if "eval" in d:
-        ev = dict(d.pop("eval"))
+        ev = _table(d.pop("eval"), "eval")
         if "env" in ev:
             ev["env"] = _env_list(ev["env"], "eval.env")
         orch["eval"] = ev
     if "val" in d:
-        orch["val"] = d.pop("val")
+        orch["val"] = _table(d.pop("val"), "val")
     if "buffer" in d:
-        orch["buffer"] = d.pop("buffer")
+        orch["buffer"] = _table(d.pop("buffer"), "buffer")
     if "checkpoints" in d:
-        cp = dict(d.pop("checkpoints"))
+        cp = _table(d.pop("checkpoints"), "checkpoints")
         if "keep_cloud" in cp:
             cp.pop("keep_cloud")
             notes.append(f"{source}: checkpoints.keep_cloud is a hosted-platform setting; ignored here")
@@ -170,7 +194,7 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
             raise ConfigError(f"checkpoints.{next(iter(cp))}", "unknown field (allowed: interval, keep_cloud)")
         ckpt.setdefault("interval", None)
     if "adapters" in d:
-        ad = dict(d.pop("adapters"))
+        ad = _table(d.pop("adapters"), "adapters")
         ckpt["save_adapter_separately"] = True
         if "interval" in ad:
             ckpt["adapter_interval"] = ad.pop("interval")
@@ -182,7 +206,8 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
     if ckpt:
         native["ckpt"] = {k: v for k, v in ckpt.items() if v is not None}
     if "wandb" in d:
-        native["wandb"] = d.pop("wandb")
+        wandb = d.pop("wandb")
+        native["wandb"] = wandb if isinstance(wandb, bool) else _table(wandb, "wandb")
     native["orchestrator"] = orch
     # Anything left must be native (trainer, inference, ...); a stray top-level key is most likely
     # a misspelt hosted field, so suggest from both vocabularies.

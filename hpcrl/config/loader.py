@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from hpcrl.config import fields, hosted
+from hpcrl.config import fields, hosted, sanity
 from hpcrl.config.dicts import deep_merge, get_path, set_path
 from hpcrl.config.errors import ConfigError, nearest
 from hpcrl.config.schema import Config, SFTConfig, TrainerConfig
@@ -45,11 +45,17 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(str(path), "config file not found")
     try:
-        return tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(str(path), f"invalid TOML: {e}") from None
     except UnicodeDecodeError:
         raise ConfigError(str(path), "not a UTF-8 text file") from None
+    except RecursionError:  # tomllib recurses per nested array / inline table
+        raise ConfigError(str(path), f"nested more than {sanity.MAX_DEPTH} levels deep") from None
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot be read ({e.strerror})") from None
+    sanity.check_depth(data, str(path))
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,9 +69,13 @@ def _parse_value(raw: str, leaf: fields.Leaf) -> Any:
     if leaf.type_repr.startswith("str") or "|" in leaf.type_repr and "int" not in leaf.type_repr:
         return raw
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
+        value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    except RecursionError:
+        raise ConfigError(leaf.path, f"value nested more than {sanity.MAX_DEPTH} levels deep") from None
+    sanity.check_depth(value, leaf.path)
+    return value
 
 
 def parse_argv(argv: list[str], root: type[msgspec.Struct] = Config) -> tuple[list[str], dict[str, Any]]:
@@ -230,11 +240,14 @@ def _dotted(jsonpath: str) -> str:
 
 
 def convert(d: dict[str, Any], root: type[T]) -> T:
-    """msgspec conversion with errors translated into one-line ConfigErrors."""
+    """msgspec conversion with errors translated into one-line ConfigErrors; floats must be finite."""
+    sanity.check_depth(d, "config")
     try:
-        return msgspec.convert(d, root, strict=False)
+        out = msgspec.convert(d, root, strict=False)
     except msgspec.ValidationError as e:
         raise _translate(str(e), root, d) from None
+    sanity.check_finite(out)
+    return out
 
 
 _MISSING = object()

@@ -228,6 +228,12 @@ class InferenceConfig(Section):
 class ServerConfig(Section):
     host: Annotated[str, D("Address the inference server binds.")] = "127.0.0.1"
     port: Annotated[int, D("Port of the first inference server (0 = pick a free one).", ge=0, le=65535)] = 0
+    api_key: Annotated[str | None, D(
+        "Bearer token every route but /health requires (like vLLM's --api-key; default $HPCRL_API_KEY, "
+        "which `hpcrl run`/`submit` set to a fresh per-run token).")] = None
+    allow_open: Annotated[bool, D("Serve on a non-loopback address without an API key (refused otherwise).")] = False
+    allow_any_weights_path: Annotated[bool, D(
+        "Let /update_weights and /load_lora_adapter read outside the run directory.")] = False
 
 
 class DeploymentConfig(Section):

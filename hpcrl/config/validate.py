@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.config.sanity import check_output_dir
 from hpcrl.config.schema import CkptConfig, Config, EnvConfig, SFTConfig
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$|^\d+:\d{2}$")
@@ -12,6 +13,7 @@ _MEM_RE = re.compile(r"^\d+[KMGT]?$")
 
 
 def validate(cfg: Config, require_envs: bool = True) -> None:
+    check_output_dir(cfg.output_dir)
     _unsupported(cfg)
     _orchestrator(cfg)
     _buffer(cfg)
@@ -25,6 +27,7 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
 
 def validate_sft(cfg: SFTConfig) -> None:
     """The SFT root's cross-field checks (the data file itself is only opened by the trainer)."""
+    check_output_dir(cfg.output_dir)
     if cfg.model.name is None or not cfg.model.name.strip():
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
     _unsupported(cfg)

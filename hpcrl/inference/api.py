@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hpcrl.inference import guard
 from hpcrl.inference.engine import HFEngine
 from hpcrl.inference.protocol import (
     APIError,
@@ -33,15 +34,22 @@ from hpcrl.inference.protocol import (
     parse_messages,
     parse_sampling,
 )
+from hpcrl.inference.protocol import (
+    _float as protocol_float,
+)
 
 log = logging.getLogger("hpcrl.inference.api")
+MAX_WORLD = 1 << 20  # ranks of a weight-broadcast group (torch's store takes a 32-bit count)
+MAX_STEP = 2**62  # a policy step; anything larger is a client bug, not a policy
 
 
 class ServerState:
     """What the routes share: the engine, the served names, the broadcast group, the sync status."""
 
-    def __init__(self, engine: HFEngine, served_name: str, model_path: str):
+    def __init__(self, engine: HFEngine, served_name: str, model_path: str, *, api_key: str | None = None,
+                 run_dir: str | None = None, allow_any_weights_path: bool = False):
         self.engine = engine
+        self.api_key, self.run_dir, self.allow_any_weights_path = api_key, run_dir, allow_any_weights_path
         self.served_name = served_name
         self.model_path = model_path
         self.group: Any = None
@@ -61,8 +69,11 @@ async def _body(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"request body is not valid JSON: {e}", type="BadRequestError") from e
+    except RecursionError:
+        raise APIError(f"request body nests more than {guard.MAX_JSON_DEPTH} levels deep") from None
     if not isinstance(body, dict):
         raise APIError("request body must be a JSON object")
+    guard.check_body(body)
     return body
 
 
@@ -96,6 +107,15 @@ def build_app(state: ServerState) -> FastAPI:
         state.http_errors += 1
         return JSONResponse(APIError(str(exc.detail), status=exc.status_code, type="HTTPError").body(),
                             status_code=exc.status_code)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        try:
+            guard.check_auth(request.url.path, request.headers.get("authorization"), state.api_key)
+        except APIError as exc:
+            state.http_errors += 1
+            return JSONResponse(exc.body(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -197,8 +217,10 @@ def build_app(state: ServerState) -> FastAPI:
             messages = parse_messages(body)
             cont = _bool(body, "continue_final_message", False)
             agp = _bool(body, "add_generation_prompt", not cont)
-            tokens = await asyncio.to_thread(engine.encode_chat, messages, body.get("tools"), agp, cont,
-                                             body.get("chat_template_kwargs") or {})
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
+            tokens = await asyncio.to_thread(engine.encode_chat, messages, body.get("tools"), agp, cont, kwargs)
         elif isinstance(body.get("prompt"), str):
             tokens = await asyncio.to_thread(engine.encode_text, body["prompt"])
         else:
@@ -234,12 +256,10 @@ def build_app(state: ServerState) -> FastAPI:
         from hpcrl.weights.collective import destroy_group, init_group
 
         body = await _body(request)
-        host = body.get("host")
-        if not isinstance(host, str) or not host:
-            raise APIError("`host` must be a non-empty string", param="host")
+        host = guard.check_host(body.get("host"))
         port = _int(body, "port", None, lo=1, hi=65535)
-        world = _int(body, "world_size", None, lo=2)
-        rank = _int(body, "rank", None, lo=1)
+        world = _int(body, "world_size", None, lo=2, hi=MAX_WORLD)
+        rank = _int(body, "rank", None, lo=1, hi=MAX_WORLD)
         if port is None or world is None or rank is None:
             raise APIError("/init_broadcaster needs host, port, world_size (>= 2) and rank (>= 1)")
         if rank >= world:
@@ -248,15 +268,21 @@ def build_app(state: ServerState) -> FastAPI:
         if receivers != 1:  # the embedded engine receives in this one process, whatever GPUs it spans
             raise APIError(f"this hf server receives weights in 1 process, the group counts it as {receivers}",
                            status=409, param="receivers", type="BroadcastError")
-        timeout = float(body.get("timeout", 300))
+        timeout = protocol_float(body, "timeout", 300.0, 0.0, 3600.0, lo_open=True)
         backend = body.get("backend")
+        if backend not in (None, "gloo", "nccl"):
+            raise APIError(f"`backend` must be gloo or nccl, got {backend!r}", param="backend")
         async with state.update_lock:
             if state.group is not None:
                 destroy_group(state.group)
                 state.group = None
             try:
-                state.group = await asyncio.to_thread(init_group, host, port, world, rank, backend=backend,
-                                                      timeout_s=timeout)
+                # init_group honours the timeout itself; the outer bound is for a join stuck elsewhere.
+                state.group = await asyncio.wait_for(asyncio.to_thread(
+                    init_group, host, port, world, rank, backend=backend, timeout_s=timeout), timeout + 5)
+            except asyncio.TimeoutError:
+                raise APIError(f"joining the weight broadcast group at {host}:{port} did not complete within "
+                               f"{timeout:g} s", status=504, type="BroadcastError", param="timeout") from None
             except Exception as e:
                 raise APIError(f"cannot join the weight broadcast group at {host}:{port}: {e}", status=502,
                                type="BroadcastError") from e
@@ -265,16 +291,19 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict[str, Any]:
         body = await _body(request)
-        step = _int(body, "step", None, lo=0)
+        step = _int(body, "step", None, lo=0, hi=MAX_STEP)
         if step is None:
             raise APIError("`step` (an integer >= 0) is required", param="step")
         expected = body.get("expected_checksum")
+        if expected is not None and not isinstance(expected, str):
+            raise APIError("`expected_checksum` must be a string", param="expected_checksum")
         transport = body.get("transport", "path" if body.get("path") is not None else None)
         t0 = time.perf_counter()
         async with state.update_lock:
             if transport == "path":
                 if not isinstance(body.get("path"), str):
                     raise APIError("`path` must be a string", param="path")
+                guard.check_weights_path(body["path"], state.run_dir, state.allow_any_weights_path)
                 checksum = await asyncio.to_thread(engine.update_weights_from_path, body["path"], step)
                 sent = None
             elif transport == "collective":
@@ -309,6 +338,7 @@ def build_app(state: ServerState) -> FastAPI:
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str):
             raise APIError("/load_lora_adapter needs `lora_name` and `lora_path` strings")
+        guard.check_weights_path(path, state.run_dir, state.allow_any_weights_path, param="lora_path")
         async with state.update_lock:
             checksum = await asyncio.to_thread(engine.load_lora, name, path)
         return {"status": "ok", "lora_name": name, "checksum": checksum}

@@ -48,6 +48,16 @@ def check_compatible(params: dict[str, torch.Tensor], tensors: dict[str, torch.T
         raise APIError(f"shape mismatch for {k!r}: update has {got}, model has {want}", param="path")
     if not tensors:
         raise APIError("the weight update holds no tensors", param="path")
+    check_finite(tensors, "path")
+
+
+def check_finite(tensors: dict[str, torch.Tensor], param: str) -> None:
+    """NaN/inf weights would poison every sample silently: refuse them before anything is replaced."""
+    import torch
+
+    for k, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise APIError(f"tensor {k!r} holds NaN or inf values; refused (nothing was loaded)", param=param)
 
 
 def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
@@ -64,7 +74,9 @@ def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[st
         cfg = json.loads(cfg_file.read_text())
         r = int(cfg["r"])
         alpha = float(cfg.get("lora_alpha", r))
-    except (ValueError, KeyError, TypeError) as e:
+        if r < 1 or alpha != alpha or abs(alpha) == float("inf"):
+            raise ValueError(f"r = {r}, lora_alpha = {alpha}: need r >= 1 and a finite alpha")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise APIError(f"bad adapter_config.json under {path!r}: {e}", param="lora_path") from e
     scale = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
     raw = load_safetensors_dir(str(p / "adapter_model.safetensors"))
@@ -80,6 +92,11 @@ def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[st
         name = f"{module}.weight"
         if name not in params:
             raise APIError(f"LoRA targets {name!r}, which the served model does not have", param="lora_path")
+        want = tuple(params[name].shape)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r or (b.shape[0], a.shape[1]) != want:
+            raise APIError(f"LoRA pair for {name!r} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}; rank {r} "
+                           f"and the model's {want} need A ({r}, {want[-1]}), B ({want[0]}, {r})",
+                           param="lora_path")
         delta = (b.float() @ a.float()) * scale
         if tuple(delta.shape) != tuple(params[name].shape):
             raise APIError(f"LoRA delta for {name!r} has shape {tuple(delta.shape)}, model has "
@@ -87,4 +104,5 @@ def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[st
         deltas[name] = delta
     if not deltas:
         raise APIError(f"LoRA adapter under {path!r} holds no lora_A/lora_B pairs", param="lora_path")
+    check_finite(raw, "lora_path")
     return deltas, raw

@@ -16,6 +16,7 @@ from typing import Any
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1 - MAX_N  # choice i draws from seed + i: every one must fit a torch generator seed
 
 
 class APIError(Exception):
@@ -140,7 +141,7 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True),
         stop=stop,
         stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
-        seed=_int(body, "seed", None),
+        seed=_int(body, "seed", None, lo=0, hi=MAX_SEED),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),

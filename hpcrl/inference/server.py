@@ -47,6 +47,9 @@ class ServeOptions:
     gpu_memory_utilization: float | None = None  # None: vLLM's default
     enforce_eager: bool = False
     vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags
+    api_key: str | None = None  # bearer token for every route but /health (guard.py); None: $HPCRL_API_KEY
+    allow_open: bool = False  # serve a non-loopback address without a key
+    allow_any_weights_path: bool = False  # weight/LoRA loads outside run_dir
 
     def validate(self) -> None:
         if self.backend not in ("hf", "vllm"):
@@ -65,6 +68,11 @@ class ServeOptions:
             from hpcrl.inference.vllm_backend import vllm_lora_rank
 
             vllm_lora_rank(self.lora_rank)
+        if self.api_key is not None and (not self.api_key.strip() or any(c.isspace() for c in self.api_key)):
+            raise ValueError("server.api_key: must be a non-empty token without spaces")
+        from hpcrl.inference.guard import check_exposure
+
+        check_exposure(self.host, self.api_key, self.allow_open)
 
 
 def advertised_host(host: str) -> str:
@@ -128,6 +136,7 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
 
 def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> int:
     """`hpcrl inference`: map the typed config onto ServeOptions and serve (blocks)."""
+    from hpcrl.inference.guard import resolve_api_key
     from hpcrl.launch import placement
     from hpcrl.models.tiny import resolve_model
     from hpcrl.monitor.logging import setup_logging
@@ -160,13 +169,17 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         lora_rank=cfg.model.lora.rank if cfg.model.lora is not None else None,
         gpu_memory_utilization=inf.gpu_memory_utilization,
         enforce_eager=inf.enforce_eager,
+        api_key=resolve_api_key(cfg.server.api_key),
+        allow_open=cfg.server.allow_open,
+        allow_any_weights_path=cfg.server.allow_any_weights_path,
     )
     try:
         opts.validate()
     except ValueError as e:
         from hpcrl.config.errors import ConfigError
 
-        raise ConfigError("inference", str(e)) from None
+        field, _, msg = str(e).partition(": ")
+        raise ConfigError(field if msg else "inference", msg or str(e)) from None
     serve(opts)
     return 0
 
@@ -201,12 +214,31 @@ def serve(opts: ServeOptions) -> None:
     from hpcrl.models.tiny import resolve_model
 
     model_path = resolve_model(opts.model_name)
+    if opts.api_key:  # both backends read the key from the environment (vLLM: VLLM_API_KEY guards /v1)
+        from hpcrl.inference.guard import API_KEY_ENV
+
+        os.environ[API_KEY_ENV] = os.environ["VLLM_API_KEY"] = opts.api_key
     if opts.backend == "vllm":
         from hpcrl.inference import vllm_backend
 
         vllm_backend.serve(opts, model_path)
         return
     _serve_hf(opts, model_path)
+
+
+def _Server(config: Any) -> Any:
+    """uvicorn's server, plus a hard exit deadline from the first SIGTERM/SIGINT: open keep-alive
+    connections or a long generation must not hold the process past SLURM's KillWait."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            from hpcrl.monitor.watchdog import arm_exit_deadline
+
+            arm_exit_deadline("inference")
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def _serve_hf(opts: ServeOptions, model_path: str) -> None:
@@ -220,11 +252,12 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
     sock = bind_server_socket(opts.host, opts.port)  # fail fast on a taken port, before loading the model
     engine = HFEngine(model_path, max_batch_size=opts.max_batch_size, max_model_len=opts.max_model_len,
                       dtype=opts.dtype, seed=opts.seed, device=opts.device, trust_remote_code=opts.trust_remote_code)
-    state = ServerState(engine, opts.served_model_name or opts.model_name, model_path)
+    state = ServerState(engine, opts.served_model_name or opts.model_name, model_path, api_key=opts.api_key,
+                        run_dir=opts.run_dir, allow_any_weights_path=opts.allow_any_weights_path)
     app = build_app(state)
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=False, timeout_keep_alive=30,
-                            lifespan="off")
-    server = uvicorn.Server(config)
+                            lifespan="off", timeout_graceful_shutdown=3)
+    server = _Server(config)
     port = sock.getsockname()[1]
 
     async def announce() -> None:
@@ -271,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", dest="run_dir", default=None, help="run output dir: write the address file there")
     p.add_argument("--server-index", dest="server_index", type=int, default=0, help="this server's index")
     p.add_argument("--log-level", dest="log_level", default="warning", help="uvicorn log level")
+    p.add_argument("--server.api-key", dest="api_key", default=None,
+                   help="bearer token every route but /health requires (default $HPCRL_API_KEY)")
+    p.add_argument("--server.allow-open", dest="allow_open", action="store_true",
+                   help="serve a non-loopback address without an API key")
+    p.add_argument("--server.allow-any-weights-path", dest="allow_any_weights_path", action="store_true",
+                   help="let /update_weights and /load_lora_adapter read outside --run-dir")
     return p
 
 
@@ -281,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown arguments {extra} (only the vllm backend passes extra flags on)", file=sys.stderr)
         return 2
     opts = ServeOptions(**kw, vllm_args=extra)
+    if opts.api_key is None:
+        from hpcrl.inference.guard import env_api_key
+
+        opts.api_key = env_api_key()
     try:
         opts.validate()
     except ValueError as e:

@@ -238,10 +238,19 @@ def collective_result(results: list[Any], step: int) -> tuple[str, str | None]:
 # API server side
 # ---------------------------------------------------------------------------------------------
 def _router(status: dict[str, Any]) -> Any:
-    from fastapi import APIRouter, Request
+    from fastapi import APIRouter, Depends, HTTPException, Request
     from fastapi.responses import JSONResponse
 
-    router = APIRouter()
+    from hpcrl.inference.guard import APIError, check_auth, env_api_key
+
+    def authorized(request: Request) -> None:
+        """Every added (admin) route needs the run's key, like vLLM's own routes with VLLM_API_KEY."""
+        try:
+            check_auth(request.url.path, request.headers.get("authorization"), env_api_key())
+        except APIError as e:
+            raise HTTPException(e.status, e.message, headers={"WWW-Authenticate": "Bearer"}) from None
+
+    router = APIRouter(dependencies=[Depends(authorized)])
 
     def err(message: str, status_code: int, type_: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": status_code}},

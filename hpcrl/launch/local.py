@@ -172,6 +172,9 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     from hpcrl.launch.manage import write_job
 
     write_job(paths, {"target": "local", "pid": os.getpid(), "started_at": time.time()})
+    from hpcrl.inference.guard import export_run_api_key
+
+    export_run_api_key(cfg.server.api_key)  # children inherit it: servers require it, the orchestrator sends it
     console = ConsoleReporter(paths, cfg.max_steps)
     console.banner(cfg, placement)
     children = start_children(cfg, placement, paths, resume_args)

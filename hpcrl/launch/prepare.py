@@ -23,9 +23,12 @@ def prepare_output_dir(cfg: Config | SFTConfig, dry_run: bool = False) -> RunPat
         if root == Path.home() or root == Path("/") or root == Path.cwd():
             raise ConfigError("output_dir", f"refusing to clean '{root}'")
         shutil.rmtree(root)
-    if not dry_run:
-        paths.make_dirs()
-    write_resolved(cfg, paths.configs_dir)
+    try:
+        if not dry_run:
+            paths.make_dirs()
+        write_resolved(cfg, paths.configs_dir)
+    except OSError as e:  # permissions, read-only or full filesystem: the user's to fix, in one line
+        raise ConfigError("output_dir", f"'{cfg.output_dir}' cannot be written ({e.strerror}: {e.filename})") from None
     return paths
 
 

@@ -45,6 +45,12 @@ def sbatch_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "sbatch"
 
 
+# The run's server key, made on the batch node when the job starts (never rendered into a file) and
+# inherited by every srun step; a key exported at submission (server.api_key) is kept.
+RUN_KEY_LINE = ('export HPCRL_API_KEY="${HPCRL_API_KEY:-$("$HPCRL_PYTHON" -c '
+                "'import secrets; print(secrets.token_urlsafe(32))')}\"")
+
+
 def build_spec(
     cfg,
     placement,
@@ -113,7 +119,7 @@ def build_spec(
         steps=[orchestrator],
         time=s.time,
         env={"HPCRL_RUN_DIR": str(paths.root), "HPCRL_PYTHON": python or sys.executable},
-        setup=list(s.setup),
+        setup=[RUN_KEY_LINE, *s.setup],
         extra_sbatch=job_wide,
         requeue=s.requeue,
         signal_before_s=s.signal_before_s,

@@ -54,6 +54,10 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
 
     python = sys.executable
     spec = slurm_mod.build_spec(cfg, placement, paths, python=python)
+    if cfg.server.api_key and not dry_run:  # sbatch exports the submitting environment (--export=ALL)
+        from hpcrl.inference.guard import export_run_api_key
+
+        export_run_api_key(cfg.server.api_key)
     spec.setup.insert(0, resume_setup_line(paths, python, resume_step))
     spec = replace(spec, env={**spec.env, **hub_job_env(cfg, download=not dry_run)})  # nodes run offline
     script = slurm_mod.render(spec, paths)

@@ -119,6 +119,10 @@ class Orchestrator:
 
     def on_signal(self, sig: int) -> None:
         log.warning("received signal %d: stopping at the next safe point", sig)
+        if sig != signal.SIGUSR2:  # SIGTERM/SIGINT: bounded, whatever the loop is waiting for
+            from hpcrl.monitor.watchdog import arm_exit_deadline
+
+            arm_exit_deadline("orchestrator")
         self.stop.set()
 
     async def connect(self) -> PolicySync:
@@ -126,8 +130,11 @@ class Orchestrator:
         self.bus = Bus(self.paths, role="orchestrator", timeout=self.o.policy_timeout_s)
         servers = self.bus.wait_servers(s.num_servers, timeout=self.o.policy_timeout_s)[: s.num_servers]
         log.info("inference servers: %s", ", ".join(x.base_url for x in servers))
+        from hpcrl.inference.guard import resolve_api_key
+
         sync = PolicySync(self.paths, self.bus, [x.base_url for x in servers], s.transport,
-                          self.o.request_timeout_s, self.o.policy_timeout_s)
+                          self.o.request_timeout_s, self.o.policy_timeout_s,
+                          api_key=resolve_api_key(self.cfg.server.api_key))
         await sync.wait_healthy()
         if s.transport == "collective":
             await sync.join_group(servers)

@@ -29,11 +29,13 @@ class PolicyMismatch(RuntimeError):
 
 class PolicySync:
     def __init__(self, paths: RunPaths, bus: Bus, base_urls: list[str], transport: str, timeout: float,
-                 policy_timeout: float):
+                 policy_timeout: float, api_key: str | None = None):
         from hpcrl.inference.client import InferenceClient
+        from hpcrl.inference.guard import env_api_key
 
         self.paths, self.bus, self.transport = paths, bus, transport
-        self.clients = [InferenceClient(u, timeout=timeout) for u in base_urls]
+        key = env_api_key() if api_key is None else api_key
+        self.clients = [InferenceClient(u, timeout=timeout, api_key=key) for u in base_urls]
         self.timeout, self.policy_timeout = timeout, policy_timeout
         self.loaded: int | None = None  # policy step every server holds (verified)
         self.newest_seen = -1  # newest PolicyReady observed (for checkpoint triggers)

@@ -87,8 +87,10 @@ class Setup:
         seed = None
         if cfg.deterministic:
             seed = o.train.sampling.seed if o.train.sampling.seed is not None else cfg.seed
+        from hpcrl.inference.guard import resolve_api_key
+
         student = ServerPool([s.base_url for s in servers], model=servers[0].model, timeout=o.request_timeout_s,
-                             max_concurrent=o.max_concurrent)
+                             max_concurrent=o.max_concurrent, api_key=resolve_api_key(cfg.server.api_key))
         self.pools.append(student)
         self.eval_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed)
         branching = o.trajectory_strategy == "branching"  # training samples: one per turn

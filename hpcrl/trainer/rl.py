@@ -132,6 +132,10 @@ def install_stop_handler() -> threading.Event:
 
     def handler(signum, _frame):
         log.warning("received signal %d: will checkpoint and stop after the current step", signum)
+        if signum == signal.SIGTERM:  # SIGUSR2 leaves minutes before the time limit; SIGTERM leaves seconds
+            from hpcrl.monitor.watchdog import arm_exit_deadline
+
+            arm_exit_deadline("trainer")
         ev.set()
 
     for sig in (signal.SIGUSR2, signal.SIGTERM):

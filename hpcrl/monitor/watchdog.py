@@ -1,0 +1,90 @@
+"""Liveness of a role: a hard exit deadline after SIGTERM, and a no-progress watchdog.
+
+SLURM SIGKILLs a step KillWait (often 30 s) after SIGTERM, and a role stuck in a collective or a
+blocked event loop never reaches its own exit path. Both helpers run on a daemon thread, so they work
+while the main thread (or the asyncio loop) is stuck, and end the process with `os._exit`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger("hpcrl.watchdog")
+
+TERM_DEADLINE_ENV = "HPCRL_TERM_DEADLINE_S"
+TERM_DEADLINE_S = 9.0  # under the 10 s every role promises; leaves SLURM's KillWait unused
+EXIT_TERM = 143
+EXIT_STALLED = 3
+
+_armed = threading.Lock()
+
+
+def term_deadline_s() -> float:
+    try:
+        return max(0.5, float(os.environ.get(TERM_DEADLINE_ENV, TERM_DEADLINE_S)))
+    except ValueError:
+        return TERM_DEADLINE_S
+
+
+def arm_exit_deadline(role: str, seconds: float | None = None) -> None:
+    """After a SIGTERM: exit with 143 in `seconds` unless the process has exited by then (idempotent)."""
+    if not _armed.acquire(blocking=False):
+        return
+    wait = term_deadline_s() if seconds is None else seconds
+
+    def expire() -> None:
+        time.sleep(wait)
+        log.error("%s: still running %.0f s after SIGTERM; exiting now (stacks follow)", role, wait)
+        _dump_stacks()
+        os._exit(EXIT_TERM)
+
+    threading.Thread(target=expire, name="hpcrl-term-deadline", daemon=True).start()
+
+
+def _dump_stacks() -> None:
+    for h in logging.getLogger().handlers:
+        stream = getattr(h, "stream", None)
+        if stream is not None:
+            try:
+                h.flush()
+                faulthandler.dump_traceback(file=stream, all_threads=True)
+                return
+            except (OSError, ValueError, AttributeError):
+                continue
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
+class Watchdog:
+    """`beat(what)` whenever the role makes progress; no beat for `timeout_s` names the role and what
+    it last did in the log, dumps every thread's stack, and ends the process (the launcher / SLURM
+    script then ends the job instead of holding the allocation)."""
+
+    def __init__(self, role: str, timeout_s: float, poll_s: float | None = None):
+        self.role, self.timeout_s = role, timeout_s
+        self.last, self.what = time.monotonic(), "started"
+        self._stop = threading.Event()
+        self._poll = poll_s if poll_s is not None else max(0.1, min(5.0, timeout_s / 10))
+        if timeout_s > 0:
+            threading.Thread(target=self._watch, name="hpcrl-watchdog", daemon=True).start()
+
+    def beat(self, what: str = "") -> None:
+        self.last = time.monotonic()
+        if what:
+            self.what = what
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout_s:
+                log.error("watchdog: %s made no progress for %.0f s (last: %s); ending the job", self.role, idle,
+                          self.what)
+                _dump_stacks()
+                os._exit(EXIT_STALLED)
