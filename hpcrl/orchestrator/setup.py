@@ -7,6 +7,7 @@ one-line ValueError before any work.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,12 +19,15 @@ import msgspec
 from hpcrl.bus import ServerInfo
 from hpcrl.config.schema import Config, EnvConfig
 from hpcrl.envs import Environment, Task, load_environment
+from hpcrl.envs.registry import alias_note
 from hpcrl.orchestrator.advantages import AdvantageConfig
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
 from hpcrl.orchestrator.eval import EvalEnv
 from hpcrl.orchestrator.rollout import Generator, ServerPool, openai_sampling
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState
 from hpcrl.paths import RunPaths
+
+log = logging.getLogger("hpcrl.orchestrator")
 
 
 def env_name(e: EnvConfig) -> str:
@@ -38,6 +42,9 @@ def load_envs(envs: Sequence[EnvConfig], where: str) -> dict[str, Environment]:
         except ValueError as err:
             raise ValueError(f"{where}[{i}]: {err}") from None
         env.name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
+        note = alias_note(e.id)
+        if note:
+            log.warning(note)
         out[env.name] = env
     return out
 
@@ -147,7 +154,13 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     if cfg.deterministic and transport == "collective" and o.max_async_level > 0:
         raise ValueError("deterministic = true needs trainer.broadcast.transport = 'filesystem' when "
                          "max_async_level > 0 (a collective broadcast cannot be loaded later)")
-    eval_sampling = o.eval.sampling if o.eval is not None and o.eval.sampling is not None else o.train.sampling
+    eval_sampling = o.train.sampling
+    if o.eval is not None and o.eval.sampling is not None:
+        # The thinking switches are the model's prompt format: eval keeps train's unless it sets its own.
+        t, e = o.train.sampling, o.eval.sampling
+        eval_sampling = msgspec.structs.replace(
+            e, enable_thinking=t.enable_thinking if e.enable_thinking is None else e.enable_thinking,
+            reasoning_effort=e.reasoning_effort or t.reasoning_effort)
     return Setup(cfg=cfg, tokenizer=load_tokenizer(cfg), envs=envs, tasks=tasks, buffer=buffer,
                  advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)), world_size=world,
                  num_servers=servers, transport=transport, eval_envs=eval_envs,
