@@ -339,6 +339,10 @@ class SFTDataConfig(Section):
     seq_len: Annotated[Annotated[int, Meta(ge=8)] | None, D("Packed row length (default: top-level seq_len).")] = None
     shuffle: Annotated[bool, D("Shuffle each epoch (seeded).")] = True
     seed: Annotated[int, D("Shuffle seed.")] = 0
+    enable_thinking: Annotated[bool | None, D(
+        "Chat-template thinking switch for every rendered turn (a row's own chat_template_kwargs win).")] = None
+    reasoning_effort: Annotated[Literal["low", "medium", "high"] | None, D(
+        "Chat-template reasoning effort for every rendered turn (GPT-OSS; a row's own kwargs win).")] = None
 
 
 class LossMaskConfig(Section):

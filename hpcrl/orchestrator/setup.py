@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from hpcrl.bus import ServerInfo
-from hpcrl.config.schema import Config, EnvConfig
+from hpcrl.config.schema import Config, EnvConfig, OrchestratorConfig, SamplingConfig
 from hpcrl.envs import Environment, Task, load_environment
 from hpcrl.envs.registry import alias_note
 from hpcrl.orchestrator.advantages import AdvantageConfig
@@ -154,17 +154,23 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     if cfg.deterministic and transport == "collective" and o.max_async_level > 0:
         raise ValueError("deterministic = true needs trainer.broadcast.transport = 'filesystem' when "
                          "max_async_level > 0 (a collective broadcast cannot be loaded later)")
-    eval_sampling = o.train.sampling
-    if o.eval is not None and o.eval.sampling is not None:
-        # The thinking switches are the model's prompt format: eval keeps train's unless it sets its own.
-        t, e = o.train.sampling, o.eval.sampling
-        eval_sampling = msgspec.structs.replace(
-            e, enable_thinking=t.enable_thinking if e.enable_thinking is None else e.enable_thinking,
-            reasoning_effort=e.reasoning_effort or t.reasoning_effort)
+    eval_sampling = eval_sampling_of(o)
     return Setup(cfg=cfg, tokenizer=load_tokenizer(cfg), envs=envs, tasks=tasks, buffer=buffer,
                  advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)), world_size=world,
                  num_servers=servers, transport=transport, eval_envs=eval_envs,
                  train_sampling=openai_sampling(o.train.sampling), eval_sampling=openai_sampling(eval_sampling))
+
+
+def eval_sampling_of(o: OrchestratorConfig) -> SamplingConfig:
+    """Eval's sampling: its own table, else train's. The thinking switches are the model's prompt
+    format, so eval keeps train's unless its table sets them."""
+    t = o.train.sampling
+    if o.eval is None or o.eval.sampling is None:
+        return t
+    e = o.eval.sampling
+    return msgspec.structs.replace(
+        e, enable_thinking=t.enable_thinking if e.enable_thinking is None else e.enable_thinking,
+        reasoning_effort=e.reasoning_effort or t.reasoning_effort)
 
 
 def open_env_logs(cfg: Config, paths: RunPaths, envs: dict[str, Environment], eval_envs: list[EvalEnv]) -> None:
