@@ -338,6 +338,7 @@ def load(argv: list[str], root: type[T] = Config, require_envs: bool = True) -> 
             notes.extend(_alias_notes(cfg))
         elif isinstance(cfg, SFTConfig):
             validate_sft(cfg)
+        _resolve_warm_start(cfg)
     except ConfigError as e:
         # Name the field as the user wrote it too: `orchestrator.batch_size (hosted: batch_size)`.
         alias = hosted.hosted_path(e.path) if any_hosted else None
@@ -355,6 +356,16 @@ def _load_env_files(cfg: Config) -> None:
 
     cfg.env_files = [str(Path(p).expanduser().resolve()) for p in cfg.env_files]
     load_env_files(cfg.env_files)
+
+
+def _resolve_warm_start(cfg: Config | SFTConfig) -> None:
+    """checkpoint_id / ckpt.warm_start -> the HF weights dir it names, checked against the model, so
+    every role reads one absolute path (hpcrl.warm_start)."""
+    if cfg.ckpt is None or not cfg.ckpt.warm_start:
+        return
+    from hpcrl.warm_start import resolve_for
+
+    cfg.ckpt.warm_start = str(resolve_for(cfg.ckpt.warm_start, cfg.model.name or ""))
 
 
 def _alias_notes(cfg: Config) -> list[str]:
