@@ -479,12 +479,22 @@ async def teacher_logprobs(pool: ServerPool, ids: list[int]) -> list[float]:
 
 class Generator:
     """Runs groups of rollouts against a ServerPool. With `seed` set (deterministic mode) every
-    request's sampling seed derives from (seed, key..., example id, rollout index, turn)."""
+    request's sampling seed derives from (seed, key..., example id, rollout index, turn).
+
+    `strategy` (orchestrator.trajectory_strategy) schedules multi-turn work:
+    - interleaved: every requested example's group runs at once, so turns of different examples
+      interleave on the servers (while one conversation waits for its env, others decode);
+    - branching: one example at a time: its n rollouts branch from the shared prompt and run to their
+      last turn before the next example's first request is sent (fewer conversations in flight,
+      each finishes sooner; lower throughput).
+    Either way a rollout's turns are stitched into one sample, and results are the same per seed."""
 
     def __init__(self, pool: ServerPool, tokenizer: Any, seq_len: int, default_policy: Callable[[], int],
-                 seed: int | None):
+                 seed: int | None, strategy: str = "interleaved"):
+        assert strategy in ("interleaved", "branching"), strategy
         self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
-        self.default_policy, self.seed = default_policy, seed
+        self.default_policy, self.seed, self.strategy = default_policy, seed, strategy
+        self._example_lock: asyncio.Lock | None = None
 
     def client_factory(self, *key: object) -> Callable[[int], RolloutClient]:
         def make(i: int) -> RolloutClient:
@@ -495,5 +505,14 @@ class Generator:
 
     async def groups(self, env: Environment, tasks: Sequence[Task], n: int, sampling: Mapping[str, Any],
                      *key: object) -> list[list[RolloutRecord]]:
-        return list(await asyncio.gather(*(
-            run_group(env, t, n, sampling, self.client_factory(*key, t.example_id)) for t in tasks)))
+        return list(await asyncio.gather(*(self._group(env, t, n, sampling, key) for t in tasks)))
+
+    async def _group(self, env: Environment, task: Task, n: int, sampling: Mapping[str, Any],
+                     key: tuple[object, ...]) -> list[RolloutRecord]:
+        make = self.client_factory(*key, task.example_id)
+        if self.strategy == "interleaved":
+            return await run_group(env, task, n, sampling, make)
+        if self._example_lock is None:
+            self._example_lock = asyncio.Lock()
+        async with self._example_lock:  # branching: this example's trajectories finish first
+            return await run_group(env, task, n, sampling, make)

@@ -97,7 +97,7 @@ class Setup:
         student = ServerPool([s.base_url for s in servers], model=servers[0].model, timeout=o.request_timeout_s,
                              max_concurrent=o.max_concurrent)
         self.pools.append(student)
-        self.eval_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed)
+        self.eval_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy)
         self.train_gen = self.eval_gen
         if o.teacher is not None:
             self.teacher = ServerPool([o.teacher.base_url], model=o.teacher.model, timeout=o.request_timeout_s,
@@ -105,7 +105,7 @@ class Setup:
             self.pools.append(self.teacher)
             if o.training_mode == "sft":  # the teacher writes the completions; they are never stale
                 self.train_gen = Generator(self.teacher, self.tokenizer, cfg.seq_len,
-                                           lambda: max(0, loaded_policy()), seed)
+                                           lambda: max(0, loaded_policy()), seed, o.trajectory_strategy)
 
     async def generate(self, refs: Sequence[TaskRef], step: int) -> list[GroupRecord]:
         assert self.train_gen is not None
