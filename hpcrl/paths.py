@@ -136,6 +136,14 @@ class RunPaths:
         return self.broadcasts_dir / f"step_{step}"
 
     @property
+    def adapters_dir(self) -> Path:
+        """LoRA adapters kept for use after training ([adapters] interval)."""
+        return self.root / "adapters"
+
+    def adapter_dir(self, step: int) -> Path:
+        return self.adapters_dir / f"step_{step}"
+
+    @property
     def weights_root(self) -> Path:
         return self.root / "weights"
 

@@ -72,11 +72,13 @@ def main(cfg: Config) -> int:
         out = train_step(tr, batch, params, cfg.trainer.micro_batch_tokens, cfg.trainer.optim.max_norm,
                          share_prefix=cfg.trainer.share_prefix)
         t_pub = publisher.publish(tr.model, step)
+        maybe_save_adapter(cfg, paths, tr, step)
         if rank == 0:
             bus.cleanup(before_step=step, keep=2)  # every rank has read its shard of `step` by now
         progress = advance(progress, out)
         t_ckpt = maybe_checkpoint(cfg, paths, tr, step, progress, finalizers, force=stop.is_set())
-        metrics.log(step, step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress))
+        metrics.log(step, {**step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress),
+                           "weights/sync_bytes": publisher.last_bytes})
         if metrics.distributions_due(step):
             metrics.log_distribution(step, "entropy", out["entropies"].numpy())
         if stop.is_set():
@@ -106,6 +108,18 @@ def restore_state(ckpt: CkptConfig | None, paths: RunPaths, tr: Training, progre
     progress = load_trainer_state(paths, step, tr.dist.rank, tr.dist.world_size, tr.model, tr.optimizer, tr.scheduler)
     log.info("resumed trainer state from %s", paths.checkpoint_dir(step))
     return step, progress
+
+
+def maybe_save_adapter(cfg: Config, paths: RunPaths, tr: Training, step: int) -> None:
+    """[adapters] interval (ckpt.adapter_interval): adapters/step_N every N steps, and at the end
+    (interval 0: only at the end). Collective under FSDP: every rank calls it."""
+    from hpcrl.trainer.model import is_peft_model, save_adapter
+
+    c = cfg.ckpt
+    if c is None or not c.save_adapter_separately or not is_peft_model(tr.model):
+        return
+    if step == cfg.max_steps or (c.adapter_interval and step % c.adapter_interval == 0):
+        save_adapter(tr.model, paths.adapter_dir(step), write=tr.dist.rank == 0)
 
 
 def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int) -> PolicyPublisher:
