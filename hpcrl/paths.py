@@ -3,7 +3,7 @@
 Nobody else joins path strings for run files. Layout (DESIGN §5):
 
     <output_dir>/
-      configs/                 resolved per-process configs (secrets redacted)
+      configs/                 resolved per-process configs (literal secrets as ${env:...} references)
       bus/endpoints/           doorbell addresses (one file per listening socket)
       bus/servers/             inference server addresses (one file per server)
       bus/rejected/            corrupt or foreign bus files moved aside

@@ -15,7 +15,6 @@ from hpcrl.bus import PolicyReady
 from hpcrl.bus.files import read_message
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
-from tests.integration.tiny_run import TINY_RL
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,11 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lora_run_syncs_only_the_adapter(tmp_path: Path) -> None:
-    cfg = tmp_path / "cfg.toml"
-    cfg.write_text(TINY_RL.format(steps=3))
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "@", str(REPO / "configs/demo/lora.toml"),
-                        "--output-dir", str(out), "--ckpt.adapter-interval", "2"],
+    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "configs/demo/lora.toml"),
+                        "--output-dir", str(out), "--max-steps", "3", "--ckpt.adapter-interval", "2",
+                        "--orchestrator.train.sampling.max-tokens", "8"],
                        capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     paths = RunPaths(out)
