@@ -22,6 +22,7 @@ commands:
   status           state of a run directory: steps, checkpoints, job
   logs             print / follow a component's log (-c trainer|orchestrator|inference|env:NAME, -f)
   cancel           stop the job that owns a run directory
+  checkpoints      list a run directory's checkpoints and their ids (for checkpoint_id / ckpt.warm_start)
   plot             write PNG plots from a run's metrics.jsonl
   make-tiny-model  build a tiny Qwen3-style model + tokenizer locally (no hub)
   eval             score a model on environments: results.jsonl, avg@k / pass@k (ENV_ID -m MODEL -n N -r K)
@@ -228,6 +229,12 @@ def cmd_cancel(argv: list[str]) -> int:
     return cancel(argv)
 
 
+def cmd_checkpoints(argv: list[str]) -> int:
+    from hpcrl.warm_start import main
+
+    return main(argv)
+
+
 def cmd_plot(argv: list[str]) -> int:
     from hpcrl.monitor.plots import main
 
@@ -271,6 +278,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
     "status": (cmd_status, None),
     "logs": (cmd_logs, None),
     "cancel": (cmd_cancel, None),
+    "checkpoints": (cmd_checkpoints, None),
     "plot": (cmd_plot, None),
     "make-tiny-model": (cmd_make_tiny_model, None),
     "eval": (cmd_eval, "EvalRunConfig"),

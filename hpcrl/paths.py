@@ -3,7 +3,7 @@
 Nobody else joins path strings for run files. Layout (DESIGN §5):
 
     <output_dir>/
-      configs/                 resolved per-process configs (secrets redacted)
+      configs/                 resolved per-process configs (literal secrets as ${env:...} references)
       bus/endpoints/           doorbell addresses (one file per listening socket)
       bus/servers/             inference server addresses (one file per server)
       bus/rejected/            corrupt or foreign bus files moved aside
@@ -136,15 +136,19 @@ class RunPaths:
         return self.broadcasts_dir / f"step_{step}"
 
     @property
+    def adapters_dir(self) -> Path:
+        """LoRA adapters kept for use after training ([adapters] interval)."""
+        return self.root / "adapters"
+
+    def adapter_dir(self, step: int) -> Path:
+        return self.adapters_dir / f"step_{step}"
+
+    @property
     def weights_root(self) -> Path:
         return self.root / "weights"
 
     def weights_dir(self, step: int) -> Path:
         return self.weights_root / f"step_{step}"
-
-    def adapter_dir(self, step: int) -> Path:
-        """LoRA adapter alone (peft format), written every ckpt.adapter_interval steps."""
-        return self.root / "adapters" / f"step_{step}"
 
     # -- checkpoints -------------------------------------------------------------------------
     @property

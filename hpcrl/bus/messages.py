@@ -159,6 +159,9 @@ class PolicyReady(msgspec.Struct, kw_only=True):
     transport: Literal["collective", "filesystem"]
     path: str | None = None  # weights dir, required for the filesystem transport
     checksum: str
+    # LoRA runs: `path` holds only the adapter (peft format: adapter_model.safetensors +
+    # adapter_config.json) and `checksum` is over its tensors; servers load it with /load_lora_adapter.
+    adapter: bool = False
     num_params: int
     num_bytes: int
     created_at: float = msgspec.field(default_factory=_now)

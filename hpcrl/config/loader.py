@@ -349,9 +349,13 @@ def load(argv: list[str], root: type[T] = Config, require_envs: bool = True,  # 
 
         if isinstance(cfg, Config):
             flow_shared(cfg)
+            _load_env_files(cfg)
             validate(cfg, require_envs=require_envs)
+            notes.extend(_alias_notes(cfg))
         elif isinstance(cfg, SFTConfig):
             validate_sft(cfg)
+        if isinstance(cfg, (Config, SFTConfig)):
+            _resolve_warm_start(cfg)
     except ConfigError as e:
         # Name the field as the user wrote it too: `orchestrator.batch_size (hosted: batch_size)`.
         alias = hosted.hosted_path(e.path) if any_hosted else None
@@ -359,6 +363,37 @@ def load(argv: list[str], root: type[T] = Config, require_envs: bool = True,  # 
             raise ConfigError(e.path, f"{e.message} [hosted field: {alias}]") from None
         raise
     return Loaded(cfg, notes, files)
+
+
+def _load_env_files(cfg: Config) -> None:
+    """Every process that loads a config loads its env_files into its own environment (launcher,
+    and each role wherever it runs), before validation resolves `${env:NAME}` references. Paths are
+    made absolute so the per-process configs work from any directory."""
+    from hpcrl.config.secrets import load_env_files
+
+    cfg.env_files = [str(Path(p).expanduser().resolve()) for p in cfg.env_files]
+    load_env_files(cfg.env_files)
+
+
+def _resolve_warm_start(cfg: Config | SFTConfig) -> None:
+    """checkpoint_id / ckpt.warm_start -> the HF weights dir it names, checked against the model, so
+    every role reads one absolute path (hpcrl.warm_start)."""
+    if cfg.ckpt is None or not cfg.ckpt.warm_start:
+        return
+    from hpcrl.warm_start import resolve_for
+
+    cfg.ckpt.warm_start = str(resolve_for(cfg.ckpt.warm_start, cfg.model.name or ""))
+
+
+def _alias_notes(cfg: Config) -> list[str]:
+    """An env id that runs a built-in under a Hub name is said so at start (never silently)."""
+    try:
+        from hpcrl.envs.registry import alias_note
+    except ImportError:
+        return []
+    o = cfg.orchestrator
+    ids = [e.id for e in o.train.env] + ([e.id for e in o.eval.env] if o.eval is not None else [])
+    return [n for n in dict.fromkeys(alias_note(i) for i in ids) if n]
 
 
 def _micro_batch_default(merged: dict[str, Any]) -> None:

@@ -1,27 +1,22 @@
-"""Resolved configs on disk: per-process TOML files under <output_dir>/configs/, secrets redacted."""
+"""Resolved configs on disk: per-process TOML files under <output_dir>/configs/.
+
+The files hold no secret and no redaction either: a literal secret becomes a `${env:HPCRL_SECRET_...}`
+reference and its value travels in the children's environment (hpcrl.config.secrets), so the
+roles start from exactly the values the user gave. `redact` is for what people read (logs, W&B).
+"""
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from hpcrl.config import secrets
 from hpcrl.config.schema import Config
 
-_SECRET_RE = re.compile(
-    r"(api_?key|secret|password|passwd|auth_key|access_token|auth_token|api_token|hf_token|^token)$", re.IGNORECASE
-)
 REDACTED = "***"
-# Secrets inside free-form strings (slurm.setup lines, env args): `export HF_TOKEN=hf_...` keeps the
-# name and loses the value; well-known key prefixes are blanked wherever they appear.
-_INLINE_SECRET_RE = re.compile(
-    r"(\b[A-Za-z0-9_]*(?:API_KEY|APIKEY|TOKEN|SECRET|PASSWORD|AUTH_KEY)\s*[=:]\s*)(['\"]?)[^\s'\"]+\2",
-    re.IGNORECASE,
-)
-_KEY_PREFIX_RE = re.compile(r"\b(?:sk-[A-Za-z0-9_\-]{16,}|hf_[A-Za-z0-9]{16,}|tskey-[A-Za-z0-9\-]{8,}|wandb_v1_\w{16,})")
 
 ROLES = ("trainer", "orchestrator", "inference")
 
@@ -53,24 +48,35 @@ def _strip_none(v: Any) -> Any:
 
 
 def redact(v: Any, key: str = "") -> Any:
-    """Blank out values whose key looks secret; env_files keep their paths but never their contents."""
+    """For people only (logs, summaries, W&B): blank out values whose key looks secret and secrets
+    inside free-form strings. `${env:NAME}` references stay (they name a variable, not a value).
+    Never apply this to a config a role starts from."""
     if isinstance(v, dict):
         return {k: redact(x, k) for k, x in v.items()}
     if isinstance(v, list):
         return [redact(x, key) for x in v]
-    if key and _SECRET_RE.search(key) and isinstance(v, str) and not key.endswith("_var"):
+    if not isinstance(v, str) or secrets.is_ref(v):
+        return v
+    if secrets.is_secret_key(key):
         return REDACTED
-    if isinstance(v, str):
-        return _KEY_PREFIX_RE.sub(REDACTED, _INLINE_SECRET_RE.sub(rf"\1\2{REDACTED}\2", v))
-    return v
+    v = secrets.INLINE_SECRET_RE.sub(lambda m: m.group(0) if "${env:" in m.group(0) else
+                                     f"{m.group(1)}{m.group(2)}{REDACTED}{m.group(2)}", v)
+    return secrets.KEY_PREFIX_RE.sub(REDACTED, v)
 
 
 def role_dict(cfg: Config, role: str) -> dict[str, Any]:
     """The config one process is started with. Every role gets the whole resolved config: roles read
     each other's sections (the trainer needs the orchestrator's mode and async level), and one
-    validated whole is what makes the per-process files consistent."""
+    validated whole is what makes the per-process files consistent. Literal secrets are references
+    here; `secret_env` gives their values for the process environment."""
     assert role in ROLES, role
-    return redact(to_dict(cfg))
+    return secrets.externalize(to_dict(cfg))[0]
+
+
+def secret_env(cfg: msgspec.Struct) -> dict[str, str]:
+    """{HPCRL_SECRET_<PATH>: value} for every literal secret of the config: what a launcher puts in
+    its children's environment (the files under configs/ reference these names)."""
+    return secrets.externalize(to_dict(cfg))[1]
 
 
 def dumps(d: dict[str, Any]) -> str:
@@ -83,7 +89,7 @@ def write_resolved(cfg: msgspec.Struct, configs_dir: Path) -> list[Path]:
     """Write resolved.toml (everything) and one file per role (RL) or sft.toml (SFT); atomic per file."""
     configs_dir.mkdir(parents=True, exist_ok=True)
     out = []
-    full = redact(to_dict(cfg))
+    full = secrets.externalize(to_dict(cfg))[0]
     if isinstance(cfg, Config):
         items = [("resolved", full)] + [(r, role_dict(cfg, r)) for r in ROLES]
     else:
@@ -96,23 +102,3 @@ def write_resolved(cfg: msgspec.Struct, configs_dir: Path) -> list[Path]:
         out.append(path)
     return out
 
-
-def load_env_files(paths: list[str]) -> dict[str, str]:
-    """Read KEY=VALUE secrets files into os.environ (values are never logged or written)."""
-    from hpcrl.config.errors import ConfigError
-
-    loaded: dict[str, str] = {}
-    for i, p in enumerate(paths):
-        f = Path(p)
-        if not f.is_file():
-            raise ConfigError(f"env_files[{i}]", f"'{p}' not found")
-        for n, line in enumerate(f.read_text().splitlines(), 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            if "=" not in line:
-                raise ConfigError(f"env_files[{i}]", f"{p} line {n}: expected KEY=VALUE")
-            k, v = line.split("=", 1)
-            loaded[k.strip().removeprefix("export ").strip()] = v.strip().strip("'\"")
-    os.environ.update(loaded)
-    return loaded

@@ -189,8 +189,9 @@ class OrchestratorConfig(Section):
     oversampling_factor: Annotated[float, D("Request this many times the tasks a batch needs.", ge=1)] = 1.0
     training_mode: Annotated[Literal["rl", "opd", "sft"], D("rl; opd (KL to a teacher); sft (teacher generates).")] = "rl"
     trajectory_strategy: Annotated[Literal["interleaved", "branching"], D(
-        "Multi-turn training samples: interleaved (turns stitched into one sample when the tokens extend "
-        "each other exactly) or branching (one sample per turn).")] = "interleaved"
+        "Multi-turn rollouts: interleaved (all examples' turns run concurrently; a rollout's turns are "
+        "stitched into one sample) or branching (one example's trajectories run to the end before the "
+        "next; one training sample per turn).")] = "interleaved"
     max_concurrent: Annotated[int, D("Rollouts in flight at once.", ge=1)] = 256
     seed: Annotated[int, D("Seed of task order and environment data.")] = 0
     train: TrainEnvsConfig = msgspec.field(default_factory=TrainEnvsConfig)
@@ -281,7 +282,7 @@ class CkptConfig(Section):
     resume_step: Annotated[Annotated[int, Meta(ge=-1)] | None, D("Resume from this checkpoint step (-1 = newest complete).")] = None
     weights_only: Annotated[bool, D("Write only weights/step_N (HF dir), no optimizer/orchestrator state.")] = False
     save_adapter_separately: Annotated[bool, D("LoRA: also write the raw adapter beside merged weights.")] = False
-    adapter_interval: Annotated[int, D("LoRA: write the adapter every N steps (0 = at the end).", ge=0)] = 0
+    adapter_interval: Annotated[int, D("LoRA: write adapters/step_N every N steps and at the final step (0 = off).", ge=0)] = 0
     warm_start: Annotated[str | None, D("Initialise weights from this checkpoint or weights dir.")] = None
 
 
@@ -347,6 +348,10 @@ class SFTDataConfig(Section):
     seq_len: Annotated[Annotated[int, Meta(ge=8)] | None, D("Packed row length (default: top-level seq_len).")] = None
     shuffle: Annotated[bool, D("Shuffle each epoch (seeded).")] = True
     seed: Annotated[int, D("Shuffle seed.")] = 0
+    enable_thinking: Annotated[bool | None, D(
+        "Chat-template thinking switch for every rendered turn (a row's own chat_template_kwargs win).")] = None
+    reasoning_effort: Annotated[Literal["low", "medium", "high"] | None, D(
+        "Chat-template reasoning effort for every rendered turn (GPT-OSS; a row's own kwargs win).")] = None
 
 
 class LossMaskConfig(Section):

@@ -159,10 +159,13 @@ def _envs(cfg: Config, require_envs: bool) -> None:
     lists = [("orchestrator.train.env", o.train.env)]
     if o.eval is not None:
         lists.append(("orchestrator.eval.env", o.eval.env))
+    from hpcrl.config.secrets import resolve_refs
+
     for path, envs in lists:
         for i, e in enumerate(envs):
+            args = resolve_refs(e.args, f"{path}[{i}].args")  # only checked here, never stored
             try:
-                validate_env_spec(e.id, e.args)
+                validate_env_spec(e.id, args)
             except ValueError as err:
                 raise ConfigError(f"{path}[{i}]", str(err)) from None
 

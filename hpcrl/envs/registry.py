@@ -1,12 +1,16 @@
 """Resolve an environment id to a factory and build it: `load_environment(env_id, **args)`.
 
 Resolution order:
-  1. built-ins (`reverse-text`, `reverse-text-demo`, `alphabet-sort`, `arithmetic`/`gsm8k`,
-     `calculator`), also under a known owner prefix (`primeintellect/reverse-text`) and with `_` for `-`;
+  1. a built-in by its own name (`reverse-text`, `reverse-text-demo`, `alphabet-sort`, `arithmetic`,
+     `calculator`; `_` for `-` accepted; also `hpcrl/<name>`);
   2. `module:function` naming any importable factory;
-  3. an importable module exposing `load_environment` (`my-env` and `owner/my-env` try `my_env`),
-     which is how verifiers environment packages are installed;
-  4. entry points in the `hpcrl.environments` / `verifiers.environments` groups.
+  3. `owner/name` or `name`: the installed environment package, module `name` with `-` -> `_`
+     (what `prime env install owner/name` installs), exposing `load_environment`; or an entry point
+     in the `hpcrl.environments` / `verifiers.environments` groups;
+  4. aliases: `primeintellect/reverse-text` and `primeintellect/alphabet-sort`, when no such package is
+     installed, run the built-in of that name, which implements the same task (`alias_note` says so;
+     the launcher and the orchestrator print it). Any other id that is not installed is an error that
+     names the id and how to install it — never a silent stand-in.
 A factory that returns a verifiers `vf.Environment` is wrapped in the verifiers adapter.
 
 Every environment takes `system_prompt` (text; "" = none) and `system_prompt_file` (a file holding
@@ -32,22 +36,40 @@ BUILTINS: dict[str, str] = {
     "reverse-text-demo": "hpcrl.envs.reverse_text_demo",  # the CPU learning demo's defaults
     "alphabet-sort": "hpcrl.envs.alphabet_sort",
     "arithmetic": "hpcrl.envs.arithmetic",
-    "gsm8k": "hpcrl.envs.arithmetic",
     "calculator": "hpcrl.envs.calculator",
 }
-# Owners whose ids map onto our built-ins (the hosted configs say primeintellect/<name>).
-BUILTIN_OWNERS = ("primeintellect", "prime-intellect", "hpcrl")
+# Hub ids whose task a built-in implements (same prompts, parser and reward shape), used only when
+# the package is not installed. `primeintellect/gsm8k` is deliberately not one: the built-in
+# arithmetic env is synthetic, not GSM8K, so that id must be installed or it is an error.
+ALIASES: dict[str, str] = {
+    "primeintellect/reverse-text": "reverse-text",
+    "primeintellect/alphabet-sort": "alphabet-sort",
+}
+OWN_OWNER = "hpcrl"
 ENTRY_POINT_GROUPS = ("hpcrl.environments", "verifiers.environments")
 
 Factory = Callable[..., Any]
 
 
+def _normal(env_id: str) -> str:
+    return env_id.strip().lower().replace("_", "-")
+
+
 def _builtin_key(env_id: str) -> str | None:
-    key = env_id.strip().lower().replace("_", "-")
-    owner, _, name = key.rpartition("/")
-    if owner and owner not in BUILTIN_OWNERS:
+    """The built-in `env_id` names directly (`reverse-text`, `hpcrl/reverse-text`), else None."""
+    owner, _, name = _normal(env_id).rpartition("/")
+    if owner and owner != OWN_OWNER:
         return None
     return name if name in BUILTINS else None
+
+
+def _alias_key(env_id: str) -> str | None:
+    return ALIASES.get(_normal(env_id))
+
+
+def module_name(env_id: str) -> str:
+    """The Python module an environment package installs: the id's name part, `-` -> `_`."""
+    return env_id.strip().rpartition("/")[2].replace("-", "_")
 
 
 def known_env_ids() -> list[str]:
@@ -57,8 +79,16 @@ def known_env_ids() -> list[str]:
 def _unknown(env_id: str, why: str = "") -> ValueError:
     return ValueError(
         f"unknown environment {env_id!r}{why}; built-ins: {', '.join(known_env_ids())}; "
-        f"otherwise give an importable module with load_environment, 'module:function', "
+        f"otherwise give an installed environment package (owner/name), 'module:function', "
         f"or an entry point in {' / '.join(ENTRY_POINT_GROUPS)}"
+    )
+
+
+def _not_installed(env_id: str) -> ValueError:
+    return ValueError(
+        f"environment {env_id!r} is not installed (no module {module_name(env_id)!r} with load_environment): "
+        f"install it into this venv with `prime env install {env_id.strip()}` (or pip install its package); "
+        f"built-ins: {', '.join(known_env_ids())}"
     )
 
 
@@ -87,23 +117,33 @@ def resolve_factory(env_id: str) -> Factory:
         return importlib.import_module(BUILTINS[key]).load_environment
 
     if ":" in env_id:
-        module_name, _, attr = env_id.partition(":")
-        module = _import(module_name, env_id)
+        mod_name, _, attr = env_id.partition(":")
+        module = _import(mod_name, env_id)
         if module is None:
-            raise _unknown(env_id, f" (no module {module_name!r})")
+            raise _unknown(env_id, f" (no module {mod_name!r})")
         fn = getattr(module, attr, None)
         if not callable(fn):
-            raise _unknown(env_id, f" (module {module_name!r} has no callable {attr!r})")
+            raise _unknown(env_id, f" (module {mod_name!r} has no callable {attr!r})")
         return fn
 
+    fn = _installed(env_id)
+    if fn is not None:
+        return fn
+    alias = _alias_key(env_id)
+    if alias is not None:
+        return importlib.import_module(BUILTINS[alias]).load_environment
+    raise _not_installed(env_id) if "/" in env_id else _unknown(env_id)
+
+
+def _installed(env_id: str) -> Factory | None:
+    """The installed package's load_environment (module, then entry points), else None."""
     name = env_id.rpartition("/")[2]
-    for module_name in dict.fromkeys([name.replace("-", "_"), name]):
-        if not all(part.isidentifier() for part in module_name.split(".")):
+    for mod_name in dict.fromkeys([module_name(env_id), name]):
+        if not all(part.isidentifier() for part in mod_name.split(".")):
             continue
-        module = _import(module_name, env_id)
+        module = _import(mod_name, env_id)
         if module is not None and callable(getattr(module, "load_environment", None)):
             return module.load_environment
-
     wanted = {env_id, name, name.replace("-", "_"), name.replace("_", "-")}
     for group in ENTRY_POINT_GROUPS:
         for ep in importlib.metadata.entry_points(group=group):
@@ -112,7 +152,16 @@ def resolve_factory(env_id: str) -> Factory:
                 fn = getattr(obj, "load_environment", obj)  # an entry point may name the module
                 if callable(fn):
                     return fn
-    raise _unknown(env_id)
+    return None
+
+
+def alias_note(env_id: str) -> str | None:
+    """`env X: not installed; running the built-in Y (alias)` when X resolves through an alias."""
+    alias = _alias_key(env_id)
+    if alias is None or _builtin_key(env_id) is not None or ":" in env_id or _installed(env_id) is not None:
+        return None
+    return (f"env {env_id}: package not installed; running the built-in '{alias}' (alias of the same task; "
+            f"`prime env install {env_id}` to use the Hub package)")
 
 
 PROMPT_ARGS = ("system_prompt", "system_prompt_file")
@@ -168,7 +217,15 @@ def _build(env_id: str, factory: Factory, args: Mapping[str, Any]) -> Any:
 
 
 def load_environment(env_id: str, **args: Any) -> Environment:
-    """Build an environment by id; ValueError (one line) for unknown ids or bad arguments."""
+    """Build an environment by id; ValueError (one line) for unknown ids or bad arguments.
+    `${env:NAME}` references in args are resolved here, in the process that runs the environment."""
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.config.secrets import resolve_refs
+
+    try:
+        args = resolve_refs(args, f"environment {env_id!r} args")
+    except ConfigError as e:
+        raise ValueError(f"{e.path}: {e.message}") from None
     factory = resolve_factory(env_id)
     args, override = split_prompt_args(env_id, factory, args)
     env = _build(env_id, factory, args)
@@ -196,7 +253,7 @@ def validate_env_spec(env_id: str, args: Mapping[str, Any] | None = None) -> Non
     min_len > max_len surface here too."""
     factory = resolve_factory(env_id)
     args, _ = split_prompt_args(env_id, factory, args or {})
-    if _builtin_key(env_id) is not None:
+    if _builtin_key(env_id) is not None or alias_note(env_id) is not None:
         _build(env_id, factory, args)
     else:
         _check_args(env_id, factory, args)

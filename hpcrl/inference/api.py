@@ -339,9 +339,12 @@ def build_app(state: ServerState) -> FastAPI:
         if not isinstance(name, str) or not name or not isinstance(path, str):
             raise APIError("/load_lora_adapter needs `lora_name` and `lora_path` strings")
         guard.check_weights_path(path, state.run_dir, state.allow_any_weights_path, param="lora_path")
+        step = body.get("step")
+        if step is not None and not isinstance(step, int):
+            raise APIError("/load_lora_adapter: `step` must be an integer", param="step")
         async with state.update_lock:
-            checksum = await asyncio.to_thread(engine.load_lora, name, path)
-        return {"status": "ok", "lora_name": name, "checksum": checksum}
+            checksum = await asyncio.to_thread(engine.load_lora, name, path, step)
+        return {"status": "ok", "lora_name": name, "checksum": checksum, "step": engine.policy_step}
 
     app.add_api_route("/load_lora_adapter", load_lora, methods=["POST"])
     app.add_api_route("/v1/load_lora_adapter", load_lora, methods=["POST"])

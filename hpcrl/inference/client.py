@@ -175,6 +175,8 @@ class InferenceClient:
                                   f"server loaded checksum {r.get('checksum')}, expected {expected_checksum}", url)
         return r
 
-    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
-        return await self._request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path},
-                                   error_cls=WeightSyncError)
+    async def load_lora_adapter(self, name: str, path: str, step: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"lora_name": name, "lora_path": path}
+        if step is not None:  # hpcrl's servers tag what they generate with this policy step
+            body["step"] = step
+        return await self._request("POST", "/load_lora_adapter", body, error_cls=WeightSyncError)

@@ -446,8 +446,9 @@ class HFEngine:
     def update_weights_from_path(self, path: str, step: int) -> str:
         return self.update_weights(load_safetensors_dir(path), step)
 
-    def load_lora(self, name: str, path: str) -> str:
-        """Merge a LoRA adapter into the base weights (replacing the previous adapter); return its checksum."""
+    def load_lora(self, name: str, path: str, step: int | None = None) -> str:
+        """Merge a LoRA adapter into the base weights (replacing the previous adapter); return its checksum.
+        With `step` (LoRA RL: the adapter is policy `step`) the samples that follow are tagged with it."""
         deltas, raw = load_lora_delta(path, self._params)
         with self._update_lock, self._weights_lock:
             for pname in list(self._lora_base):  # undo the previous adapter first
@@ -457,6 +458,8 @@ class HFEngine:
                 self._lora_base[pname] = p.detach().clone()
                 p.add_(delta.to(device=p.device, dtype=p.dtype))
             self.lora_adapters = {name: path}
+            if step is not None:
+                self.policy_step = int(step)
         return state_dict_checksum(raw)
 
     def score_prompt(self, ids: list[int]) -> list[float | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from hpcrl.config.schema import Config
@@ -106,12 +107,14 @@ class ConsoleReporter:
     def offset(self) -> int:
         return self.follower.offset
 
-    def banner(self, cfg: Config, placement: Placement) -> None:
+    def banner(self, cfg: Config, placement: Placement, notes: Sequence[str] = ()) -> None:
         """Print the run summary and start the progress display."""
         print(f"hpcrl run: {cfg.model.name} -> {cfg.output_dir} (steps up to {cfg.max_steps})")
         for line in placement.summary():
             print("  " + line)
         print(f"  logs:         {RunPaths(cfg.output_dir).logs_dir}/", flush=True)
+        for note in notes:
+            print(f"  note:         {note}", flush=True)
         self.interval = cfg.log.console_interval
         if self.want_bar and self.bar is None:
             try:

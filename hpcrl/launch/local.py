@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from hpcrl.config.loader import Loaded
+from hpcrl.config.resolved import secret_env
 from hpcrl.config.schema import Config
 from hpcrl.launch import resume as resume_mod
 from hpcrl.launch.console import ConsoleReporter
@@ -87,7 +88,8 @@ def _gpu_env(placement: Placement, slot: Slot) -> dict[str, str]:
 
 def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_args: list[str]) -> list[Child]:
     clear_stale_addresses(paths)
-    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCRL_RUN_DIR": str(paths.root)}
+    # Literal secrets of the config travel here, in the environment (configs/ holds references).
+    base_env = {**os.environ, **secret_env(cfg), "PYTHONUNBUFFERED": "1", "HPCRL_RUN_DIR": str(paths.root)}
     if not placement.uses_gpus or placement.cpu_compute:
         base_env.setdefault("OMP_NUM_THREADS", str(_threads_per_process(placement)))
     children: list[Child] = []
@@ -176,7 +178,7 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
 
     export_run_api_key(cfg.server.api_key)  # children inherit it: servers require it, the orchestrator sends it
     console = ConsoleReporter(paths, cfg.max_steps)
-    console.banner(cfg, placement)
+    console.banner(cfg, placement, loaded.notes)
     children = start_children(cfg, placement, paths, resume_args)
     stopping = {"sig": None}
 

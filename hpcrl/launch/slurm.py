@@ -14,10 +14,12 @@ run directory from HPCRL_RUN_DIR; nothing is pickled (see hpcrl.launch.hetjob).
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hpcrl.config import secrets
 from hpcrl.launch.hetjob import HetComponent, HetJobSpec, HetStep, render_sbatch, submit_hetjob
 from hpcrl.paths import RunPaths
 
@@ -119,11 +121,23 @@ def build_spec(
         steps=[orchestrator],
         time=s.time,
         env={"HPCRL_RUN_DIR": str(paths.root), "HPCRL_PYTHON": python or sys.executable},
-        setup=[RUN_KEY_LINE, *s.setup],
+        setup=[RUN_KEY_LINE, *setup_lines(cfg)],
         extra_sbatch=job_wide,
         requeue=s.requeue,
         signal_before_s=s.signal_before_s,
     )
+
+
+def setup_lines(cfg) -> list[str]:
+    """Shell lines before the steps. env_files are sourced by path (every step sees their variables;
+    their contents never enter the script), and a setup line holding a literal secret runs as
+    `eval "$HPCRL_SECRET_SLURM_SETUP_<i>"`: the submitting process hands that variable to sbatch in
+    its environment (resolved.secret_env), so the script in the run directory holds no secret."""
+    lines = [f"set -a; . {shlex.quote(p)}; set +a" for p in cfg.env_files]
+    for line in secrets.externalize(list(cfg.slurm.setup if cfg.slurm else []), "slurm.setup")[0]:
+        m = secrets.ENV_REF_RE.fullmatch(line)
+        lines.append(f'eval "${{{m.group(1)}}}"' if m else line)
+    return lines
 
 
 def render(spec: HetJobSpec, paths: RunPaths) -> str:

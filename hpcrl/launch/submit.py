@@ -8,6 +8,7 @@ pins every role's config to the newest complete checkpoint and moves newer bus f
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -16,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcrl.config.loader import Loaded
-from hpcrl.config.resolved import write_resolved
+from hpcrl.config.resolved import secret_env, write_resolved
 from hpcrl.config.schema import CkptConfig, Config
 from hpcrl.launch import prepare
 from hpcrl.launch.placement import partition_max_gpus, slurm_placement
@@ -77,6 +78,9 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     from hpcrl.launch.local import clear_stale_addresses
 
     clear_stale_addresses(paths)
+    # Literal secrets reach the job through sbatch's environment (exported to every step), never
+    # through the script or configs in the run directory; SLURM keeps it for requeues.
+    os.environ.update(secret_env(cfg))
     job_id = slurm_mod.submit(spec, paths)
     from hpcrl.launch.manage import write_job
 

@@ -192,14 +192,17 @@ class WandbSink:
         return run
 
     def _config(self) -> dict[str, Any] | None:
-        """The resolved config as written by the launcher (secrets already redacted)."""
+        """The resolved config as written by the launcher (literal secrets are already references;
+        redacted once more because W&B is read by people)."""
         f = self.paths.resolved_config
         if not f.is_file():
             return None
         import tomllib
 
         try:
-            return tomllib.loads(f.read_text())
+            from hpcrl.config.resolved import redact
+
+            return redact(tomllib.loads(f.read_text()))
         except (tomllib.TOMLDecodeError, OSError):
             return None
 

@@ -21,6 +21,7 @@ from hpcrl.bus import Bus, BusTimeout, PolicyReady, ServerInfo, ShutdownRequeste
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
+ADAPTER_NAME = "policy"  # the name LoRA RL loads each step's adapter under (replacing the previous one)
 
 
 class PolicyMismatch(RuntimeError):
@@ -160,6 +161,15 @@ class PolicySync:
     async def _load_one(self, client, msg: PolicyReady) -> None:
         from hpcrl.inference.client import WeightSyncError
 
+        if msg.adapter:  # LoRA RL: only the adapter travels; the server merges it onto its base weights
+            try:
+                r = await client.load_lora_adapter(ADAPTER_NAME, str(msg.path), step=msg.step)
+            except WeightSyncError as e:
+                raise PolicyMismatch(f"server {client.base_url} failed to load the adapter of policy {msg.step}: {e}") from None
+            if r.get("checksum") != msg.checksum:
+                raise PolicyMismatch(f"server {client.base_url} loaded adapter checksum {r.get('checksum')} for policy "
+                                     f"{msg.step}, the trainer published {msg.checksum}")
+            return
         if msg.transport == "filesystem" and self.loaded is None:
             info = await client.weights()
             # Same bytes already loaded (policy 0 on fresh servers): reloading would only cost time.
@@ -182,6 +192,11 @@ class PolicySync:
         """Every server reports exactly `msg`'s checksum (GET /weights)."""
         infos = await asyncio.gather(*(c.weights() for c in self.clients))
         for c, info in zip(self.clients, infos):
+            if msg.adapter:  # the load already compared the adapter's checksum; here: still that one
+                if info.get("step") != msg.step or (info.get("lora_adapters") or {}).get(ADAPTER_NAME) != msg.path:
+                    raise PolicyMismatch(f"server {c.base_url} holds step {info.get('step')} / adapters "
+                                         f"{info.get('lora_adapters')}, policy {msg.step} is adapter {msg.path}")
+                continue
             if info.get("checksum") != msg.checksum:
                 raise PolicyMismatch(f"server {c.base_url} holds checksum {info.get('checksum')} (step "
                                      f"{info.get('step')}), policy {msg.step} has {msg.checksum}")

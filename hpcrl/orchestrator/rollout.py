@@ -134,9 +134,18 @@ def openai_sampling(sampling: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Token stitching (pure functions)
 # ---------------------------------------------------------------------------------------------
-def render(tokenizer: Any, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+def render(tokenizer: Any, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool,
+           template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The chat template's text. `template_kwargs` (enable_thinking, reasoning_effort) must be the
+    request's on every render: a later turn's prompt is rendered here, not by the server, and a
+    template that changes with them (Qwen3's empty think block) would otherwise differ from turn 1."""
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+                                         tokenize=False, **(template_kwargs or {}))
+
+
+def template_kwargs(sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat-template switches of a request's sampling fields (see openai_sampling)."""
+    return dict(sampling.get("chat_template_kwargs") or {})
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -144,14 +153,15 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def env_response_ids(tokenizer: Any, history: list[Message], messages: list[Message],
-                     tools: list[dict] | None, completion_ids: list[int]) -> list[int] | None:
+                     tools: list[dict] | None, completion_ids: list[int],
+                     template_kwargs: Mapping[str, Any] | None = None) -> list[int] | None:
     """Token ids the template puts after the last sampled token of `history` (which ends with the
     assistant turn that produced `completion_ids`) up to the next generation prompt of `messages`.
     None when the template does not render `history` as a prefix of `messages` plus what the model
     sampled (then no exact stitching exists)."""
-    before = render(tokenizer, history[:-1], tools, add_generation_prompt=True)
-    through = render(tokenizer, history, tools, add_generation_prompt=False)
-    full = render(tokenizer, messages, tools, add_generation_prompt=True)
+    before = render(tokenizer, history[:-1], tools, True, template_kwargs)
+    through = render(tokenizer, history, tools, False, template_kwargs)
+    full = render(tokenizer, messages, tools, True, template_kwargs)
     if not (through.startswith(before) and full.startswith(through)):
         return None
     assistant_text = through[len(before):]
@@ -207,18 +217,19 @@ class RolloutClient:
     async def chat(self, messages: list[Message], tools: list[dict[str, Any]] | None,
                    sampling: Mapping[str, Any]) -> Turn:
         body = {**sampling}
+        kw = template_kwargs(sampling)
         if self.seed is not None:
             body["seed"] = derive_seed(self.seed, self.turn)
         ids = None
         if self.prev is not None and self.history is not None and messages[: len(self.history)] == self.history:
-            env_ids = env_response_ids(self.tokenizer, self.history, messages, tools, self.prev.completion_token_ids)
+            env_ids = env_response_ids(self.tokenizer, self.history, messages, tools, self.prev.completion_token_ids, kw)
             if env_ids is not None:
                 ids = stitch_prompt(self.prev.prompt_token_ids, self.prev.completion_token_ids, env_ids)
         if ids is None and self.turn > 0:
             log.debug("turn %d re-rendered by the chat template (no exact stitching)", self.turn)
-            ids = encode(self.tokenizer, render(self.tokenizer, messages, tools, add_generation_prompt=True))
+            ids = encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw))
         prompt_len = len(ids) if ids is not None else len(
-            encode(self.tokenizer, render(self.tokenizer, messages, tools, add_generation_prompt=True)))
+            encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw)))
         room = self.seq_len - prompt_len
         if room <= 0:  # the conversation filled seq_len: a truncated rollout, not an error
             turn = Turn("", ids or [], [], [], [], finish_reason="length")
@@ -239,7 +250,8 @@ class RolloutClient:
         body = {**sampling}
         if self.seed is not None:
             body["seed"] = derive_seed(self.seed, self.turn)
-        room = self.seq_len - len(encode(self.tokenizer, render(self.tokenizer, messages, tools, True)))
+        room = self.seq_len - len(encode(self.tokenizer, render(self.tokenizer, messages, tools, True,
+                                                                template_kwargs(sampling))))
         if room <= 0:
             return [Turn("", [], [], [], [], finish_reason="length") for _ in range(n)]
         body["max_tokens"] = min(int(body.get("max_tokens") or room), room)
@@ -248,22 +260,22 @@ class RolloutClient:
         choices = resp.get("choices") or []
         if len(choices) != n:
             raise RequestFailed(f"asked for {n} choices, the server returned {len(choices)}")
-        return [self._chat_turn(c, resp, messages, tools) for c in choices]
+        return [self._chat_turn(c, resp, messages, tools, template_kwargs(body)) for c in choices]
 
     async def _chat(self, messages: list[Message], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
         resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.model, tools=tools,
                                     **body)
-        return self._chat_turn(resp["choices"][0], resp, messages, tools)
+        return self._chat_turn(resp["choices"][0], resp, messages, tools, template_kwargs(body))
 
     def _chat_turn(self, choice: dict[str, Any], resp: dict[str, Any], messages: list[Message],
-                   tools: list[dict] | None) -> Turn:
+                   tools: list[dict] | None, kw: Mapping[str, Any] | None = None) -> Turn:
         msg = choice.get("message") or {}
         text = msg.get("content") or ""
         ids = choice.get("token_ids")
         lps = [c["logprob"] for c in ((choice.get("logprobs") or {}).get("content") or [])]
         prompt_ids = resp.get("prompt_token_ids")
         if ids is None or prompt_ids is None:  # an endpoint without token ids (a hosted teacher)
-            prompt_ids = encode(self.tokenizer, render(self.tokenizer, messages, tools, True))
+            prompt_ids = encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw))
             ids = encode(self.tokenizer, text)
         if len(lps) != len(ids):
             lps = [0.0] * len(ids)
@@ -272,6 +284,7 @@ class RolloutClient:
                     finish_reason=choice.get("finish_reason") or "stop", tool_calls=msg.get("tool_calls") or None)
 
     async def _complete(self, ids: list[int], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
+        # The prompt is token ids rendered here with the same template kwargs (see chat()).
         body = {k: v for k, v in body.items() if k != "chat_template_kwargs"}
         resp = await self.pool.call(self.server, "completion", ids, model=self.pool.model, **body)
         choice = resp["choices"][0]
@@ -481,12 +494,23 @@ async def teacher_logprobs(pool: ServerPool, ids: list[int]) -> list[float]:
 
 class Generator:
     """Runs groups of rollouts against a ServerPool. With `seed` set (deterministic mode) every
-    request's sampling seed derives from (seed, key..., example id, rollout index, turn)."""
+    request's sampling seed derives from (seed, key..., example id, rollout index, turn).
+
+    `strategy` (orchestrator.trajectory_strategy) schedules multi-turn work:
+    - interleaved: every requested example's group runs at once, so turns of different examples
+      interleave on the servers (while one conversation waits for its env, others decode);
+    - branching: one example at a time: its n rollouts branch from the shared prompt and run to their
+      last turn before the next example's first request is sent (fewer conversations in flight,
+      each finishes sooner; lower throughput).
+    Either way a rollout's turns are stitched into one sample, and results are the same per seed."""
 
     def __init__(self, pool: ServerPool, tokenizer: Any, seq_len: int, default_policy: Callable[[], int],
-                 seed: int | None, branching: bool = False):
+                 seed: int | None, strategy: str = "interleaved"):
+        assert strategy in ("interleaved", "branching"), strategy
         self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
-        self.default_policy, self.seed, self.branching = default_policy, seed, branching
+        self.default_policy, self.seed, self.strategy = default_policy, seed, strategy
+        self.branching = strategy == "branching"  # also: one training sample per assistant turn
+        self._example_lock: asyncio.Lock | None = None
 
     def client_factory(self, *key: object) -> Callable[[int], RolloutClient]:
         def make(i: int) -> RolloutClient:
@@ -497,6 +521,14 @@ class Generator:
 
     async def groups(self, env: Environment, tasks: Sequence[Task], n: int, sampling: Mapping[str, Any],
                      *key: object, sink: Sink | None = None) -> list[list[RolloutRecord]]:
-        return list(await asyncio.gather(*(
-            run_group(env, t, n, sampling, self.client_factory(*key, t.example_id), self.branching, sink)
-            for t in tasks)))
+        return list(await asyncio.gather(*(self._group(env, t, n, sampling, key, sink) for t in tasks)))
+
+    async def _group(self, env: Environment, task: Task, n: int, sampling: Mapping[str, Any],
+                     key: tuple[object, ...], sink: Sink | None) -> list[RolloutRecord]:
+        make = self.client_factory(*key, task.example_id)
+        if self.strategy == "interleaved":
+            return await run_group(env, task, n, sampling, make, sink=sink)
+        if self._example_lock is None:
+            self._example_lock = asyncio.Lock()
+        async with self._example_lock:  # branching: this example's trajectories finish first
+            return await run_group(env, task, n, sampling, make, branching=True, sink=sink)

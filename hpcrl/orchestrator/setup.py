@@ -7,6 +7,7 @@ one-line ValueError before any work.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,14 +17,17 @@ from typing import Any
 import msgspec
 
 from hpcrl.bus import ServerInfo
-from hpcrl.config.schema import Config, EnvConfig
+from hpcrl.config.schema import Config, EnvConfig, OrchestratorConfig, SamplingConfig
 from hpcrl.envs import Environment, Task, load_environment
+from hpcrl.envs.registry import alias_note
 from hpcrl.orchestrator.advantages import AdvantageConfig
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
 from hpcrl.orchestrator.eval import EvalEnv
 from hpcrl.orchestrator.rollout import Generator, ServerPool, openai_sampling
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState
 from hpcrl.paths import RunPaths
+
+log = logging.getLogger("hpcrl.orchestrator")
 
 
 def env_name(e: EnvConfig) -> str:
@@ -38,6 +42,9 @@ def load_envs(envs: Sequence[EnvConfig], where: str) -> dict[str, Environment]:
         except ValueError as err:
             raise ValueError(f"{where}[{i}]: {err}") from None
         env.name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
+        note = alias_note(e.id)
+        if note:
+            log.warning(note)
         out[env.name] = env
     return out
 
@@ -92,16 +99,17 @@ class Setup:
         student = ServerPool([s.base_url for s in servers], model=servers[0].model, timeout=o.request_timeout_s,
                              max_concurrent=o.max_concurrent, api_key=resolve_api_key(cfg.server.api_key))
         self.pools.append(student)
-        self.eval_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed)
-        branching = o.trajectory_strategy == "branching"  # training samples: one per turn
-        self.train_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed, branching)
+        # Same strategy for eval and training, each with its own one-example-at-a-time lock under
+        # branching, so eval never waits behind training groups.
+        self.eval_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy)
+        self.train_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy)
         if o.teacher is not None:
             self.teacher = ServerPool([o.teacher.base_url], model=o.teacher.model, timeout=o.request_timeout_s,
                                       max_concurrent=o.max_concurrent, api_key=os.environ.get(o.teacher.api_key_var))
             self.pools.append(self.teacher)
             if o.training_mode == "sft":  # the teacher writes the completions; they are never stale
                 self.train_gen = Generator(self.teacher, self.tokenizer, cfg.seq_len,
-                                           lambda: max(0, loaded_policy()), seed, branching)
+                                           lambda: max(0, loaded_policy()), seed, o.trajectory_strategy)
 
     async def generate(self, refs: Sequence[TaskRef], step: int) -> list[GroupRecord]:
         assert self.train_gen is not None
@@ -150,11 +158,23 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     if cfg.deterministic and transport == "collective" and o.max_async_level > 0:
         raise ValueError("deterministic = true needs trainer.broadcast.transport = 'filesystem' when "
                          "max_async_level > 0 (a collective broadcast cannot be loaded later)")
-    eval_sampling = o.eval.sampling if o.eval is not None and o.eval.sampling is not None else o.train.sampling
+    eval_sampling = eval_sampling_of(o)
     return Setup(cfg=cfg, tokenizer=load_tokenizer(cfg), envs=envs, tasks=tasks, buffer=buffer,
                  advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)), world_size=world,
                  num_servers=servers, transport=transport, eval_envs=eval_envs,
                  train_sampling=openai_sampling(o.train.sampling), eval_sampling=openai_sampling(eval_sampling))
+
+
+def eval_sampling_of(o: OrchestratorConfig) -> SamplingConfig:
+    """Eval's sampling: its own table, else train's. The thinking switches are the model's prompt
+    format, so eval keeps train's unless its table sets them."""
+    t = o.train.sampling
+    if o.eval is None or o.eval.sampling is None:
+        return t
+    e = o.eval.sampling
+    return msgspec.structs.replace(
+        e, enable_thinking=t.enable_thinking if e.enable_thinking is None else e.enable_thinking,
+        reasoning_effort=e.reasoning_effort or t.reasoning_effort)
 
 
 def open_env_logs(cfg: Config, paths: RunPaths, envs: dict[str, Environment], eval_envs: list[EvalEnv]) -> None:

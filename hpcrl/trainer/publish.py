@@ -36,15 +36,26 @@ class PolicyPublisher:
         self.keep = max(2, keep)
         self.group = weight_group
         self.bucket_mb = bucket_mb
+        self.last_bytes = 0
+        self.base_sent = False
 
     def publish(self, model: torch.nn.Module, step: int) -> float:
-        """Collective over trainer ranks (FSDP gathers). Returns seconds spent."""
+        """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_bytes` is what
+        travelled (metric weights/sync_bytes)."""
+        from hpcrl.trainer.model import is_peft_model
+
+        # The first policy of a process goes in full (merged): the servers' base must be this trainer's
+        # base (a warm start changes it); after that only the adapter changes.
+        if is_peft_model(model) and self.transport == "filesystem" and self.base_sent:
+            return self._publish_adapter(model, step)
+        self.base_sent = True
         t0 = time.perf_counter()
         named = dict(hf_named_tensors(model))  # every rank iterates: shards are gathered
         if self.rank != 0:
             return time.perf_counter() - t0
         checksum = state_dict_checksum(named)
         nbytes = sum(t.numel() * t.element_size() for t in named.values())
+        self.last_bytes = nbytes
         nparams = sum(t.numel() for t in named.values())
         if self.transport == "filesystem":
             path = self._write_files(step, named)
@@ -59,6 +70,29 @@ class PolicyPublisher:
             broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
         dt = time.perf_counter() - t0
         log.info("policy %d published (%s, %.1f MB, %.2fs, checksum %s)", step, self.transport, nbytes / 1e6, dt,
+                 checksum[:12])
+        return dt
+
+    def _publish_adapter(self, model: torch.nn.Module, step: int) -> float:
+        """LoRA: only the adapter travels (peft format, what /load_lora_adapter reads in vLLM and the
+        embedded engine); the checksum is over the tensors as written, which is what a server reports."""
+        from safetensors.torch import load_file
+
+        from hpcrl.trainer.model import save_adapter
+
+        t0 = time.perf_counter()
+        path = save_adapter(model, self.paths.broadcast_dir(step), write=self.rank == 0)  # collective under FSDP
+        if self.rank != 0:
+            return time.perf_counter() - t0
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        checksum = state_dict_checksum(tensors)
+        self.last_bytes = sum(f.stat().st_size for f in path.iterdir())
+        self.bus.publish_policy(PolicyReady(
+            step=step, transport="filesystem", path=str(path), checksum=checksum, adapter=True,
+            num_params=sum(t.numel() for t in tensors.values()), num_bytes=self.last_bytes))
+        self._clean_behind(step)
+        dt = time.perf_counter() - t0
+        log.info("policy %d published (LoRA adapter, %.3f MB, %.2fs, checksum %s)", step, self.last_bytes / 1e6, dt,
                  checksum[:12])
         return dt
 

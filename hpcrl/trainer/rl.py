@@ -77,7 +77,8 @@ def main(cfg: Config) -> int:
         progress = advance(progress, out)
         t_ckpt = maybe_checkpoint(cfg, paths, tr, step, progress, finalizers, force=stop.is_set())
         maybe_save_adapter(cfg.ckpt, paths, tr, step, cfg.max_steps)
-        metrics.log(step, step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress))
+        metrics.log(step, {**step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress),
+                           "weights/sync_bytes": publisher.last_bytes})
         if metrics.distributions_due(step):
             metrics.log_distribution(step, "entropy", out["entropies"].numpy())
         if stop.is_set():

@@ -61,10 +61,14 @@ def build_training(model_cfg: ModelConfig, optim_cfg: OptimConfig, total_steps: 
         lora = model_lib.LoraParams(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules))
     attn = None if model_cfg.attn == "auto" else model_cfg.attn
     model = model_lib.load_model(path, dtype=resolve_dtype(model_cfg.dtype, device), device=device, attn_impl=attn,
-                                 activation_checkpointing=model_cfg.activation_checkpointing, lora=lora,
-                                 trust_remote_code=model_cfg.trust_remote_code)
+                                 activation_checkpointing=model_cfg.activation_checkpointing,
+                                 lora=None if warm_start else lora, trust_remote_code=model_cfg.trust_remote_code)
     if warm_start:
+        # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
+        # merged), and the new adapter starts at zero on top of them.
         load_warm_start(model, warm_start)
+        if lora is not None:
+            model = model_lib.apply_lora(model, lora)
     model = parallel.apply_fsdp(model)
     tokenizer = model_lib.load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
     optimizer = optim_lib.build_optimizer(

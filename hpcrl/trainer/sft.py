@@ -148,6 +148,7 @@ class SFTData:
     seq_len: int
     micro_tokens: int
     batch_size: int
+    template_defaults: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     _val_cache: list[sd.TokenizedSample] | None = field(default=None, repr=False)
 
@@ -170,11 +171,12 @@ class SFTData:
         if not any(mask.values()):
             raise ValueError("loss_mask: every role is off, nothing would be trained")
         cursor = sd.DataCursor(len(rows), cfg.data.seed, cfg.data.shuffle)
+        switches = {"enable_thinking": cfg.data.enable_thinking, "reasoning_effort": cfg.data.reasoning_effort}
         return cls(rows, val, cursor, mask, cfg.data.seq_len or cfg.seq_len, cfg.micro_batch_tokens,
-                   cfg.data.batch_size)
+                   cfg.data.batch_size, {k: v for k, v in switches.items() if v is not None})
 
     def sample(self, rows: sd.Rows, i: int, where: str) -> sd.TokenizedSample:
-        conv = sd.row_to_conversation(rows[i], where)
+        conv = sd.row_to_conversation(rows[i], where, self.template_defaults)
         return sd.truncate(sd.tokenize_conversation(self.tokenizer, conv, self.role_mask, where), self.seq_len)
 
     def next_batch(self, rank: int, world: int, device: torch.device) -> StepBatch:

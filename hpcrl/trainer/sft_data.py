@@ -219,7 +219,10 @@ def parse_tools(value: Any, what: str = "tools") -> list[dict[str, Any]] | None:
     return out or None
 
 
-def row_to_conversation(row: Mapping[str, Any], where: str = "row") -> Conversation:
+def row_to_conversation(row: Mapping[str, Any], where: str = "row",
+                        template_defaults: Mapping[str, Any] | None = None) -> Conversation:
+    """`template_defaults` (the config's enable_thinking / reasoning_effort) apply to every render of
+    the conversation; a row's own chat_template_kwargs override them key by key."""
     tools = parse_tools(row.get("tools"), f"{where}.tools")
     if tools is None:
         tools = parse_tools(row.get("tool_defs"), f"{where}.tool_defs")
@@ -228,7 +231,7 @@ def row_to_conversation(row: Mapping[str, Any], where: str = "row") -> Conversat
         kwargs = json.loads(kwargs) if kwargs.strip() else None
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise ValueError(f"{where}.chat_template_kwargs must be an object")
-    kwargs = {k: v for k, v in kwargs.items() if v is not None} if kwargs else None
+    kwargs = {**(template_defaults or {}), **{k: v for k, v in (kwargs or {}).items() if v is not None}} or None
     if row.get("messages") is not None:
         msgs = _as_messages(row["messages"], "user", f"{where}.messages")
         return Conversation(msgs, tools, kwargs, 0)

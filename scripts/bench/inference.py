@@ -6,7 +6,10 @@ Starts a real server subprocess on 127.0.0.1 with a locally built model, then me
 1. generated tokens/s with 1, 8 and 64 concurrent chat requests (each `--max-tokens`, ignore_eos), and
    with one request for n=64 choices (how the orchestrator asks for a single-turn group);
 2. the wall time of one weight update from a path and over gloo, next to a raw in-memory copy of the
-   same bytes (the floor any transport is measured against).
+   same bytes (the floor any transport is measured against);
+3. LoRA vs full policy sync, as LoRA RL does it each step: write (trainer side) + load on the server
+   (verified), bytes and seconds, for the adapter (/load_lora_adapter) and for the merged weights
+   (/update_weights from path). `--sync-only` measures just this.
 Prints medians of `--repeats` runs as a Markdown table (docs/inference.md quotes it).
 """
 
@@ -47,6 +50,45 @@ async def throughput(client, concurrency: int, max_tokens: int, n: int = 1) -> t
     return tokens / dt, rows / max(steps, 1)
 
 
+async def sync_rows(c, model_dir: Path, tmp: Path, args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """LoRA adapter vs full merged weights, per step: trainer-side write + verified server load."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hpcrl.trainer.model import LoraParams, apply_lora, load_model, merged_state_dict, save_adapter
+    from hpcrl.weights.checksum import state_dict_checksum
+
+    model = apply_lora(load_model(model_dir), LoraParams(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
+    full_t, lora_t, full_b, lora_b = [], [], 0, 0
+    for i in range(args.repeats):
+        with torch.no_grad():  # a trained adapter: B is no longer zero
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 1e-3)
+        t0 = time.perf_counter()
+        d = save_adapter(model, tmp / f"adapter_{i}")
+        ck = state_dict_checksum(load_file(str(d / "adapter_model.safetensors")))
+        r = await c.load_lora_adapter("policy", str(d), step=200 + i)
+        assert r["checksum"] == ck, "adapter checksum mismatch"
+        lora_t.append(time.perf_counter() - t0)
+        lora_b = sum(f.stat().st_size for f in d.iterdir())
+        t0 = time.perf_counter()
+        merged = merged_state_dict(model)
+        full_dir = tmp / f"full_{i}"
+        full_dir.mkdir()
+        save_file({k: v.contiguous() for k, v in merged.items()}, str(full_dir / "model.safetensors"))
+        await c.update_weights(300 + i, path=str(full_dir), expected_checksum=state_dict_checksum(merged))
+        full_t.append(time.perf_counter() - t0)
+        full_b = (full_dir / "model.safetensors").stat().st_size
+    lt, ft = statistics.median(lora_t), statistics.median(full_t)
+    return [
+        (f"policy sync, LoRA rank {args.lora_rank} adapter (write + /load_lora_adapter, verified)",
+         f"{lt * 1e3:.1f} ms", f"{lora_b / 2**20:.3f} MiB = {100 * lora_b / full_b:.1f} % of full"),
+        ("policy sync, full merged weights (write + /update_weights from path, verified)", f"{ft * 1e3:.1f} ms",
+         f"{full_b / 2**20:.2f} MiB; LoRA {ft / lt:.1f}x faster"),
+    ]
+
+
 async def run(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import load_file
@@ -67,6 +109,9 @@ async def run(args: argparse.Namespace) -> None:
     try:
         async with InferenceClient(server.base_url) as c:
             await c.chat_completion(MSGS, max_tokens=4)  # warm-up
+            rows += await sync_rows(c, model_dir, tmp, args)
+            if args.sync_only:
+                return _print(rows, args)
             for conc in (1, 8, 64):
                 runs = [await throughput(c, conc, args.max_tokens) for _ in range(args.repeats)]
                 tps = statistics.median(r[0] for r in runs)
@@ -112,7 +157,10 @@ async def run(args: argparse.Namespace) -> None:
                      f"{nbytes / 2**20:.1f} MiB"))
     finally:
         server.stop()
+    _print(rows, args)
 
+
+def _print(rows: list[tuple[str, str, str]], args: argparse.Namespace) -> None:
     print(f"\nhf backend, preset {args.preset}, server torch threads {args.threads}, "
           f"median of {args.repeats}\n")
     print("| measurement | median | note |\n|---|---|---|")
@@ -125,6 +173,8 @@ def main() -> None:
     p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--sync-only", action="store_true", help="only the LoRA vs full sync comparison")
     p.add_argument("--threads", type=int, default=1,
                    help="server torch threads (1: OpenMP spinning collapses on a shared 2-core machine)")
     args = p.parse_args()

@@ -264,8 +264,13 @@ setup = ["export HF_TOKEN=hf_slurmsetupsecret0123456789", "module load cuda"]
     resolved = tomllib.loads((out / "configs" / "resolved.toml").read_text())
     assert resolved["env_files"] == [str(secret_env)]  # the path survives, the contents never enter
     args = resolved["orchestrator"]["train"]["env"][1]["args"]
-    assert args == {"api_key": "***", "password": "***", "split": "train"}
-    assert resolved["slurm"]["setup"] == ["export HF_TOKEN=***", "module load cuda"]
+    # Literal secrets become references to variables the launcher gives its children (never a
+    # corrupted "***" value: the roles start from these files).
+    assert args == {"api_key": "${env:HPCRL_SECRET_ORCHESTRATOR_TRAIN_ENV_1_ARGS_API_KEY}",
+                    "password": "${env:HPCRL_SECRET_ORCHESTRATOR_TRAIN_ENV_1_ARGS_PASSWORD}", "split": "train"}
+    assert resolved["slurm"]["setup"] == ["${env:HPCRL_SECRET_SLURM_SETUP_0}", "module load cuda"]
+    for role in ("trainer", "orchestrator", "inference"):
+        assert tomllib.loads((out / "configs" / f"{role}.toml").read_text()) == resolved
 
 
 def test_hosted_env_file_is_not_read_or_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -310,7 +315,10 @@ def test_summary_reports_platform_only_fields(tmp_path: Path, capsys: pytest.Cap
     assert main(["run", str(path), "--dry-run", "--output-dir", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     assert "model:        Qwen/Qwen3-30B-A3B-Instruct-2507 (LoRA)" in out
-    assert "envs:         alphabet-sort, gsm8k" in out
+    assert "envs:         alphabet-sort, arithmetic" in out
+    # the Hub id with no package installed runs the built-in, and says so
+    assert any("primeintellect/alphabet-sort" in line and "alias" in line for line in out.splitlines()
+               if line.startswith("note:"))
     for ignored in ("[infrastructure]", "checkpoints.keep_cloud", "adapters.keep_last"):
         assert any(ignored in line and "ignored" in line for line in out.splitlines() if line.startswith("note:"))
 

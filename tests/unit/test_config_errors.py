@@ -108,8 +108,8 @@ CASES: list[tuple[str, str, list[str], str, str]] = [
     ("no-envs", NO_ENV, [], "orchestrator.train.env", "at least one training environment is required"),
     ("duplicate-env-names", BASE + '[[orchestrator.train.env]]\nid = "primeintellect/reverse-text"\n', [],
      "orchestrator.train.env[1].name", "duplicate env name 'reverse-text'"),
-    ("duplicate-eval-names", BASE + '[[orchestrator.eval.env]]\nid = "gsm8k"\n[[orchestrator.eval.env]]\nid = "gsm8k"\n',
-     [], "orchestrator.eval.env[1].name", "duplicate env name 'gsm8k'"),
+    ("duplicate-eval-names", BASE + '[[orchestrator.eval.env]]\nid = "arithmetic"\n[[orchestrator.eval.env]]\nid = "arithmetic"\n',
+     [], "orchestrator.eval.env[1].name", "duplicate env name 'arithmetic'"),
     ("missing-model", BASE.replace('[model]\nname = "hpcrl/tiny-qwen3"\n', ""), [], "model.name", "is required"),
     ("opd-without-teacher", BASE, ["--orchestrator.training-mode", "opd"], "orchestrator.teacher",
      "training_mode = 'opd' needs [orchestrator.teacher] base_url"),
@@ -151,7 +151,7 @@ CASES: list[tuple[str, str, list[str], str, str]] = [
     ("hosted-adapters-unknown", HOSTED + "[adapters]\nkeep = 5\n", [], "adapters.keep", "allowed: interval, keep_last"),
     ("hosted-lr-conflict", "learning_rate = 1e-4\n" + HOSTED + "[trainer.optim]\nlr = 1e-5\n", [], "trainer.optim.lr",
      "conflicts with learning_rate"),
-    ("hosted-env-ratios", HOSTED + '[[env]]\nid = "gsm8k"\n[buffer]\nenv_ratios = [1.0]\n', [],
+    ("hosted-env-ratios", HOSTED + '[[env]]\nid = "arithmetic"\n[buffer]\nenv_ratios = [1.0]\n', [],
      "orchestrator.buffer.env_ratios", "[hosted field: buffer.env_ratios]"),
 ]
 
@@ -186,6 +186,17 @@ def test_unknown_env_id_is_a_config_error(tmp_path: Path, capsys: pytest.Capture
     err = capsys.readouterr().err
     assert err.startswith("config error: orchestrator.train.env[0]: ") and err.count("\n") == 1
     assert "no-such-env" in err and "reverse-text" in err  # names the id and what exists
+    assert "prime env install primeintellect/no-such-env" in err  # and how to install it
+
+
+def test_hub_id_that_is_not_installed_is_never_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """primeintellect/gsm8k used to run the synthetic arithmetic env silently."""
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(BASE.replace('id = "reverse-text"', 'id = "primeintellect/gsm8k"'))
+    assert main(["run", str(cfg), "--dry-run", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'primeintellect/gsm8k' is not installed" in err
+    assert "prime env install primeintellect/gsm8k" in err
 
 
 def test_bad_env_args_are_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

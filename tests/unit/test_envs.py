@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -168,7 +169,7 @@ def test_stitch_returns_none_when_history_is_re_rendered():
 
 def test_arithmetic_rewards():
     env = load_environment(
-        "gsm8k", num_examples=30, num_eval_examples=5, num_val_examples=0, format_weight=0.1
+        "arithmetic", num_examples=30, num_eval_examples=5, num_val_examples=0, format_weight=0.1
     )
     assert type(env).__name__ == "ArithmeticEnv"
     task = env.tasks()[0]
@@ -263,11 +264,9 @@ def test_calculator_tool_rollout():
 
 def test_registry_ids_and_errors():
     assert resolve_factory("reverse-text") is resolve_factory("primeintellect/reverse_text")
-    assert resolve_factory("gsm8k") is resolve_factory("arithmetic")
+    assert resolve_factory("hpcrl/arithmetic") is resolve_factory("arithmetic")
     assert resolve_factory("hpcrl.envs.calculator:load_environment") is resolve_factory("calculator")
-    assert resolve_factory("hpcrl.envs.arithmetic") is resolve_factory(
-        "gsm8k"
-    )  # a module with load_environment
+    assert resolve_factory("hpcrl.envs.arithmetic") is resolve_factory("arithmetic")  # a module with load_environment
     with pytest.raises(ValueError, match=r"unknown environment 'nope-env'.*reverse-text") as e:
         load_environment("nope-env")
     assert "\n" not in str(e.value)
@@ -275,14 +274,72 @@ def test_registry_ids_and_errors():
         load_environment("reverse-text", min_length=3)
     with pytest.raises(ValueError, match="no callable 'nope'"):
         resolve_factory("hpcrl.envs.calculator:nope")
-    with pytest.raises(ValueError, match="unknown environment"):
+    with pytest.raises(ValueError, match="'someone/reverse-text' is not installed"):
         resolve_factory("someone/reverse-text")  # another owner's env is not our built-in
 
 
 def test_validate_env_spec_is_cheap_and_checks_values():
     validate_env_spec("alphabet-sort", {"min_turns": 2, "max_turns": 4})
-    validate_env_spec("gsm8k", {"split": "train"})
+    validate_env_spec("arithmetic", {"split": "train"})
     with pytest.raises(ValueError, match="min_turns"):
         validate_env_spec("alphabet-sort", {"min_turns": 5, "max_turns": 4})
     with pytest.raises(ValueError, match="split 'bogus'"):
-        validate_env_spec("gsm8k", {"split": "bogus"})
+        validate_env_spec("arithmetic", {"split": "bogus"})
+
+
+def test_owner_name_loads_the_installed_package(tmp_path, monkeypatch):
+    """`owner/my-env` imports module my_env (as `prime env install` installs it), before any alias."""
+    pkg = tmp_path / "site"
+    (pkg / "reverse_text").mkdir(parents=True)
+    (pkg / "reverse_text" / "__init__.py").write_text(
+        "from hpcrl.envs.arithmetic import load_environment as _a\n"
+        "def load_environment(**kw):\n    return _a(**kw)\n")
+    (pkg / "judge_env.py").write_text("def load_environment(api_key: str = ''):\n    return api_key\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    import reverse_text
+
+    from hpcrl.envs.registry import alias_note
+
+    # teardown forgets these modules again (otherwise later tests would find the fake package)
+    monkeypatch.setitem(sys.modules, "reverse_text", reverse_text)
+    monkeypatch.setitem(sys.modules, "judge_env", None)
+    del sys.modules["judge_env"]
+
+    assert resolve_factory("primeintellect/reverse-text") is reverse_text.load_environment
+    assert alias_note("primeintellect/reverse-text") is None  # installed: no alias
+    assert resolve_factory("reverse-text") is not reverse_text.load_environment  # built-in by its own name
+    assert resolve_factory("someone/judge-env")(api_key="k") == "k"
+
+
+def test_aliases_are_named_and_unknown_hub_ids_fail():
+    from hpcrl.envs.registry import alias_note
+
+    note = alias_note("primeintellect/alphabet-sort")
+    assert note is not None and "alias" in note and "built-in 'alphabet-sort'" in note
+    assert alias_note("alphabet-sort") is None and alias_note("hpcrl/alphabet-sort") is None
+    for env_id in ("primeintellect/gsm8k", "primeintellect/math-env", "gsm8k"):
+        with pytest.raises(ValueError) as e:
+            resolve_factory(env_id)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"'primeintellect/gsm8k' is not installed \(no module 'gsm8k'.*"
+                                         r"prime env install primeintellect/gsm8k"):
+        resolve_factory("primeintellect/gsm8k")
+
+
+def test_env_args_reference_environment_variables(monkeypatch):
+    """`${env:NAME}` in args is resolved where the env is built; a missing variable names both."""
+    from hpcrl.envs import reverse_text
+
+    seen = {}
+
+    def factory(api_key: str, prompt: str = ""):
+        seen.update(api_key=api_key, prompt=prompt)
+        return reverse_text.load_environment()
+
+    monkeypatch.setattr("hpcrl.envs.registry.resolve_factory", lambda env_id: factory)
+    monkeypatch.setenv("HPCRL_TEST_KEY", "sk-real-value")
+    load_environment("judge", api_key="${env:HPCRL_TEST_KEY}", prompt="key ${env:HPCRL_TEST_KEY}!")
+    assert seen == {"api_key": "sk-real-value", "prompt": "key sk-real-value!"}
+    monkeypatch.delenv("HPCRL_TEST_KEY")
+    with pytest.raises(ValueError, match=r"args.api_key: references \$\{env:HPCRL_TEST_KEY\} but HPCRL_TEST_KEY is not set"):
+        load_environment("judge", api_key="${env:HPCRL_TEST_KEY}")
