@@ -46,6 +46,7 @@ class ServerState:
         self.model_path = model_path
         self.group: Any = None
         self.sync_error: str | None = None  # set when a loaded update failed verification
+        self.staging: Any = None  # the last broadcast's receive buffers, reused by the next one
         self.update_lock = asyncio.Lock()
         self.started = time.time()
         self.http_errors = 0
@@ -322,7 +323,7 @@ def _receive_and_load(state: ServerState, step: int) -> tuple[str, str | None]:
     from hpcrl.weights.collective import receive_header, receive_tensors
 
     header = receive_header(state.group)
-    tensors = receive_tensors(state.group, header)
+    tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
     if header.step != step:
         raise APIError(f"the broadcast carried step {header.step}, the request said {step}", status=409,
                        type="WeightSyncError")

@@ -43,6 +43,12 @@ class PolicyPublisher:
         named = dict(hf_named_tensors(model))  # every rank iterates: shards are gathered
         if self.rank != 0:
             return time.perf_counter() - t0
+        self.publish_named(named, step)
+        return time.perf_counter() - t0
+
+    def publish_named(self, named: dict[str, torch.Tensor], step: int) -> float:
+        """Rank 0 only: send `named` (HF names, full tensors) as policy `step`. Seconds spent."""
+        t0 = time.perf_counter()
         checksum = state_dict_checksum(named)
         nbytes = sum(t.numel() * t.element_size() for t in named.values())
         nparams = sum(t.numel() for t in named.values())
