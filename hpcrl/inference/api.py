@@ -321,10 +321,20 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _receive_and_load(state: ServerState, step: int) -> tuple[str, str | None]:
     from hpcrl.weights.collective import receive_header, receive_tensors
+    from hpcrl.weights.delta import Delta
 
     header = receive_header(state.group)
-    tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
+    if header.delta is not None:  # small and differently shaped each time: no staging buffer
+        tensors = receive_tensors(state.group, header)
+    else:
+        tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
     if header.step != step:
         raise APIError(f"the broadcast carried step {header.step}, the request said {step}", status=409,
                        type="WeightSyncError")
+    if header.delta is not None:
+        try:
+            delta = Delta.from_manifest(header.delta, tensors)
+        except ValueError as e:
+            raise APIError(str(e), status=409, type="WeightSyncError") from e
+        return state.engine.apply_delta(delta, step), header.checksum
     return state.engine.update_weights(tensors, step), header.checksum

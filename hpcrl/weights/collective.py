@@ -54,6 +54,7 @@ class WeightsHeader:
     bucket_bytes: int
     checksum: str | None
     tensors: list[tuple[str, str, tuple[int, ...]]]
+    delta: dict[str, Any] | None = None  # hpcrl.weights.delta manifest: the tensors encode a delta
 
     @property
     def total_bytes(self) -> int:
@@ -201,8 +202,10 @@ def broadcast_weights(
     src: int = 0,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     checksum: str | None = None,
+    delta: dict[str, Any] | None = None,
 ) -> None:
-    """Send `named_tensors` (HF names) as policy `step` to every other rank of `group`."""
+    """Send `named_tensors` (HF names) as policy `step` to every other rank of `group`; with `delta`
+    (a Delta manifest) they are that delta's encoded tensors and `checksum` the full result's."""
     import torch
 
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
@@ -213,6 +216,7 @@ def broadcast_weights(
         "step": int(step),
         "bucket_bytes": bucket,
         "checksum": checksum,
+        "delta": delta,
         "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
                     for (name, _), t in zip(items, tensors)],
     }
@@ -238,6 +242,7 @@ def receive_header(group: WeightGroup, *, src: int = 0) -> WeightsHeader:
         bucket_bytes=int(meta["bucket_bytes"]),
         checksum=meta.get("checksum"),
         tensors=[(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in meta["tensors"]],
+        delta=meta.get("delta"),
     )
 
 
