@@ -12,8 +12,8 @@ Each row is verified end to end: the receiver's checksum of what it loaded must 
 - collective: hpcrl.weights.collective between two processes (checksum, header, chunked gloo
   broadcast, copy into the served tensors, checksum), against raw = one plain gloo broadcast of as many
   bytes on the same group. Both end when the receiver's 8-byte acknowledgement arrives.
-- delta rows: consecutive bf16 policies from AdamW-sized updates (lr 1e-6) of fp32 master weights;
-  full sync vs delta sync of the same policies, bytes and seconds per step.
+- delta rows: consecutive bf16 policies (fp32 masters under AdamW, lr 1e-6, random gradients, after
+  10 unpublished warm-up steps); full sync vs delta sync of the same policies, bytes and seconds per step.
 
 Medians of --reps interleaved repetitions (raw and hpcrl alternate, so load hits both alike).
 """
@@ -44,6 +44,7 @@ from hpcrl.paths import RunPaths  # noqa: E402
 from hpcrl.trainer.publish import PolicyPublisher  # noqa: E402
 from hpcrl.weights import collective as coll  # noqa: E402
 from hpcrl.weights.checksum import state_dict_checksum  # noqa: E402
+from hpcrl.weights.delta import Delta, apply_delta, read_delta_dir  # noqa: E402
 
 MiB = 1 << 20
 KIND_STOP, KIND_RAW, KIND_FULL = 0, 1, 2
@@ -83,10 +84,14 @@ def alternate(rep: int, *pairs: tuple) -> tuple:
 
 # -- filesystem -----------------------------------------------------------------------------------
 def fs_receive(path: str, params: dict[str, torch.Tensor], want: str) -> None:
-    """What the hf server does for /update_weights {path}: read, copy into the model, checksum."""
-    loaded = load_safetensors_dir(path)
-    for n, t in loaded.items():
-        params[n].copy_(t)
+    """What the hf server does for /update_weights {path}: read, copy into the model (or apply the
+    delta in place), checksum the full weights."""
+    delta = read_delta_dir(path)
+    if delta is not None:
+        apply_delta(params, delta)
+    else:
+        for n, t in load_safetensors_dir(path).items():
+            params[n].copy_(t)
     got = state_dict_checksum(params)
     assert got == want, (got, want)
 
@@ -168,11 +173,14 @@ def receiver_main(port: int) -> None:
             _ack(group, 1)
             continue
         header = coll.receive_header(group)
-        tensors = staging = coll.receive_tensors(group, header, into=staging)
-        if {n: tuple(t.shape) for n, t in params.items()} != {n: tuple(t.shape) for n, t in tensors.items()}:
-            params = {n: torch.empty_like(t) for n, t in tensors.items()}
-        for n, t in tensors.items():
-            params[n].copy_(t)
+        if header.delta is not None:  # what the engine does: apply in place, checksum the full result
+            apply_delta(params, Delta.from_manifest(header.delta, coll.receive_tensors(group, header)))
+        else:
+            tensors = staging = coll.receive_tensors(group, header, into=staging)
+            if {n: tuple(t.shape) for n, t in params.items()} != {n: tuple(t.shape) for n, t in tensors.items()}:
+                params = {n: torch.empty_like(t) for n, t in tensors.items()}
+            for n, t in tensors.items():
+                params[n].copy_(t)
         _ack(group, int(state_dict_checksum(params) == header.checksum))
     coll.destroy_group(group)
 
@@ -185,11 +193,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_collective(sizes: list[int], reps: int, bucket_mb: float) -> list[dict]:
+def bench_collective(sizes: list[int], reps: int, bucket_mb: float, delta_args: tuple | None = None
+                     ) -> tuple[list[dict], list[dict]]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--receiver", str(port)])
     group = coll.init_group("127.0.0.1", port, 2, 0, backend="gloo")
-    rows, step = [], 0
+    rows, step, deltas = [], 0, []
     try:
         for size in sizes:
             policy = make_policy(size)
@@ -215,13 +224,75 @@ def bench_collective(sizes: list[int], reps: int, bucket_mb: float) -> list[dict
             rows.append(row("collective", size, nbytes(policy), ours[1:], theirs[1:]))
             print_row(rows[-1])
             del policy, raw
+        deltas = bench_delta(delta_args[0], *delta_args[1:], group) if delta_args else []
         _control(group, KIND_STOP, 0)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
         coll.destroy_group(group)
-    return rows
+    return rows, deltas
+
+
+# -- delta vs full -------------------------------------------------------------------------------
+def bf16_run(size: int, steps: int, lr: float, warmup: int = 10):
+    """Consecutive bf16 policies from fp32 master weights under torch's AdamW (lr, betas 0.9/0.999)
+    driven by random gradients, published as bf16 — what a trainer with fp32 masters sends each step.
+    The first `warmup` steps are not published: Adam's first steps move every weight by ~lr (the
+    bias-corrected m/sqrt(v) is ~1), later ones by a fraction of it, as in a long run."""
+    master = [torch.nn.Parameter(t) for t in make_policy(size, dtype=torch.float32).values()]
+    names = list(transformer_shapes(size))
+    opt = torch.optim.AdamW(master, lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    for i in range(warmup + steps + 1):
+        if i >= warmup:
+            yield {n: p.detach().to(torch.bfloat16) for n, p in zip(names, master)}
+        for p in master:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def bench_delta(root: Path, size: int, steps: int, lr: float, group: coll.WeightGroup | None) -> list[dict]:
+    """Per step: delta sync then full sync of the same policy (the receiver holds the previous one
+    before the delta); seconds end to end (publish + load + verify) and bytes sent."""
+    transport = "collective" if group is not None else "filesystem"
+    paths = RunPaths(root / f"delta_{transport}")
+    bus = Bus(paths, "trainer", 0, listen=False)
+    pubs = {mode: PolicyPublisher(paths, bus, 0, transport, keep=2, weight_group=group, delta=mode == "delta",
+                                  full_every=10**9) for mode in ("delta", "full")}
+    params: dict[str, torch.Tensor] = {}
+    t: dict[str, list[float]] = {"delta": [], "full": []}
+    b: dict[str, list[int]] = {"delta": [], "full": []}
+    step = 0
+    for i, policy in enumerate(bf16_run(size, steps, lr)):
+        if not params:
+            params = {n: torch.empty_like(v) for n, v in policy.items()}
+        for mode in ("delta", "full"):
+            step += 1
+            pub = pubs[mode]
+            t0 = time.perf_counter()
+            if group is not None:
+                _control(group, KIND_FULL, 0)
+            pub.publish_named(policy, step)
+            if group is not None:
+                assert _ack(group) == 1, "receiver's checksum differs from the sender's"
+            else:
+                msg = bus.latest_policy()
+                fs_receive(msg.path, params, msg.checksum)
+            if i > 0:  # step 0 is the first (full) sync of both
+                t[mode].append(time.perf_counter() - t0)
+                b[mode].append(pub.last_sync_bytes)
+    bus.close()
+    out = []
+    for mode in ("full", "delta"):
+        out.append({"transport": transport, "mode": mode, "nominal_mib": size // MiB, "steps": steps,
+                    "seconds": statistics.median(t[mode]), "bytes": statistics.median(b[mode])})
+    full, delta = out
+    print(f"{transport:<11} {size // MiB:5d} MiB bf16, lr {lr:g}, {steps} steps:  full {full['bytes'] / MiB:7.1f} MiB "
+          f"{full['seconds'] * 1e3:7.1f} ms   delta {delta['bytes'] / MiB:6.2f} MiB {delta['seconds'] * 1e3:7.1f} ms"
+          f"   bytes {delta['bytes'] / full['bytes'] * 100:4.1f} % (target <= 5 %), time delta/full {delta['seconds'] / full['seconds']:4.2f}x",
+          flush=True)
+    return out
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -282,6 +353,9 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=REPO / "outputs" / "bench_weights", help="scratch dir (disk)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     ap.add_argument("--plot", type=Path, default=None, help="write the cost curve PNG here")
+    ap.add_argument("--delta-mib", type=int, default=None, help="delta rows: policy size (quick 64, else 256)")
+    ap.add_argument("--delta-steps", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-6, help="delta rows: AdamW learning rate")
     ap.add_argument("--receiver", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.receiver:
@@ -295,15 +369,22 @@ def main() -> None:
     else:
         sizes = [m * MiB for m in (10, 32, 64, 128, 256, 512, 1024)]
     transports = args.transports.split(",")
+    delta_size = (args.delta_mib or (64 if args.quick else 256)) * MiB
     t_start = time.time()
     rows: list[dict] = []
+    deltas: list[dict] = []
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
     if "filesystem" in transports:
-        shutil.rmtree(args.dir, ignore_errors=True)
-        args.dir.mkdir(parents=True)
-        rows += bench_filesystem(Path(tempfile.mkdtemp(dir=args.dir)), sizes, args.reps)
-        shutil.rmtree(args.dir, ignore_errors=True)
+        root = Path(tempfile.mkdtemp(dir=args.dir))
+        rows += bench_filesystem(root, sizes, args.reps)
+        deltas += bench_delta(root, delta_size, args.delta_steps, args.lr, None)
     if "collective" in transports:
-        rows += bench_collective(sizes, args.reps, args.bucket_mb)
+        more, more_deltas = bench_collective(sizes, args.reps, args.bucket_mb,
+                                             (args.dir, delta_size, args.delta_steps, args.lr))
+        rows += more
+        deltas += more_deltas
+    shutil.rmtree(args.dir, ignore_errors=True)
     print()
     for transport in transports:
         rs = [r for r in rows if r["transport"] == transport]
@@ -315,7 +396,7 @@ def main() -> None:
             print(f"{transport:<11} fit: {a * 1e3:6.1f} ms + {b:6.3f} s/GB (raw {ra * 1e3:6.1f} ms + {rb:6.3f} s/GB)"
                   f"   ratio >= 256 MiB: {min(big) if big else float('nan'):.2f}x (target >= {target})")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "delta": deltas}, indent=1))
     if args.plot:
         plot(rows, args.plot)
     print(f"\n{os.cpu_count()} cpus, total {time.time() - t_start:.0f} s")
