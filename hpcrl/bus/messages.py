@@ -164,9 +164,15 @@ class PolicyReady(msgspec.Struct, kw_only=True):
     adapter: bool = False
     num_params: int
     num_bytes: int
+    # A delta sync (hpcrl.weights.delta) applies on top of policy `base_step`; None: the full weights.
+    # `checksum` is always that of the FULL new weights, whatever was sent.
+    base_step: int | None = None
+    sync_bytes: int | None = None  # bytes actually sent (full: num_bytes); None in older files
     created_at: float = msgspec.field(default_factory=_now)
 
     def __post_init__(self) -> None:
+        if self.base_step is not None and not 0 <= self.base_step < self.step:
+            raise ValueError(f"PolicyReady.base_step must be in [0, step), got {self.base_step} for step {self.step}")
         if self.transport == "filesystem" and not self.path:
             raise ValueError("PolicyReady.path is required when transport is 'filesystem'")
         if self.transport not in ("collective", "filesystem"):

@@ -83,6 +83,10 @@ class BroadcastConfig(Section):
     ] = "auto"
     chunk_mb: Annotated[int, D("Bucket size of the collective broadcast in MiB.", ge=1)] = 256
     timeout_s: Annotated[float, D("Seconds to wait for inference servers to load a policy.", gt=0)] = 300.0
+    delta: Annotated[bool, D(
+        "Send only the elements that changed since the previous policy (verified against the checksum of "
+        "the full new weights); a full sync whenever the delta is not smaller.")] = False
+    full_every: Annotated[int, D("With delta: a full sync every N policies (1 = always full).", ge=1)] = 20
 
 
 class TrainerConfig(Section):

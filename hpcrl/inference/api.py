@@ -54,6 +54,7 @@ class ServerState:
         self.model_path = model_path
         self.group: Any = None
         self.sync_error: str | None = None  # set when a loaded update failed verification
+        self.staging: Any = None  # the last broadcast's receive buffers, reused by the next one
         self.update_lock = asyncio.Lock()
         self.started = time.time()
         self.http_errors = 0
@@ -353,10 +354,20 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _receive_and_load(state: ServerState, step: int) -> tuple[str, str | None]:
     from hpcrl.weights.collective import receive_header, receive_tensors
+    from hpcrl.weights.delta import Delta
 
     header = receive_header(state.group)
-    tensors = receive_tensors(state.group, header)
+    if header.delta is not None:  # small and differently shaped each time: no staging buffer
+        tensors = receive_tensors(state.group, header)
+    else:
+        tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
     if header.step != step:
         raise APIError(f"the broadcast carried step {header.step}, the request said {step}", status=409,
                        type="WeightSyncError")
+    if header.delta is not None:
+        try:
+            delta = Delta.from_manifest(header.delta, tensors)
+        except ValueError as e:
+            raise APIError(str(e), status=409, type="WeightSyncError") from e
+        return state.engine.apply_delta(delta, step), header.checksum
     return state.engine.update_weights(tensors, step), header.checksum

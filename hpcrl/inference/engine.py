@@ -28,10 +28,18 @@ from hpcrl.inference.loading import check_compatible, load_lora_delta, load_safe
 from hpcrl.inference.protocol import APIError, SamplingParams, SeqOutput
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.weights.checksum import state_dict_checksum
+from hpcrl.weights.delta import Delta, apply_delta, read_delta_dir
 
 log = logging.getLogger("hpcrl.inference.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype_of(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise APIError(f"unknown dtype {name!r} in a weight update")
+    return dt
 
 
 @dataclass(eq=False)
@@ -444,7 +452,38 @@ class HFEngine:
             return self.checksum
 
     def update_weights_from_path(self, path: str, step: int) -> str:
+        try:
+            delta = read_delta_dir(path)
+        except ValueError as e:
+            raise APIError(f"bad weight delta under {path!r}: {e}", param="path") from e
+        if delta is not None:
+            return self.apply_delta(delta, step)
         return self.update_weights(load_safetensors_dir(path), step)
+
+    def apply_delta(self, delta: Delta, step: int) -> str:
+        """Apply a delta sync to the served weights in place; return the checksum of the FULL result.
+
+        Exact: changed elements are written with their new bits (the engine's dtype holds the sent
+        dtype's values exactly, or equals it). Refused (nothing changes) unless the served weights are
+        exactly the delta's base: same checksum, no LoRA merged in."""
+        if self.lora_adapters:
+            raise APIError("a weight delta cannot apply on top of a merged LoRA adapter; send a full update",
+                           status=409, type="WeightSyncError")
+        with self._update_lock:
+            if self.checksum != delta.base_checksum or set(self._weight_names) != set(delta.layout):
+                raise APIError(f"weight delta for step {step} applies to policy {delta.base_step} "
+                               f"({delta.base_checksum[:20]}), this server holds step {self.policy_step} "
+                               f"({self.checksum[:20]}): a full update is needed", status=409, type="WeightSyncError")
+            with self._weights_lock:
+                try:
+                    apply_delta(self._params, delta)
+                except ValueError as e:  # some tensors may be written already: nothing verified is served
+                    self.checksum = "unverified"
+                    raise APIError(str(e), status=409, type="WeightSyncError") from e
+                self.policy_step = int(step)
+            loaded = {n: self._params[n].to(_dtype_of(d)) for n, (d, _, _) in delta.layout.items()}
+            self.checksum = state_dict_checksum(loaded)
+            return self.checksum
 
     def load_lora(self, name: str, path: str, step: int | None = None) -> str:
         """Merge a LoRA adapter into the base weights (replacing the previous adapter); return its checksum.

@@ -148,7 +148,18 @@ class PolicySync:
             if self.transport == "collective" and self.loaded is not None:
                 for s in range(self.loaded + 1, msg.step):
                     await self._load(read_message(self.paths.policy_file(s), PolicyReady))
-            await self._load(msg)
+            for m in self._delta_chain(msg):
+                await self._load(m)
+
+    def _delta_chain(self, msg: PolicyReady) -> list[PolicyReady]:
+        """Policies to load, oldest first, so that `msg` lands: a filesystem delta applies to its base,
+        so walk back until the policy the servers hold or a full broadcast (the trainer keeps those
+        files). A collective delta always follows its base (every broadcast is received in order)."""
+        chain = [msg]
+        while (self.transport != "collective" and chain[-1].base_step is not None
+               and chain[-1].base_step != self.loaded):
+            chain.append(read_message(self.paths.policy_file(chain[-1].base_step), PolicyReady))
+        return chain[::-1]
 
     async def _load(self, msg: PolicyReady) -> None:
         t0 = time.perf_counter()

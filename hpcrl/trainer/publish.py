@@ -5,7 +5,12 @@ publishes PolicyReady(path, checksum); servers load it when the orchestrator tel
 Collective transport: rank 0 publishes PolicyReady(transport="collective", checksum) and then
 broadcasts the tensors (HF names, chunked) over the weight group the servers joined; the
 orchestrator has them call /update_weights, which receives. Either way the checksum is computed
-over exactly the tensors sent, and every server's checksum of what it loaded is compared to it.
+over the full new weights, and every server's checksum of what it holds afterwards is compared to it.
+
+Delta sync (trainer.broadcast.delta): instead of the full weights, only the elements that changed
+since the previous policy travel (hpcrl.weights.delta; broadcasts/step_N/delta.safetensors or the same
+tensors over the collective, `base_step` in PolicyReady). A full sync is sent first, every
+`full_every` policies, and whenever the delta would not be smaller.
 """
 
 from __future__ import annotations
@@ -20,14 +25,15 @@ import torch
 from hpcrl.bus import Bus, PolicyReady
 from hpcrl.paths import RunPaths
 from hpcrl.trainer.model import hf_named_tensors
-from hpcrl.weights.checksum import state_dict_checksum
+from hpcrl.weights.checksum import payload_bytes, state_dict_checksum
+from hpcrl.weights.delta import DELTA_FILE, META_KEY, Delta, apply_delta, encode_delta
 
 log = logging.getLogger("hpcrl.trainer")
 
 
 class PolicyPublisher:
     def __init__(self, paths: RunPaths, bus: Bus, rank: int, transport: str, keep: int,
-                 weight_group: Any = None, bucket_mb: float = 256):
+                 weight_group: Any = None, bucket_mb: float = 256, *, delta: bool = False, full_every: int = 20):
         assert transport in ("filesystem", "collective"), transport
         self.paths = paths
         self.bus = bus
@@ -36,11 +42,19 @@ class PolicyPublisher:
         self.keep = max(2, keep)
         self.group = weight_group
         self.bucket_mb = bucket_mb
-        self.last_bytes = 0
         self.base_sent = False
+        self.delta = delta
+        self.full_every = max(1, full_every)
+        # Delta sync: the last published policy (CPU copy, kept current by applying each delta to it)
+        # with its step and checksum, and the step of the last full sync (the filesystem keeps it).
+        self._prev: dict[str, torch.Tensor] | None = None
+        self._prev_step = -1
+        self._prev_checksum = ""
+        self._last_full = -1
+        self.last_sync_bytes = 0  # `weights/sync_bytes` of the newest publish (rank 0)
 
     def publish(self, model: torch.nn.Module, step: int) -> float:
-        """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_bytes` is what
+        """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_sync_bytes` is what
         travelled (metric weights/sync_bytes)."""
         from hpcrl.trainer.model import is_peft_model
 
@@ -53,24 +67,40 @@ class PolicyPublisher:
         named = dict(hf_named_tensors(model))  # every rank iterates: shards are gathered
         if self.rank != 0:
             return time.perf_counter() - t0
+        self.publish_named(named, step)
+        return time.perf_counter() - t0
+
+    def publish_named(self, named: dict[str, torch.Tensor], step: int) -> float:
+        """Rank 0 only: send `named` (HF names, full tensors) as policy `step`. Seconds spent."""
+        t0 = time.perf_counter()
         checksum = state_dict_checksum(named)
-        nbytes = sum(t.numel() * t.element_size() for t in named.values())
-        self.last_bytes = nbytes
+        nbytes = payload_bytes(named)
         nparams = sum(t.numel() for t in named.values())
+        delta = self._encode(named, step)
+        self.last_sync_bytes = delta.nbytes if delta is not None else nbytes
+        base = delta.base_step if delta is not None else None
         if self.transport == "filesystem":
-            path = self._write_files(step, named)
+            path = self._write_files(step, named, delta)
             self.bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(path), checksum=checksum,
-                                                num_params=nparams, num_bytes=nbytes))
-            self._clean_behind(step)
+                                                num_params=nparams, num_bytes=nbytes, base_step=base,
+                                                sync_bytes=self.last_sync_bytes))
         else:
             from hpcrl.weights.collective import broadcast_weights
 
             self.bus.publish_policy(PolicyReady(step=step, transport="collective", path=None, checksum=checksum,
-                                                num_params=nparams, num_bytes=nbytes))
-            broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
+                                                num_params=nparams, num_bytes=nbytes, base_step=base,
+                                                sync_bytes=self.last_sync_bytes))
+            if delta is None:
+                broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
+            else:
+                broadcast_weights(self.group, delta.tensors, step, bucket_mb=self.bucket_mb, checksum=checksum,
+                                  delta=delta.manifest())
+        self._remember(named, step, checksum, delta)
+        if self.transport == "filesystem":
+            self._clean_behind(step)
         dt = time.perf_counter() - t0
-        log.info("policy %d published (%s, %.1f MB, %.2fs, checksum %s)", step, self.transport, nbytes / 1e6, dt,
-                 checksum[:12])
+        log.info("policy %d published (%s, %s %.1f MB of %.1f MB, %.2fs, checksum %s)", step, self.transport,
+                 "delta" if delta is not None else "full", self.last_sync_bytes / 1e6, nbytes / 1e6, dt, checksum[:12])
         return dt
 
     def _publish_adapter(self, model: torch.nn.Module, step: int) -> float:
@@ -86,29 +116,56 @@ class PolicyPublisher:
             return time.perf_counter() - t0
         tensors = load_file(str(path / "adapter_model.safetensors"))
         checksum = state_dict_checksum(tensors)
-        self.last_bytes = sum(f.stat().st_size for f in path.iterdir())
+        self.last_sync_bytes = sum(f.stat().st_size for f in path.iterdir())
         self.bus.publish_policy(PolicyReady(
             step=step, transport="filesystem", path=str(path), checksum=checksum, adapter=True,
-            num_params=sum(t.numel() for t in tensors.values()), num_bytes=self.last_bytes))
+            num_params=sum(t.numel() for t in tensors.values()), num_bytes=self.last_sync_bytes, sync_bytes=self.last_sync_bytes))
         self._clean_behind(step)
         dt = time.perf_counter() - t0
-        log.info("policy %d published (LoRA adapter, %.3f MB, %.2fs, checksum %s)", step, self.last_bytes / 1e6, dt,
+        log.info("policy %d published (LoRA adapter, %.3f MB, %.2fs, checksum %s)", step, self.last_sync_bytes / 1e6, dt,
                  checksum[:12])
         return dt
 
-    def _write_files(self, step: int, named: dict[str, torch.Tensor]):
+
+    def _encode(self, named: dict[str, torch.Tensor], step: int) -> Delta | None:
+        """The delta from the previous policy, or None for a full sync (first, periodic, or not smaller)."""
+        if (not self.delta or self._prev is None or self._prev_step >= step
+                or step - self._last_full >= self.full_every):
+            return None
+        delta = encode_delta(self._prev, named, self._prev_step, self._prev_checksum)
+        return delta if delta.nbytes < payload_bytes(named) else None
+
+    def _remember(self, named: dict[str, torch.Tensor], step: int, checksum: str, delta: Delta | None) -> None:
+        if not self.delta:
+            return
+        if delta is None or self._prev is None:
+            self._prev = {k: v.detach().to("cpu", copy=True) for k, v in named.items()}
+            self._last_full = step
+        else:
+            apply_delta(self._prev, delta)  # touches only the changed elements
+        self._prev_step, self._prev_checksum = step, checksum
+
+    def _write_files(self, step: int, named: dict[str, torch.Tensor], delta: Delta | None):
         from safetensors.torch import save_file
 
         from hpcrl.trainer.model import atomic_dir
 
         final = self.paths.broadcast_dir(step)
         with atomic_dir(final) as tmp:  # the server never sees a half-written broadcast
-            save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / "model.safetensors"),
-                      metadata={"format": "pt"})
+            if delta is None:
+                save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / "model.safetensors"),
+                          metadata={"format": "pt"})
+            else:
+                save_file(delta.tensors, str(tmp / DELTA_FILE), metadata={"format": "pt", META_KEY: delta.manifest_json()})
         return final
 
     def _clean_behind(self, step: int) -> None:
-        """Keep the newest `keep` broadcasts: the orchestrator may still load a slightly older one."""
+        """Keep the newest `keep` broadcasts (the orchestrator may still load a slightly older one) and,
+        with delta sync, every broadcast since the last full one: a server that loads policy N after
+        missing some replays the chain from there."""
+        floor = step - self.keep
+        if self.delta and self._last_full >= 0:
+            floor = min(floor, self._last_full - 1)
         for s in RunPaths.steps_in(self.paths.broadcasts_dir):
-            if s <= step - self.keep:
+            if s <= floor:
                 shutil.rmtree(self.paths.broadcast_dir(s), ignore_errors=True)

@@ -77,8 +77,8 @@ def main(cfg: Config) -> int:
         progress = advance(progress, out)
         t_ckpt = maybe_checkpoint(cfg, paths, tr, step, progress, finalizers, force=stop.is_set())
         maybe_save_adapter(cfg.ckpt, paths, tr, step, cfg.max_steps)
-        metrics.log(step, {**step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress),
-                           "weights/sync_bytes": publisher.last_bytes})
+        metrics.log(step, step_metrics(out, t_wait, t_pub, t_ckpt, time.perf_counter() - t_step, progress)
+                    | {"weights/sync_bytes": publisher.last_sync_bytes})
         if metrics.distributions_due(step):
             metrics.log_distribution(step, "entropy", out["entropies"].numpy())
         if stop.is_set():
@@ -118,7 +118,9 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int) -> PolicyP
         from hpcrl.weights.rendezvous import num_servers, trainer_join_weight_group
 
         group = trainer_join_weight_group(paths, bus, num_servers(cfg), cfg.trainer.broadcast.timeout_s)
-    return PolicyPublisher(paths, bus, rank, transport, keep, group, cfg.trainer.broadcast.chunk_mb)
+    b = cfg.trainer.broadcast
+    return PolicyPublisher(paths, bus, rank, transport, keep, group, b.chunk_mb, delta=b.delta,
+                           full_every=b.full_every)
 
 
 def resolve_transport(name: str) -> str:

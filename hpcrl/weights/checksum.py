@@ -59,3 +59,8 @@ def state_dict_checksum(named_tensors: Mapping[str, torch.Tensor] | Iterable[tup
         h.update(f"{name}\0{dtype}\0{tuple(t.shape)}\n".encode())
         h.update(tensor_bytes(t))
     return f"{_ALGO}:{h.hexdigest()}"
+
+
+def payload_bytes(named_tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of a weight payload as sent: the one definition behind the `weights/sync_bytes` metric."""
+    return sum(t.numel() * t.element_size() for t in named_tensors.values())

@@ -199,3 +199,61 @@ def test_lora_adapter_is_merged_and_listed(server, tmp_path: Path) -> None:
             assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
 
     asyncio.run(run())
+
+
+def _perturbed(sd: dict[str, torch.Tensor], seed: int, frac: float = 0.01) -> dict[str, torch.Tensor]:
+    """A next policy in which about `frac` of the elements changed (what one small RL step does)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in sd.items():
+        mask = torch.rand(v.shape, generator=g) < frac
+        out[k] = torch.where(mask, v + 0.05, v)
+    return out
+
+
+def test_delta_sync_from_path_and_over_gloo_is_verified(server, other_weights, tmp_path: Path) -> None:
+    """The trainer's publisher sends a full policy, then deltas (files, then a gloo broadcast); the server
+    rebuilds the full weights and its checksum of them equals the trainer's checksum of the full policy."""
+    from hpcrl.bus import Bus
+    from hpcrl.paths import RunPaths
+    from hpcrl.trainer.publish import PolicyPublisher
+
+    p0 = load_sd(other_weights[1])
+    p1 = _perturbed(p0, 1)
+    p2 = _perturbed(p1, 2)
+    paths = RunPaths(tmp_path / "run")
+    bus = Bus(paths, "trainer", 0, listen=False)
+
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            step = (await c.weights())["step"] + 1
+            pub = PolicyPublisher(paths, bus, 0, "filesystem", keep=2, delta=True, full_every=10)
+            for i, sd in enumerate((p0, p1)):
+                pub.publish_named(sd, step + i)
+                msg = bus.latest_policy()
+                assert (msg.base_step is None) == (i == 0)
+                if i:
+                    assert msg.sync_bytes == pub.last_sync_bytes < 0.1 * msg.num_bytes
+                r = await c.update_weights(msg.step, path=msg.path, expected_checksum=msg.checksum)
+                assert r["checksum"] == msg.checksum == state_dict_checksum(sd)
+            # a delta whose base the server does not hold is refused and changes nothing
+            stale = PolicyPublisher(RunPaths(tmp_path / "stale"), Bus(RunPaths(tmp_path / "stale"), "trainer", 0,
+                                                                       listen=False), 0, "filesystem", keep=2, delta=True)
+            stale.publish_named(p2, 1)
+            stale.publish_named(_perturbed(p2, 3), 2)
+            before = await c.weights()
+            with pytest.raises(WeightSyncError, match="full update is needed"):
+                await c.update_weights(step + 2, path=str(stale.paths.broadcast_dir(2)))
+            assert await c.weights() == before
+            # over gloo: the same publisher code, collective transport
+            port = free_port()
+            group, _ = await asyncio.gather(asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
+                                            c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60))
+            pub.transport, pub.group = "collective", group
+            _, r = await asyncio.gather(asyncio.to_thread(pub.publish_named, p2, step + 2),
+                                        c.update_weights(step + 2, collective=True))
+            msg = bus.latest_policy()
+            assert msg.base_step == step + 1 and msg.sync_bytes < 0.1 * msg.num_bytes
+            assert r["checksum"] == msg.checksum == state_dict_checksum(p2) == (await c.weights())["checksum"]
+
+    asyncio.run(run())
