@@ -6,6 +6,8 @@ Collective transport: rank 0 publishes PolicyReady(transport="collective", check
 broadcasts the tensors (HF names, chunked) over the weight group the servers joined; the
 orchestrator has them call /update_weights, which receives. Either way the checksum is computed
 over exactly the tensors sent, and every server's checksum of what it loaded is compared to it.
+Once the orchestrator reports a dead server (RunPaths.weights_fallback_file) rank 0 switches to
+files for good: see hpcrl.orchestrator.policy.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class PolicyPublisher:
         named = dict(hf_named_tensors(model))  # every rank iterates: shards are gathered
         if self.rank != 0:
             return time.perf_counter() - t0
+        if self.transport == "collective" and self.paths.weights_fallback_file.exists():
+            # A server died (the orchestrator says so): the group has a dead member and cannot take
+            # in its restarted process, so every later policy travels as files.
+            log.warning("a server of the weight group died: publishing policies as files from step %d on", step)
+            self.transport = "filesystem"
         checksum = state_dict_checksum(named)
         nbytes = sum(t.numel() * t.element_size() for t in named.values())
         self.last_bytes = nbytes
