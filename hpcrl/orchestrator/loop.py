@@ -28,6 +28,7 @@ from hpcrl import checkpoint
 from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
 from hpcrl.launch import placement
+from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
@@ -68,6 +69,9 @@ class Stopping(Exception):
 def main(cfg: Config) -> int:
     setup_logging("orchestrator", (cfg.orchestrator.log or cfg.log).level)
     placement.start_process(cfg, RunPaths(cfg.output_dir), "orchestrator", 0)
+    # Beaten by answered requests, policy loads, published batches and waits on the trainer: a blocked
+    # event loop or a wait that never ends stops all of them.
+    watchdog.start("orchestrator", cfg.watchdog_s)
     try:
         return asyncio.run(Orchestrator(cfg).run())
     except ShutdownRequested as e:
@@ -274,6 +278,7 @@ class Orchestrator:
                                  **self.server_metrics()}
         m = step_metrics(groups, generated, step, counts, t_policy, t_gen, n_samples, n_tokens, extra)
         self.metrics.log(step, m)
+        watchdog.beat(f"published batch {step}")
         if self.metrics.samples_due(step):
             self.metrics.log_samples(step, sample_rows(groups, self.s.tokenizer, step))
         if self.metrics.distributions_due(step):

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from hpcrl.bus import Bus, BusTimeout, PolicyReady, ServerInfo, ShutdownRequested, read_message
+from hpcrl.monitor import watchdog
 from hpcrl.orchestrator.servers import ServerSet, is_dead
 from hpcrl.paths import RunPaths
 
@@ -140,6 +141,7 @@ class PolicySync:
                     return msg
             if (stop := self.bus.poll_control()) is not None:
                 raise ShutdownRequested(stop)
+            watchdog.beat(f"waiting for policy {step}")  # the trainer's own watchdog covers its stalls
             if time.monotonic() > deadline:
                 have = f"newest is {msg.step}" if msg is not None else "none published"
                 raise BusTimeout(f"no policy >= {step} after {self.policy_timeout:.0f}s ({have}) in "
@@ -177,6 +179,7 @@ class PolicySync:
         live = self.live()
         await asyncio.gather(*(self._load_or_lose(i, msg) for i in live))
         self.loaded = msg.step
+        watchdog.beat(f"loaded policy {msg.step}")
         self.load_time += time.perf_counter() - t0
         log.info("policy %d loaded on %d server(s) (checksum verified, %.2fs)", msg.step, len(self.live()),
                  time.perf_counter() - t0)

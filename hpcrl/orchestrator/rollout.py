@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hpcrl.envs.base import Environment, Message, Task, Trajectory, Turn, stitch_turns
+from hpcrl.monitor import watchdog
 from hpcrl.orchestrator.servers import InferenceUnavailable, ServerSet, is_dead
 from hpcrl.orchestrator.state import Piece, RolloutRecord
 
@@ -103,6 +104,7 @@ class ServerPool:
                 try:
                     out = await getattr(client, method)(*args, **kwargs)
                     self.failure_streak = 0
+                    watchdog.beat("inference answered")
                     return out
                 except httpx.TransportError as e:
                     err = f"{type(e).__name__}: {e}"
