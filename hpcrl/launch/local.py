@@ -26,6 +26,7 @@ from hpcrl.config.resolved import secret_env
 from hpcrl.config.schema import Config
 from hpcrl.launch import resume as resume_mod
 from hpcrl.launch.console import ConsoleReporter
+from hpcrl.launch.keepalive import restart_delay
 from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot
 from hpcrl.paths import RunPaths
 
@@ -33,8 +34,6 @@ GRACE_S = 8.0
 
 
 _ERROR_LINE = re.compile(r" ERROR +(?:\[[^\]]*\] )?(.*)")  # hpcrl.monitor.logging's format
-RESTART_BACKOFF_S = 1.0  # first restart delay of a dead server; doubles each time, capped
-RESTART_BACKOFF_MAX_S = 30.0
 
 
 @dataclass
@@ -48,11 +47,6 @@ class Child:
     env: dict[str, str] = field(default_factory=dict, repr=False)
     restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of a scheduled restart
-
-
-def restart_delay(restarts: int) -> float:
-    """Backoff before restart number `restarts + 1`: 1, 2, 4, ... seconds, at most 30."""
-    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2**restarts)
 
 
 def free_port() -> int:
