@@ -30,6 +30,7 @@ from hpcrl.orchestrator.servers import ServerSet, is_dead
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
+REPUBLISH_S = 60.0  # a failed broadcast is re-published as files within a second or two
 BACK_HEALTH_S = 30.0  # a restarted server announces itself once it listens: /health answers at once
 ADAPTER_NAME = "policy"  # the name LoRA RL loads each step's adapter under (replacing the previous one)
 
@@ -176,13 +177,36 @@ class PolicySync:
 
     async def _load(self, msg: PolicyReady) -> None:
         t0 = time.perf_counter()
-        live = self.live()
-        await asyncio.gather(*(self._load_or_lose(i, msg) for i in live))
+        errors = [e for e in await asyncio.gather(*(self._load_or_lose(i, msg) for i in self.live()),
+                                                  return_exceptions=True) if e is not None]
+        if errors and msg.transport == "collective":
+            # A receiver died mid-broadcast: the trainer re-publishes this policy as files.
+            msg = await self._republished(msg, errors[0])
+            self.fall_back_to_files()
+            errors = [e for e in await asyncio.gather(*(self._load_or_lose(i, msg) for i in self.live()),
+                                                      return_exceptions=True) if e is not None]
+        if errors:
+            raise errors[0]
         self.loaded = msg.step
         watchdog.beat(f"loaded policy {msg.step}")
         self.load_time += time.perf_counter() - t0
         log.info("policy %d loaded on %d server(s) (checksum verified, %.2fs)", msg.step, len(self.live()),
                  time.perf_counter() - t0)
+
+    async def _republished(self, msg: PolicyReady, error: BaseException, poll: float = 0.2) -> PolicyReady:
+        """Policy `msg.step` as the trainer re-published it with a path after its broadcast failed
+        (hpcrl.trainer.publish); `error` when that does not happen within REPUBLISH_S."""
+        deadline = time.monotonic() + min(REPUBLISH_S, self.policy_timeout)
+        while time.monotonic() < deadline:
+            again = read_message(self.paths.policy_file(msg.step), PolicyReady)
+            if again.path is not None:
+                if again.checksum != msg.checksum:
+                    raise PolicyMismatch(f"policy {msg.step} re-published with checksum {again.checksum}, "
+                                         f"broadcast as {msg.checksum}")
+                log.warning("policy %d: the broadcast failed, loading it from %s", msg.step, again.path)
+                return again
+            await asyncio.sleep(poll)
+        raise error
 
     async def _load_or_lose(self, pos: int, msg: PolicyReady) -> None:
         """Load into server `pos`; a server that died meanwhile is marked down instead of failing the run

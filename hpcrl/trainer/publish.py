@@ -60,6 +60,7 @@ class PolicyPublisher:
             # in its restarted process, so every later policy travels as files.
             log.warning("a server of the weight group died: publishing policies as files from step %d on", step)
             self.transport = "filesystem"
+            self._drop_group()
         checksum = state_dict_checksum(named)
         nbytes = sum(t.numel() * t.element_size() for t in named.values())
         self.last_bytes = nbytes
@@ -74,11 +75,28 @@ class PolicyPublisher:
 
             self.bus.publish_policy(PolicyReady(step=step, transport="collective", path=None, checksum=checksum,
                                                 num_params=nparams, num_bytes=nbytes))
-            broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
+            try:
+                broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
+            except RuntimeError as e:  # a receiver died mid-broadcast (gloo/NCCL: connection closed)
+                log.warning("weight broadcast of policy %d failed (%s): publishing it and every later policy "
+                            "as files", step, str(e).splitlines()[0][:200])
+                self.transport = "filesystem"
+                self._drop_group()  # survivors waiting for the rest of this broadcast fail at once
+                path = self._write_files(step, named)  # same tensors, same checksum; replaces the message
+                self.bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(path),
+                                                    checksum=checksum, num_params=nparams, num_bytes=nbytes))
+                self._clean_behind(step)
         dt = time.perf_counter() - t0
         log.info("policy %d published (%s, %.1f MB, %.2fs, checksum %s)", step, self.transport, nbytes / 1e6, dt,
                  checksum[:12])
         return dt
+
+    def _drop_group(self) -> None:
+        from hpcrl.weights.collective import destroy_group
+
+        if self.group is not None:
+            destroy_group(self.group)
+            self.group = None  # the last reference: gloo closes its connections
 
     def _publish_adapter(self, model: torch.nn.Module, step: int) -> float:
         """LoRA: only the adapter travels (peft format, what /load_lora_adapter reads in vLLM and the

@@ -45,9 +45,11 @@ def _server_pid(paths: RunPaths, index: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["filesystem", "collective"])
+def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path, transport: str) -> None:
     steps = 200  # a tiny step takes ~0.15 s: long enough for the restarted server to come back
-    launcher, paths = _start(tmp_path, steps, "--deployment.num-inference-servers", "2")
+    launcher, paths = _start(tmp_path, steps, "--deployment.num-inference-servers", "2",
+                             "--trainer.broadcast.transport", transport)
     try:
         _wait(lambda: _published_steps(paths) >= 2, 240, "two published batches")
         victim = _server_pid(paths, 1)
@@ -72,6 +74,10 @@ def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path) 
     # After it came back, policies were loaded into both servers again.
     back = orch.index("is back (pid")
     assert "loaded on 2 server(s)" in orch[back:]
+    if transport == "collective":  # the group cannot take the new process in: files from then on
+        assert "policies travel as files" in orch
+        assert "as files" in paths.log_file("trainer").read_text()
+        assert paths.weights_fallback_file.exists()
 
 
 @pytest.mark.timeout(300)
