@@ -92,6 +92,12 @@ class RunPaths:
     def servers_dir(self) -> Path:
         return self.bus_dir / "servers"
 
+    @property
+    def weights_fallback_file(self) -> Path:
+        """Written by the orchestrator when a server of a collective-transport run died: the trainer
+        publishes policies as files from then on (the weight group cannot take a new member)."""
+        return self.bus_dir / "weights_fallback"
+
     def server_file(self, index: int) -> Path:
         """Address file of inference server `index` (written by the server when it is ready)."""
         return self.servers_dir / f"server_{index}.json"

@@ -207,6 +207,9 @@ class OrchestratorConfig(Section):
     renderer: RendererConfig = msgspec.field(default_factory=RendererConfig)
     request_timeout_s: Annotated[float, D("Timeout of one inference request.", gt=0)] = 600.0
     policy_timeout_s: Annotated[float, D("Seconds to wait for a policy before failing.", gt=0)] = 1800.0
+    server_down_timeout_s: Annotated[float, D(
+        "Seconds an inference server may stay dead (its supervisor restarts it) before the run ends, "
+        "naming it; its requests go to the other servers meanwhile.", gt=0)] = 300.0
     log: Annotated[LogConfig | None, D("Orchestrator log overrides.")] = None
 
 
@@ -253,6 +256,9 @@ class DeploymentConfig(Section):
     compute: Annotated[Literal["auto", "cpu"], D(
         "auto: CUDA where present. cpu: every role computes on CPU even where GPUs are allocated "
         "(rehearse a GPU job on a fake-GPU SLURM); placement and GPU requests are unchanged.")] = "auto"
+    max_server_restarts: Annotated[int, D(
+        "Times the supervisor (hpcrl run, or the SLURM server step) restarts one dead inference server "
+        "before giving up (0 = a dead server ends the job).", ge=0)] = 5
 
 
 class SlurmConfig(Section):
@@ -328,6 +334,9 @@ class Config(Section):
     deterministic: Annotated[
         bool, D("Deterministic mode: seeded sampling, fixed policy lag; resumes are bitwise identical on CPU.")
     ] = False
+    watchdog_s: Annotated[float, D(
+        "A role (trainer, orchestrator, inference server) that makes no progress for this many seconds is "
+        "named in its log and exits 3, ending the job (0 = off).", ge=0)] = 1800.0
     env_files: Annotated[list[str], D("Files of KEY=VALUE secrets loaded into the environment (never logged).")] = (
         msgspec.field(default_factory=list)
     )

@@ -32,6 +32,7 @@ from hpcrl.weights.delta import Delta, apply_delta, read_delta_dir
 
 log = logging.getLogger("hpcrl.inference.engine")
 
+IDLE_BEAT_S = 1.0  # an idle engine still beats the watchdog this often (hpcrl.monitor.watchdog)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -283,15 +284,22 @@ class HFEngine:
             self._serve()
 
     def _serve(self) -> None:
+        from hpcrl.monitor import watchdog
+
         while True:
             with self._cv:
-                while not self._stopping and (self._paused or not (self._waiting or self._batch.rows)):
-                    self._cv.wait()
+                idle = self._paused or not (self._waiting or self._batch.rows)
+                if idle and not self._stopping:
+                    self._cv.wait(timeout=IDLE_BEAT_S)
                 if self._stopping:
                     return
+            if idle:  # checked again next turn (woken by work, or IDLE_BEAT_S passed)
+                self._idle_beat(watchdog)
+                continue
             try:
                 with self._weights_lock:
                     self._iteration()
+                watchdog.beat("engine iteration")
             except Exception as e:  # an engine bug must fail the running requests, not the server
                 log.exception("engine iteration failed")
                 self.stats["engine_errors"] += 1
@@ -301,6 +309,13 @@ class HFEngine:
                         s.req.future.set_exception(err)
                 self._batch.clear()
                 self._bparams = None
+
+    def _idle_beat(self, watchdog: Any) -> None:
+        """Idle is not stalled; but a weight swap that never finishes holds the weights lock, and then
+        no beat comes and the watchdog ends the server."""
+        if self._weights_lock.acquire(timeout=IDLE_BEAT_S):
+            self._weights_lock.release()
+            watchdog.beat("idle")
 
     def _iteration(self) -> None:
         self._drop_cancelled()

@@ -50,6 +50,7 @@ class ServeOptions:
     api_key: str | None = None  # bearer token for every route but /health (guard.py); None: $HPCRL_API_KEY
     allow_open: bool = False  # serve a non-loopback address without a key
     allow_any_weights_path: bool = False  # weight/LoRA loads outside run_dir
+    watchdog_s: float = 0.0  # hf backend: an engine loop without progress this long ends the server (0 = off)
 
     def validate(self) -> None:
         if self.backend not in ("hf", "vllm"):
@@ -172,6 +173,7 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         api_key=resolve_api_key(cfg.server.api_key),
         allow_open=cfg.server.allow_open,
         allow_any_weights_path=cfg.server.allow_any_weights_path,
+        watchdog_s=cfg.watchdog_s,
     )
     try:
         opts.validate()
@@ -252,6 +254,9 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
     sock = bind_server_socket(opts.host, opts.port)  # fail fast on a taken port, before loading the model
     engine = HFEngine(model_path, max_batch_size=opts.max_batch_size, max_model_len=opts.max_model_len,
                       dtype=opts.dtype, seed=opts.seed, device=opts.device, trust_remote_code=opts.trust_remote_code)
+    from hpcrl.monitor import watchdog
+
+    watchdog.start(f"inference[{opts.server_index}]", opts.watchdog_s)  # the engine loop beats it
     state = ServerState(engine, opts.served_model_name or opts.model_name, model_path, api_key=opts.api_key,
                         run_dir=opts.run_dir, allow_any_weights_path=opts.allow_any_weights_path)
     app = build_app(state)

@@ -1,13 +1,17 @@
 """`hpcrl run`: inference server(s), orchestrator and trainer rank(s) as processes on this machine.
 
 The launcher assigns ports and devices, redirects every process into the log layout of DESIGN §5,
-prints one console line per step from metrics.jsonl, and supervises: when any process dies, the
-others are stopped within seconds and the exit code and last line name the one that died.
+prints one console line per step from metrics.jsonl, and supervises: a dead inference server is
+restarted in place (same port and GPUs, up to deployment.max_server_restarts times, with backoff;
+the orchestrator loads the current policy into it, see hpcrl.orchestrator.servers); when any other
+process dies, or a server runs out of restarts, the others are stopped within seconds and the exit
+code and last line name the one that died.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,10 +26,14 @@ from hpcrl.config.resolved import secret_env
 from hpcrl.config.schema import Config
 from hpcrl.launch import resume as resume_mod
 from hpcrl.launch.console import ConsoleReporter
+from hpcrl.launch.keepalive import restart_delay
 from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot
 from hpcrl.paths import RunPaths
 
 GRACE_S = 8.0
+
+
+_ERROR_LINE = re.compile(r" ERROR +(?:\[[^\]]*\] )?(.*)")  # hpcrl.monitor.logging's format
 
 
 @dataclass
@@ -35,6 +43,10 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     log_fh: IO[bytes] = field(repr=False)
+    args: list[str] = field(default_factory=list, repr=False)  # what `spawn` ran: a restart runs it again
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    restarts: int = 0
+    restart_at: float | None = None  # time.monotonic() of a scheduled restart
 
 
 def free_port() -> int:
@@ -70,12 +82,21 @@ def spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, 
     # Own session: the whole subtree can be signalled, and a Ctrl-C reaches only the launcher.
     proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent)
-    return Child(role, kind, proc, log_path, fh)
+    return Child(role, kind, proc, log_path, fh, args, env)
+
+
+def respawn(child: Child) -> None:
+    """Run a dead child's command again in place (same log, port, GPUs, environment)."""
+    _signal_group(child.proc, signal.SIGKILL)  # what the dead one started (vLLM workers) goes with it
+    child.log_fh.close()
+    new = spawn(child.kind, child.role, child.args, child.log_path, child.env)
+    child.proc, child.log_fh, child.restart_at = new.proc, new.log_fh, None
+    child.restarts += 1
 
 
 def clear_stale_addresses(paths: RunPaths) -> None:
     """Server and weight-group addresses of a previous (dead) launch must not be dialled."""
-    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights")]:
+    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights"), paths.weights_fallback_file]:
         f.unlink(missing_ok=True)
 
 
@@ -141,8 +162,10 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def supervise(children: list[Child], console: ConsoleReporter, poll: float = 0.5) -> tuple[int, str]:
-    """Block until the run finishes or a process dies. Returns (exit code, last line)."""
+def supervise(children: list[Child], console: ConsoleReporter, poll: float = 0.5, max_restarts: int = 0,
+              paths: RunPaths | None = None) -> tuple[int, str]:
+    """Block until the run finishes or a process dies for good. Returns (exit code, last line).
+    A dead inference server is restarted up to `max_restarts` times (see the module doc)."""
     workers = [c for c in children if c.kind != "inference"]
     while True:
         console.update()
@@ -150,13 +173,44 @@ def supervise(children: list[Child], console: ConsoleReporter, poll: float = 0.5
             rc = c.proc.poll()
             if rc is None:
                 continue
-            if rc != 0 or c.kind == "inference":
-                why = f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
-                return 1, f"hpcrl: {c.role} {why}; see {c.log_path}"
+            if rc == 0 and c.kind != "inference":
+                continue
+            why = f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
+            if c.kind != "inference" or c.restarts >= max_restarts:
+                more = f" ({c.restarts} restart(s) used)" if c.kind == "inference" else ""
+                error = last_error(c.log_path)
+                return 1, f"hpcrl: {c.role} {why}{more}{': ' + error if error else ''}; see {c.log_path}"
+            if c.restart_at is None:
+                c.restart_at = time.monotonic() + restart_delay(c.restarts)
+                print(f"hpcrl: {c.role} {why}; restarting it ({c.restarts + 1}/{max_restarts}) in "
+                      f"{restart_delay(c.restarts):.0f}s", flush=True)
+            elif time.monotonic() >= c.restart_at:
+                if paths is not None:  # its address is dead: nobody may dial it until the new one is ready
+                    paths.server_file(_server_index(c)).unlink(missing_ok=True)
+                respawn(c)
         if all(c.proc.poll() == 0 for c in workers):
             console.update()
             return 0, "hpcrl: run finished"
         time.sleep(poll)
+
+
+def last_error(log_path: Path, tail: int = 65536) -> str:
+    """The role's last ERROR log line (its one-line reason), without the timestamp prefix; "" if none."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        m = _ERROR_LINE.search(line)
+        if m:
+            return m.group(1).strip()[:500]
+    return ""
+
+
+def _server_index(child: Child) -> int:
+    return int(child.args[child.args.index("--server-index") + 1])
 
 
 def run_local(loaded: Loaded, placement: Placement) -> int:
@@ -188,7 +242,7 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code, line = supervise(children, console)
+        code, line = supervise(children, console, max_restarts=cfg.deployment.max_server_restarts, paths=paths)
     except KeyboardInterrupt:
         code, line = 130, "hpcrl: interrupted; stopping every process"
     finally:

@@ -117,7 +117,7 @@ def prepare_resume_main(argv: list[str]) -> int:
     bus = Bus(paths, role="launcher", listen=False)
     bus.move_aside_after(step, tag=f"resume_{step}_{int(time.time())}")
     bus.close()
-    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights")]:
+    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights"), paths.weights_fallback_file]:
         f.unlink(missing_ok=True)
     if cfg.ckpt is None:
         cfg.ckpt = CkptConfig()

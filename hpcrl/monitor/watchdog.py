@@ -88,3 +88,25 @@ class Watchdog:
                           self.what)
                 _dump_stacks()
                 os._exit(EXIT_STALLED)
+
+
+# -- the process's watchdog: one per role process, beaten from wherever the role makes progress ----
+_process_dog: Watchdog | None = None
+
+
+def start(role: str, timeout_s: float) -> Watchdog:
+    """This process's watchdog (config field watchdog_s; 0 = off). Deep code calls `beat(...)`
+    without being handed the object."""
+    global _process_dog
+    if _process_dog is not None:
+        _process_dog.stop()
+    _process_dog = Watchdog(role, timeout_s)
+    if timeout_s > 0:
+        log.info("watchdog: %s ends itself after %.0f s without progress", role, timeout_s)
+    return _process_dog
+
+
+def beat(what: str = "") -> None:
+    """Progress of this process (no-op without a watchdog)."""
+    if _process_dog is not None:
+        _process_dog.beat(what)

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -27,6 +28,7 @@ from hpcrl import checkpoint
 from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
 from hpcrl.launch import placement
+from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
@@ -45,6 +47,7 @@ from hpcrl.orchestrator.eval import run_eval, run_val
 from hpcrl.orchestrator.metrics import PromptsLog, sample_rows, step_metrics
 from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync
 from hpcrl.orchestrator.rollout import InferenceUnavailable, teacher_logprobs
+from hpcrl.orchestrator.servers import ServerSet
 from hpcrl.orchestrator.state import GroupRecord, check_compatible, load_part, save_part
 from hpcrl.paths import RunPaths
 
@@ -66,6 +69,9 @@ class Stopping(Exception):
 def main(cfg: Config) -> int:
     setup_logging("orchestrator", (cfg.orchestrator.log or cfg.log).level)
     placement.start_process(cfg, RunPaths(cfg.output_dir), "orchestrator", 0)
+    # Beaten by answered requests, policy loads, published batches and waits on the trainer: a blocked
+    # event loop or a wait that never ends stops all of them.
+    watchdog.start("orchestrator", cfg.watchdog_s)
     try:
         return asyncio.run(Orchestrator(cfg).run())
     except ShutdownRequested as e:
@@ -93,18 +99,18 @@ class Orchestrator:
             self.restore()
             await self.load_start_policy()
             await self.maybe_eval()
-            watcher = None if self.cfg.deterministic else asyncio.create_task(self.sync.watch())
+            watchers = self.start_watchers()
             try:
                 for step in range(self.state.step + 1, self.cfg.max_steps + 1):
-                    t_policy = await self.guard(self.policy_for(step), watcher)
-                    groups, generated, counts, t_gen = await self.guard(self.collect(step), watcher)
+                    t_policy = await self.guard(self.policy_for(step), watchers)
+                    groups, generated, counts, t_gen = await self.guard(self.collect(step), watchers)
                     batches = self.publish(step, groups, counts)
                     self.log_step(step, groups, generated, counts, batches, t_policy, t_gen)
-                    await self.guard(self.at_boundary(step), watcher)
-                await self.guard(self.finish(), watcher)
+                    await self.guard(self.at_boundary(step), watchers)
+                await self.guard(self.finish(), watchers)
             finally:
-                if watcher is not None:
-                    watcher.cancel()
+                for w in watchers:
+                    w.cancel()
         except Stopping:
             await self.drain()
         finally:
@@ -112,6 +118,14 @@ class Orchestrator:
         return 0
 
     # -- setup ------------------------------------------------------------------------------------
+    def start_watchers(self) -> list[asyncio.Task]:
+        """Background tasks whose failure ends the run: the reviver of dead servers, and (unless
+        deterministic) the loader of every new policy."""
+        tasks = [asyncio.create_task(self.sync.revive())]
+        if not self.cfg.deterministic:
+            tasks.append(asyncio.create_task(self.sync.watch()))
+        return tasks
+
     def install_signals(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
@@ -132,13 +146,14 @@ class Orchestrator:
         log.info("inference servers: %s", ", ".join(x.base_url for x in servers))
         from hpcrl.inference.guard import resolve_api_key
 
+        self.servers = ServerSet(self.paths, servers, self.o.server_down_timeout_s)
         sync = PolicySync(self.paths, self.bus, [x.base_url for x in servers], s.transport,
                           self.o.request_timeout_s, self.o.policy_timeout_s,
-                          api_key=resolve_api_key(self.cfg.server.api_key))
+                          api_key=resolve_api_key(self.cfg.server.api_key), servers=self.servers)
         await sync.wait_healthy()
         if s.transport == "collective":
             await sync.join_group(servers)
-        s.attach_servers(servers, lambda: sync.loaded or 0)
+        s.attach_servers(self.servers, lambda: sync.loaded or 0)
         self.metrics = Metrics.for_run(self.cfg, self.paths, "orchestrator")
         self.wandb_sink = start_wandb_sink(self.cfg, self.paths, "orchestrator")
         self.prompts = PromptsLog(self.paths)
@@ -259,9 +274,11 @@ class Orchestrator:
         p["total_tokens"] = p.get("total_tokens", 0) + n_tokens
         p["total_problems"] = p.get("total_problems", 0) + len(groups)
         extra: dict[str, Any] = {**self.pack_stats.metrics(), **self.s.buffer.metrics(),
-                                 "policy/loaded": self.sync.loaded, "progress/total_samples": p["total_samples"]}
+                                 "policy/loaded": self.sync.loaded, "progress/total_samples": p["total_samples"],
+                                 **self.server_metrics()}
         m = step_metrics(groups, generated, step, counts, t_policy, t_gen, n_samples, n_tokens, extra)
         self.metrics.log(step, m)
+        watchdog.beat(f"published batch {step}")
         if self.metrics.samples_due(step):
             self.metrics.log_samples(step, sample_rows(groups, self.s.tokenizer, step))
         if self.metrics.distributions_due(step):
@@ -269,6 +286,13 @@ class Orchestrator:
             self.metrics.log_distribution(step, "advantage", [a for g in groups for a in g.advantages or []])
         log.info("step %d: published %d samples (%d tokens), reward %.3f, policy %s, gen %.1fs",
                  step, n_samples, n_tokens, m["reward/all/mean"], self.sync.loaded, t_gen)
+
+    def server_metrics(self) -> dict[str, int]:
+        """Dead-server handling so far (cumulative): restarted servers brought back, requests moved
+        off a dead server, servers up now."""
+        moved = sum(p.moved for p in self.s.pools)
+        return {"inference/server_restarts": self.servers.restarts, "inference/requests_moved": moved,
+                "inference/servers_up": len(self.servers.live())}
 
     # -- boundaries -------------------------------------------------------------------------------
     async def at_boundary(self, step: int) -> None:
@@ -354,23 +378,24 @@ class Orchestrator:
 
     # -- helpers ----------------------------------------------------------------------------------
     async def wait(self, coro: Any) -> Any:
-        return await self.guard(coro, None)
+        return await self.guard(coro, ())
 
-    async def guard(self, coro: Any, watcher: asyncio.Task | None) -> Any:
-        """Run `coro` unless a stop signal comes first (Stopping) or the policy watcher dies (its error)."""
+    async def guard(self, coro: Any, watchers: Sequence[asyncio.Task]) -> Any:
+        """Run `coro` unless a stop signal comes first (Stopping) or a background task dies (its
+        error: PolicyMismatch from the policy watcher, InferenceUnavailable from the reviver)."""
         task = asyncio.ensure_future(coro)
         stop = asyncio.ensure_future(self.stop.wait())
-        waits = {task, stop} | ({watcher} if watcher is not None else set())
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, stop, *watchers}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
         if task.done():
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        if watcher is not None and watcher.done():
-            watcher.result()  # raises the watcher's error (e.g. PolicyMismatch)
+        for w in watchers:
+            if w.done():
+                w.result()  # raises the task's error
         raise Stopping()
 
     async def add_teacher_logprobs(self, groups: list[GroupRecord]) -> None:

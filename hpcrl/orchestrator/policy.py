@@ -8,6 +8,13 @@ that a server already holding those exact weights (GET /weights) is not reloaded
 Filesystem transport: servers load PolicyReady.path. Collective transport: the trainer broadcasts
 right after publishing PolicyReady and every server must receive each broadcast, in order, so
 policies are loaded one by one, never skipped (servers joined the group at startup: `join_group`).
+
+Dead servers (hpcrl.orchestrator.servers): policies are loaded into the live servers only; `revive`
+loads the current policy into a restarted server and verifies it before it takes requests again.
+A torch.distributed group cannot take in a new member, so with the collective transport the first
+dead server switches the run to the filesystem transport for good (`fall_back_to_files`): the
+trainer sees RunPaths.weights_fallback_file before its next publish and writes files from then on;
+a restarted server is brought back with the first policy that has a path.
 """
 
 from __future__ import annotations
@@ -18,9 +25,13 @@ import time
 from collections.abc import Sequence
 
 from hpcrl.bus import Bus, BusTimeout, PolicyReady, ServerInfo, ShutdownRequested, read_message
+from hpcrl.monitor import watchdog
+from hpcrl.orchestrator.servers import ServerSet, is_dead
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
+REPUBLISH_S = 60.0  # a failed broadcast is re-published as files within a second or two
+BACK_HEALTH_S = 30.0  # a restarted server announces itself once it listens: /health answers at once
 ADAPTER_NAME = "policy"  # the name LoRA RL loads each step's adapter under (replacing the previous one)
 
 
@@ -30,13 +41,15 @@ class PolicyMismatch(RuntimeError):
 
 class PolicySync:
     def __init__(self, paths: RunPaths, bus: Bus, base_urls: list[str], transport: str, timeout: float,
-                 policy_timeout: float, api_key: str | None = None):
-        from hpcrl.inference.client import InferenceClient
+                 policy_timeout: float, api_key: str | None = None, servers: ServerSet | None = None):
         from hpcrl.inference.guard import env_api_key
 
         self.paths, self.bus, self.transport = paths, bus, transport
-        key = env_api_key() if api_key is None else api_key
-        self.clients = [InferenceClient(u, timeout=timeout, api_key=key) for u in base_urls]
+        self.api_key = env_api_key() if api_key is None else api_key
+        self.clients = [self._client(u, timeout) for u in base_urls]
+        self.servers = servers
+        if servers is not None:
+            servers.on_address.append(self.readdress)
         self.timeout, self.policy_timeout = timeout, policy_timeout
         self.loaded: int | None = None  # policy step every server holds (verified)
         self.newest_seen = -1  # newest PolicyReady observed (for checkpoint triggers)
@@ -44,6 +57,17 @@ class PolicySync:
         self._lock = asyncio.Lock()
         self._bell: asyncio.Event | None = None
         self._bell_fd: int | None = None
+
+    def _client(self, url: str, timeout: float):
+        from hpcrl.inference.client import InferenceClient
+
+        return InferenceClient(url, timeout=timeout, api_key=self.api_key)
+
+    def readdress(self, pos: int, url: str) -> None:
+        self.clients[pos] = self._client(url, self.timeout)  # the old one is closed by revive
+
+    def live(self) -> list[int]:
+        return self.servers.live() if self.servers is not None else list(range(len(self.clients)))
 
     async def aclose(self) -> None:
         if self._bell_fd is not None:
@@ -118,6 +142,7 @@ class PolicySync:
                     return msg
             if (stop := self.bus.poll_control()) is not None:
                 raise ShutdownRequested(stop)
+            watchdog.beat(f"waiting for policy {step}")  # the trainer's own watchdog covers its stalls
             if time.monotonic() > deadline:
                 have = f"newest is {msg.step}" if msg is not None else "none published"
                 raise BusTimeout(f"no policy >= {step} after {self.policy_timeout:.0f}s ({have}) in "
@@ -163,11 +188,52 @@ class PolicySync:
 
     async def _load(self, msg: PolicyReady) -> None:
         t0 = time.perf_counter()
-        await asyncio.gather(*(self._load_one(c, msg) for c in self.clients))
+        errors = [e for e in await asyncio.gather(*(self._load_or_lose(i, msg) for i in self.live()),
+                                                  return_exceptions=True) if e is not None]
+        if errors and msg.transport == "collective":
+            # A receiver died mid-broadcast: the trainer re-publishes this policy as files.
+            msg = await self._republished(msg, errors[0])
+            self.fall_back_to_files()
+            errors = [e for e in await asyncio.gather(*(self._load_or_lose(i, msg) for i in self.live()),
+                                                      return_exceptions=True) if e is not None]
+        if errors:
+            raise errors[0]
         self.loaded = msg.step
+        watchdog.beat(f"loaded policy {msg.step}")
         self.load_time += time.perf_counter() - t0
-        log.info("policy %d loaded on %d server(s) (checksum verified, %.2fs)", msg.step, len(self.clients),
+        log.info("policy %d loaded on %d server(s) (checksum verified, %.2fs)", msg.step, len(self.live()),
                  time.perf_counter() - t0)
+
+    async def _republished(self, msg: PolicyReady, error: BaseException, poll: float = 0.2) -> PolicyReady:
+        """Policy `msg.step` as the trainer re-published it with a path after its broadcast failed
+        (hpcrl.trainer.publish); `error` when that does not happen within REPUBLISH_S."""
+        deadline = time.monotonic() + min(REPUBLISH_S, self.policy_timeout)
+        while time.monotonic() < deadline:
+            again = read_message(self.paths.policy_file(msg.step), PolicyReady)
+            if again.path is not None:
+                if again.checksum != msg.checksum:
+                    raise PolicyMismatch(f"policy {msg.step} re-published with checksum {again.checksum}, "
+                                         f"broadcast as {msg.checksum}")
+                log.warning("policy %d: the broadcast failed, loading it from %s", msg.step, again.path)
+                return again
+            await asyncio.sleep(poll)
+        raise error
+
+    async def _load_or_lose(self, pos: int, msg: PolicyReady) -> None:
+        """Load into server `pos`; a server that died meanwhile is marked down instead of failing the run
+        (its policy is loaded when it comes back)."""
+        import httpx
+
+        client = self.clients[pos]
+        try:
+            await self._load_one(client, msg)
+        except (httpx.TransportError, PolicyMismatch) as e:
+            if self.servers is None or not await is_dead(client):
+                if isinstance(e, PolicyMismatch):
+                    raise
+                raise PolicyMismatch(f"server {client.base_url} failed to load policy {msg.step}: {e}") from None
+            self.servers.mark_down(pos, f"policy {msg.step} load failed: {e}")
+            self.fall_back_to_files()
 
     async def _load_one(self, client, msg: PolicyReady) -> None:
         from hpcrl.inference.client import WeightSyncError
@@ -201,8 +267,9 @@ class PolicySync:
 
     async def verify(self, msg: PolicyReady) -> None:
         """Every server reports exactly `msg`'s checksum (GET /weights)."""
-        infos = await asyncio.gather(*(c.weights() for c in self.clients))
-        for c, info in zip(self.clients, infos):
+        clients = [self.clients[i] for i in self.live()]
+        infos = await asyncio.gather(*(c.weights() for c in clients))
+        for c, info in zip(clients, infos):
             if msg.adapter:  # the load already compared the adapter's checksum; here: still that one
                 if info.get("step") != msg.step or (info.get("lora_adapters") or {}).get(ADAPTER_NAME) != msg.path:
                     raise PolicyMismatch(f"server {c.base_url} holds step {info.get('step')} / adapters "
@@ -222,3 +289,59 @@ class PolicySync:
                 self.newest_seen = max(self.newest_seen, latest.step)
                 await self.ensure(latest)
             await self.nap(poll)
+
+    # -- dead servers -------------------------------------------------------------------------------
+    def fall_back_to_files(self) -> None:
+        """Collective transport and a server is gone: the weight group cannot take its restarted
+        process in (nor broadcast past the dead member), so ask the trainer for files from now on."""
+        if self.transport != "collective":
+            return
+        from hpcrl.bus.files import write_atomic
+
+        write_atomic(self.paths.weights_fallback_file, [b"a server died: the weight group is broken\n"])
+        self.transport = "filesystem"
+        log.warning("collective weight transport: a server died, so policies travel as files from the next "
+                    "one on (a torch.distributed group cannot take in a restarted server)")
+
+    async def revive(self, poll: float = 1.0) -> None:
+        """Runs until cancelled: a down server that was restarted (a new announcement) gets the current
+        policy, verified, and then takes requests again. Raises InferenceUnavailable (naming the server)
+        when one stays down past its deadline."""
+        assert self.servers is not None
+        while True:
+            self.servers.check_deadline()
+            for pos in list(self.servers.down):
+                info = self.servers.restarted(pos)
+                if info is not None:
+                    await self._bring_back(pos, info)
+            await asyncio.sleep(poll)
+
+    async def _bring_back(self, pos: int, info: ServerInfo) -> None:
+        from hpcrl.inference.client import InferenceError
+
+        assert self.servers is not None
+        client = self._client(info.base_url, self.timeout)
+        try:
+            await client.wait_healthy(timeout=BACK_HEALTH_S)  # outside the lock: loads go on meanwhile
+            async with self._lock:  # no other policy load races with this one
+                msg = self._current()
+                if msg is None:
+                    return  # a collective policy has no path: wait for the trainer's first file policy
+                await self._load_one(client, msg)  # compares the checksum the server reports
+                if not msg.adapter and (got := (await client.weights()).get("checksum")) != msg.checksum:
+                    raise PolicyMismatch(f"holds checksum {got}, policy {msg.step} has {msg.checksum}")
+                old = self.clients[pos]
+                self.servers.returned(pos, info)  # readdress() swaps in a client for the new url
+                if self.clients[pos] is not old:
+                    await old.aclose()
+        except (TimeoutError, PolicyMismatch, InferenceError, OSError) as e:
+            log.warning("restarted %s is not usable yet: %s", self.servers.name(pos), e)
+        finally:
+            await client.aclose()
+
+    def _current(self) -> PolicyReady | None:
+        """The policy every live server holds, if a restarted server can load it from a path."""
+        if self.loaded is None:
+            return None
+        msg = read_message(self.paths.policy_file(self.loaded), PolicyReady)
+        return msg if msg.path is not None else None

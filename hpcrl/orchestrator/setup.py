@@ -16,7 +16,6 @@ from typing import Any
 
 import msgspec
 
-from hpcrl.bus import ServerInfo
 from hpcrl.config.schema import Config, EnvConfig, OrchestratorConfig, SamplingConfig
 from hpcrl.envs import Environment, Task, load_environment
 from hpcrl.envs.registry import alias_note
@@ -24,6 +23,7 @@ from hpcrl.orchestrator.advantages import AdvantageConfig
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
 from hpcrl.orchestrator.eval import EvalEnv
 from hpcrl.orchestrator.rollout import Generator, ServerPool, openai_sampling
+from hpcrl.orchestrator.servers import ServerSet
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState
 from hpcrl.paths import RunPaths
 
@@ -87,7 +87,7 @@ class Setup:
                                  rollouts_per_example=o.rollouts_per_example, buffer={}, ready=[], progress={},
                                  evaluated=[], pending_steps=[])
 
-    def attach_servers(self, servers: Sequence[ServerInfo], loaded_policy: Callable[[], int]) -> None:
+    def attach_servers(self, servers: ServerSet, loaded_policy: Callable[[], int]) -> None:
         """Generators over the student servers (and the teacher for opd/sft)."""
         cfg, o = self.cfg, self.cfg.orchestrator
         # Deterministic mode seeds every request; otherwise the servers draw their own randomness.
@@ -96,8 +96,9 @@ class Setup:
             seed = o.train.sampling.seed if o.train.sampling.seed is not None else cfg.seed
         from hpcrl.inference.guard import resolve_api_key
 
-        student = ServerPool([s.base_url for s in servers], model=servers[0].model, timeout=o.request_timeout_s,
-                             max_concurrent=o.max_concurrent, api_key=resolve_api_key(cfg.server.api_key))
+        student = ServerPool([s.base_url for s in servers.infos], model=servers.infos[0].model,
+                             timeout=o.request_timeout_s, max_concurrent=o.max_concurrent,
+                             api_key=resolve_api_key(cfg.server.api_key), servers=servers)
         self.pools.append(student)
         # Same strategy for eval and training, each with its own one-example-at-a-time lock under
         # branching, so eval never waits behind training groups.

@@ -11,6 +11,8 @@ Delta sync (trainer.broadcast.delta): instead of the full weights, only the elem
 since the previous policy travel (hpcrl.weights.delta; broadcasts/step_N/delta.safetensors or the same
 tensors over the collective, `base_step` in PolicyReady). A full sync is sent first, every
 `full_every` policies, and whenever the delta would not be smaller.
+Once the orchestrator reports a dead server (RunPaths.weights_fallback_file) rank 0 switches to
+files for good, starting with a full sync: see hpcrl.orchestrator.policy.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class PolicyPublisher:
     def publish_named(self, named: dict[str, torch.Tensor], step: int) -> float:
         """Rank 0 only: send `named` (HF names, full tensors) as policy `step`. Seconds spent."""
         t0 = time.perf_counter()
+        if self.transport == "collective" and self.paths.weights_fallback_file.exists():
+            # A server died (the orchestrator says so): the group has a dead member and cannot take
+            # in its restarted process, so every later policy travels as files, from a full one on.
+            log.warning("a server of the weight group died: publishing policies as files from step %d on", step)
+            self._fall_back_to_files()
         checksum = state_dict_checksum(named)
         nbytes = payload_bytes(named)
         nparams = sum(t.numel() for t in named.values())
@@ -90,11 +97,21 @@ class PolicyPublisher:
             self.bus.publish_policy(PolicyReady(step=step, transport="collective", path=None, checksum=checksum,
                                                 num_params=nparams, num_bytes=nbytes, base_step=base,
                                                 sync_bytes=self.last_sync_bytes))
-            if delta is None:
-                broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
-            else:
-                broadcast_weights(self.group, delta.tensors, step, bucket_mb=self.bucket_mb, checksum=checksum,
-                                  delta=delta.manifest())
+            try:
+                if delta is None:
+                    broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
+                else:
+                    broadcast_weights(self.group, delta.tensors, step, bucket_mb=self.bucket_mb, checksum=checksum,
+                                      delta=delta.manifest())
+            except RuntimeError as e:  # a receiver died mid-broadcast (gloo/NCCL: connection closed)
+                log.warning("weight broadcast of policy %d failed (%s): publishing it and every later policy "
+                            "as files", step, str(e).splitlines()[0][:200])
+                self._fall_back_to_files()  # survivors waiting for the rest of this broadcast fail at once
+                delta, self.last_sync_bytes = None, nbytes
+                path = self._write_files(step, named, None)  # same tensors, same checksum; replaces the message
+                self.bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(path),
+                                                    checksum=checksum, num_params=nparams, num_bytes=nbytes,
+                                                    sync_bytes=nbytes))
         self._remember(named, step, checksum, delta)
         if self.transport == "filesystem":
             self._clean_behind(step)
@@ -102,6 +119,16 @@ class PolicyPublisher:
         log.info("policy %d published (%s, %s %.1f MB of %.1f MB, %.2fs, checksum %s)", step, self.transport,
                  "delta" if delta is not None else "full", self.last_sync_bytes / 1e6, nbytes / 1e6, dt, checksum[:12])
         return dt
+
+    def _fall_back_to_files(self) -> None:
+        """Files from now on; the next delta needs a full base the files hold, so start over."""
+        from hpcrl.weights.collective import destroy_group
+
+        self.transport = "filesystem"
+        self._prev, self._prev_step, self._last_full = None, -1, -1
+        if self.group is not None:
+            destroy_group(self.group)
+            self.group = None  # the last reference: gloo closes its connections
 
     def _publish_adapter(self, model: torch.nn.Module, step: int) -> float:
         """LoRA: only the adapter travels (peft format, what /load_lora_adapter reads in vLLM and the

@@ -20,6 +20,7 @@ from hpcrl import checkpoint
 from hpcrl.bus import Bus, TrainBatch
 from hpcrl.config.schema import CkptConfig, Config
 from hpcrl.launch import placement
+from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
@@ -48,6 +49,9 @@ def main(cfg: Config) -> int:
     setup_logging("trainer", (cfg.trainer.log or cfg.log).level)
     paths = RunPaths(cfg.output_dir)
     denv = parallel.dist_env()
+    # From here on: a rendezvous, collective or step that never returns ends the process (exit 3).
+    watchdog.start(f"trainer[{denv.rank}]", cfg.watchdog_s)
+    watchdog.beat(f"joining the trainer group ({denv.world_size} rank(s)) and loading the model")
     placement.start_process(cfg, paths, "trainer", denv.rank, port=denv.master_port)  # before CUDA starts
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
     tr = build_training(cfg.trainer.model or cfg.model, cfg.trainer.optim, cfg.max_steps, cfg.seed + cfg.trainer.seed,
@@ -57,6 +61,7 @@ def main(cfg: Config) -> int:
     bus = Bus(paths, role="trainer", rank=rank)
     publisher = make_publisher(cfg, paths, bus, rank)
     publisher.publish(tr.model, start)  # policy `start` (0 = base weights): servers verify against it
+    watchdog.beat(f"published policy {start}")
     metrics = Metrics.for_run(cfg, paths, "trainer", enabled=rank == 0)
     params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
     stop = install_stop_handler()
@@ -81,6 +86,7 @@ def main(cfg: Config) -> int:
                     | {"weights/sync_bytes": publisher.last_sync_bytes})
         if metrics.distributions_due(step):
             metrics.log_distribution(step, "entropy", out["entropies"].numpy())
+        watchdog.beat(f"trained and published step {step}")
         if stop.is_set():
             log.warning("stop requested: checkpointed step %d, exiting", step)
             break
@@ -156,6 +162,7 @@ def wait_for_batch(bus: Bus, step: int, rank: int, timeout: float, stop: threadi
     deadline = time.monotonic() + timeout
     while True:
         stopping = parallel.all_reduce(float(stop.is_set()), op="max") > 0
+        watchdog.beat(f"waiting for batch {step}")  # waiting on the orchestrator is not a stall of ours
         if stopping:
             return None, time.perf_counter() - t0
         try:

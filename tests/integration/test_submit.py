@@ -1,8 +1,9 @@
 """`hpcrl submit` on the real one-machine SLURM (scripts/slurm/up.sh, fake nodes n1..n4).
 
 The CPU demo as one hetjob over 3 fake nodes finishes with a checkpoint; a preemption signal mid-run
-checkpoints, requeues and the requeued job resumes and finishes on its own; killing one component
-ends the whole job within 30 s and the job log names it.
+checkpoints, requeues and the requeued job resumes and finishes on its own; killing the trainer
+ends the whole job within 30 s and the job log names it, while a killed inference server is
+restarted in place (hpcrl.launch.keepalive) and the job completes.
 """
 
 from __future__ import annotations
@@ -97,15 +98,37 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, jobs, tmp_path: Pa
     assert sorted(set(steps)) == list(range(1, 13)) and len(steps) == 12, steps
 
 
-def test_killing_one_component_ends_the_job(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
+def test_killing_the_trainer_ends_the_job(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
+    # A dead trainer (or orchestrator) really ends the job; a dead inference server does not (below).
     paths, job_id = _submit(tmp_path, steps=50, interval=25)
     jobs.append(job_id)
-    wait_for(lambda: any(paths.servers_dir.glob("*.json")), 300, "an inference server", every=0.5)
-    pid = json.loads(next(paths.servers_dir.glob("server_1.json")).read_text())["pid"] if (
-        paths.server_file(1).exists()) else json.loads(paths.server_file(0).read_text())["pid"]
+    wait_for(lambda: paths.placement_file("trainer", 0).exists(), 300, "the trainer", every=0.5)
+    pid = json.loads(paths.placement_file("trainer", 0).read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     state = wait_for(lambda: ended(job_id), 60, "the job to end after a component died", every=0.5)
     assert time.monotonic() - t0 < 30
     assert state in ("FAILED", "CANCELLED", "NODE_FAIL"), state
-    assert "step 'inference' FAILED" in _job_log(paths, job_id)
+    assert "step 'trainer' FAILED" in _job_log(paths, job_id)
+
+
+def test_killing_an_inference_server_restarts_it_and_the_job_completes(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
+    steps = 150  # long enough for the restarted server to come back before the end
+    paths, job_id = _submit(tmp_path, steps=steps, interval=steps)
+    jobs.append(job_id)
+    wait_for(lambda: paths.prompts_log.exists() and len(_prompt_steps(paths)) >= 2, 300, "two batches", every=0.5)
+    victim = json.loads(paths.server_file(1).read_text())["pid"]
+    os.kill(victim, signal.SIGKILL)
+    state = wait_for(lambda: ended(job_id), 600, "the job to finish", every=2)
+    log = _job_log(paths, job_id)
+    assert state == "COMPLETED", log[-3000:]
+    assert checkpoint.latest_complete(paths) == steps
+    assert json.loads(paths.server_file(1).read_text())["pid"] != victim
+    server_log = paths.rank_log_file("inference", 1).read_text()
+    assert "[keepalive] inference server 1 was killed by signal 9; restarting it (1/5)" in server_log
+    orch = paths.log_file("orchestrator").read_text()
+    assert "inference server 1 (" in orch and "is back (pid" in orch
+    from hpcrl.monitor.metrics import read_metrics
+
+    rows = [m for m in read_metrics(paths.metrics_file) if m["role"] == "orchestrator" and "inference/server_restarts" in m]
+    assert rows[-1]["step"] == steps and rows[-1]["inference/server_restarts"] == 1

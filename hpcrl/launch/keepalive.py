@@ -1,0 +1,107 @@
+"""Keep one inference server alive in place: what the SLURM server step runs (sbatch/inference.sh).
+
+    python -m hpcrl.launch.keepalive --config CFG --run-dir DIR --server-index I -- hpcrl inference ...
+
+A server that dies is started again on the same node with the same arguments (and GPUs: the srun
+task's binding is inherited), after 1, 2, 4 ... s (at most 30 s), up to deployment.max_server_restarts
+times; its stale address file is removed first so nobody dials the dead port. The orchestrator sees
+the new announcement and loads the current policy into it (hpcrl.orchestrator.servers). Without
+this a dying server task ended the whole hetjob (srun --kill-on-bad-exit); with it the job ends only
+when the restarts are used up (this process then exits with the server's code). SIGTERM / SIGINT /
+SIGUSR2 are forwarded to the server and stop the restarting. `hpcrl run` applies the same policy to its
+own children (hpcrl.launch.local).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESTART_BACKOFF_S = 1.0  # first restart delay; doubles with each restart
+RESTART_BACKOFF_MAX_S = 30.0
+
+
+def restart_delay(restarts: int) -> float:
+    """Backoff before restart number `restarts + 1`: 1, 2, 4, ... seconds, at most 30."""
+    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2**restarts)
+
+
+def max_restarts_of(config: Path) -> int:
+    """deployment.max_server_restarts of a resolved config (the schema default when it is not set)."""
+    from hpcrl.config.loader import read_toml
+    from hpcrl.config.schema import DeploymentConfig
+
+    value = read_toml(config).get("deployment", {}).get("max_server_restarts")
+    return DeploymentConfig().max_server_restarts if value is None else int(value)
+
+
+def why(rc: int) -> str:
+    return f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
+
+
+def keep_alive(cmd: list[str], max_restarts: int, server_file: Path | None, label: str) -> int:
+    stopping: dict[str, int | None] = {"sig": None}
+    proc: subprocess.Popen | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping["sig"] = signum
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(s, forward)
+    restarts = 0
+    while True:
+        proc = subprocess.Popen(cmd)
+        rc = proc.wait()
+        if stopping["sig"] is not None:
+            return rc
+        if restarts >= max_restarts:
+            print(f"[keepalive] {label} {why(rc)}; {restarts} restart(s) used, giving up", flush=True)
+            return rc or 1
+        delay = restart_delay(restarts)
+        restarts += 1
+        print(f"[keepalive] {label} {why(rc)}; restarting it ({restarts}/{max_restarts}) in {delay:.0f}s",
+              flush=True)
+        if server_file is not None:
+            server_file.unlink(missing_ok=True)
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and stopping["sig"] is None:
+            time.sleep(0.1)
+        if stopping["sig"] is not None:
+            return 128 + stopping["sig"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpcrl.launch.keepalive", description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, help="resolved config: deployment.max_server_restarts")
+    p.add_argument("--max-restarts", type=int, help="restarts before giving up (overrides --config)")
+    p.add_argument("--run-dir", help="the run directory (to remove a dead server's address file)")
+    p.add_argument("--server-index", type=int, default=0)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the server's command line")
+    args = p.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        p.error("give the server's command after --")
+    if args.max_restarts is not None:
+        limit = args.max_restarts
+    elif args.config is not None:
+        limit = max_restarts_of(args.config)
+    else:
+        p.error("give --config or --max-restarts")
+    if limit < 0:
+        p.error(f"--max-restarts must be >= 0, got {limit}")
+    server_file = None
+    if args.run_dir:
+        from hpcrl.paths import RunPaths
+
+        server_file = RunPaths(args.run_dir).server_file(args.server_index)
+    return keep_alive(cmd, limit, server_file, f"inference server {args.server_index}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
