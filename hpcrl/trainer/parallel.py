@@ -201,3 +201,54 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if keep:
             out[name] = full.detach().to("cpu", copy=True)
     return out
+
+
+# ------------------------------------------------------------------------------ meta-device init
+def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (non-persistent ones too, e.g. rotary ``inv_freq``) by name, each
+    shared tensor once (tied embeddings). References, not copies."""
+    out = dict(model.named_parameters())
+    out.update(model.named_buffers())
+    return out
+
+
+def _same_structure(named: dict[str, torch.Tensor]) -> bool:
+    """Whether every rank has the same tensor names, global shapes and dtypes (collective)."""
+    import hashlib
+
+    sig = "\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in named.items()).encode()
+    mine = torch.frombuffer(bytearray(hashlib.sha256(sig).digest()), dtype=torch.uint8).to(_comm_device())
+    ref = mine.clone()
+    dist.broadcast(ref, src=0)
+    return bool(all_reduce(float(not torch.equal(mine, ref)), "max").item() == 0)
+
+
+@torch.no_grad()
+def fill_from_rank0(model: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+    """Fill a sharded model from rank 0's whole tensors ``full`` (``local_tensors`` of the model
+    rank 0 loaded, taken before sharding; ``{}`` on the other ranks, whose model was built on the meta
+    device and materialised with ``to_empty``). One tensor at a time is broadcast and every rank keeps
+    only its rows, so no rank holds a second copy of the model. Parameters and buffers alike: buffers
+    that are not in the state dict (rotary ``inv_freq``) come from rank 0 too, so a meta-built rank
+    never runs with uninitialised memory. Collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    named = local_tensors(model)
+    if not _same_structure(named):
+        raise ValueError("meta-device init: the ranks built different models (names, shapes or dtypes differ); "
+                         "is the model code deterministic?")
+    if is_rank0() and set(full) != set(named):
+        raise ValueError(f"meta-device init: rank 0's loaded tensors differ from the sharded model's: "
+                         f"{sorted(set(full) ^ set(named))[:4]}")
+    comm = _comm_device()
+    for name, t in named.items():
+        if is_rank0():
+            src = full[name].detach().to(device=comm, dtype=t.dtype).contiguous()
+        else:
+            src = torch.empty(t.shape, dtype=t.dtype, device=comm)
+        dist.broadcast(src, src=0)
+        if isinstance(t, DTensor):
+            rows = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None).to_local()
+            t.to_local().copy_(rows)
+        else:
+            t.copy_(src)

@@ -6,6 +6,8 @@ Collective transport: rank 0 publishes PolicyReady(transport="collective", check
 broadcasts the tensors (HF names, chunked) over the weight group the servers joined; the
 orchestrator has them call /update_weights, which receives. Either way the checksum is computed
 over exactly the tensors sent, and every server's checksum of what it loaded is compared to it.
+The tensors are in ``dtype``, the trainer's compute dtype (bf16 over fp32 master weights on GPU):
+what inference runs, cast once here, so the checksum covers the bytes sent and not the master copy.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ log = logging.getLogger("hpcrl.trainer")
 
 class PolicyPublisher:
     def __init__(self, paths: RunPaths, bus: Bus, rank: int, transport: str, keep: int,
-                 weight_group: Any = None, bucket_mb: float = 256):
+                 weight_group: Any = None, bucket_mb: float = 256, dtype: str | None = None):
         assert transport in ("filesystem", "collective"), transport
         self.paths = paths
         self.bus = bus
@@ -36,11 +38,12 @@ class PolicyPublisher:
         self.keep = max(2, keep)
         self.group = weight_group
         self.bucket_mb = bucket_mb
+        self.dtype = dtype
 
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Collective over trainer ranks (FSDP gathers). Returns seconds spent."""
         t0 = time.perf_counter()
-        named = dict(hf_named_tensors(model))  # every rank iterates: shards are gathered
+        named = dict(hf_named_tensors(model, dtype=self.dtype))  # every rank iterates: shards are gathered
         if self.rank != 0:
             return time.perf_counter() - t0
         checksum = state_dict_checksum(named)
