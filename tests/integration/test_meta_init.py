@@ -41,6 +41,7 @@ def test_meta_init_equals_full_load(variant: str, tiny_model_dir: Path, warm_dir
         assert all(x == x for x in res["losses_meta"])  # finite, not NaN from uninitialised memory
     assert "model.rotary_emb.inv_freq" in "".join(r[1]["buffer_names"])
     assert r[0]["whole_copies_alive"] == [], r[0]["whole_copies_alive"]
+    assert len(r[0]["control"]) == 1
     if variant == "warm":
         assert r[0]["warm_applied"]
 
@@ -49,6 +50,14 @@ def test_meta_init_equals_full_load(variant: str, tiny_model_dir: Path, warm_dir
 
 
 def _batch(rank: int, vocab: int):
+    """Rank ``rank``'s batch; the loss is normalised by both ranks' loss tokens."""
+    import msgspec
+
+    total = sum(int(_rank_batch(r, vocab).loss_mask.sum()) for r in range(2))
+    return msgspec.structs.replace(_rank_batch(rank, vocab), total_loss_tokens=total)
+
+
+def _rank_batch(rank: int, vocab: int):
     import numpy as np
 
     from hpcrl.bus import TrainBatch
@@ -61,7 +70,7 @@ def _batch(rank: int, vocab: int):
                       advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
                       inference_logprobs=np.where(mask, -4.0, 0.0).astype(np.float32),
                       policy_versions=np.zeros(4), temperatures=np.ones(4), env_names=["x"] * 4,
-                      example_ids=np.arange(4), rewards=np.zeros(4), total_loss_tokens=int(mask.sum()) * 2)
+                      example_ids=np.arange(4), rewards=np.zeros(4), total_loss_tokens=0)
 
 
 def _whole_copies(shape: tuple[int, ...], nbytes: int) -> list[str]:
@@ -100,6 +109,9 @@ def _worker(variant: str, model_dir: str, warm_dir: str, out: str) -> None:
     meta = build_model(model_dir, mc, prec, device, warm, meta_init=True)
     vocab, hidden = meta.config.vocab_size, meta.config.hidden_size
     whole = _whole_copies((vocab, hidden), vocab * hidden * 4)  # the embedding, unsharded
+    probe = torch.zeros(vocab, hidden)  # the check must see a whole copy when there is one
+    control = _whole_copies((vocab, hidden), vocab * hidden * 4)
+    del probe
     full = build_model(model_dir, mc, prec, device, warm, meta_init=False)
 
     sd_meta, sd_full = parallel.full_state_dict(meta), parallel.full_state_dict(full)
@@ -123,7 +135,7 @@ def _worker(variant: str, model_dir: str, warm_dir: str, out: str) -> None:
         losses[name] = [train_step(tr, _batch(env.rank, vocab), LossParams(), 64, 1.0)["stats"]["loss"] for _ in range(2)]
     res = {"state_equal": not diff and sd_meta.keys() == sd_full.keys(), "state_diff": diff[:5],
            "buffers_equal": buffers_equal, "buffer_names": sorted(bm), "tied": tied,
-           "losses_meta": losses["meta"], "losses_full": losses["full"], "whole_copies_alive": whole,
+           "losses_meta": losses["meta"], "losses_full": losses["full"], "whole_copies_alive": whole, "control": control,
            "warm_applied": warm_applied}
     Path(out, f"rank{env.rank}.json").write_text(json.dumps(res))
     parallel.barrier()
