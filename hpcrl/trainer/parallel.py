@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -224,14 +224,15 @@ def _same_structure(named: dict[str, torch.Tensor]) -> bool:
 
 
 @torch.no_grad()
-def fill_from_rank0(model: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+def fill_from_rank0(model: nn.Module, full: MutableMapping[str, torch.Tensor]) -> None:
     """Fill a sharded model from rank 0's whole tensors ``full`` (``local_tensors`` of the model
     rank 0 loaded, taken before sharding; ``{}`` on the other ranks, whose model was built on the meta
     device and materialised with ``to_empty``). One tensor at a time is broadcast and every rank keeps
-    only its rows, so no rank holds a second copy of the model. Parameters and buffers alike: buffers
+    only its rows, so no rank holds a second copy of the model; rank 0 drops each whole tensor from
+    ``full`` once it is sent (the dict is consumed), so its copy shrinks as the shards fill. Parameters and buffers alike: buffers
     that are not in the state dict (rotary ``inv_freq``) come from rank 0 too, so a meta-built rank
     never runs with uninitialised memory. Collective: every rank calls it."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     named = local_tensors(model)
     if not _same_structure(named):
@@ -240,15 +241,24 @@ def fill_from_rank0(model: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
     if is_rank0() and set(full) != set(named):
         raise ValueError(f"meta-device init: rank 0's loaded tensors differ from the sharded model's: "
                          f"{sorted(set(full) ^ set(named))[:4]}")
+    from hpcrl.trainer.state import row_range
+
     comm = _comm_device()
+    # One receive buffer per dtype, as large as the largest tensor, and rows copied from views: no
+    # per-tensor temporaries for the allocator to keep around (they raised rank 0's peak by ~1/3 of
+    # the model in the memory benchmark).
+    size: dict[torch.dtype, int] = {}
+    for t in named.values():
+        size[t.dtype] = max(size.get(t.dtype, 0), t.numel())
+    bufs = {} if is_rank0() else {d: torch.empty(n, dtype=d, device=comm) for d, n in size.items()}
     for name, t in named.items():
         if is_rank0():
-            src = full[name].detach().to(device=comm, dtype=t.dtype).contiguous()
+            src = full.pop(name).detach().to(device=comm, dtype=t.dtype).contiguous()
         else:
-            src = torch.empty(t.shape, dtype=t.dtype, device=comm)
+            src = bufs[t.dtype][: t.numel()].view(t.shape)
         dist.broadcast(src, src=0)
         if isinstance(t, DTensor):
-            rows = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None).to_local()
-            t.to_local().copy_(rows)
+            _, first, rows = row_range(t)
+            t.to_local().copy_(src.narrow(0, first, rows))
         else:
             t.copy_(src)

@@ -95,8 +95,7 @@ def build_model(path: str, model_cfg: ModelConfig, prec: precision.Precision, de
     if from_rank0:
         if on_meta:
             model.to_empty(device=device)
-        parallel.fill_from_rank0(model, whole)
-        whole.clear()  # rank 0's whole copy: only these references kept it alive
+        parallel.fill_from_rank0(model, whole)  # consumes rank 0's whole copy, tensor by tensor
     return model
 
 
