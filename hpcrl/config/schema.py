@@ -40,7 +40,13 @@ class ModelConfig(Section):
         str | None,
         D("HF model id or local dir; built-ins hpcrl/tiny-qwen3 and hpcrl/small-qwen3 are made locally."),
     ] = None
-    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], D("Weights dtype (auto: fp32 on CPU, bf16 on GPU).")] = "auto"
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], D(
+        "Weights dtype of inference; the trainer's compute dtype and the dtype of the policy it publishes "
+        "(auto: bf16 on GPU, fp32 on CPU).")] = "auto"
+    optimization_dtype: Annotated[Literal["float32", "bfloat16"], D(
+        "Trainer: master weights and optimizer state (float32 under bf16 compute = bf16-mixed).")] = "float32"
+    reduce_dtype: Annotated[Literal["float32", "bfloat16"], D(
+        "Trainer: dtype gradients are reduced in across ranks.")] = "float32"
     attn: Annotated[
         Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"],
         D("Attention implementation (auto: sdpa on CPU, flash-attn on GPU when installed)."),

@@ -7,6 +7,8 @@ import re
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.sanity import check_output_dir
 from hpcrl.config.schema import CkptConfig, Config, EnvConfig, SFTConfig
+from hpcrl.trainer import precision
+from hpcrl.trainer.precision import Precision
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$|^\d+:\d{2}$")
 _MEM_RE = re.compile(r"^\d+[KMGT]?$")
@@ -15,6 +17,7 @@ _MEM_RE = re.compile(r"^\d+[KMGT]?$")
 def validate(cfg: Config, require_envs: bool = True) -> None:
     check_output_dir(cfg.output_dir)
     _unsupported(cfg)
+    trainer_precision(cfg, on_gpu=True)
     _orchestrator(cfg)
     _buffer(cfg)
     _envs(cfg, require_envs)
@@ -31,6 +34,7 @@ def validate_sft(cfg: SFTConfig) -> None:
     if cfg.model.name is None or not cfg.model.name.strip():
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
     _unsupported(cfg)
+    trainer_precision(cfg, on_gpu=True)
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError("ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])")
     if not cfg.data.name.strip():
@@ -46,6 +50,18 @@ def validate_sft(cfg: SFTConfig) -> None:
         )
     _betas(cfg.optim.betas, "optim.betas")
     _ckpt_fields(cfg.ckpt, cfg.max_steps)
+
+
+def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
+    """The trainer's precision (hpcrl/trainer/precision.py). Validation checks it as if on GPU (the
+    permissive case: ``auto`` is bf16 there); the --dry-run summary and the trainer check it again for
+    the devices the trainer really gets."""
+    model = cfg.model
+    field = "model"
+    own = getattr(getattr(cfg, "trainer", None), "model", None)
+    if own is not None and own != cfg.model:
+        model, field = own, "trainer.model"
+    return precision.of_model(model, on_gpu, field)
 
 
 # Fields parsed for compatibility with prime-rl / hosted configs that nothing implements yet: a

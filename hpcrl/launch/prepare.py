@@ -9,6 +9,7 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import Config, SFTConfig
+from hpcrl.config.validate import trainer_precision
 from hpcrl.launch.placement import Placement, local_placement
 from hpcrl.paths import RunPaths
 
@@ -74,6 +75,7 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
         f"{o.rollouts_per_example}, seq_len {cfg.seq_len}, max_tokens {o.train.sampling.max_tokens}",
         f"envs:         {envs}",
         *placement.summary(), *placement.plan(),
+        "precision:    " + trainer_precision(cfg, on_gpu=placement.uses_gpus and not placement.cpu_compute).describe(),
         "checkpoints:  " + ("off (enable with --ckpt)" if cfg.ckpt is None else
                              (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")),
         f"configs:      {paths.configs_dir}/",
@@ -97,6 +99,7 @@ def print_sft_summary(loaded: Loaded) -> None:
         f"data:         {cfg.data.name} (batch {cfg.data.batch_size}, seq_len {cfg.data.seq_len or cfg.seq_len})",
         f"steps:        {cfg.max_steps} (lr {cfg.optim.lr:g}, loss on {mask} turns)",
         f"validation:   {val}",
+        "precision:    " + trainer_precision(cfg, on_gpu=visible_gpus() > 0 and cfg.deployment.compute != "cpu").describe(),
         "checkpoints:  " + ("off (enable with --ckpt)" if cfg.ckpt is None else
                              (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")),
         f"configs:      {RunPaths(cfg.output_dir).configs_dir}/",

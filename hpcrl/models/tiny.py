@@ -41,6 +41,10 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~2.5 M parameters: big enough for demos that must visibly learn on CPU.
     "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64),
+    # ~53 M parameters (212 MB in fp32): big enough that the trainer benchmark's memory table shows
+    # what meta-device init saves; not a built-in name, only `build_tiny_model(..., preset="medium")`.
+    "medium": dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=12, num_attention_heads=10,
+                   num_key_value_heads=2, head_dim=64),
 }
 
 BUILTIN_MODELS = {"hpcrl/tiny-qwen3": "tiny", "hpcrl/small-qwen3": "small"}

@@ -8,6 +8,8 @@ merged here).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -86,17 +88,25 @@ def load_model(
     activation_checkpointing: bool = False,
     lora: LoraParams | None = None,
     trust_remote_code: bool = False,
+    meta: bool = False,
 ) -> nn.Module:
-    """Load a causal LM from a local Hugging Face directory, ready to train (``train()`` mode)."""
-    from transformers import AutoModelForCausalLM
+    """Load a causal LM from a local Hugging Face directory, ready to train (``train()`` mode).
+
+    ``meta``: build the same architecture (and LoRA adapter) on the meta device without reading any
+    weight: it costs no memory, and ``parallel.fill_from_rank0`` fills it after sharding."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if not Path(path, "config.json").is_file():
         raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=parse_dtype(dtype), attn_implementation=attn_impl or default_attn_impl(device),
-        trust_remote_code=trust_remote_code,
-    )
-    model.to(device)
+    kwargs = {"dtype": parse_dtype(dtype), "attn_implementation": attn_impl or default_attn_impl(device),
+              "trust_remote_code": trust_remote_code}
+    if meta:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model.to(device)
     # The KV cache is useless for training forwards and conflicts with checkpointing.
     model.config.use_cache = False
     if activation_checkpointing:
@@ -107,7 +117,8 @@ def load_model(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if lora is not None:
-        model = apply_lora(model, lora)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = apply_lora(model, lora)
     model.train()
     return model
 
@@ -170,19 +181,28 @@ def _strip_peft(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
-def hf_named_tensors(model: nn.Module, *, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def hf_named_tensors(model: nn.Module, *, device: str = "cpu", dtype: str | torch.dtype | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for every weight, in a fixed order, one tensor at a time.
 
     FSDP shards are gathered (collective: EVERY rank must iterate to the end, in step); LoRA is
     merged into the base weights (W + B @ A * scaling) and adapter tensors are not yielded. Tied
-    weights appear once (the name ``save_pretrained`` keeps)."""
+    weights appear once (the name ``save_pretrained`` keeps). ``dtype`` casts floating tensors (the
+    policy inference loads is the compute dtype, e.g. bf16 over fp32 master weights)."""
     sd = model.state_dict()
     skip = _tied_names(model)
+    want = parse_dtype(dtype) if dtype is not None else None
+
+    def out(t: torch.Tensor) -> torch.Tensor:
+        if want is not None and t.is_floating_point():
+            return t.to(device=device, dtype=want)
+        return t.to(device)
+
     if not is_peft_model(model):
         for name, t in sd.items():
             full = _full(t).detach()
             if name not in skip:
-                yield name, full.to(device)
+                yield name, out(full)
         return
     scalings = _lora_scalings(model)
     for name, t in sd.items():
@@ -197,7 +217,7 @@ def hf_named_tensors(model: nn.Module, *, device: str = "cpu") -> Iterator[tuple
             b = _full(sd[f"{prefix}.lora_B.default.weight"]).detach()
             full = (full.float() + (b.float() @ a.float()) * scalings[mod]).to(full.dtype)
         if hf not in skip:
-            yield hf, full.to(device)
+            yield hf, out(full)
 
 
 def _tied_names(model: nn.Module) -> set[str]:
@@ -213,9 +233,9 @@ def _tied_names(model: nn.Module) -> set[str]:
     return {f"{n}.weight" for n in names}
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: nn.Module, dtype: str | torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Full HF-named state dict on CPU (LoRA merged, shards gathered). Collective under FSDP."""
-    return dict(hf_named_tensors(model))
+    return dict(hf_named_tensors(model, dtype=dtype))
 
 
 def save_adapter(model: nn.Module, out_dir: str | os.PathLike[str], *, write: bool = True) -> Path:
@@ -246,17 +266,19 @@ def export_hf(
     *,
     write: bool = True,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: str | torch.dtype | None = None,
 ) -> Path:
     """Write a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Atomic: everything goes to a temporary sibling directory that is renamed into place, so a reader
     never sees a partial export. Under FSDP every rank must call this (weights are gathered); pass
-    ``write = is_rank0()`` so only one rank touches the filesystem."""
+    ``write = is_rank0()`` so only one rank touches the filesystem. ``dtype``: floating weights are
+    written in it and config.json says so (the published policy's dtype)."""
     from safetensors.torch import save_file
 
     base = model.get_base_model() if is_peft_model(model) else model
     out = Path(out_dir)
-    tensors = hf_named_tensors(model)
+    tensors = hf_named_tensors(model, dtype=dtype)
     if not write:
         for _ in tensors:  # take part in the gathers
             pass
@@ -284,6 +306,9 @@ def export_hf(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         cfg = base.config
+        if dtype is not None:
+            cfg = copy.deepcopy(cfg)
+            cfg.dtype = parse_dtype(dtype)
         cfg.save_pretrained(str(tmp))
         gen = getattr(base, "generation_config", None)
         if gen is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -201,3 +201,64 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if keep:
             out[name] = full.detach().to("cpu", copy=True)
     return out
+
+
+# ------------------------------------------------------------------------------ meta-device init
+def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (non-persistent ones too, e.g. rotary ``inv_freq``) by name, each
+    shared tensor once (tied embeddings). References, not copies."""
+    out = dict(model.named_parameters())
+    out.update(model.named_buffers())
+    return out
+
+
+def _same_structure(named: dict[str, torch.Tensor]) -> bool:
+    """Whether every rank has the same tensor names, global shapes and dtypes (collective)."""
+    import hashlib
+
+    sig = "\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in named.items()).encode()
+    mine = torch.frombuffer(bytearray(hashlib.sha256(sig).digest()), dtype=torch.uint8).to(_comm_device())
+    ref = mine.clone()
+    dist.broadcast(ref, src=0)
+    return bool(all_reduce(float(not torch.equal(mine, ref)), "max").item() == 0)
+
+
+@torch.no_grad()
+def fill_from_rank0(model: nn.Module, full: MutableMapping[str, torch.Tensor]) -> None:
+    """Fill a sharded model from rank 0's whole tensors ``full`` (``local_tensors`` of the model
+    rank 0 loaded, taken before sharding; ``{}`` on the other ranks, whose model was built on the meta
+    device and materialised with ``to_empty``). One tensor at a time is broadcast and every rank keeps
+    only its rows, so no rank holds a second copy of the model; rank 0 drops each whole tensor from
+    ``full`` once it is sent (the dict is consumed), so its copy shrinks as the shards fill. Parameters and buffers alike: buffers
+    that are not in the state dict (rotary ``inv_freq``) come from rank 0 too, so a meta-built rank
+    never runs with uninitialised memory. Collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    named = local_tensors(model)
+    if not _same_structure(named):
+        raise ValueError("meta-device init: the ranks built different models (names, shapes or dtypes differ); "
+                         "is the model code deterministic?")
+    if is_rank0() and set(full) != set(named):
+        raise ValueError(f"meta-device init: rank 0's loaded tensors differ from the sharded model's: "
+                         f"{sorted(set(full) ^ set(named))[:4]}")
+    from hpcrl.trainer.state import row_range
+
+    comm = _comm_device()
+    # One receive buffer per dtype, as large as the largest tensor, and rows copied from views: no
+    # per-tensor temporaries for the allocator to keep around (they raised rank 0's peak by ~1/3 of
+    # the model in the memory benchmark).
+    size: dict[torch.dtype, int] = {}
+    for t in named.values():
+        size[t.dtype] = max(size.get(t.dtype, 0), t.numel())
+    bufs = {} if is_rank0() else {d: torch.empty(n, dtype=d, device=comm) for d, n in size.items()}
+    for name, t in named.items():
+        if is_rank0():
+            src = full.pop(name).detach().to(device=comm, dtype=t.dtype).contiguous()
+        else:
+            src = bufs[t.dtype][: t.numel()].view(t.shape)
+        dist.broadcast(src, src=0)
+        if isinstance(t, DTensor):
+            _, first, rows = row_range(t)
+            t.to_local().copy_(src.narrow(0, first, rows))
+        else:
+            t.copy_(src)

@@ -5,7 +5,9 @@ publishes PolicyReady(path, checksum); servers load it when the orchestrator tel
 Collective transport: rank 0 publishes PolicyReady(transport="collective", checksum) and then
 broadcasts the tensors (HF names, chunked) over the weight group the servers joined; the
 orchestrator has them call /update_weights, which receives. Either way the checksum is computed
-over the full new weights, and every server's checksum of what it holds afterwards is compared to it.
+over exactly the tensors sent, and every server's checksum of what it loaded is compared to it.
+The tensors are in ``dtype``, the trainer's compute dtype (bf16 over fp32 master weights on GPU):
+what inference runs, cast once here, so the checksum covers the bytes sent and not the master copy.
 
 Delta sync (trainer.broadcast.delta): instead of the full weights, only the elements that changed
 since the previous policy travel (hpcrl.weights.delta; broadcasts/step_N/delta.safetensors or the same
@@ -35,7 +37,8 @@ log = logging.getLogger("hpcrl.trainer")
 
 class PolicyPublisher:
     def __init__(self, paths: RunPaths, bus: Bus, rank: int, transport: str, keep: int,
-                 weight_group: Any = None, bucket_mb: float = 256, *, delta: bool = False, full_every: int = 20):
+                 weight_group: Any = None, bucket_mb: float = 256, dtype: str | None = None, *,
+                 delta: bool = False, full_every: int = 20):
         assert transport in ("filesystem", "collective"), transport
         self.paths = paths
         self.bus = bus
@@ -44,6 +47,7 @@ class PolicyPublisher:
         self.keep = max(2, keep)
         self.group = weight_group
         self.bucket_mb = bucket_mb
+        self.dtype = dtype
         self.base_sent = False
         self.delta = delta
         self.full_every = max(1, full_every)
@@ -66,7 +70,7 @@ class PolicyPublisher:
             return self._publish_adapter(model, step)
         self.base_sent = True
         t0 = time.perf_counter()
-        named = dict(hf_named_tensors(model))  # every rank iterates: shards are gathered
+        named = dict(hf_named_tensors(model, dtype=self.dtype))  # every rank iterates: shards are gathered
         if self.rank != 0:
             return time.perf_counter() - t0
         self.publish_named(named, step)

@@ -59,7 +59,7 @@ def main(cfg: Config) -> int:
     rank = tr.dist.rank
     start, progress = restore(cfg, paths, tr)
     bus = Bus(paths, role="trainer", rank=rank)
-    publisher = make_publisher(cfg, paths, bus, rank)
+    publisher = make_publisher(cfg, paths, bus, rank, tr.precision.compute)
     publisher.publish(tr.model, start)  # policy `start` (0 = base weights): servers verify against it
     watchdog.beat(f"published policy {start}")
     metrics = Metrics.for_run(cfg, paths, "trainer", enabled=rank == 0)
@@ -116,7 +116,7 @@ def restore_state(ckpt: CkptConfig | None, paths: RunPaths, tr: Training, progre
     return step, progress
 
 
-def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int) -> PolicyPublisher:
+def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str) -> PolicyPublisher:
     transport = resolve_transport(cfg.trainer.broadcast.transport)
     keep = cfg.orchestrator.max_async_level + 2
     group = None
@@ -125,7 +125,7 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int) -> PolicyP
 
         group = trainer_join_weight_group(paths, bus, num_servers(cfg), cfg.trainer.broadcast.timeout_s)
     b = cfg.trainer.broadcast
-    return PolicyPublisher(paths, bus, rank, transport, keep, group, b.chunk_mb, delta=b.delta,
+    return PolicyPublisher(paths, bus, rank, transport, keep, group, b.chunk_mb, dtype=dtype, delta=b.delta,
                            full_every=b.full_every)
 
 
@@ -282,7 +282,7 @@ def save_checkpoint(c: CkptConfig, paths: RunPaths, tr: Training, step: int, pro
     rank, world = tr.dist.rank, tr.dist.world_size
     from hpcrl.trainer.model import export_hf, is_peft_model, save_adapter
 
-    export_hf(tr.model, tr.tokenizer, paths.weights_dir(step), write=rank == 0)
+    export_hf(tr.model, tr.tokenizer, paths.weights_dir(step), write=rank == 0, dtype=tr.precision.compute)
     if rank == 0 and c.save_adapter_separately and is_peft_model(tr.model):
         save_adapter(tr.model, paths.weights_dir(step) / "adapter")
     if c.weights_only:

@@ -12,7 +12,7 @@ import torch
 from hpcrl.config.schema import LossConfig, ModelConfig, OptimConfig
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
-from hpcrl.trainer import parallel
+from hpcrl.trainer import parallel, precision
 from hpcrl.trainer.loss import LossParams
 
 log = logging.getLogger("hpcrl.trainer")
@@ -29,12 +29,7 @@ class Training:
     device: torch.device
     model_path: str
     dist: parallel.DistEnv
-
-
-def resolve_dtype(name: str, device: torch.device) -> str:
-    if name != "auto":
-        return name
-    return "bfloat16" if device.type == "cuda" else "float32"
+    precision: precision.Precision  # compute / master / reduce dtypes; the published policy is in compute
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -43,8 +38,10 @@ def seed_everything(seed: int, rank: int) -> None:
 
 
 def build_training(model_cfg: ModelConfig, optim_cfg: OptimConfig, total_steps: int, seed: int,
-                   warm_start: str | None = None) -> Training:
-    """Distributed init, model (sharded with FSDP2 when world > 1), optimizer and scheduler."""
+                   warm_start: str | None = None, meta_init: bool = True) -> Training:
+    """Distributed init, model (sharded with FSDP2 when world > 1 or mixed precision), optimizer and
+    scheduler. ``meta_init = False`` makes every rank read the whole model (the old path, kept for the
+    memory benchmark's baseline)."""
     from hpcrl.models.tiny import resolve_model
 
     env = parallel.dist_env()
@@ -54,22 +51,9 @@ def build_training(model_cfg: ModelConfig, optim_cfg: OptimConfig, total_steps: 
         # Same numerics on every run of the same config: needed for bitwise-identical resumes.
         torch.use_deterministic_algorithms(True, warn_only=True)
     seed_everything(seed, env.rank)
+    prec = precision.of_model(model_cfg, on_gpu=device.type == "cuda")
     path = resolve_model(model_cfg.name or "", field="trainer.model.name")
-    lora = None
-    if model_cfg.lora is not None:
-        lc = model_cfg.lora
-        lora = model_lib.LoraParams(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules))
-    attn = None if model_cfg.attn == "auto" else model_cfg.attn
-    model = model_lib.load_model(path, dtype=resolve_dtype(model_cfg.dtype, device), device=device, attn_impl=attn,
-                                 activation_checkpointing=model_cfg.activation_checkpointing,
-                                 lora=None if warm_start else lora, trust_remote_code=model_cfg.trust_remote_code)
-    if warm_start:
-        # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
-        # merged), and the new adapter starts at zero on top of them.
-        load_warm_start(model, warm_start)
-        if lora is not None:
-            model = model_lib.apply_lora(model, lora)
-    model = parallel.apply_fsdp(model)
+    model = build_model(path, model_cfg, prec, device, warm_start, meta_init=meta_init)
     tokenizer = model_lib.load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
     optimizer = optim_lib.build_optimizer(
         model, optim_cfg.type, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
@@ -80,8 +64,44 @@ def build_training(model_cfg: ModelConfig, optim_cfg: OptimConfig, total_steps: 
         total_steps=max(total_steps, optim_cfg.warmup_steps + 1), min_lr_ratio=optim_cfg.min_lr_ratio,
     )
     n = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters on %s (world size %d)", path, n / 1e6, device, env.world_size)
-    return Training(model, tokenizer, optimizer, scheduler, device, path, env)
+    log.info("model %s: %.2fM parameters on %s (world size %d), %s", path, n / 1e6, device, env.world_size,
+             prec.describe())
+    return Training(model, tokenizer, optimizer, scheduler, device, path, env, prec)
+
+
+def build_model(path: str, model_cfg: ModelConfig, prec: precision.Precision, device: torch.device,
+                warm_start: str | None = None, meta_init: bool = True) -> torch.nn.Module:
+    """The trainable model, sharded. Over several ranks with ``meta_init``, only rank 0 reads the
+    weights (into CPU memory): the others build the model on the meta device, every rank shards it
+    (FSDP2), and rank 0 broadcasts one tensor at a time, each rank keeping its rows. Rank 0 then drops
+    its whole copy, so no rank holds more than one model plus its shard at any moment."""
+    lora = None
+    if model_cfg.lora is not None:
+        lc = model_cfg.lora
+        lora = model_lib.LoraParams(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
+                                    target_modules=tuple(lc.target_modules))
+    from_rank0 = meta_init and parallel.get_world_size() > 1
+    on_meta = from_rank0 and not parallel.is_rank0()
+    model = model_lib.load_model(
+        path, dtype=prec.master, device="cpu" if from_rank0 else device,
+        attn_impl=None if model_cfg.attn == "auto" else model_cfg.attn,
+        activation_checkpointing=model_cfg.activation_checkpointing, lora=None if warm_start else lora,
+        trust_remote_code=model_cfg.trust_remote_code, meta=on_meta)
+    if warm_start:
+        # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
+        # merged), and the new adapter starts at zero on top of them. Meta ranks get it from rank 0.
+        if not on_meta:
+            load_warm_start(model, warm_start)
+        if lora is not None:
+            model = model_lib.apply_lora(model, lora)
+    whole = parallel.local_tensors(model) if from_rank0 and not on_meta else {}
+    model = parallel.apply_fsdp(model, param_dtype=model_lib.parse_dtype(prec.compute),
+                                reduce_dtype=model_lib.parse_dtype(prec.reduce), force=prec.mixed)
+    if from_rank0:
+        if on_meta:
+            model.to_empty(device=device)
+        parallel.fill_from_rank0(model, whole)  # consumes rank 0's whole copy, tensor by tensor
+    return model
 
 
 def load_warm_start(model: torch.nn.Module, path: str) -> None:

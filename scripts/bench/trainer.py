@@ -1,6 +1,6 @@
 """Trainer benchmark: is our train step as fast as a plain training loop, and how much do we pad?
 
-    python scripts/bench/trainer.py [--preset small|tiny] [--samples 64] [--repeats 5]
+    python scripts/bench/trainer.py [--preset small|tiny] [--samples 64] [--repeats 5] [--memory on|off|only]
 
 1. Throughput. The real RL `train_step` of hpcrl/trainer/rl.py (TrainBatch -> packed micro-batches ->
    forward_packed -> RL loss -> backward -> clip -> AdamW, with its finite checks and stats) and the
@@ -16,6 +16,8 @@
    kernels: nothing padded; rows as wide as the longest sample with sdpa/eager on CPU); our SFT rows if they were padded into a [rows, T] tensor, T = the longest row (dynamic
    shapes) or T = seq_len (static shapes); and naive right-padding of every sample to the longest
    sample. Target <= 5 %.
+3. Memory at load (scripts/bench/trainer_memory.py): peak RSS per rank for 1 and 2 ranks, meta-device
+   init against every rank loading the whole model, with a ~53 M-parameter model (``--memory only``).
 
 Everything is built locally (tiny Qwen3-style model, no hub); CPU by default, CUDA when present.
 """
@@ -170,9 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--memory", choices=["on", "off", "only"], default="on",
+                    help="the memory table at load (trainer_memory.py: 1 and 2 ranks, meta init vs every rank loading)")
     ap.add_argument("--group-shape", default="16x8x56x4-16",
                     help="GRPO batch for the shared-prefix table: PROMPTSxGROUPxPROMPT_LENxMIN-MAX completion tokens")
     args = ap.parse_args(argv)
+    if args.memory == "only":
+        return memory_part()
 
     os.environ.setdefault("HPCRL_CACHE", str(Path(tempfile.gettempdir()) / "hpcrl-bench-cache"))
     for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID"):
@@ -278,6 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.trainer import parallel
 
     parallel.destroy_distributed()
+    return memory_part() if args.memory == "on" else 0
+
+
+def memory_part() -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trainer_memory import memory_table
+
+    memory_table()
     return 0
 
 

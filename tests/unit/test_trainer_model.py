@@ -225,6 +225,27 @@ def test_export_roundtrip_and_activation_checkpointing(model_dir: Path, tmp_path
     assert (out / "model.safetensors").is_file()
 
 
+def test_export_in_the_compute_dtype(model_dir: Path, tmp_path: Path):
+    """fp32 master weights exported/published as bf16: every floating tensor cast once, config.json
+    says bfloat16, transformers loads it in bf16 with exactly those values."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(model_dir, "float32", "cpu")
+    named = dict(hf_named_tensors(model, dtype="bfloat16"))
+    assert {t.dtype for t in named.values()} == {torch.bfloat16}
+    for k, t in named.items():
+        assert torch.equal(t, model.state_dict()[k].to(torch.bfloat16))
+    out = export_hf(model, None, tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(torch.equal(v, named[k]) for k, v in load_file(str(out / "model.safetensors")).items())
+    assert model.config.dtype == torch.float32  # the live model's config is untouched
+    again = AutoModelForCausalLM.from_pretrained(out)
+    assert again.dtype == torch.bfloat16
+
+
 def test_lora_merge_and_adapter(model_dir: Path, tmp_path: Path):
     model = load_model(model_dir, lora=LoraParams(rank=4, alpha=8, target_modules=("q_proj", "up_proj")))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -1,0 +1,50 @@
+"""Run a test file as a script on N gloo ranks (torchrun-style environment), for the trainer's
+distributed tests: the ranks go through the same ``init_distributed`` / FSDP2 code as a real trainer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.integration.test_fsdp_equivalence import _free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_ranks(script: str, world: int, *args: str, timeout: float = 240) -> list[str]:
+    """Start ``python script *args`` as ranks 0..world-1 and wait; fail with the failing rank's output.
+    Returns every rank's output."""
+    port = _free_port()
+    procs, logs = [], []
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        log = tempfile.TemporaryFile("w+", dir=log_dir)  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        # A rank that fails leaves the others blocked in a collective: stop them at once.
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read())
+        log.close()
+    for rank, (p, text) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{text[-4000:]}"
+    return outs
