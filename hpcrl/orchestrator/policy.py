@@ -18,10 +18,10 @@ import time
 from collections.abc import Sequence
 
 from hpcrl.bus import Bus, BusTimeout, PolicyReady, ServerInfo, ShutdownRequested, read_message
+from hpcrl.bus.messages import ADAPTER_NAME
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
-ADAPTER_NAME = "policy"  # the name LoRA RL loads each step's adapter under (replacing the previous one)
 
 
 class PolicyMismatch(RuntimeError):
@@ -39,6 +39,9 @@ class PolicySync:
         self.clients = [InferenceClient(u, timeout=timeout, api_key=key) for u in base_urls]
         self.timeout, self.policy_timeout = timeout, policy_timeout
         self.loaded: int | None = None  # policy step every server holds (verified)
+        # LoRA RL: the name the loaded policy is served under (its adapter), None for full weights.
+        # Requests must name it: vLLM applies an adapter only to requests whose `model` is its name.
+        self.adapter: str | None = None
         self.newest_seen = -1  # newest PolicyReady observed (for checkpoint triggers)
         self.load_time = 0.0
         self._lock = asyncio.Lock()
@@ -165,6 +168,7 @@ class PolicySync:
         t0 = time.perf_counter()
         await asyncio.gather(*(self._load_one(c, msg) for c in self.clients))
         self.loaded = msg.step
+        self.adapter = ADAPTER_NAME if msg.adapter else None  # only once every server holds it
         self.load_time += time.perf_counter() - t0
         log.info("policy %d loaded on %d server(s) (checksum verified, %.2fs)", msg.step, len(self.clients),
                  time.perf_counter() - t0)
@@ -172,7 +176,7 @@ class PolicySync:
     async def _load_one(self, client, msg: PolicyReady) -> None:
         from hpcrl.inference.client import WeightSyncError
 
-        if msg.adapter:  # LoRA RL: only the adapter travels; the server merges it onto its base weights
+        if msg.adapter and msg.transport == "filesystem":  # LoRA RL: the server merges the adapter
             try:
                 r = await client.load_lora_adapter(ADAPTER_NAME, str(msg.path), step=msg.step)
             except WeightSyncError as e:
@@ -189,7 +193,7 @@ class PolicySync:
             if info.get("checksum") == msg.checksum and info.get("step") == msg.step:
                 return
         try:
-            if msg.transport == "collective":
+            if msg.transport == "collective":  # full weights, a delta or (LoRA) the adapter: the header says
                 r = await client.update_weights(msg.step, collective=True, expected_checksum=msg.checksum)
             else:
                 r = await client.update_weights(msg.step, path=msg.path, expected_checksum=msg.checksum)
@@ -203,10 +207,12 @@ class PolicySync:
         """Every server reports exactly `msg`'s checksum (GET /weights)."""
         infos = await asyncio.gather(*(c.weights() for c in self.clients))
         for c, info in zip(self.clients, infos):
-            if msg.adapter:  # the load already compared the adapter's checksum; here: still that one
-                if info.get("step") != msg.step or (info.get("lora_adapters") or {}).get(ADAPTER_NAME) != msg.path:
+            if msg.adapter:  # the base's checksum is unchanged; the merged adapter must be this policy's
+                if info.get("step") != msg.step or info.get("lora_checksum") != msg.checksum or \
+                        ADAPTER_NAME not in (info.get("lora_adapters") or {}):
                     raise PolicyMismatch(f"server {c.base_url} holds step {info.get('step')} / adapters "
-                                         f"{info.get('lora_adapters')}, policy {msg.step} is adapter {msg.path}")
+                                         f"{info.get('lora_adapters')} ({info.get('lora_checksum')}), policy "
+                                         f"{msg.step} is adapter {ADAPTER_NAME!r} ({msg.checksum})")
                 continue
             if info.get("checksum") != msg.checksum:
                 raise PolicyMismatch(f"server {c.base_url} holds checksum {info.get('checksum')} (step "
