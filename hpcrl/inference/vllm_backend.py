@@ -14,7 +14,9 @@ the only module that imports vllm, and it does so lazily. What is proven without
   its methods with the exact arguments the routes below pass: a real vLLM Qwen3 model, built on CPU,
   loads the weights (HF names onto fused qkv/gate_up), from a path and over a gloo broadcast; the
   results survive vLLM's msgpack RPC encoding;
-- the LoRA request type accepts the body hpcrl sends.
+- /load_lora_adapter, driven by the orchestrator's PolicySync through vLLM's real OpenAIServingModels:
+  `step` kept out of vLLM's request, two policies replace one adapter slot in place under one name,
+  the adapter tensors' checksum answered and verified.
 
 Not proven here (needs a GPU): serving itself (engine start, CUDA graphs, NCCL weight broadcast,
 sampling and logprobs on the GPU, pause/resume inside a live engine, LoRA adapters applied).
@@ -33,7 +35,11 @@ prompts), `return_token_ids`, logprobs, /tokenize, /health and /v1/models. hpcrl
 - vLLM fuses and renames parameters (qkv_proj, gate_up_proj), so the checksum is computed over the
   tensors the worker received (HF names) rather than read back from the model;
 - `policy_steps` lists the policy steps loaded when the request started and ended (vLLM does not tag
-  tokens), which is exact whenever updates happen while the server is paused.
+  tokens), which is exact whenever updates happen while the server is paused; with a LoRA adapter
+  loaded, a request that does not name it ran on the base weights and gets the base's step.
+- LoRA: vLLM applies an adapter only to requests naming it (the orchestrator names it once loaded);
+  the checksum is over the adapter files vLLM was pointed at. Adapters over the collective transport
+  are merged by the hf backend only (vLLM loads adapters from a path).
 - vLLM's sampler reports logprobs of the raw model distribution unless started with
   `--logprobs-mode processed_logprobs` (vLLM >= 0.10.2), which `serve` passes.
 """
