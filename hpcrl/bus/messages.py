@@ -152,6 +152,12 @@ _SAMPLE_FIELDS: tuple[tuple[str, Any], ...] = (
 )
 
 
+# LoRA RL: the name every server holds the policy's adapter under (each step replaces it in place).
+# vLLM applies an adapter only to requests naming it, so the orchestrator's requests then say this name;
+# vLLM refuses an adapter named like a served base model (e.g. `--served-model-name policy`).
+ADAPTER_NAME = "policy-lora"
+
+
 class PolicyReady(msgspec.Struct, kw_only=True):
     """Trainer -> orchestrator: the weights of policy `step` are ready to be loaded."""
 
@@ -159,8 +165,9 @@ class PolicyReady(msgspec.Struct, kw_only=True):
     transport: Literal["collective", "filesystem"]
     path: str | None = None  # weights dir, required for the filesystem transport
     checksum: str
-    # LoRA runs: `path` holds only the adapter (peft format: adapter_model.safetensors +
-    # adapter_config.json) and `checksum` is over its tensors; servers load it with /load_lora_adapter.
+    # LoRA runs: only the adapter travels and `checksum` is over its tensors. Filesystem: `path` holds it
+    # (peft format: adapter_model.safetensors + adapter_config.json), servers load it with
+    # /load_lora_adapter. Collective: the broadcast header says "adapter" and /update_weights merges it.
     adapter: bool = False
     num_params: int
     num_bytes: int

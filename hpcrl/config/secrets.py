@@ -100,12 +100,33 @@ def resolve_refs(value: Any, path: str, environ: Mapping[str, str] | None = None
     def one(m: re.Match[str]) -> str:
         name = m.group(1)
         if name not in environ:
-            hint = ("it held a literal secret that is never written to disk: export it again, or move the "
-                    "value to an env_file" if name.startswith(SECRET_ENV_PREFIX) else "export it or add it to an env_file")
-            raise ConfigError(path, f"references ${{env:{name}}} but {name} is not set ({hint})")
+            raise _unset(path, name)
         return environ[name]
 
     return ENV_REF_RE.sub(one, value)
+
+
+def _unset(path: str, name: str) -> ConfigError:
+    hint = ("it held a literal secret that is never written to disk: export it again, or move the "
+            "value to an env_file" if name.startswith(SECRET_ENV_PREFIX) else "export it or add it to an env_file")
+    return ConfigError(path, f"references ${{env:{name}}} but {name} is not set ({hint})")
+
+
+def check_secret_refs(value: Any, environ: Mapping[str, str], path: str = "") -> None:
+    """ConfigError for the first `${env:HPCRL_SECRET_...}` reference whose variable `environ` lacks.
+    Such a variable only ever existed in the environment of the launch that externalized it, so a
+    later launch (`hpcrl resume` of a SLURM run) must have it again; checked before submitting, since
+    on the nodes the job would only fail (and requeue) later. Other references may be set on the nodes."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_secret_refs(v, environ, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_secret_refs(v, environ, f"{path}[{i}]")
+    elif isinstance(value, str):
+        for m in ENV_REF_RE.finditer(value):
+            if m.group(1).startswith(SECRET_ENV_PREFIX) and m.group(1) not in environ:
+                raise _unset(path, m.group(1))
 
 
 def read_env_file(path: Path, where: str) -> dict[str, str]:

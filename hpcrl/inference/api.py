@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hpcrl.bus.messages import ADAPTER_NAME
 from hpcrl.inference import guard
 from hpcrl.inference.engine import HFEngine
 from hpcrl.inference.protocol import (
@@ -357,13 +358,16 @@ def _receive_and_load(state: ServerState, step: int) -> tuple[str, str | None]:
     from hpcrl.weights.delta import Delta
 
     header = receive_header(state.group)
-    if header.delta is not None:  # small and differently shaped each time: no staging buffer
+    if header.delta is not None or header.adapter is not None:  # small: no staging buffer (it holds full weights)
         tensors = receive_tensors(state.group, header)
     else:
         tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
     if header.step != step:
         raise APIError(f"the broadcast carried step {header.step}, the request said {step}", status=409,
                        type="WeightSyncError")
+    if header.adapter is not None:  # LoRA RL: merged like /load_lora_adapter, checksum over the adapter
+        return (state.engine.merge_lora(ADAPTER_NAME, f"broadcast:step_{step}", header.adapter, tensors, step),
+                header.checksum)
     if header.delta is not None:
         try:
             delta = Delta.from_manifest(header.delta, tensors)

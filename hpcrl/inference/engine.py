@@ -24,7 +24,7 @@ import msgspec
 import torch
 
 from hpcrl.inference.batch import DecodeBatch
-from hpcrl.inference.loading import check_compatible, load_lora_delta, load_safetensors_dir
+from hpcrl.inference.loading import check_compatible, load_safetensors_dir, lora_deltas, read_adapter
 from hpcrl.inference.protocol import APIError, SamplingParams, SeqOutput
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.weights.checksum import state_dict_checksum
@@ -138,7 +138,8 @@ class HFEngine:
         self._weight_names = self._unique_param_names()
         self.checksum = state_dict_checksum({n: self._params[n] for n in self._weight_names})
         self._lora_base: dict[str, torch.Tensor] = {}
-        self.lora_adapters: dict[str, str] = {}
+        self.lora_adapters: dict[str, str] = {}  # name -> where it came from (its dir, or "broadcast:step_N")
+        self.lora_checksum: str | None = None  # checksum of the merged adapter's tensors
         self.stats: dict[str, Any] = {"requests": 0, "forward_steps": 0, "prefills": 0, "generated_tokens": 0,
                                       "batch_size_hist": collections.Counter(), "max_batch_size_seen": 0,
                                       "engine_errors": 0}
@@ -461,6 +462,7 @@ class HFEngine:
                 self.policy_step = int(step)
                 self._lora_base.clear()  # a full update replaces any merged adapter
                 self.lora_adapters.clear()
+                self.lora_checksum = None
             loaded = {n: self._params[n].to(tensors[n].dtype) for n in tensors}
             self.checksum = state_dict_checksum(loaded)
             self._weight_names = list(tensors)
@@ -501,9 +503,17 @@ class HFEngine:
             return self.checksum
 
     def load_lora(self, name: str, path: str, step: int | None = None) -> str:
-        """Merge a LoRA adapter into the base weights (replacing the previous adapter); return its checksum.
-        With `step` (LoRA RL: the adapter is policy `step`) the samples that follow are tagged with it."""
-        deltas, raw = load_lora_delta(path, self._params)
+        """Merge the PEFT adapter under `path` into the base weights (replacing the previous adapter);
+        return the checksum of its tensors. With `step` (LoRA RL: the adapter is policy `step`) the
+        samples that follow are tagged with it."""
+        cfg, raw = read_adapter(path)
+        return self.merge_lora(name, path, cfg, raw, step)
+
+    def merge_lora(self, name: str, source: str, cfg: dict[str, Any], raw: dict[str, torch.Tensor],
+                   step: int | None = None) -> str:
+        """`load_lora` for an adapter already in memory (config + tensors: read from a dir, or received
+        over the weight broadcast); `source` is what /weights reports it came from."""
+        deltas = lora_deltas(cfg, raw, self._params, where=source)
         with self._update_lock, self._weights_lock:
             for pname in list(self._lora_base):  # undo the previous adapter first
                 self._params[pname].copy_(self._lora_base.pop(pname))
@@ -511,10 +521,11 @@ class HFEngine:
                 p = self._params[pname]
                 self._lora_base[pname] = p.detach().clone()
                 p.add_(delta.to(device=p.device, dtype=p.dtype))
-            self.lora_adapters = {name: path}
+            self.lora_adapters = {name: source}
+            self.lora_checksum = state_dict_checksum(raw)
             if step is not None:
                 self.policy_step = int(step)
-        return state_dict_checksum(raw)
+        return self.lora_checksum
 
     def score_prompt(self, ids: list[int]) -> list[float | None]:
         """Log-probability of every token of `ids` given its prefix (None for the first): vLLM's
@@ -532,7 +543,7 @@ class HFEngine:
 
     def weights_info(self) -> dict[str, Any]:
         return {"step": self.policy_step, "checksum": self.checksum, "num_tensors": len(self._weight_names),
-                "lora_adapters": dict(self.lora_adapters)}
+                "lora_adapters": dict(self.lora_adapters), "lora_checksum": self.lora_checksum}
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The served weights under their HF names (tied aliases dropped): for tests and benchmarks."""

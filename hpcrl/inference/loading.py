@@ -60,26 +60,44 @@ def check_finite(tensors: dict[str, torch.Tensor], param: str) -> None:
             raise APIError(f"tensor {k!r} holds NaN or inf values; refused (nothing was loaded)", param=param)
 
 
-def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
-                                                                      dict[str, torch.Tensor]]:
-    """Read a PEFT LoRA adapter dir; return ({base param name: delta W}, raw adapter tensors).
-
-    The server merges base + delta (never cumulative), so loading adapter k replaces adapter k-1.
-    """
+def read_adapter(path: str) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter dir: (adapter_config.json as a dict, the adapter's tensors), refused with a
+    client error when either is missing or unreadable. Both LoRA routes read adapters through here."""
     p = Path(path)
     cfg_file = p / "adapter_config.json"
     if not cfg_file.is_file():
         raise APIError(f"LoRA path {path!r} has no adapter_config.json", param="lora_path")
     try:
         cfg = json.loads(cfg_file.read_text())
-        r = int(cfg["r"])
-        alpha = float(cfg.get("lora_alpha", r))
+    except (ValueError, RecursionError) as e:
+        raise APIError(f"bad adapter_config.json under {path!r}: {e}", param="lora_path") from e
+    if not isinstance(cfg, dict):
+        raise APIError(f"bad adapter_config.json under {path!r}: not a JSON object", param="lora_path")
+    return cfg, load_safetensors_dir(str(p / "adapter_model.safetensors"))
+
+
+def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                                      dict[str, torch.Tensor]]:
+    """Read a PEFT LoRA adapter dir; return ({base param name: delta W}, raw adapter tensors)."""
+    cfg, raw = read_adapter(path)
+    return lora_deltas(cfg, raw, params, where=repr(path)), raw
+
+
+def lora_deltas(cfg: dict[str, object], raw: dict[str, torch.Tensor], params: dict[str, torch.Tensor], *,
+                where: str = "the adapter") -> dict[str, torch.Tensor]:
+    """{base param name: delta W} of a PEFT adapter (its config and tensors, from a dir or a broadcast).
+
+    The server merges base + delta (never cumulative), so loading adapter k replaces adapter k-1.
+    """
+    try:
+        r = int(cfg["r"])  # type: ignore[call-overload]
+        alpha = float(cfg.get("lora_alpha", r))  # type: ignore[arg-type]
         if r < 1 or alpha != alpha or abs(alpha) == float("inf"):
             raise ValueError(f"r = {r}, lora_alpha = {alpha}: need r >= 1 and a finite alpha")
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise APIError(f"bad adapter_config.json under {path!r}: {e}", param="lora_path") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise APIError(f"bad adapter config of {where}: {e}", param="lora_path") from e
+    check_finite(raw, "lora_path")
     scale = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
-    raw = load_safetensors_dir(str(p / "adapter_model.safetensors"))
     deltas: dict[str, torch.Tensor] = {}
     for key, a in raw.items():
         if ".lora_A." not in key:
@@ -97,12 +115,7 @@ def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[st
             raise APIError(f"LoRA pair for {name!r} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}; rank {r} "
                            f"and the model's {want} need A ({r}, {want[-1]}), B ({want[0]}, {r})",
                            param="lora_path")
-        delta = (b.float() @ a.float()) * scale
-        if tuple(delta.shape) != tuple(params[name].shape):
-            raise APIError(f"LoRA delta for {name!r} has shape {tuple(delta.shape)}, model has "
-                           f"{tuple(params[name].shape)}", param="lora_path")
-        deltas[name] = delta
+        deltas[name] = (b.float() @ a.float()) * scale
     if not deltas:
-        raise APIError(f"LoRA adapter under {path!r} holds no lora_A/lora_B pairs", param="lora_path")
-    check_finite(raw, "lora_path")
-    return deltas, raw
+        raise APIError(f"LoRA adapter {where} holds no lora_A/lora_B pairs", param="lora_path")
+    return deltas

@@ -14,7 +14,9 @@ the only module that imports vllm, and it does so lazily. What is proven without
   its methods with the exact arguments the routes below pass: a real vLLM Qwen3 model, built on CPU,
   loads the weights (HF names onto fused qkv/gate_up), from a path and over a gloo broadcast; the
   results survive vLLM's msgpack RPC encoding;
-- the LoRA request type accepts the body hpcrl sends.
+- /load_lora_adapter, driven by the orchestrator's PolicySync through vLLM's real OpenAIServingModels:
+  `step` kept out of vLLM's request, two policies replace one adapter slot in place under one name,
+  the adapter tensors' checksum answered and verified.
 
 Not proven here (needs a GPU): serving itself (engine start, CUDA graphs, NCCL weight broadcast,
 sampling and logprobs on the GPU, pause/resume inside a live engine, LoRA adapters applied).
@@ -33,7 +35,11 @@ prompts), `return_token_ids`, logprobs, /tokenize, /health and /v1/models. hpcrl
 - vLLM fuses and renames parameters (qkv_proj, gate_up_proj), so the checksum is computed over the
   tensors the worker received (HF names) rather than read back from the model;
 - `policy_steps` lists the policy steps loaded when the request started and ended (vLLM does not tag
-  tokens), which is exact whenever updates happen while the server is paused.
+  tokens), which is exact whenever updates happen while the server is paused; with a LoRA adapter
+  loaded, a request that does not name it ran on the base weights and gets the base's step.
+- LoRA: vLLM applies an adapter only to requests naming it (the orchestrator names it once loaded);
+  the checksum is over the adapter files vLLM was pointed at. Adapters over the collective transport
+  are merged by the hf backend only (vLLM loads adapters from a path).
 - vLLM's sampler reports logprobs of the raw model distribution unless started with
   `--logprobs-mode processed_logprobs` (vLLM >= 0.10.2), which `serve` passes.
 """
@@ -224,6 +230,9 @@ class HpcrlWorkerExtension:
             raise RuntimeError("no weight broadcast group: call /init_broadcaster first")
         header = receive_header(group)
         tensors = receive_tensors(group, header, device=self.device)  # type: ignore[attr-defined]
+        if header.adapter is not None:  # received (the sender is not left hanging), then refused
+            raise RuntimeError("a LoRA adapter over the collective transport is merged by the hf backend only; "
+                               "with vllm use trainer.broadcast.transport = \"filesystem\" (/load_lora_adapter)")
         if header.delta is not None:
             return header.step, self._hpcrl_apply_delta(Delta.from_manifest(header.delta, tensors)), header.checksum
         return header.step, self._hpcrl_load(tensors), header.checksum
@@ -244,9 +253,46 @@ def update_weights_rpc(body: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
     raise ValueError('give `path` or `transport: "collective"`')
 
 
+HPCRL_LORA_FIELDS = ("step",)  # hpcrl's additions to the /load_lora_adapter body; vLLM's request refuses them
+
+
 def lora_request_body(body: dict[str, Any]) -> dict[str, Any]:
-    """LoadLoRAAdapterRequest fields for hpcrl's body: a new policy replaces the adapter of that name."""
-    return {"load_inplace": True, **body}
+    """LoadLoRAAdapterRequest fields for hpcrl's body: hpcrl's own fields dropped (the route keeps them
+    for the policy status), and a new policy replaces the adapter of that name in place."""
+    return {"load_inplace": True, **{k: v for k, v in body.items() if k not in HPCRL_LORA_FIELDS}}
+
+
+def lora_step(body: dict[str, Any]) -> int | None:
+    """The policy step a /load_lora_adapter body tags the adapter with; ValueError for a bad one."""
+    step = body.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"`step` must be an integer >= 0, got {step!r}")
+    return step
+
+
+def adapter_checksum(path: str) -> str:
+    """Checksum of the adapter tensors under `path` (what vLLM's LoRA manager reads from the same
+    files), comparable with the trainer's and the hf engine's; APIError for a missing/bad adapter."""
+    from hpcrl.inference.loading import check_finite, read_adapter
+    from hpcrl.weights.checksum import state_dict_checksum
+
+    _, raw = read_adapter(path)
+    check_finite(raw, "lora_path")
+    return state_dict_checksum(raw)
+
+
+def initial_status() -> dict[str, Any]:
+    """What /weights reports before any update: step and checksum of the loaded policy, the step of the
+    base weights (requests that do not name the adapter get those), the adapter loaded (name -> path)
+    and its checksum. Replaced key by key, never mutated in place: the tagging middleware snapshots it."""
+    return {"step": 0, "checksum": None, "base_step": 0, "lora_adapters": {}, "lora_checksum": None}
+
+
+def policy_step_for(status: dict[str, Any], model: Any) -> int:
+    """The policy a request for `model` was served by: vLLM applies the adapter only to requests that
+    name it; every other request runs on the base weights."""
+    adapters = status.get("lora_adapters") or {}
+    return status["step"] if not adapters or model in adapters else status.get("base_step", 0)
 
 
 def collective_result(results: list[Any], step: int) -> tuple[str, str | None]:
@@ -348,7 +394,9 @@ def _router(status: dict[str, Any]) -> Any:
             return err(f"weight update to step {step} failed verification: {e}", 409, "WeightSyncError")
         await engine.reset_prefix_cache()  # cached KV was computed with the old weights
         expected = body.get("expected_checksum") or sent
-        status.update(step=step, checksum=checksum)
+        # Full weights replace the base; requests naming a previous adapter would mix it with the new
+        # base, so it is no longer reported as the policy (the orchestrator names the base again).
+        status.update(step=step, checksum=checksum, base_step=step, lora_adapters={}, lora_checksum=None)
         if expected is not None and expected != checksum:
             return err(f"loaded checksum {checksum} != expected {expected}", 409, "WeightSyncError")
         return {"step": step, "checksum": checksum}
@@ -371,19 +419,30 @@ def _router(status: dict[str, Any]) -> Any:
 
     @router.post("/load_lora_adapter")
     async def load_lora(request: Request) -> Any:
+        import asyncio
+
+        from hpcrl.inference.protocol import APIError
+
         body = await body_of(request)
         if isinstance(body, JSONResponse):
             return body
         try:
+            step = lora_step(body)
             lora_request = vllm_symbol("LoadLoRAAdapterRequest")(**lora_request_body(body))
         except ValueError as e:  # pydantic's ValidationError is a ValueError
-            return err(f"/load_lora_adapter needs `lora_name` and `lora_path` strings: {e}", 400,
-                       "BadRequestError")
+            return err(f"/load_lora_adapter needs `lora_name` and `lora_path` strings (and an integer `step`): {e}",
+                       400, "BadRequestError")
+        try:  # read before vLLM loads: a bad adapter is refused before anything is replaced
+            checksum = await asyncio.to_thread(adapter_checksum, lora_request.lora_path)
+        except APIError as e:
+            return err(e.message, 400, "BadRequestError")
         result = await request.app.state.openai_serving_models.load_lora_adapter(lora_request)
         if isinstance(result, vllm_symbol("ErrorResponse")):
             return JSONResponse(result.model_dump(), status_code=result.error.code)
         await request.app.state.engine_client.reset_prefix_cache()
-        return {"status": "ok", "lora_name": body.get("lora_name")}
+        status.update(lora_adapters={lora_request.lora_name: lora_request.lora_path}, lora_checksum=checksum,
+                      **({"step": step} if step is not None else {}))
+        return {"status": "ok", "lora_name": lora_request.lora_name, "checksum": checksum, "step": status["step"]}
 
     return router
 
@@ -400,7 +459,7 @@ def _add_policy_steps(app: Any, status: dict[str, Any]) -> None:
 
     @app.middleware("http")
     async def policy_steps(request: Request, call_next: Any) -> Any:
-        start = status["step"]
+        start = dict(status)  # the loaded policy when the request started
         response = await call_next(request)
         if request.url.path not in ("/v1/chat/completions", "/v1/completions") or \
                 not response.headers.get("content-type", "").startswith("application/json"):
@@ -408,7 +467,8 @@ def _add_policy_steps(app: Any, status: dict[str, Any]) -> None:
         raw = b"".join([chunk async for chunk in response.body_iterator])
         try:
             data = json.loads(raw)
-            steps = sorted({start, status["step"]})
+            model = data.get("model")  # vLLM answers with the adapter's name when it applied it
+            steps = sorted({policy_step_for(start, model), policy_step_for(status, model)})
             for choice in data.get("choices", []):
                 choice["policy_steps"] = steps
             data["policy_steps"] = steps
@@ -484,7 +544,7 @@ def serve(opts: "ServeOptions", model_path: str) -> None:
 
     sock, opts, args = prepare(opts, model_path)
     run_server_worker = vllm_symbol("run_server_worker")
-    status: dict[str, Any] = {"step": 0, "checksum": None}
+    status = initial_status()
     _install_routes(run_server_worker, status)
     threading.Thread(target=_announce_when_ready, args=(opts,), daemon=True).start()
     host = f"[{opts.host}]" if ":" in opts.host else opts.host

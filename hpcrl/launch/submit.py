@@ -16,8 +16,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from hpcrl.config import secrets
 from hpcrl.config.loader import Loaded
-from hpcrl.config.resolved import secret_env, write_resolved
+from hpcrl.config.resolved import secret_env, to_dict, write_resolved
 from hpcrl.config.schema import CkptConfig, Config
 from hpcrl.launch import prepare
 from hpcrl.launch.placement import partition_max_gpus, slurm_placement
@@ -38,6 +39,9 @@ def resume_setup_line(paths: RunPaths, python: str, step: int | None) -> str:
 def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | None = None) -> int:
     cfg: Config = loaded.config
     assert cfg.slurm is not None
+    # A resumed run's literal secrets exist only as references now: each must be in this environment
+    # again before anything is written or submitted (env_file secrets are re-read from their files on the nodes and need nothing).
+    secrets.check_secret_refs(to_dict(cfg), {**os.environ, **secret_env(cfg)})
     # What the partition's nodes offer (sinfo), so an impossible request fails here in one line
     # instead of pending forever in the queue.
     offer = partition_max_gpus(cfg.slurm.partition) if cfg.slurm.gpus_per_node else None

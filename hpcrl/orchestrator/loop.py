@@ -153,7 +153,7 @@ class Orchestrator:
         await sync.wait_healthy()
         if s.transport == "collective":
             await sync.join_group(servers)
-        s.attach_servers(self.servers, lambda: sync.loaded or 0)
+        s.attach_servers(self.servers, lambda: sync.loaded or 0, lambda: sync.adapter)
         self.metrics = Metrics.for_run(self.cfg, self.paths, "orchestrator")
         self.wandb_sink = start_wandb_sink(self.cfg, self.paths, "orchestrator")
         self.prompts = PromptsLog(self.paths)

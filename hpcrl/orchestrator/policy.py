@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from hpcrl.bus import Bus, BusTimeout, PolicyReady, ServerInfo, ShutdownRequested, read_message
+from hpcrl.bus.messages import ADAPTER_NAME
 from hpcrl.monitor import watchdog
 from hpcrl.orchestrator.servers import ServerSet, is_dead
 from hpcrl.paths import RunPaths
@@ -32,7 +33,6 @@ from hpcrl.paths import RunPaths
 log = logging.getLogger("hpcrl.orchestrator")
 REPUBLISH_S = 60.0  # a failed broadcast is re-published as files within a second or two
 BACK_HEALTH_S = 30.0  # a restarted server announces itself once it listens: /health answers at once
-ADAPTER_NAME = "policy"  # the name LoRA RL loads each step's adapter under (replacing the previous one)
 
 
 class PolicyMismatch(RuntimeError):
@@ -52,6 +52,9 @@ class PolicySync:
             servers.on_address.append(self.readdress)
         self.timeout, self.policy_timeout = timeout, policy_timeout
         self.loaded: int | None = None  # policy step every server holds (verified)
+        # LoRA RL: the name the loaded policy is served under (its adapter), None for full weights.
+        # Requests must name it: vLLM applies an adapter only to requests whose `model` is its name.
+        self.adapter: str | None = None
         self.newest_seen = -1  # newest PolicyReady observed (for checkpoint triggers)
         self.load_time = 0.0
         self._lock = asyncio.Lock()
@@ -200,6 +203,7 @@ class PolicySync:
             raise errors[0]
         self.loaded = msg.step
         watchdog.beat(f"loaded policy {msg.step}")
+        self.adapter = ADAPTER_NAME if msg.adapter else None  # only once every server holds it
         self.load_time += time.perf_counter() - t0
         log.info("policy %d loaded on %d server(s) (checksum verified, %.2fs)", msg.step, len(self.live()),
                  time.perf_counter() - t0)
@@ -238,7 +242,7 @@ class PolicySync:
     async def _load_one(self, client, msg: PolicyReady) -> None:
         from hpcrl.inference.client import WeightSyncError
 
-        if msg.adapter:  # LoRA RL: only the adapter travels; the server merges it onto its base weights
+        if msg.adapter and msg.transport == "filesystem":  # LoRA RL: the server merges the adapter
             try:
                 r = await client.load_lora_adapter(ADAPTER_NAME, str(msg.path), step=msg.step)
             except WeightSyncError as e:
@@ -255,7 +259,7 @@ class PolicySync:
             if info.get("checksum") == msg.checksum and info.get("step") == msg.step:
                 return
         try:
-            if msg.transport == "collective":
+            if msg.transport == "collective":  # full weights, a delta or (LoRA) the adapter: the header says
                 r = await client.update_weights(msg.step, collective=True, expected_checksum=msg.checksum)
             else:
                 r = await client.update_weights(msg.step, path=msg.path, expected_checksum=msg.checksum)
@@ -270,10 +274,12 @@ class PolicySync:
         clients = [self.clients[i] for i in self.live()]
         infos = await asyncio.gather(*(c.weights() for c in clients))
         for c, info in zip(clients, infos):
-            if msg.adapter:  # the load already compared the adapter's checksum; here: still that one
-                if info.get("step") != msg.step or (info.get("lora_adapters") or {}).get(ADAPTER_NAME) != msg.path:
+            if msg.adapter:  # the base's checksum is unchanged; the merged adapter must be this policy's
+                if info.get("step") != msg.step or info.get("lora_checksum") != msg.checksum or \
+                        ADAPTER_NAME not in (info.get("lora_adapters") or {}):
                     raise PolicyMismatch(f"server {c.base_url} holds step {info.get('step')} / adapters "
-                                         f"{info.get('lora_adapters')}, policy {msg.step} is adapter {msg.path}")
+                                         f"{info.get('lora_adapters')} ({info.get('lora_checksum')}), policy "
+                                         f"{msg.step} is adapter {ADAPTER_NAME!r} ({msg.checksum})")
                 continue
             if info.get("checksum") != msg.checksum:
                 raise PolicyMismatch(f"server {c.base_url} holds checksum {info.get('checksum')} (step "

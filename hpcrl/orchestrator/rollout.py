@@ -57,6 +57,9 @@ class ServerPool:
         self.timeout, self.api_key, self.max_concurrent = timeout, api_key, max_concurrent
         self.clients = [self._client(u) for u in base_urls]
         self.model = model
+        # LoRA RL: the adapter the servers hold the policy under, once one is loaded (PolicySync.adapter).
+        # vLLM applies an adapter only to requests naming it; the hf engine serves its merge under any name.
+        self.adapter: Callable[[], str | None] = lambda: None
         self.sem = asyncio.Semaphore(max_concurrent)
         self.inflight = [0] * len(self.clients)
         self.retries, self.backoff = retries, backoff
@@ -79,6 +82,11 @@ class ServerPool:
         task = asyncio.ensure_future(old.aclose())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+    @property
+    def request_model(self) -> str:
+        """The `model` of a request now: the loaded policy's adapter, else the served model."""
+        return self.adapter() or self.model
 
     @property
     def base_urls(self) -> list[str]:
@@ -300,7 +308,7 @@ class RolloutClient:
         if room <= 0:
             return [Turn("", [], [], [], [], finish_reason="length") for _ in range(n)]
         body["max_tokens"] = min(int(body.get("max_tokens") or room), room)
-        resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.model, tools=tools,
+        resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.request_model, tools=tools,
                                     n=n, **body)
         choices = resp.get("choices") or []
         if len(choices) != n:
@@ -308,7 +316,7 @@ class RolloutClient:
         return [self._chat_turn(c, resp, messages, tools, template_kwargs(body)) for c in choices]
 
     async def _chat(self, messages: list[Message], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
-        resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.model, tools=tools,
+        resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.request_model, tools=tools,
                                     **body)
         return self._chat_turn(resp["choices"][0], resp, messages, tools, template_kwargs(body))
 
@@ -331,7 +339,7 @@ class RolloutClient:
     async def _complete(self, ids: list[int], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
         # The prompt is token ids rendered here with the same template kwargs (see chat()).
         body = {k: v for k, v in body.items() if k != "chat_template_kwargs"}
-        resp = await self.pool.call(self.server, "completion", ids, model=self.pool.model, **body)
+        resp = await self.pool.call(self.server, "completion", ids, model=self.pool.request_model, **body)
         choice = resp["choices"][0]
         text = choice.get("text") or ""
         out = list(choice.get("token_ids") or [])
@@ -522,7 +530,7 @@ def _errored(index: int, e: BaseException, env_name: str) -> RolloutRecord:
 async def teacher_logprobs(pool: ServerPool, ids: list[int]) -> list[float]:
     """Teacher log-probabilities of every token of `ids` given its prefix (first token: 0), from a
     vLLM-style `prompt_logprobs` completion request."""
-    resp = await pool.call(pool.pick(), "completion", ids, model=pool.model, max_tokens=1, tokens=False,
+    resp = await pool.call(pool.pick(), "completion", ids, model=pool.request_model, max_tokens=1, tokens=False,
                            prompt_logprobs=0)
     choice = resp["choices"][0]
     plp = choice.get("prompt_logprobs") or resp.get("prompt_logprobs")

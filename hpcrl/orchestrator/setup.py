@@ -87,8 +87,10 @@ class Setup:
                                  rollouts_per_example=o.rollouts_per_example, buffer={}, ready=[], progress={},
                                  evaluated=[], pending_steps=[])
 
-    def attach_servers(self, servers: ServerSet, loaded_policy: Callable[[], int]) -> None:
-        """Generators over the student servers (and the teacher for opd/sft)."""
+    def attach_servers(self, servers: ServerSet, loaded_policy: Callable[[], int],
+                       adapter: Callable[[], str | None] = lambda: None) -> None:
+        """Generators over the student servers (and the teacher for opd/sft); `adapter` names the LoRA
+        adapter the students serve the loaded policy under (None: their base name)."""
         cfg, o = self.cfg, self.cfg.orchestrator
         # Deterministic mode seeds every request; otherwise the servers draw their own randomness.
         seed = None
@@ -99,6 +101,7 @@ class Setup:
         student = ServerPool([s.base_url for s in servers.infos], model=servers.infos[0].model,
                              timeout=o.request_timeout_s, max_concurrent=o.max_concurrent,
                              api_key=resolve_api_key(cfg.server.api_key), servers=servers)
+        student.adapter = adapter
         self.pools.append(student)
         # Same strategy for eval and training, each with its own one-example-at-a-time lock under
         # branching, so eval never waits behind training groups.

@@ -238,19 +238,30 @@ def merged_state_dict(model: nn.Module, dtype: str | torch.dtype | None = None) 
     return dict(hf_named_tensors(model, dtype=dtype))
 
 
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA adapter's tensors under peft's file names (what adapter_model.safetensors holds), on CPU.
+    Under FSDP every rank must call it (the adapter shards are gathered)."""
+    if not is_peft_model(model):
+        raise ValueError("the model has no LoRA adapter")
+    from peft import get_peft_model_state_dict
+
+    return {k: _full(v).detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def adapter_config(model: nn.Module) -> dict[str, Any]:
+    """The adapter's peft config as JSON (what adapter_config.json holds): sent with a broadcast adapter."""
+    cfg = model.peft_config["default"].to_dict()
+    return json.loads(json.dumps(cfg, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
 def save_adapter(model: nn.Module, out_dir: str | os.PathLike[str], *, write: bool = True) -> Path:
     """Write only the LoRA adapter in peft's format (adapter_config.json + adapter_model.safetensors),
     loadable with ``PeftModel.from_pretrained``. Atomic; under FSDP every rank must call it (the
     adapter shards are gathered) with ``write = is_rank0()``."""
-    if not is_peft_model(model):
-        raise ValueError("save_adapter: the model has no LoRA adapter")
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    tensors = {
-        k: _full(v).detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()
-    }
+    tensors = adapter_tensors(model)
     if not write:
         return out
     with atomic_dir(out) as tmp:

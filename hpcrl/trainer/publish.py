@@ -9,6 +9,8 @@ over exactly the tensors sent, and every server's checksum of what it loaded is 
 The tensors are in ``dtype``, the trainer's compute dtype (bf16 over fp32 master weights on GPU):
 what inference runs, cast once here, so the checksum covers the bytes sent and not the master copy.
 
+LoRA: after the first (full, merged) policy, only the adapter travels, over either transport.
+
 Delta sync (trainer.broadcast.delta): instead of the full weights, only the elements that changed
 since the previous policy travel (hpcrl.weights.delta; broadcasts/step_N/delta.safetensors or the same
 tensors over the collective, `base_step` in PolicyReady). A full sync is sent first, every
@@ -66,7 +68,7 @@ class PolicyPublisher:
 
         # The first policy of a process goes in full (merged): the servers' base must be this trainer's
         # base (a warm start changes it); after that only the adapter changes.
-        if is_peft_model(model) and self.transport == "filesystem" and self.base_sent:
+        if is_peft_model(model) and self.base_sent:
             return self._publish_adapter(model, step)
         self.base_sent = True
         t0 = time.perf_counter()
@@ -135,28 +137,42 @@ class PolicyPublisher:
             self.group = None  # the last reference: gloo closes its connections
 
     def _publish_adapter(self, model: torch.nn.Module, step: int) -> float:
-        """LoRA: only the adapter travels (peft format, what /load_lora_adapter reads in vLLM and the
-        embedded engine); the checksum is over the tensors as written, which is what a server reports."""
-        from safetensors.torch import load_file
-
-        from hpcrl.trainer.model import save_adapter
+        """LoRA: only the adapter travels, in peft's format (what /load_lora_adapter reads in vLLM and the
+        embedded engine): files under broadcasts/step_N, or its tensors over the weight group with the
+        adapter config in the header (servers merge it in /update_weights). The checksum is over the
+        adapter's tensors, which is what a server reports after merging them."""
+        from hpcrl.trainer.model import adapter_config, adapter_tensors, save_adapter
 
         t0 = time.perf_counter()
-        path = save_adapter(model, self.paths.broadcast_dir(step), write=self.rank == 0)  # collective under FSDP
-        if self.rank != 0:
-            return time.perf_counter() - t0
-        tensors = load_file(str(path / "adapter_model.safetensors"))
-        checksum = state_dict_checksum(tensors)
-        self.last_sync_bytes = sum(f.stat().st_size for f in path.iterdir())
-        self.bus.publish_policy(PolicyReady(
-            step=step, transport="filesystem", path=str(path), checksum=checksum, adapter=True,
-            num_params=sum(t.numel() for t in tensors.values()), num_bytes=self.last_sync_bytes, sync_bytes=self.last_sync_bytes))
-        self._clean_behind(step)
-        dt = time.perf_counter() - t0
-        log.info("policy %d published (LoRA adapter, %.3f MB, %.2fs, checksum %s)", step, self.last_sync_bytes / 1e6, dt,
-                 checksum[:12])
-        return dt
+        if self.transport == "filesystem":
+            path = save_adapter(model, self.paths.broadcast_dir(step), write=self.rank == 0)  # collective under FSDP
+            if self.rank != 0:
+                return time.perf_counter() - t0
+            from safetensors.torch import load_file
 
+            tensors = load_file(str(path / "adapter_model.safetensors"))  # the checksum is over what was written
+            self.last_sync_bytes = sum(f.stat().st_size for f in path.iterdir())
+        else:
+            tensors = adapter_tensors(model)  # collective under FSDP
+            if self.rank != 0:
+                return time.perf_counter() - t0
+            path, self.last_sync_bytes = None, payload_bytes(tensors)
+        checksum = state_dict_checksum(tensors)
+        self.bus.publish_policy(PolicyReady(
+            step=step, transport=self.transport, path=None if path is None else str(path), checksum=checksum,
+            adapter=True, num_params=sum(t.numel() for t in tensors.values()), num_bytes=self.last_sync_bytes,
+            sync_bytes=self.last_sync_bytes))
+        if path is None:
+            from hpcrl.weights.collective import broadcast_weights
+
+            broadcast_weights(self.group, tensors, step, bucket_mb=self.bucket_mb, checksum=checksum,
+                              adapter=adapter_config(model))
+        else:
+            self._clean_behind(step)
+        dt = time.perf_counter() - t0
+        log.info("policy %d published (LoRA adapter, %s, %.3f MB, %.2fs, checksum %s)", step, self.transport,
+                 self.last_sync_bytes / 1e6, dt, checksum[:12])
+        return dt
 
     def _encode(self, named: dict[str, torch.Tensor], step: int) -> Delta | None:
         """The delta from the previous policy, or None for a full sync (first, periodic, or not smaller)."""

@@ -8,8 +8,11 @@ Wire protocol (one update; rank `src` sends, every other rank receives):
 
 1. header length: int64 tensor of shape [1];
 2. header: uint8 tensor holding UTF-8 JSON
-   {"version": 1, "step": N, "bucket_bytes": B, "checksum": str | null,
+   {"version": 2, "step": N, "bucket_bytes": B, "checksum": str | null,
+    "delta": manifest | null, "adapter": peft adapter config | null,
     "tensors": [[hf_name, dtype, shape], ...]};
+   with "adapter" the tensors are a LoRA adapter's (peft names, what adapter_model.safetensors holds)
+   and the receiver merges them onto its base weights instead of replacing the weights;
 3. payload: the tensors' raw bytes, concatenated in header order, sent as consecutive chunks of at
    most B bytes. A tensor of PACK_BELOW bytes or more is sent straight from / received straight into
    its own memory; smaller consecutive tensors are packed together into a scratch bucket.
@@ -55,6 +58,7 @@ class WeightsHeader:
     checksum: str | None
     tensors: list[tuple[str, str, tuple[int, ...]]]
     delta: dict[str, Any] | None = None  # hpcrl.weights.delta manifest: the tensors encode a delta
+    adapter: dict[str, Any] | None = None  # LoRA: the adapter's peft config; the tensors are its weights
 
     @property
     def total_bytes(self) -> int:
@@ -203,9 +207,13 @@ def broadcast_weights(
     bucket_mb: float = DEFAULT_BUCKET_MB,
     checksum: str | None = None,
     delta: dict[str, Any] | None = None,
+    adapter: dict[str, Any] | None = None,
 ) -> None:
     """Send `named_tensors` (HF names) as policy `step` to every other rank of `group`; with `delta`
-    (a Delta manifest) they are that delta's encoded tensors and `checksum` the full result's."""
+    (a Delta manifest) they are that delta's encoded tensors and `checksum` the full result's; with
+    `adapter` (a JSON-able peft LoRA config) they are that adapter's tensors and `checksum` theirs."""
+    if delta is not None and adapter is not None:
+        raise ValueError("a broadcast carries either a weight delta or a LoRA adapter, not both")
     import torch
 
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
@@ -217,6 +225,7 @@ def broadcast_weights(
         "bucket_bytes": bucket,
         "checksum": checksum,
         "delta": delta,
+        "adapter": adapter,
         "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
                     for (name, _), t in zip(items, tensors)],
     }
@@ -243,6 +252,7 @@ def receive_header(group: WeightGroup, *, src: int = 0) -> WeightsHeader:
         checksum=meta.get("checksum"),
         tensors=[(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in meta["tensors"]],
         delta=meta.get("delta"),
+        adapter=meta.get("adapter"),
     )
 
 

@@ -22,7 +22,7 @@ def _free_port() -> int:
 
 CONFIGS = {
     "tp1": dict(tp=1),
-    "tp2_lora": dict(tp=2, lora_rank=16, host="0.0.0.0"),
+    "tp2_lora": dict(tp=2, lora_rank=16, host="0.0.0.0", api_key="k"),  # non-loopback needs a key
     "lora_rank_rounded_up": dict(lora_rank=20, gpu_memory_utilization=0.85),
     "lora_rank_1_eager": dict(lora_rank=1, enforce_eager=True, dtype="bfloat16"),
     "extra_args": dict(tp=2, vllm_args=["--max-num-batched-tokens", "4096", "--enable-prefix-caching"]),

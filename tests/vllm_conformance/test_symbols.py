@@ -104,6 +104,7 @@ def test_lora_request_accepts_the_body_hpcrl_sends():
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     request = vb.vllm_symbol("LoadLoRAAdapterRequest")(**vb.lora_request_body(
-        {"lora_name": "policy", "lora_path": "/runs/x/weights/step_3"}))
-    assert (request.lora_name, request.lora_path, request.load_inplace) == ("policy", "/runs/x/weights/step_3", True)
+        {"lora_name": "policy-lora", "lora_path": "/runs/x/broadcasts/step_3", "step": 3}))
+    assert (request.lora_name, request.lora_path, request.load_inplace) == ("policy-lora", "/runs/x/broadcasts/step_3",
+                                                                            True)
     assert "error" in ErrorResponse.model_fields

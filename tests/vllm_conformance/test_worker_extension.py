@@ -138,7 +138,7 @@ def server(wrapper, vllm_config, model_dir, tmp_path_factory):
     sock, opts, args = vb.prepare(opts, str(model_dir))
     entry = sys.modules[vb.vllm_symbol("run_server_worker").__module__]
     original = entry.build_app
-    status = {"step": 0, "checksum": None}
+    status = vb.initial_status()
     vb._install_routes(vb.vllm_symbol("run_server_worker"), status)
     try:
         app = entry.build_app(args, ("generate",), vllm_config.model_config)
@@ -273,19 +273,77 @@ def test_pause_resume_keep_in_flight_requests(server):
     assert ("resume_generation", {}) in engine.calls
 
 
-def test_load_lora_adapter_twice_replaces_it(server, tmp_path):
-    opts, engine, _ = server
+def _adapter(out: Path, seed: int) -> tuple[str, str]:
+    """A peft-format adapter dir (what the trainer publishes): (path, checksum of its tensors)."""
+    import json
+
+    g = torch.Generator().manual_seed(seed)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{prefix}.lora_A.weight": torch.randn(4, 128, generator=g),
+               f"{prefix}.lora_B.weight": torch.randn(128, 4, generator=g)}
+    out.mkdir(parents=True)
+    (out / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                                         "peft_type": "LORA"}))
+    save_file(tensors, out / "adapter_model.safetensors")
+    return str(out), state_dict_checksum(tensors)
+
+
+def test_load_lora_adapter_twice_under_one_name_as_the_orchestrator_does(server, tmp_path):
+    """The orchestrator's PolicySync loads two policies' adapters (hpcrl's body: `step` included) through
+    vLLM's real OpenAIServingModels: one adapter slot replaced in place, the checksum of each adapter's
+    tensors reported and compared, /weights tagged with the step, requests then name the adapter."""
+    from hpcrl.bus import Bus, PolicyReady
+    from hpcrl.bus.messages import ADAPTER_NAME
+    from hpcrl.orchestrator.policy import PolicySync
+    from hpcrl.paths import RunPaths
+
+    opts, engine, status = server
+    paths = RunPaths(tmp_path / "run")
+    trainer_bus = Bus(paths, "trainer", listen=False)
+    adapters = {step: _adapter(tmp_path / f"step_{step}", seed=step) for step in (11, 12)}
 
     async def go():
-        async with InferenceClient(f"http://127.0.0.1:{opts.port}") as c:
-            return [await c.load_lora_adapter("adapter", str(tmp_path / f"step_{i}")) for i in (1, 2)]
+        sync = PolicySync(paths, Bus(paths, "orchestrator", listen=False), [f"http://127.0.0.1:{opts.port}"],
+                          "filesystem", 30, 30)
+        seen = []
+        for step, (path, checksum) in adapters.items():
+            trainer_bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=path, checksum=checksum,
+                                                   adapter=True, num_params=1024, num_bytes=4096))
+            msg = await sync.exact(step)
+            await sync.ensure(msg)  # /load_lora_adapter; raises PolicyMismatch unless the checksum matches
+            await sync.verify(msg)  # /weights: step, adapter and its checksum
+            seen.append((sync.adapter, dict(status)))
+        await sync.aclose()
+        return seen
 
-    results = _run(go())
-    assert [r["status"] for r in results] == ["ok", "ok"]
+    seen = _run(go())
+    for (adapter, st), (step, (path, checksum)) in zip(seen, adapters.items()):
+        assert adapter == ADAPTER_NAME
+        assert st["step"] == step and st["lora_adapters"] == {ADAPTER_NAME: path} and st["lora_checksum"] == checksum
     first, second = engine.loras[-2:]
-    assert (first.lora_name, second.lora_path) == ("adapter", str(tmp_path / "step_2"))
+    assert first.lora_name == second.lora_name == ADAPTER_NAME
+    assert second.lora_path == adapters[12][0]
     assert first.lora_int_id == second.lora_int_id  # same adapter slot, new weights
+    # Requests naming the adapter are tagged with its policy, the others with the base weights' step.
+    assert vb.policy_step_for(status, ADAPTER_NAME) == 12
+    assert vb.policy_step_for(status, "policy-base") == status["base_step"] != 12
+
+
+def test_load_lora_adapter_refusals_change_nothing(server, tmp_path):
+    opts, _, status = server
+    url = f"http://127.0.0.1:{opts.port}/load_lora_adapter"
+    path, _ = _adapter(tmp_path / "a", seed=3)
+    before = dict(status)
+    bad_step = httpx.post(url, json={"lora_name": "x", "lora_path": path, "step": "7"}, timeout=30)
+    assert bad_step.status_code == 400 and "step" in bad_step.json()["error"]["message"]
+    missing = httpx.post(url, json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=30)
+    assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
+    assert status == before
+    # hpcrl's `step` is not a field of vLLM's request; load_inplace is hpcrl's default
+    fields = vb.lora_request_body({"lora_name": "x", "lora_path": path, "step": 3})
+    assert fields == {"lora_name": "x", "lora_path": path, "load_inplace": True}
+    vb.vllm_symbol("LoadLoRAAdapterRequest")(**fields)
     # Without hpcrl's load_inplace default vLLM refuses the second policy's adapter:
-    r = httpx.post(f"http://127.0.0.1:{opts.port}/load_lora_adapter", timeout=30,
-                   json={"lora_name": "adapter", "lora_path": str(tmp_path), "load_inplace": False})
+    httpx.post(url, json={"lora_name": "twice", "lora_path": path}, timeout=30).raise_for_status()
+    r = httpx.post(url, json={"lora_name": "twice", "lora_path": path, "load_inplace": False}, timeout=30)
     assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
