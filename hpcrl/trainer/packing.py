@@ -11,7 +11,7 @@ How a micro-batch meets the model depends on the attention kernel:
   sample boundaries where ``position_ids`` restart at 0 (we check that they do). No padding at all.
 * ``sdpa`` / ``eager`` (CPU, tests): no varlen kernel, so a single packed row would need a dense
   ``[T, T]`` block-diagonal mask and cost ``T^2`` attention. Instead the samples are laid out in
-  rows as wide as the longest sample, with a per-row block-causal 4D mask (transformers passes 4D
+  rows (as wide as the longest sample, or wider when that pads less: ``layout.choose_width``), with a per-row block-causal 4D mask (transformers passes 4D
   masks through untouched), and samples that begin with the same tokens (a prompt's n completions)
   compute that prefix once: see :mod:`hpcrl.trainer.layout`. Token slots computed (padding at row
   ends, shared prefixes counted once) are reported as ``ForwardOutput.slots``.
@@ -29,10 +29,20 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from hpcrl.trainer.layout import RowLayout, place_units, row_layout, shared_prefixes, unit_slots, units_of
+from hpcrl.trainer.layout import (
+    RowLayout,
+    choose_width,
+    key_cost_of,
+    place_units,
+    row_layout,
+    shared_prefixes,
+    unit_slots,
+    units_of,
+)
 
 MASKED_KERNELS = ("sdpa", "eager")
 _PER_SAMPLE = ("seq_lens", "temperatures", "prefix_lens")
+_HINTS = ("row_width",)  # plain values carried along unchanged by slicing, selection and .to()
 
 
 @dataclass
@@ -51,6 +61,9 @@ class PackedBatch:
     # [S] long: tokens a sample shares with the previous one's unit (layout.shared_prefixes);
     # None or all 0: no sharing. Only masked kernels use it; varlen kernels run samples in full.
     prefix_lens: Tensor | None = None
+    # Masked kernels: the row width row_micro_batches packed this micro-batch's units at (so its
+    # layout reproduces those rows); None: layout.row_layout decides. Not a tensor: never sliced.
+    row_width: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +82,7 @@ class PackedBatch:
             raise ValueError("seq_lens must all be >= 1")
         for f in fields(self):
             v = getattr(self, f.name)
-            if v is None or f.name in _PER_SAMPLE:
+            if v is None or f.name in _PER_SAMPLE or f.name in _HINTS:
                 continue
             if v.shape != (t,):
                 raise ValueError(f"{f.name} has shape {tuple(v.shape)}, expected ({t},)")
@@ -91,8 +104,8 @@ class PackedBatch:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if v is None:
-                out[f.name] = None
+            if v is None or f.name in _HINTS:
+                out[f.name] = v
             elif f.name in _PER_SAMPLE:
                 out[f.name] = v[start:end]
             else:
@@ -110,15 +123,15 @@ class PackedBatch:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = None if v is None else v[idx] if f.name in _PER_SAMPLE else v[tok]
+            out[f.name] = v if v is None or f.name in _HINTS else v[idx] if f.name in _PER_SAMPLE else v[tok]
         return PackedBatch(**out)
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return replace(self, **{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
 
-def _to(x: Tensor | None, device: torch.device | str) -> Tensor | None:
-    return None if x is None else x.to(device, non_blocking=True)
+def _to(x: Tensor | int | None, device: torch.device | str) -> Tensor | int | None:
+    return x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
 
 
 def split_micro_batches(seq_lens: Sequence[int] | Tensor, micro_batch_tokens: int) -> list[tuple[int, int]]:
@@ -149,18 +162,21 @@ def micro_batches(batch: PackedBatch, micro_batch_tokens: int) -> list[PackedBat
     return [batch.slice_samples(units[a][0], units[b - 1][1]) for a, b in split_micro_batches(sizes, micro_batch_tokens)]
 
 
-def row_micro_batches(batch: PackedBatch, micro_batch_tokens: int) -> list[PackedBatch]:
+def row_micro_batches(batch: PackedBatch, micro_batch_tokens: int,
+                      key_cost: float | None = None) -> list[PackedBatch]:
     """Micro-batches for masked kernels (CPU): the whole batch's units packed first-fit decreasing
-    into rows as wide as the longest unit, then runs of ``micro_batch_tokens // width`` rows (at
-    least one). Packing once per batch instead of once per micro-batch leaves padding only in the
-    batch's last rows. Samples are reordered (units stay whole, heads first); the loss is a sum over
-    tokens, so the order does not matter. Deterministic."""
+    into rows as wide as the longest unit (with ``key_cost``: as wide as ``layout.choose_width``
+    picks, at most ``micro_batch_tokens`` unless a unit is longer), then runs of
+    ``micro_batch_tokens // width`` rows (at least one). Packing once per batch instead of once per
+    micro-batch leaves padding only in the batch's last rows. Samples are reordered (units stay
+    whole, heads first); the loss is a sum over tokens, so the order does not matter.
+    Deterministic."""
     if batch.num_samples == 0:
         return []
     pl = None if batch.prefix_lens is None else batch.prefix_lens.tolist()
     units = units_of(pl, batch.num_samples)
     sizes = unit_slots(units, batch.seq_lens.tolist())
-    width = max(sizes)
+    width = max(sizes) if key_cost is None else choose_width(sizes, key_cost, max_width=micro_batch_tokens)
     starts = place_units(sizes, width)
     per_mb = max(1, micro_batch_tokens // width)
     groups: dict[int, list[int]] = {}
@@ -173,7 +189,8 @@ def row_micro_batches(batch: PackedBatch, micro_batch_tokens: int) -> list[Packe
         for u in groups[g]:
             order.extend(range(units[u][0], units[u][1]))
         bounds.append((first, len(order)))
-    ordered = batch.select_samples(order)
+    # With a chosen width, each micro-batch's layout must reuse it to reproduce these rows.
+    ordered = replace(batch.select_samples(order), row_width=None if key_cost is None else width)
     return [ordered.slice_samples(a, b) for a, b in bounds]
 
 
@@ -287,7 +304,8 @@ def model_inputs(model: torch.nn.Module, mb: PackedBatch) -> tuple[dict[str, Ten
         return {"input_ids": mb.input_ids[None], "position_ids": mb.position_ids[None],
                 "attention_mask": attention_mask_for(model, mb)}, None
     dev = mb.input_ids.device
-    layout = row_layout(mb.seq_lens.to(dev), None if mb.prefix_lens is None else mb.prefix_lens.to(dev))
+    layout = row_layout(mb.seq_lens.to(dev), None if mb.prefix_lens is None else mb.prefix_lens.to(dev),
+                        key_cost_of(getattr(model, "config", None)), width=mb.row_width)
     dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
     return {"input_ids": layout.grid(mb.input_ids), "position_ids": layout.grid(mb.position_ids),
             "attention_mask": layout.mask(dtype)}, layout

@@ -195,7 +195,7 @@ def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens
     if attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
         if share_prefix:
             packed = with_shared_prefixes(packed, micro_tokens, key_cost_of(tr.model.config))
-        mbs = row_micro_batches(packed, micro_tokens)
+        mbs = row_micro_batches(packed, micro_tokens, key_cost_of(tr.model.config))
     else:  # varlen kernels: one packed row per micro-batch, in order
         mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
     out = step_micro_batches(tr, mbs, params, batch.total_loss_tokens, max_norm, batch.step, t0)

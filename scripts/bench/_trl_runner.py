@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="stop once this many seconds passed since the end of step 1 (0 = off)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    p.add_argument("--model-name", help="override model.name (e.g. an SFT-warmed weights dir), as hpcrl's flag")
     return p.parse_args(argv)
 
 
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from hpcrl.config.loader import load
 
-    cfg = load([args.config, "--max-steps", str(args.steps)]).config
+    overrides = ["--model.name", args.model_name] if args.model_name else []
+    cfg = load([args.config, "--max-steps", str(args.steps), *overrides]).config
     o = cfg.orchestrator
     if len(o.train.env) != 1:
         raise SystemExit("the TRL runner supports exactly one [[orchestrator.train.env]]")
@@ -97,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         top_p=s.top_p,
         top_k=0,
         learning_rate=opt.lr,
-        lr_scheduler_type=opt.scheduler,  # TRL's default is linear decay; hpcrl's bench uses constant
+        # TRL's default is linear decay; hpcrl's "constant" warms up linearly first when asked to,
+        # which in transformers' names is "constant_with_warmup".
+        lr_scheduler_type="constant_with_warmup" if opt.scheduler == "constant" and opt.warmup_steps else opt.scheduler,
         warmup_steps=opt.warmup_steps,
         adam_beta1=opt.betas[0],
         adam_beta2=opt.betas[1],

@@ -7,6 +7,13 @@
 (b) write+read of a 64 MiB TrainBatch through the bus (frame, checksum, fsync, rename, dir fsync,
     read, verify, decode) against a raw write+fsync+read of as many bytes on the same disk.
 (c) encode+decode of a 1M-token TrainBatch against the same data as per-token lists in msgpack.
+(d) fan-out (also alone: --fanout): one orchestrator publishes rollouts/step_N/rank_R for 1, 16, 64
+    and 256 trainer-rank readers, each a real Bus waiting on its own file with its own doorbell;
+    and one trainer publishes policy/step_N to 1..64 doorbell subscribers (Bus.wait_policy).
+    Readers are threads, FANOUT_PROCS processes holding R/FANOUT_PROCS buses each: every reader
+    still has its own PULL socket, endpoint file and wait loop, so the writer side (files, endpoint
+    stats, PUSH sockets, rings) is exactly that of R processes; 256 processes on 2 cores would
+    measure the VM's scheduler, not the bus (on a cluster 256 ranks sit on 32+ nodes).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from hpcrl.bus import Bus, TrainBatch, decode, encode  # noqa: E402
+from hpcrl.bus import Bus, PolicyReady, TrainBatch, decode, encode  # noqa: E402
 from hpcrl.bus.files import read_bytes, read_message, write_message  # noqa: E402
 from hpcrl.paths import RunPaths  # noqa: E402
 
@@ -159,21 +167,167 @@ def bench_codec(tokens: int, reps: int) -> tuple[float, float]:
     return statistics.median(ours), statistics.median(theirs)
 
 
+# -- (d) fan-out ------------------------------------------------------------------------------------
+FANOUT_PROCS = 4  # reader processes (2 per core); each holds R / FANOUT_PROCS buses, one thread each
+FANOUT_TOKENS = 2048  # per rank: the hand-off cost is metadata + signalling, not bytes (see (b))
+
+
+def fanout_reader_main(root: str, topic: str, ranks: str, steps: int, out: str) -> None:
+    """One reader process: a thread per bus; each waits for its own file of every step."""
+    first, count = (int(x) for x in ranks.split(":"))
+    paths = RunPaths(root)
+    held: dict[str, float] = {}
+    ready = threading.Barrier(count + 1)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        role = "trainer" if topic == "rollouts" else "subscriber"
+        try:
+            with Bus(paths, role, rank, poll_interval=0.5) as bus:
+                ready.wait()
+                for step in range(steps):
+                    if topic == "rollouts":
+                        msg = bus.wait_batch(step, timeout=120)
+                    else:
+                        msg = bus.wait_policy(step, timeout=120)
+                    held[f"{step}:{rank}"] = time.time()
+                    assert msg.step == step
+        except BaseException as e:  # noqa: BLE001 - reported by the parent
+            errors.append(e)
+            ready.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(first, first + count)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    print("ready", flush=True)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    Path(out).write_text(json.dumps(held))
+
+
+def start_readers(root: Path, topic: str, readers: int, steps: int) -> list[tuple[subprocess.Popen, Path]]:
+    procs = min(FANOUT_PROCS, readers)
+    shares = [readers // procs + (i < readers % procs) for i in range(procs)]
+    started, first = [], 0
+    for i, n in enumerate(shares):
+        out = root / f"held_{i}.json"
+        cmd = [sys.executable, __file__, "--fanout-reader", str(root), topic, f"{first}:{n}", str(steps), str(out)]
+        started.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True), out))
+        first += n
+    for proc, _ in started:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "fan-out reader failed"
+    return started
+
+
+def collect(started: list[tuple[subprocess.Popen, Path]]) -> dict[tuple[int, int], float]:
+    held: dict[tuple[int, int], float] = {}
+    for proc, out in started:
+        assert proc.wait(timeout=300) == 0, "fan-out reader failed"
+        for k, v in json.loads(out.read_text()).items():
+            step, rank = k.split(":")
+            held[int(step), int(rank)] = v
+    return held
+
+
+def bench_fanout_rollouts(root: Path, readers: int, steps: int, gap: float) -> dict[str, float]:
+    """Latency (own file's rename -> that reader holds it), the whole step's spread (first rename ->
+    last reader holds), and hand-offs per second while the writer publishes back to back."""
+    paths = RunPaths(root / f"fanout_r{readers}")
+    started = start_readers(paths.root, "rollouts", readers, steps)
+    batch = make_batch(FANOUT_TOKENS)
+    batch.world_size = readers
+    renamed: dict[tuple[int, int], float] = {}
+    publish_s = []
+    rng = random.Random(0)
+    with Bus(paths, "orchestrator", listen=False) as writer:
+        for step in range(steps):
+            time.sleep(rng.uniform(0.5 * gap, 1.5 * gap))
+            t0 = time.perf_counter()
+            for rank in range(readers):
+                batch.step, batch.rank = step, rank
+                writer.publish_batch(step, rank, batch)
+                renamed[step, rank] = writer.last_renamed_at
+            publish_s.append((time.perf_counter() - t0) / readers)
+    held = collect(started)
+    lat = [held[k] - renamed[k] for k in renamed]
+    spread = [max(held[s, r] for r in range(readers)) - renamed[s, 0] for s in range(steps)]
+    # Throughput while a step is in flight: its R files over first rename -> last reader holding.
+    return {"p50": pct(lat, 50), "p99": pct(lat, 99), "spread": statistics.median(spread),
+            "publish": statistics.median(publish_s), "per_s": readers / statistics.median(spread),
+            "n": len(lat)}
+
+
+def bench_fanout_policy(root: Path, subscribers: int, steps: int, gap: float) -> dict[str, float]:
+    """publish_policy rings every announced doorbell: latency from the rename to each subscriber
+    holding the PolicyReady, and the writer's ring_all cost."""
+    paths = RunPaths(root / f"fanout_s{subscribers}")
+    started = start_readers(paths.root, "policy", subscribers, steps)
+    renamed, ring_s = {}, []
+    rng = random.Random(1)
+    with Bus(paths, "trainer", 0, listen=False) as writer:
+        for step in range(steps):
+            time.sleep(rng.uniform(0.5 * gap, 1.5 * gap))
+            msg = PolicyReady(step=step, transport="collective", checksum="0" * 16, num_params=1, num_bytes=2)
+            writer.publish_policy(msg)
+            ring_s.append(time.time() - writer.last_renamed_at)
+            renamed[step] = writer.last_renamed_at
+    held = collect(started)
+    lat = [v - renamed[s] for (s, _), v in held.items()]
+    return {"p50": pct(lat, 50), "p99": pct(lat, 99), "ring_all": statistics.median(ring_s), "n": len(lat)}
+
+
+def fanout_tables(root: Path, readers: list[int], subscribers: list[int], steps: int) -> list[str]:
+    lines = [f"(d) rollouts fan-out: one writer, R trainer-rank buses ({FANOUT_TOKENS} tokens per rank, "
+             f"{steps} steps, readers = threads in {FANOUT_PROCS} processes)",
+             f"{'R':>5}  {'p50 ms':>7}  {'p99 ms':>7}  {'step spread ms':>14}  {'publish ms/file':>15}  "
+             f"{'hand-offs/s':>11}  {'n':>6}"]
+    for r in readers:
+        m = bench_fanout_rollouts(root, r, steps, gap=0.05)
+        lines.append(f"{r:>5}  {m['p50'] * 1e3:7.2f}  {m['p99'] * 1e3:7.2f}  {m['spread'] * 1e3:14.1f}  "
+                     f"{m['publish'] * 1e3:15.2f}  {m['per_s']:11.0f}  {m['n']:>6}")
+    lines += ["", "(d) policy fan-out: publish_policy -> K doorbell subscribers (Bus.wait_policy)",
+              f"{'K':>5}  {'p50 ms':>7}  {'p99 ms':>7}  {'ring_all ms':>11}  {'n':>6}"]
+    for k in subscribers:
+        m = bench_fanout_policy(root, k, steps * 2, gap=0.05)
+        lines.append(f"{k:>5}  {m['p50'] * 1e3:7.2f}  {m['p99'] * 1e3:7.2f}  {m['ring_all'] * 1e3:11.2f}  {m['n']:>6}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--dir", type=Path, default=REPO / "outputs" / "bench_bus", help="scratch dir (disk under test)"
     )
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--fanout", action="store_true", help="only (d), the fan-out tables")
+    ap.add_argument("--readers", default="1,16,64,256", help="(d) trainer-rank readers, comma-separated")
+    ap.add_argument("--subscribers", default="1,4,16,64", help="(d) policy doorbell subscribers")
+    ap.add_argument("--fanout-steps", type=int, default=10, help="(d) steps per reader count")
     ap.add_argument("--reader", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--fanout-reader", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reader:
         root, mode, count, out = args.reader
         reader_main(root, mode, int(count), out)
         return
+    if args.fanout_reader:
+        root, topic, ranks, steps, out = args.fanout_reader
+        fanout_reader_main(root, topic, ranks, int(steps), out)
+        return
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     t_start = time.time()
+    fanout = fanout_tables(args.dir, [int(x) for x in args.readers.split(",")],
+                           [int(x) for x in args.subscribers.split(",")], args.fanout_steps)
+    if args.fanout:
+        print("\n".join(fanout))
+        print(f"\n{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, scratch {args.dir}, "
+              f"total {time.time() - t_start:.0f} s")
+        shutil.rmtree(args.dir, ignore_errors=True)
+        return
     rows = []
     door = bench_latency(args.dir, "doorbell", 200, (0.005, 0.025), 16_384)
     poll = bench_latency(args.dir, "poll", 40, (0.15, 0.45), 16_384)
@@ -209,6 +363,8 @@ def main() -> None:
     print("-" * (width + vwidth + 25))
     for label, value, note in rows:
         print(f"{label:<{width}}  {value:<{vwidth}}  {note}")
+    print()
+    print("\n".join(fanout))
     print(f"\n{os.cpu_count()} cpus, scratch {args.dir}, total {time.time() - t_start:.0f} s")
     shutil.rmtree(args.dir, ignore_errors=True)
 

@@ -1,6 +1,14 @@
 """Side-by-side end-to-end benchmark: hpcrl (max_async_level 0 and 1) vs TRL's GRPOTrainer.
 
     python scripts/bench/e2e.py [--budget-s 90] [--steps 1000] [--threads 1] [--only hpcrl|trl]
+    python scripts/bench/e2e.py --mode wallclock [--budget-s 120]     # reward per wall-clock
+
+--mode wallclock: both systems start from the same SFT-warmed tiny model (the demo's warm-up,
+configs/demo/sft.toml, run once and cached under --out), on the demo's task, batch and sampling
+(configs/bench/e2e_wallclock.toml), one after the other, each for --budget-s seconds of wall clock
+counted from its launch (start-up included: it is part of what a user waits for). Prints the mean
+reward of the batches generated in each 20 s window, plots reward vs seconds for both
+(docs/img/e2e_wallclock.png), and checks hpcrl >= TRL + 0.2 reward at the budget.
 
 Same tiny model (hpcrl/tiny-qwen3), same reverse-text tasks rendered through the same chat template,
 same reward (the environment's rubric), same batch (16 prompts x 8 completions x <=16 new tokens),
@@ -114,6 +122,52 @@ def summarize(records: Sequence[dict[str, Any]], budget_s: float, launched_at: f
                    reward_at_budget, _mean(first), startup)
 
 
+def reward_by_clock(records: Sequence[dict[str, Any]], launched: float, budget_s: float,
+                    every: float = 20.0) -> list[tuple[float, float | None, int]]:
+    """``[(t, reward, steps)]`` every ``every`` seconds after launch up to ``budget_s``: the mean
+    reward of the batches generated in ``(t - every, t]`` (None if none was) and the optimizer
+    steps finished by ``t``."""
+    orch = by_step(records, "orchestrator", "reward/all/mean")
+    trainer = by_step(records, "trainer", "time/step")
+    out = []
+    n = int(budget_s // every)
+    for i in range(1, n + 1):
+        t = i * every
+        lo, hi = launched + t - every, launched + t
+        window = [r["reward/all/mean"] for r in orch.values() if lo < r["time"] <= hi]
+        out.append((t, _mean(window), sum(1 for r in trainer.values() if r["time"] <= hi)))
+    return out
+
+
+def time_to_reward(records: Sequence[dict[str, Any]], launched: float, target: float,
+                   window: int = 10) -> float | None:
+    """Seconds from launch until the mean reward of the last ``window`` batches first reaches
+    ``target`` (None if it never does)."""
+    orch = sorted(by_step(records, "orchestrator", "reward/all/mean").values(), key=lambda r: r["time"])
+    for i in range(window - 1, len(orch)):
+        if _mean([r["reward/all/mean"] for r in orch[i - window + 1:i + 1]]) >= target:
+            return orch[i]["time"] - launched
+    return None
+
+
+def format_clock_table(curves: dict[str, list[tuple[float, float | None, int]]]) -> str:
+    names = list(curves)
+    head = "seconds | " + " | ".join(f"{n} reward | {n} steps" for n in names)
+    if len(names) == 2:
+        head += f" | {names[0]} - {names[1]}"
+    lines = [head, "-" * len(head)]
+    for i, (t, *_rest) in enumerate(next(iter(curves.values()))):
+        cells = [f"{t:7.0f}"]
+        for n in names:
+            _, r, k = curves[n][i]
+            cells += [_f(r, ".3f").rjust(len(n) + 7), str(k).rjust(len(n) + 6)]
+        if len(names) == 2:
+            a, b = curves[names[0]][i][1], curves[names[1]][i][1]
+            cells.append(_f(None if a is None or b is None else a - b, "+.3f"))
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
 def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -182,10 +236,12 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_until_budget(cmd: list[str], metrics: Path, log: Path, budget_s: float, threads: int) -> tuple[float, int]:
+def run_until_budget(cmd: list[str], metrics: Path, log: Path, budget_s: float, threads: int,
+                     from_launch: bool = False) -> tuple[float, int]:
     """Start `cmd`; once the trainer's step-1 record is in `metrics`, let it run `budget_s` more
-    seconds (plus a little so the step in flight can finish), then interrupt it. Returns (launch
-    time, exit code); an interrupted run is a normal end."""
+    seconds (plus a little so the step in flight can finish), then interrupt it. `from_launch`:
+    interrupt it `budget_s` after launch instead. Returns (launch time, exit code); an interrupted
+    run is a normal end."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as fh:
         launched = time.time()
@@ -196,6 +252,10 @@ def run_until_budget(cmd: list[str], metrics: Path, log: Path, budget_s: float, 
         try:
             while proc.poll() is None:
                 time.sleep(0.5)
+                if from_launch:
+                    if time.time() >= launched + budget_s:
+                        break
+                    continue
                 trainer = by_step(read_records(metrics), "trainer", "time/step")
                 if t1 is None:
                     t1 = trainer[1]["time"] if 1 in trainer else None
@@ -222,7 +282,7 @@ def run_until_budget(cmd: list[str], metrics: Path, log: Path, budget_s: float, 
                 os.killpg(proc.pid, signal.SIGKILL)
             raise
     code = proc.returncode
-    return launched, 0 if interrupted and t1 is not None else code
+    return launched, 0 if interrupted and (t1 is not None or from_launch) else code
 
 
 def run_hpcrl(name: str, out_root: Path, steps: int, budget_s: float, threads: int) -> tuple[list[dict], float, int]:
@@ -245,23 +305,138 @@ def run_trl(out_root: Path, steps: int, budget_s: float, threads: int) -> tuple[
     return read_records(out / "metrics.jsonl"), launched, code
 
 
+# ---------------------------------------------------------------------------------------------
+# --mode wallclock: reward per wall-clock second from the same SFT-warmed model
+# ---------------------------------------------------------------------------------------------
+WALLCLOCK_CONFIG = "configs/bench/e2e_wallclock.toml"
+REWARD_MARGIN = 0.2
+PLOT = REPO / "docs/img/e2e_wallclock.png"
+
+
+def sft_warmup(out_root: Path, threads: int) -> Path:
+    """The demo's warm-up (scripts/demo.sh steps 1-2), run once: its final weights dir, cached."""
+    sft = out_root / "sft"
+    found = sorted(sft.glob("weights/step_*/config.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    if found:
+        print(f"reusing the SFT warm-up {found[-1].parent}", flush=True)
+        return found[-1].parent
+    data = out_root / "sft-data" / "train.jsonl"
+    print(f"SFT warm-up (configs/demo/sft.toml) -> {sft}", flush=True)
+    env = child_env(threads)
+    for cmd in ([sys.executable, "-m", "hpcrl.trainer.sft_data", "make-demo", str(data), "--task",
+                 "reverse-text-demo", "--n", "2000", "--seed", "0"],
+                [sys.executable, "-m", "hpcrl.cli", "sft", "configs/demo/sft.toml", "--clean-output-dir", "true",
+                 "--output-dir", str(sft), "--data.name", str(data)]):
+        with open(out_root / "sft.log", "ab") as fh:
+            subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True)
+    return sft_warmup(out_root, threads)
+
+
+def run_wallclock(args: argparse.Namespace, out_root: Path) -> int:
+    weights = sft_warmup(out_root, max(args.threads, os.cpu_count() or 1))
+    load_before = os.getloadavg()[0]
+    curves, failed, starts = {}, [], {}
+    for name in ("hpcrl", "trl"):
+        out = out_root / name
+        if name == "hpcrl":
+            cmd = [sys.executable, "-m", "hpcrl.cli", "run", WALLCLOCK_CONFIG, "--output-dir", str(out),
+                   "--max-steps", str(args.steps), "--model.name", str(weights)]
+        else:
+            if out.exists():
+                import shutil
+
+                shutil.rmtree(out)
+            cmd = [sys.executable, str(REPO / "scripts/bench/_trl_runner.py"), WALLCLOCK_CONFIG, "--out", str(out),
+                   "--steps", str(args.steps), "--threads", str(args.threads), "--model-name", str(weights)]
+        print(f"running {name} for {args.budget_s:.0f} s of wall clock from launch...", flush=True)
+        launched, code = run_until_budget(cmd, out / "metrics.jsonl", out_root / f"{name}.log", args.budget_s,
+                                          args.threads, from_launch=True)
+        records = read_records(out / "metrics.jsonl")
+        curves[name] = reward_by_clock(records, launched, args.budget_s)
+        starts[name] = (records, launched)
+        if code != 0 or not curves[name][-1][2]:
+            failed.append(f"{name}: exit code {code}; see {out_root / (name + '.log')}")
+    load_after = os.getloadavg()[0]
+    print()
+    print(format_clock_table(curves))
+    print()
+    end_h, end_t = curves["hpcrl"][-1][1], curves["trl"][-1][1]
+    if end_h is not None and end_t is not None:
+        ok = "meets target" if end_h - end_t >= REWARD_MARGIN else "below target"
+        print(f"reward at {args.budget_s:.0f} s: hpcrl {end_h:.3f}, TRL {end_t:.3f}, difference {end_h - end_t:+.3f} "
+              f"(target >= +{REWARD_MARGIN}): {ok}")
+    for target in (0.6, 0.7, 0.8):
+        reach = {n: time_to_reward(r, t0, target) for n, (r, t0) in starts.items()}
+        print(f"seconds from launch until the mean reward of 10 consecutive batches reaches {target}: "
+              + ", ".join(f"{n} {_f(v, '.0f')}" for n, v in reach.items()))
+    for line in failed:
+        print(f"FAILED {line}")
+    print(f"threads per process: {args.threads}; 1-min load average {load_before:.1f} before, {load_after:.1f} after "
+          f"on {os.cpu_count()} cores (runs one after the other; other work on the machine = noisy numbers)")
+    plot_wallclock(starts, PLOT, args.budget_s)
+    print(f"plot: {PLOT}")
+    (out_root / "summary_wallclock.json").write_text(json.dumps(
+        {"args": vars(args), "weights": str(weights), "curves": curves, "failed": failed,
+         "load": [load_before, load_after]}, indent=2))
+    return 1 if failed else 0
+
+
+def plot_wallclock(runs: dict[str, tuple[list[dict], float]], path: Path, budget_s: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, (records, launched) in runs.items():
+        orch = by_step(records, "orchestrator", "reward/all/mean")
+        pts = sorted((r["time"] - launched, r["reward/all/mean"]) for r in orch.values()
+                     if r["time"] - launched <= budget_s)
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        smooth = [_mean(ys[max(0, i - 9):i + 1]) for i in range(len(ys))]
+        line, = ax.plot(xs, smooth, label=f"{name} ({len(pts)} batches; mean of last 10)")
+        ax.scatter(xs, ys, s=6, alpha=0.3, color=line.get_color())
+    ax.set_xlabel("seconds since launch")
+    ax.set_ylabel("train reward (batch mean)")
+    ax.set_xlim(0, budget_s)
+    ax.set_title("reverse-text-demo from the same SFT warm-up: reward vs wall clock")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=1000, help="max optimizer steps per run (a cap; the budget ends runs)")
-    p.add_argument("--budget-s", type=float, default=90.0,
-                   help="wall-clock seconds each run trains after its first (warm-up) step")
+    p.add_argument("--budget-s", "--budget", type=float, default=None,
+                   help="wall-clock seconds each run trains after its first (warm-up) step (default 90); "
+                        "wallclock mode: seconds from launch (default 120)")
     # Default 1: on a shared 2-core machine, 2 OpenMP threads per process (hpcrl has 3 processes)
     # oversubscribe the cores and spin-wait stalls swamp the measurement (see docs/e2e.md).
     p.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per process, both systems")
     p.add_argument("--only", choices=["hpcrl", "trl"], help="run only one side")
-    p.add_argument("--out", default="outputs/bench-e2e", help="root of the runs' output dirs")
-    return p.parse_args(argv)
+    p.add_argument("--mode", choices=["throughput", "wallclock"], default="throughput",
+                   help="throughput: samples/s from random init; wallclock: reward per wall-clock from an SFT warm-up")
+    p.add_argument("--out", help="root of the runs' output dirs (default outputs/bench-e2e[-wallclock])")
+    args = p.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 120.0 if args.mode == "wallclock" else 90.0
+    if args.out is None:
+        args.out = "outputs/bench-e2e" + ("-wallclock" if args.mode == "wallclock" else "")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_root = (REPO / args.out).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
+    if args.mode == "wallclock":
+        return run_wallclock(args, out_root)
     plan = ([] if args.only == "trl" else list(CONFIGS)) + ([] if args.only == "hpcrl" else ["trl"])
     load_before = os.getloadavg()[0]
     results: dict[str, Summary] = {}

@@ -120,8 +120,9 @@ def bare_step(model, opt, batch, micro_tokens: int, device) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def row_padding(lens: list[int], micro_tokens: int) -> float:
-    """Padding of the CPU row layout (hpcrl/trainer/layout.py) over the RL micro-batches of ``lens``."""
+def row_padding(lens: list[int], micro_tokens: int, key_cost: float | None) -> float:
+    """Padding of the CPU row layout (hpcrl/trainer/layout.py) over the RL micro-batches of ``lens``,
+    as `train_step` lays them out (``key_cost`` None: the old rows exactly as wide as the longest)."""
     import torch
 
     from hpcrl.trainer.layout import row_layout
@@ -131,30 +132,32 @@ def row_padding(lens: list[int], micro_tokens: int) -> float:
     batch = PackedBatch(input_ids=torch.arange(t), position_ids=torch.cat([torch.arange(n) for n in lens]),
                         seq_lens=torch.tensor(lens), loss_mask=torch.zeros(t, dtype=torch.bool))
     slots = pad = 0
-    for mb in row_micro_batches(batch, micro_tokens):
-        lay = row_layout(mb.seq_lens)
+    for mb in row_micro_batches(batch, micro_tokens, key_cost):
+        lay = row_layout(mb.seq_lens, None, key_cost, width=mb.row_width)
         slots, pad = slots + lay.rows * lay.width, pad + lay.padding
     return pad / slots
 
 
 def padding_table(rng: np.random.Generator, n: int, lo: int, hi: int, seq_lens: list[int], trials: int,
-                  micro_tokens: int):
+                  micro_tokens: int, key_cost: float):
     from hpcrl.trainer.sft_data import pack_rows, padding_waste
 
     naive, fixed, longest = [], {s: [] for s in seq_lens}, {s: [] for s in seq_lens}
-    rows_cpu = []
+    rows_cpu, rows_longest = [], []
     for _ in range(trials):
         lens = rng.integers(lo, hi + 1, size=n).tolist()
         naive.append(1 - sum(lens) / (n * max(lens)))
-        rows_cpu.append(row_padding(lens, micro_tokens))
+        rows_cpu.append(row_padding(lens, micro_tokens, key_cost))
+        rows_longest.append(row_padding(lens, micro_tokens, None))
         for s in seq_lens:
             rows = pack_rows(lens, s)
             fixed[s].append(padding_waste(lens, rows, s))
             longest[s].append(padding_waste(lens, rows))
     med = statistics.median
     out = [("hpcrl RL micro-batches, varlen kernel (GPU flash-attention: one packed row)", "0.0 %", ""),
-           ("hpcrl RL micro-batches, sdpa/eager (CPU: rows as wide as the longest sample)",
-            f"{100 * med(rows_cpu):.1f} %", "")]
+           ("hpcrl RL micro-batches, sdpa/eager (CPU: row width chosen per batch, layout.choose_width)",
+            f"{100 * med(rows_cpu):.1f} %", ""),
+           ("  before: rows exactly as wide as the longest sample", f"{100 * med(rows_longest):.1f} %", "")]
     out += [(f"hpcrl SFT rows, seq_len {s}", f"{100 * med(longest[s]):.1f} %", f"{100 * med(fixed[s]):.1f} %")
             for s in seq_lens]
     out.append(("baseline: right-pad each sample to the longest sample", f"{100 * med(naive):.1f} %", ""))
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcrl.config.schema import ModelConfig, OptimConfig
     from hpcrl.trainer import sft_data as sd
+    from hpcrl.trainer.layout import key_cost_of
     from hpcrl.trainer.loss import LossParams
     from hpcrl.trainer.rl import step_micro_batches, train_step
     from hpcrl.trainer.setup import build_training
@@ -279,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
           f"| padded to longest row | padded to seq_len |")
     print("|---|---:|---:|")
     for label, a, b in padding_table(np.random.default_rng(args.seed + 1), args.samples, args.min_len,
-                                     args.max_len, [256, 512, 1024], 200, args.micro_batch_tokens):
+                                     args.max_len, [256, 512, 1024], 200, args.micro_batch_tokens,
+                                     key_cost_of(tr.model.config)):
         print(f"| {label} | {a} | {b} |")
     from hpcrl.trainer import parallel
 

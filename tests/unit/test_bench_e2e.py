@@ -109,3 +109,19 @@ def test_table_has_one_row_per_system_and_speedups():
     assert "2.50x" in lines[2] and lines[3].startswith("trl")
     # Without TRL there is no speedup to show.
     assert "x" not in e2e.format_table({"hpcrl async1": _summary(250.0, 1.1)}, 60.0).splitlines()[2].split("|")[8]
+
+
+def test_reward_by_clock_and_time_to_reward():
+    # launched at 1000; a step every 10 s from 1010, its batch stamped 0.5 s earlier; rewards 0.1 .. 0.6
+    recs = fake_run([10.0] * 6, [1.0] * 6, [1.0] * 6, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    rows = e2e.reward_by_clock(recs, launched=1000.0, budget_s=60.0, every=20.0)
+    # windows (0, 20], (20, 40], (40, 60]: batches at 9.5 + 19.5 s, 29.5 + 39.5 s, 49.5 + 59.5 s
+    assert [t for t, _, _ in rows] == [20.0, 40.0, 60.0]
+    assert [r for _, r, _ in rows] == pytest.approx([0.15, 0.35, 0.55])
+    assert [k for _, _, k in rows] == [2, 4, 6]
+    assert e2e.reward_by_clock(recs, 1000.0, 60.0, every=5.0)[0][1] is None  # no batch in (0, 5]
+    # mean of the last 2 batches: 0.45 first at batch 5 (49.5 s), never 0.6
+    assert e2e.time_to_reward(recs, 1000.0, 0.45, window=2) == pytest.approx(49.5)
+    assert e2e.time_to_reward(recs, 1000.0, 0.6, window=2) is None
+    table = e2e.format_clock_table({"hpcrl": rows, "trl": rows})
+    assert "hpcrl - trl" in table.splitlines()[0] and "+0.000" in table

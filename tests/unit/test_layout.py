@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl.trainer.layout import common_prefix, key_cost_of, row_layout, shared_prefixes, unit_slots, units_of
+from hpcrl.trainer.layout import (
+    choose_width,
+    common_prefix,
+    key_cost_of,
+    row_layout,
+    rows_needed,
+    shared_prefixes,
+    unit_slots,
+    units_of,
+)
 from hpcrl.trainer.model import load_model
 from hpcrl.trainer.packing import PackedBatch, forward_packed, micro_batches, with_shared_prefixes
 
@@ -196,3 +205,81 @@ def test_row_micro_batches_pack_the_whole_batch_once(model_dir: Path):
     for other in grads[1:]:
         for a, g in zip(grads[0], other):
             torch.testing.assert_close(g, a, atol=1e-5, rtol=1e-4)
+
+
+def test_choose_width_by_hand():
+    # [3, 2]: width 3 pads 1 of 6 slots (17 %); width 5 holds both in one row, no padding, and is
+    # cheaper too: 5 * (512 + 5) < 6 * (512 + 3).
+    assert choose_width([3, 2], key_cost=512) == 5
+    assert row_layout(torch.tensor([3, 2]), key_cost=512).width == 5
+    assert row_layout(torch.tensor([3, 2])).width == 3  # no cost model: rows as wide as the longest
+    # Equal units (a GRPO batch's groups) fill rows of the longest exactly: nothing to gain.
+    assert choose_width([184] * 16, key_cost=576) == 184
+    # 100 + 60 + 60 + 40 = 260 slots, first-fit decreasing:
+    #   width 100: 100 | 60+40 | 60          3 rows = 300 slots, 13.3 % padding, cost 300 * 612
+    #   width 150: 100+40 | 60+60            2 rows = 300 slots, 13.3 %,         cost 300 * 662
+    #   width 125 / 175 / 200 / 250: 30.8 / 25.7 / 35 / 48 %
+    #   width 260 (3x and 4x, capped at all units in one row): 0 %,      cost 260 * 772
+    sizes = [100, 60, 60, 40]
+    assert [rows_needed(sizes, w) for w in (100, 150, 260)] == [3, 2, 1]
+    assert choose_width(sizes, key_cost=512, max_padding=0.14) == 100  # cheapest within the cap
+    assert choose_width(sizes, key_cost=512, max_padding=0.07) == 260  # only one row is within
+    # Capped at 160, nothing pads <= 7 %: the least padding wins, ties to the narrower (100, not 150).
+    assert choose_width(sizes, key_cost=512, max_padding=0.07, max_width=160) == 100
+    assert choose_width(sizes, key_cost=512, max_padding=0.07, max_width=50) == 100  # never below the longest
+    assert choose_width([3, 2], key_cost=512, max_padding=0.0) == 5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("share", [False, True])
+def test_chosen_row_width_equals_samples_alone(model_dir: Path, attn: str, share: bool):
+    """Rows wider than the longest unit (chosen to cut padding) give the same logprobs and gradients
+    as every sample run on its own."""
+    from hpcrl.trainer.packing import row_micro_batches
+
+    g = torch.Generator().manual_seed(3)
+    batch = group_batch(prompt_len=6, completions=[2, 9, 4, 13, 7, 1], groups=4, seed=5)
+    if share:
+        batch = with_shared_prefixes(batch, 64)
+    lens = [int(n) for n in torch.randint(5, 21, (10,), generator=g)]
+    t = sum(lens)
+    loose = PackedBatch(input_ids=torch.randint(0, VOCAB, (t,), generator=g),
+                        position_ids=torch.cat([torch.arange(n) for n in lens]), seq_lens=torch.tensor(lens),
+                        loss_mask=torch.arange(t) % 3 != 0, advantages=torch.randn(t, generator=g))
+    for b in (batch, loose):
+        b.loss_mask[torch.cumsum(b.seq_lens, 0) - b.seq_lens] = False
+        alone = micro_batches(replace_prefix(b), 1)  # one sample per micro-batch: no layout at all
+        model = load_model(model_dir, attn_impl=attn)
+        key_cost = key_cost_of(model.config)
+        packed = row_micro_batches(b, 64, key_cost)
+        units = units_of(None if b.prefix_lens is None else b.prefix_lens.tolist(), b.num_samples)
+        longest = max(unit_slots(units, b.seq_lens.tolist()))
+        assert packed[0].row_width is not None and packed[0].row_width >= longest
+        if b is loose:  # 5-20 tokens: rows of the longest would pad; the new path is exercised
+            assert packed[0].row_width > longest
+        results = []
+        for mbs in (alone, packed):
+            model = load_model(model_dir, attn_impl=attn)
+            lp, slots, pad = {}, 0, 0
+            for mb in mbs:
+                out = forward_packed(model, mb, wanted=mb.loss_mask)
+                (out.logprobs * mb.advantages).sum().backward()
+                slots, pad = slots + out.slots, pad + out.padding
+                # key each sample's logprobs by its token ids (samples are reordered by packing)
+                for ids, v in zip(mb.input_ids.split(mb.seq_lens.tolist()), out.logprobs.detach().split(
+                        mb.seq_lens.tolist())):
+                    lp.setdefault(tuple(ids.tolist()), []).append(v)
+            results.append((lp, [p.grad for p in model.parameters()], slots, pad))
+        (lp0, g0, _, _), (lp1, g1, slots1, pad1) = results
+        assert lp0.keys() == lp1.keys()
+        for k in lp0:
+            torch.testing.assert_close(torch.stack(lp1[k]), torch.stack(lp0[k]), atol=2e-6, rtol=0)
+        for a, c in zip(g0, g1):
+            torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-4)
+        assert pad1 <= 0.25 * slots1
+
+
+def replace_prefix(b: PackedBatch) -> PackedBatch:
+    from dataclasses import replace
+
+    return replace(b, prefix_lens=None)

@@ -163,8 +163,10 @@ def test_wanted_tokens_only_same_values_and_gradients(model_dir: Path):
     torch.testing.assert_close(part.entropy[wanted], full.entropy[wanted], atol=1e-6, rtol=0)
     for g_full, g_part in zip(*grads):
         torch.testing.assert_close(g_part, g_full, atol=1e-6, rtol=0)
-    # [5, 1, 7, 3] at width 7: [5, 1, pad] | [7] | [3, pad x 4] = 21 slots for 16 tokens
-    assert (full.slots, full.padding) == (21, 5)
+    # [5, 1, 7, 3] at width 7 (the longest) would be [5, 1, pad] | [7] | [3, pad x 4] = 21 slots for 16
+    # tokens (31 % padding); layout.choose_width takes the cheapest width that pads <= 5 %: all 16
+    # tokens in one row of 16 (4 x 7 = 28 capped at the total), no padding.
+    assert (full.slots, full.padding) == (16, 0)
 
     class NoLogitsToKeep(torch.nn.Module):
         def __init__(self, inner: torch.nn.Module):
