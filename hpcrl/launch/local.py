@@ -17,9 +17,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import secret_env
@@ -208,6 +209,23 @@ def supervise(children: list[Child], console: ConsoleReporter | None, poll: floa
         time.sleep(poll)
 
 
+def supervise_then_stop(children: list[Child], handlers: dict[int, Callable[[int, Any], None]],
+                        console: ConsoleReporter | None, **kw: Any) -> tuple[int, str, Child | None]:
+    """`supervise` with `handlers` installed for signals while it runs (Ctrl-C: exit code 130), then
+    stop every child that is left. Returns (exit code, last line, the child that failed first)."""
+    old = {s: signal.signal(s, h) for s, h in handlers.items()}
+    try:
+        code, line = supervise(children, console, **kw)
+        failed = next((c for c in children if c.proc.returncode not in (None, 0)), None) if code else None
+        return code, line, failed
+    except KeyboardInterrupt:
+        return 130, "hpcrl: interrupted; stopping every process", None
+    finally:
+        stop_children(children)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def last_error(log_path: Path, tail: int = 65536) -> str:
     """The role's last ERROR log line (its one-line reason), without the timestamp prefix; "" if none."""
     try:
@@ -248,21 +266,12 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     console = ConsoleReporter(paths, cfg.max_steps)
     console.banner(cfg, placement, loaded.notes)
     children = start_children(cfg, placement, paths, resume_args)
-    stopping = {"sig": None}
 
-    def on_signal(signum, _frame):
-        stopping["sig"] = signum
+    def on_signal(_signum, _frame):
         raise KeyboardInterrupt
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code, line = supervise(children, console, max_restarts=cfg.deployment.max_server_restarts, paths=paths)
-    except KeyboardInterrupt:
-        code, line = 130, "hpcrl: interrupted; stopping every process"
-    finally:
-        stop_children(children)
-        for s, h in old.items():
-            signal.signal(s, h)
+    code, line, _ = supervise_then_stop(children, {signal.SIGTERM: on_signal, signal.SIGINT: on_signal}, console,
+                                        max_restarts=cfg.deployment.max_server_restarts, paths=paths)
     console.finish()
     from hpcrl.monitor.plots import report_plots
 

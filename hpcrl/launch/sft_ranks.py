@@ -15,7 +15,7 @@ import signal
 import sys
 
 from hpcrl.config.schema import SFTConfig
-from hpcrl.launch.local import Child, free_port, signal_children, spawn, stop_children, supervise
+from hpcrl.launch.local import Child, free_port, signal_children, spawn, supervise_then_stop
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.launch")
@@ -54,22 +54,18 @@ def spawn_ranks(paths: RunPaths, n: int) -> list[Child]:
                   {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, capture=False) for r in range(n)]
 
 
-def launch_ranks(cfg: SFTConfig, paths: RunPaths, n: int) -> int:
+def launch_ranks(paths: RunPaths, n: int) -> int:
     """Start n ranks of `hpcrl sft` on the resolved config and wait; when one fails, stop the rest.
     Returns the failed rank's exit code (0 when every rank finished)."""
     children = spawn_ranks(paths, n)
-    forward = {s: signal.signal(s, lambda signum, _f: signal_children(children, signum))
-               for s in (signal.SIGTERM, signal.SIGUSR2)}
-    try:
-        code, line = supervise(children, console=None, poll=0.2)
-        # supervise stops at the first rank that failed (the others are still running): its own code
-        code = next((c.proc.returncode for c in children if c.proc.returncode), code)
-    except KeyboardInterrupt:
-        code, line = 130, "hpcrl: interrupted; stopping every rank"
-    finally:
-        stop_children(children)
-        for s, h in forward.items():
-            signal.signal(s, h)
+
+    def forward(signum: int, _frame: object) -> None:
+        signal_children(children, signum)
+
+    code, line, failed = supervise_then_stop(children, {signal.SIGTERM: forward, signal.SIGUSR2: forward}, None,
+                                             poll=0.2)
+    if failed is not None:
+        code = failed.proc.returncode  # the rank's own code (2: a user error it reported itself)
     if code not in (0, USER_ERROR_EXIT):
         print(line, file=sys.stderr, flush=True)
     return code

@@ -49,7 +49,7 @@ def main(cfg: SFTConfig) -> int:
         ranks = sft_ranks.requested_ranks(cfg)
         if ranks > 1 and not sft_ranks.launched_as_rank():
             setup_logging("sft", cfg.log.level)
-            return sft_ranks.launch_ranks(cfg, prepare(cfg), ranks)
+            return sft_ranks.launch_ranks(prepare(cfg), ranks)
         return train(cfg)
     except (ValueError, checkpoint.CheckpointError) as e:
         # User errors (data, template, resume step): one line, exit 2, as for config errors.
