@@ -17,9 +17,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import secret_env
@@ -41,8 +42,8 @@ class Child:
     role: str  # "inference[0]", "trainer[0]", "orchestrator"
     kind: str  # "inference" | "trainer" | "orchestrator"
     proc: subprocess.Popen
-    log_path: Path
-    log_fh: IO[bytes] = field(repr=False)
+    log_path: Path  # where its output goes (or, for a child that shares our terminal, its own log file)
+    log_fh: IO[bytes] | None = field(repr=False)  # None: the child writes to our stdout/stderr
     args: list[str] = field(default_factory=list, repr=False)  # what `spawn` ran: a restart runs it again
     env: dict[str, str] = field(default_factory=dict, repr=False)
     restarts: int = 0
@@ -75,21 +76,25 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str]) -> Child:
+def spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str], capture: bool = True
+          ) -> Child:
+    """`hpcrl <kind> <args>` as a child; its output goes to `log_path`, or with ``capture = False``
+    to our own stdout/stderr (the child then writes `log_path` itself)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(log_path, "ab", buffering=0)  # noqa: SIM115 - owned by Child, closed in stop_children
+    fh = open(log_path, "ab", buffering=0) if capture else None  # noqa: SIM115 - closed in stop_children
     cmd = [sys.executable, "-m", "hpcrl.cli", kind, *args]
     # Own session: the whole subtree can be signalled, and a Ctrl-C reaches only the launcher.
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT if capture else None, env=env,
+                            start_new_session=True, preexec_fn=_die_with_parent)
     return Child(role, kind, proc, log_path, fh, args, env)
 
 
 def respawn(child: Child) -> None:
     """Run a dead child's command again in place (same log, port, GPUs, environment)."""
     _signal_group(child.proc, signal.SIGKILL)  # what the dead one started (vLLM workers) goes with it
-    child.log_fh.close()
-    new = spawn(child.kind, child.role, child.args, child.log_path, child.env)
+    if child.log_fh is not None:
+        child.log_fh.close()
+    new = spawn(child.kind, child.role, child.args, child.log_path, child.env, capture=child.log_fh is not None)
     child.proc, child.log_fh, child.restart_at = new.proc, new.log_fh, None
     child.restarts += 1
 
@@ -152,7 +157,15 @@ def stop_children(children: list[Child], grace: float = GRACE_S) -> None:
             _signal_group(c.proc, signal.SIGKILL)
             c.proc.wait()
     for c in children:
-        c.log_fh.close()
+        if c.log_fh is not None:
+            c.log_fh.close()
+
+
+def signal_children(children: list[Child], sig: int) -> None:
+    """Pass a signal on to every live child's process group (e.g. SLURM's pre-timeout SIGUSR2)."""
+    for c in children:
+        if c.proc.poll() is None:
+            _signal_group(c.proc, sig)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -162,13 +175,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def supervise(children: list[Child], console: ConsoleReporter, poll: float = 0.5, max_restarts: int = 0,
+def supervise(children: list[Child], console: ConsoleReporter | None, poll: float = 0.5, max_restarts: int = 0,
               paths: RunPaths | None = None) -> tuple[int, str]:
     """Block until the run finishes or a process dies for good. Returns (exit code, last line).
     A dead inference server is restarted up to `max_restarts` times (see the module doc)."""
     workers = [c for c in children if c.kind != "inference"]
     while True:
-        console.update()
+        if console is not None:
+            console.update()
         for c in children:
             rc = c.proc.poll()
             if rc is None:
@@ -189,9 +203,27 @@ def supervise(children: list[Child], console: ConsoleReporter, poll: float = 0.5
                     paths.server_file(_server_index(c)).unlink(missing_ok=True)
                 respawn(c)
         if all(c.proc.poll() == 0 for c in workers):
-            console.update()
+            if console is not None:
+                console.update()
             return 0, "hpcrl: run finished"
         time.sleep(poll)
+
+
+def supervise_then_stop(children: list[Child], handlers: dict[int, Callable[[int, Any], None]],
+                        console: ConsoleReporter | None, **kw: Any) -> tuple[int, str, Child | None]:
+    """`supervise` with `handlers` installed for signals while it runs (Ctrl-C: exit code 130), then
+    stop every child that is left. Returns (exit code, last line, the child that failed first)."""
+    old = {s: signal.signal(s, h) for s, h in handlers.items()}
+    try:
+        code, line = supervise(children, console, **kw)
+        failed = next((c for c in children if c.proc.returncode not in (None, 0)), None) if code else None
+        return code, line, failed
+    except KeyboardInterrupt:
+        return 130, "hpcrl: interrupted; stopping every process", None
+    finally:
+        stop_children(children)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def last_error(log_path: Path, tail: int = 65536) -> str:
@@ -234,21 +266,12 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     console = ConsoleReporter(paths, cfg.max_steps)
     console.banner(cfg, placement, loaded.notes)
     children = start_children(cfg, placement, paths, resume_args)
-    stopping = {"sig": None}
 
-    def on_signal(signum, _frame):
-        stopping["sig"] = signum
+    def on_signal(_signum, _frame):
         raise KeyboardInterrupt
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code, line = supervise(children, console, max_restarts=cfg.deployment.max_server_restarts, paths=paths)
-    except KeyboardInterrupt:
-        code, line = 130, "hpcrl: interrupted; stopping every process"
-    finally:
-        stop_children(children)
-        for s, h in old.items():
-            signal.signal(s, h)
+    code, line, _ = supervise_then_stop(children, {signal.SIGTERM: on_signal, signal.SIGINT: on_signal}, console,
+                                        max_restarts=cfg.deployment.max_server_restarts, paths=paths)
     console.finish()
     from hpcrl.monitor.plots import report_plots
 

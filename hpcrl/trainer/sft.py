@@ -7,18 +7,16 @@ optimizer step, checkpoints and weights layout (so SFT -> RL -> SFT needs no con
 
 Multi-rank: started under torchrun/srun (RANK/WORLD_SIZE or SLURM_* set) every process is one rank;
 otherwise `deployment.num_trainer_ranks` > 1 (or several visible GPUs) makes this process spawn the
-ranks on this machine and supervise them. Rows of a step go to ranks by stride (row j of the step to
-rank j % world), so the split is deterministic and a resume on the same world size sees the same rows.
+ranks on this machine and supervise them (hpcrl.launch.sft_ranks). Rows of a step go to ranks by
+stride (row j of the step to rank j % world), so the split is deterministic and a resume on the same
+world size sees the same rows.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,36 +26,30 @@ import torch
 
 from hpcrl import checkpoint
 from hpcrl.config.schema import SFTConfig
+from hpcrl.launch import sft_ranks
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer import sft_data as sd
+from hpcrl.trainer.checkpointer import Checkpointer
+from hpcrl.trainer.core import Progress, StepResult, common_metrics, install_stop_handler, step_micro_batches
 from hpcrl.trainer.loss import LossParams
 from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed, split_micro_batches
-from hpcrl.trainer.rl import (
-    install_stop_handler,
-    maybe_save_adapter,
-    peak_memory_gib,
-    restore_state,
-    save_checkpoint,
-    step_micro_batches,
-)
 from hpcrl.trainer.setup import Training, build_training
 
 log = logging.getLogger("hpcrl.trainer")
 
-CHILD_ENV = "HPCRL_SFT_CHILD"  # set on ranks this process spawned: they skip output-dir preparation
 SFT_PARTS = ("trainer",)  # an SFT checkpoint has no orchestrator part
 FINALIZE_TIMEOUT_S = 600.0
 
 
 def main(cfg: SFTConfig) -> int:
     try:
-        ranks = requested_ranks(cfg)
-        if ranks > 1 and not launched_as_rank():
+        ranks = sft_ranks.requested_ranks(cfg)
+        if ranks > 1 and not sft_ranks.launched_as_rank():
             setup_logging("sft", cfg.log.level)
-            return launch_ranks(cfg, prepare(cfg), ranks)
+            return sft_ranks.launch_ranks(prepare(cfg), ranks)
         return train(cfg)
     except (ValueError, checkpoint.CheckpointError) as e:
         # User errors (data, template, resume step): one line, exit 2, as for config errors.
@@ -67,8 +59,49 @@ def main(cfg: SFTConfig) -> int:
 
 
 def train(cfg: SFTConfig) -> int:
-    paths = RunPaths(cfg.output_dir) if os.environ.get(CHILD_ENV) else prepare(cfg)
-    if not launched_as_rank() and "MASTER_PORT" not in os.environ:
+    paths, tr, data = start_rank(cfg)
+    ckpt = Checkpointer(cfg.ckpt, paths, tr, cfg.max_steps, parts=SFT_PARTS, finalize_timeout_s=FINALIZE_TIMEOUT_S)
+    start, progress = ckpt.restore(Progress(data=data.cursor.state()))
+    if progress.data is not None:
+        data.cursor.restore(progress.data)
+    rank, world = tr.dist.rank, tr.dist.world_size
+    log.info("sft: %d training rows (%s), %d validation rows, steps %d..%d, %d rank(s)", len(data.train),
+             data.train.source, len(data.val), start + 1, cfg.max_steps, world)
+    metrics = Metrics(paths, "trainer", enabled=rank == 0)
+    params = LossParams(mode="sft")
+    stop = install_stop_handler()
+    for step in range(start + 1, cfg.max_steps + 1):
+        t_step = time.perf_counter()
+        batch = data.next_batch(rank, world, tr.device)
+        out = step_micro_batches(tr, batch.micro_batches, params, batch.totals["loss_tokens"],
+                                 cfg.optim.max_norm, step, time.perf_counter())
+        out = out.counted(batch.totals["tokens"], batch.totals["samples"])
+        progress = progress.advance(out, truncated=batch.totals["truncated"], data=data.cursor.state())
+        val_loss, t_val = maybe_validate(cfg, data, tr, step)
+        # The val loss is all-reduced: every rank reaches the same decision.
+        reached = cfg.val.stop_at_loss > 0 and val_loss is not None and val_loss <= cfg.val.stop_at_loss
+        t_ckpt = ckpt.maybe_save(step, progress, force=stop.is_set() or reached)
+        ckpt.maybe_save_adapter(step)
+        m = metrics.log(step, step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt,
+                                           time.perf_counter() - t_step))
+        log_console(cfg, rank, step, m, val_loss)
+        if stop.is_set():
+            log.warning("stop requested: checkpointed step %d, exiting", step)
+            break
+        if reached:
+            log.info("val loss %.4f <= val.stop_at_loss %g at step %d: done", val_loss, cfg.val.stop_at_loss, step)
+            break
+    ckpt.close()
+    metrics.close()
+    parallel.destroy_distributed()
+    return 0
+
+
+def start_rank(cfg: SFTConfig) -> tuple[RunPaths, Training, SFTData]:
+    """Run dir, logging, process group, dataset (before the model: a bad dataset fails in a second,
+    not a minute), then model, optimizer and scheduler."""
+    paths = RunPaths(cfg.output_dir) if os.environ.get(sft_ranks.CHILD_ENV) else prepare(cfg)
+    if not sft_ranks.launched_as_rank() and "MASTER_PORT" not in os.environ:
         # A lone rank still opens a (gloo/nccl) group: take a free port, not the fixed default that
         # another job on this machine may hold.
         from hpcrl.launch.local import free_port
@@ -78,49 +111,18 @@ def train(cfg: SFTConfig) -> int:
     role = "sft" if env.world_size == 1 else f"sft[{env.rank}]"
     log_file = paths.log_file("trainer") if env.rank == 0 else paths.rank_log_file("trainer", env.rank)
     setup_logging(role, cfg.log.level, log_file=log_file)
-    data = SFTData.from_config(cfg)  # before the model: a bad dataset fails in a second, not a minute
+    data = SFTData.from_config(cfg)
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
     tr = build_training(cfg.model, cfg.optim, cfg.max_steps, cfg.seed, warm_start=warm)
     data.tokenizer = tr.tokenizer
-    start, progress = restore_state(cfg.ckpt, paths, tr, initial_progress(data.cursor))
-    data.cursor.restore(progress["data"])
-    rank, world = tr.dist.rank, tr.dist.world_size
-    log.info("sft: %d training rows (%s), %d validation rows, steps %d..%d, %d rank(s)", len(data.train),
-             data.train.source, len(data.val), start + 1, cfg.max_steps, world)
-    metrics = Metrics(paths, "trainer", enabled=rank == 0)
-    params = LossParams(mode="sft")
-    stop = install_stop_handler()
-    finalizers: list[threading.Thread] = []
-    for step in range(start + 1, cfg.max_steps + 1):
-        t_step = time.perf_counter()
-        batch = data.next_batch(rank, world, tr.device)
-        out = step_micro_batches(tr, batch.micro_batches, params, batch.totals["loss_tokens"],
-                                 cfg.optim.max_norm, step, time.perf_counter())
-        progress = advance(progress, batch, out, data.cursor)
-        val_loss, t_val = maybe_validate(cfg, data, tr, step)
-        # The val loss is all-reduced: every rank reaches the same decision.
-        reached = cfg.val.stop_at_loss > 0 and val_loss is not None and val_loss <= cfg.val.stop_at_loss
-        t_ckpt = 0.0
-        if cfg.ckpt is not None and (stop.is_set() or reached or checkpoint.is_due(step, cfg.max_steps, cfg.ckpt.interval)):
-            t_ckpt = save_checkpoint(cfg.ckpt, paths, tr, step, progress, finalizers, SFT_PARTS, FINALIZE_TIMEOUT_S)
-        maybe_save_adapter(cfg.ckpt, paths, tr, step, cfg.max_steps)
-        m = metrics.log(step, step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt,
-                                           time.perf_counter() - t_step))
-        if rank == 0 and (step % cfg.log.console_interval == 0 or step == cfg.max_steps):
-            log.info("step %d | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | epoch %.2f", step,
-                     m["loss/mean"], "" if val_loss is None else f" | val {val_loss:.4f}", m["optim/lr"],
-                     m["optim/grad_norm"], m["perf/throughput"], m["progress/epoch"])
-        if stop.is_set():
-            log.warning("stop requested: checkpointed step %d, exiting", step)
-            break
-        if reached:
-            log.info("val loss %.4f <= val.stop_at_loss %g at step %d: done", val_loss, cfg.val.stop_at_loss, step)
-            break
-    for f in finalizers:
-        f.join()
-    metrics.close()
-    parallel.destroy_distributed()
-    return 0
+    return paths, tr, data
+
+
+def log_console(cfg: SFTConfig, rank: int, step: int, m: dict[str, Any], val_loss: float | None) -> None:
+    if rank == 0 and (step % cfg.log.console_interval == 0 or step == cfg.max_steps):
+        log.info("step %d | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | epoch %.2f", step,
+                 m["loss/mean"], "" if val_loss is None else f" | val {val_loss:.4f}", m["optim/lr"],
+                 m["optim/grad_norm"], m["perf/throughput"], m["progress/epoch"])
 
 
 def prepare(cfg: SFTConfig) -> RunPaths:
@@ -253,96 +255,14 @@ def validation_loss(tr: Training, data: SFTData) -> float:
     return float(parallel.all_reduce(total)) / max(batch.totals["loss_tokens"], 1)
 
 
-def initial_progress(cursor: sd.DataCursor) -> dict[str, Any]:
-    return {"step": 0, "num_samples": 0, "num_tokens": 0, "num_truncated": 0, "skipped_updates": 0,
-            "data": cursor.state()}
-
-
-def advance(progress: dict[str, Any], batch: StepBatch, out: dict[str, Any], cursor: sd.DataCursor
-            ) -> dict[str, Any]:
-    """The progress dict saved with a checkpoint; `data` is the cursor AFTER this step's rows, so a
-    resume continues with exactly the next ones (the epoch order is a pure function of seed+epoch)."""
-    t = batch.totals
-    return {**progress, "step": progress["step"] + 1, "num_samples": progress["num_samples"] + t["samples"],
-            "num_tokens": progress["num_tokens"] + t["tokens"],
-            "num_truncated": progress["num_truncated"] + t["truncated"],
-            "skipped_updates": progress["skipped_updates"] + int(out["skipped"]), "data": cursor.state()}
-
-
-def step_metrics(out: dict[str, Any], batch: StepBatch, progress: dict[str, Any], data: SFTData,
+def step_metrics(out: StepResult, batch: StepBatch, progress: Progress, data: SFTData,
                  val_loss: float | None, t_val: float, t_ckpt: float, t_step: float) -> dict[str, Any]:
     t = batch.totals
-    m: dict[str, Any] = {
-        "loss/mean": out["stats"]["loss"],
-        "progress/epoch": data.cursor.epochs_done,
-        "progress/num_samples": progress["num_samples"], "progress/num_tokens": progress["num_tokens"],
-        "optim/grad_norm": out["grad_norm"], "optim/lr": out["lr"],
-        "optim/skipped_updates": progress["skipped_updates"],
-        "perf/throughput": t["tokens"] / max(out["time_fb"], 1e-9), "perf/peak_memory": peak_memory_gib(),
-        "time/step": t_step, "time/forward_backward": out["time_fb"], "time/save_ckpt": t_ckpt,
-        "data/truncated": t["truncated"], "data/dropped": t["dropped"], "data/packing_waste": batch.packing_waste,
-        "loss_tokens": t["loss_tokens"], "micro_batches": out["micro_batches"], "perf/padding": out["padding"],
-    }
+    m: dict[str, Any] = {"loss/mean": out.stats["loss"], **common_metrics(out, progress, t_ckpt, t_step),
+                         "progress/epoch": data.cursor.epochs_done,
+                         "progress/num_samples": progress.total_samples, "progress/num_tokens": progress.total_tokens,
+                         "data/truncated": t["truncated"], "data/dropped": t["dropped"],
+                         "data/packing_waste": batch.packing_waste, "loss_tokens": t["loss_tokens"]}
     if val_loss is not None:
         m["val/loss"], m["time/val"] = val_loss, t_val
     return m
-
-
-# ---------------------------------------------------------------------------------------------
-# ranks on this machine
-# ---------------------------------------------------------------------------------------------
-def requested_ranks(cfg: SFTConfig) -> int:
-    d = cfg.deployment
-    if d.num_trainer_ranks:
-        return d.num_trainer_ranks
-    if d.num_train_gpus:
-        return d.num_train_gpus
-    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
-
-
-def launched_as_rank() -> bool:
-    """torchrun, srun with several tasks, or our own spawner already set up the ranks."""
-    return "WORLD_SIZE" in os.environ or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
-
-
-def launch_ranks(cfg: SFTConfig, paths: RunPaths, n: int) -> int:
-    """Start n ranks of `hpcrl sft` on the resolved config and wait; when one fails, stop the rest."""
-    from hpcrl.launch.local import free_port
-
-    base = {**os.environ, CHILD_ENV: "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
-    if not torch.cuda.is_available():
-        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    cmd = [sys.executable, "-m", "hpcrl.cli", "sft", "@", str(paths.configs_dir / "sft.toml")]
-    procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)]
-
-    def forward(signum, _frame):  # SLURM's pre-timeout signal: every rank checkpoints and stops
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(sig, forward)
-    code = 0
-    while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
-        if failed:
-            code = failed[0].returncode
-            log.error("sft rank %d exited with %d: stopping the others", procs.index(failed[0]), code)
-            _stop(procs)
-            break
-        time.sleep(0.2)
-    return code or next((p.returncode for p in procs if p.returncode), 0)
-
-
-def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()

@@ -193,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcrl.config.schema import ModelConfig, OptimConfig
     from hpcrl.trainer import sft_data as sd
+    from hpcrl.trainer.core import step_micro_batches
     from hpcrl.trainer.layout import key_cost_of
     from hpcrl.trainer.loss import LossParams
-    from hpcrl.trainer.rl import step_micro_batches, train_step
+    from hpcrl.trainer.rl import train_step
     from hpcrl.trainer.setup import build_training
     from hpcrl.trainer.sft import micro_batches_for
 

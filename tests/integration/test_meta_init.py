@@ -132,7 +132,7 @@ def _worker(variant: str, model_dir: str, warm_dir: str, out: str) -> None:
         opt = optim.build_optimizer(model, "adamw", lr=1e-2)
         sched = optim.build_scheduler(opt, "constant", warmup_steps=0, total_steps=10)
         tr = Training(model, None, opt, sched, device, model_dir, env, prec)
-        losses[name] = [train_step(tr, _batch(env.rank, vocab), LossParams(), 64, 1.0)["stats"]["loss"] for _ in range(2)]
+        losses[name] = [train_step(tr, _batch(env.rank, vocab), LossParams(), 64, 1.0).stats["loss"] for _ in range(2)]
     res = {"state_equal": not diff and sd_meta.keys() == sd_full.keys(), "state_diff": diff[:5],
            "buffers_equal": buffers_equal, "buffer_names": sorted(bm), "tied": tied,
            "losses_meta": losses["meta"], "losses_full": losses["full"], "whole_copies_alive": whole, "control": control,

@@ -161,7 +161,7 @@ def _worker(model_dir: str, run_dir: str, out: str) -> None:
         tr = Training(model, None, opt, optim.build_scheduler(opt, "constant"), device, model_dir, env, prec)
         seen = _observe(model, opt)
         vocab = model.config.vocab_size
-        losses = [train_step(tr, _batch(env.rank, s, vocab), LossParams(), 64, 1.0)["stats"]["loss"]
+        losses = [train_step(tr, _batch(env.rank, s, vocab), LossParams(), 64, 1.0).stats["loss"]
                   for s in range(1, STEPS + 1)]
         state = {str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
         res[dtype] = {"losses": losses, "optim_state_dtypes": sorted(state), "precision": prec.describe(),

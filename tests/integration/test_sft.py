@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,45 @@ def test_sft_two_ranks_fsdp(sft_run, tiny_model_dir, tmp_path):
     assert sorted(p.name for p in paths.trainer_ckpt_dir(4).glob("DONE.rank_*")) == ["DONE.rank_0", "DONE.rank_1"]
     m = losses(tmp_path / "run")
     assert m[4]["progress/num_samples"] == 32 and m[4]["loss/mean"] < m[1]["loss/mean"]
+
+
+def test_sft_two_ranks_user_error_is_one_line(tiny_model_dir, tmp_path):
+    """The rank spawner (hpcrl.launch.sft_ranks on the local launcher's supervision): a rank's user
+    error ends the run with the rank's exit code 2 and its one-line message last, no traceback."""
+    cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, tmp_path / "missing.jsonl", tmp_path / "run")
+    cfg.write_text(cfg.read_text() + "[deployment]\nnum_trainer_ranks = 2\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert err[-1].startswith("hpcrl: error: data.name: '") and "does not exist" in err[-1]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_sft_two_ranks_sigterm_checkpoints_and_stops(sft_run, tiny_model_dir, tmp_path):
+    """SIGTERM to the launcher is passed on to every rank: each finishes its step, they checkpoint
+    that step together (COMPLETE, both ranks' parts) and the run exits 0 before max_steps."""
+    _, cfg1 = sft_run
+    data = next(cfg1.parent.glob("demo-sft-data/train.jsonl"))
+    cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, data, tmp_path / "run")
+    cfg.write_text(cfg.read_text().replace("max_steps = 4", "max_steps = 200").replace("interval = 2", "interval = 100")
+                   + "[deployment]\nnum_trainer_ranks = 2\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)], cwd=REPO, text=True,
+                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    paths = RunPaths(tmp_path / "run")
+    deadline = time.monotonic() + 300
+    while not (paths.metrics_file.exists() and losses(paths.root)) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    from hpcrl import checkpoint
+
+    step = checkpoint.latest_complete(paths)
+    assert step is not None and step < 200
+    assert sorted(p.name for p in paths.trainer_ckpt_dir(step).glob("DONE.rank_*")) == ["DONE.rank_0", "DONE.rank_1"]
+    assert max(losses(paths.root)) == step

@@ -67,13 +67,14 @@ def test_adapter_interval_needs_lora_and_writes_adapters(tiny_model_dir: Path, t
     with pytest.raises(ConfigError, match=r"^ckpt\.adapter_interval: 2 needs LoRA"):
         load([*BASE, "--ckpt.adapter-interval", "2"])
     from hpcrl.paths import RunPaths
+    from hpcrl.trainer.checkpointer import Checkpointer
     from hpcrl.trainer.model import LoraParams, load_model
-    from hpcrl.trainer.rl import maybe_save_adapter
 
     cfg = load([*BASE, "--model.lora", "--ckpt.adapter-interval", "2"]).config
     tr = SimpleNamespace(model=load_model(tiny_model_dir, lora=LoraParams(rank=2)), dist=SimpleNamespace(rank=0))
     paths = RunPaths(tmp_path)
-    written = [s for s in range(1, 6) if maybe_save_adapter(cfg.ckpt, paths, tr, s, max_steps=5)]
+    ckpt = Checkpointer(cfg.ckpt, paths, tr, max_steps=5)
+    written = [s for s in range(1, 6) if ckpt.maybe_save_adapter(s)]
     assert written == [2, 4, 5]  # every 2 steps and the final one
     assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["step_2", "step_4", "step_5"]
     assert (paths.adapter_dir(4) / "adapter_model.safetensors").is_file()

@@ -1,0 +1,149 @@
+"""The trainer's checkpointer: which steps are saved, what a save writes, and the background
+finalisation that writes COMPLETE last (in the spirit of torchtitan's CheckpointManager).
+
+    restore(initial)          -> (step, Progress) of ckpt.resume_step, state loaded into the model
+    maybe_save(step, progress, force)   every ckpt.interval steps, at the final step, and when forced
+      -> weights/step_N (HF dir) + checkpoints/step_N/trainer/ -> rank 0: finaliser thread waits for
+         every part (RL: trainer + orchestrator; SFT: trainer), writes COMPLETE, applies retention
+    maybe_save_adapter(step)  LoRA adapters/step_N every ckpt.adapter_interval steps and at the end
+    close()                   waits for the finalisers still running
+
+Retention never deletes a step whose finaliser is still waiting: with fast steps, step N+1 can
+complete while step N still waits for the orchestrator's part.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+
+from hpcrl import checkpoint
+from hpcrl.config.schema import CkptConfig
+from hpcrl.paths import RunPaths
+from hpcrl.trainer import parallel
+from hpcrl.trainer.core import Progress
+from hpcrl.trainer.setup import Training
+from hpcrl.trainer.state import load_trainer_state, save_trainer_state
+
+log = logging.getLogger("hpcrl.trainer")
+
+
+class Checkpointer:
+    def __init__(self, cfg: CkptConfig | None, paths: RunPaths, tr: Training, max_steps: int, *,
+                 parts: tuple[str, ...] = checkpoint.PARTS, finalize_timeout_s: float = 600.0):
+        self.cfg, self.paths, self.tr, self.max_steps = cfg, paths, tr, max_steps
+        self.parts = parts  # the parts COMPLETE waits for
+        self.finalize_timeout_s = finalize_timeout_s
+        self.last_saved: int | None = None
+        self._finalizing: set[int] = set()  # steps whose COMPLETE this process has yet to write
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # -- restore -----------------------------------------------------------------------------
+    def restore(self, initial: Progress) -> tuple[int, Progress]:
+        """(step, progress) of ``ckpt.resume_step``, with model/optimizer/scheduler/RNG restored;
+        (0, ``initial``) without one."""
+        if self.cfg is None or self.cfg.resume_step is None:
+            return 0, initial
+        step = checkpoint.resolve_resume_step(self.paths, self.cfg.resume_step)
+        tr = self.tr
+        saved = load_trainer_state(self.paths, step, tr.dist.rank, tr.dist.world_size, tr.model, tr.optimizer,
+                                   tr.scheduler)
+        log.info("resumed trainer state from %s", self.paths.checkpoint_dir(step))
+        self.last_saved = step
+        return step, Progress.from_saved(saved)
+
+    # -- what is due ---------------------------------------------------------------------------
+    def due(self, step: int, force: bool = False) -> bool:
+        """Every ``ckpt.interval`` steps, at the final step, and when forced (stop signal, early
+        stop); never twice for the same step."""
+        if self.cfg is None or step == self.last_saved:
+            return False
+        return force or checkpoint.is_due(step, self.max_steps, self.cfg.interval)
+
+    def adapter_due(self, step: int) -> bool:
+        from hpcrl.trainer.model import is_peft_model
+
+        c = self.cfg
+        if c is None or not c.adapter_interval or not is_peft_model(self.tr.model):
+            return False
+        return step % c.adapter_interval == 0 or step == self.max_steps
+
+    # -- saving ----------------------------------------------------------------------------------
+    def maybe_save(self, step: int, progress: Progress, force: bool = False) -> float:
+        """Save when due (collective: every rank calls it). Returns seconds spent."""
+        return self.save(step, progress) if self.due(step, force) else 0.0
+
+    def save(self, step: int, progress: Progress) -> float:
+        """HF weights + this rank's trainer part; rank 0 then finalises in the background. Seconds spent."""
+        assert self.cfg is not None
+        t0 = time.perf_counter()
+        self.last_saved = step
+        self._save_weights(step)
+        if self.cfg.weights_only:
+            return time.perf_counter() - t0
+        rank, world, paths, tr = self.tr.dist.rank, self.tr.dist.world_size, self.paths, self.tr
+        if rank == 0:
+            checkpoint.begin_part(paths, step, "trainer", clear=True)
+        parallel.barrier()
+        save_trainer_state(paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress.to_saved())
+        checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
+        if rank == 0:
+            self._start_finalizer(step)
+        return time.perf_counter() - t0
+
+    def maybe_save_adapter(self, step: int) -> bool:
+        """LoRA: the adapter alone (peft format) under adapters/step_N when due (the hosted shape's
+        ``[adapters] interval``). Collective under FSDP."""
+        if not self.adapter_due(step):
+            return False
+        from hpcrl.trainer.model import save_adapter
+
+        save_adapter(self.tr.model, self.paths.adapter_dir(step), write=self.tr.dist.rank == 0)
+        return True
+
+    def _save_weights(self, step: int) -> None:
+        from hpcrl.trainer.model import export_hf, is_peft_model, save_adapter
+
+        tr, rank = self.tr, self.tr.dist.rank
+        export_hf(tr.model, tr.tokenizer, self.paths.weights_dir(step), write=rank == 0, dtype=tr.precision.compute)
+        if rank == 0 and self.cfg is not None and self.cfg.save_adapter_separately and is_peft_model(tr.model):
+            save_adapter(tr.model, self.paths.weights_dir(step) / "adapter")
+
+    # -- finalisation ----------------------------------------------------------------------------
+    def _start_finalizer(self, step: int) -> None:
+        with self._lock:
+            self._finalizing.add(step)
+        th = threading.Thread(target=self._finalize, args=(step,), name=f"ckpt-finalize-{step}", daemon=False)
+        th.start()
+        self._threads.append(th)
+
+    def _finalize(self, step: int) -> None:
+        """Wait for every part, write COMPLETE, then apply retention (sparing steps still waiting)."""
+        assert self.cfg is not None
+        try:
+            world = self.tr.dist.world_size
+            if checkpoint.finalize_when_ready(self.paths, step, self.parts, world, self.finalize_timeout_s) is None:
+                return
+            log.info("checkpoint step_%d complete", step)
+            with self._lock:
+                busy = self._finalizing - {step}
+                removed = checkpoint.apply_retention(self.paths, self.cfg.keep_last, self.cfg.keep_interval,
+                                                     in_progress=busy)
+            for s in removed:
+                shutil.rmtree(self.paths.weights_dir(s), ignore_errors=True)
+        finally:
+            with self._lock:
+                self._finalizing.discard(step)
+
+    def finalizing(self) -> set[int]:
+        with self._lock:
+            return set(self._finalizing)
+
+    def close(self) -> None:
+        """Wait for every finaliser (each is bounded by ``finalize_timeout_s``)."""
+        for th in self._threads:
+            th.join()
+        self._threads.clear()
