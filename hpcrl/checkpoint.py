@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from hpcrl.bus.files import write_atomic
+from hpcrl.fileio import write_atomic
 from hpcrl.paths import RunPaths, parse_step_dir
 
 log = logging.getLogger("hpcrl.checkpoint")

@@ -125,8 +125,8 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
     path = RunPaths(opts.run_dir).server_file(opts.server_index)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads).
-    from hpcrl.bus.files import write_atomic
     from hpcrl.bus.messages import ServerInfo, encode_json
+    from hpcrl.fileio import write_atomic
 
     write_atomic(path, [encode_json(ServerInfo(**info))])
     from hpcrl.launch.placement import record

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from hpcrl.launch import resume as resume_mod
 from hpcrl.launch.console import ConsoleReporter
 from hpcrl.launch.keepalive import restart_delay
 from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot
+from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
 
 GRACE_S = 8.0
@@ -47,12 +47,6 @@ class Child:
     env: dict[str, str] = field(default_factory=dict, repr=False)
     restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of a scheduled restart
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _threads_per_process(placement: Placement) -> int:

@@ -360,7 +360,7 @@ def record(paths: RunPaths, role: str, rank: int, port: int | None = None) -> di
     """Append this process's placement to logs/placement.jsonl (one O_APPEND write of one line,
     which local filesystems and Lustre keep whole) and keep it in logs/placement/<role>_<rank>.json
     (atomic replace: what `hpcrl status` shows even where appends from many nodes are not atomic)."""
-    from hpcrl.bus.files import write_atomic
+    from hpcrl.fileio import write_atomic
 
     line = placement_line(role, rank, port)
     data = json.dumps(line, sort_keys=False)

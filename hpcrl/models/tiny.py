@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -255,15 +253,10 @@ def resolve_model(name: str, field: str = "model.name") -> str:
         try:
             if _is_current(target):
                 return str(target)
-            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-            try:
+            from hpcrl.fileio import atomic_dir
+
+            with atomic_dir(target) as tmp:  # replaces a stale build from an older kit version
                 build_tiny_model(tmp, preset=preset, seed=0)
-                if target.exists():  # stale build from an older kit version
-                    shutil.rmtree(target)
-                os.rename(tmp, target)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(target)

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcrl.fileio import write_text
+
 ROLES = ("system", "user", "assistant", "tool")
 # Roles some datasets use for the same purpose as ours (OpenAI's "developer" is a system turn).
 ROLE_ALIASES = {"developer": "system", "function": "tool", "ipython": "tool"}
@@ -419,9 +421,7 @@ def make_demo(out: str | os.PathLike[str], task: str = "reverse-text", n: int = 
         lines.append(json.dumps({"messages": msgs}, ensure_ascii=False))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_text(path, "\n".join(lines) + "\n")
     return path, len(lines)
 
 
