@@ -54,12 +54,9 @@ def deployment(cfg: Config) -> tuple[int, int, str]:
     launcher records them in the resolved config (hpcrl.launch.prepare.apply_placement), so every role
     reads the same values wherever it runs."""
     d = cfg.deployment
-    transport = cfg.trainer.broadcast.transport
-    if transport == "auto":  # a role started by hand, without a launcher: the trainer's own rule
-        from hpcrl.launch.prepare import visible_gpus
+    from hpcrl.launch.placement import weight_transport
 
-        transport = "collective" if visible_gpus() > 0 else "filesystem"
-    return d.num_trainer_ranks or 1, d.num_inference_servers or 1, transport
+    return d.num_trainer_ranks or 1, d.num_inference_servers or 1, weight_transport(cfg)
 
 
 @dataclass

@@ -322,7 +322,7 @@ def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     rows about equally full instead of FFD's full rows plus one short tail, so padding the rows to
     a common length (static-shape kernels, a [rows, T] batch) wastes little. Falls back to the FFD
     rows when balancing would overflow one. Deterministic; each row lists its samples ascending."""
-    from hpcrl.orchestrator.packing import assign_to_ranks
+    from hpcrl.balance import assign_to_ranks
 
     rows: list[list[int]] = []
     free: list[int] = []
