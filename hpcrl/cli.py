@@ -1,6 +1,7 @@
 """The `hpcrl` command. Thin: parses, validates, then imports the heavy module of the chosen command.
 
-Every user error is one line on stderr and exit code 2, never a traceback.
+Every user error (hpcrl.errors.UserError) is one line on stderr and exit code 2, never a traceback;
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from hpcrl.errors import UserError, user_errors
 
 USAGE = """usage: hpcrl <command> [cfg.toml | @ a.toml @ b.toml] [--section.field value ...]
 
@@ -34,7 +37,7 @@ commands:
 """
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     """A command-line mistake outside the config (one line, exit 2)."""
 
 
@@ -307,15 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = _COMMAND_FLAGS.get(name)
         print(_config_help(name, root) + (f"\n\ncommand flags:\n{extra}" if extra else ""))
         return 0
-    from hpcrl.config.errors import ConfigError
-
     try:
-        return int(fn(rest) or 0)
-    except ConfigError as e:
-        print(e.one_line(), file=sys.stderr)
-        return 2
-    except UsageError as e:
-        return _fail(str(e))
+        return user_errors(lambda: fn(rest))  # the one place a UserError becomes "one line, exit 2"
     except KeyboardInterrupt:
         return 130
 

@@ -23,7 +23,7 @@ from typing import IO
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import secret_env
 from hpcrl.config.schema import Config
-from hpcrl.launch import resume as resume_mod
+from hpcrl.launch import restart
 from hpcrl.launch.console import ConsoleReporter
 from hpcrl.launch.keepalive import restart_delay
 from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot
@@ -88,12 +88,6 @@ def respawn(child: Child) -> None:
     child.restarts += 1
 
 
-def clear_stale_addresses(paths: RunPaths) -> None:
-    """Server and weight-group addresses of a previous (dead) launch must not be dialled."""
-    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights"), paths.weights_fallback_file]:
-        f.unlink(missing_ok=True)
-
-
 def _gpu_env(placement: Placement, slot: Slot) -> dict[str, str]:
     """The placement's GPUs for one child (one machine: node-local indices are the machine's)."""
     if not placement.uses_gpus:
@@ -102,7 +96,7 @@ def _gpu_env(placement: Placement, slot: Slot) -> dict[str, str]:
 
 
 def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_args: list[str]) -> list[Child]:
-    clear_stale_addresses(paths)
+    restart.clear_stale_addresses(paths)
     # Literal secrets of the config travel here, in the environment (configs/ holds references).
     base_env = {**os.environ, **secret_env(cfg), "PYTHONUNBUFFERED": "1", "HPCRL_RUN_DIR": str(paths.root)}
     if not placement.uses_gpus or placement.cpu_compute:
@@ -211,8 +205,8 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     cfg: Config = loaded.config
     paths = RunPaths(cfg.output_dir)
     try:
-        resume_args = resume_mod.prepare_resume(cfg, paths)
-    except resume_mod.AlreadyComplete as done:
+        resume_args = restart.prepare_resume(cfg, paths)
+    except restart.AlreadyComplete as done:
         print(done, flush=True)
         return 0
     from hpcrl.models.tiny import resolve_model

@@ -22,6 +22,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from hpcrl.models.names import BUILTIN_MODELS
+
 # Bump when the corpus, template or architecture changes: cached built-in models are rebuilt.
 KIT_VERSION = 1
 
@@ -45,7 +47,6 @@ PRESETS: dict[str, dict[str, int]] = {
                    num_key_value_heads=2, head_dim=64),
 }
 
-BUILTIN_MODELS = {"hpcrl/tiny-qwen3": "tiny", "hpcrl/small-qwen3": "small"}
 
 # Qwen/ChatML-style template. Tools are listed as JSON in the system turn and assistant tool calls
 # are rendered as <tool_call>JSON</tool_call>, as Qwen does, so tool-using environments work with the

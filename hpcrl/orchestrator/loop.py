@@ -27,6 +27,7 @@ import msgspec
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
+from hpcrl.errors import UserError
 from hpcrl.launch import placement
 from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
@@ -77,7 +78,7 @@ def main(cfg: Config) -> int:
     except ShutdownRequested as e:
         log.info("shutdown requested (%s): exiting", e)
         return 0
-    except (PolicyMismatch, InferenceUnavailable, BusTimeout, TimeoutError, ValueError, FileNotFoundError) as e:
+    except (PolicyMismatch, InferenceUnavailable, BusTimeout, TimeoutError) as e:  # the run failed, not the code
         log.error("orchestrator failed: %s: %s", type(e).__name__, e)
         return 1
 
@@ -238,9 +239,9 @@ class Orchestrator:
                 log.warning("step %d: %d generation rounds and the batch is not full (filters: %s)",
                             step, wave, dict(counts.filtered))
         else:
-            raise ValueError(f"step {step}: {MAX_WAVES} generation rounds did not fill a batch of "
-                             f"{self.o.batch_size}; filters dropped {dict(counts.filtered)} (loosen the buffer/"
-                             "advantage filters or check the environment's rewards)")
+            raise UserError(f"step {step}: {MAX_WAVES} generation rounds did not fill a batch of "
+                            f"{self.o.batch_size}; filters dropped {dict(counts.filtered)} (loosen the buffer/"
+                            "advantage filters or check the environment's rewards)")
         # Committed with the batch in publish(): a stop before then leaves the last boundary intact.
         groups, self.next_ready = fill_batch(ready, self.o.batch_size)
         if self.o.training_mode == "opd":
