@@ -1,6 +1,6 @@
 """`hpcrl run`: inference server(s), orchestrator and trainer rank(s) as processes on this machine.
 
-The launcher assigns ports and devices, redirects every process into the log layout of DESIGN §5,
+The launcher assigns ports and devices, redirects every process into the log layout of docs/architecture.md §4,
 prints one console line per step from metrics.jsonl, and supervises: a dead inference server is
 restarted in place (same port and GPUs, up to deployment.max_server_restarts times, with backoff;
 the orchestrator loads the current policy into it, see hpcrl.orchestrator.servers); when any other

@@ -10,7 +10,7 @@
 Async: batch `step` may be generated with any policy >= step-1-max_async_level. Without
 `deterministic` a watcher loads every new policy into the servers while generation goes on (each
 completion reports the policies that produced it). With `deterministic` batch `step` is generated
-with exactly policy max(0, step-1-max_async_level), seeded per request; see DESIGN §1.
+with exactly policy max(0, step-1-max_async_level), seeded per request; see docs/architecture.md §1.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def eval_sampling_of(o: OrchestratorConfig) -> SamplingConfig:
 
 
 def open_env_logs(cfg: Config, paths: RunPaths, envs: dict[str, Environment], eval_envs: list[EvalEnv]) -> None:
-    """logs/envs/{train,eval}/<env>.log (DESIGN §5): what `hpcrl logs -c env:NAME` and tmux.sh follow."""
+    """logs/envs/{train,eval}/<env>.log (docs/architecture.md §4): what `hpcrl logs -c env:NAME` and tmux.sh follow."""
     from hpcrl.envs.verifiers_adapter import VerifiersEnvironment
     from hpcrl.monitor.logging import attach_env_logs
 
