@@ -19,7 +19,8 @@ from pathlib import Path
 
 import msgspec
 
-from hpcrl.bus.files import write_atomic
+from hpcrl.errors import UserError
+from hpcrl.fileio import write_atomic
 from hpcrl.paths import RunPaths, parse_step_dir
 
 log = logging.getLogger("hpcrl.checkpoint")
@@ -42,8 +43,8 @@ class Manifest(msgspec.Struct):
     format: int = 1
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be used as asked (missing, incomplete, corrupt): one line, exit 2."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

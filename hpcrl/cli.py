@@ -1,6 +1,7 @@
 """The `hpcrl` command. Thin: parses, validates, then imports the heavy module of the chosen command.
 
-Every user error is one line on stderr and exit code 2, never a traceback.
+Every user error (hpcrl.errors.UserError) is one line on stderr and exit code 2, never a traceback;
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from hpcrl.errors import UserError, user_errors
 
 USAGE = """usage: hpcrl <command> [cfg.toml | @ a.toml @ b.toml] [--section.field value ...]
 
@@ -34,7 +37,7 @@ commands:
 """
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     """A command-line mistake outside the config (one line, exit 2)."""
 
 
@@ -175,9 +178,13 @@ def cmd_resume(argv: list[str]) -> int:
 
 def cmd_trainer(argv: list[str]) -> int:
     loaded = _load(argv)
+    from hpcrl.trainer import parallel
     from hpcrl.trainer.rl import main
 
-    return main(loaded.config)
+    rc = main(loaded.config)
+    if parallel.ran_distributed():  # see hard_exit
+        parallel.hard_exit(rc)
+    return rc
 
 
 def cmd_orchestrator(argv: list[str]) -> int:
@@ -206,9 +213,13 @@ def cmd_sft(argv: list[str]) -> int:
         prepare.prepare_output_dir(loaded.config, dry_run=True)
         prepare.print_sft_summary(loaded)
         return 0
+    from hpcrl.trainer import parallel
     from hpcrl.trainer.sft import main
 
-    return main(loaded.config)
+    rc = main(loaded.config)
+    if parallel.ran_distributed():  # a rank (not the launcher of several ranks): see hard_exit
+        parallel.hard_exit(rc)
+    return rc
 
 
 def cmd_status(argv: list[str]) -> int:
@@ -307,15 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = _COMMAND_FLAGS.get(name)
         print(_config_help(name, root) + (f"\n\ncommand flags:\n{extra}" if extra else ""))
         return 0
-    from hpcrl.config.errors import ConfigError
-
     try:
-        return int(fn(rest) or 0)
-    except ConfigError as e:
-        print(e.one_line(), file=sys.stderr)
-        return 2
-    except UsageError as e:
-        return _fail(str(e))
+        return user_errors(lambda: fn(rest))  # the one place a UserError becomes "one line, exit 2"
     except KeyboardInterrupt:
         return 130
 

@@ -1,6 +1,6 @@
 """RunPaths: the one place that knows every path under a run's output directory.
 
-Nobody else joins path strings for run files. Layout (DESIGN §5):
+Nobody else joins path strings for run files. Layout (docs/architecture.md §4):
 
     <output_dir>/
       configs/                 resolved per-process configs (literal secrets as ${env:...} references)

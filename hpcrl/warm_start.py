@@ -22,6 +22,7 @@ from pathlib import Path
 import tomllib
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.fileio import write_text
 from hpcrl.paths import RunPaths, parse_step_dir
 
 ID_RE = re.compile(r"ckpt_[0-9a-f]{12}")
@@ -72,9 +73,7 @@ def _record(entries: dict[str, str]) -> None:
     f.parent.mkdir(parents=True, exist_ok=True)
     known = _index()
     known.update(entries)
-    tmp = f.with_name(f"{f.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-    os.replace(tmp, f)
+    write_text(f, json.dumps(known, indent=1, sort_keys=True))
 
 
 def _index() -> dict[str, str]:

@@ -8,6 +8,23 @@ from pathlib import Path
 import pytest
 
 
+def rl_toml(max_steps: int | str = 5, *, seq_len: int = 128, model: str = "hpcrl/tiny-qwen3", batch_size: int = 16,
+            rollouts_per_example: int = 4, max_tokens: int = 16, top: str = "", orchestrator: str = "",
+            tables: str = "") -> str:
+    """The base RL config the tests share (tiny model, reverse-text), as TOML text.
+
+    `top`: extra top-level lines (before [model]); `orchestrator`: extra lines of [orchestrator];
+    `tables`: appended after the environment (its `args = ...` first, then more tables). Give a
+    str ("{steps}", "{model}") to leave a placeholder for str.format; braces in the extras then
+    need doubling. With the defaults the text is exactly what test_config_errors' line numbers
+    expect."""
+    return (f"max_steps = {max_steps}\nseq_len = {seq_len}\n{top}"
+            f'[model]\nname = "{model}"\n'
+            f"[orchestrator]\nbatch_size = {batch_size}\nrollouts_per_example = {rollouts_per_example}\n{orchestrator}"
+            f"[orchestrator.train.sampling]\nmax_tokens = {max_tokens}\n"
+            f'[[orchestrator.train.env]]\nid = "reverse-text"\n{tables}')
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 model + tokenizer (HF directory), built locally once per test session."""

@@ -1,4 +1,4 @@
-"""The message bus: msgspec files on the shared filesystem plus a ZMQ doorbell (DESIGN §2).
+"""The message bus: msgspec files on the shared filesystem plus a ZMQ doorbell (docs/architecture.md §3).
 
 Light on purpose: numpy, msgspec and pyzmq only, never torch.
 """

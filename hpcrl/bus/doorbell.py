@@ -28,8 +28,8 @@ import msgspec
 import zmq
 
 from hpcrl.bus.errors import CorruptMessageError
-from hpcrl.bus.files import fsync_dir, write_atomic
 from hpcrl.bus.messages import Endpoint, Ring, decode_json, encode_json
+from hpcrl.fileio import fsync_dir, write_atomic
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.bus")

@@ -13,10 +13,8 @@ path; consumers move it into RunPaths.rejected_dir with `reject()` and keep goin
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -25,75 +23,17 @@ import numpy as np
 
 from hpcrl.bus.errors import CorruptMessageError
 from hpcrl.bus.messages import DEFAULT_CHECKSUM, M, Message, decode, decode_json, encode_parts
+from hpcrl.fileio import (  # noqa: F401 (re-exported: the bus's write protocol is the file-I/O module's)
+    TMP_MARK,
+    clean_stale_tmp,
+    ensure_dir,
+    fsync_dir,
+    is_tmp,
+    tmp_name,
+    write_atomic,
+)
 
 log = logging.getLogger("hpcrl.bus")
-
-TMP_MARK = ".tmp-"
-_HOST = socket.gethostname().replace("-", "_")  # keeps "<pid>-<host>" splittable
-
-
-def tmp_name(path: Path) -> Path:
-    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{_HOST}")
-
-
-def is_tmp(path: Path | str) -> bool:
-    return TMP_MARK in Path(path).name
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some network filesystems refuse fsync on a directory; rename is still atomic
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def ensure_dir(directory: Path) -> None:
-    """mkdir -p that also makes a freshly created directory's entry durable."""
-    if directory.is_dir():
-        return
-    ensure_dir(directory.parent)
-    try:
-        directory.mkdir()
-    except FileExistsError:
-        return
-    fsync_dir(directory.parent)
-
-
-def write_atomic(path: Path, parts: list[Any], *, durable: bool = True) -> float:
-    """Write the concatenation of `parts` to `path` atomically. Returns time.time() right after rename."""
-    ensure_dir(path.parent)
-    tmp = tmp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        try:
-            for part in parts:
-                _write_all(fd, part)
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    renamed_at = time.time()
-    if durable:
-        fsync_dir(path.parent)
-    return renamed_at
-
-
-def _write_all(fd: int, part: Any) -> None:
-    mv = memoryview(part).cast("B")
-    while mv:
-        n = os.write(fd, mv)  # regular files normally take it all; loop for >2 GiB and signals
-        mv = mv[n:]
 
 
 def write_message(
@@ -173,53 +113,3 @@ def reject(path: Path, rejected_dir: Path, root: Path | None = None, inode: int 
         return None
     fsync_dir(rejected_dir)
     return dest
-
-
-def clean_stale_tmp(directory: Path, *, max_age: float = 600.0, recursive: bool = False) -> list[Path]:
-    """Delete leftover tmp files of dead writers. Returns the deleted paths.
-
-    A tmp file is stale if its writer ran on this host and its pid is gone, or (writer elsewhere or
-    name unparsable) if it has not been modified for `max_age` seconds.
-    """
-    removed: list[Path] = []
-    if not directory.is_dir():
-        return removed
-    entries = directory.rglob(f"*{TMP_MARK}*") if recursive else directory.glob(f"*{TMP_MARK}*")
-    now = time.time()
-    for p in entries:
-        try:
-            stale = _writer_dead(p.name) or now - p.stat().st_mtime > max_age
-            if stale:
-                p.unlink()
-                removed.append(p)
-        except FileNotFoundError:
-            continue
-    if removed:
-        log.info("removed %d stale tmp file(s) under %s", len(removed), directory)
-    return removed
-
-
-def _writer_dead(name: str) -> bool:
-    suffix = name.rsplit(TMP_MARK, 1)[-1]
-    pid_str, _, host = suffix.partition("-")
-    if host != _HOST or not pid_str.isdigit():
-        return False
-    pid = int(pid_str)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, owned by someone else
-        return False
-    return _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    # A killed child that its parent has not reaped yet still answers kill(pid, 0).
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False

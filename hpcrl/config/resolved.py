@@ -7,7 +7,6 @@ roles start from exactly the values the user gave. `redact` is for what people r
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import msgspec
 
 from hpcrl.config import secrets
 from hpcrl.config.schema import Config
+from hpcrl.fileio import write_text
 
 REDACTED = "***"
 
@@ -96,9 +96,7 @@ def write_resolved(cfg: msgspec.Struct, configs_dir: Path) -> list[Path]:
         items = [("sft", full)]
     for name, d in items:
         path = configs_dir / f"{name}.toml"
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(dumps(d))
-        os.replace(tmp, path)
+        write_text(path, dumps(d))
         out.append(path)
     return out
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.envs.base import Environment
+from hpcrl.errors import UserError
 
 BUILTINS: dict[str, str] = {
     "reverse-text": "hpcrl.envs.reverse_text",
@@ -49,6 +50,11 @@ OWN_OWNER = "hpcrl"
 ENTRY_POINT_GROUPS = ("hpcrl.environments", "verifiers.environments")
 
 Factory = Callable[..., Any]
+
+
+class EnvSpecError(UserError, ValueError):
+    """An environment id or arguments the user gave that cannot be used (unknown id, a package that
+    fails to import, an unknown or invalid argument): one line naming the environment."""
 
 
 def _normal(env_id: str) -> str:
@@ -76,16 +82,16 @@ def known_env_ids() -> list[str]:
     return sorted(BUILTINS)
 
 
-def _unknown(env_id: str, why: str = "") -> ValueError:
-    return ValueError(
+def _unknown(env_id: str, why: str = "") -> EnvSpecError:
+    return EnvSpecError(
         f"unknown environment {env_id!r}{why}; built-ins: {', '.join(known_env_ids())}; "
         f"otherwise give an installed environment package (owner/name), 'module:function', "
         f"or an entry point in {' / '.join(ENTRY_POINT_GROUPS)}"
     )
 
 
-def _not_installed(env_id: str) -> ValueError:
-    return ValueError(
+def _not_installed(env_id: str) -> EnvSpecError:
+    return EnvSpecError(
         f"environment {env_id!r} is not installed (no module {module_name(env_id)!r} with load_environment): "
         f"install it into this venv with `prime env install {env_id.strip()}` (or pip install its package); "
         f"built-ins: {', '.join(known_env_ids())}"
@@ -103,13 +109,13 @@ def _import(module_name: str, env_id: str) -> Any | None:
     try:
         return importlib.import_module(module_name)
     except Exception as e:
-        raise ValueError(
+        raise EnvSpecError(
             f"environment {env_id!r}: importing {module_name} failed: {type(e).__name__}: {e}"
         ) from e
 
 
 def resolve_factory(env_id: str) -> Factory:
-    """The callable that builds `env_id`; ValueError when nothing matches."""
+    """The callable that builds `env_id`; EnvSpecError when nothing matches."""
     if not env_id or not env_id.strip():
         raise _unknown(env_id)
     key = _builtin_key(env_id)
@@ -178,15 +184,15 @@ def split_prompt_args(env_id: str, factory: Factory, args: Mapping[str, Any]) ->
     args = dict(args)
     if "system_prompt_file" in args and not _accepts(factory, "system_prompt_file"):
         if "system_prompt" in args:
-            raise ValueError(f"environment {env_id!r}: give system_prompt or system_prompt_file, not both")
+            raise EnvSpecError(f"environment {env_id!r}: give system_prompt or system_prompt_file, not both")
         path = args.pop("system_prompt_file")
         try:
             args["system_prompt"] = Path(str(path)).read_text().strip()
         except OSError as e:
-            raise ValueError(f"environment {env_id!r}: system_prompt_file {path!r}: {e.strerror}") from None
+            raise EnvSpecError(f"environment {env_id!r}: system_prompt_file {path!r}: {e.strerror}") from None
     prompt = args.get("system_prompt")
     if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"environment {env_id!r}: system_prompt must be a string, got {type(prompt).__name__}")
+        raise EnvSpecError(f"environment {env_id!r}: system_prompt must be a string, got {type(prompt).__name__}")
     if "system_prompt" in args and not _accepts(factory, "system_prompt"):
         return args, args.pop("system_prompt")
     return args, None
@@ -199,13 +205,13 @@ def _check_args(env_id: str, factory: Factory, args: Mapping[str, Any]) -> None:
         accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         for arg in args:
             if arg not in params:
-                raise ValueError(
+                raise EnvSpecError(
                     f"environment {env_id!r}: unknown argument {arg!r}; accepted: {', '.join(accepted) or '(none)'}"
                 )
     try:
         sig.bind(**args)
     except TypeError as e:
-        raise ValueError(f"environment {env_id!r}: {e}") from e
+        raise EnvSpecError(f"environment {env_id!r}: {e}") from e
 
 
 def _build(env_id: str, factory: Factory, args: Mapping[str, Any]) -> Any:
@@ -213,11 +219,11 @@ def _build(env_id: str, factory: Factory, args: Mapping[str, Any]) -> Any:
     try:
         return factory(**args)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"environment {env_id!r}: {e}") from e
+        raise EnvSpecError(f"environment {env_id!r}: {e}") from e
 
 
 def load_environment(env_id: str, **args: Any) -> Environment:
-    """Build an environment by id; ValueError (one line) for unknown ids or bad arguments.
+    """Build an environment by id; EnvSpecError (one line) for unknown ids or bad arguments.
     `${env:NAME}` references in args are resolved here, in the process that runs the environment."""
     from hpcrl.config.errors import ConfigError
     from hpcrl.config.secrets import resolve_refs
@@ -225,7 +231,7 @@ def load_environment(env_id: str, **args: Any) -> Environment:
     try:
         args = resolve_refs(args, f"environment {env_id!r} args")
     except ConfigError as e:
-        raise ValueError(f"{e.path}: {e.message}") from None
+        raise EnvSpecError(f"{e.path}: {e.message}") from None
     factory = resolve_factory(env_id)
     args, override = split_prompt_args(env_id, factory, args)
     env = _build(env_id, factory, args)
@@ -240,8 +246,8 @@ def load_environment(env_id: str, **args: Any) -> Environment:
     return env
 
 
-def _wrong_type(env_id: str, env: Any) -> ValueError:
-    return ValueError(
+def _wrong_type(env_id: str, env: Any) -> EnvSpecError:
+    return EnvSpecError(
         f"environment {env_id!r}: the factory returned {type(env).__name__}, "
         "expected an hpcrl Environment or a verifiers Environment"
     )

@@ -12,7 +12,8 @@ from typing import Any
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import ClientConfig, EvalInferenceConfig
-from hpcrl.launch.local import Child, free_port, spawn, stop_children
+from hpcrl.launch.local import Child, spawn, stop_children
+from hpcrl.net import free_port
 from hpcrl.paths import EvalPaths
 
 log = logging.getLogger("hpcrl.evaluation")

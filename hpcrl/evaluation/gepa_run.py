@@ -17,7 +17,6 @@ from typing import Any
 
 import msgspec
 
-from hpcrl.bus.files import write_atomic
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import GepaRunConfig
 from hpcrl.envs.base import Environment, Task
@@ -32,6 +31,7 @@ from hpcrl.evaluation.gepa_adapter import (
 )
 from hpcrl.evaluation.rollouts import make_generator
 from hpcrl.evaluation.run import default_output_dir, sampling_seed, write_json, write_jsonl
+from hpcrl.fileio import write_atomic
 from hpcrl.paths import EvalPaths
 
 log = logging.getLogger("hpcrl.evaluation")

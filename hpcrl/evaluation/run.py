@@ -18,13 +18,13 @@ from typing import Any
 
 import msgspec
 
-from hpcrl.bus.files import write_atomic
 from hpcrl.config.schema import EvalRunConfig
 from hpcrl.envs.base import Environment, Task
 from hpcrl.evaluation import summary as S
 from hpcrl.evaluation.args import slug
 from hpcrl.evaluation.endpoint import Endpoints, load_tokenizer
 from hpcrl.evaluation.rollouts import ScoredGroup, make_generator, result_rows, score_all
+from hpcrl.fileio import write_atomic
 from hpcrl.paths import EvalPaths
 
 log = logging.getLogger("hpcrl.evaluation")

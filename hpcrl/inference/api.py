@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hpcrl.bus.messages import ADAPTER_NAME
 from hpcrl.inference import guard
 from hpcrl.inference.engine import HFEngine
+from hpcrl.inference.errors import EngineError, EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
 from hpcrl.inference.protocol import (
     APIError,
     _bool,
@@ -94,6 +95,21 @@ def _check_model(state: ServerState, body: dict[str, Any]) -> str:
     return model
 
 
+# How each engine refusal answers over HTTP: (status, OpenAI error type).
+ENGINE_ERROR_HTTP: dict[type[EngineError], tuple[int, str]] = {
+    InvalidRequest: (400, "BadRequestError"),
+    WeightSyncRefused: (409, "WeightSyncError"),
+    ShuttingDown: (503, "ServiceUnavailableError"),
+    EngineFailed: (500, "InternalServerError"),
+}
+
+
+def api_error(exc: EngineError) -> APIError:
+    """The HTTP answer to an engine refusal (the engine itself knows nothing of HTTP)."""
+    status, kind = next((v for t, v in ENGINE_ERROR_HTTP.items() if isinstance(exc, t)), (500, "InternalServerError"))
+    return APIError(exc.message, status=status, type=kind, param=exc.param)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="hpcrl inference", docs_url=None, redoc_url=None)
     app.state.hpcrl = state
@@ -103,6 +119,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         state.http_errors += 1
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return await _api_error(request, api_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -175,25 +195,25 @@ def build_app(state: ServerState) -> FastAPI:
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
-            prompt = engine.cached_chat(engine.chat_key(messages, tools, agp, cont, kwargs))
+            prompt = engine.tokens.cached_chat(engine.tokens.chat_key(messages, tools, agp, cont, kwargs))
             if prompt is None:  # a template render is slow enough to keep off the event loop
-                prompt = await asyncio.to_thread(engine.encode_chat, messages, tools, agp, cont, kwargs)
+                prompt = await asyncio.to_thread(engine.tokens.encode_chat, messages, tools, agp, cont, kwargs)
         params, outs = await generate(prompt, body, chat=True)
         return _json(chat_response(model, prompt, outs, params, parse_tools=bool(tools),
-                                   token_str=lambda t: engine.token_info(t)[0],
-                                   token_bytes=lambda t: engine.token_info(t)[1]))
+                                   token_str=lambda t: engine.tokens.token_info(t)[0],
+                                   token_bytes=lambda t: engine.tokens.token_info(t)[1]))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _body(request)
         model = _check_model(state, body)
         parse_sampling(body, chat=False)
-        prompts = [p if isinstance(p, list) else await asyncio.to_thread(engine.encode_text, p)
+        prompts = [p if isinstance(p, list) else await asyncio.to_thread(engine.tokens.encode_text, p)
                    for p in parse_completion_prompts(body)]
         results = await asyncio.gather(*(generate(p, body, chat=False) for p in prompts))
         params = results[0][0]
         resp = completion_response(model, prompts, [outs for _, outs in results], params,
-                                   token_str=lambda t: engine.token_info(t)[0])
+                                   token_str=lambda t: engine.tokens.token_info(t)[0])
         if body.get("prompt_logprobs") is not None:
             await add_prompt_logprobs(resp, prompts, body["prompt_logprobs"], params.n)
         return _json(resp)
@@ -206,7 +226,7 @@ def build_app(state: ServerState) -> FastAPI:
                            param="prompt_logprobs")
         for p, ids in enumerate(prompts):
             lps = await asyncio.to_thread(engine.score_prompt, ids)
-            entries = [None] + [{str(t): {"logprob": lp, "rank": None, "decoded_token": engine.token_info(t)[0]}}
+            entries = [None] + [{str(t): {"logprob": lp, "rank": None, "decoded_token": engine.tokens.token_info(t)[0]}}
                                 for t, lp in zip(ids[1:], lps[1:])]
             for i in range(n):
                 resp["choices"][p * n + i]["prompt_logprobs"] = entries
@@ -222,15 +242,15 @@ def build_app(state: ServerState) -> FastAPI:
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
-            tokens = await asyncio.to_thread(engine.encode_chat, messages, body.get("tools"), agp, cont, kwargs)
+            tokens = await asyncio.to_thread(engine.tokens.encode_chat, messages, body.get("tools"), agp, cont, kwargs)
         elif isinstance(body.get("prompt"), str):
-            tokens = await asyncio.to_thread(engine.encode_text, body["prompt"])
+            tokens = await asyncio.to_thread(engine.tokens.encode_text, body["prompt"])
         else:
             raise APIError("/tokenize needs `messages` (a list) or `prompt` (a string)", param="prompt")
         out: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
                                "token_strs": None}
         if _bool(body, "return_token_strs", False):
-            out["token_strs"] = [engine.token_info(t)[0] for t in tokens]
+            out["token_strs"] = [engine.tokens.token_info(t)[0] for t in tokens]
         return out
 
     @app.post("/detokenize")
@@ -240,7 +260,7 @@ def build_app(state: ServerState) -> FastAPI:
         tokens = _int_list(body.get("tokens"), "tokens")
         if tokens and (min(tokens) < 0 or max(tokens) >= engine.vocab_size):
             raise APIError(f"token ids must be in [0, {engine.vocab_size})", param="tokens")
-        return {"prompt": engine.decode(tokens, skip_special_tokens=False)}
+        return {"prompt": engine.tokens.decode(tokens, skip_special_tokens=False)}
 
     # -- admin -----------------------------------------------------------------------------------------
     @app.post("/pause")
@@ -314,7 +334,7 @@ def build_app(state: ServerState) -> FastAPI:
                                    type="BroadcastError")
                 try:
                     checksum, sent = await asyncio.to_thread(_receive_and_load, state, step)
-                except APIError:
+                except (APIError, EngineError):  # the request's or the engine's refusal, not the broadcast's
                     raise
                 except Exception as e:  # sender died, timeout, protocol mismatch
                     raise APIError(f"receiving the weight broadcast failed: {type(e).__name__}: {e}",

@@ -20,13 +20,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import torch
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.inference.batch import DecodeBatch
+from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
 from hpcrl.inference.loading import check_compatible, load_safetensors_dir, lora_deltas, read_adapter
-from hpcrl.inference.protocol import APIError, SamplingParams, SeqOutput
+from hpcrl.inference.protocol import SamplingParams, SeqOutput
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
+from hpcrl.inference.tokens import Tokens
 from hpcrl.weights.checksum import state_dict_checksum
 from hpcrl.weights.delta import Delta, apply_delta, read_delta_dir
 
@@ -39,7 +41,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def _dtype_of(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
-        raise APIError(f"unknown dtype {name!r} in a weight update")
+        raise InvalidRequest(f"unknown dtype {name!r} in a weight update")
     return dt
 
 
@@ -64,18 +66,6 @@ class _Seq:
     logits_step: int = 0  # policy step of the forward that produced this row's pending logits
     finish: str | None = None
     stop_reason: str | int | None = None
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte <-> printable-char table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def _check_cache_layers(config: Any) -> None:
@@ -104,7 +94,7 @@ class HFEngine:
             device = "cuda" if use_cuda() else "cpu"
         self.device = torch.device(device)
         if dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+            raise ConfigError("model.dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
         kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "trust_remote_code": trust_remote_code}
         if dtype != "auto":
             kwargs["dtype"] = _DTYPES[dtype]
@@ -112,16 +102,16 @@ class HFEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(self.device).eval()
         except (OSError, ValueError) as e:  # a user error (wrong path / hub id offline): one line, exit 2
-            raise ValueError(f"model.name: cannot load {model_path!r}: {str(e).splitlines()[0]}") from e
+            raise ConfigError("model.name", f"cannot load {model_path!r}: {str(e).splitlines()[0]}") from e
         cfg = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.max_model_len = min(int(max_model_len), int(getattr(cfg, "max_position_embeddings", max_model_len)))
         self.max_batch_size = int(max_batch_size)
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        self.tokens = Tokens(self.tokenizer)  # thread-safe encode/decode with the prompt and token caches
         eos = {self.tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.eos_ids = {int(e) for e in eos if e is not None}
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share between threads
         self._weights_lock = threading.Lock()  # held by each iteration and by each weight swap
         self._update_lock = threading.Lock()  # one update at a time (checksum computed outside _weights_lock)
         self._cv = threading.Condition()
@@ -143,9 +133,6 @@ class HFEngine:
         self.stats: dict[str, Any] = {"requests": 0, "forward_steps": 0, "prefills": 0, "generated_tokens": 0,
                                       "batch_size_hist": collections.Counter(), "max_batch_size_seen": 0,
                                       "engine_errors": 0}
-        self._byte_of = {c: b for b, c in _bytes_to_unicode().items()}
-        self._token_cache: dict[int, tuple[str, list[int]]] = {}
-        self._chat_cache: dict[bytes, tuple[int, ...]] = {}
         self._thread = threading.Thread(target=self._loop, name="hpcrl-engine", daemon=True)
         self._thread.start()
 
@@ -159,82 +146,21 @@ class HFEngine:
                 names.append(name)
         return names
 
-    # -- tokenizer (thread-safe wrappers) --------------------------------------------------------------
-    @staticmethod
-    def chat_key(*args: Any) -> bytes | None:
-        """Cache key of an encode_chat call (None when the arguments are not plain JSON)."""
-        try:
-            return msgspec.json.encode(args)
-        except (TypeError, msgspec.EncodeError):
-            return None
-
-    def cached_chat(self, key: bytes | None) -> list[int] | None:
-        hit = self._chat_cache.get(key) if key is not None else None
-        return list(hit) if hit is not None else None
-
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
-        # RL asks for the same prompt once per rollout of a group: rendering the template (jinja) and
-        # tokenizing it again each time is pure overhead, so results are memoised (bounded).
-        key = self.chat_key(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
-        ids = self.cached_chat(key)
-        if ids is None:
-            ids = self._encode_chat(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
-            if key is not None:
-                if len(self._chat_cache) >= 4096:
-                    self._chat_cache.clear()
-                self._chat_cache[key] = tuple(ids)
-        return ids
-
-    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
-                     continue_final_message: bool, template_kwargs: dict | None) -> list[int]:
-        with self._tok_lock:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}))
-            except Exception as e:  # jinja errors, bad message shapes
-                raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def encode_text(self, text: str) -> list[int]:
-        with self._tok_lock:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        with self._tok_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def token_info(self, tid: int) -> tuple[str, list[int]]:
-        """(text, raw bytes) of one token; raw bytes come from the byte-level alphabet when possible."""
-        hit = self._token_cache.get(tid)
-        if hit is None:
-            with self._tok_lock:
-                piece = self.tokenizer.convert_ids_to_tokens(tid)
-                text = self.tokenizer.decode([tid], skip_special_tokens=False)
-            if isinstance(piece, str) and piece and all(c in self._byte_of for c in piece) \
-                    and piece not in self.tokenizer.all_special_tokens:
-                raw = [self._byte_of[c] for c in piece]
-            else:
-                raw = list(text.encode())
-            hit = self._token_cache[tid] = (text, raw)
-        return hit
-
     # -- requests --------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams) -> Future:
         """Queue `params.n` samples continuing `prompt`; the future resolves to list[SeqOutput]."""
         if not prompt:
-            raise APIError("the prompt is empty", param="prompt")
+            raise InvalidRequest("the prompt is empty", param="prompt")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise APIError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         room = self.max_model_len - len(prompt)
         if room <= 0:
-            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                           f"{len(prompt)} tokens", param="messages")
+            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                 f"has {len(prompt)} tokens", param="messages")
         if params.max_tokens is not None and params.max_tokens > room:
-            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                           f"requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, "
-                           f"{params.max_tokens} for the completion)", param="max_tokens")
+            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                 f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
+                                 f"prompt, {params.max_tokens} for the completion)", param="max_tokens")
         fut: Future = Future()
         req = _Request(prompt=list(prompt), params=params, max_tokens=params.max_tokens or room, future=fut)
         for i in range(params.n):
@@ -246,7 +172,7 @@ class HFEngine:
         fut.add_done_callback(self._on_done)
         with self._cv:
             if self._stopping:
-                raise APIError("the server is shutting down", status=503, type="ServiceUnavailableError")
+                raise ShuttingDown("the server is shutting down")
             self.stats["requests"] += 1
             self._waiting.extend(req.seqs)
             self._cv.notify_all()
@@ -273,8 +199,7 @@ class HFEngine:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join(timeout=10)
-        err = APIError("the server shut down before the request finished", status=503,
-                       type="ServiceUnavailableError")
+        err = ShuttingDown("the server shut down before the request finished")
         for s in list(self._batch.rows) + list(self._waiting):
             if not s.req.future.done():
                 s.req.future.set_exception(err)
@@ -304,7 +229,7 @@ class HFEngine:
             except Exception as e:  # an engine bug must fail the running requests, not the server
                 log.exception("engine iteration failed")
                 self.stats["engine_errors"] += 1
-                err = APIError(f"engine error: {type(e).__name__}: {e}", status=500, type="InternalServerError")
+                err = EngineFailed(f"engine error: {type(e).__name__}: {e}")
                 for s in self._batch.rows:
                     if not s.req.future.done():
                         s.req.future.set_exception(err)
@@ -376,7 +301,7 @@ class HFEngine:
             s.finish, s.stop_reason = "stop", tok
         elif p.stop:
             window = 4 * max(len(x) for x in p.stop) + 4
-            tail = self.decode(s.out[-window:], p.skip_special_tokens)
+            tail = self.tokens.decode(s.out[-window:], p.skip_special_tokens)
             hit = next((x for x in p.stop if x in tail), None)
             if hit is not None:
                 s.finish, s.stop_reason = "stop", hit
@@ -388,7 +313,7 @@ class HFEngine:
             return
         outs = []
         for s in req.seqs:
-            text = self.decode(s.out, req.params.skip_special_tokens)
+            text = self.tokens.decode(s.out, req.params.skip_special_tokens)
             if isinstance(s.stop_reason, str):
                 cut = text.find(s.stop_reason)
                 if cut >= 0:
@@ -472,7 +397,7 @@ class HFEngine:
         try:
             delta = read_delta_dir(path)
         except ValueError as e:
-            raise APIError(f"bad weight delta under {path!r}: {e}", param="path") from e
+            raise InvalidRequest(f"bad weight delta under {path!r}: {e}", param="path") from e
         if delta is not None:
             return self.apply_delta(delta, step)
         return self.update_weights(load_safetensors_dir(path), step)
@@ -484,19 +409,18 @@ class HFEngine:
         dtype's values exactly, or equals it). Refused (nothing changes) unless the served weights are
         exactly the delta's base: same checksum, no LoRA merged in."""
         if self.lora_adapters:
-            raise APIError("a weight delta cannot apply on top of a merged LoRA adapter; send a full update",
-                           status=409, type="WeightSyncError")
+            raise WeightSyncRefused("a weight delta cannot apply on top of a merged LoRA adapter; send a full update")
         with self._update_lock:
             if self.checksum != delta.base_checksum or set(self._weight_names) != set(delta.layout):
-                raise APIError(f"weight delta for step {step} applies to policy {delta.base_step} "
-                               f"({delta.base_checksum[:20]}), this server holds step {self.policy_step} "
-                               f"({self.checksum[:20]}): a full update is needed", status=409, type="WeightSyncError")
+                raise WeightSyncRefused(f"weight delta for step {step} applies to policy {delta.base_step} "
+                                        f"({delta.base_checksum[:20]}), this server holds step {self.policy_step} "
+                                        f"({self.checksum[:20]}): a full update is needed")
             with self._weights_lock:
                 try:
                     apply_delta(self._params, delta)
                 except ValueError as e:  # some tensors may be written already: nothing verified is served
                     self.checksum = "unverified"
-                    raise APIError(str(e), status=409, type="WeightSyncError") from e
+                    raise WeightSyncRefused(str(e)) from e
                 self.policy_step = int(step)
             loaded = {n: self._params[n].to(_dtype_of(d)) for n, (d, _, _) in delta.layout.items()}
             self.checksum = state_dict_checksum(loaded)

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.inference.protocol import APIError
 
 API_KEY_ENV = "HPCRL_API_KEY"
@@ -73,9 +74,9 @@ def is_loopback(host: str) -> bool:
 def check_exposure(host: str, api_key: str | None, allow_open: bool) -> None:
     """A server reachable from other machines must have a key, unless the operator asked for an open one."""
     if api_key is None and not is_loopback(host) and not allow_open:
-        raise ValueError(f"server.host: binding {host} (not loopback) without an API key would let anyone on "
-                         f"the network replace the policy; set --server.api-key KEY (or ${API_KEY_ENV}), "
-                         "or --server.allow-open true to serve without one")
+        raise ConfigError("server.host", f"binding {host} (not loopback) without an API key would let anyone on "
+                          f"the network replace the policy; set --server.api-key KEY (or ${API_KEY_ENV}), "
+                          "or --server.allow-open true to serve without one")
 
 
 def check_body(body: Any) -> None:

@@ -13,126 +13,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
+from hpcrl.inference.options import ServeOptions, advertised_host, bind_server_socket, write_server_info
+
 log = logging.getLogger("hpcrl.inference.server")
-
-
-@dataclass
-class ServeOptions:
-    """Everything one inference server needs; the config system maps its `inference` section onto this."""
-
-    model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: pick a free port (the address file says which)
-    backend: str = "hf"  # "hf" (embedded transformers engine) | "vllm"
-    max_batch_size: int = 64
-    max_model_len: int = 2048
-    dtype: str = "auto"
-    seed: int = 0
-    run_dir: str | None = None
-    server_index: int = 0
-    served_model_name: str | None = None  # name clients send as `model` (default: model_name)
-    device: str | None = None  # hf backend: "cpu" / "cuda" (default: cuda when available)
-    log_level: str = "warning"  # uvicorn access/error log level
-    trust_remote_code: bool = False  # run model code shipped in the model directory
-    # vllm backend only:
-    tp: int = 1  # tensor-parallel GPUs of this server (inference.parallel.tp)
-    lora_rank: int | None = None  # model.lora.rank when LoRA is trained: vLLM starts with LoRA enabled
-    gpu_memory_utilization: float | None = None  # None: vLLM's default
-    enforce_eager: bool = False
-    vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags
-    api_key: str | None = None  # bearer token for every route but /health (guard.py); None: $HPCRL_API_KEY
-    allow_open: bool = False  # serve a non-loopback address without a key
-    allow_any_weights_path: bool = False  # weight/LoRA loads outside run_dir
-    watchdog_s: float = 0.0  # hf backend: an engine loop without progress this long ends the server (0 = off)
-
-    def validate(self) -> None:
-        if self.backend not in ("hf", "vllm"):
-            raise ValueError(f"inference.backend: {self.backend!r} is not allowed; use hf or vllm")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"server.port: {self.port} is outside 0..65535")
-        if self.max_batch_size < 1:
-            raise ValueError(f"inference.max_batch_size: must be >= 1, got {self.max_batch_size}")
-        if self.max_model_len < 2:
-            raise ValueError(f"inference.max_model_len: must be >= 2, got {self.max_model_len}")
-        if self.tp < 1:
-            raise ValueError(f"inference.parallel.tp: must be >= 1, got {self.tp}")
-        if self.lora_rank is not None and self.lora_rank < 1:
-            raise ValueError(f"model.lora.rank: must be >= 1, got {self.lora_rank}")
-        if self.backend == "vllm" and self.lora_rank is not None:
-            from hpcrl.inference.vllm_backend import vllm_lora_rank
-
-            vllm_lora_rank(self.lora_rank)
-        if self.api_key is not None and (not self.api_key.strip() or any(c.isspace() for c in self.api_key)):
-            raise ValueError("server.api_key: must be a non-empty token without spaces")
-        from hpcrl.inference.guard import check_exposure
-
-        check_exposure(self.host, self.api_key, self.allow_open)
-
-
-def advertised_host(host: str) -> str:
-    """The host other nodes should dial: the machine's name when bound to every interface."""
-    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
-
-
-_PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp", "--pipeline-parallel-size": "pp", "-pp": "pp"}
-
-
-def weight_receivers(backend: str, vllm_args: Sequence[str], tp: int = 1) -> int:
-    """How many processes of this server join the weight group (rendezvous.group_layout).
-
-    The hf engine receives in its one process, however many GPUs it spans. vLLM starts one worker
-    per tensor- x pipeline-parallel rank and each loads its own shard, so each one receives. `tp` is
-    the size hpcrl renders; flags in `vllm_args` come after it on vLLM's command line, so they win
-    (and the last one of them, as in argparse)."""
-    if backend != "vllm":
-        return 1
-    sizes = {"tp": tp, "pp": 1}
-    args = list(vllm_args)
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if flag.startswith("--"):
-            flag = flag.replace("_", "-")  # vLLM's parser accepts --tensor_parallel_size too
-        if flag not in _PARALLEL_FLAGS:
-            continue
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        try:
-            sizes[_PARALLEL_FLAGS[flag]] = int(value)
-        except ValueError:
-            raise ValueError(f"inference: {flag} needs an integer, got {value!r}") from None
-    if min(sizes.values()) < 1:
-        raise ValueError(f"inference: parallel sizes must be >= 1, got tp={sizes['tp']} pp={sizes['pp']}")
-    return sizes["tp"] * sizes["pp"]
-
-
-def write_server_info(opts: ServeOptions, port: int) -> Path | None:
-    """Write the ready file atomically (tmp + fsync + rename); the bus ServerInfo when it exists."""
-    if not opts.run_dir:
-        return None
-    from hpcrl.paths import RunPaths
-
-    host = advertised_host(opts.host)
-    info = {"index": opts.server_index, "base_url": f"http://{host}:{port}", "host": host, "port": port,
-            "pid": os.getpid(), "model": opts.served_model_name or opts.model_name,
-            "weight_receivers": weight_receivers(opts.backend, opts.vllm_args, opts.tp)}
-    path = RunPaths(opts.run_dir).server_file(opts.server_index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads).
-    from hpcrl.bus.files import write_atomic
-    from hpcrl.bus.messages import ServerInfo, encode_json
-
-    write_atomic(path, [encode_json(ServerInfo(**info))])
-    from hpcrl.launch.placement import record
-
-    record(RunPaths(opts.run_dir), "inference", opts.server_index, port)
-    return path
 
 
 def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> int:
@@ -175,13 +62,7 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         allow_any_weights_path=cfg.server.allow_any_weights_path,
         watchdog_s=cfg.watchdog_s,
     )
-    try:
-        opts.validate()
-    except ValueError as e:
-        from hpcrl.config.errors import ConfigError
-
-        field, _, msg = str(e).partition(": ")
-        raise ConfigError(field if msg else "inference", msg or str(e)) from None
+    opts.validate()  # a bad value is a ConfigError naming its field
     serve(opts)
     return 0
 
@@ -194,20 +75,6 @@ def _has_cuda_and_vllm() -> bool:
     from hpcrl.launch.placement import use_cuda
 
     return use_cuda()
-
-
-def bind_server_socket(host: str, port: int) -> socket.socket:
-    """Bind (not yet listen) the server's socket; port 0 picks a free one (getsockname says which)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"server.port: cannot listen on {host}:{port}: {e.strerror}") from e
-    sock.set_inheritable(True)
-    return sock
 
 
 def serve(opts: ServeOptions) -> None:
@@ -319,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hpcrl.errors import user_errors
+
+    return user_errors(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     kw: dict[str, Any] = vars(args)
     if extra and kw["backend"] != "vllm":
@@ -329,20 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         from hpcrl.inference.guard import env_api_key
 
         opts.api_key = env_api_key()
-    try:
-        opts.validate()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    opts.validate()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("serving %s", asdict(opts))
     try:
         serve(opts)
     except KeyboardInterrupt:
         pass
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     return 0
 
 

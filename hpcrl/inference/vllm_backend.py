@@ -55,8 +55,10 @@ from dataclasses import replace
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from hpcrl.inference.options import VLLM_LORA_RANKS, vllm_lora_rank  # noqa: F401 (option checks; tests read them here)
+
 if TYPE_CHECKING:
-    from hpcrl.inference.server import ServeOptions
+    from hpcrl.inference.options import ServeOptions
 
 EXTENSION_CLS = "hpcrl.inference.vllm_backend.HpcrlWorkerExtension"
 SUPPORTED_VLLM = "0.33"
@@ -82,7 +84,6 @@ ENGINE_CLIENT_METHODS: dict[str, tuple[str, ...]] = {
 }
 APP_STATE = ("engine_client", "openai_serving_models")  # attributes of app.state the routes read
 WORKER_ATTRS = ("rank", "device", "model_runner")  # attributes of vLLM's worker the extension reads
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.33's MaxLoRARanks
 
 
 def _not_available(message: str) -> Exception:
@@ -130,15 +131,6 @@ def vllm_symbol(name: str) -> Any:
             return getattr(module, name)
     raise _not_available(f"vllm {version} is installed but has no {name} (looked in {', '.join(modules)}); "
                          f"hpcrl's vllm backend supports vLLM {SUPPORTED_VLLM}")
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest `--max-lora-rank` vLLM accepts that fits a LoRA of rank `rank`."""
-    for allowed in VLLM_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ValueError(f"model.lora.rank: {rank} is above {VLLM_LORA_RANKS[-1]}, the largest LoRA rank "
-                     "vLLM serves")
 
 
 def vllm_serve_argv(opts: "ServeOptions", model_path: str) -> list[str]:
@@ -496,7 +488,7 @@ def _install_routes(run_server_worker: Any, status: dict[str, Any]) -> None:
 def _announce_when_ready(opts: "ServeOptions") -> None:
     import httpx
 
-    from hpcrl.inference.server import write_server_info
+    from hpcrl.inference.options import write_server_info
 
     dial = "127.0.0.1" if opts.host in ("0.0.0.0", "::", "") else opts.host
     url = f"http://{dial}:{opts.port}/health"
@@ -522,7 +514,7 @@ def parse_serve_args(opts: "ServeOptions", model_path: str) -> Any:
 
 def prepare(opts: "ServeOptions", model_path: str) -> tuple[Any, "ServeOptions", Any]:
     """Resolve vLLM, bind the socket, parse vLLM's args: (socket, opts with the real port, args)."""
-    from hpcrl.inference.server import bind_server_socket
+    from hpcrl.inference.options import bind_server_socket
 
     for name in VLLM_SYMBOLS:  # every missing name is reported now, not at the first request
         vllm_symbol(name)

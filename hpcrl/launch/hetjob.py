@@ -13,7 +13,7 @@ through `_submit_command` instead, so nothing is pickled at all. Every step runs
 command line (normally `sbatch/trainer.sh` / `sbatch/inference.sh`, which call `hpcrl trainer ...`
 / `hpcrl inference ...`) and finds its inputs through environment variables (`HPCRL_RUN_DIR`,
 `HPCRL_CONFIG` = the resolved config file) - the same contract as the local launcher, and the
-DESIGN rule that no pickle crosses the filesystem holds. It also means a requeued job re-runs the
+rule (docs/architecture.md §3) that no pickle crosses the filesystem holds. It also means a requeued job re-runs the
 same script and re-reads the config from disk, which is what resume wants. The price: submitit's
 `job.result()` does not apply (there is no result pickle); callers track the job by id
 (`job_state`).

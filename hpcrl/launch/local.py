@@ -1,6 +1,6 @@
 """`hpcrl run`: inference server(s), orchestrator and trainer rank(s) as processes on this machine.
 
-The launcher assigns ports and devices, redirects every process into the log layout of DESIGN §5,
+The launcher assigns ports and devices, redirects every process into the log layout of docs/architecture.md §4,
 prints one console line per step from metrics.jsonl, and supervises: a dead inference server is
 restarted in place (same port and GPUs, up to deployment.max_server_restarts times, with backoff;
 the orchestrator loads the current policy into it, see hpcrl.orchestrator.servers); when any other
@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,10 +24,11 @@ from typing import IO, Any
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import secret_env
 from hpcrl.config.schema import Config
-from hpcrl.launch import resume as resume_mod
+from hpcrl.launch import restart
 from hpcrl.launch.console import ConsoleReporter
 from hpcrl.launch.keepalive import restart_delay
 from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot
+from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
 
 GRACE_S = 8.0
@@ -48,12 +48,6 @@ class Child:
     env: dict[str, str] = field(default_factory=dict, repr=False)
     restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of a scheduled restart
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _threads_per_process(placement: Placement) -> int:
@@ -99,12 +93,6 @@ def respawn(child: Child) -> None:
     child.restarts += 1
 
 
-def clear_stale_addresses(paths: RunPaths) -> None:
-    """Server and weight-group addresses of a previous (dead) launch must not be dialled."""
-    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights"), paths.weights_fallback_file]:
-        f.unlink(missing_ok=True)
-
-
 def _gpu_env(placement: Placement, slot: Slot) -> dict[str, str]:
     """The placement's GPUs for one child (one machine: node-local indices are the machine's)."""
     if not placement.uses_gpus:
@@ -113,7 +101,7 @@ def _gpu_env(placement: Placement, slot: Slot) -> dict[str, str]:
 
 
 def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_args: list[str]) -> list[Child]:
-    clear_stale_addresses(paths)
+    restart.clear_stale_addresses(paths)
     # Literal secrets of the config travel here, in the environment (configs/ holds references).
     base_env = {**os.environ, **secret_env(cfg), "PYTHONUNBUFFERED": "1", "HPCRL_RUN_DIR": str(paths.root)}
     if not placement.uses_gpus or placement.cpu_compute:
@@ -249,8 +237,8 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     cfg: Config = loaded.config
     paths = RunPaths(cfg.output_dir)
     try:
-        resume_args = resume_mod.prepare_resume(cfg, paths)
-    except resume_mod.AlreadyComplete as done:
+        resume_args = restart.prepare_resume(cfg, paths)
+    except restart.AlreadyComplete as done:
         print(done, flush=True)
         return 0
     from hpcrl.models.tiny import resolve_model

@@ -23,9 +23,9 @@ def read_job(paths: RunPaths) -> dict[str, Any]:
 
 
 def write_job(paths: RunPaths, info: dict[str, Any]) -> None:
-    from hpcrl.checkpoint import atomic_write_bytes
+    from hpcrl.fileio import write_text
 
-    atomic_write_bytes(paths.job_file, json.dumps(info, indent=2).encode())
+    write_text(paths.job_file, json.dumps(info, indent=2))
 
 
 def _run_dir(args: argparse.Namespace) -> RunPaths:

@@ -327,6 +327,19 @@ def use_cuda(cfg: Config | None = None) -> bool:
     return torch.cuda.is_available()
 
 
+def weight_transport(cfg: Config, uses_gpus: bool | None = None) -> str:
+    """`trainer.broadcast.transport` with "auto" decided, the one rule: collective when the trainer
+    computes on GPUs (NCCL), safetensors files on CPU. The launcher decides once from its placement
+    (`uses_gpus`) and records the answer in the resolved configs, so launched roles never see "auto"
+    and always agree; a role started by hand decides from what its own process sees (use_cuda)."""
+    transport = cfg.trainer.broadcast.transport
+    if transport != "auto":
+        return transport
+    if uses_gpus is None:
+        uses_gpus = use_cuda(cfg)
+    return "collective" if uses_gpus else "filesystem"
+
+
 def apply_compute(cfg: Config) -> None:
     """Make `deployment.compute = "cpu"` visible to code that has no config (engine, weight group)."""
     if _cpu(cfg):
@@ -360,7 +373,7 @@ def record(paths: RunPaths, role: str, rank: int, port: int | None = None) -> di
     """Append this process's placement to logs/placement.jsonl (one O_APPEND write of one line,
     which local filesystems and Lustre keep whole) and keep it in logs/placement/<role>_<rank>.json
     (atomic replace: what `hpcrl status` shows even where appends from many nodes are not atomic)."""
-    from hpcrl.bus.files import write_atomic
+    from hpcrl.fileio import write_atomic
 
     line = placement_line(role, rank, port)
     data = json.dumps(line, sort_keys=False)

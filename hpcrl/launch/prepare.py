@@ -10,7 +10,7 @@ from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import Config, SFTConfig
 from hpcrl.config.validate import trainer_precision
-from hpcrl.launch.placement import Placement, local_placement
+from hpcrl.launch.placement import Placement, local_placement, weight_transport
 from hpcrl.paths import RunPaths
 
 
@@ -53,9 +53,8 @@ def apply_placement(cfg: Config, placement: Placement) -> None:
     """Record the process counts in the config, so every role knows how many peers it has."""
     cfg.deployment.num_trainer_ranks = placement.trainer_ranks
     cfg.deployment.num_inference_servers = placement.inference_servers
-    if cfg.trainer.broadcast.transport == "auto":
-        # Decided once here so trainer and orchestrator agree (NCCL on GPUs, files on CPU).
-        cfg.trainer.broadcast.transport = "collective" if placement.uses_gpus else "filesystem"
+    # Decided once here so trainer and orchestrator agree (NCCL on GPUs, files on CPU).
+    cfg.trainer.broadcast.transport = weight_transport(cfg, placement.uses_gpus)
 
 
 def local_plan(loaded: Loaded) -> Placement:

@@ -1,49 +1,16 @@
-"""Resume: pick the newest complete checkpoint (or the one asked for), move newer bus files aside,
-and restart every role at N+1. `hpcrl resume` re-reads the run's resolved config; `--ckpt.resume-step`
-on `hpcrl run` goes through the same code.
+"""`hpcrl resume`: re-read a run's resolved config and restart every role at N+1 from the newest
+complete checkpoint (or the one asked for), locally or by resubmitting to SLURM. Choosing, validating
+and preparing the checkpoint is hpcrl/launch/restart.py, which `--ckpt.resume-step` on `hpcrl run`
+goes through too.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from pathlib import Path
 
 from hpcrl import checkpoint
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.schema import Config
 from hpcrl.paths import RunPaths
-
-log = logging.getLogger("hpcrl.resume")
-
-
-class AlreadyComplete(Exception):
-    """The checkpoint to resume from is the final step: there is nothing left to train."""
-
-
-def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
-    """If the config asks to resume, validate the checkpoint, move newer bus files aside and return
-    the flags that pin every role to that exact step; else []."""
-    if cfg.ckpt is None or cfg.ckpt.resume_step is None:
-        return []
-    try:
-        step = checkpoint.resolve_resume_step(paths, cfg.ckpt.resume_step)
-    except checkpoint.CheckpointError as e:
-        raise ConfigError("ckpt.resume_step", str(e)) from None
-    if step == cfg.max_steps:
-        raise AlreadyComplete(f"hpcrl: {paths.root} is complete at step {step} (max_steps); "
-                              "pass --max-steps M to train further")
-    if step > cfg.max_steps:
-        raise ConfigError("max_steps", f"{cfg.max_steps} is below the resumed step {step} (max_steps is the final step)")
-    from hpcrl.bus import Bus
-
-    bus = Bus(paths, role="launcher", listen=False)
-    moved = bus.move_aside_after(step, tag=f"resume_{step}_{int(time.time())}")
-    bus.close()
-    # Policy files up to N stay, but the trainer re-publishes N; weights/broadcasts newer than N are stale.
-    print(f"hpcrl: resuming from {paths.checkpoint_dir(step)} (moved {len(moved)} newer bus file(s) aside)",
-          flush=True)
-    return ["--ckpt.resume-step", str(step)]
 
 
 def resume(output_dir: Path, step: int, argv: list[str]) -> int:
@@ -58,7 +25,9 @@ def resume(output_dir: Path, step: int, argv: list[str]) -> int:
     argv = ["@", str(paths.resolved_config), *argv, "--output-dir", str(output_dir), "--ckpt.resume-step", str(step)]
     loaded = load(argv)
     loaded.config.clean_output_dir = False
-    job = _read_job(paths)
+    from hpcrl.launch.manage import read_job
+
+    job = read_job(paths)
     from hpcrl.launch import prepare
 
     if job.get("target") == "slurm":
@@ -77,12 +46,3 @@ def resume(output_dir: Path, step: int, argv: list[str]) -> int:
     prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config)
     return run_local(loaded, placement)
-
-
-def _read_job(paths: RunPaths) -> dict:
-    import json
-
-    try:
-        return json.loads(paths.job_file.read_text())
-    except (FileNotFoundError, ValueError):
-        return {}

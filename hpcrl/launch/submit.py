@@ -79,7 +79,7 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
         extra.append("sbatch --test-only: skipped (no sbatch on this machine)")
         prepare.print_summary(loaded, placement, "submit (SLURM hetjob)", extra)
         return 0
-    from hpcrl.launch.local import clear_stale_addresses
+    from hpcrl.launch.restart import clear_stale_addresses
 
     clear_stale_addresses(paths)
     # Literal secrets reach the job through sbatch's environment (exported to every step), never
@@ -105,8 +105,8 @@ def prepare_resume_main(argv: list[str]) -> int:
     p.add_argument("--if-checkpoint", action="store_true", help="no checkpoint yet: start fresh instead of failing")
     args = p.parse_args(argv)
     from hpcrl import checkpoint  # after parsing: --help stays light
-    from hpcrl.bus import Bus
     from hpcrl.config import load
+    from hpcrl.launch.restart import clear_stale_addresses, move_bus_aside
 
     paths = RunPaths(Path(args.output_dir))
     loaded = load(["@", str(paths.resolved_config)])
@@ -118,11 +118,8 @@ def prepare_resume_main(argv: list[str]) -> int:
             print(f"hpcrl: error: {e}", file=sys.stderr)
             return 2
         step = 0
-    bus = Bus(paths, role="launcher", listen=False)
-    bus.move_aside_after(step, tag=f"resume_{step}_{int(time.time())}")
-    bus.close()
-    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights"), paths.weights_fallback_file]:
-        f.unlink(missing_ok=True)
+    move_bus_aside(paths, step)
+    clear_stale_addresses(paths)
     if cfg.ckpt is None:
         cfg.ckpt = CkptConfig()
     cfg.ckpt.resume_step = step if step > 0 else None

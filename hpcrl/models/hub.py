@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.models.names import BUILTIN_MODELS
 
 # What a causal LM directory needs (config, safetensors weights, tokenizer files, chat templates,
 # remote code); the same checkpoint as PyTorch *.bin or in original/ format is not fetched.
@@ -64,8 +65,6 @@ def _cache_location() -> str:
 def hub_ids(cfg: Any) -> dict[str, str]:
     """``{field: Hub id}`` for every model name of an RL config that is neither a local directory nor
     a built-in tiny model (those need no download)."""
-    from hpcrl.models.tiny import BUILTIN_MODELS
-
     out: dict[str, str] = {}
     fields = [("model.name", cfg.model)]
     for section in ("trainer", "orchestrator", "inference"):

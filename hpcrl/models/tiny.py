@@ -19,10 +19,10 @@ import argparse
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from hpcrl.models.names import BUILTIN_MODELS
 
 # Bump when the corpus, template or architecture changes: cached built-in models are rebuilt.
 KIT_VERSION = 1
@@ -47,7 +47,6 @@ PRESETS: dict[str, dict[str, int]] = {
                    num_key_value_heads=2, head_dim=64),
 }
 
-BUILTIN_MODELS = {"hpcrl/tiny-qwen3": "tiny", "hpcrl/small-qwen3": "small"}
 
 # Qwen/ChatML-style template. Tools are listed as JSON in the system turn and assistant tool calls
 # are rendered as <tool_call>JSON</tool_call>, as Qwen does, so tool-using environments work with the
@@ -255,15 +254,10 @@ def resolve_model(name: str, field: str = "model.name") -> str:
         try:
             if _is_current(target):
                 return str(target)
-            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-            try:
+            from hpcrl.fileio import atomic_dir
+
+            with atomic_dir(target) as tmp:  # replaces a stale build from an older kit version
                 build_tiny_model(tmp, preset=preset, seed=0)
-                if target.exists():  # stale build from an older kit version
-                    shutil.rmtree(target)
-                os.rename(tmp, target)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(target)

@@ -132,7 +132,7 @@ class Metrics:
         k = max(1, round(len(rows) * self.extras.sample_ratio))
         keep = sorted(random.Random(step).sample(range(len(rows)), min(k, len(rows))))
         path = self.paths.samples_file(step, self.role)
-        from hpcrl.bus.files import write_atomic
+        from hpcrl.fileio import write_atomic
 
         # Written whole and renamed before the pointer exists, so a follower never reads half a table.
         write_atomic(path, [b"".join(_dumps({c: _clean(v) for c, v in rows[i].items()}) for i in keep)],

@@ -10,12 +10,14 @@ panel that says "no data", never an error. matplotlib (Agg) is imported only whe
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcrl.fileio import write_atomic
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
 
@@ -121,10 +123,9 @@ def render(panel: Panel, path: Path) -> Path:
             ax.legend(handles=handles, fontsize=8, loc="best")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.png")
-        fig.savefig(tmp, format="png")
-        tmp.replace(path)  # a viewer refreshing the file never sees half a PNG
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        write_atomic(path, [png.getbuffer()], durable=False)  # a viewer refreshing never sees half a PNG
     finally:
         plt.close(fig)
     return path

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcrl.fileio import write_text
 from hpcrl.monitor.metrics import EXTRA_KEY, MetricsFollower, parse_lines
 from hpcrl.paths import RunPaths
 
@@ -88,9 +89,7 @@ def run_id(paths: RunPaths, name: str) -> str:
         return rid
     rid = default_run_id(paths, name)
     f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(f.name + f".tmp-{os.getpid()}")
-    tmp.write_text(rid + "\n")
-    os.replace(tmp, f)
+    write_text(f, rid + "\n")
     return rid
 
 
@@ -254,10 +253,8 @@ class WandbSink:
             return 0
 
     def _save_offset(self) -> None:
-        f = self.paths.wandb_sink_offset
-        tmp = f.with_name(f.name + f".tmp-{os.getpid()}")
-        tmp.write_text(f"{self.follower.offset}\n")
-        os.replace(tmp, f)
+        # Not fsynced: a lost offset after a node crash only re-sends rows W&B deduplicates by step.
+        write_text(self.paths.wandb_sink_offset, f"{self.follower.offset}\n", durable=False)
 
 
 class _NoSink:

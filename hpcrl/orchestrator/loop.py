@@ -10,7 +10,7 @@
 Async: batch `step` may be generated with any policy >= step-1-max_async_level. Without
 `deterministic` a watcher loads every new policy into the servers while generation goes on (each
 completion reports the policies that produced it). With `deterministic` batch `step` is generated
-with exactly policy max(0, step-1-max_async_level), seeded per request; see DESIGN §1.
+with exactly policy max(0, step-1-max_async_level), seeded per request; see docs/architecture.md §1.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import msgspec
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
+from hpcrl.errors import UserError
 from hpcrl.launch import placement
 from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
@@ -45,10 +46,11 @@ from hpcrl.orchestrator.batch import (
 )
 from hpcrl.orchestrator.eval import run_eval, run_val
 from hpcrl.orchestrator.metrics import PromptsLog, sample_rows, step_metrics
+from hpcrl.orchestrator.packing import PackStats
 from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync
 from hpcrl.orchestrator.rollout import InferenceUnavailable, teacher_logprobs
 from hpcrl.orchestrator.servers import ServerSet
-from hpcrl.orchestrator.state import GroupRecord, check_compatible, load_part, save_part
+from hpcrl.orchestrator.state import GroupRecord, OrchestratorState, check_compatible, load_part, save_part
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
@@ -77,22 +79,35 @@ def main(cfg: Config) -> int:
     except ShutdownRequested as e:
         log.info("shutdown requested (%s): exiting", e)
         return 0
-    except (PolicyMismatch, InferenceUnavailable, BusTimeout, TimeoutError, ValueError, FileNotFoundError) as e:
+    except (PolicyMismatch, InferenceUnavailable, BusTimeout, TimeoutError) as e:  # the run failed, not the code
         log.error("orchestrator failed: %s: %s", type(e).__name__, e)
         return 1
 
 
 class Orchestrator:
     def __init__(self, cfg: Config):
-        self.cfg, self.o = cfg, cfg.orchestrator
+        self.cfg, self.orch_cfg = cfg, cfg.orchestrator
         self.paths = RunPaths(cfg.output_dir)
         self.stop = asyncio.Event()
         self.published: dict[int, list[TrainBatch]] = {}  # batches the trainer may not have trained yet
         self.ckpt_done = 0  # newest policy step whose checkpoint question is settled
+        # Built by run() (envs, buffer, generators, tokenizer: setup.build), then connect() (bus,
+        # servers, weight sync, metrics) and restore() (state); None until then, so close() and
+        # drain() know what exists after a failure part-way through.
+        self.setup: setup.Setup | None = None
+        self.bus: Bus | None = None
+        self.servers: ServerSet | None = None
+        self.sync: PolicySync | None = None
+        self.metrics: Metrics | None = None
+        self.wandb_sink: Any = None
+        self.prompts: PromptsLog | None = None
+        self.state: OrchestratorState | None = None
+        self.start = 0  # the checkpoint step this run continues from (0: fresh)
+        self.next_ready: list[GroupRecord] = []  # groups carried to the next batch, committed by publish()
+        self.pack_stats: PackStats | None = None  # of the batch being published, for its metrics
 
     async def run(self) -> int:
-        s = setup.build(self.cfg, self.paths)  # fails in one line on a bad env id / args, before any work
-        self.s = s
+        self.setup = setup.build(self.cfg, self.paths)  # fails in one line on a bad env id / args, before any work
         self.install_signals()
         try:
             self.sync = await self.connect()
@@ -140,20 +155,20 @@ class Orchestrator:
         self.stop.set()
 
     async def connect(self) -> PolicySync:
-        s = self.s
-        self.bus = Bus(self.paths, role="orchestrator", timeout=self.o.policy_timeout_s)
-        servers = self.bus.wait_servers(s.num_servers, timeout=self.o.policy_timeout_s)[: s.num_servers]
+        wanted, timeout = self.setup.num_servers, self.orch_cfg.policy_timeout_s
+        self.bus = Bus(self.paths, role="orchestrator", timeout=timeout)
+        servers = self.bus.wait_servers(wanted, timeout=timeout)[:wanted]
         log.info("inference servers: %s", ", ".join(x.base_url for x in servers))
         from hpcrl.inference.guard import resolve_api_key
 
-        self.servers = ServerSet(self.paths, servers, self.o.server_down_timeout_s)
-        sync = PolicySync(self.paths, self.bus, [x.base_url for x in servers], s.transport,
-                          self.o.request_timeout_s, self.o.policy_timeout_s,
+        self.servers = ServerSet(self.paths, servers, self.orch_cfg.server_down_timeout_s)
+        sync = PolicySync(self.paths, self.bus, [x.base_url for x in servers], self.setup.transport,
+                          self.orch_cfg.request_timeout_s, self.orch_cfg.policy_timeout_s,
                           api_key=resolve_api_key(self.cfg.server.api_key), servers=self.servers)
         await sync.wait_healthy()
-        if s.transport == "collective":
+        if self.setup.transport == "collective":
             await sync.join_group(servers)
-        s.attach_servers(self.servers, lambda: sync.loaded or 0, lambda: sync.adapter)
+        self.setup.attach_servers(self.servers, lambda: sync.loaded or 0, lambda: sync.adapter)
         self.metrics = Metrics.for_run(self.cfg, self.paths, "orchestrator")
         self.wandb_sink = start_wandb_sink(self.cfg, self.paths, "orchestrator")
         self.prompts = PromptsLog(self.paths)
@@ -163,28 +178,28 @@ class Orchestrator:
         """Fresh state, or checkpoint N's: pending batches N+1..B are re-published bit for bit."""
         n = self.cfg.ckpt.resume_step if self.cfg.ckpt is not None else None
         if n is None or n == 0:
-            self.state = self.s.fresh_state()
-            self.state.buffer = self.s.buffer.state_dict()
+            self.state = self.setup.fresh_state()
+            self.state.buffer = self.setup.buffer.state_dict()
             self.start = 0
             return
         state, pending = load_part(self.paths, n)
-        check_compatible(state, self.o.batch_size, self.o.rollouts_per_example)
-        self.s.buffer.load_state_dict(state.buffer)
+        check_compatible(state, self.orch_cfg.batch_size, self.orch_cfg.rollouts_per_example)
+        self.setup.buffer.load_state_dict(state.buffer)
         for m, blobs in sorted(pending.items()):
             from hpcrl.bus import decode
 
             batches = [decode(b, TrainBatch) for b in blobs]
-            if state.world_size != self.s.world_size:
+            if state.world_size != self.setup.world_size:
                 # Packed for another number of trainer ranks: the same samples, re-packed (no prompt
                 # skipped, repeated or regenerated; only the split over ranks changes).
-                batches = repack_batches(batches, self.s.world_size, self.cfg.seq_len)
+                batches = repack_batches(batches, self.setup.world_size, self.cfg.seq_len)
             for b in batches:
                 self.bus.publish_batch(m, b.rank, b)
             self.published[m] = batches
-        if state.world_size != self.s.world_size:
+        if state.world_size != self.setup.world_size:
             log.warning("checkpoint %d was taken with %d trainer rank(s), this run has %d: pending batches "
-                        "%s re-packed", n, state.world_size, self.s.world_size, state.pending_steps)
-            state = msgspec.structs.replace(state, world_size=self.s.world_size)
+                        "%s re-packed", n, state.world_size, self.setup.world_size, state.pending_steps)
+            state = msgspec.structs.replace(state, world_size=self.setup.world_size)
         self.state, self.start, self.ckpt_done = state, n, n
         self.prompts.truncate_after(state.step)
         log.info("resumed from checkpoint %d: re-published batches %s, continuing at step %d",
@@ -200,7 +215,7 @@ class Orchestrator:
     # -- one step ---------------------------------------------------------------------------------
     async def policy_for(self, step: int) -> float:
         t0 = time.perf_counter()
-        oldest_ok = max(0, step - 1 - self.o.max_async_level)
+        oldest_ok = max(0, step - 1 - self.orch_cfg.max_async_level)
         if self.cfg.deterministic:
             msg = await self.wait(self.sync.exact(oldest_ok))
         else:
@@ -213,11 +228,12 @@ class Orchestrator:
         the batch holds batch_size rollouts. Every drawn task ends generated, and is used, filtered
         or carried over, so the state at the next boundary is exact."""
         t0 = time.perf_counter()
-        s, counts, generated = self.s, StepCounts(), []
+        counts, generated = StepCounts(), []
+        buffer = self.setup.buffer
         ready = list(self.state.ready)
         uniform: list[GroupRecord] = []  # dropped for zero advantage; the last-resort filler
         for wave in range(MAX_WAVES):
-            missing = self.o.batch_size - num_rollouts(ready)
+            missing = self.orch_cfg.batch_size - num_rollouts(ready)
             if missing <= 0:
                 break
             if wave >= REFILL_WAVES and num_rollouts(uniform) >= missing:
@@ -225,12 +241,12 @@ class Orchestrator:
                 log.warning("step %d: %d generation rounds kept returning groups with equal rewards; filled the "
                             "batch with %d of them (advantage 0: no gradient)", step, wave, counts.zero_advantage_filled)
                 break
-            refs = s.buffer.next_tasks(s.buffer.num_tasks_to_request(-(-missing // self.o.rollouts_per_example)))
-            new = await s.generate(refs, step)
+            refs = buffer.next_tasks(buffer.num_tasks_to_request(-(-missing // self.orch_cfg.rollouts_per_example)))
+            new = await self.setup.generate(refs, step)
             generated += new
             for ref, g in zip(refs, new):
-                s.buffer.complete(ref)
-                if judge_group(g, s.buffer, s.advantage, self.o.training_mode, counts):
+                buffer.complete(ref)
+                if judge_group(g, buffer, self.setup.advantage, self.orch_cfg.training_mode, counts):
                     ready.append(g)
                 elif g.advantages is not None:
                     uniform.append(g)
@@ -238,20 +254,20 @@ class Orchestrator:
                 log.warning("step %d: %d generation rounds and the batch is not full (filters: %s)",
                             step, wave, dict(counts.filtered))
         else:
-            raise ValueError(f"step {step}: {MAX_WAVES} generation rounds did not fill a batch of "
-                             f"{self.o.batch_size}; filters dropped {dict(counts.filtered)} (loosen the buffer/"
-                             "advantage filters or check the environment's rewards)")
+            raise UserError(f"step {step}: {MAX_WAVES} generation rounds did not fill a batch of "
+                            f"{self.orch_cfg.batch_size}; filters dropped {dict(counts.filtered)} (loosen the buffer/"
+                            "advantage filters or check the environment's rewards)")
         # Committed with the batch in publish(): a stop before then leaves the last boundary intact.
-        groups, self.next_ready = fill_batch(ready, self.o.batch_size)
-        if self.o.training_mode == "opd":
+        groups, self.next_ready = fill_batch(ready, self.orch_cfg.batch_size)
+        if self.orch_cfg.training_mode == "opd":
             await self.add_teacher_logprobs(groups)
         return groups, generated, counts, time.perf_counter() - t0
 
     def publish(self, step: int, groups: list[GroupRecord], counts: StepCounts) -> list[TrainBatch]:
-        samples = to_samples(groups, step, self.o.max_off_policy_steps, self.o.train.sampling.temperature,
-                             self.s.buffer, counts)
+        samples = to_samples(groups, step, self.orch_cfg.max_off_policy_steps, self.orch_cfg.train.sampling.temperature,
+                             self.setup.buffer, counts)
         # Deterministic runs stamp batches with a fixed time so their bytes depend on the data only.
-        batches, self.pack_stats = build_batches(samples, step, self.s.world_size, self.cfg.seq_len,
+        batches, self.pack_stats = build_batches(samples, step, self.setup.world_size, self.cfg.seq_len,
                                                  created_at=0.0 if self.cfg.deterministic else None)
         for b in batches:
             self.bus.publish_batch(step, b.rank, b)
@@ -261,7 +277,7 @@ class Orchestrator:
         # mid-generation must not see cursors past tasks whose groups it does not hold.
         self.state.step = step
         self.state.ready = self.next_ready
-        self.state.buffer = self.s.buffer.state_dict()
+        self.state.buffer = self.setup.buffer.state_dict()
         self.prompts.write(step, groups)
         return batches
 
@@ -273,14 +289,14 @@ class Orchestrator:
         p["total_samples"] = p.get("total_samples", 0) + n_samples
         p["total_tokens"] = p.get("total_tokens", 0) + n_tokens
         p["total_problems"] = p.get("total_problems", 0) + len(groups)
-        extra: dict[str, Any] = {**self.pack_stats.metrics(), **self.s.buffer.metrics(),
+        extra: dict[str, Any] = {**self.pack_stats.metrics(), **self.setup.buffer.metrics(),
                                  "policy/loaded": self.sync.loaded, "progress/total_samples": p["total_samples"],
                                  **self.server_metrics()}
         m = step_metrics(groups, generated, step, counts, t_policy, t_gen, n_samples, n_tokens, extra)
         self.metrics.log(step, m)
         watchdog.beat(f"published batch {step}")
         if self.metrics.samples_due(step):
-            self.metrics.log_samples(step, sample_rows(groups, self.s.tokenizer, step))
+            self.metrics.log_samples(step, sample_rows(groups, self.setup.tokenizer, step))
         if self.metrics.distributions_due(step):
             self.metrics.log_distribution(step, "reward", [r.reward for g in groups for r in g.rollouts])
             self.metrics.log_distribution(step, "advantage", [a for g in groups for a in g.advantages or []])
@@ -290,7 +306,7 @@ class Orchestrator:
     def server_metrics(self) -> dict[str, int]:
         """Dead-server handling so far (cumulative): restarted servers brought back, requests moved
         off a dead server, servers up now."""
-        moved = sum(p.moved for p in self.s.pools)
+        moved = sum(p.moved for p in self.setup.pools)
         return {"inference/server_restarts": self.servers.restarts, "inference/requests_moved": moved,
                 "inference/servers_up": len(self.servers.live())}
 
@@ -300,10 +316,10 @@ class Orchestrator:
             raise ShutdownRequested(stop)
         self.checkpoints(forced=False)
         await self.maybe_eval()
-        v = self.o.val
+        v = self.orch_cfg.val
         if v is not None and v.interval and step % v.interval == 0:
-            self.metrics.log(step, await run_val(self.s.eval_gen, self.s.envs, v.num_examples,
-                                                 v.rollouts_per_example, self.s.eval_sampling, step))
+            self.metrics.log(step, await run_val(self.setup.eval_gen, self.setup.envs, v.num_examples,
+                                                 v.rollouts_per_example, self.setup.eval_sampling, step))
 
     def checkpoints(self, forced: bool) -> None:
         """Write our part of every checkpoint the trainer takes: each due step N up to the newest
@@ -335,12 +351,12 @@ class Orchestrator:
                  pending)
 
     async def maybe_eval(self) -> None:
-        e, k = self.o.eval, self.sync.loaded
-        if e is None or not e.interval or not self.s.eval_envs or k is None or k in self.state.evaluated:
+        e, k = self.orch_cfg.eval, self.sync.loaded
+        if e is None or not e.interval or not self.setup.eval_envs or k is None or k in self.state.evaluated:
             return
         if k % e.interval == 0 and (k > 0 or e.eval_base_model) or k == self.cfg.max_steps:
             self.state.evaluated.append(k)
-            self.metrics.log(k, await run_eval(self.s.eval_gen, self.s.eval_envs, self.s.eval_sampling, k))
+            self.metrics.log(k, await run_eval(self.setup.eval_gen, self.setup.eval_envs, self.setup.eval_sampling, k))
 
     async def finish(self) -> None:
         msg = await self.wait(self.sync.exact(self.cfg.max_steps))
@@ -348,7 +364,7 @@ class Orchestrator:
         # collective transport the trainer's last broadcast needs the servers on the receiving end.
         await self.sync.ensure(msg)
         self.checkpoints(forced=False)
-        if self.o.eval is not None and self.s.eval_envs:
+        if self.orch_cfg.eval is not None and self.setup.eval_envs:
             await self.maybe_eval()
         log.info("done: %d steps published", self.cfg.max_steps)
         self.wandb_sink.close(wait_for_step=self.cfg.max_steps)
@@ -357,24 +373,21 @@ class Orchestrator:
         """After a stop signal: give the trainer a moment to take its forced checkpoint and write
         our part for it (the state at the last boundary is consistent), then exit."""
         deadline = time.monotonic() + STOP_GRACE_S
-        while time.monotonic() < deadline and hasattr(self, "sync"):
+        while time.monotonic() < deadline and self.sync is not None:
             before = self.ckpt_done
             self.checkpoints(forced=True)
             if self.ckpt_done > before:
                 break
             await asyncio.sleep(0.5)
-        log.warning("stopped at a batch boundary (last published step %s)", getattr(self, "state", None)
-                    and self.state.step)
+        log.warning("stopped at a batch boundary (last published step %s)", self.state and self.state.step)
 
     async def close(self) -> None:
-        for name in ("sync", "s"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                await obj.aclose()
-        for name in ("prompts", "metrics", "wandb_sink", "bus"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                obj.close()
+        for part in (self.sync, self.setup):
+            if part is not None:
+                await part.aclose()
+        for part in (self.prompts, self.metrics, self.wandb_sink, self.bus):
+            if part is not None:
+                part.close()
 
     # -- helpers ----------------------------------------------------------------------------------
     async def wait(self, coro: Any) -> Any:
@@ -400,7 +413,7 @@ class Orchestrator:
 
     async def add_teacher_logprobs(self, groups: list[GroupRecord]) -> None:
         pieces = [p for g in groups for r in g.rollouts if not r.errored for p in r.pieces]
-        lps = await asyncio.gather(*(teacher_logprobs(self.s.teacher, p.input_ids) for p in pieces))
+        lps = await asyncio.gather(*(teacher_logprobs(self.setup.teacher, p.input_ids) for p in pieces))
         for p, lp in zip(pieces, lps):
             p.teacher_logprobs = lp
 

@@ -82,11 +82,11 @@ class PromptsLog:
     def truncate_after(self, step: int) -> None:
         """Resume from a state whose last published batch is `step`: forget later lines (those steps
         are generated again), so the log stays one line per step."""
-        from hpcrl.checkpoint import atomic_write_bytes
+        from hpcrl.fileio import write_text
 
         kept = [line for line in self.path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
         os.close(self.fd)
-        atomic_write_bytes(self.path, "".join(kept).encode())
+        write_text(self.path, "".join(kept))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, step: int, groups: Sequence[GroupRecord]) -> None:

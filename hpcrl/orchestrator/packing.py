@@ -9,12 +9,13 @@ can run them as one packed sequence (varlen attention) or split them back.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
+from hpcrl.balance import assign_to_ranks
 
 Overlong = Literal["truncate", "drop"]
 
@@ -121,20 +122,6 @@ def _fit(samples: Sequence[Sample], seq_len: int, overlong: Overlong, stats: Pac
             continue
         kept.append(s)
     return kept
-
-
-def assign_to_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
-    """Greedy longest-first into the least-loaded rank. Returns sample indices per rank, each in
-    ascending order."""
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    heap = [(0, r) for r in range(num_ranks)]  # (tokens, rank): ties go to the lower rank
-    out: list[list[int]] = [[] for _ in range(num_ranks)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        load, r = heapq.heappop(heap)
-        out[r].append(i)
-        heapq.heappush(heap, (load + int(lengths[i]), r))
-    return [sorted(idx) for idx in out]
 
 
 def _concat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config, EnvConfig, OrchestratorConfig, SamplingConfig
 from hpcrl.envs import Environment, Task, load_environment
 from hpcrl.envs.registry import alias_note
@@ -39,8 +40,8 @@ def load_envs(envs: Sequence[EnvConfig], where: str) -> dict[str, Environment]:
     for i, e in enumerate(envs):
         try:
             env = load_environment(e.id, **e.args)
-        except ValueError as err:
-            raise ValueError(f"{where}[{i}]: {err}") from None
+        except ValueError as err:  # bad environment arguments (ConfigError included): name the entry
+            raise ConfigError(f"{where}[{i}]", str(err)) from None
         env.name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
         note = alias_note(e.id)
         if note:
@@ -54,12 +55,9 @@ def deployment(cfg: Config) -> tuple[int, int, str]:
     launcher records them in the resolved config (hpcrl.launch.prepare.apply_placement), so every role
     reads the same values wherever it runs."""
     d = cfg.deployment
-    transport = cfg.trainer.broadcast.transport
-    if transport == "auto":  # a role started by hand, without a launcher: the trainer's own rule
-        from hpcrl.launch.prepare import visible_gpus
+    from hpcrl.launch.placement import weight_transport
 
-        transport = "collective" if visible_gpus() > 0 else "filesystem"
-    return d.num_trainer_ranks or 1, d.num_inference_servers or 1, transport
+    return d.num_trainer_ranks or 1, d.num_inference_servers or 1, weight_transport(cfg)
 
 
 @dataclass
@@ -134,13 +132,13 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     o = cfg.orchestrator
     envs = load_envs(o.train.env, "orchestrator.train.env")
     if not envs:
-        raise ValueError("orchestrator.train.env: at least one training environment is required")
+        raise ConfigError("orchestrator.train.env", "at least one training environment is required")
     tasks: dict[str, Sequence[Task]] = {}
     for e in o.train.env:
         ts = envs[env_name(e)].tasks("train")
         tasks[env_name(e)] = ts if e.num_examples in (None, -1) else ts[: e.num_examples]
         if not tasks[env_name(e)]:
-            raise ValueError(f"orchestrator.train.env: environment {env_name(e)!r} has no training tasks")
+            raise ConfigError("orchestrator.train.env", f"environment {env_name(e)!r} has no training tasks")
     ratios = o.buffer.env_ratios
     if ratios is None and any(e.ratio is not None for e in o.train.env):
         ratios = [e.ratio if e.ratio is not None else 1.0 for e in o.train.env]
@@ -160,8 +158,8 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     open_env_logs(cfg, paths, envs, eval_envs)
     world, servers, transport = deployment(cfg)
     if cfg.deterministic and transport == "collective" and o.max_async_level > 0:
-        raise ValueError("deterministic = true needs trainer.broadcast.transport = 'filesystem' when "
-                         "max_async_level > 0 (a collective broadcast cannot be loaded later)")
+        raise ConfigError("deterministic", "true needs trainer.broadcast.transport = 'filesystem' when "
+                                           "max_async_level > 0 (a collective broadcast cannot be loaded later)")
     eval_sampling = eval_sampling_of(o)
     return Setup(cfg=cfg, tokenizer=load_tokenizer(cfg), envs=envs, tasks=tasks, buffer=buffer,
                  advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)), world_size=world,
@@ -182,7 +180,7 @@ def eval_sampling_of(o: OrchestratorConfig) -> SamplingConfig:
 
 
 def open_env_logs(cfg: Config, paths: RunPaths, envs: dict[str, Environment], eval_envs: list[EvalEnv]) -> None:
-    """logs/envs/{train,eval}/<env>.log (DESIGN §5): what `hpcrl logs -c env:NAME` and tmux.sh follow."""
+    """logs/envs/{train,eval}/<env>.log (docs/architecture.md §4): what `hpcrl logs -c env:NAME` and tmux.sh follow."""
     from hpcrl.envs.verifiers_adapter import VerifiersEnvironment
     from hpcrl.monitor.logging import attach_env_logs
 

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from hpcrl import checkpoint
+from hpcrl.config.errors import ConfigError
 from hpcrl.paths import RunPaths
 
 STATE_FORMAT = 1
@@ -111,12 +112,13 @@ def load_part(paths: RunPaths, ckpt_step: int) -> tuple[OrchestratorState, dict[
     d = paths.orchestrator_ckpt_dir(ckpt_step)
     f = d / STATE_FILE
     if not f.is_file():
-        raise FileNotFoundError(f"checkpoint step_{ckpt_step} has no orchestrator state ({f})")
+        raise ConfigError("ckpt.resume_step", f"checkpoint step_{ckpt_step} has no orchestrator state ({f})")
     state = msgspec.json.decode(f.read_bytes(), type=OrchestratorState)
     if state.format != STATE_FORMAT:
-        raise ValueError(f"{f}: orchestrator state format {state.format}, this build reads {STATE_FORMAT}")
+        raise ConfigError("ckpt.resume_step", f"{f}: orchestrator state format {state.format}, this build "
+                                              f"reads {STATE_FORMAT}")
     if state.checkpoint_step != ckpt_step:
-        raise ValueError(f"{f} belongs to checkpoint {state.checkpoint_step}, not {ckpt_step}")
+        raise ConfigError("ckpt.resume_step", f"{f} belongs to checkpoint {state.checkpoint_step}, not {ckpt_step}")
     pending = {
         m: [_pending_file(paths, ckpt_step, m, r).read_bytes() for r in range(state.world_size)]
         for m in state.pending_steps
@@ -131,5 +133,5 @@ def check_compatible(state: OrchestratorState, batch_size: int, rollouts_per_exa
                              ("orchestrator.rollouts_per_example", state.rollouts_per_example,
                               rollouts_per_example)):
         if saved != now:
-            raise ValueError(f"checkpoint step_{state.checkpoint_step} was taken with {name} = {saved}, "
-                             f"this run has {now}; resume with the same value")
+            raise ConfigError(name, f"checkpoint step_{state.checkpoint_step} was taken with {name} = {saved}, "
+                                    f"this run has {now}; resume with the same value")

@@ -13,7 +13,6 @@ import copy
 import importlib.util
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcrl.bus.files import fsync_dir
+from hpcrl.fileio import atomic_dir
 
 _DTYPES = {
     "float32": torch.float32,
@@ -327,35 +326,3 @@ def export_hf(
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return out
-
-
-class atomic_dir:
-    """``with atomic_dir(final) as tmp:`` fill ``tmp``; on success it replaces ``final`` by rename."""
-
-    def __init__(self, final: Path) -> None:
-        self.final = final
-        self.tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-
-    def __enter__(self) -> Path:
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
-        return self.tmp
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        for f in self.tmp.iterdir():
-            fsync_dir(f)
-        fsync_dir(self.tmp)
-        old = None
-        if self.final.exists():
-            # A directory cannot be atomically replaced by rename; move the old one aside first.
-            old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
-            os.replace(self.final, old)
-        os.replace(self.tmp, self.final)
-        fsync_dir(self.final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

@@ -12,10 +12,13 @@ import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+_JOINED = False  # init_distributed ran in this process
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ def init_distributed(device: torch.device | None = None, timeout_s: float = 1800
     device = device or device_for(env.local_rank)
     if dist.is_initialized():
         return env
+    global _JOINED
+    _JOINED = True
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
@@ -98,6 +103,34 @@ def init_distributed(device: torch.device | None = None, timeout_s: float = 1800
         device_id=device if device.type == "cuda" else None,
     )
     return env
+
+
+def hard_exit(code: int) -> NoReturn:
+    """End a process that ran torch.distributed without interpreter teardown. After the group is
+    destroyed, C++ objects of gloo/FSDP freed during teardown can abort the process ("terminate called
+    without an active exception", SIGABRT) although its work is done, which a launcher would read as
+    a crash. Everything teardown would do that matters is done here first: non-daemon threads (e.g.
+    checkpoint finalisers writing COMPLETE) are joined as Python's own shutdown joins them, logs and
+    standard streams are flushed."""
+    import logging
+    import sys
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def ran_distributed() -> bool:
+    """Whether this process joined a process group (the processes hard_exit is for)."""
+    return _JOINED
 
 
 def destroy_distributed() -> None:

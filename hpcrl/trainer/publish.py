@@ -195,7 +195,7 @@ class PolicyPublisher:
     def _write_files(self, step: int, named: dict[str, torch.Tensor], delta: Delta | None):
         from safetensors.torch import save_file
 
-        from hpcrl.trainer.model import atomic_dir
+        from hpcrl.fileio import atomic_dir
 
         final = self.paths.broadcast_dir(step)
         with atomic_dir(final) as tmp:  # the server never sees a half-written broadcast

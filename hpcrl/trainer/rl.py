@@ -98,7 +98,7 @@ def start_rank(cfg: Config, paths: RunPaths) -> Training:
 
 
 def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str) -> PolicyPublisher:
-    transport = resolve_transport(cfg.trainer.broadcast.transport)
+    transport = placement.weight_transport(cfg)
     keep = cfg.orchestrator.max_async_level + 2
     group = None
     if transport == "collective" and rank == 0:
@@ -108,12 +108,6 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str
     b = cfg.trainer.broadcast
     return PolicyPublisher(paths, bus, rank, transport, keep, group, b.chunk_mb, dtype=dtype, delta=b.delta,
                            full_every=b.full_every)
-
-
-def resolve_transport(name: str) -> str:
-    if name != "auto":
-        return name
-    return "collective" if placement.use_cuda() else "filesystem"
 
 
 def wait_for_batch(bus: Bus, step: int, rank: int, timeout: float, stop: threading.Event

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcrl import checkpoint
 from hpcrl.config.schema import SFTConfig
 from hpcrl.launch import sft_ranks
 from hpcrl.monitor.logging import setup_logging
@@ -45,17 +43,12 @@ FINALIZE_TIMEOUT_S = 600.0
 
 
 def main(cfg: SFTConfig) -> int:
-    try:
-        ranks = sft_ranks.requested_ranks(cfg)
-        if ranks > 1 and not sft_ranks.launched_as_rank():
-            setup_logging("sft", cfg.log.level)
-            return sft_ranks.launch_ranks(prepare(cfg), ranks)
-        return train(cfg)
-    except (ValueError, checkpoint.CheckpointError) as e:
-        # User errors (data, template, resume step): one line, exit 2, as for config errors.
-        log.debug("sft failed", exc_info=True)
-        print(f"hpcrl: error: {e}", file=sys.stderr)
-        return 2
+    # User errors (data, template, resume step) are UserErrors: the CLI prints them in one line.
+    ranks = sft_ranks.requested_ranks(cfg)
+    if ranks > 1 and not sft_ranks.launched_as_rank():
+        setup_logging("sft", cfg.log.level)
+        return sft_ranks.launch_ranks(prepare(cfg), ranks)
+    return train(cfg)
 
 
 def train(cfg: SFTConfig) -> int:
@@ -104,7 +97,7 @@ def start_rank(cfg: SFTConfig) -> tuple[RunPaths, Training, SFTData]:
     if not sft_ranks.launched_as_rank() and "MASTER_PORT" not in os.environ:
         # A lone rank still opens a (gloo/nccl) group: take a free port, not the fixed default that
         # another job on this machine may hold.
-        from hpcrl.launch.local import free_port
+        from hpcrl.net import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     env = parallel.dist_env()

@@ -31,10 +31,17 @@ from typing import Any
 
 import numpy as np
 
+from hpcrl.errors import UserError, user_errors
+from hpcrl.fileio import write_text
+
 ROLES = ("system", "user", "assistant", "tool")
 # Roles some datasets use for the same purpose as ours (OpenAI's "developer" is a system turn).
 ROLE_ALIASES = {"developer": "system", "function": "tool", "ipython": "tool"}
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DataError(UserError, ValueError):
+    """A dataset the user pointed at that cannot be used as given (one line naming the file or field)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +71,7 @@ def _need_datasets(why: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{why} needs the `datasets` package: pip install datasets") from None
+        raise DataError(f"{why} needs the `datasets` package: pip install datasets") from None
     return datasets
 
 
@@ -74,7 +81,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         if text.lstrip().startswith("["):
             rows = json.loads(text)
             if not all(isinstance(r, dict) for r in rows):
-                raise ValueError(f"{path}: a .json file must hold a list of objects (or one object per line)")
+                raise DataError(f"{path}: a .json file must hold a list of objects (or one object per line)")
             return rows
     rows = []
     with open(path) as f:
@@ -84,9 +91,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
+                raise DataError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
             rows.append(row)
     return rows
 
@@ -95,7 +102,7 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from None
+        raise DataError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from None
     return pq.read_table(path).to_pylist()
 
 
@@ -112,7 +119,7 @@ def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows
     dataset stays memory-mapped. A name that is not a local path and looks like `owner/name` is
     fetched from the Hugging Face hub with `datasets.load_dataset` (never in tests)."""
     if not name:
-        raise ValueError(f"{field}: empty; give a jsonl/parquet file, a directory of them, or a saved HF dataset")
+        raise DataError(f"{field}: empty; give a jsonl/parquet file, a directory of them, or a saved HF dataset")
     path = Path(name).expanduser()
     if path.is_file():
         return Rows(_read_file(path), source=str(path))
@@ -121,15 +128,15 @@ def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows
             return Rows(_load_from_disk(path, split, field), source=str(path))
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _FILE_SUFFIXES)
         if not files:
-            raise ValueError(f"{field}: directory '{name}' has no .jsonl/.json/.parquet files and is not a "
-                             f"saved HF dataset (datasets.save_to_disk)")
+            raise DataError(f"{field}: directory '{name}' has no .jsonl/.json/.parquet files and is not a "
+                            f"saved HF dataset (datasets.save_to_disk)")
         rows: list[dict[str, Any]] = []
         for f in files:
             rows += _read_file(f)
         return Rows(rows, source=str(path))
     if _looks_local(name):
-        raise ValueError(f"{field}: '{name}' does not exist (expected a jsonl/parquet file, a directory of them, "
-                         f"or a saved HF datasets directory)")
+        raise DataError(f"{field}: '{name}' does not exist (expected a jsonl/parquet file, a directory of them, "
+                        f"or a saved HF datasets directory)")
     datasets = _need_datasets(f"{field} = '{name}' (a Hugging Face hub dataset)")
     return Rows(datasets.load_dataset(name, split=split), source=name)
 
@@ -139,7 +146,7 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
         return _read_parquet(path)
     if path.suffix in (".jsonl", ".json"):
         return _read_jsonl(path)
-    raise ValueError(f"{path}: unsupported file type '{path.suffix}' (use .jsonl, .json or .parquet)")
+    raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .jsonl, .json or .parquet)")
 
 
 def _load_from_disk(path: Path, split: str, field: str) -> Any:
@@ -147,8 +154,8 @@ def _load_from_disk(path: Path, split: str, field: str) -> Any:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"{field}: saved dataset '{path}' has splits {sorted(ds)}, not '{split}' "
-                             f"(set data.split)")
+            raise DataError(f"{field}: saved dataset '{path}' has splits {sorted(ds)}, not '{split}' "
+                            f"(set data.split)")
         ds = ds[split]
     return ds
 
@@ -159,7 +166,7 @@ def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
         return np.arange(n), np.arange(0)
     k = max(1, int(round(n * fraction)))
     if k >= n:
-        raise ValueError(f"val.fraction = {fraction} would hold out all {n} rows")
+        raise DataError(f"val.fraction = {fraction} would hold out all {n} rows")
     perm = np.random.default_rng([seed, 0x5A17]).permutation(n)
     return np.sort(perm[k:]), np.sort(perm[:k])
 
@@ -181,7 +188,7 @@ def _as_messages(value: Any, default_role: str, what: str) -> list[dict[str, Any
         return [{"role": default_role, "content": value}]
     if isinstance(value, Sequence) and all(isinstance(m, Mapping) for m in value):
         return [_clean_message(m, f"{what}[{i}]") for i, m in enumerate(value)]
-    raise ValueError(f"{what} must be a string or a list of chat messages, got {type(value).__name__}")
+    raise DataError(f"{what} must be a string or a list of chat messages, got {type(value).__name__}")
 
 
 def _clean_message(m: Mapping[str, Any], what: str) -> dict[str, Any]:
@@ -189,9 +196,9 @@ def _clean_message(m: Mapping[str, Any], what: str) -> dict[str, Any]:
     out = {k: v for k, v in m.items() if v is not None}
     role = out.get("role")
     if not isinstance(role, str):
-        raise ValueError(f"{what} has no 'role'")
+        raise DataError(f"{what} has no 'role'")
     if ROLE_ALIASES.get(role, role) not in ROLES:
-        raise ValueError(f"{what}: role '{role}' is not one of {', '.join(ROLES)}")
+        raise DataError(f"{what}: role '{role}' is not one of {', '.join(ROLES)}")
     out.setdefault("content", "")
     return out
 
@@ -207,9 +214,9 @@ def parse_tools(value: Any, what: str = "tools") -> list[dict[str, Any]] | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{what}: not valid JSON ({e.msg})") from None
+            raise DataError(f"{what}: not valid JSON ({e.msg})") from None
     if not isinstance(value, Sequence) or not all(isinstance(t, Mapping) for t in value):
-        raise ValueError(f"{what}: expected a list of tool definitions (OpenAI function format)")
+        raise DataError(f"{what}: expected a list of tool definitions (OpenAI function format)")
     out = []
     for t in value:
         t = {k: v for k, v in t.items() if v is not None}
@@ -230,7 +237,7 @@ def row_to_conversation(row: Mapping[str, Any], where: str = "row",
     if isinstance(kwargs, str):
         kwargs = json.loads(kwargs) if kwargs.strip() else None
     if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise ValueError(f"{where}.chat_template_kwargs must be an object")
+        raise DataError(f"{where}.chat_template_kwargs must be an object")
     kwargs = {**(template_defaults or {}), **{k: v for k, v in (kwargs or {}).items() if v is not None}} or None
     if row.get("messages") is not None:
         msgs = _as_messages(row["messages"], "user", f"{where}.messages")
@@ -239,8 +246,8 @@ def row_to_conversation(row: Mapping[str, Any], where: str = "row",
         prompt = _as_messages(row["prompt"], "user", f"{where}.prompt")
         completion = _as_messages(row["completion"], "assistant", f"{where}.completion")
         return Conversation(prompt + completion, tools, kwargs, len(prompt))
-    raise ValueError(f"{where}: needs a 'messages' column or 'prompt' and 'completion' columns "
-                     f"(found {sorted(row)})")
+    raise DataError(f"{where}: needs a 'messages' column or 'prompt' and 'completion' columns "
+                    f"(found {sorted(row)})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +327,7 @@ def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     rows about equally full instead of FFD's full rows plus one short tail, so padding the rows to
     a common length (static-shape kernels, a [rows, T] batch) wastes little. Falls back to the FFD
     rows when balancing would overflow one. Deterministic; each row lists its samples ascending."""
-    from hpcrl.orchestrator.packing import assign_to_ranks
+    from hpcrl.balance import assign_to_ranks
 
     rows: list[list[int]] = []
     free: list[int] = []
@@ -372,7 +379,7 @@ class DataCursor:
     def take(self, k: int) -> np.ndarray:
         """The next k row indices (crossing into the next epoch when this one runs out)."""
         if self.num_rows == 0:
-            raise ValueError("data: the dataset has no rows")
+            raise DataError("data: the dataset has no rows")
         out = []
         while k > 0:
             order = epoch_order(self.num_rows, self.seed, self.epoch, self.shuffle)
@@ -393,8 +400,8 @@ class DataCursor:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         if int(state["num_rows"]) != self.num_rows or int(state["seed"]) != self.seed:
-            raise ValueError(f"data: the checkpoint was taken on {state['num_rows']} rows with seed {state['seed']}; "
-                             f"this run has {self.num_rows} rows with seed {self.seed} (same data needed to resume)")
+            raise DataError(f"data: the checkpoint was taken on {state['num_rows']} rows with seed {state['seed']}; "
+                            f"this run has {self.num_rows} rows with seed {self.seed} (same data needed to resume)")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
@@ -408,20 +415,18 @@ def make_demo(out: str | os.PathLike[str], task: str = "reverse-text", n: int = 
 
     env = load_environment(task, num_examples=n, seed=seed)
     if getattr(env, "max_turns", 1) != 1:
-        raise ValueError(f"make-demo: '{task}' is multi-turn; only single-turn environments have a "
-                         f"one-message answer")
+        raise DataError(f"make-demo: '{task}' is multi-turn; only single-turn environments have a "
+                        f"one-message answer")
     tasks = env.tasks("train")
     lines = []
     for t in list(tasks)[:n]:
         if not t.answer:
-            raise ValueError(f"make-demo: '{task}' task {t.example_id} has no known answer")
+            raise DataError(f"make-demo: '{task}' task {t.example_id} has no known answer")
         msgs = [dict(m) for m in t.prompt] + [{"role": "assistant", "content": t.answer}]
         lines.append(json.dumps({"messages": msgs}, ensure_ascii=False))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_text(path, "\n".join(lines) + "\n")
     return path, len(lines)
 
 
@@ -434,13 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--n", type=int, default=2000)
     demo.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    try:
+
+    def make() -> int:
         path, count = make_demo(args.out, args.task, args.n, args.seed)
-    except ValueError as e:
-        print(f"hpcrl: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {count} rows to {path}")
-    return 0
+        print(f"wrote {count} rows to {path}")
+        return 0
+
+    return user_errors(make)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,12 @@ Everything is discovered through the shared filesystem, so it works across nodes
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hpcrl.net import free_port, host_address
 from hpcrl.paths import RunPaths
 
 if TYPE_CHECKING:
@@ -97,20 +97,6 @@ def check_layout(address: WeightGroupAddress, servers: Sequence[ServerInfo]) -> 
     return mine
 
 
-def _host_address() -> str:
-    """An address other nodes can reach: the hostname's IP (127.0.0.1 on a single box)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def num_servers(cfg: Config) -> int:
     return cfg.deployment.num_inference_servers or 1
 
@@ -121,14 +107,14 @@ def trainer_join_weight_group(paths: RunPaths, bus: Bus, num_servers: int, timeo
     Blocks until every receiver joined (the orchestrator sends the servers in) or `timeout_s`.
     """
     from hpcrl.bus import WeightGroupAddress
-    from hpcrl.bus.files import write_atomic
     from hpcrl.bus.messages import encode_json
+    from hpcrl.fileio import write_atomic
     from hpcrl.weights.collective import init_group
 
     servers = by_index(bus.wait_servers(num_servers, timeout=timeout_s))[:num_servers]
     layout = layout_of(servers)
-    host = _host_address()
-    port = _free_port(host)
+    host = host_address()
+    port = free_port(host)
     address = WeightGroupAddress(host=host, port=port, world_size=layout.world_size,
                                  server_indices=[s.index for s in servers], receivers=list(layout.receivers))
     path = paths.endpoint_file(ENDPOINT)

@@ -92,7 +92,7 @@ def worker(model_dir: str, meta_init: bool, out: str) -> None:
 
 
 def run_ranks(model_dir: Path, world: int, meta_init: bool, out: Path) -> list[dict]:
-    from hpcrl.launch.local import free_port
+    from hpcrl.net import free_port
 
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.integration.test_fsdp_equivalence import _free_port
+from hpcrl.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def run_ranks(script: str, world: int, *args: str, timeout: float = 240) -> list[str]:
     """Start ``python script *args`` as ranks 0..world-1 and wait; fail with the failing rank's output.
     Returns every rank's output."""
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     for rank in range(world):

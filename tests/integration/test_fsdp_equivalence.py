@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from hpcrl.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LENS = [9, 5, 12, 3, 7, 8]
@@ -28,14 +29,8 @@ STEPS = 2
 ATOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, model_dir: Path, out: Path) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ)
@@ -191,3 +186,6 @@ def _worker(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+    from hpcrl.trainer.parallel import hard_exit
+
+    hard_exit(0)  # as the trainer does: no gloo teardown abort after the work is done

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from pathlib import Path
 
@@ -14,17 +13,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpcrl.inference.client import InferenceClient, WeightSyncError  # noqa: E402
+from hpcrl.net import free_port  # noqa: E402
 from hpcrl.weights.checksum import state_dict_checksum  # noqa: E402
 from hpcrl.weights.collective import broadcast_weights, init_group, receive_weights  # noqa: E402
 
 MSGS = [{"role": "user", "content": "Sort: d c b a"}]
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

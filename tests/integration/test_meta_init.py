@@ -144,3 +144,6 @@ def _worker(variant: str, model_dir: str, warm_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     _worker(*sys.argv[1:5])
+    from hpcrl.trainer.parallel import hard_exit
+
+    hard_exit(0)  # as the trainer does: no gloo teardown abort after the work is done

@@ -19,41 +19,14 @@ import pytest
 from hpcrl.bus import Bus, PolicyReady, TrainBatch
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
-from tests.conftest import InferenceServer
+from tests.conftest import InferenceServer, rl_toml
 
-CONFIG = """
-max_steps = {max_steps}
-seq_len = 256
-output_dir = "{run}"
-deterministic = {deterministic}
-
-[model]
-name = "{model}"
-
-[trainer.broadcast]
-transport = "filesystem"
-
-[deployment]
-num_inference_servers = 1
-
-[orchestrator]
-batch_size = 8
-rollouts_per_example = 4
-max_async_level = 1
-max_concurrent = 16
-request_timeout_s = 60
-policy_timeout_s = 60
-
-[orchestrator.advantage]
-zero_advantage = "keep"
-
-[orchestrator.train.sampling]
-max_tokens = 12
-
-[[orchestrator.train.env]]
-id = "reverse-text"
-args = {{ num_examples = 50 }}
-"""
+CONFIG = rl_toml(
+    "{max_steps}", seq_len=256, model="{model}", batch_size=8, max_tokens=12,
+    top='output_dir = "{run}"\ndeterministic = {deterministic}\n',
+    orchestrator="max_async_level = 1\nmax_concurrent = 16\nrequest_timeout_s = 60\npolicy_timeout_s = 60\n",
+    tables='args = {{ num_examples = 50 }}\n[trainer.broadcast]\ntransport = "filesystem"\n'
+           "[deployment]\nnum_inference_servers = 1\n[orchestrator.advantage]\nzero_advantage = \"keep\"\n")
 
 # Eval on the base model (step 0) and every 2 steps, 4 examples x 2 rollouts.
 EVAL = ("--orchestrator.eval.interval", "2", "--orchestrator.eval.num-examples", "4",

@@ -21,32 +21,15 @@ import pytest
 
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
+from tests.conftest import rl_toml
 
 TRIALS = int(os.environ.get("HPCRL_RELIABILITY_TRIALS", "20"))
 MAX_STEPS = 6
 ROLES = ("trainer", "orchestrator", "inference", "launcher")
 
-CONFIG = """
-max_steps = {max_steps}
-seq_len = 64
-deterministic = true
-seed = 11
-[model]
-name = "hpcrl/tiny-qwen3"
-[orchestrator]
-batch_size = 16
-rollouts_per_example = 4
-max_async_level = 1
-[orchestrator.train.sampling]
-max_tokens = 8
-[[orchestrator.train.env]]
-id = "reverse-text"
-[trainer.optim]
-lr = 3e-3
-[ckpt]
-interval = 1
-keep_last = 2
-"""
+CONFIG = rl_toml("{max_steps}", seq_len=64, max_tokens=8, top="deterministic = true\nseed = 11\n",
+                 orchestrator="max_async_level = 1\n",
+                 tables="[trainer.optim]\nlr = 3e-3\n[ckpt]\ninterval = 1\nkeep_last = 2\n")
 
 
 def _hpcrl(*args: str) -> list[str]:

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_fsdp_equivalence import _free_port
+from hpcrl.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
 def _run(mode: str, world: int, model_dir: Path, run_dir: Path, out: Path) -> None:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -110,6 +110,9 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     _worker(*sys.argv[1:5])
+    from hpcrl.trainer.parallel import hard_exit
+
+    hard_exit(0)  # as the trainer does: no gloo teardown abort after the work is done
 
 
 @pytest.mark.slow

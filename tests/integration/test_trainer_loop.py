@@ -20,32 +20,15 @@ import pytest
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, TrainBatch
 from hpcrl.paths import RunPaths
+from tests.conftest import rl_toml
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def _config(tmp: Path, model: Path, out: Path) -> Path:
     cfg = tmp / "cfg.toml"
-    cfg.write_text(f"""
-max_steps = 3
-seq_len = 64
-output_dir = "{out}"
-[model]
-name = "{model}"
-[orchestrator]
-batch_size = 8
-rollouts_per_example = 4
-[orchestrator.train.sampling]
-max_tokens = 16
-[[orchestrator.train.env]]
-id = "reverse-text"
-[trainer]
-micro_batch_tokens = 96
-[trainer.optim]
-lr = 0.01
-[ckpt]
-interval = 1
-""")
+    cfg.write_text(rl_toml(3, seq_len=64, model=str(model), batch_size=8, top=f'output_dir = "{out}"\n',
+                           tables="[trainer]\nmicro_batch_tokens = 96\n[trainer.optim]\nlr = 0.01\n[ckpt]\ninterval = 1\n"))
     return cfg
 
 

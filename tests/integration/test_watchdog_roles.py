@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch.local import free_port
+from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
 from tests.integration.tiny_run import TINY_RL
 

@@ -28,7 +28,7 @@ pytest.importorskip("fastapi")
 
 from hpcrl.bus import Bus, WeightGroupAddress  # noqa: E402
 from hpcrl.bus.files import decode_json_file  # noqa: E402
-from hpcrl.inference.server import ServeOptions, write_server_info  # noqa: E402
+from hpcrl.inference.options import ServeOptions, write_server_info  # noqa: E402
 from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync  # noqa: E402
 from hpcrl.paths import RunPaths  # noqa: E402
 

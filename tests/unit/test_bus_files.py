@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from hpcrl import fileio
 from hpcrl.bus import CorruptMessageError, Shutdown, TrainBatch, read_message, write_message
 from hpcrl.bus import files as f
 from tests.unit.test_bus_messages import assert_same_batch, make_batch
@@ -78,7 +79,7 @@ def write_bytes_prefix(n: int) -> bytes:
 def test_stale_tmp_cleaning(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = f._HOST
+    host = fileio._HOST  # the tmp-name protocol lives in hpcrl.fileio
     dead_tmp = tmp_path / f"rank_0.msgpack{f.TMP_MARK}{dead.pid}-{host}"
     live_tmp = tmp_path / f"rank_1.msgpack{f.TMP_MARK}{os.getppid()}-{host}"
     remote_tmp = tmp_path / f"rank_2.msgpack{f.TMP_MARK}{dead.pid}-some_other_node"

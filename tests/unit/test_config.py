@@ -13,6 +13,7 @@ import pytest
 
 from hpcrl.cli import main
 from hpcrl.config import Config, SFTConfig, load
+from tests.conftest import rl_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,19 +28,7 @@ def _is_sft(path: Path) -> bool:
     return path.stem == "sft" or path.stem.startswith("sft_")
 
 
-BASE = """
-max_steps = 5
-seq_len = 128
-[model]
-name = "hpcrl/tiny-qwen3"
-[orchestrator]
-batch_size = 16
-rollouts_per_example = 4
-[orchestrator.train.sampling]
-max_tokens = 16
-[[orchestrator.train.env]]
-id = "reverse-text"
-"""
+BASE = rl_toml()
 
 
 @pytest.fixture

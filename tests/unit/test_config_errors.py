@@ -10,21 +10,11 @@ from pathlib import Path
 import pytest
 
 from hpcrl.cli import main
+from tests.conftest import rl_toml
 
 REPO = Path(__file__).resolve().parents[2]
 
-BASE = """max_steps = 5
-seq_len = 128
-[model]
-name = "hpcrl/tiny-qwen3"
-[orchestrator]
-batch_size = 16
-rollouts_per_example = 4
-[orchestrator.train.sampling]
-max_tokens = 16
-[[orchestrator.train.env]]
-id = "reverse-text"
-"""
+BASE = rl_toml()
 NO_ENV = BASE.split("[[orchestrator.train.env]]")[0]
 HOSTED = """model = "Qwen/Qwen3-4B"
 max_steps = 10

@@ -189,3 +189,25 @@ def test_trainer_device(monkeypatch, count, local_rank, compute, expected):
     if compute:
         monkeypatch.setenv("HPCRL_COMPUTE", compute)
     assert str(device_for(local_rank)) == expected
+
+
+def test_weight_transport_one_rule_for_launcher_and_hand_started_roles(monkeypatch):
+    """trainer.broadcast.transport = "auto": collective when the trainer computes on GPUs, files on
+    CPU. The launcher decides from its placement and records it; a role started by hand (the
+    orchestrator's deployment(), the trainer) asks the same function about its own process."""
+    from hpcrl.launch import prepare
+    from hpcrl.launch.placement import weight_transport
+    from hpcrl.orchestrator.setup import deployment
+
+    cfg = cfg_of(slurm=False)
+    assert cfg.trainer.broadcast.transport == "auto"
+    assert weight_transport(cfg, uses_gpus=True) == "collective"
+    assert weight_transport(cfg, uses_gpus=False) == "filesystem"
+    monkeypatch.setenv("HPCRL_COMPUTE", "cpu")  # what deployment.compute = "cpu" sets for its children
+    assert weight_transport(cfg) == "filesystem" == deployment(cfg)[2]
+    explicit = cfg_of("--trainer.broadcast.transport", "collective", slurm=False)
+    assert weight_transport(explicit, uses_gpus=False) == "collective" == deployment(explicit)[2]
+    gpu_plan = local_placement(cfg_of("--deployment.num-train-gpus", "1", "--deployment.num-infer-gpus", "1",
+                                      slurm=False), 2)
+    prepare.apply_placement(cfg, gpu_plan)
+    assert cfg.trainer.broadcast.transport == "collective" == deployment(cfg)[2]

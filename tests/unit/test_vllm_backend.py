@@ -8,7 +8,7 @@ import pytest
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.inference import vllm_backend as vb
-from hpcrl.inference.server import ServeOptions
+from hpcrl.inference.options import ServeOptions
 
 
 def _flags(argv: list[str]) -> dict[str, str | None]:

@@ -11,7 +11,7 @@ from tests.vllm_conformance._vllm import require_vllm
 vllm = require_vllm()
 
 from hpcrl.inference import vllm_backend as vb  # noqa: E402
-from hpcrl.inference.server import ServeOptions, bind_server_socket  # noqa: E402
+from hpcrl.inference.options import ServeOptions, bind_server_socket  # noqa: E402
 
 
 def _free_port() -> int:

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from hpcrl.inference import vllm_backend as vb  # noqa: E402
 from hpcrl.inference.client import InferenceClient, WeightSyncError  # noqa: E402
-from hpcrl.inference.server import ServeOptions  # noqa: E402
+from hpcrl.inference.options import ServeOptions  # noqa: E402
 from hpcrl.weights.checksum import state_dict_checksum  # noqa: E402
 
 WORKER_CLS = "tests.vllm_conformance.cpu_worker.CpuQwenWorker"

@@ -1,0 +1,58 @@
+"""What every (re)start of a run directory does before its roles start, shared by `hpcrl run`,
+`hpcrl resume`, `hpcrl submit` and the batch script's `prepare-resume`: validate the checkpoint to
+resume from, move bus files newer than it aside, forget addresses of processes that are gone.
+
+The `hpcrl resume` command itself is hpcrl/launch/resume.py; it imports the launchers, which import
+this module (never the other way round).
+"""
+
+from __future__ import annotations
+
+import time
+
+from hpcrl import checkpoint
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.schema import Config
+from hpcrl.paths import RunPaths
+
+
+class AlreadyComplete(Exception):
+    """The checkpoint to resume from is the final step: there is nothing left to train."""
+
+
+def clear_stale_addresses(paths: RunPaths) -> None:
+    """Server and weight-group addresses of a previous (dead) launch must not be dialled."""
+    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights"), paths.weights_fallback_file]:
+        f.unlink(missing_ok=True)
+
+
+def move_bus_aside(paths: RunPaths, step: int) -> list:
+    """Move bus files newer than `step` aside (they belong to steps that are generated again)."""
+    from hpcrl.bus import Bus
+
+    bus = Bus(paths, role="launcher", listen=False)
+    try:
+        return bus.move_aside_after(step, tag=f"resume_{step}_{int(time.time())}")
+    finally:
+        bus.close()
+
+
+def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
+    """If the config asks to resume, validate the checkpoint, move newer bus files aside and return
+    the flags that pin every role to that exact step; else []."""
+    if cfg.ckpt is None or cfg.ckpt.resume_step is None:
+        return []
+    try:
+        step = checkpoint.resolve_resume_step(paths, cfg.ckpt.resume_step)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError("ckpt.resume_step", str(e)) from None
+    if step == cfg.max_steps:
+        raise AlreadyComplete(f"hpcrl: {paths.root} is complete at step {step} (max_steps); "
+                              "pass --max-steps M to train further")
+    if step > cfg.max_steps:
+        raise ConfigError("max_steps", f"{cfg.max_steps} is below the resumed step {step} (max_steps is the final step)")
+    moved = move_bus_aside(paths, step)
+    # Policy files up to N stay, but the trainer re-publishes N; weights/broadcasts newer than N are stale.
+    print(f"hpcrl: resuming from {paths.checkpoint_dir(step)} (moved {len(moved)} newer bus file(s) aside)",
+          flush=True)
+    return ["--ckpt.resume-step", str(step)]

@@ -1,0 +1,181 @@
+"""Structure rules the code review asked for, checked on the source itself.
+
+- No import cycle among hpcrl modules, counting imports inside functions (a lazy import still runs,
+  and a cycle through it breaks as soon as the order of first use changes). Imports under
+  `if TYPE_CHECKING:` never run and do not count.
+- The repository is self-contained: nothing refers to a file outside it (`../shared/...`, the
+  design notes it came from); docs/architecture.md is the map.
+- Atomic writes have one home (hpcrl/fileio.py): nobody else builds a `.tmp-<pid>` name by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in sorted((REPO / "hpcrl").rglob("*.py")):
+        parts = list(f.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """hpcrl modules `module` imports anywhere (top level, functions, classes), TYPE_CHECKING aside.
+    `from pkg import name` counts pkg.name when that is a module, else pkg (its __init__)."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(r for a in node.names if a.name.startswith("hpcrl") and (r := resolve(a.name)))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the package of this module
+                base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.startswith("hpcrl"):
+                for a in node.names:
+                    full = f"{source}.{a.name}"
+                    if (r := full if full in known else resolve(source)) is not None:
+                        found.add(r)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    found.discard(module)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {m: _imported(m, p, known) for m, p in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each as one concrete cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return [_one_cycle(graph, set(c)) for c in components]
+
+
+def _one_cycle(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
+    """A path a -> ... -> a inside the component, for the failure message."""
+    start = min(comp)
+    prev: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & comp):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if v != start else [start, start]
+                if w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(comp)
+
+
+def test_no_import_cycles_counting_lazy_imports() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles (lazy imports included): " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_cycle_finder_finds_a_lazy_cycle_and_ignores_type_checking(tmp_path: Path) -> None:
+    """The checker itself: a function-level import closes a cycle, a TYPE_CHECKING one does not."""
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("import hpcrl.b\n")
+    b.write_text("def f():\n    from hpcrl.c import x\n")
+    c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hpcrl.a import y\n"
+                 "def g():\n    from hpcrl import a\n")
+    known = {"hpcrl": tmp_path / "__init__.py", "hpcrl.a": a, "hpcrl.b": b, "hpcrl.c": c}
+    graph = {m: _imported(m, p, known) for m, p in known.items() if m != "hpcrl"}
+    graph["hpcrl"] = set()
+    assert graph == {"hpcrl.a": {"hpcrl.b"}, "hpcrl.b": {"hpcrl.c"}, "hpcrl.c": {"hpcrl.a"}, "hpcrl": set()}
+    assert cycles(graph) == [["hpcrl.a", "hpcrl.b", "hpcrl.c", "hpcrl.a"]]
+    c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hpcrl.a import y\n")
+    graph["hpcrl.c"] = _imported("hpcrl.c", c, known)
+    assert cycles(graph) == []
+
+
+def _tracked_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    return [REPO / p for p in out.decode().split("\0") if p]
+
+
+def test_nothing_refers_to_a_file_outside_the_repository() -> None:
+    offenders = []
+    for f in _tracked_files():
+        if not f.is_file() or f == Path(__file__).resolve():
+            continue
+        try:
+            text = f.read_text()
+        except UnicodeDecodeError:
+            continue
+        if "../shared" in text or "DESIGN.md" in text or "DESIGN §" in text:
+            offenders.append(str(f.relative_to(REPO)))
+    assert not offenders, f"refer to files outside the repository (use docs/architecture.md): {offenders}"
+
+
+def test_atomic_writes_have_one_home() -> None:
+    """A hand-made tmp name (`.tmp-{os.getpid()}` and friends) means a second write protocol."""
+    pattern = re.compile(r"tmp-\{os\.getpid\(\)\}|\.tmp\.png|mkdtemp\(prefix=\"\.build")
+    offenders = [str(f.relative_to(REPO)) for f in (REPO / "hpcrl").rglob("*.py")
+                 if f.name != "fileio.py" and pattern.search(f.read_text())]
+    assert not offenders, f"write through hpcrl.fileio (write_atomic / write_text / atomic_dir): {offenders}"
