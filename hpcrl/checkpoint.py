@@ -107,17 +107,16 @@ def write_complete(paths: RunPaths, step: int, parts: tuple[str, ...] = PARTS) -
     return manifest
 
 
-def finalize_when_ready(paths: RunPaths, step: int, parts: tuple[str, ...], trainer_ranks: int,
-                        timeout: float, poll: float = 0.2) -> Manifest | None:
+def finalize_when_ready(
+    paths: RunPaths, step: int, parts: tuple[str, ...], trainer_ranks: int, timeout: float, poll: float = 0.2
+) -> Manifest | None:
     """Wait (bounded) until every part is done, then write COMPLETE. None on timeout (logged)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not paths.checkpoint_dir(step).is_dir():
             log.warning("checkpoint step_%d was removed before it was finalized", step)
             return None
-        ready = all(
-            part_done(paths, step, p, trainer_ranks if p == "trainer" else None) for p in parts
-        )
+        ready = all(part_done(paths, step, p, trainer_ranks if p == "trainer" else None) for p in parts)
         if ready:
             return write_complete(paths, step, parts)
         time.sleep(poll)
@@ -188,8 +187,9 @@ def retention_keep(steps: list[int], keep_last: int | None, keep_interval: int |
     return keep
 
 
-def apply_retention(paths: RunPaths, keep_last: int | None, keep_interval: int | None,
-                    in_progress: Collection[int] = ()) -> list[int]:
+def apply_retention(
+    paths: RunPaths, keep_last: int | None, keep_interval: int | None, in_progress: Collection[int] = ()
+) -> list[int]:
     """Delete complete checkpoints outside the keep set, and incomplete ones older than the newest
     valid — except ``in_progress`` ones (their finalizer is still waiting for a part: with fast steps
     step N+1 can complete before step N, which must not be deleted under its finalizer)."""
@@ -217,7 +217,19 @@ def is_due(step: int, max_steps: int, interval: int | None) -> bool:
 
 
 __all__ = [
-    "CheckpointError", "Manifest", "apply_retention", "atomic_write_bytes", "begin_part", "finalize_when_ready",
-    "is_due", "latest_complete", "mark_part_done", "part_done", "parse_step_dir", "resolve_resume_step",
-    "retention_keep", "verify", "write_complete",
+    "CheckpointError",
+    "Manifest",
+    "apply_retention",
+    "atomic_write_bytes",
+    "begin_part",
+    "finalize_when_ready",
+    "is_due",
+    "latest_complete",
+    "mark_part_done",
+    "part_done",
+    "parse_step_dir",
+    "resolve_resume_step",
+    "retention_keep",
+    "verify",
+    "write_complete",
 ]

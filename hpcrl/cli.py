@@ -263,7 +263,9 @@ def cmd_gepa(argv: list[str]) -> int:
     from hpcrl.evaluation.args import GEPA_FLAGS, load_run
     from hpcrl.evaluation.gepa_run import main
 
-    return main(load_run(argv[1:] if argv[:1] == ["run"] else argv, _schema_root("GepaRunConfig"), GEPA_FLAGS).config)
+    return main(
+        load_run(argv[1:] if argv[:1] == ["run"] else argv, _schema_root("GepaRunConfig"), GEPA_FLAGS).config
+    )
 
 
 def _schema_root(name: str) -> type:

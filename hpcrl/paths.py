@@ -288,9 +288,9 @@ class RunPaths:
 class EvalPaths:
     """The output directory of `hpcrl eval` / `hpcrl gepa`:
 
-        results.jsonl  summary.json  config.json  logs/{eval,gepa,inference*}.log
-        best_prompt.txt  system_prompt.txt  pareto_frontier.jsonl  metadata.json   (gepa)
-        gepa/                                                                      (gepa's own state: resume)
+    results.jsonl  summary.json  config.json  logs/{eval,gepa,inference*}.log
+    best_prompt.txt  system_prompt.txt  pareto_frontier.jsonl  metadata.json   (gepa)
+    gepa/                                                                      (gepa's own state: resume)
     """
 
     root: Path

@@ -59,8 +59,15 @@ def list_checkpoints(run_dir: Path, register: bool = True) -> list[Listed]:
     from hpcrl import checkpoint
 
     paths = RunPaths(run_dir)
-    out = [Listed(checkpoint_id(paths.root, s), s, checkpoint.verify(paths, s, deep=False) is None,
-                  paths.weights_dir(s)) for s in checkpoint.list_steps(paths)]
+    out = [
+        Listed(
+            checkpoint_id(paths.root, s),
+            s,
+            checkpoint.verify(paths, s, deep=False) is None,
+            paths.weights_dir(s),
+        )
+        for s in checkpoint.list_steps(paths)
+    ]
     if register:
         _record({c.id: str(paths.checkpoint_dir(c.step).resolve()) for c in out if c.complete})
     return out
@@ -89,12 +96,17 @@ def resolve(ref: str) -> Source:
     if ID_RE.fullmatch(ref):
         path = _index().get(ref)
         if path is None:
-            raise ConfigError(FIELD, f"unknown checkpoint id '{ref}' (list a run's ids with `hpcrl checkpoints RUN_DIR`)")
+            raise ConfigError(
+                FIELD, f"unknown checkpoint id '{ref}' (list a run's ids with `hpcrl checkpoints RUN_DIR`)"
+            )
         ref = path
     d = Path(ref).expanduser().resolve()
     if not d.is_dir():
-        raise ConfigError(FIELD, f"'{ref}' is neither a checkpoint (<run_dir>/checkpoints/step_N), a weights dir, "
-                                 "nor a checkpoint id (`hpcrl checkpoints RUN_DIR` lists them)")
+        raise ConfigError(
+            FIELD,
+            f"'{ref}' is neither a checkpoint (<run_dir>/checkpoints/step_N), a weights dir, "
+            "nor a checkpoint id (`hpcrl checkpoints RUN_DIR` lists them)",
+        )
     step = parse_step_dir(d.name)
     if step is not None and d.parent.name == "checkpoints":
         return _from_checkpoint(d.parent.parent, step, ref)
@@ -131,8 +143,15 @@ def source_model(src: Source) -> str | None:
     return model.get("name") if isinstance(model, dict) else None
 
 
-_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "intermediate_size")
+_SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
 
 
 def check_same_model(src: Source, ref: str, model_name: str) -> None:
@@ -141,8 +160,11 @@ def check_same_model(src: Source, ref: str, model_name: str) -> None:
     trained = source_model(src)
     if trained is not None:
         if trained != model_name:
-            raise ConfigError(FIELD, f"checkpoint '{ref}' was trained from model '{trained}', this run's model is "
-                                     f"'{model_name}' (a warm start needs the same model)")
+            raise ConfigError(
+                FIELD,
+                f"checkpoint '{ref}' was trained from model '{trained}', this run's model is "
+                f"'{model_name}' (a warm start needs the same model)",
+            )
         return
     local = Path(model_name, "config.json")
     if local.is_file():
@@ -150,8 +172,11 @@ def check_same_model(src: Source, ref: str, model_name: str) -> None:
         b = json.loads((src.weights_dir / "config.json").read_text())
         diff = [k for k in _SHAPE_KEYS if a.get(k) != b.get(k)]
         if diff:
-            raise ConfigError(FIELD, f"'{ref}' is a different model than '{model_name}' ({diff[0]}: "
-                                     f"{b.get(diff[0])} vs {a.get(diff[0])}; a warm start needs the same model)")
+            raise ConfigError(
+                FIELD,
+                f"'{ref}' is a different model than '{model_name}' ({diff[0]}: "
+                f"{b.get(diff[0])} vs {a.get(diff[0])}; a warm start needs the same model)",
+            )
 
 
 def resolve_for(ref: str, model_name: str) -> Path:

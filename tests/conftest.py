@@ -8,9 +8,18 @@ from pathlib import Path
 import pytest
 
 
-def rl_toml(max_steps: int | str = 5, *, seq_len: int = 128, model: str = "hpcrl/tiny-qwen3", batch_size: int = 16,
-            rollouts_per_example: int = 4, max_tokens: int = 16, top: str = "", orchestrator: str = "",
-            tables: str = "") -> str:
+def rl_toml(
+    max_steps: int | str = 5,
+    *,
+    seq_len: int = 128,
+    model: str = "hpcrl/tiny-qwen3",
+    batch_size: int = 16,
+    rollouts_per_example: int = 4,
+    max_tokens: int = 16,
+    top: str = "",
+    orchestrator: str = "",
+    tables: str = "",
+) -> str:
     """The base RL config the tests share (tiny model, reverse-text), as TOML text.
 
     `top`: extra top-level lines (before [model]); `orchestrator`: extra lines of [orchestrator];
@@ -18,11 +27,13 @@ def rl_toml(max_steps: int | str = 5, *, seq_len: int = 128, model: str = "hpcrl
     str ("{steps}", "{model}") to leave a placeholder for str.format; braces in the extras then
     need doubling. With the defaults the text is exactly what test_config_errors' line numbers
     expect."""
-    return (f"max_steps = {max_steps}\nseq_len = {seq_len}\n{top}"
-            f'[model]\nname = "{model}"\n'
-            f"[orchestrator]\nbatch_size = {batch_size}\nrollouts_per_example = {rollouts_per_example}\n{orchestrator}"
-            f"[orchestrator.train.sampling]\nmax_tokens = {max_tokens}\n"
-            f'[[orchestrator.train.env]]\nid = "reverse-text"\n{tables}')
+    return (
+        f"max_steps = {max_steps}\nseq_len = {seq_len}\n{top}"
+        f'[model]\nname = "{model}"\n'
+        f"[orchestrator]\nbatch_size = {batch_size}\nrollouts_per_example = {rollouts_per_example}\n{orchestrator}"
+        f"[orchestrator.train.sampling]\nmax_tokens = {max_tokens}\n"
+        f'[[orchestrator.train.env]]\nid = "reverse-text"\n{tables}'
+    )
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +64,16 @@ def _hpcrl_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
 class InferenceServer:
     """A real `hpcrl.inference.server` subprocess on 127.0.0.1 (free port), stopped by `stop()`."""
 
-    def __init__(self, model_dir: Path, run_dir: Path, *args: str, index: int = 0, timeout: float = 90.0,
-                 threads: int | None = 1, any_weights_path: bool = True):
+    def __init__(
+        self,
+        model_dir: Path,
+        run_dir: Path,
+        *args: str,
+        index: int = 0,
+        timeout: float = 90.0,
+        threads: int | None = 1,
+        any_weights_path: bool = True,
+    ):
         import json
         import subprocess
         import sys
@@ -69,9 +88,22 @@ class InferenceServer:
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
         if threads is not None:  # tests share 2 cores with other test processes: one thread each
             env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, "-m", "hpcrl.inference.server", "--model.name", str(model_dir),
-               "--server.host", "127.0.0.1", "--server.port", "0", "--run-dir", str(run_dir),
-               "--server-index", str(index), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hpcrl.inference.server",
+            "--model.name",
+            str(model_dir),
+            "--server.host",
+            "127.0.0.1",
+            "--server.port",
+            "0",
+            "--run-dir",
+            str(run_dir),
+            "--server-index",
+            str(index),
+            *args,
+        ]
         if any_weights_path:  # most tests load weights built in their own tmp dirs, outside run_dir
             cmd.append("--server.allow-any-weights-path")
         with open(self.log_path, "w") as log:

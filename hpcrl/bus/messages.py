@@ -179,7 +179,9 @@ class PolicyReady(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.base_step is not None and not 0 <= self.base_step < self.step:
-            raise ValueError(f"PolicyReady.base_step must be in [0, step), got {self.base_step} for step {self.step}")
+            raise ValueError(
+                f"PolicyReady.base_step must be in [0, step), got {self.base_step} for step {self.step}"
+            )
         if self.transport == "filesystem" and not self.path:
             raise ValueError("PolicyReady.path is required when transport is 'filesystem'")
         if self.transport not in ("collective", "filesystem"):
@@ -235,8 +237,10 @@ class WeightGroupAddress(msgspec.Struct, kw_only=True):
         if len(self.server_indices) != len(self.receivers):
             raise ValueError("WeightGroupAddress: server_indices and receivers differ in length")
         if self.world_size != 1 + sum(self.receivers):
-            raise ValueError(f"WeightGroupAddress.world_size {self.world_size} != 1 + sum(receivers) "
-                             f"= {1 + sum(self.receivers)}")
+            raise ValueError(
+                f"WeightGroupAddress.world_size {self.world_size} != 1 + sum(receivers) "
+                f"= {1 + sum(self.receivers)}"
+            )
 
 
 class Endpoint(msgspec.Struct, kw_only=True):

@@ -14,7 +14,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Config", "ConfigError", "Loaded", "SFTConfig", "load"]
 
-_WHERE = {"ConfigError": "errors", "Loaded": "loader", "load": "loader", "Config": "schema", "SFTConfig": "schema"}
+_WHERE = {
+    "ConfigError": "errors",
+    "Loaded": "loader",
+    "load": "loader",
+    "Config": "schema",
+    "SFTConfig": "schema",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -95,9 +95,7 @@ def resolve(root: type[msgspec.Struct], parts: list[str]) -> Leaf:
         fields = _struct_fields(inner)
         if part not in fields:
             where = ".".join(parts[:i]) or "top level"
-            raise ConfigError(
-                ".".join(parts[: i + 1]), f"unknown field in {where}{nearest(part, fields)}"
-            )
+            raise ConfigError(".".join(parts[: i + 1]), f"unknown field in {where}{nearest(part, fields)}")
         t = fields[part].type
         _, desc, nullable = _unwrap(t)
     inner, _, _ = _unwrap(t)

@@ -17,9 +17,24 @@ from hpcrl.config.schema import Config
 
 # Top-level keys only the hosted platform understands: accepted, reported, ignored.
 PLATFORM_ONLY = ("tailscale", "infrastructure", "image_tag")
-_HOSTED_MARKERS = ("batch_size", "rollouts_per_example", "env", "sampling", "learning_rate", "lora_alpha",
-                   "oversampling_factor", "trajectory_strategy", "checkpoints", "adapters", "env_file",
-                   "checkpoint_id", "buffer", "val", "eval", "max_async_level")
+_HOSTED_MARKERS = (
+    "batch_size",
+    "rollouts_per_example",
+    "env",
+    "sampling",
+    "learning_rate",
+    "lora_alpha",
+    "oversampling_factor",
+    "trajectory_strategy",
+    "checkpoints",
+    "adapters",
+    "env_file",
+    "checkpoint_id",
+    "buffer",
+    "val",
+    "eval",
+    "max_async_level",
+)
 HOSTED_KEYS = ("model", "max_steps", "wandb", "max_off_policy_steps") + _HOSTED_MARKERS + PLATFORM_ONLY
 
 
@@ -53,7 +68,7 @@ def hosted_path(native: str) -> str | None:
     """The hosted-shape spelling of a native dotted path, or None when it has none."""
     for nat, host in _NATIVE_TO_HOSTED:
         if native == nat or native.startswith(nat + ".") or native.startswith(nat + "["):
-            return host + native[len(nat):]
+            return host + native[len(nat) :]
     return None
 
 
@@ -69,7 +84,8 @@ def apply_defaults(merged: dict[str, Any], notes: list[str]) -> None:
     if isinstance(optim, dict):
         optim.setdefault("lr", HOSTED_DEFAULTS["learning_rate"])
     if "seq_len" not in merged and not any(
-        isinstance(merged.get(s), dict) and "seq_len" in merged[s] for s in ("trainer", "orchestrator", "inference")
+        isinstance(merged.get(s), dict) and "seq_len" in merged[s]
+        for s in ("trainer", "orchestrator", "inference")
     ):
         train = orch.get("train")
         sampling = train.get("sampling") if isinstance(train, dict) else None
@@ -93,7 +109,7 @@ def to_native(d: dict[str, Any], source: str = "") -> tuple[dict[str, Any], list
             shown = f"[{key}]" if isinstance(d.pop(key), dict) else key
             notes.append(f"{source}: {shown} is a hosted-platform setting; ignored here")
     if d.get("type") == "full_finetune":
-        notes.append(f"{source}: type = \"full_finetune\" (native shape): trains all weights")
+        notes.append(f'{source}: type = "full_finetune" (native shape): trains all weights')
     if not is_hosted(d):
         return d, notes
     notes.append(f"{source}: hosted (flat) config shape detected; translated to the native shape")
@@ -112,8 +128,13 @@ def _table(value: Any, path: str) -> dict[str, Any]:
 
 
 def _kind(value: Any) -> str:
-    return {"list": "an array", "str": "a string", "int": "an integer", "float": "a float",
-            "bool": "a boolean"}.get(type(value).__name__, f"a {type(value).__name__}")
+    return {
+        "list": "an array",
+        "str": "a string",
+        "int": "an integer",
+        "float": "a float",
+        "bool": "a boolean",
+    }.get(type(value).__name__, f"a {type(value).__name__}")
 
 
 def _env_list(envs: Any, path: str) -> list[dict[str, Any]]:
@@ -133,7 +154,9 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
     model = _take(d, "model")
     if model is not None:
         if not isinstance(model, (str, dict)):
-            raise ConfigError("model", f"expected a model name (string) or a [model] table, got {_kind(model)} {model!r}")
+            raise ConfigError(
+                "model", f"expected a model name (string) or a [model] table, got {_kind(model)} {model!r}"
+            )
         native["model"] = {"name": model} if isinstance(model, str) else model
     for key in ("trainer", "orchestrator", "inference"):
         if key in d and not isinstance(d[key], dict):
@@ -141,8 +164,14 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
     for key in ("max_steps", "seq_len", "name", "output_dir", "seed"):
         if key in d:
             native[key] = d.pop(key)
-    for key in ("batch_size", "rollouts_per_example", "oversampling_factor", "max_async_level",
-                "trajectory_strategy", "max_off_policy_steps"):
+    for key in (
+        "batch_size",
+        "rollouts_per_example",
+        "oversampling_factor",
+        "max_async_level",
+        "trajectory_strategy",
+        "max_off_policy_steps",
+    ):
         if key in d:
             orch[key] = d.pop(key)
 
@@ -154,7 +183,9 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
         optim = (d.get("trainer") or {}).get("optim")
         native_lr = optim.get("lr") if isinstance(optim, dict) else None
         if native_lr is not None and native_lr != lr:
-            raise ConfigError("trainer.optim.lr", f"{native_lr!r} conflicts with learning_rate = {lr!r} (set it once)")
+            raise ConfigError(
+                "trainer.optim.lr", f"{native_lr!r} conflicts with learning_rate = {lr!r} (set it once)"
+            )
         native["trainer"] = {"optim": {"lr": lr}}
     lora: dict[str, Any] = {}
     if "lora_alpha" in d:
@@ -191,7 +222,9 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
         if "interval" in cp:
             ckpt["interval"] = cp.pop("interval")
         if cp:
-            raise ConfigError(f"checkpoints.{next(iter(cp))}", "unknown field (allowed: interval, keep_cloud)")
+            raise ConfigError(
+                f"checkpoints.{next(iter(cp))}", "unknown field (allowed: interval, keep_cloud)"
+            )
         ckpt.setdefault("interval", None)
     if "adapters" in d:
         ad = _table(d.pop("adapters"), "adapters")
@@ -214,5 +247,7 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
     native_keys = fields.field_names(Config, [])
     for key in d:
         if key not in native_keys:
-            raise ConfigError(key, f"unknown field in top level{nearest(key, HOSTED_KEYS + tuple(native_keys))}")
+            raise ConfigError(
+                key, f"unknown field in top level{nearest(key, HOSTED_KEYS + tuple(native_keys))}"
+            )
     return deep_merge(native, d)

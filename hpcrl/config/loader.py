@@ -120,7 +120,9 @@ def parse_argv(argv: list[str], root: type[msgspec.Struct] = Config) -> tuple[li
             elif leaf.optional_section:
                 set_path(over, parts, None)
             else:
-                raise ConfigError(leaf.path, f"is a {leaf.type_repr}; --no- works only on booleans and optional sections")
+                raise ConfigError(
+                    leaf.path, f"is a {leaf.type_repr}; --no- works only on booleans and optional sections"
+                )
             continue
         if leaf.kind == "section":
             if value is None and nxt == "@":
@@ -183,7 +185,9 @@ def apply_aliases(d: dict[str, Any]) -> None:
         if isinstance(sec, dict) and alias in sec:
             if canonical in sec and sec[canonical] != sec[alias]:
                 path = ".".join(parts)
-                raise ConfigError(f"{path}.{alias}", f"conflicts with {path}.{canonical} (they are the same setting)")
+                raise ConfigError(
+                    f"{path}.{alias}", f"conflicts with {path}.{canonical} (they are the same setting)"
+                )
             sec[canonical] = sec.pop(alias)
 
 
@@ -207,7 +211,8 @@ def check_shared(d: dict[str, Any]) -> dict[str, Any]:
         for path, v in seen[1:]:
             if v != seen[0][1]:
                 raise ConfigError(
-                    path, f"{v!r} conflicts with {seen[0][0]} = {seen[0][1]!r} (shared fields must agree; set it once)"
+                    path,
+                    f"{v!r} conflicts with {seen[0][0]} = {seen[0][1]!r} (shared fields must agree; set it once)",
                 )
         if seen:
             resolved[name] = seen[0][1]
@@ -304,7 +309,9 @@ def _translate(msg: str, root: type[msgspec.Struct], d: dict[str, Any] | None = 
     value = _value_at(d, path) if d is not None and path else _MISSING
     if text.startswith("invalid enum value"):
         allowed = _allowed(root, path)
-        text = text.replace("invalid enum value", "invalid value") + (f" (allowed: {allowed})" if allowed else "")
+        text = text.replace("invalid enum value", "invalid value") + (
+            f" (allowed: {allowed})" if allowed else ""
+        )
     elif value is not _MISSING and not isinstance(value, (dict, list)):
         text += f" ({value!r} given)" if " got " in f" {text}" else f", got {value!r}"
     return ConfigError(path or "config", text)
@@ -313,8 +320,12 @@ def _translate(msg: str, root: type[msgspec.Struct], d: dict[str, Any] | None = 
 # ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
-def load(argv: list[str], root: type[T] = Config, require_envs: bool = True,  # type: ignore[assignment]
-         extra: dict[str, Any] | None = None) -> Loaded:
+def load(
+    argv: list[str],
+    root: type[T] = Config,
+    require_envs: bool = True,  # type: ignore[assignment]
+    extra: dict[str, Any] | None = None,
+) -> Loaded:
     """Resolve a config from CLI arguments (files + flags) into typed Structs. `extra` (a nested
     dict, e.g. from a command's positional arguments and short flags) applies after the flags."""
     files, over = parse_argv(argv, root)

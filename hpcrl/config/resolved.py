@@ -59,8 +59,10 @@ def redact(v: Any, key: str = "") -> Any:
         return v
     if secrets.is_secret_key(key):
         return REDACTED
-    v = secrets.INLINE_SECRET_RE.sub(lambda m: m.group(0) if "${env:" in m.group(0) else
-                                     f"{m.group(1)}{m.group(2)}{REDACTED}{m.group(2)}", v)
+    v = secrets.INLINE_SECRET_RE.sub(
+        lambda m: m.group(0) if "${env:" in m.group(0) else f"{m.group(1)}{m.group(2)}{REDACTED}{m.group(2)}",
+        v,
+    )
     return secrets.KEY_PREFIX_RE.sub(REDACTED, v)
 
 
@@ -99,4 +101,3 @@ def write_resolved(cfg: msgspec.Struct, configs_dir: Path) -> list[Path]:
         write_text(path, dumps(d))
         out.append(path)
     return out
-

@@ -66,12 +66,18 @@ def check_output_dir(raw: str, field: str = "output_dir") -> None:
     path = Path(os.path.abspath(raw))
     for fs in _PSEUDO_FS:
         if path == Path(fs) or Path(fs) in path.parents:
-            raise ConfigError(field, f"'{raw}' is inside {fs}, a kernel pseudo-filesystem, not a place for a run")
+            raise ConfigError(
+                field, f"'{raw}' is inside {fs}, a kernel pseudo-filesystem, not a place for a run"
+            )
     for parent in [path, *path.parents]:
         try:
             if parent.exists():
                 if not parent.is_dir():
-                    what = "exists and is not a directory" if parent == path else f"has a parent '{parent}' that is a file"
+                    what = (
+                        "exists and is not a directory"
+                        if parent == path
+                        else f"has a parent '{parent}' that is a file"
+                    )
                     raise ConfigError(field, f"'{raw}' {what}")
                 return
         except OSError as e:

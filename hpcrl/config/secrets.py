@@ -28,14 +28,17 @@ from hpcrl.config.errors import ConfigError
 ENV_REF_RE = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
 SECRET_ENV_PREFIX = "HPCRL_SECRET_"
 _SECRET_KEY_RE = re.compile(
-    r"(api_?key|secret|password|passwd|auth_key|access_token|auth_token|api_token|hf_token|^token)$", re.IGNORECASE
+    r"(api_?key|secret|password|passwd|auth_key|access_token|auth_token|api_token|hf_token|^token)$",
+    re.IGNORECASE,
 )
 # Secrets inside free-form strings (slurm.setup lines, env args): `export HF_TOKEN=hf_...`.
 INLINE_SECRET_RE = re.compile(
     r"(\b[A-Za-z0-9_]*(?:API_KEY|APIKEY|TOKEN|SECRET|PASSWORD|AUTH_KEY)\s*[=:]\s*)(['\"]?)[^\s'\"]+\2",
     re.IGNORECASE,
 )
-KEY_PREFIX_RE = re.compile(r"\b(?:sk-[A-Za-z0-9_\-]{16,}|hf_[A-Za-z0-9]{16,}|tskey-[A-Za-z0-9\-]{8,}|wandb_v1_\w{16,})")
+KEY_PREFIX_RE = re.compile(
+    r"\b(?:sk-[A-Za-z0-9_\-]{16,}|hf_[A-Za-z0-9]{16,}|tskey-[A-Za-z0-9\-]{8,}|wandb_v1_\w{16,})"
+)
 
 
 def is_secret_key(key: str) -> bool:
@@ -107,8 +110,12 @@ def resolve_refs(value: Any, path: str, environ: Mapping[str, str] | None = None
 
 
 def _unset(path: str, name: str) -> ConfigError:
-    hint = ("it held a literal secret that is never written to disk: export it again, or move the "
-            "value to an env_file" if name.startswith(SECRET_ENV_PREFIX) else "export it or add it to an env_file")
+    hint = (
+        "it held a literal secret that is never written to disk: export it again, or move the "
+        "value to an env_file"
+        if name.startswith(SECRET_ENV_PREFIX)
+        else "export it or add it to an env_file"
+    )
     return ConfigError(path, f"references ${{env:{name}}} but {name} is not set ({hint})")
 
 
@@ -158,4 +165,3 @@ def load_env_files(paths: list[str]) -> dict[str, str]:
     for k, v in loaded.items():
         os.environ.setdefault(k, v)
     return loaded
-

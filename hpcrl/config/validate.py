@@ -36,17 +36,27 @@ def validate_sft(cfg: SFTConfig) -> None:
     _unsupported(cfg)
     trainer_precision(cfg, on_gpu=True)
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
-        raise ConfigError("ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])")
+        raise ConfigError(
+            "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"
+        )
     if not cfg.data.name.strip():
-        raise ConfigError("data.name", "is required (a jsonl/parquet file, a directory of them, or a saved dataset)")
+        raise ConfigError(
+            "data.name", "is required (a jsonl/parquet file, a directory of them, or a saved dataset)"
+        )
     if cfg.val.data is not None and not cfg.val.data.name.strip():
-        raise ConfigError("val.data.name", "is empty (give a file, or drop [val.data] to hold out val.fraction)")
+        raise ConfigError(
+            "val.data.name", "is empty (give a file, or drop [val.data] to hold out val.fraction)"
+        )
     if cfg.val.stop_at_loss > 0 and cfg.val.interval == 0:
-        raise ConfigError("val.stop_at_loss", f"{cfg.val.stop_at_loss} needs val.interval > 0 (no validation loss to compare)")
+        raise ConfigError(
+            "val.stop_at_loss",
+            f"{cfg.val.stop_at_loss} needs val.interval > 0 (no validation loss to compare)",
+        )
     seq_len = cfg.data.seq_len or cfg.seq_len
     if cfg.micro_batch_tokens < seq_len:
         raise ConfigError(
-            "micro_batch_tokens", f"{cfg.micro_batch_tokens} must be at least the packed row length ({seq_len})"
+            "micro_batch_tokens",
+            f"{cfg.micro_batch_tokens} must be at least the packed row length ({seq_len})",
         )
     _betas(cfg.optim.betas, "optim.betas")
     _ckpt_fields(cfg.ckpt, cfg.max_steps)
@@ -70,8 +80,12 @@ def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
 UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     ("model.impl", ("auto", "hf"), "only Hugging Face transformers models are implemented"),
     ("model.ep", (1,), "expert parallelism is not implemented; MoE models train with FSDP only"),
-    ("inference.parallel.dp", (1,), "run more servers with deployment.num_inference_servers (CPU) or "
-                                    "deployment.num_infer_gpus / num_infer_nodes"),
+    (
+        "inference.parallel.dp",
+        (1,),
+        "run more servers with deployment.num_inference_servers (CPU) or "
+        "deployment.num_infer_gpus / num_infer_nodes",
+    ),
     ("orchestrator.renderer.name", ("default",), "the tokenizer's chat template renders every prompt"),
 )
 _MODEL_SECTIONS = ("model", "trainer.model", "orchestrator.model", "inference.model")
@@ -89,7 +103,7 @@ def _get(root: object, path: str) -> tuple[bool, object]:
 
 def _unsupported(cfg: Config | SFTConfig) -> None:
     for path, allowed, instead in UNSUPPORTED:
-        paths = [s + path[len("model"):] for s in _MODEL_SECTIONS] if path.startswith("model.") else [path]
+        paths = [s + path[len("model") :] for s in _MODEL_SECTIONS] if path.startswith("model.") else [path]
         for p in paths:
             present, value = _get(cfg, p)
             if present and value not in allowed:
@@ -124,7 +138,8 @@ def _orchestrator(cfg: Config) -> None:
         )
     if o.training_mode in ("opd", "sft") and o.teacher is None:
         raise ConfigError(
-            "orchestrator.teacher", f"training_mode = '{o.training_mode}' needs [orchestrator.teacher] base_url"
+            "orchestrator.teacher",
+            f"training_mode = '{o.training_mode}' needs [orchestrator.teacher] base_url",
         )
     if o.training_mode == "rl" and o.teacher is not None:
         raise ConfigError("orchestrator.teacher", "is only used with training_mode = 'opd' or 'sft'")
@@ -158,13 +173,18 @@ def _buffer(cfg: Config) -> None:
         if any(r < 0 for r in b.env_ratios) or sum(b.env_ratios) <= 0:
             raise ConfigError("orchestrator.buffer.env_ratios", "must be non-negative with a positive sum")
         if any(e.ratio is not None for e in envs):
-            raise ConfigError("orchestrator.buffer.env_ratios", "set either buffer.env_ratios or env ratio, not both")
+            raise ConfigError(
+                "orchestrator.buffer.env_ratios", "set either buffer.env_ratios or env ratio, not both"
+            )
 
 
 def _envs(cfg: Config, require_envs: bool) -> None:
     o = cfg.orchestrator
     if require_envs and not o.train.env:
-        raise ConfigError("orchestrator.train.env", "at least one training environment is required ([[orchestrator.train.env]] id = ...)")
+        raise ConfigError(
+            "orchestrator.train.env",
+            "at least one training environment is required ([[orchestrator.train.env]] id = ...)",
+        )
     _unique_names(o.train.env, "orchestrator.train.env")
     if o.eval is not None:
         _unique_names(o.eval.env, "orchestrator.eval.env")
@@ -191,7 +211,9 @@ def _unique_names(envs: list[EnvConfig], path: str) -> None:
     for i, e in enumerate(envs):
         name = e.name or e.id.rsplit("/", 1)[-1]
         if name in seen:
-            raise ConfigError(f"{path}[{i}].name", f"duplicate env name '{name}'; give each env a distinct name")
+            raise ConfigError(
+                f"{path}[{i}].name", f"duplicate env name '{name}'; give each env a distinct name"
+            )
         seen.add(name)
 
 
@@ -201,7 +223,8 @@ def _deployment(cfg: Config) -> None:
     multi = d.num_train_nodes is not None or d.num_infer_nodes is not None
     if single and multi:
         raise ConfigError(
-            "deployment", "set num_train_gpus/num_infer_gpus (one node) or num_train_nodes/num_infer_nodes, not both"
+            "deployment",
+            "set num_train_gpus/num_infer_gpus (one node) or num_train_nodes/num_infer_nodes, not both",
         )
     if single:
         total = (d.num_train_gpus or 0) + (d.num_infer_gpus or 0)
@@ -216,13 +239,17 @@ def _deployment(cfg: Config) -> None:
             raise ConfigError("deployment.num_infer_gpus", "must be at least 1")
         tp = cfg.inference.parallel.tp
         if d.num_infer_gpus is not None and d.num_infer_gpus % tp:
-            raise ConfigError("inference.parallel.tp", f"{tp} does not divide num_infer_gpus ({d.num_infer_gpus})")
+            raise ConfigError(
+                "inference.parallel.tp", f"{tp} does not divide num_infer_gpus ({d.num_infer_gpus})"
+            )
     if multi:
         if (d.num_train_nodes is None) != (d.num_infer_nodes is None):
             raise ConfigError("deployment.num_infer_nodes", "set both num_train_nodes and num_infer_nodes")
         tp = cfg.inference.parallel.tp
         if d.gpus_per_node and d.gpus_per_node % tp and tp <= d.gpus_per_node:
-            raise ConfigError("inference.parallel.tp", f"{tp} does not divide gpus_per_node ({d.gpus_per_node})")
+            raise ConfigError(
+                "inference.parallel.tp", f"{tp} does not divide gpus_per_node ({d.gpus_per_node})"
+            )
         if cfg.slurm is not None and cfg.slurm.nodes is not None:
             total = (d.num_train_nodes or 0) + (d.num_infer_nodes or 0)
             if total != cfg.slurm.nodes:
@@ -247,7 +274,9 @@ def _ckpt_fields(c: CkptConfig | None, max_steps: int) -> None:
     if c is None:
         return
     if c.keep_interval is not None and c.interval is not None and c.keep_interval % c.interval:
-        raise ConfigError("ckpt.keep_interval", f"{c.keep_interval} is not a multiple of ckpt.interval ({c.interval})")
+        raise ConfigError(
+            "ckpt.keep_interval", f"{c.keep_interval} is not a multiple of ckpt.interval ({c.interval})"
+        )
     if c.resume_step is not None and c.resume_step > max_steps:
         raise ConfigError("ckpt.resume_step", f"{c.resume_step} is beyond max_steps ({max_steps})")
 
@@ -262,4 +291,6 @@ def _slurm(cfg: Config) -> None:
         raise ConfigError("slurm.mem", f"'{s.mem}' is not a SLURM memory size (e.g. 0, 64G, 512000M)")
     for i, opt in enumerate(s.extra_sbatch):
         if not opt.startswith("--"):
-            raise ConfigError(f"slurm.extra_sbatch[{i}]", f"'{opt}' must be a long sbatch option like --exclusive")
+            raise ConfigError(
+                f"slurm.extra_sbatch[{i}]", f"'{opt}' must be a long sbatch option like --exclusive"
+            )

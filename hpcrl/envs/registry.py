@@ -166,8 +166,10 @@ def alias_note(env_id: str) -> str | None:
     alias = _alias_key(env_id)
     if alias is None or _builtin_key(env_id) is not None or ":" in env_id or _installed(env_id) is not None:
         return None
-    return (f"env {env_id}: package not installed; running the built-in '{alias}' (alias of the same task; "
-            f"`prime env install {env_id}` to use the Hub package)")
+    return (
+        f"env {env_id}: package not installed; running the built-in '{alias}' (alias of the same task; "
+        f"`prime env install {env_id}` to use the Hub package)"
+    )
 
 
 PROMPT_ARGS = ("system_prompt", "system_prompt_file")
@@ -178,7 +180,9 @@ def _accepts(factory: Factory, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def split_prompt_args(env_id: str, factory: Factory, args: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+def split_prompt_args(
+    env_id: str, factory: Factory, args: Mapping[str, Any]
+) -> tuple[dict[str, Any], str | None]:
     """(the arguments for the factory, a system prompt to apply as an override or None). Reads
     `system_prompt_file` unless the factory takes that argument itself."""
     args = dict(args)
@@ -192,7 +196,9 @@ def split_prompt_args(env_id: str, factory: Factory, args: Mapping[str, Any]) ->
             raise EnvSpecError(f"environment {env_id!r}: system_prompt_file {path!r}: {e.strerror}") from None
     prompt = args.get("system_prompt")
     if prompt is not None and not isinstance(prompt, str):
-        raise EnvSpecError(f"environment {env_id!r}: system_prompt must be a string, got {type(prompt).__name__}")
+        raise EnvSpecError(
+            f"environment {env_id!r}: system_prompt must be a string, got {type(prompt).__name__}"
+        )
     if "system_prompt" in args and not _accepts(factory, "system_prompt"):
         return args, args.pop("system_prompt")
     return args, None

@@ -21,17 +21,34 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded, load
 
 # flag -> dotted field (value flags). Long forms that are already config fields need no entry.
-COMMON = {"-m": "model", "-b": "client.base_url", "--api-base-url": "client.base_url",
-          "-t": "sampling.max_tokens", "--max-tokens": "sampling.max_tokens",
-          "-T": "sampling.temperature", "--temperature": "sampling.temperature",
-          "-k": "client.api_key_var", "--api-key-var": "client.api_key_var"}
+COMMON = {
+    "-m": "model",
+    "-b": "client.base_url",
+    "--api-base-url": "client.base_url",
+    "-t": "sampling.max_tokens",
+    "--max-tokens": "sampling.max_tokens",
+    "-T": "sampling.temperature",
+    "--temperature": "sampling.temperature",
+    "-k": "client.api_key_var",
+    "--api-key-var": "client.api_key_var",
+}
 EVAL_FLAGS = {**COMMON, "-n": "num_examples", "-r": "rollouts_per_example"}
-GEPA_FLAGS = {**COMMON, "-M": "gepa.reflection_model", "--reflection-model": "gepa.reflection_model",
-              "-B": "gepa.max_calls", "--max-calls": "gepa.max_calls", "-n": "gepa.num_train",
-              "--num-train": "gepa.num_train", "-N": "gepa.num_val", "--num-val": "gepa.num_val",
-              "--minibatch-size": "gepa.minibatch_size", "--perfect-score": "gepa.perfect_score",
-              "--state-columns": "gepa.state_columns"}
+GEPA_FLAGS = {
+    **COMMON,
+    "-M": "gepa.reflection_model",
+    "--reflection-model": "gepa.reflection_model",
+    "-B": "gepa.max_calls",
+    "--max-calls": "gepa.max_calls",
+    "-n": "gepa.num_train",
+    "--num-train": "gepa.num_train",
+    "-N": "gepa.num_val",
+    "--num-val": "gepa.num_val",
+    "--minibatch-size": "gepa.minibatch_size",
+    "--perfect-score": "gepa.perfect_score",
+    "--state-columns": "gepa.state_columns",
+}
 ENV_ARGS_FLAGS = ("-a", "--env-args")
+
 
 def _is_value_flag(root: type, tok: str) -> bool:
     """Does the dotted flag `tok` (no `=`) take the next token as its value?"""

@@ -26,8 +26,14 @@ class ServerDied(RuntimeError):
 class Endpoints:
     """Context manager: `url(model)` is the base URL serving `model` (started on first use)."""
 
-    def __init__(self, paths: EvalPaths, client: ClientConfig, inference: EvalInferenceConfig, seq_len: int,
-                 log_level: str | None = None):
+    def __init__(
+        self,
+        paths: EvalPaths,
+        client: ClientConfig,
+        inference: EvalInferenceConfig,
+        seq_len: int,
+        log_level: str | None = None,
+    ):
         self.paths, self.client, self.inference, self.seq_len = paths, client, inference, seq_len
         self.log_level = log_level
         self.children: list[Child] = []
@@ -57,12 +63,28 @@ class Endpoints:
             return self.served[model]
         inf = self.inference
         port = free_port()
-        args = ["--model.name", model, "--server.host", "127.0.0.1", "--server.port", str(port),
-                "--inference.backend", inf.backend, "--model.dtype", inf.dtype,
-                "--inference.max-batch-size", str(inf.max_batch_size),
-                "--inference.max-model-len", str(inf.max_model_len or self.seq_len),
-                "--inference.gpu-memory-utilization", str(inf.gpu_memory_utilization),
-                "--inference.parallel.tp", str(inf.tp), "--seq-len", str(self.seq_len)]
+        args = [
+            "--model.name",
+            model,
+            "--server.host",
+            "127.0.0.1",
+            "--server.port",
+            str(port),
+            "--inference.backend",
+            inf.backend,
+            "--model.dtype",
+            inf.dtype,
+            "--inference.max-batch-size",
+            str(inf.max_batch_size),
+            "--inference.max-model-len",
+            str(inf.max_model_len or self.seq_len),
+            "--inference.gpu-memory-utilization",
+            str(inf.gpu_memory_utilization),
+            "--inference.parallel.tp",
+            str(inf.tp),
+            "--seq-len",
+            str(self.seq_len),
+        ]
         if inf.trust_remote_code:
             args.append("--model.trust-remote-code")
         if self.log_level:
@@ -78,8 +100,11 @@ class Endpoints:
             wait_healthy(child, url, self.client.server_timeout_s)
         except ServerDied as e:
             last = next((ln for ln in reversed(_tail(child).splitlines()) if ln.strip()), "")
-            raise ConfigError("model", f"`hpcrl inference` could not serve {model!r}: {e}; last log line: "
-                                       f"{last[:300]} (log: {child.log_path})") from None
+            raise ConfigError(
+                "model",
+                f"`hpcrl inference` could not serve {model!r}: {e}; last log line: "
+                f"{last[:300]} (log: {child.log_path})",
+            ) from None
         self.served[model] = url
         return url
 
@@ -119,5 +144,8 @@ def load_tokenizer(model: str, client: ClientConfig, trust_remote_code: bool) ->
         return AutoTokenizer.from_pretrained(resolve_model(name), trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any loading failure is the same user error
         field = "client.tokenizer" if client.tokenizer else "model"
-        raise ConfigError(field, f"cannot load a tokenizer from {name!r} ({type(e).__name__}: "
-                                 f"{str(e).splitlines()[0] if str(e) else ''}); give --client.tokenizer DIR") from None
+        raise ConfigError(
+            field,
+            f"cannot load a tokenizer from {name!r} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); give --client.tokenizer DIR",
+        ) from None

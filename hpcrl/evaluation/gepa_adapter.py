@@ -80,8 +80,16 @@ class PromptAdapter:
 
     propose_new_texts = None  # gepa's reflective proposer with our reflection LM
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, gen: Generator, env_name: str, env: Environment,
-                 sampling: Mapping[str, Any], valset: Sequence[Task], state_columns: Sequence[str]):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        gen: Generator,
+        env_name: str,
+        env: Environment,
+        sampling: Mapping[str, Any],
+        valset: Sequence[Task],
+        state_columns: Sequence[str],
+    ):
         self.loop, self.gen, self.env_name, self.env = loop, gen, env_name, env
         self.sampling, self.state_columns = dict(sampling), list(state_columns)
         self.val_ids = [t.example_id for t in valset]
@@ -103,8 +111,9 @@ class PromptAdapter:
         traces = [(r, t) for r, t in zip(rows, batch)] if capture_traces else None
         return EvaluationBatch(outputs=rows, scores=scores, trajectories=traces, num_metric_calls=len(batch))
 
-    def make_reflective_dataset(self, candidate: dict[str, str], eval_batch: Any,
-                                components_to_update: list[str]) -> dict[str, list[dict[str, Any]]]:
+    def make_reflective_dataset(
+        self, candidate: dict[str, str], eval_batch: Any, components_to_update: list[str]
+    ) -> dict[str, list[dict[str, Any]]]:
         records = [feedback(row, task, self.state_columns) for row, task in eval_batch.trajectories or []]
         return {c: records for c in components_to_update}
 
@@ -133,8 +142,16 @@ class PromptAdapter:
 class ReflectionLM:
     """gepa LanguageModel over any OpenAI-compatible chat endpoint."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, base_url: str, model: str, api_key: str | None,
-                 max_tokens: int | None, temperature: float, timeout: float):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        base_url: str,
+        model: str,
+        api_key: str | None,
+        max_tokens: int | None,
+        temperature: float,
+        timeout: float,
+    ):
         from hpcrl.inference.client import InferenceClient
 
         self.loop, self.model = loop, model
@@ -145,8 +162,15 @@ class ReflectionLM:
     def __call__(self, prompt: str | list[dict[str, Any]]) -> str:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         self.calls += 1
-        resp = self.loop.run_until_complete(self.client.chat_completion(
-            messages, model=self.model, max_tokens=self.max_tokens, temperature=self.temperature, tokens=False))
+        resp = self.loop.run_until_complete(
+            self.client.chat_completion(
+                messages,
+                model=self.model,
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                tokens=False,
+            )
+        )
         return ((resp.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
 
     def close(self) -> None:

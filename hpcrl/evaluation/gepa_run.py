@@ -62,18 +62,25 @@ def split_tasks(cfg: GepaRunConfig, env: Environment) -> tuple[list[Task], list[
     train = list(env.tasks("train"))[: cfg.gepa.num_train]
     val = list(env.tasks("eval"))[: cfg.gepa.num_val]
     if not train or not val:
-        raise ValueError(f"env {cfg.env[0].id!r} has {len(train)} train and {len(val)} eval tasks; GEPA needs both")
+        raise ValueError(
+            f"env {cfg.env[0].id!r} has {len(train)} train and {len(val)} eval tasks; GEPA needs both"
+        )
     return train, val
 
 
 def check_budget(cfg: GepaRunConfig, num_val: int) -> None:
     g = cfg.gepa
     if num_val > g.max_calls:
-        raise ConfigError("gepa.max_calls", f"{g.max_calls} is below num_val ({num_val}): scoring the base prompt "
-                                            "alone takes num_val calls")
+        raise ConfigError(
+            "gepa.max_calls",
+            f"{g.max_calls} is below num_val ({num_val}): scoring the base prompt alone takes num_val calls",
+        )
     if num_val + 2 * g.minibatch_size + num_val > g.max_calls:
-        log.warning("gepa: a budget of %d covers the base evaluation but no iteration (one takes up to %d calls)",
-                    g.max_calls, 2 * g.minibatch_size + num_val)
+        log.warning(
+            "gepa: a budget of %d covers the base evaluation but no iteration (one takes up to %d calls)",
+            g.max_calls,
+            2 * g.minibatch_size + num_val,
+        )
 
 
 def _resume_view(cfg_dict: dict[str, Any]) -> dict[str, Any]:
@@ -95,8 +102,11 @@ def check_resume(paths: EvalPaths, cfg_dict: dict[str, Any]) -> bool:
         before, now = _resume_view(json.loads(paths.config_file.read_text())), _resume_view(cfg_dict)
         diff = [k for k in RESUME_KEYS if before[k] != now[k]]
         if diff:
-            raise ConfigError(diff[0], f"differs from the search being resumed in {paths.root} "
-                                       f"({before[diff[0]]!r} there); use another --output-dir")
+            raise ConfigError(
+                diff[0],
+                f"differs from the search being resumed in {paths.root} "
+                f"({before[diff[0]]!r} there); use another --output-dir",
+            )
     return True
 
 
@@ -122,31 +132,52 @@ def main(cfg: GepaRunConfig) -> int:
     loop = asyncio.new_event_loop()
     try:
         with Endpoints(paths, cfg.client, cfg.inference, cfg.seq_len, cfg.log.level) as ep:
-            result, adapter, reflection = _search(gepa, cfg, paths, ep, loop, name, env, train, val, seed_prompt,
-                                                  resumed)
+            result, adapter, reflection = _search(
+                gepa, cfg, paths, ep, loop, name, env, train, val, seed_prompt, resumed
+            )
             rows = adapter.val_rows.get(prompt_key(result.candidates[result.best_idx][COMPONENT]), [])
             reflection.close()
             loop.run_until_complete(adapter.gen.pool.aclose())
     finally:
         loop.close()
     meta = write_outputs(paths, cfg_dict, result, val, rows, resumed, adapter.rollouts, reflection.calls)
-    print(f"hpcrl gepa: {meta['num_candidates']} candidates, base {meta['base_score']:.3f} -> best "
-          f"{meta['best_score']:.3f} (candidate {meta['best_idx']}), {meta['total_metric_calls']}/"
-          f"{cfg.gepa.max_calls} metric calls{' (resumed)' if resumed else ''} -> {paths.best_prompt_file}",
-          flush=True)
+    print(
+        f"hpcrl gepa: {meta['num_candidates']} candidates, base {meta['base_score']:.3f} -> best "
+        f"{meta['best_score']:.3f} (candidate {meta['best_idx']}), {meta['total_metric_calls']}/"
+        f"{cfg.gepa.max_calls} metric calls{' (resumed)' if resumed else ''} -> {paths.best_prompt_file}",
+        flush=True,
+    )
     return 0
 
 
-def _search(gepa: Any, cfg: GepaRunConfig, paths: EvalPaths, ep: Endpoints, loop: asyncio.AbstractEventLoop,
-            name: str, env: Environment, train: list[Task], val: list[Task], seed_prompt: str, resumed: bool
-            ) -> tuple[Any, PromptAdapter, ReflectionLM]:
+def _search(
+    gepa: Any,
+    cfg: GepaRunConfig,
+    paths: EvalPaths,
+    ep: Endpoints,
+    loop: asyncio.AbstractEventLoop,
+    name: str,
+    env: Environment,
+    train: list[Task],
+    val: list[Task],
+    seed_prompt: str,
+    resumed: bool,
+) -> tuple[Any, PromptAdapter, ReflectionLM]:
     from hpcrl.orchestrator.rollout import openai_sampling
 
     g = cfg.gepa
     url = ep.url(cfg.model)
     tokenizer = load_tokenizer(cfg.model, cfg.client, cfg.inference.trust_remote_code)
-    gen = make_generator(url, cfg.model, tokenizer, cfg.seq_len, sampling_seed(cfg), timeout=cfg.client.timeout_s,
-                         max_concurrent=cfg.client.max_concurrent, api_key=ep.api_key())
+    gen = make_generator(
+        url,
+        cfg.model,
+        tokenizer,
+        cfg.seq_len,
+        sampling_seed(cfg),
+        timeout=cfg.client.timeout_s,
+        max_concurrent=cfg.client.max_concurrent,
+        api_key=ep.api_key(),
+    )
     adapter = PromptAdapter(loop, gen, name, env, openai_sampling(cfg.sampling), val, g.state_columns)
     if resumed:
         from gepa.core.state import GEPAState
@@ -159,43 +190,85 @@ def _search(gepa: Any, cfg: GepaRunConfig, paths: EvalPaths, ep: Endpoints, loop
         r_url, r_key = g.reflection_base_url, os.environ.get(g.reflection_api_key_var)
     else:
         r_url, r_key = ep.url(reflection_model), ep.api_key()
-    reflection = ReflectionLM(loop, r_url, reflection_model, r_key, g.reflection_max_tokens,
-                              g.reflection_temperature, cfg.client.timeout_s)
+    reflection = ReflectionLM(
+        loop,
+        r_url,
+        reflection_model,
+        r_key,
+        g.reflection_max_tokens,
+        g.reflection_temperature,
+        cfg.client.timeout_s,
+    )
     result = gepa.optimize(
-        seed_candidate={COMPONENT: seed_prompt}, trainset=train, valset=val, adapter=adapter,
-        reflection_lm=reflection, candidate_selection_strategy=g.candidate_selection,
-        skip_perfect_score=g.perfect_score is not None, perfect_score=g.perfect_score if g.perfect_score is not None else 1.0,
+        seed_candidate={COMPONENT: seed_prompt},
+        trainset=train,
+        valset=val,
+        adapter=adapter,
+        reflection_lm=reflection,
+        candidate_selection_strategy=g.candidate_selection,
+        skip_perfect_score=g.perfect_score is not None,
+        perfect_score=g.perfect_score if g.perfect_score is not None else 1.0,
         reflection_minibatch_size=g.minibatch_size,
         stop_callbacks=[BudgetStopper(g.max_calls, g.minibatch_size, len(val))],
-        run_dir=str(paths.gepa_state_dir), logger=GepaLog(), seed=g.seed, raise_on_exception=False, display_progress_bar=False,
+        run_dir=str(paths.gepa_state_dir),
+        logger=GepaLog(),
+        seed=g.seed,
+        raise_on_exception=False,
+        display_progress_bar=False,
     )
     return result, adapter, reflection
 
 
-def write_outputs(paths: EvalPaths, cfg_dict: dict[str, Any], result: Any, val: list[Task],
-                  rows: list[dict[str, Any]], resumed: bool, rollouts: int, reflections: int) -> dict[str, Any]:
+def write_outputs(
+    paths: EvalPaths,
+    cfg_dict: dict[str, Any],
+    result: Any,
+    val: list[Task],
+    rows: list[dict[str, Any]],
+    resumed: bool,
+    rollouts: int,
+    reflections: int,
+) -> dict[str, Any]:
     best = result.candidates[result.best_idx][COMPONENT]
     for f in (paths.best_prompt_file, paths.system_prompt_file):
         write_atomic(f, [(best + "\n").encode()])
     frontier = []
     for vid, idxs in sorted(result.per_val_instance_best_candidates.items()):
         ranked = sorted(idxs)
-        frontier.append({"val_index": vid, "example_id": val[vid].example_id,
-                         "best_score": max(result.val_subscores[i][vid] for i in ranked) if ranked else None,
-                         "candidates": ranked, "prompts": [result.candidates[i][COMPONENT] for i in ranked]})
+        frontier.append(
+            {
+                "val_index": vid,
+                "example_id": val[vid].example_id,
+                "best_score": max(result.val_subscores[i][vid] for i in ranked) if ranked else None,
+                "candidates": ranked,
+                "prompts": [result.candidates[i][COMPONENT] for i in ranked],
+            }
+        )
     write_jsonl(paths.pareto_file, frontier)
     write_jsonl(paths.results_file, rows)
     meta = {
-        "num_candidates": result.num_candidates, "best_idx": result.best_idx,
-        "best_score": result.val_aggregate_scores[result.best_idx], "base_score": result.val_aggregate_scores[0],
-        "total_metric_calls": result.total_metric_calls, "max_calls": cfg_dict["gepa"]["max_calls"],
-        "resumed": resumed, "rollouts_this_invocation": rollouts, "reflection_calls_this_invocation": reflections,
-        "num_val": len(val), "base_prompt": result.candidates[0][COMPONENT], "best_prompt": best,
-        "candidates": [{"idx": i, "score": result.val_aggregate_scores[i], "parents": result.parents[i],
-                        "discovered_at_metric_calls": result.discovery_eval_counts[i]}
-                       for i in range(result.num_candidates)],
+        "num_candidates": result.num_candidates,
+        "best_idx": result.best_idx,
+        "best_score": result.val_aggregate_scores[result.best_idx],
+        "base_score": result.val_aggregate_scores[0],
+        "total_metric_calls": result.total_metric_calls,
+        "max_calls": cfg_dict["gepa"]["max_calls"],
+        "resumed": resumed,
+        "rollouts_this_invocation": rollouts,
+        "reflection_calls_this_invocation": reflections,
+        "num_val": len(val),
+        "base_prompt": result.candidates[0][COMPONENT],
+        "best_prompt": best,
+        "candidates": [
+            {
+                "idx": i,
+                "score": result.val_aggregate_scores[i],
+                "parents": result.parents[i],
+                "discovered_at_metric_calls": result.discovery_eval_counts[i],
+            }
+            for i in range(result.num_candidates)
+        ],
         "config": cfg_dict,
     }
     write_json(paths.metadata_file, meta)
     return meta
-

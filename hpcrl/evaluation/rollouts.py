@@ -26,15 +26,33 @@ class ScoredGroup:
     trajectories: dict[int, Trajectory]  # rollout index -> trajectory (errored rollouts have none)
 
 
-def make_generator(base_url: str, model: str, tokenizer: Any, seq_len: int, seed: int | None, *,
-                   timeout: float, max_concurrent: int, api_key: str | None) -> Generator:
-    pool = ServerPool([base_url], model=model, timeout=timeout, max_concurrent=max_concurrent, api_key=api_key)
+def make_generator(
+    base_url: str,
+    model: str,
+    tokenizer: Any,
+    seq_len: int,
+    seed: int | None,
+    *,
+    timeout: float,
+    max_concurrent: int,
+    api_key: str | None,
+) -> Generator:
+    pool = ServerPool(
+        [base_url], model=model, timeout=timeout, max_concurrent=max_concurrent, api_key=api_key
+    )
     # No training here: every token comes from "policy 0" (the model as it is).
     return Generator(pool, tokenizer, seq_len, lambda: 0, seed)
 
 
-async def score_group(gen: Generator, env_name: str, env: Environment, task: Task, k: int,
-                      sampling: Mapping[str, Any], key: Sequence[object]) -> ScoredGroup:
+async def score_group(
+    gen: Generator,
+    env_name: str,
+    env: Environment,
+    task: Task,
+    k: int,
+    sampling: Mapping[str, Any],
+    key: Sequence[object],
+) -> ScoredGroup:
     """k scored rollouts of one task; request seeds derive from (seed, *key, example_id, rollout)."""
     trajs: dict[int, Trajectory] = {}
 
@@ -45,9 +63,13 @@ async def score_group(gen: Generator, env_name: str, env: Environment, task: Tas
     return ScoredGroup(env_name, task, records, trajs)
 
 
-async def score_all(gen: Generator, jobs: Sequence[tuple[str, Environment, Task, int]], sampling: Mapping[str, Any],
-                    key: Callable[[str], Sequence[object]], on_done: Callable[[ScoredGroup], None] | None = None
-                    ) -> list[ScoredGroup]:
+async def score_all(
+    gen: Generator,
+    jobs: Sequence[tuple[str, Environment, Task, int]],
+    sampling: Mapping[str, Any],
+    key: Callable[[str], Sequence[object]],
+    on_done: Callable[[ScoredGroup], None] | None = None,
+) -> list[ScoredGroup]:
     """Every (env name, env, task, k) job at once (the pool bounds concurrency), in job order."""
 
     async def one(job: tuple[str, Environment, Task, int]) -> ScoredGroup:
@@ -60,7 +82,9 @@ async def score_all(gen: Generator, jobs: Sequence[tuple[str, Environment, Task,
     return list(await asyncio.gather(*(one(j) for j in jobs)))
 
 
-def _prompt_and_completion(env: Environment, task: Task, traj: Trajectory | None) -> tuple[list[Message], list[Message]]:
+def _prompt_and_completion(
+    env: Environment, task: Task, traj: Trajectory | None
+) -> tuple[list[Message], list[Message]]:
     if traj is None:
         return env.initial_messages(task), []
     return traj.messages[: traj.num_prompt_messages], traj.completion
@@ -73,11 +97,21 @@ def result_rows(group: ScoredGroup, env: Environment) -> list[dict[str, Any]]:
         traj = group.trajectories.get(rec.index)
         prompt, completion = _prompt_and_completion(env, group.task, traj)
         prompt_tokens = len(traj.turns[0].prompt_token_ids) if traj is not None and traj.turns else 0
-        rows.append({
-            "example_id": group.task.example_id, "rollout_index": rec.index, "env": group.env,
-            "prompt": prompt, "completion": completion, "answer": group.task.answer,
-            "reward": 0.0 if rec.errored else rec.reward, "metrics": dict(rec.metrics),
-            "prompt_tokens": prompt_tokens, "completion_tokens": rec.completion_tokens,
-            "num_turns": rec.num_turns, "truncated": rec.truncated, "error": rec.error,
-        })
+        rows.append(
+            {
+                "example_id": group.task.example_id,
+                "rollout_index": rec.index,
+                "env": group.env,
+                "prompt": prompt,
+                "completion": completion,
+                "answer": group.task.answer,
+                "reward": 0.0 if rec.errored else rec.reward,
+                "metrics": dict(rec.metrics),
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": rec.completion_tokens,
+                "num_turns": rec.num_turns,
+                "truncated": rec.truncated,
+                "error": rec.error,
+            }
+        )
     return rows

@@ -84,8 +84,7 @@ def print_table(summary: dict[str, dict[str, Any]], model: str) -> None:
 
     table = Table(title=f"hpcrl eval: {model}")
     for h in S.TABLE_HEADER:
-        table.add_column(h, justify="left" if h == "env" else "right", overflow="fold",
-                         no_wrap=h != "env")
+        table.add_column(h, justify="left" if h == "env" else "right", overflow="fold", no_wrap=h != "env")
     for row in S.table_rows(summary):
         table.add_row(*row)
     console = Console(width=max(Console().width, 120))  # a log file or pipe gets the whole table
@@ -108,8 +107,15 @@ class Progress:
             TimeRemainingColumn,
         )
 
-        self.bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("rollouts"),
-                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+        self.bar = Progress(
+            TextColumn(f"[bold]{label}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("rollouts"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+        )
         self.task = self.bar.add_task(label, total=total)
 
     def __enter__(self) -> Progress:
@@ -140,23 +146,43 @@ def main(cfg: EvalRunConfig) -> int:
     rows = [row for g in groups for row in result_rows(g, envs[g.env])]
     write_jsonl(paths.results_file, rows)
     summary = summarize(cfg, groups)
-    write_json(paths.summary_file, {"model": cfg.model, "split": cfg.split, "seconds": time.monotonic() - t0,
-                                    "envs": summary})
+    write_json(
+        paths.summary_file,
+        {"model": cfg.model, "split": cfg.split, "seconds": time.monotonic() - t0, "envs": summary},
+    )
     print_table(summary, cfg.model)
     print(f"hpcrl eval: {len(rows)} rollouts -> {paths.results_file}, {paths.summary_file}", flush=True)
     return 0
 
 
-async def _generate(cfg: EvalRunConfig, url: str, api_key: str | None, tokenizer: Any,
-                    jobs: list[tuple[str, Environment, Task, int]]) -> list[ScoredGroup]:
+async def _generate(
+    cfg: EvalRunConfig,
+    url: str,
+    api_key: str | None,
+    tokenizer: Any,
+    jobs: list[tuple[str, Environment, Task, int]],
+) -> list[ScoredGroup]:
     from hpcrl.orchestrator.rollout import openai_sampling
 
-    gen = make_generator(url, cfg.model, tokenizer, cfg.seq_len, sampling_seed(cfg), timeout=cfg.client.timeout_s,
-                         max_concurrent=cfg.client.max_concurrent, api_key=api_key)
+    gen = make_generator(
+        url,
+        cfg.model,
+        tokenizer,
+        cfg.seq_len,
+        sampling_seed(cfg),
+        timeout=cfg.client.timeout_s,
+        max_concurrent=cfg.client.max_concurrent,
+        api_key=api_key,
+    )
     total = sum(k for *_, k in jobs)
     try:
         with Progress(total, "eval") as bar:
-            return await score_all(gen, jobs, openai_sampling(cfg.sampling), lambda name: ("eval", 0, name),
-                                   on_done=lambda g: bar.advance(len(g.records)))
+            return await score_all(
+                gen,
+                jobs,
+                openai_sampling(cfg.sampling),
+                lambda name: ("eval", 0, name),
+                on_done=lambda g: bar.advance(len(g.records)),
+            )
     finally:
         await gen.pool.aclose()

@@ -52,7 +52,9 @@ def summarize_env(groups: Sequence[Sequence[RolloutRecord]], k: int, threshold: 
         "uniform_fraction": uniform_fraction(groups),
         "errored": sum(r.errored for r in rollouts),
         "truncated_fraction": float(np.mean([r.truncated for r in rollouts])) if rollouts else 0.0,
-        "completion_tokens_mean": float(np.mean([r.completion_tokens for r in rollouts])) if rollouts else 0.0,
+        "completion_tokens_mean": float(np.mean([r.completion_tokens for r in rollouts]))
+        if rollouts
+        else 0.0,
     }
 
 
@@ -70,8 +72,10 @@ def recommendation(s: dict[str, Any], no_signal_threshold: float) -> str | None:
     if mean >= 0.8:
         return head + "the task is too easy for this model; use harder examples"
     if mean <= 0.2:
-        return head + ("the task is too hard for this model; use easier examples, a stronger model or an SFT "
-                       "warm-up first")
+        return head + (
+            "the task is too hard for this model; use easier examples, a stronger model or an SFT "
+            "warm-up first"
+        )
     return head + "raise sampling.temperature or rollouts_per_example, or pick examples of mixed difficulty"
 
 
@@ -84,9 +88,18 @@ def table_rows(summary: dict[str, dict[str, Any]]) -> list[list[str]]:
     rows = []
     for env, s in summary.items():
         k = s["rollouts_per_example"]
-        rows.append([env, f"{s['num_examples']} x {k}", fmt(s[f"avg@{k}"]), fmt(s[f"pass@{k}"]),
-                     f"{fmt(s['reward_mean'])} ± {fmt(s['reward_std'])}", fmt(s["example_std"]),
-                     fmt(s["uniform_fraction"]), str(s["errored"])])
+        rows.append(
+            [
+                env,
+                f"{s['num_examples']} x {k}",
+                fmt(s[f"avg@{k}"]),
+                fmt(s[f"pass@{k}"]),
+                f"{fmt(s['reward_mean'])} ± {fmt(s['reward_std'])}",
+                fmt(s["example_std"]),
+                fmt(s["uniform_fraction"]),
+                str(s["errored"]),
+            ]
+        )
     return rows
 
 

@@ -48,8 +48,16 @@ MAX_STEP = 2**62  # a policy step; anything larger is a client bug, not a policy
 class ServerState:
     """What the routes share: the engine, the served names, the broadcast group, the sync status."""
 
-    def __init__(self, engine: HFEngine, served_name: str, model_path: str, *, api_key: str | None = None,
-                 run_dir: str | None = None, allow_any_weights_path: bool = False):
+    def __init__(
+        self,
+        engine: HFEngine,
+        served_name: str,
+        model_path: str,
+        *,
+        api_key: str | None = None,
+        run_dir: str | None = None,
+        allow_any_weights_path: bool = False,
+    ):
         self.engine = engine
         self.api_key, self.run_dir, self.allow_any_weights_path = api_key, run_dir, allow_any_weights_path
         self.served_name = served_name
@@ -62,8 +70,12 @@ class ServerState:
         self.http_errors = 0
 
     def names(self) -> set[str]:
-        return {self.served_name, self.model_path, os.path.basename(self.model_path.rstrip("/")),
-                *self.engine.lora_adapters}
+        return {
+            self.served_name,
+            self.model_path,
+            os.path.basename(self.model_path.rstrip("/")),
+            *self.engine.lora_adapters,
+        }
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -106,7 +118,9 @@ ENGINE_ERROR_HTTP: dict[type[EngineError], tuple[int, str]] = {
 
 def api_error(exc: EngineError) -> APIError:
     """The HTTP answer to an engine refusal (the engine itself knows nothing of HTTP)."""
-    status, kind = next((v for t, v in ENGINE_ERROR_HTTP.items() if isinstance(exc, t)), (500, "InternalServerError"))
+    status, kind = next(
+        (v for t, v in ENGINE_ERROR_HTTP.items() if isinstance(exc, t)), (500, "InternalServerError")
+    )
     return APIError(exc.message, status=status, type=kind, param=exc.param)
 
 
@@ -127,8 +141,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         state.http_errors += 1
-        return JSONResponse(APIError(str(exc.detail), status=exc.status_code, type="HTTPError").body(),
-                            status_code=exc.status_code)
+        return JSONResponse(
+            APIError(str(exc.detail), status=exc.status_code, type="HTTPError").body(),
+            status_code=exc.status_code,
+        )
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
@@ -156,23 +172,41 @@ def build_app(state: ServerState) -> FastAPI:
     # -- health and introspection ----------------------------------------------------------------------
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok" if not state.sync_error else "weights_unverified", "model": state.served_name,
-                "policy_step": engine.policy_step, "paused": engine.paused, **engine.load(),
-                "max_batch_size_seen": engine.stats["max_batch_size_seen"]}
+        return {
+            "status": "ok" if not state.sync_error else "weights_unverified",
+            "model": state.served_name,
+            "policy_step": engine.policy_step,
+            "paused": engine.paused,
+            **engine.load(),
+            "max_batch_size_seen": engine.stats["max_batch_size_seen"],
+        }
 
     @app.get("/metrics")
     async def metrics() -> dict[str, Any]:
         stats = dict(engine.stats)
         stats["batch_size_hist"] = {str(k): v for k, v in sorted(stats["batch_size_hist"].items())}
-        return {**stats, **engine.load(), "policy_step": engine.policy_step, "http_errors": state.http_errors,
-                "uptime_s": time.time() - state.started}
+        return {
+            **stats,
+            **engine.load(),
+            "policy_step": engine.policy_step,
+            "http_errors": state.http_errors,
+            "uptime_s": time.time() - state.started,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "hpcrl",
-                 "root": state.model_path, "parent": None if name == state.served_name else state.served_name,
-                 "max_model_len": engine.max_model_len}
-                for name in [state.served_name, *engine.lora_adapters]]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "hpcrl",
+                "root": state.model_path,
+                "parent": None if name == state.served_name else state.served_name,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in [state.served_name, *engine.lora_adapters]
+        ]
         return {"object": "list", "data": data}
 
     @app.get("/weights")
@@ -197,23 +231,40 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
             prompt = engine.tokens.cached_chat(engine.tokens.chat_key(messages, tools, agp, cont, kwargs))
             if prompt is None:  # a template render is slow enough to keep off the event loop
-                prompt = await asyncio.to_thread(engine.tokens.encode_chat, messages, tools, agp, cont, kwargs)
+                prompt = await asyncio.to_thread(
+                    engine.tokens.encode_chat, messages, tools, agp, cont, kwargs
+                )
         params, outs = await generate(prompt, body, chat=True)
-        return _json(chat_response(model, prompt, outs, params, parse_tools=bool(tools),
-                                   token_str=lambda t: engine.tokens.token_info(t)[0],
-                                   token_bytes=lambda t: engine.tokens.token_info(t)[1]))
+        return _json(
+            chat_response(
+                model,
+                prompt,
+                outs,
+                params,
+                parse_tools=bool(tools),
+                token_str=lambda t: engine.tokens.token_info(t)[0],
+                token_bytes=lambda t: engine.tokens.token_info(t)[1],
+            )
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _body(request)
         model = _check_model(state, body)
         parse_sampling(body, chat=False)
-        prompts = [p if isinstance(p, list) else await asyncio.to_thread(engine.tokens.encode_text, p)
-                   for p in parse_completion_prompts(body)]
+        prompts = [
+            p if isinstance(p, list) else await asyncio.to_thread(engine.tokens.encode_text, p)
+            for p in parse_completion_prompts(body)
+        ]
         results = await asyncio.gather(*(generate(p, body, chat=False) for p in prompts))
         params = results[0][0]
-        resp = completion_response(model, prompts, [outs for _, outs in results], params,
-                                   token_str=lambda t: engine.tokens.token_info(t)[0])
+        resp = completion_response(
+            model,
+            prompts,
+            [outs for _, outs in results],
+            params,
+            token_str=lambda t: engine.tokens.token_info(t)[0],
+        )
         if body.get("prompt_logprobs") is not None:
             await add_prompt_logprobs(resp, prompts, body["prompt_logprobs"], params.n)
         return _json(resp)
@@ -222,12 +273,16 @@ def build_app(state: ServerState) -> FastAPI:
         """vLLM's shape: choices[i].prompt_logprobs = [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]
         for the prompt's own tokens (top-k alternatives beyond them are not computed: k must be 0 or 1)."""
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 1:
-            raise APIError("`prompt_logprobs` must be 0 or 1 (only the prompt tokens' own logprobs)",
-                           param="prompt_logprobs")
+            raise APIError(
+                "`prompt_logprobs` must be 0 or 1 (only the prompt tokens' own logprobs)",
+                param="prompt_logprobs",
+            )
         for p, ids in enumerate(prompts):
             lps = await asyncio.to_thread(engine.score_prompt, ids)
-            entries = [None] + [{str(t): {"logprob": lp, "rank": None, "decoded_token": engine.tokens.token_info(t)[0]}}
-                                for t, lp in zip(ids[1:], lps[1:])]
+            entries = [None] + [
+                {str(t): {"logprob": lp, "rank": None, "decoded_token": engine.tokens.token_info(t)[0]}}
+                for t, lp in zip(ids[1:], lps[1:])
+            ]
             for i in range(n):
                 resp["choices"][p * n + i]["prompt_logprobs"] = entries
 
@@ -242,13 +297,19 @@ def build_app(state: ServerState) -> FastAPI:
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
-            tokens = await asyncio.to_thread(engine.tokens.encode_chat, messages, body.get("tools"), agp, cont, kwargs)
+            tokens = await asyncio.to_thread(
+                engine.tokens.encode_chat, messages, body.get("tools"), agp, cont, kwargs
+            )
         elif isinstance(body.get("prompt"), str):
             tokens = await asyncio.to_thread(engine.tokens.encode_text, body["prompt"])
         else:
             raise APIError("/tokenize needs `messages` (a list) or `prompt` (a string)", param="prompt")
-        out: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
-                               "token_strs": None}
+        out: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": engine.max_model_len,
+            "tokens": tokens,
+            "token_strs": None,
+        }
         if _bool(body, "return_token_strs", False):
             out["token_strs"] = [engine.tokens.token_info(t)[0] for t in tokens]
         return out
@@ -288,8 +349,12 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(f"rank {rank} must be < world_size {world}", param="rank")
         receivers = _int(body, "receivers", 1, lo=1)
         if receivers != 1:  # the embedded engine receives in this one process, whatever GPUs it spans
-            raise APIError(f"this hf server receives weights in 1 process, the group counts it as {receivers}",
-                           status=409, param="receivers", type="BroadcastError")
+            raise APIError(
+                f"this hf server receives weights in 1 process, the group counts it as {receivers}",
+                status=409,
+                param="receivers",
+                type="BroadcastError",
+            )
         timeout = protocol_float(body, "timeout", 300.0, 0.0, 3600.0, lo_open=True)
         backend = body.get("backend")
         if backend not in (None, "gloo", "nccl"):
@@ -300,14 +365,26 @@ def build_app(state: ServerState) -> FastAPI:
                 state.group = None
             try:
                 # init_group honours the timeout itself; the outer bound is for a join stuck elsewhere.
-                state.group = await asyncio.wait_for(asyncio.to_thread(
-                    init_group, host, port, world, rank, backend=backend, timeout_s=timeout), timeout + 5)
+                state.group = await asyncio.wait_for(
+                    asyncio.to_thread(
+                        init_group, host, port, world, rank, backend=backend, timeout_s=timeout
+                    ),
+                    timeout + 5,
+                )
             except asyncio.TimeoutError:
-                raise APIError(f"joining the weight broadcast group at {host}:{port} did not complete within "
-                               f"{timeout:g} s", status=504, type="BroadcastError", param="timeout") from None
+                raise APIError(
+                    f"joining the weight broadcast group at {host}:{port} did not complete within "
+                    f"{timeout:g} s",
+                    status=504,
+                    type="BroadcastError",
+                    param="timeout",
+                ) from None
             except Exception as e:
-                raise APIError(f"cannot join the weight broadcast group at {host}:{port}: {e}", status=502,
-                               type="BroadcastError") from e
+                raise APIError(
+                    f"cannot join the weight broadcast group at {host}:{port}: {e}",
+                    status=502,
+                    type="BroadcastError",
+                ) from e
         return {"status": "ok", "rank": rank, "world_size": world, "backend": state.group.backend}
 
     @app.post("/update_weights")
@@ -330,17 +407,23 @@ def build_app(state: ServerState) -> FastAPI:
                 sent = None
             elif transport == "collective":
                 if state.group is None:
-                    raise APIError("no weight broadcast group: call /init_broadcaster first", status=409,
-                                   type="BroadcastError")
+                    raise APIError(
+                        "no weight broadcast group: call /init_broadcaster first",
+                        status=409,
+                        type="BroadcastError",
+                    )
                 try:
                     checksum, sent = await asyncio.to_thread(_receive_and_load, state, step)
                 except (APIError, EngineError):  # the request's or the engine's refusal, not the broadcast's
                     raise
                 except Exception as e:  # sender died, timeout, protocol mismatch
-                    raise APIError(f"receiving the weight broadcast failed: {type(e).__name__}: {e}",
-                                   status=502, type="BroadcastError") from e
+                    raise APIError(
+                        f"receiving the weight broadcast failed: {type(e).__name__}: {e}",
+                        status=502,
+                        type="BroadcastError",
+                    ) from e
             else:
-                raise APIError("give `path` (a weights dir) or `transport: \"collective\"`", param="transport")
+                raise APIError('give `path` (a weights dir) or `transport: "collective"`', param="transport")
             problem = None
             if sent is not None and sent != checksum:
                 problem = f"loaded checksum {checksum} != sender's {sent}"
@@ -352,8 +435,12 @@ def build_app(state: ServerState) -> FastAPI:
                 state.sync_error = f"weight update to step {step} failed verification: {problem}"
                 raise APIError(state.sync_error, status=409, type="WeightSyncError")
             state.sync_error = None
-        return {"step": step, "checksum": checksum, "seconds": time.perf_counter() - t0,
-                "num_tensors": engine.weights_info()["num_tensors"]}
+        return {
+            "step": step,
+            "checksum": checksum,
+            "seconds": time.perf_counter() - t0,
+            "num_tensors": engine.weights_info()["num_tensors"],
+        }
 
     async def load_lora(request: Request) -> dict[str, Any]:
         body = await _body(request)
@@ -378,16 +465,23 @@ def _receive_and_load(state: ServerState, step: int) -> tuple[str, str | None]:
     from hpcrl.weights.delta import Delta
 
     header = receive_header(state.group)
-    if header.delta is not None or header.adapter is not None:  # small: no staging buffer (it holds full weights)
+    if (
+        header.delta is not None or header.adapter is not None
+    ):  # small: no staging buffer (it holds full weights)
         tensors = receive_tensors(state.group, header)
     else:
         tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
     if header.step != step:
-        raise APIError(f"the broadcast carried step {header.step}, the request said {step}", status=409,
-                       type="WeightSyncError")
+        raise APIError(
+            f"the broadcast carried step {header.step}, the request said {step}",
+            status=409,
+            type="WeightSyncError",
+        )
     if header.adapter is not None:  # LoRA RL: merged like /load_lora_adapter, checksum over the adapter
-        return (state.engine.merge_lora(ADAPTER_NAME, f"broadcast:step_{step}", header.adapter, tensors, step),
-                header.checksum)
+        return (
+            state.engine.merge_lora(ADAPTER_NAME, f"broadcast:step_{step}", header.adapter, tensors, step),
+            header.checksum,
+        )
     if header.delta is not None:
         try:
             delta = Delta.from_manifest(header.delta, tensors)

@@ -32,14 +32,15 @@ class SlabLayer(DynamicLayer):
         self.batch, self.index = batch, index
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, e = self.batch.size, self.batch.start, self.batch.end
         q = key_states.shape[-2]
         k, v = self.batch.k[self.index], self.batch.v[self.index]
-        k[:b, :, e:e + q] = key_states
-        v[:b, :, e:e + q] = value_states
-        return k[:b, :, s:e + q], v[:b, :, s:e + q]
+        k[:b, :, e : e + q] = key_states
+        v[:b, :, e : e + q] = value_states
+        return k[:b, :, s : e + q], v[:b, :, s : e + q]
 
     def get_seq_length(self) -> int:
         return self.batch.end - self.batch.start
@@ -85,16 +86,23 @@ class DecodeBatch:
             self.mask = torch.zeros(self.max_rows, cap, dtype=torch.bool, device=self.device)
         if b:
             for new, old in zip(self.k + self.v, old_k + old_v):
-                new[:b, :, end - width:end] = old[:b, :, s:e].clone()
+                new[:b, :, end - width : end] = old[:b, :, s:e].clone()
             win = old_mask[:b, s:e].clone()
             self.mask[:b].zero_()
-            self.mask[:b, end - width:end] = win
+            self.mask[:b, end - width : end] = win
             shift = end - e
             self.first = [f + shift for f in self.first]
         self.start, self.end = (end - width if b else end), end
 
-    def add(self, rows: list[Any], kv: Any, idx: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
-            logits: torch.Tensor) -> None:
+    def add(
+        self,
+        rows: list[Any],
+        kv: Any,
+        idx: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> None:
         """Append prefilled rows: row j's cache is row idx[j] of the prefill cache `kv` (left-padded
         to width W by `mask`), so samples of one prompt share its prefill."""
         n, w = len(rows), mask.shape[1]
@@ -109,13 +117,13 @@ class DecodeBatch:
             self._relayout(end, end + max(self.min_capacity, end // 2))
         b, e = self.size, self.end
         for layer, k, v in zip(kv.layers, self.k, self.v):
-            k[b:b + n, :, :e - w].zero_()  # stale columns must stay finite (0 * NaN would leak)
-            v[b:b + n, :, :e - w].zero_()
-            k[b:b + n, :, e - w:e] = layer.keys[idx]
-            v[b:b + n, :, e - w:e] = layer.values[idx]
-        self.mask[b:b + n].zero_()
-        self.mask[b:b + n, e - w:e] = mask[idx].bool()
-        self.pos[b:b + n] = pos[idx]
+            k[b : b + n, :, : e - w].zero_()  # stale columns must stay finite (0 * NaN would leak)
+            v[b : b + n, :, : e - w].zero_()
+            k[b : b + n, :, e - w : e] = layer.keys[idx]
+            v[b : b + n, :, e - w : e] = layer.values[idx]
+        self.mask[b : b + n].zero_()
+        self.mask[b : b + n, e - w : e] = mask[idx].bool()
+        self.pos[b : b + n] = pos[idx]
         lens = mask[idx].sum(1).tolist()
         self.first += [e - int(x) for x in lens]
         self.start = min(self.first)
@@ -163,9 +171,14 @@ class DecodeBatch:
             self._relayout(width, width + max(self.min_capacity, width))
         e = self.end
         self.mask[:b, e] = True
-        attn = self.mask[:b, None, None, self.start:e + 1]  # 4D: transformers uses it as is
-        out = self.model(input_ids=tokens.view(b, 1).to(self.device), attention_mask=attn,
-                         position_ids=self.pos[:b, None], past_key_values=self.cache, use_cache=True)
+        attn = self.mask[:b, None, None, self.start : e + 1]  # 4D: transformers uses it as is
+        out = self.model(
+            input_ids=tokens.view(b, 1).to(self.device),
+            attention_mask=attn,
+            position_ids=self.pos[:b, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.end = e + 1
         self.pos[:b] += 1
         self.logits = out.logits[:, -1].float()

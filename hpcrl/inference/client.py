@@ -31,13 +31,22 @@ class WeightSyncError(InferenceError):
 
 
 class InferenceClient:
-    def __init__(self, base_url: str, *, timeout: float = 600.0, api_key: str | None = None,
-                 max_connections: int = 1024):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        api_key: str | None = None,
+        max_connections: int = 1024,
+    ):
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            headers=headers,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
 
     @property
     def openai_base_url(self) -> str:
@@ -53,8 +62,9 @@ class InferenceClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, json: Any = None,
-                       error_cls: type[InferenceError] = InferenceError) -> Any:
+    async def _request(
+        self, method: str, path: str, json: Any = None, error_cls: type[InferenceError] = InferenceError
+    ) -> Any:
         r = await self._http.request(method, path, json=json)
         if r.status_code >= 400:
             try:
@@ -92,9 +102,18 @@ class InferenceClient:
         return await self._request("GET", "/weights")
 
     # -- generation ------------------------------------------------------------------------------------
-    async def chat_completion(self, messages: list[dict[str, Any]], *, model: str | None = None, n: int = 1,
-                              max_tokens: int | None = None, temperature: float = 1.0, tokens: bool = True,
-                              tools: list[dict[str, Any]] | None = None, **sampling: Any) -> dict[str, Any]:
+    async def chat_completion(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str | None = None,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        tokens: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **sampling: Any,
+    ) -> dict[str, Any]:
         """POST /v1/chat/completions. tokens=True asks for prompt/completion token ids and logprobs."""
         body: dict[str, Any] = {"messages": messages, "n": n, "temperature": temperature, **sampling}
         if model is not None:
@@ -107,9 +126,17 @@ class InferenceClient:
             body.update(logprobs=True, return_token_ids=True)
         return await self._request("POST", "/v1/chat/completions", body)
 
-    async def completion(self, prompt: str | list[int], *, model: str | None = None, n: int = 1,
-                         max_tokens: int | None = None, temperature: float = 1.0, tokens: bool = True,
-                         **sampling: Any) -> dict[str, Any]:
+    async def completion(
+        self,
+        prompt: str | list[int],
+        *,
+        model: str | None = None,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        tokens: bool = True,
+        **sampling: Any,
+    ) -> dict[str, Any]:
         """POST /v1/completions; `prompt` may be token ids (exact continuation for multi-turn stitching)."""
         body: dict[str, Any] = {"prompt": prompt, "n": n, "temperature": temperature, **sampling}
         if model is not None:
@@ -120,8 +147,14 @@ class InferenceClient:
             body.update(logprobs=0, return_token_ids=True)
         return await self._request("POST", "/v1/completions", body)
 
-    async def tokenize(self, *, messages: list[dict[str, Any]] | None = None, prompt: str | None = None,
-                       add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def tokenize(
+        self,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         body: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         if messages is not None:
             body["messages"] = messages
@@ -138,21 +171,39 @@ class InferenceClient:
     async def resume(self) -> dict[str, Any]:
         return await self._request("POST", "/resume")
 
-    async def init_broadcaster(self, host: str, port: int, world_size: int, rank: int,
-                               timeout: float = 300.0, receivers: int | None = None) -> dict[str, Any]:
+    async def init_broadcaster(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        timeout: float = 300.0,
+        receivers: int | None = None,
+    ) -> dict[str, Any]:
         """Join the trainer's weight-broadcast group (returns once every rank joined).
 
         `rank` is this server's rank offset: its workers join as rank, rank + 1, ... `receivers`
         (what the server announced) lets the server refuse at once if it runs another number of
         receiving workers, instead of the group timing out."""
-        body: dict[str, Any] = {"host": host, "port": port, "world_size": world_size, "rank": rank,
-                                "timeout": timeout}
+        body: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            "world_size": world_size,
+            "rank": rank,
+            "timeout": timeout,
+        }
         if receivers is not None:
             body["receivers"] = receivers
         return await self._request("POST", "/init_broadcaster", body)
 
-    async def update_weights(self, step: int, *, path: str | None = None, collective: bool = False,
-                             expected_checksum: str | None = None) -> dict[str, Any]:
+    async def update_weights(
+        self,
+        step: int,
+        *,
+        path: str | None = None,
+        collective: bool = False,
+        expected_checksum: str | None = None,
+    ) -> dict[str, Any]:
         """Load policy `step` from `path` or from the broadcast group; verify the loaded checksum.
 
         Raises WeightSyncError when the server fails to load or reports another checksum or step.
@@ -169,10 +220,16 @@ class InferenceClient:
         r = await self._request("POST", "/update_weights", body, error_cls=WeightSyncError)
         url = f"{self.base_url}/update_weights"
         if r.get("step") != step:
-            raise WeightSyncError(200, "WeightSyncError", f"server loaded step {r.get('step')}, not {step}", url)
+            raise WeightSyncError(
+                200, "WeightSyncError", f"server loaded step {r.get('step')}, not {step}", url
+            )
         if expected_checksum is not None and r.get("checksum") != expected_checksum:
-            raise WeightSyncError(200, "WeightSyncError",
-                                  f"server loaded checksum {r.get('checksum')}, expected {expected_checksum}", url)
+            raise WeightSyncError(
+                200,
+                "WeightSyncError",
+                f"server loaded checksum {r.get('checksum')}, expected {expected_checksum}",
+                url,
+            )
         return r
 
     async def load_lora_adapter(self, name: str, path: str, step: int | None = None) -> dict[str, Any]:

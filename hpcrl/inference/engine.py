@@ -77,15 +77,26 @@ def _check_cache_layers(config: Any) -> None:
     kinds = {type(layer) for layer in cache.layers} | ({cache.layer_class_to_replicate} - {None})
     if kinds - {DynamicLayer}:
         names = ", ".join(sorted(k.__name__ for k in kinds - {DynamicLayer}))
-        raise ValueError(f"model.name: the hf backend serves full-attention models only (this one has {names} "
-                         "cache layers); use --inference.backend vllm")
+        raise ValueError(
+            f"model.name: the hf backend serves full-attention models only (this one has {names} "
+            "cache layers); use --inference.backend vllm"
+        )
 
 
 class HFEngine:
     """Serve one causal LM with batched sampling, live weight updates and per-token policy steps."""
 
-    def __init__(self, model_path: str, *, max_batch_size: int = 64, max_model_len: int = 2048,
-                 dtype: str = "auto", seed: int = 0, device: str | None = None, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_batch_size: int = 64,
+        max_model_len: int = 2048,
+        dtype: str = "auto",
+        seed: int = 0,
+        device: str | None = None,
+        trust_remote_code: bool = False,
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if device is None:
@@ -105,7 +116,9 @@ class HFEngine:
             raise ConfigError("model.name", f"cannot load {model_path!r}: {str(e).splitlines()[0]}") from e
         cfg = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
-        self.max_model_len = min(int(max_model_len), int(getattr(cfg, "max_position_embeddings", max_model_len)))
+        self.max_model_len = min(
+            int(max_model_len), int(getattr(cfg, "max_position_embeddings", max_model_len))
+        )
         self.max_batch_size = int(max_batch_size)
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.tokens = Tokens(self.tokenizer)  # thread-safe encode/decode with the prompt and token caches
@@ -130,9 +143,15 @@ class HFEngine:
         self._lora_base: dict[str, torch.Tensor] = {}
         self.lora_adapters: dict[str, str] = {}  # name -> where it came from (its dir, or "broadcast:step_N")
         self.lora_checksum: str | None = None  # checksum of the merged adapter's tensors
-        self.stats: dict[str, Any] = {"requests": 0, "forward_steps": 0, "prefills": 0, "generated_tokens": 0,
-                                      "batch_size_hist": collections.Counter(), "max_batch_size_seen": 0,
-                                      "engine_errors": 0}
+        self.stats: dict[str, Any] = {
+            "requests": 0,
+            "forward_steps": 0,
+            "prefills": 0,
+            "generated_tokens": 0,
+            "batch_size_hist": collections.Counter(),
+            "max_batch_size_seen": 0,
+            "engine_errors": 0,
+        }
         self._thread = threading.Thread(target=self._loop, name="hpcrl-engine", daemon=True)
         self._thread.start()
 
@@ -155,20 +174,37 @@ class HFEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         room = self.max_model_len - len(prompt)
         if room <= 0:
-            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                                 f"has {len(prompt)} tokens", param="messages")
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(prompt)} tokens",
+                param="messages",
+            )
         if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                 f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
-                                 f"prompt, {params.max_tokens} for the completion)", param="max_tokens")
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
+                f"prompt, {params.max_tokens} for the completion)",
+                param="max_tokens",
+            )
         fut: Future = Future()
         req = _Request(prompt=list(prompt), params=params, max_tokens=params.max_tokens or room, future=fut)
         for i in range(params.n):
             gen = None
             if params.seed is not None:  # choice i of a seeded request draws from seed + i
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            req.seqs.append(_Seq(req=req, row=RowParams(params.temperature, params.top_k, params.top_p,
-                                                        params.min_p, params.repetition_penalty, gen)))
+            req.seqs.append(
+                _Seq(
+                    req=req,
+                    row=RowParams(
+                        params.temperature,
+                        params.top_k,
+                        params.top_p,
+                        params.min_p,
+                        params.repetition_penalty,
+                        gen,
+                    ),
+                )
+            )
         fut.add_done_callback(self._on_done)
         with self._cv:
             if self._stopping:
@@ -253,8 +289,11 @@ class HFEngine:
         if self._bparams is None:  # rebuilt only when the batch's membership changes
             self._bparams = BatchParams.of([s.row for s in rows], self.vocab_size, self.device)
         bp = self._bparams
-        seen = [s.req.prompt + s.out if s.row.repetition_penalty != 1.0 else None for s in rows] \
-            if bp.any_penalty else None
+        seen = (
+            [s.req.prompt + s.out if s.row.repetition_penalty != 1.0 else None for s in rows]
+            if bp.any_penalty
+            else None
+        )
         assert batch.logits is not None
         lp, greedy = processed_logprobs(batch.logits, bp, seen)
         tokens = sample(lp, greedy, bp, self._generator)
@@ -318,10 +357,17 @@ class HFEngine:
                 cut = text.find(s.stop_reason)
                 if cut >= 0:
                     text = text[: cut + (len(s.stop_reason) if req.params.include_stop_str_in_output else 0)]
-            outs.append(SeqOutput(token_ids=s.out, logprobs=s.logprobs,
-                                  top_logprobs=s.top if req.params.top_logprobs else None, text=text,
-                                  finish_reason=s.finish or "stop", stop_reason=s.stop_reason,
-                                  policy_steps=sorted(set(s.steps))))
+            outs.append(
+                SeqOutput(
+                    token_ids=s.out,
+                    logprobs=s.logprobs,
+                    top_logprobs=s.top if req.params.top_logprobs else None,
+                    text=text,
+                    finish_reason=s.finish or "stop",
+                    stop_reason=s.stop_reason,
+                    policy_steps=sorted(set(s.steps)),
+                )
+            )
         req.future.set_result(outs)
 
     def _drop_cancelled(self) -> None:
@@ -366,8 +412,14 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         kv = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=kv,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         self.stats["prefills"] += 1
         self.stats["forward_steps"] += 1
         return out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1].float()
@@ -409,12 +461,16 @@ class HFEngine:
         dtype's values exactly, or equals it). Refused (nothing changes) unless the served weights are
         exactly the delta's base: same checksum, no LoRA merged in."""
         if self.lora_adapters:
-            raise WeightSyncRefused("a weight delta cannot apply on top of a merged LoRA adapter; send a full update")
+            raise WeightSyncRefused(
+                "a weight delta cannot apply on top of a merged LoRA adapter; send a full update"
+            )
         with self._update_lock:
             if self.checksum != delta.base_checksum or set(self._weight_names) != set(delta.layout):
-                raise WeightSyncRefused(f"weight delta for step {step} applies to policy {delta.base_step} "
-                                        f"({delta.base_checksum[:20]}), this server holds step {self.policy_step} "
-                                        f"({self.checksum[:20]}): a full update is needed")
+                raise WeightSyncRefused(
+                    f"weight delta for step {step} applies to policy {delta.base_step} "
+                    f"({delta.base_checksum[:20]}), this server holds step {self.policy_step} "
+                    f"({self.checksum[:20]}): a full update is needed"
+                )
             with self._weights_lock:
                 try:
                     apply_delta(self._params, delta)
@@ -433,8 +489,14 @@ class HFEngine:
         cfg, raw = read_adapter(path)
         return self.merge_lora(name, path, cfg, raw, step)
 
-    def merge_lora(self, name: str, source: str, cfg: dict[str, Any], raw: dict[str, torch.Tensor],
-                   step: int | None = None) -> str:
+    def merge_lora(
+        self,
+        name: str,
+        source: str,
+        cfg: dict[str, Any],
+        raw: dict[str, torch.Tensor],
+        step: int | None = None,
+    ) -> str:
         """`load_lora` for an adapter already in memory (config + tensors: read from a dir, or received
         over the weight broadcast); `source` is what /weights reports it came from."""
         deltas = lora_deltas(cfg, raw, self._params, where=source)
@@ -466,8 +528,13 @@ class HFEngine:
         return [None, *lp.tolist()]
 
     def weights_info(self) -> dict[str, Any]:
-        return {"step": self.policy_step, "checksum": self.checksum, "num_tensors": len(self._weight_names),
-                "lora_adapters": dict(self.lora_adapters), "lora_checksum": self.lora_checksum}
+        return {
+            "step": self.policy_step,
+            "checksum": self.checksum,
+            "num_tensors": len(self._weight_names),
+            "lora_adapters": dict(self.lora_adapters),
+            "lora_checksum": self.lora_checksum,
+        }
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The served weights under their HF names (tied aliases dropped): for tests and benchmarks."""

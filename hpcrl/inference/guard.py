@@ -23,8 +23,14 @@ from hpcrl.inference.protocol import APIError
 
 API_KEY_ENV = "HPCRL_API_KEY"
 MAX_JSON_DEPTH = 64
-ADMIN_ROUTES = ("/update_weights", "/init_broadcaster", "/load_lora_adapter", "/v1/load_lora_adapter",
-                "/pause", "/resume")
+ADMIN_ROUTES = (
+    "/update_weights",
+    "/init_broadcaster",
+    "/load_lora_adapter",
+    "/v1/load_lora_adapter",
+    "/pause",
+    "/resume",
+)
 OPEN_ROUTES = ("/health",)
 
 
@@ -58,8 +64,12 @@ def check_auth(path: str, authorization: str | None, api_key: str | None) -> Non
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         what = "admin route" if path in ADMIN_ROUTES else "route"
-        raise APIError(f"{path} is an authenticated {what}: send `Authorization: Bearer <server api key>`",
-                       status=401, type="AuthenticationError", param="authorization")
+        raise APIError(
+            f"{path} is an authenticated {what}: send `Authorization: Bearer <server api key>`",
+            status=401,
+            type="AuthenticationError",
+            param="authorization",
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -74,9 +84,12 @@ def is_loopback(host: str) -> bool:
 def check_exposure(host: str, api_key: str | None, allow_open: bool) -> None:
     """A server reachable from other machines must have a key, unless the operator asked for an open one."""
     if api_key is None and not is_loopback(host) and not allow_open:
-        raise ConfigError("server.host", f"binding {host} (not loopback) without an API key would let anyone on "
-                          f"the network replace the policy; set --server.api-key KEY (or ${API_KEY_ENV}), "
-                          "or --server.allow-open true to serve without one")
+        raise ConfigError(
+            "server.host",
+            f"binding {host} (not loopback) without an API key would let anyone on "
+            f"the network replace the policy; set --server.api-key KEY (or ${API_KEY_ENV}), "
+            "or --server.allow-open true to serve without one",
+        )
 
 
 def check_body(body: Any) -> None:
@@ -99,7 +112,12 @@ def check_body(body: Any) -> None:
 
 def check_host(host: Any) -> str:
     """A host name or address to dial: refuse what no resolver accepts before a thread blocks on it."""
-    if not isinstance(host, str) or not host or len(host) > 253 or any(c.isspace() or ord(c) < 32 for c in host):
+    if (
+        not isinstance(host, str)
+        or not host
+        or len(host) > 253
+        or any(c.isspace() or ord(c) < 32 for c in host)
+    ):
         raise APIError(f"`host` must be a host name or IP address, got {host!r}", param="host")
     return host
 
@@ -113,8 +131,9 @@ def _utf8(s: str, path: str) -> None:
         s.encode("utf-8")
     except UnicodeEncodeError:
         where = path.encode("utf-8", "backslashreplace").decode() or "body"
-        raise APIError(f"`{where}` is not valid UTF-8 (a lone surrogate escape such as \\ud800)",
-                       param=_top(where)) from None
+        raise APIError(
+            f"`{where}` is not valid UTF-8 (a lone surrogate escape such as \\ud800)", param=_top(where)
+        ) from None
 
 
 def check_weights_path(raw: str, run_dir: str | None, allow_any: bool, param: str = "path") -> None:
@@ -124,12 +143,20 @@ def check_weights_path(raw: str, run_dir: str | None, allow_any: bool, param: st
     if allow_any:
         return
     if run_dir is None:
-        raise APIError(f"`{param}`: this server has no run directory, so it loads weights from no path "
-                       "(start it with --run-dir, or --server.allow-any-weights-path true)", status=403,
-                       type="PermissionError", param=param)
+        raise APIError(
+            f"`{param}`: this server has no run directory, so it loads weights from no path "
+            "(start it with --run-dir, or --server.allow-any-weights-path true)",
+            status=403,
+            type="PermissionError",
+            param=param,
+        )
     root = Path(run_dir).resolve()
     target = Path(raw).resolve()
     if target != root and root not in target.parents:
-        raise APIError(f"`{param}` {raw!r} is outside the run directory {str(root)!r}; refused "
-                       "(--server.allow-any-weights-path true allows it)", status=403, type="PermissionError",
-                       param=param)
+        raise APIError(
+            f"`{param}` {raw!r} is outside the run directory {str(root)!r}; refused "
+            "(--server.allow-any-weights-path true allows it)",
+            status=403,
+            type="PermissionError",
+            param=param,
+        )

@@ -39,10 +39,15 @@ def check_compatible(params: dict[str, torch.Tensor], tensors: dict[str, torch.T
     """Refuse an update that names unknown parameters or has other shapes: nothing is loaded then."""
     unknown = [k for k in tensors if k not in params]
     if unknown:
-        raise APIError(f"{len(unknown)} tensor name(s) are not parameters of the served model, e.g. "
-                       f"{unknown[:3]}", param="path")
-    bad = [(k, tuple(t.shape), tuple(params[k].shape)) for k, t in tensors.items()
-           if tuple(t.shape) != tuple(params[k].shape)]
+        raise APIError(
+            f"{len(unknown)} tensor name(s) are not parameters of the served model, e.g. {unknown[:3]}",
+            param="path",
+        )
+    bad = [
+        (k, tuple(t.shape), tuple(params[k].shape))
+        for k, t in tensors.items()
+        if tuple(t.shape) != tuple(params[k].shape)
+    ]
     if bad:
         k, got, want = bad[0]
         raise APIError(f"shape mismatch for {k!r}: update has {got}, model has {want}", param="path")
@@ -76,15 +81,21 @@ def read_adapter(path: str) -> tuple[dict[str, object], dict[str, torch.Tensor]]
     return cfg, load_safetensors_dir(str(p / "adapter_model.safetensors"))
 
 
-def load_lora_delta(path: str, params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
-                                                                      dict[str, torch.Tensor]]:
+def load_lora_delta(
+    path: str, params: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Read a PEFT LoRA adapter dir; return ({base param name: delta W}, raw adapter tensors)."""
     cfg, raw = read_adapter(path)
     return lora_deltas(cfg, raw, params, where=repr(path)), raw
 
 
-def lora_deltas(cfg: dict[str, object], raw: dict[str, torch.Tensor], params: dict[str, torch.Tensor], *,
-                where: str = "the adapter") -> dict[str, torch.Tensor]:
+def lora_deltas(
+    cfg: dict[str, object],
+    raw: dict[str, torch.Tensor],
+    params: dict[str, torch.Tensor],
+    *,
+    where: str = "the adapter",
+) -> dict[str, torch.Tensor]:
     """{base param name: delta W} of a PEFT adapter (its config and tensors, from a dir or a broadcast).
 
     The server merges base + delta (never cumulative), so loading adapter k replaces adapter k-1.
@@ -97,7 +108,7 @@ def lora_deltas(cfg: dict[str, object], raw: dict[str, torch.Tensor], params: di
     except (ValueError, KeyError, TypeError) as e:
         raise APIError(f"bad adapter config of {where}: {e}", param="lora_path") from e
     check_finite(raw, "lora_path")
-    scale = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+    scale = alpha / (r**0.5 if cfg.get("use_rslora") else r)
     deltas: dict[str, torch.Tensor] = {}
     for key, a in raw.items():
         if ".lora_A." not in key:
@@ -111,10 +122,18 @@ def lora_deltas(cfg: dict[str, object], raw: dict[str, torch.Tensor], params: di
         if name not in params:
             raise APIError(f"LoRA targets {name!r}, which the served model does not have", param="lora_path")
         want = tuple(params[name].shape)
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r or (b.shape[0], a.shape[1]) != want:
-            raise APIError(f"LoRA pair for {name!r} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}; rank {r} "
-                           f"and the model's {want} need A ({r}, {want[-1]}), B ({want[0]}, {r})",
-                           param="lora_path")
+        if (
+            a.ndim != 2
+            or b.ndim != 2
+            or a.shape[0] != r
+            or b.shape[1] != r
+            or (b.shape[0], a.shape[1]) != want
+        ):
+            raise APIError(
+                f"LoRA pair for {name!r} has shapes A {tuple(a.shape)}, B {tuple(b.shape)}; rank {r} "
+                f"and the model's {want} need A ({r}, {want[-1]}), B ({want[0]}, {r})",
+                param="lora_path",
+            )
         deltas[name] = (b.float() @ a.float()) * scale
     if not deltas:
         raise APIError(f"LoRA adapter {where} holds no lora_A/lora_B pairs", param="lora_path")

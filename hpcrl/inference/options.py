@@ -111,9 +111,15 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
     from hpcrl.paths import RunPaths
 
     host = advertised_host(opts.host)
-    info = {"index": opts.server_index, "base_url": f"http://{host}:{port}", "host": host, "port": port,
-            "pid": os.getpid(), "model": opts.served_model_name or opts.model_name,
-            "weight_receivers": weight_receivers(opts.backend, opts.vllm_args, opts.tp)}
+    info = {
+        "index": opts.server_index,
+        "base_url": f"http://{host}:{port}",
+        "host": host,
+        "port": port,
+        "pid": os.getpid(),
+        "model": opts.served_model_name or opts.model_name,
+        "weight_receivers": weight_receivers(opts.backend, opts.vllm_args, opts.tp),
+    }
     path = RunPaths(opts.run_dir).server_file(opts.server_index)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads).
@@ -132,8 +138,9 @@ def vllm_lora_rank(rank: int) -> int:
     for allowed in VLLM_LORA_RANKS:
         if allowed >= rank:
             return allowed
-    raise ConfigError("model.lora.rank", f"{rank} is above {VLLM_LORA_RANKS[-1]}, the largest LoRA "
-                                               "rank vLLM serves")
+    raise ConfigError(
+        "model.lora.rank", f"{rank} is above {VLLM_LORA_RANKS[-1]}, the largest LoRA rank vLLM serves"
+    )
 
 
 def bind_server_socket(host: str, port: int) -> socket.socket:

@@ -22,8 +22,14 @@ MAX_SEED = 2**63 - 1 - MAX_N  # choice i draws from seed + i: every one must fit
 class APIError(Exception):
     """A request the server refuses, with the HTTP status and OpenAI error fields to answer with."""
 
-    def __init__(self, message: str, status: int = 400, type: str = "BadRequestError",
-                 param: str | None = None, code: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "BadRequestError",
+        param: str | None = None,
+        code: int | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.type, self.param = message, status, type, param
         self.code = code if code is not None else status
@@ -57,8 +63,9 @@ class SamplingParams:
 
 
 # -- field readers -------------------------------------------------------------------------------------
-def _int(body: dict[str, Any], key: str, default: int | None, lo: int | None = None,
-         hi: int | None = None) -> int | None:
+def _int(
+    body: dict[str, Any], key: str, default: int | None, lo: int | None = None, hi: int | None = None
+) -> int | None:
     v = body.get(key)
     if v is None:
         return default
@@ -73,8 +80,9 @@ def _int(body: dict[str, Any], key: str, default: int | None, lo: int | None = N
     return v
 
 
-def _float(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
-           lo_open: bool = False) -> float:
+def _float(
+    body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False
+) -> float:
     v = body.get(key)
     if v is None:
         return default
@@ -160,7 +168,11 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, list):  # OpenAI content parts: only text parts make sense for a text model
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise APIError(f"{where}: only text content parts are supported", param="messages")
             parts.append(part["text"])
         return "".join(parts)
@@ -218,8 +230,9 @@ def parse_completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
             return list(p)
         if all(isinstance(x, list) for x in p):
             return [_int_list(x, "prompt") for x in p]
-    raise APIError("`prompt` must be a string, a list of token ids, or a non-empty batch of either",
-                   param="prompt")
+    raise APIError(
+        "`prompt` must be a string, a list of token ids, or a non-empty batch of either", param="prompt"
+    )
 
 
 # -- tool calls ----------------------------------------------------------------------------------------
@@ -237,9 +250,16 @@ def extract_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue
         args = obj.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
     if not calls:
         return text, []
     rest = _TOOL_CALL.sub("", text).strip()
@@ -262,23 +282,39 @@ class SeqOutput:
 
 def _usage(prompt_tokens: int, outs: list[SeqOutput]) -> dict[str, int]:
     completion = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
 
 
 def chat_logprobs(out: SeqOutput, token_str: Any, token_bytes: Any) -> dict[str, Any]:
     content = []
     for j, (tid, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         tops = out.top_logprobs[j] if out.top_logprobs else []
-        content.append({
-            "token": token_str(tid), "logprob": lp, "bytes": token_bytes(tid),
-            "top_logprobs": [{"token": token_str(t), "logprob": x, "bytes": token_bytes(t)} for t, x in tops],
-        })
+        content.append(
+            {
+                "token": token_str(tid),
+                "logprob": lp,
+                "bytes": token_bytes(tid),
+                "top_logprobs": [
+                    {"token": token_str(t), "logprob": x, "bytes": token_bytes(t)} for t, x in tops
+                ],
+            }
+        )
     return {"content": content}
 
 
-def chat_response(model: str, prompt_ids: list[int], outs: list[SeqOutput], params: SamplingParams,
-                  parse_tools: bool, token_str: Any, token_bytes: Any) -> dict[str, Any]:
+def chat_response(
+    model: str,
+    prompt_ids: list[int],
+    outs: list[SeqOutput],
+    params: SamplingParams,
+    parse_tools: bool,
+    token_str: Any,
+    token_bytes: Any,
+) -> dict[str, Any]:
     choices = []
     for i, o in enumerate(outs):
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
@@ -289,7 +325,10 @@ def chat_response(model: str, prompt_ids: list[int], outs: list[SeqOutput], para
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish = "tool_calls" if finish == "stop" else finish
         choice: dict[str, Any] = {
-            "index": i, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
+            "index": i,
+            "message": message,
+            "finish_reason": finish,
+            "stop_reason": o.stop_reason,
             "logprobs": chat_logprobs(o, token_str, token_bytes) if params.logprobs else None,
             "policy_steps": o.policy_steps,
         }
@@ -297,8 +336,12 @@ def chat_response(model: str, prompt_ids: list[int], outs: list[SeqOutput], para
             choice["token_ids"] = o.token_ids
         choices.append(choice)
     resp: dict[str, Any] = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": model, "choices": choices, "usage": _usage(len(prompt_ids), outs),
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage(len(prompt_ids), outs),
         "policy_steps": sorted({s for o in outs for s in o.policy_steps}),
     }
     if params.return_token_ids:
@@ -306,28 +349,41 @@ def chat_response(model: str, prompt_ids: list[int], outs: list[SeqOutput], para
     return resp
 
 
-def completion_response(model: str, prompts: list[list[int]], outs: list[list[SeqOutput]],
-                        params: SamplingParams, token_str: Any) -> dict[str, Any]:
+def completion_response(
+    model: str, prompts: list[list[int]], outs: list[list[SeqOutput]], params: SamplingParams, token_str: Any
+) -> dict[str, Any]:
     choices = []
     for p, (prompt_ids, group) in enumerate(zip(prompts, outs)):
         for i, o in enumerate(group):
             lps = None
             if params.logprobs:
                 tops = o.top_logprobs or [[] for _ in o.token_ids]
-                lps = {"tokens": [token_str(t) for t in o.token_ids], "token_logprobs": o.logprobs,
-                       "top_logprobs": [{token_str(t): x for t, x in tk} for tk in tops],
-                       "text_offset": []}
-            choice: dict[str, Any] = {"index": p * params.n + i, "text": o.text, "logprobs": lps,
-                                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                                      "policy_steps": o.policy_steps}
+                lps = {
+                    "tokens": [token_str(t) for t in o.token_ids],
+                    "token_logprobs": o.logprobs,
+                    "top_logprobs": [{token_str(t): x for t, x in tk} for tk in tops],
+                    "text_offset": [],
+                }
+            choice: dict[str, Any] = {
+                "index": p * params.n + i,
+                "text": o.text,
+                "logprobs": lps,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+                "policy_steps": o.policy_steps,
+            }
             if params.return_token_ids:
                 choice["token_ids"] = o.token_ids
                 choice["prompt_token_ids"] = prompt_ids
             choices.append(choice)
     flat = [o for g in outs for o in g]
     resp: dict[str, Any] = {
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-        "model": model, "choices": choices, "usage": _usage(sum(len(p) for p in prompts), flat),
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage(sum(len(p) for p in prompts), flat),
         "policy_steps": sorted({s for o in flat for s in o.policy_steps}),
     }
     if params.return_token_ids and len(prompts) == 1:

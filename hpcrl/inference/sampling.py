@@ -31,8 +31,9 @@ class RowParams:
     generator: torch.Generator | None = None  # per-request seed; None: the engine's shared generator
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: Sequence[Sequence[int] | None],
-                             penalty: torch.Tensor) -> torch.Tensor:
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: Sequence[Sequence[int] | None], penalty: torch.Tensor
+) -> torch.Tensor:
     """CTRL-style penalty (as HF and vLLM): divide positive, multiply negative logits of seen tokens."""
     rows = [i for i, s in enumerate(seen) if s is not None and penalty[i] != 1.0]
     if not rows:
@@ -75,18 +76,27 @@ class BatchParams:
         temp = [1.0 if g else p.temperature for p, g in zip(rows, greedy)]
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in rows]
         return cls(
-            rows=rows, temperature=torch.tensor(temp, device=device), greedy=torch.tensor(greedy, device=device),
+            rows=rows,
+            temperature=torch.tensor(temp, device=device),
+            greedy=torch.tensor(greedy, device=device),
             penalty=torch.tensor([p.repetition_penalty for p in rows], device=device),
-            top_k=torch.tensor(top_k, device=device), top_p=torch.tensor([p.top_p for p in rows], device=device),
+            top_k=torch.tensor(top_k, device=device),
+            top_p=torch.tensor([p.top_p for p in rows], device=device),
             min_p=torch.tensor([p.min_p for p in rows], device=device),
             any_temperature=any(t != 1.0 for t in temp),
-            any_penalty=any(p.repetition_penalty != 1.0 for p in rows), any_top_k=any(k > 0 for k in top_k),
-            any_top_p=any(p.top_p < 1.0 for p in rows), any_min_p=any(p.min_p > 0 for p in rows),
-            seeded=[i for i, p in enumerate(rows) if p.generator is not None])
+            any_penalty=any(p.repetition_penalty != 1.0 for p in rows),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p.top_p < 1.0 for p in rows),
+            any_min_p=any(p.min_p > 0 for p in rows),
+            seeded=[i for i, p in enumerate(rows) if p.generator is not None],
+        )
 
 
-def processed_logprobs(logits: torch.Tensor, params: Sequence[RowParams] | BatchParams,
-                       seen: Sequence[Sequence[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def processed_logprobs(
+    logits: torch.Tensor,
+    params: Sequence[RowParams] | BatchParams,
+    seen: Sequence[Sequence[int] | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (log-probabilities of the sampling distribution [B, V], greedy mask [B])."""
     logits = logits.float()
     v = logits.shape[1]
@@ -120,8 +130,12 @@ def processed_logprobs(logits: torch.Tensor, params: Sequence[RowParams] | Batch
     return torch.log_softmax(logits, dim=1), bp.greedy
 
 
-def sample(logprobs: torch.Tensor, greedy: torch.Tensor, params: Sequence[RowParams] | BatchParams,
-           shared: torch.Generator) -> torch.Tensor:
+def sample(
+    logprobs: torch.Tensor,
+    greedy: torch.Tensor,
+    params: Sequence[RowParams] | BatchParams,
+    shared: torch.Generator,
+) -> torch.Tensor:
     """Draw one token per row: argmax for greedy rows, else the exponential race (= multinomial).
 
     argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i, and lets every row use its
@@ -130,7 +144,11 @@ def sample(logprobs: torch.Tensor, greedy: torch.Tensor, params: Sequence[RowPar
     b, v = logprobs.shape
     dev = logprobs.device
     rows = params.rows if isinstance(params, BatchParams) else list(params)
-    seeded = params.seeded if isinstance(params, BatchParams) else [i for i, p in enumerate(rows) if p.generator is not None]
+    seeded = (
+        params.seeded
+        if isinstance(params, BatchParams)
+        else [i for i, p in enumerate(rows) if p.generator is not None]
+    )
     if not seeded:  # the common case: one draw for the whole batch
         noise = torch.empty(b, v, device=dev).exponential_(generator=shared)
     else:

@@ -37,7 +37,9 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
     if backend == "auto":
         backend = "vllm" if _has_cuda_and_vllm() else "hf"
     model = (inf.model.name if inf.model is not None and inf.model.name else None) or cfg.model.name
-    mcfg = inf.model or cfg.model  # the inference section's own dtype / trust_remote_code (flowed from [model])
+    mcfg = (
+        inf.model or cfg.model
+    )  # the inference section's own dtype / trust_remote_code (flowed from [model])
     opts = ServeOptions(
         model_name=resolve_model(model, field="inference.model.name"),
         served_model_name=model,
@@ -119,16 +121,35 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
     from hpcrl.inference.engine import HFEngine
 
     sock = bind_server_socket(opts.host, opts.port)  # fail fast on a taken port, before loading the model
-    engine = HFEngine(model_path, max_batch_size=opts.max_batch_size, max_model_len=opts.max_model_len,
-                      dtype=opts.dtype, seed=opts.seed, device=opts.device, trust_remote_code=opts.trust_remote_code)
+    engine = HFEngine(
+        model_path,
+        max_batch_size=opts.max_batch_size,
+        max_model_len=opts.max_model_len,
+        dtype=opts.dtype,
+        seed=opts.seed,
+        device=opts.device,
+        trust_remote_code=opts.trust_remote_code,
+    )
     from hpcrl.monitor import watchdog
 
     watchdog.start(f"inference[{opts.server_index}]", opts.watchdog_s)  # the engine loop beats it
-    state = ServerState(engine, opts.served_model_name or opts.model_name, model_path, api_key=opts.api_key,
-                        run_dir=opts.run_dir, allow_any_weights_path=opts.allow_any_weights_path)
+    state = ServerState(
+        engine,
+        opts.served_model_name or opts.model_name,
+        model_path,
+        api_key=opts.api_key,
+        run_dir=opts.run_dir,
+        allow_any_weights_path=opts.allow_any_weights_path,
+    )
     app = build_app(state)
-    config = uvicorn.Config(app, log_level=opts.log_level, access_log=False, timeout_keep_alive=30,
-                            lifespan="off", timeout_graceful_shutdown=3)
+    config = uvicorn.Config(
+        app,
+        log_level=opts.log_level,
+        access_log=False,
+        timeout_keep_alive=30,
+        lifespan="off",
+        timeout_graceful_shutdown=3,
+    )
     server = _Server(config)
     port = sock.getsockname()[1]
 
@@ -138,8 +159,11 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
                 return
             await asyncio.sleep(0.02)
         write_server_info(opts, port)
-        print(f"hpcrl inference ready at http://{advertised_host(opts.host)}:{port} "
-              f"(model {state.served_name}, backend hf, pid {os.getpid()})", flush=True)
+        print(
+            f"hpcrl inference ready at http://{advertised_host(opts.host)}:{port} "
+            f"(model {state.served_name}, backend hf, pid {os.getpid()})",
+            flush=True,
+        )
 
     async def main() -> None:
         task = asyncio.create_task(announce())
@@ -154,34 +178,84 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpcrl inference", description="Serve the policy over an OpenAI-style HTTP API.")
-    p.add_argument("--model.name", dest="model_name", required=True,
-                   help="HF model dir, built-in name (hpcrl/tiny-qwen3) or hub id")
+    p = argparse.ArgumentParser(
+        prog="hpcrl inference", description="Serve the policy over an OpenAI-style HTTP API."
+    )
+    p.add_argument(
+        "--model.name",
+        dest="model_name",
+        required=True,
+        help="HF model dir, built-in name (hpcrl/tiny-qwen3) or hub id",
+    )
     p.add_argument("--server.host", dest="host", default="127.0.0.1", help="interface to listen on")
     p.add_argument("--server.port", dest="port", type=int, default=8000, help="port (0: any free port)")
-    p.add_argument("--inference.backend", dest="backend", choices=["hf", "vllm"], default="hf",
-                   help="hf: embedded transformers engine; vllm: vLLM's OpenAI server (GPU)")
-    p.add_argument("--inference.max-batch-size", "--inference.max_batch_size", dest="max_batch_size", type=int,
-                   default=64, help="most sequences decoded together")
-    p.add_argument("--inference.max-model-len", "--inference.max_model_len", dest="max_model_len", type=int,
-                   default=2048, help="context length (prompt + completion)")
-    p.add_argument("--inference.dtype", dest="dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument(
+        "--inference.backend",
+        dest="backend",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="hf: embedded transformers engine; vllm: vLLM's OpenAI server (GPU)",
+    )
+    p.add_argument(
+        "--inference.max-batch-size",
+        "--inference.max_batch_size",
+        dest="max_batch_size",
+        type=int,
+        default=64,
+        help="most sequences decoded together",
+    )
+    p.add_argument(
+        "--inference.max-model-len",
+        "--inference.max_model_len",
+        dest="max_model_len",
+        type=int,
+        default=2048,
+        help="context length (prompt + completion)",
+    )
+    p.add_argument(
+        "--inference.dtype", dest="dtype", default="auto", help="auto | float32 | bfloat16 | float16"
+    )
     p.add_argument("--inference.seed", dest="seed", type=int, default=0, help="seed of unseeded sampling")
-    p.add_argument("--inference.parallel.tp", dest="tp", type=int, default=1,
-                   help="vllm: tensor-parallel GPUs of this server")
-    p.add_argument("--model.lora.rank", dest="lora_rank", type=int, default=None,
-                   help="vllm: rank of the LoRA adapters this server will load (enables LoRA)")
-    p.add_argument("--served-model-name", dest="served_model_name", default=None,
-                   help="name clients pass as `model`")
-    p.add_argument("--run-dir", dest="run_dir", default=None, help="run output dir: write the address file there")
+    p.add_argument(
+        "--inference.parallel.tp",
+        dest="tp",
+        type=int,
+        default=1,
+        help="vllm: tensor-parallel GPUs of this server",
+    )
+    p.add_argument(
+        "--model.lora.rank",
+        dest="lora_rank",
+        type=int,
+        default=None,
+        help="vllm: rank of the LoRA adapters this server will load (enables LoRA)",
+    )
+    p.add_argument(
+        "--served-model-name", dest="served_model_name", default=None, help="name clients pass as `model`"
+    )
+    p.add_argument(
+        "--run-dir", dest="run_dir", default=None, help="run output dir: write the address file there"
+    )
     p.add_argument("--server-index", dest="server_index", type=int, default=0, help="this server's index")
     p.add_argument("--log-level", dest="log_level", default="warning", help="uvicorn log level")
-    p.add_argument("--server.api-key", dest="api_key", default=None,
-                   help="bearer token every route but /health requires (default $HPCRL_API_KEY)")
-    p.add_argument("--server.allow-open", dest="allow_open", action="store_true",
-                   help="serve a non-loopback address without an API key")
-    p.add_argument("--server.allow-any-weights-path", dest="allow_any_weights_path", action="store_true",
-                   help="let /update_weights and /load_lora_adapter read outside --run-dir")
+    p.add_argument(
+        "--server.api-key",
+        dest="api_key",
+        default=None,
+        help="bearer token every route but /health requires (default $HPCRL_API_KEY)",
+    )
+    p.add_argument(
+        "--server.allow-open",
+        dest="allow_open",
+        action="store_true",
+        help="serve a non-loopback address without an API key",
+    )
+    p.add_argument(
+        "--server.allow-any-weights-path",
+        dest="allow_any_weights_path",
+        action="store_true",
+        help="let /update_weights and /load_lora_adapter read outside --run-dir",
+    )
     return p
 
 
@@ -195,7 +269,9 @@ def _main(argv: list[str] | None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     kw: dict[str, Any] = vars(args)
     if extra and kw["backend"] != "vllm":
-        print(f"error: unknown arguments {extra} (only the vllm backend passes extra flags on)", file=sys.stderr)
+        print(
+            f"error: unknown arguments {extra} (only the vllm backend passes extra flags on)", file=sys.stderr
+        )
         return 2
     opts = ServeOptions(**kw, vllm_args=extra)
     if opts.api_key is None:

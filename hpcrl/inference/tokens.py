@@ -20,7 +20,9 @@ CHAT_CACHE_SIZE = 4096  # distinct prompts remembered; cleared when full (RL pro
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte <-> printable-char table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    bs = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    )
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -52,25 +54,44 @@ class Tokens:
         hit = self._chat_cache.get(key) if key is not None else None
         return list(hit) if hit is not None else None
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
         key = self.chat_key(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
         ids = self.cached_chat(key)
         if ids is None:
-            ids = self._encode_chat(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+            ids = self._encode_chat(
+                messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+            )
             if key is not None:
                 if len(self._chat_cache) >= CHAT_CACHE_SIZE:
                     self._chat_cache.clear()
                 self._chat_cache[key] = tuple(ids)
         return ids
 
-    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
-                     continue_final_message: bool, template_kwargs: dict | None) -> list[int]:
+    def _encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict | None,
+    ) -> list[int]:
         with self._lock:
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}))
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                    **(template_kwargs or {}),
+                )
             except Exception as e:  # jinja errors, bad message shapes
                 raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from e
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -90,8 +111,12 @@ class Tokens:
             with self._lock:
                 piece = self.tokenizer.convert_ids_to_tokens(tid)
                 text = self.tokenizer.decode([tid], skip_special_tokens=False)
-            if isinstance(piece, str) and piece and all(c in self._byte_of for c in piece) \
-                    and piece not in self.tokenizer.all_special_tokens:
+            if (
+                isinstance(piece, str)
+                and piece
+                and all(c in self._byte_of for c in piece)
+                and piece not in self.tokenizer.all_special_tokens
+            ):
                 raw = [self._byte_of[c] for c in piece]
             else:
                 raw = list(text.encode())

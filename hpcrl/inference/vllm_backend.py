@@ -71,7 +71,10 @@ VLLM_SYMBOLS: dict[str, tuple[str, ...]] = {
     "validate_api_server_args": ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.openai.api_server"),
     "FlexibleArgumentParser": ("vllm.utils.argparse_utils", "vllm.utils"),
     # build_app is patched in the module this function comes from (see _install_routes).
-    "run_server_worker": ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server"),
+    "run_server_worker": (
+        "vllm.entrypoints.launchers.api_server.entry",
+        "vllm.entrypoints.openai.api_server",
+    ),
     "LoadLoRAAdapterRequest": ("vllm.entrypoints.serve.lora.protocol", "vllm.entrypoints.openai.protocol"),
     "ErrorResponse": ("vllm.entrypoints.serve.engine.protocol", "vllm.entrypoints.openai.protocol"),
 }
@@ -113,8 +116,9 @@ def vllm_symbol(name: str) -> Any:
     """Import one of VLLM_SYMBOLS; a one-line ConfigError that says what is missing and from which vLLM."""
     version = vllm_version()
     if version is None:
-        raise _not_available("vllm is not installed; `pip install 'hpcrl[gpu]'` on a GPU machine "
-                             "or use --inference.backend hf")
+        raise _not_available(
+            "vllm is not installed; `pip install 'hpcrl[gpu]'` on a GPU machine or use --inference.backend hf"
+        )
     modules = VLLM_SYMBOLS[name]
     for module_name in modules:
         try:
@@ -122,24 +126,48 @@ def vllm_symbol(name: str) -> Any:
         except ModuleNotFoundError as e:
             if _missing_module(e, module_name):
                 continue
-            raise _not_available(f"vllm {version} is installed but importing {module_name} failed: {e}; "
-                                 "install the packages vllm requires") from e
+            raise _not_available(
+                f"vllm {version} is installed but importing {module_name} failed: {e}; "
+                "install the packages vllm requires"
+            ) from e
         except Exception as e:  # a broken install: CUDA libraries, an incompatible torch, ...
-            raise _not_available(f"vllm {version} is installed but importing {module_name} failed: "
-                                 f"{type(e).__name__}: {e}") from e
+            raise _not_available(
+                f"vllm {version} is installed but importing {module_name} failed: {type(e).__name__}: {e}"
+            ) from e
         if hasattr(module, name):
             return getattr(module, name)
-    raise _not_available(f"vllm {version} is installed but has no {name} (looked in {', '.join(modules)}); "
-                         f"hpcrl's vllm backend supports vLLM {SUPPORTED_VLLM}")
+    raise _not_available(
+        f"vllm {version} is installed but has no {name} (looked in {', '.join(modules)}); "
+        f"hpcrl's vllm backend supports vLLM {SUPPORTED_VLLM}"
+    )
 
 
 def vllm_serve_argv(opts: "ServeOptions", model_path: str) -> list[str]:
     """The `vllm serve` flags for `opts` (pure: the conformance tests parse them with vLLM's parser)."""
-    argv = ["--model", model_path, "--host", opts.host, "--port", str(opts.port), "--seed", str(opts.seed),
-            "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_batch_size),
-            "--dtype", opts.dtype, "--served-model-name", opts.served_model_name or opts.model_name,
-            "--tensor-parallel-size", str(opts.tp),
-            "--worker-extension-cls", EXTENSION_CLS, "--logprobs-mode", "processed_logprobs"]
+    argv = [
+        "--model",
+        model_path,
+        "--host",
+        opts.host,
+        "--port",
+        str(opts.port),
+        "--seed",
+        str(opts.seed),
+        "--max-model-len",
+        str(opts.max_model_len),
+        "--max-num-seqs",
+        str(opts.max_batch_size),
+        "--dtype",
+        opts.dtype,
+        "--served-model-name",
+        opts.served_model_name or opts.model_name,
+        "--tensor-parallel-size",
+        str(opts.tp),
+        "--worker-extension-cls",
+        EXTENSION_CLS,
+        "--logprobs-mode",
+        "processed_logprobs",
+    ]
     if opts.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     if opts.enforce_eager:
@@ -161,22 +189,31 @@ class HpcrlWorkerExtension:
         """This worker's rank in its server (0 .. tp x pp - 1): the router counts receivers with it."""
         return self.rank  # type: ignore[attr-defined]
 
-    def hpcrl_init_broadcaster(self, host: str, port: int, world_size: int, rank_offset: int,
-                               timeout: float) -> None:
+    def hpcrl_init_broadcaster(
+        self, host: str, port: int, world_size: int, rank_offset: int, timeout: float
+    ) -> None:
         from hpcrl.weights.collective import init_group
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"  # type: ignore[attr-defined]
         # Every worker of this server (one per tensor-parallel rank) joins with its own rank:
         # the group counts them all (hpcrl.weights.rendezvous.group_layout).
-        self._hpcrl_group = init_group(host, port, world_size, rank_offset + self.rank,  # type: ignore[attr-defined]
-                                       backend=backend, timeout_s=timeout)
+        self._hpcrl_group = init_group(
+            host,
+            port,
+            world_size,
+            rank_offset + self.rank,  # type: ignore[attr-defined]
+            backend=backend,
+            timeout_s=timeout,
+        )
 
     def _hpcrl_load(self, tensors: dict[str, Any]) -> str:
         """Load full weights (HF names); keep them as the base of later deltas (where they arrived: host
         memory from a path, the worker's device from a broadcast)."""
         from hpcrl.weights.checksum import state_dict_checksum
 
-        self._hpcrl_model().load_weights(weights=list(tensors.items()))  # vLLM maps HF names onto fused params
+        self._hpcrl_model().load_weights(
+            weights=list(tensors.items())
+        )  # vLLM maps HF names onto fused params
         self._hpcrl_full = tensors  # type: ignore[attr-defined]
         self._hpcrl_checksum = state_dict_checksum(tensors)  # type: ignore[attr-defined]
         return self._hpcrl_checksum  # type: ignore[attr-defined]
@@ -197,8 +234,10 @@ class HpcrlWorkerExtension:
 
         full = getattr(self, "_hpcrl_full", None)
         if full is None or getattr(self, "_hpcrl_checksum", None) != delta.base_checksum:
-            raise RuntimeError(f"weight delta applies to policy {delta.base_step}; this worker holds another "
-                               "(or no) policy: a full update is needed")
+            raise RuntimeError(
+                f"weight delta applies to policy {delta.base_step}; this worker holds another "
+                "(or no) policy: a full update is needed"
+            )
         touched = apply_delta(full, delta)
         self._hpcrl_model().load_weights(weights=[(n, full[n]) for n in touched])
         self._hpcrl_checksum = state_dict_checksum(full)  # type: ignore[attr-defined]
@@ -223,17 +262,28 @@ class HpcrlWorkerExtension:
         header = receive_header(group)
         tensors = receive_tensors(group, header, device=self.device)  # type: ignore[attr-defined]
         if header.adapter is not None:  # received (the sender is not left hanging), then refused
-            raise RuntimeError("a LoRA adapter over the collective transport is merged by the hf backend only; "
-                               "with vllm use trainer.broadcast.transport = \"filesystem\" (/load_lora_adapter)")
+            raise RuntimeError(
+                "a LoRA adapter over the collective transport is merged by the hf backend only; "
+                'with vllm use trainer.broadcast.transport = "filesystem" (/load_lora_adapter)'
+            )
         if header.delta is not None:
-            return header.step, self._hpcrl_apply_delta(Delta.from_manifest(header.delta, tensors)), header.checksum
+            return (
+                header.step,
+                self._hpcrl_apply_delta(Delta.from_manifest(header.delta, tensors)),
+                header.checksum,
+            )
         return header.step, self._hpcrl_load(tensors), header.checksum
 
 
 def init_broadcaster_rpc(body: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
     """(method, args) of the collective_rpc that /init_broadcaster sends for a request body."""
-    return "hpcrl_init_broadcaster", (str(body["host"]), int(body["port"]), int(body["world_size"]),
-                                      int(body["rank"]), float(body.get("timeout", 300)))
+    return "hpcrl_init_broadcaster", (
+        str(body["host"]),
+        int(body["port"]),
+        int(body["world_size"]),
+        int(body["rank"]),
+        float(body.get("timeout", 300)),
+    )
 
 
 def update_weights_rpc(body: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
@@ -323,15 +373,21 @@ def _router(status: dict[str, Any]) -> Any:
     router = APIRouter(dependencies=[Depends(authorized)])
 
     def err(message: str, status_code: int, type_: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": status_code}},
-                            status_code=status_code)
+        return JSONResponse(
+            {"error": {"message": message, "type": type_, "param": None, "code": status_code}},
+            status_code=status_code,
+        )
 
     async def body_of(request: Request) -> dict[str, Any] | JSONResponse:
         try:
             body = json.loads(await request.body())
         except ValueError as e:
             return err(f"request body is not valid JSON: {e}", 400, "BadRequestError")
-        return body if isinstance(body, dict) else err("request body must be a JSON object", 400, "BadRequestError")
+        return (
+            body
+            if isinstance(body, dict)
+            else err("request body must be a JSON object", 400, "BadRequestError")
+        )
 
     @router.post("/init_broadcaster")
     async def init_broadcaster(request: Request) -> Any:
@@ -342,19 +398,30 @@ def _router(status: dict[str, Any]) -> Any:
             method, args = init_broadcaster_rpc(body)
             announced = int(body.get("receivers", 0))
         except (KeyError, TypeError, ValueError) as e:
-            return err(f"/init_broadcaster needs host, port, world_size, rank (and receivers): {e}", 400,
-                       "BadRequestError")
+            return err(
+                f"/init_broadcaster needs host, port, world_size, rank (and receivers): {e}",
+                400,
+                "BadRequestError",
+            )
         engine = request.app.state.engine_client
         world, offset = args[2], args[3]
         try:
             # Count the workers before joining: a group sized for another count would only time out.
             ranks = sorted(await engine.collective_rpc("hpcrl_worker_rank"))
             if ranks != list(range(len(ranks))) or (announced and announced != len(ranks)):
-                return err(f"this server runs {len(ranks)} weight-receiving worker(s) (ranks {ranks}), the "
-                           f"group counts it as {announced or '?'}", 409, "BroadcastError")
+                return err(
+                    f"this server runs {len(ranks)} weight-receiving worker(s) (ranks {ranks}), the "
+                    f"group counts it as {announced or '?'}",
+                    409,
+                    "BroadcastError",
+                )
             if offset < 1 or offset + len(ranks) > world:
-                return err(f"ranks {offset}..{offset + len(ranks) - 1} of this server's workers do not fit "
-                           f"world_size {world}", 400, "BadRequestError")
+                return err(
+                    f"ranks {offset}..{offset + len(ranks) - 1} of this server's workers do not fit "
+                    f"world_size {world}",
+                    400,
+                    "BadRequestError",
+                )
             await engine.collective_rpc(method, args=args)  # each worker joins as offset + its rank
         except Exception as e:
             return err(f"cannot join the weight broadcast group: {e}", 502, "BroadcastError")
@@ -422,8 +489,11 @@ def _router(status: dict[str, Any]) -> Any:
             step = lora_step(body)
             lora_request = vllm_symbol("LoadLoRAAdapterRequest")(**lora_request_body(body))
         except ValueError as e:  # pydantic's ValidationError is a ValueError
-            return err(f"/load_lora_adapter needs `lora_name` and `lora_path` strings (and an integer `step`): {e}",
-                       400, "BadRequestError")
+            return err(
+                f"/load_lora_adapter needs `lora_name` and `lora_path` strings (and an integer `step`): {e}",
+                400,
+                "BadRequestError",
+            )
         try:  # read before vLLM loads: a bad adapter is refused before anything is replaced
             checksum = await asyncio.to_thread(adapter_checksum, lora_request.lora_path)
         except APIError as e:
@@ -432,9 +502,17 @@ def _router(status: dict[str, Any]) -> Any:
         if isinstance(result, vllm_symbol("ErrorResponse")):
             return JSONResponse(result.model_dump(), status_code=result.error.code)
         await request.app.state.engine_client.reset_prefix_cache()
-        status.update(lora_adapters={lora_request.lora_name: lora_request.lora_path}, lora_checksum=checksum,
-                      **({"step": step} if step is not None else {}))
-        return {"status": "ok", "lora_name": lora_request.lora_name, "checksum": checksum, "step": status["step"]}
+        status.update(
+            lora_adapters={lora_request.lora_name: lora_request.lora_path},
+            lora_checksum=checksum,
+            **({"step": step} if step is not None else {}),
+        )
+        return {
+            "status": "ok",
+            "lora_name": lora_request.lora_name,
+            "checksum": checksum,
+            "step": status["step"],
+        }
 
     return router
 
@@ -453,8 +531,9 @@ def _add_policy_steps(app: Any, status: dict[str, Any]) -> None:
     async def policy_steps(request: Request, call_next: Any) -> Any:
         start = dict(status)  # the loaded policy when the request started
         response = await call_next(request)
-        if request.url.path not in ("/v1/chat/completions", "/v1/completions") or \
-                not response.headers.get("content-type", "").startswith("application/json"):
+        if request.url.path not in ("/v1/chat/completions", "/v1/completions") or not response.headers.get(
+            "content-type", ""
+        ).startswith("application/json"):
             return response
         raw = b"".join([chunk async for chunk in response.body_iterator])
         try:

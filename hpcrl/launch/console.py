@@ -74,8 +74,14 @@ class _Bar:
     def __init__(self, max_steps: int, console: Any = None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[eta]}"), console=console)
+        self.progress = Progress(
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[eta]}"),
+            console=console,
+        )
         self.task = self.progress.add_task("train", total=max_steps or None, eta="eta -")
         self.progress.start()
 
@@ -148,7 +154,9 @@ class ConsoleReporter:
             if self.bar is not None:
                 self.bar.update(step, self.eta.text())
         elif rec.get("role") == "orchestrator" and any(k.startswith("eval/") for k in rec):
-            evals = " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/") and isinstance(v, float))
+            evals = " ".join(
+                f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/") and isinstance(v, float)
+            )
             self._print(f"eval @ step {step}: {evals}")
 
     def finish(self) -> None:

@@ -65,8 +65,10 @@ def keep_alive(cmd: list[str], max_restarts: int, server_file: Path | None, labe
             return rc or 1
         delay = restart_delay(restarts)
         restarts += 1
-        print(f"[keepalive] {label} {why(rc)}; restarting it ({restarts}/{max_restarts}) in {delay:.0f}s",
-              flush=True)
+        print(
+            f"[keepalive] {label} {why(rc)}; restarting it ({restarts}/{max_restarts}) in {delay:.0f}s",
+            flush=True,
+        )
         if server_file is not None:
             server_file.unlink(missing_ok=True)
         deadline = time.monotonic() + delay

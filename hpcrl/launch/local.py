@@ -70,16 +70,23 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn(kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str], capture: bool = True
-          ) -> Child:
+def spawn(
+    kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str], capture: bool = True
+) -> Child:
     """`hpcrl <kind> <args>` as a child; its output goes to `log_path`, or with ``capture = False``
     to our own stdout/stderr (the child then writes `log_path` itself)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(log_path, "ab", buffering=0) if capture else None  # noqa: SIM115 - closed in stop_children
     cmd = [sys.executable, "-m", "hpcrl.cli", kind, *args]
     # Own session: the whole subtree can be signalled, and a Ctrl-C reaches only the launcher.
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT if capture else None, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=fh,
+        stderr=subprocess.STDOUT if capture else None,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     return Child(role, kind, proc, log_path, fh, args, env)
 
 
@@ -88,7 +95,9 @@ def respawn(child: Child) -> None:
     _signal_group(child.proc, signal.SIGKILL)  # what the dead one started (vLLM workers) goes with it
     if child.log_fh is not None:
         child.log_fh.close()
-    new = spawn(child.kind, child.role, child.args, child.log_path, child.env, capture=child.log_fh is not None)
+    new = spawn(
+        child.kind, child.role, child.args, child.log_path, child.env, capture=child.log_fh is not None
+    )
     child.proc, child.log_fh, child.restart_at = new.proc, new.log_fh, None
     child.restarts += 1
 
@@ -112,23 +121,56 @@ def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_ar
         port = first_port + i if cfg.server.port else (first_port if i == 0 else free_port())
         log = paths.log_file("inference") if i == 0 else paths.rank_log_file("inference", i)
         env = dict(base_env, **_gpu_env(placement, placement.server_slot(i)))
-        args = ["@", str(paths.process_config("inference")), "--run-dir", str(paths.root),
-                "--server-index", str(i), "--server.port", str(port)]
+        args = [
+            "@",
+            str(paths.process_config("inference")),
+            "--run-dir",
+            str(paths.root),
+            "--server-index",
+            str(i),
+            "--server.port",
+            str(port),
+        ]
         children.append(spawn("inference", f"inference[{i}]", args, log, env))
     master_port = free_port()
     n = placement.trainer_ranks
     for r in range(n):
         # LOCAL_RANK is the rank's index on this machine; its device is whatever its own
         # CUDA_VISIBLE_DEVICES holds (cuda:0), never cuda:LOCAL_RANK of a narrowed list.
-        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), **_gpu_env(placement, placement.trainer_slot(r)))
+        env = dict(
+            base_env,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(n),
+            LOCAL_WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(master_port),
+            **_gpu_env(placement, placement.trainer_slot(r)),
+        )
         log = paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r)
-        children.append(spawn("trainer", f"trainer[{r}]", ["@", str(paths.process_config("trainer")), *resume_args],
-                               log, env))
-    orch_env = dict(base_env, CUDA_VISIBLE_DEVICES="", **{GPUS_PER_TASK_ENV: "0"}) if placement.uses_gpus else base_env
-    children.append(spawn("orchestrator", "orchestrator",
-                           ["@", str(paths.process_config("orchestrator")), *resume_args],
-                           paths.log_file("orchestrator"), dict(orch_env)))
+        children.append(
+            spawn(
+                "trainer",
+                f"trainer[{r}]",
+                ["@", str(paths.process_config("trainer")), *resume_args],
+                log,
+                env,
+            )
+        )
+    orch_env = (
+        dict(base_env, CUDA_VISIBLE_DEVICES="", **{GPUS_PER_TASK_ENV: "0"})
+        if placement.uses_gpus
+        else base_env
+    )
+    children.append(
+        spawn(
+            "orchestrator",
+            "orchestrator",
+            ["@", str(paths.process_config("orchestrator")), *resume_args],
+            paths.log_file("orchestrator"),
+            dict(orch_env),
+        )
+    )
     return children
 
 
@@ -163,8 +205,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def supervise(children: list[Child], console: ConsoleReporter | None, poll: float = 0.5, max_restarts: int = 0,
-              paths: RunPaths | None = None) -> tuple[int, str]:
+def supervise(
+    children: list[Child],
+    console: ConsoleReporter | None,
+    poll: float = 0.5,
+    max_restarts: int = 0,
+    paths: RunPaths | None = None,
+) -> tuple[int, str]:
     """Block until the run finishes or a process dies for good. Returns (exit code, last line).
     A dead inference server is restarted up to `max_restarts` times (see the module doc)."""
     workers = [c for c in children if c.kind != "inference"]
@@ -184,8 +231,11 @@ def supervise(children: list[Child], console: ConsoleReporter | None, poll: floa
                 return 1, f"hpcrl: {c.role} {why}{more}{': ' + error if error else ''}; see {c.log_path}"
             if c.restart_at is None:
                 c.restart_at = time.monotonic() + restart_delay(c.restarts)
-                print(f"hpcrl: {c.role} {why}; restarting it ({c.restarts + 1}/{max_restarts}) in "
-                      f"{restart_delay(c.restarts):.0f}s", flush=True)
+                print(
+                    f"hpcrl: {c.role} {why}; restarting it ({c.restarts + 1}/{max_restarts}) in "
+                    f"{restart_delay(c.restarts):.0f}s",
+                    flush=True,
+                )
             elif time.monotonic() >= c.restart_at:
                 if paths is not None:  # its address is dead: nobody may dial it until the new one is ready
                     paths.server_file(_server_index(c)).unlink(missing_ok=True)
@@ -197,8 +247,12 @@ def supervise(children: list[Child], console: ConsoleReporter | None, poll: floa
         time.sleep(poll)
 
 
-def supervise_then_stop(children: list[Child], handlers: dict[int, Callable[[int, Any], None]],
-                        console: ConsoleReporter | None, **kw: Any) -> tuple[int, str, Child | None]:
+def supervise_then_stop(
+    children: list[Child],
+    handlers: dict[int, Callable[[int, Any], None]],
+    console: ConsoleReporter | None,
+    **kw: Any,
+) -> tuple[int, str, Child | None]:
     """`supervise` with `handlers` installed for signals while it runs (Ctrl-C: exit code 130), then
     stop every child that is left. Returns (exit code, last line, the child that failed first)."""
     old = {s: signal.signal(s, h) for s, h in handlers.items()}
@@ -250,7 +304,9 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     write_job(paths, {"target": "local", "pid": os.getpid(), "started_at": time.time()})
     from hpcrl.inference.guard import export_run_api_key
 
-    export_run_api_key(cfg.server.api_key)  # children inherit it: servers require it, the orchestrator sends it
+    export_run_api_key(
+        cfg.server.api_key
+    )  # children inherit it: servers require it, the orchestrator sends it
     console = ConsoleReporter(paths, cfg.max_steps)
     console.banner(cfg, placement, loaded.notes)
     children = start_children(cfg, placement, paths, resume_args)
@@ -258,8 +314,13 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt
 
-    code, line, _ = supervise_then_stop(children, {signal.SIGTERM: on_signal, signal.SIGINT: on_signal}, console,
-                                        max_restarts=cfg.deployment.max_server_restarts, paths=paths)
+    code, line, _ = supervise_then_stop(
+        children,
+        {signal.SIGTERM: on_signal, signal.SIGINT: on_signal},
+        console,
+        max_restarts=cfg.deployment.max_server_restarts,
+        paths=paths,
+    )
     console.finish()
     from hpcrl.monitor.plots import report_plots
 

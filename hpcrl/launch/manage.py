@@ -55,7 +55,9 @@ def job_state(job: dict[str, Any]) -> str:
     if job.get("target") == "slurm":
         jid = str(job.get("job_id", ""))
         try:
-            out = subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                ["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True, timeout=10
+            )
             states = sorted(set(out.stdout.split()))
             return ",".join(states) if states else "not in queue (finished, failed or cancelled)"
         except (OSError, subprocess.TimeoutExpired):
@@ -86,7 +88,9 @@ def status(argv: list[str]) -> int:
         f"run:          {paths.root}",
         f"job:          {job.get('target', 'unknown')} {job.get('job_id', job.get('pid', ''))} -> {job_state(job)}",
         f"trained:      step {max(trainer_steps) if trainer_steps else 0}",
-        f"reward:       {orch[-1]['reward/all/mean']:.3f} (step {orch[-1]['step']})" if orch else "reward:       -",
+        f"reward:       {orch[-1]['reward/all/mean']:.3f} (step {orch[-1]['step']})"
+        if orch
+        else "reward:       -",
         f"checkpoints:  {', '.join(f'step_{s}' + ('' if s in valid else ' (incomplete)') for s in ckpts) or 'none'}",
         f"weights:      {', '.join(f'step_{s}' for s in RunPaths.steps_in(paths.weights_root)) or 'none'}",
         f"logs:         {paths.logs_dir}/",
@@ -103,9 +107,16 @@ def placement_table(paths: RunPaths) -> list[str]:
     if not recs:
         return []
     rows = [("role", "rank", "node", "gpus", "host", "port", "pid")] + [
-        (r.get("role", "?"), str(r.get("rank", "")), str(r.get("node", "")),
-         ",".join(map(str, r.get("gpus") or [])) or "-", str(r.get("host", "")),
-         str(r.get("port") or "-"), str(r.get("pid", ""))) for r in recs
+        (
+            r.get("role", "?"),
+            str(r.get("rank", "")),
+            str(r.get("node", "")),
+            ",".join(map(str, r.get("gpus") or [])) or "-",
+            str(r.get("host", "")),
+            str(r.get("port") or "-"),
+            str(r.get("pid", "")),
+        )
+        for r in recs
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -121,13 +132,17 @@ def component_log(paths: RunPaths, component: str) -> Path:
                 return p
         return paths.env_log_file("train", name)
     if component not in ("trainer", "orchestrator", "inference", "launcher"):
-        raise SystemExit(f"hpcrl: error: -c {component}: expected trainer, orchestrator, inference or env:NAME")
+        raise SystemExit(
+            f"hpcrl: error: -c {component}: expected trainer, orchestrator, inference or env:NAME"
+        )
     return paths.log_file(component)
 
 
 def logs(argv: list[str]) -> int:
     p = _parser("logs")
-    p.add_argument("-c", "--component", default="orchestrator", help="trainer|orchestrator|inference|env:NAME")
+    p.add_argument(
+        "-c", "--component", default="orchestrator", help="trainer|orchestrator|inference|env:NAME"
+    )
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.add_argument("-n", "--lines", type=int, default=50, help="last N lines (0 = all)")
     args = _parse(p, argv)
@@ -139,7 +154,7 @@ def logs(argv: list[str]) -> int:
     pos = 0
     if path.exists():
         lines = path.read_text(errors="replace").splitlines()
-        for line in lines[-args.lines:] if args.lines else lines:
+        for line in lines[-args.lines :] if args.lines else lines:
             print(line)
         pos = path.stat().st_size
     while args.follow:

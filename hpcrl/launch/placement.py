@@ -103,9 +103,17 @@ class Placement:
         """What one SLURM component asks for: tasks per node and its GPU request."""
         if role == "trainer":
             g = self.gpus_per_trainer_rank * self.ranks_per_train_node
-            return {"nodes": self.train_nodes, "ntasks_per_node": self.ranks_per_train_node, "gpus_per_node": g or None}
+            return {
+                "nodes": self.train_nodes,
+                "ntasks_per_node": self.ranks_per_train_node,
+                "gpus_per_node": g or None,
+            }
         g = self.gpus_per_server * self.servers_per_infer_node
-        return {"nodes": self.infer_nodes, "ntasks_per_node": self.servers_per_infer_node, "gpus_per_node": g or None}
+        return {
+            "nodes": self.infer_nodes,
+            "ntasks_per_node": self.servers_per_infer_node,
+            "gpus_per_node": g or None,
+        }
 
     def gpus_per_task(self, role: str) -> int:
         return {"trainer": self.gpus_per_trainer_rank, "inference": self.gpus_per_server}.get(role, 0)
@@ -116,8 +124,11 @@ class Placement:
             f"trainer:      {self.trainer_ranks} rank(s) on {self.train_nodes} node(s)"
             + (f", {self.gpus_per_trainer_rank} GPU each{cpu}" if self.uses_gpus else " (CPU, gloo)"),
             f"inference:    {self.inference_servers} server(s) on {self.infer_nodes} node(s)"
-            + (f", {self.gpus_per_server} GPU(s) each (tp){cpu}" if self.gpus_per_server else
-               " (CPU, embedded hf engine)"),
+            + (
+                f", {self.gpus_per_server} GPU(s) each (tp){cpu}"
+                if self.gpus_per_server
+                else " (CPU, embedded hf engine)"
+            ),
             f"orchestrator: 1 process beside "
             f"{'trainer rank 0' if self.orchestrator_on == 'trainer' else 'inference server 0'}",
         ]
@@ -141,13 +152,17 @@ class Placement:
                     out.append(f"  {role} nodes 2..{nodes - 2}: same pattern")
                 procs = [slot(n * per_node + k) for k in range(per_node)]
                 where = "this machine" if self.target == "local" else f"{role} node {n}"
-                parts = [f"{'rank' if role == 'trainer' else 'server'} {s.rank} -> GPU {_gpu_list(s.gpus)}"
-                         for s in procs]
+                parts = [
+                    f"{'rank' if role == 'trainer' else 'server'} {s.rank} -> GPU {_gpu_list(s.gpus)}"
+                    for s in procs
+                ]
                 out.append(f"  {where}: " + ", ".join(parts))
         res = [self.resources(r) for r in ("trainer", "inference")] if self.target == "slurm" else []
         for role, r in zip(("trainer", "inference"), res):
-            out.append(f"  sbatch {role}: --nodes={r['nodes']} --ntasks-per-node={r['ntasks_per_node']} "
-                       f"--gpus-per-node={r['gpus_per_node']}")
+            out.append(
+                f"  sbatch {role}: --nodes={r['nodes']} --ntasks-per-node={r['ntasks_per_node']} "
+                f"--gpus-per-node={r['gpus_per_node']}"
+            )
         return out
 
 
@@ -171,14 +186,20 @@ def local_placement(cfg: Config, gpus_available: int = 0) -> Placement:
     if gpus_available > 0 and d.num_train_gpus is not None:
         tg, ig = d.num_train_gpus, d.num_infer_gpus or tp
         if tg + ig > gpus_available:
-            raise ConfigError("deployment.num_train_gpus",
-                              f"{tg} trainer + {ig} inference GPUs requested but {gpus_available} visible")
+            raise ConfigError(
+                "deployment.num_train_gpus",
+                f"{tg} trainer + {ig} inference GPUs requested but {gpus_available} visible",
+            )
         if ig % tp:
             raise ConfigError("inference.parallel.tp", f"{tp} does not divide num_infer_gpus ({ig})")
-        return Placement("local", 1, 1, tg, ig // tp, 1, tp, "trainer", infer_gpu_offset=tg, cpu_compute=_cpu(cfg))
+        return Placement(
+            "local", 1, 1, tg, ig // tp, 1, tp, "trainer", infer_gpu_offset=tg, cpu_compute=_cpu(cfg)
+        )
     notes = []
     if d.num_train_gpus or d.num_infer_gpus or d.num_train_nodes:
-        notes.append("note:         [deployment] GPU/node counts apply on GPUs / SLURM; this machine runs on CPU")
+        notes.append(
+            "note:         [deployment] GPU/node counts apply on GPUs / SLURM; this machine runs on CPU"
+        )
     ranks = d.num_trainer_ranks or 1
     servers = d.num_inference_servers or 1
     return Placement("local", 1, 1, ranks, servers, 0, 0, "trainer", notes=tuple(notes))
@@ -190,8 +211,11 @@ def _nodes_for(gpus: int, gpn: int, field_name: str) -> tuple[int, int]:
     if gpus <= gpn:
         return 1, gpus
     if gpus % gpn:
-        raise ConfigError(field_name, f"{gpus} GPUs do not fill whole nodes of gpus_per_node = {gpn}; "
-                                      f"use at most {gpn} or a multiple of it")
+        raise ConfigError(
+            field_name,
+            f"{gpus} GPUs do not fill whole nodes of gpus_per_node = {gpn}; "
+            f"use at most {gpn} or a multiple of it",
+        )
     return gpus // gpn, gpn
 
 
@@ -211,20 +235,26 @@ def slurm_placement(cfg: Config, nodes: int | None = None, partition_gpus: int |
         tn, t_per = _nodes_for(d.num_train_gpus or 1, gpn, "deployment.num_train_gpus")
         inn, i_per = _nodes_for(d.num_infer_gpus or tp, gpn, "deployment.num_infer_gpus")
         if total is not None and total != tn + inn:
-            raise ConfigError("--nodes", f"{total} != the {tn + inn} node(s) [deployment] GPU counts need "
-                                         f"({tn} trainer + {inn} inference)")
+            raise ConfigError(
+                "--nodes",
+                f"{total} != the {tn + inn} node(s) [deployment] GPU counts need "
+                f"({tn} trainer + {inn} inference)",
+            )
     else:
         tn, inn = _node_split(d, total)
         t_per = i_per = gpn
     if tp > i_per or i_per % tp:
-        raise ConfigError("inference.parallel.tp", f"{tp} does not divide the {i_per} GPU(s) of an inference node")
+        raise ConfigError(
+            "inference.parallel.tp", f"{tp} does not divide the {i_per} GPU(s) of an inference node"
+        )
     if partition_gpus is not None:
         need = max(t_per, i_per)
         if need > partition_gpus:
             part = f"partition '{s.partition}'" if s is not None and s.partition else "the default partition"
-            raise ConfigError(gpn_field if need == gpn else "deployment",
-                              f"{need} GPUs per node requested but nodes of {part} have at most "
-                              f"{partition_gpus} (sinfo)")
+            raise ConfigError(
+                gpn_field if need == gpn else "deployment",
+                f"{need} GPUs per node requested but nodes of {part} have at most {partition_gpus} (sinfo)",
+            )
     return Placement("slurm", tn, inn, t_per, i_per // tp, 1, tp, d.orchestrator_node, cpu_compute=_cpu(cfg))
 
 
@@ -233,12 +263,16 @@ def _node_split(d, total: int | None) -> tuple[int, int]:
     if d.num_train_nodes is not None and d.num_infer_nodes is not None:
         tn, inn = d.num_train_nodes, d.num_infer_nodes
         if total is not None and tn + inn != total:
-            raise ConfigError("--nodes", f"{total} != deployment num_train_nodes + num_infer_nodes ({tn + inn})")
+            raise ConfigError(
+                "--nodes", f"{total} != deployment num_train_nodes + num_infer_nodes ({tn + inn})"
+            )
         return tn, inn
     if total is None:
         raise ConfigError("--nodes", "give --nodes N or [deployment] num_train_nodes / num_infer_nodes")
     if total < 2:
-        raise ConfigError("--nodes", f"{total}: a heterogeneous job needs at least 2 nodes (1 trainer + 1 inference)")
+        raise ConfigError(
+            "--nodes", f"{total}: a heterogeneous job needs at least 2 nodes (1 trainer + 1 inference)"
+        )
     tn = max(1, total // 2)
     return tn, total - tn
 
@@ -248,7 +282,9 @@ def _cpu_slurm(cfg: Config, total: int | None) -> Placement:
     if d.num_train_gpus is not None or d.num_infer_gpus is not None:
         tn, inn = 1, 1
         if total is not None and total != 2:
-            raise ConfigError("--nodes", f"{total}: [deployment] GPU counts on CPU nodes make 1 trainer + 1 inference node")
+            raise ConfigError(
+                "--nodes", f"{total}: [deployment] GPU counts on CPU nodes make 1 trainer + 1 inference node"
+            )
     else:
         tn, inn = _node_split(d, total)
     return Placement("slurm", tn, inn, d.num_trainer_ranks or 1, 1, 0, 0, d.orchestrator_node)
@@ -287,10 +323,13 @@ def select_gpus(visible: list[str], need: int, local_id: int) -> list[str]:
         return list(visible)
     start = local_id * need
     if len(visible) % need == 0 and start + need <= len(visible):
-        return list(visible[start:start + need])
-    raise ConfigError("deployment", f"this process should own {need} GPU(s) (slot {local_id}) but sees "
-                                    f"CUDA_VISIBLE_DEVICES={','.join(visible) or '(none)'}: the job's GPU "
-                                    "request does not match the placement")
+        return list(visible[start : start + need])
+    raise ConfigError(
+        "deployment",
+        f"this process should own {need} GPU(s) (slot {local_id}) but sees "
+        f"CUDA_VISIBLE_DEVICES={','.join(visible) or '(none)'}: the job's GPU "
+        "request does not match the placement",
+    )
 
 
 def visible_list(environ: Mapping[str, str]) -> list[str] | None:
@@ -351,8 +390,9 @@ def _as_int(x: str) -> int | str:
     return int(x) if x.isdigit() else x  # GPU UUIDs stay strings
 
 
-def placement_line(role: str, rank: int, port: int | None = None,
-                   environ: Mapping[str, str] | None = None) -> dict:
+def placement_line(
+    role: str, rank: int, port: int | None = None, environ: Mapping[str, str] | None = None
+) -> dict:
     env = os.environ if environ is None else environ
     host = socket.gethostname()
     return {

@@ -29,7 +29,9 @@ def prepare_output_dir(cfg: Config | SFTConfig, dry_run: bool = False) -> RunPat
             paths.make_dirs()
         write_resolved(cfg, paths.configs_dir)
     except OSError as e:  # permissions, read-only or full filesystem: the user's to fix, in one line
-        raise ConfigError("output_dir", f"'{cfg.output_dir}' cannot be written ({e.strerror}: {e.filename})") from None
+        raise ConfigError(
+            "output_dir", f"'{cfg.output_dir}' cannot be written ({e.strerror}: {e.filename})"
+        ) from None
     return paths
 
 
@@ -73,10 +75,16 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
         f"batch:        {o.batch_size} rollouts = {o.batch_size // o.rollouts_per_example} tasks x "
         f"{o.rollouts_per_example}, seq_len {cfg.seq_len}, max_tokens {o.train.sampling.max_tokens}",
         f"envs:         {envs}",
-        *placement.summary(), *placement.plan(),
-        "precision:    " + trainer_precision(cfg, on_gpu=placement.uses_gpus and not placement.cpu_compute).describe(),
-        "checkpoints:  " + ("off (enable with --ckpt)" if cfg.ckpt is None else
-                             (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")),
+        *placement.summary(),
+        *placement.plan(),
+        "precision:    "
+        + trainer_precision(cfg, on_gpu=placement.uses_gpus and not placement.cpu_compute).describe(),
+        "checkpoints:  "
+        + (
+            "off (enable with --ckpt)"
+            if cfg.ckpt is None
+            else (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")
+        ),
         f"configs:      {paths.configs_dir}/",
     ]
     lines += extra or []
@@ -87,10 +95,21 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
 
 def print_sft_summary(loaded: Loaded) -> None:
     cfg: SFTConfig = loaded.config
-    mask = ", ".join(k for k in ("system", "user", "assistant", "tool") if getattr(cfg.loss_mask, k)) or "nothing"
-    val = "off" if cfg.val.interval == 0 else (
-        f"every {cfg.val.interval} step(s) on "
-        + (cfg.val.data.name if cfg.val.data is not None else f"{cfg.val.fraction:g} of the data held out")
+    mask = (
+        ", ".join(k for k in ("system", "user", "assistant", "tool") if getattr(cfg.loss_mask, k))
+        or "nothing"
+    )
+    val = (
+        "off"
+        if cfg.val.interval == 0
+        else (
+            f"every {cfg.val.interval} step(s) on "
+            + (
+                cfg.val.data.name
+                if cfg.val.data is not None
+                else f"{cfg.val.fraction:g} of the data held out"
+            )
+        )
     )
     lines = [
         "hpcrl sft: dry run OK",
@@ -98,9 +117,14 @@ def print_sft_summary(loaded: Loaded) -> None:
         f"data:         {cfg.data.name} (batch {cfg.data.batch_size}, seq_len {cfg.data.seq_len or cfg.seq_len})",
         f"steps:        {cfg.max_steps} (lr {cfg.optim.lr:g}, loss on {mask} turns)",
         f"validation:   {val}",
-        "precision:    " + trainer_precision(cfg, on_gpu=visible_gpus() > 0 and cfg.deployment.compute != "cpu").describe(),
-        "checkpoints:  " + ("off (enable with --ckpt)" if cfg.ckpt is None else
-                             (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")),
+        "precision:    "
+        + trainer_precision(cfg, on_gpu=visible_gpus() > 0 and cfg.deployment.compute != "cpu").describe(),
+        "checkpoints:  "
+        + (
+            "off (enable with --ckpt)"
+            if cfg.ckpt is None
+            else (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")
+        ),
         f"configs:      {RunPaths(cfg.output_dir).configs_dir}/",
     ]
     lines += [f"note:         {n}" for n in loaded.notes]

@@ -22,7 +22,10 @@ class AlreadyComplete(Exception):
 
 def clear_stale_addresses(paths: RunPaths) -> None:
     """Server and weight-group addresses of a previous (dead) launch must not be dialled."""
-    for f in list(paths.servers_dir.glob("*.json")) + [paths.endpoint_file("weights"), paths.weights_fallback_file]:
+    for f in list(paths.servers_dir.glob("*.json")) + [
+        paths.endpoint_file("weights"),
+        paths.weights_fallback_file,
+    ]:
         f.unlink(missing_ok=True)
 
 
@@ -47,12 +50,17 @@ def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
     except checkpoint.CheckpointError as e:
         raise ConfigError("ckpt.resume_step", str(e)) from None
     if step == cfg.max_steps:
-        raise AlreadyComplete(f"hpcrl: {paths.root} is complete at step {step} (max_steps); "
-                              "pass --max-steps M to train further")
+        raise AlreadyComplete(
+            f"hpcrl: {paths.root} is complete at step {step} (max_steps); pass --max-steps M to train further"
+        )
     if step > cfg.max_steps:
-        raise ConfigError("max_steps", f"{cfg.max_steps} is below the resumed step {step} (max_steps is the final step)")
+        raise ConfigError(
+            "max_steps", f"{cfg.max_steps} is below the resumed step {step} (max_steps is the final step)"
+        )
     moved = move_bus_aside(paths, step)
     # Policy files up to N stay, but the trainer re-publishes N; weights/broadcasts newer than N are stale.
-    print(f"hpcrl: resuming from {paths.checkpoint_dir(step)} (moved {len(moved)} newer bus file(s) aside)",
-          flush=True)
+    print(
+        f"hpcrl: resuming from {paths.checkpoint_dir(step)} (moved {len(moved)} newer bus file(s) aside)",
+        flush=True,
+    )
     return ["--ckpt.resume-step", str(step)]

@@ -17,12 +17,22 @@ def resume(output_dir: Path, step: int, argv: list[str]) -> int:
     """`hpcrl resume --step -1|N --output-dir DIR [flags]`: rerun the recorded config from a checkpoint."""
     paths = RunPaths(output_dir)
     if not paths.resolved_config.is_file():
-        raise ConfigError("--output-dir", f"{output_dir} has no configs/resolved.toml: not an hpcrl run directory")
+        raise ConfigError(
+            "--output-dir", f"{output_dir} has no configs/resolved.toml: not an hpcrl run directory"
+        )
     if step < -1:
         raise ConfigError("--step", f"{step}: expected -1 (newest complete) or a step number")
     from hpcrl.config import load
 
-    argv = ["@", str(paths.resolved_config), *argv, "--output-dir", str(output_dir), "--ckpt.resume-step", str(step)]
+    argv = [
+        "@",
+        str(paths.resolved_config),
+        *argv,
+        "--output-dir",
+        str(output_dir),
+        "--ckpt.resume-step",
+        str(step),
+    ]
     loaded = load(argv)
     loaded.config.clean_output_dir = False
     from hpcrl.launch.manage import read_job
@@ -36,7 +46,9 @@ def resume(output_dir: Path, step: int, argv: list[str]) -> int:
         cfg = loaded.config
         newest = checkpoint.latest_complete(paths) if step == -1 else step
         if newest is not None and newest >= cfg.max_steps:
-            print(f"hpcrl: {paths.root} is complete at step {newest} (max_steps); pass --max-steps M to train further")
+            print(
+                f"hpcrl: {paths.root} is complete at step {newest} (max_steps); pass --max-steps M to train further"
+            )
             return 0
         # The batch script's prepare-resume pins the roles to the checkpoint on the nodes.
         return submit(loaded, nodes=job.get("nodes"), dry_run=False, resume_step=step)

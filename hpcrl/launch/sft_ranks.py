@@ -38,8 +38,15 @@ def launched_as_rank() -> bool:
 
 def rank_env(n: int, cpu: bool) -> dict[str, str]:
     """Environment shared by the n ranks (each adds RANK / LOCAL_RANK)."""
-    env = {**os.environ, CHILD_ENV: "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    env = {
+        **os.environ,
+        CHILD_ENV: "1",
+        "PYTHONUNBUFFERED": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+    }
     if cpu:  # one thread per core in every rank oversubscribes the machine
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     return env
@@ -50,8 +57,17 @@ def spawn_ranks(paths: RunPaths, n: int) -> list[Child]:
 
     base = rank_env(n, cpu=visible_gpus() == 0)
     args = ["@", str(paths.configs_dir / "sft.toml")]
-    return [spawn("sft", f"sft[{r}]", args, paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r),
-                  {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, capture=False) for r in range(n)]
+    return [
+        spawn(
+            "sft",
+            f"sft[{r}]",
+            args,
+            paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r),
+            {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            capture=False,
+        )
+        for r in range(n)
+    ]
 
 
 def launch_ranks(paths: RunPaths, n: int) -> int:
@@ -62,8 +78,9 @@ def launch_ranks(paths: RunPaths, n: int) -> int:
     def forward(signum: int, _frame: object) -> None:
         signal_children(children, signum)
 
-    code, line, failed = supervise_then_stop(children, {signal.SIGTERM: forward, signal.SIGUSR2: forward}, None,
-                                             poll=0.2)
+    code, line, failed = supervise_then_stop(
+        children, {signal.SIGTERM: forward, signal.SIGUSR2: forward}, None, poll=0.2
+    )
     if failed is not None:
         code = failed.proc.returncode  # the rank's own code (2: a user error it reported itself)
     if code not in (0, USER_ERROR_EXIT):

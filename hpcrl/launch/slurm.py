@@ -49,8 +49,10 @@ def sbatch_dir() -> Path:
 
 # The run's server key, made on the batch node when the job starts (never rendered into a file) and
 # inherited by every srun step; a key exported at submission (server.api_key) is kept.
-RUN_KEY_LINE = ('export HPCRL_API_KEY="${HPCRL_API_KEY:-$("$HPCRL_PYTHON" -c '
-                "'import secrets; print(secrets.token_urlsafe(32))')}\"")
+RUN_KEY_LINE = (
+    'export HPCRL_API_KEY="${HPCRL_API_KEY:-$("$HPCRL_PYTHON" -c '
+    "'import secrets; print(secrets.token_urlsafe(32))')}\""
+)
 
 
 def build_spec(

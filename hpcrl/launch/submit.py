@@ -32,8 +32,10 @@ def resume_setup_line(paths: RunPaths, python: str, step: int | None) -> str:
     py = shlex.quote(python)
     requested = "" if step is None else f" --step {step}"
     cond = '[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]' if step is None else "true"
-    return (f"if {cond}; then {py} -m hpcrl.cli prepare-resume --output-dir {run}{requested or ' --step -1'} "
-            f"--if-checkpoint || exit 1; fi")
+    return (
+        f"if {cond}; then {py} -m hpcrl.cli prepare-resume --output-dir {run}{requested or ' --step -1'} "
+        f"--if-checkpoint || exit 1; fi"
+    )
 
 
 def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | None = None) -> int:
@@ -50,7 +52,9 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     notes = []
     if cfg.slurm.requeue and cfg.ckpt is None:
         cfg.ckpt = CkptConfig()
-        notes.append("note:         checkpointing enabled (requeue resumes from checkpoints); set [ckpt] to tune")
+        notes.append(
+            "note:         checkpointing enabled (requeue resumes from checkpoints); set [ckpt] to tune"
+        )
     if resume_step is None and cfg.ckpt is not None:
         cfg.ckpt.resume_step = None  # roles get the step from prepare-resume, never from a stale config
     paths = prepare.prepare_output_dir(cfg, dry_run=dry_run)
@@ -88,10 +92,21 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     job_id = slurm_mod.submit(spec, paths)
     from hpcrl.launch.manage import write_job
 
-    write_job(paths, {"target": "slurm", "job_id": job_id, "nodes": placement.train_nodes + placement.infer_nodes,
-                      "submitted_at": time.time(), "script": str(script_path)})
-    print(f"hpcrl: submitted SLURM job {job_id} ({placement.train_nodes} trainer + {placement.infer_nodes} inference "
-          f"node(s)); logs: {paths.logs_dir}/  follow: bash tmux.sh {job_id} {paths.root}", flush=True)
+    write_job(
+        paths,
+        {
+            "target": "slurm",
+            "job_id": job_id,
+            "nodes": placement.train_nodes + placement.infer_nodes,
+            "submitted_at": time.time(),
+            "script": str(script_path),
+        },
+    )
+    print(
+        f"hpcrl: submitted SLURM job {job_id} ({placement.train_nodes} trainer + {placement.infer_nodes} inference "
+        f"node(s)); logs: {paths.logs_dir}/  follow: bash tmux.sh {job_id} {paths.root}",
+        flush=True,
+    )
     return 0
 
 
@@ -102,7 +117,9 @@ def prepare_resume_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hpcrl prepare-resume")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--step", type=int, default=-1)
-    p.add_argument("--if-checkpoint", action="store_true", help="no checkpoint yet: start fresh instead of failing")
+    p.add_argument(
+        "--if-checkpoint", action="store_true", help="no checkpoint yet: start fresh instead of failing"
+    )
     args = p.parse_args(argv)
     from hpcrl import checkpoint  # after parsing: --help stays light
     from hpcrl.config import load

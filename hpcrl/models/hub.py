@@ -40,19 +40,32 @@ def resolve_hub(name: str, *, field: str = "model.name", cache_dir: str | None =
     except ImportError as e:  # pragma: no cover - transformers depends on huggingface_hub
         raise ConfigError(field, f"{name!r} looks like a Hub id but huggingface_hub is not installed") from e
     try:
-        path = snapshot_download(repo_id, revision=revision or None, cache_dir=cache_dir,
-                                 allow_patterns=ALLOW_PATTERNS, local_files_only=_offline())
+        path = snapshot_download(
+            repo_id,
+            revision=revision or None,
+            cache_dir=cache_dir,
+            allow_patterns=ALLOW_PATTERNS,
+            local_files_only=_offline(),
+        )
     except HFValidationError:
-        raise ConfigError(field, f"{name!r} is neither a local directory, a built-in model "
-                                 "(hpcrl/tiny-qwen3, hpcrl/small-qwen3) nor a valid Hub id (org/name)") from None
+        raise ConfigError(
+            field,
+            f"{name!r} is neither a local directory, a built-in model "
+            "(hpcrl/tiny-qwen3, hpcrl/small-qwen3) nor a valid Hub id (org/name)",
+        ) from None
     except Exception as e:  # noqa: BLE001 - every hub failure (offline miss, 404, network) is a user error
         if _offline():
             where = cache_dir or _cache_location()
-            raise ConfigError(field, f"{name!r} is not a local directory and not in the Hugging Face cache "
-                                     f"{where} (HF_HUB_OFFLINE=1); download it first, e.g. "
-                                     f"`huggingface-cli download {repo_id}`") from None
+            raise ConfigError(
+                field,
+                f"{name!r} is not a local directory and not in the Hugging Face cache "
+                f"{where} (HF_HUB_OFFLINE=1); download it first, e.g. "
+                f"`huggingface-cli download {repo_id}`",
+            ) from None
         first = " ".join(str(e).split())[:200]
-        raise ConfigError(field, f"cannot get {name!r} from the Hugging Face Hub: {type(e).__name__}: {first}") from None
+        raise ConfigError(
+            field, f"cannot get {name!r} from the Hugging Face Hub: {type(e).__name__}: {first}"
+        ) from None
     return str(path)
 
 
@@ -95,8 +108,12 @@ def job_env(cfg: Any, *, download: bool) -> dict[str, str]:
     return {**OFFLINE_ENV, "HF_HUB_CACHE": _cache_location()}
 
 
-def seed_cache(model_dir: str | os.PathLike[str], repo_id: str, cache_dir: str | os.PathLike[str],
-               revision: str = "0" * 40) -> str:
+def seed_cache(
+    model_dir: str | os.PathLike[str],
+    repo_id: str,
+    cache_dir: str | os.PathLike[str],
+    revision: str = "0" * 40,
+) -> str:
     """Place a local model directory in a Hugging Face cache as ``repo_id`` (the layout
     ``snapshot_download`` reads: ``models--org--name/snapshots/<revision>/`` + ``refs/main``), so the
     id resolves with ``HF_HUB_OFFLINE=1``: for air-gapped clusters, and for tests without network."""

@@ -36,15 +36,33 @@ VOCAB_SIZE = 400
 
 PRESETS: dict[str, dict[str, int]] = {
     # ~0.34 M parameters: fast enough for every unit and integration test.
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
     # ~2.5 M parameters: big enough for demos that must visibly learn on CPU.
-    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
     # ~53 M parameters (212 MB in fp32): big enough that the trainer benchmark's memory table shows
     # what meta-device init saves; not a built-in name, only `build_tiny_model(..., preset="medium")`.
-    "medium": dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=12, num_attention_heads=10,
-                   num_key_value_heads=2, head_dim=64),
+    "medium": dict(
+        hidden_size=640,
+        intermediate_size=1792,
+        num_hidden_layers=12,
+        num_attention_heads=10,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
 }
 
 
@@ -58,7 +76,7 @@ CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n\\nYou may call one or more functions. Available tools:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>'"
+    '{{- \'\\n</tools>\\nCall a tool with <tool_call>{"name": ..., "arguments": ...}</tool_call>\''
     " + '<|im_end|>\\n' }}"
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
@@ -122,10 +140,14 @@ def _corpus(seed: int = 1234) -> list[str]:
         w = "".join(rng.choice(letters) for _ in range(rng.randint(3, 10)))
         lines.append(f"Reverse: {w} -> {w[::-1]}; sorted: {' '.join(sorted(w))}")
     for _ in range(100):
-        lines.append(f'<tool_call>{{"name": "{rng.choice(_WORDS)}", "arguments": {{"x": {rng.randint(0, 99)}}}}}'
-                     "</tool_call>")
-        lines.append(f"{IM_START}{rng.choice(['system', 'user', 'assistant', 'tool'])}\n"
-                     f"{' '.join(rng.choice(_WORDS) for _ in range(5))}{IM_END}\n")
+        lines.append(
+            f'<tool_call>{{"name": "{rng.choice(_WORDS)}", "arguments": {{"x": {rng.randint(0, 99)}}}}}'
+            "</tool_call>"
+        )
+        lines.append(
+            f"{IM_START}{rng.choice(['system', 'user', 'assistant', 'tool'])}\n"
+            f"{' '.join(rng.choice(_WORDS) for _ in range(5))}{IM_END}\n"
+        )
     return lines
 
 
@@ -136,10 +158,12 @@ def build_tokenizer() -> Any:
 
     tok = Tokenizer(models.BPE())
     # Digits split one by one (as Qwen does) so arithmetic is tokenized uniformly.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -208,7 +232,9 @@ def build_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "hpcrl_tiny.json").write_text(json.dumps({"kit_version": KIT_VERSION, "preset": preset, "seed": seed}))
+    (out / "hpcrl_tiny.json").write_text(
+        json.dumps({"kit_version": KIT_VERSION, "preset": preset, "seed": seed})
+    )
     return out
 
 
@@ -265,8 +291,9 @@ def resolve_model(name: str, field: str = "model.name") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N]`."""
-    parser = argparse.ArgumentParser(prog="hpcrl make-tiny-model",
-                                     description="Build a tiny Qwen3-style model + BPE tokenizer locally.")
+    parser = argparse.ArgumentParser(
+        prog="hpcrl make-tiny-model", description="Build a tiny Qwen3-style model + BPE tokenizer locally."
+    )
     parser.add_argument("dir", help="output directory (a Hugging Face model dir)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
     parser.add_argument("--seed", type=int, default=0, help="weight init seed")

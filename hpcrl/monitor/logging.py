@@ -28,8 +28,9 @@ def resolve_level(level: str | None) -> int:
     return value
 
 
-def setup_logging(role: str, level: str | None = None, log_file: str | Path | None = None,
-                  console: bool = True) -> logging.Logger:
+def setup_logging(
+    role: str, level: str | None = None, log_file: str | Path | None = None, console: bool = True
+) -> logging.Logger:
     """Configure the root logger for one process; returns the `hpcrl` logger."""
     root = logging.getLogger()
     for h in list(root.handlers):
@@ -60,8 +61,9 @@ def env_logger(env_name: str) -> logging.Logger:
     return logging.getLogger(f"hpcrl.envs.{env_name}")
 
 
-def attach_env_logs(files: dict[str, list[Path]], vf_level: str = "warning", verifiers_envs: tuple[str, ...] = ()
-                    ) -> None:
+def attach_env_logs(
+    files: dict[str, list[Path]], vf_level: str = "warning", verifiers_envs: tuple[str, ...] = ()
+) -> None:
     """One file per (kind, env): `files` maps env name -> its log files (train and/or eval). Envs
     written for verifiers also get verifiers' own log lines, at `vf_level`."""
     fmt = logging.Formatter("%(asctime)s %(levelname)-7s [%(name)s] %(message)s", datefmt="%H:%M:%S")

@@ -72,8 +72,15 @@ def histogram(values: Iterable[float], bins: int = HIST_BINS) -> dict[str, Any] 
     if a.size == 0:
         return None
     counts, edges = np.histogram(a, bins=bins)
-    return {"count": int(a.size), "mean": float(a.mean()), "std": float(a.std()), "min": float(a.min()),
-            "max": float(a.max()), "counts": counts.tolist(), "edges": edges.tolist()}
+    return {
+        "count": int(a.size),
+        "mean": float(a.mean()),
+        "std": float(a.std()),
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "counts": counts.tolist(),
+        "edges": edges.tolist(),
+    }
 
 
 class Metrics:
@@ -85,8 +92,9 @@ class Metrics:
     this W&B run directly; the W&B sink is the normal path.
     """
 
-    def __init__(self, paths: RunPaths, role: str, enabled: bool = True, wandb_run: Any = None,
-                 extras: Any = None):
+    def __init__(
+        self, paths: RunPaths, role: str, enabled: bool = True, wandb_run: Any = None, extras: Any = None
+    ):
         self.paths = paths
         self.role = role
         self.enabled = enabled
@@ -98,7 +106,9 @@ class Metrics:
     def for_run(cls, cfg: Any, paths: RunPaths, role: str, enabled: bool = True) -> Metrics:
         """The usual construction: log extras as `cfg.wandb.log_extras` says when W&B is on."""
         wandb_cfg = getattr(cfg, "wandb", None)
-        return cls(paths, role, enabled=enabled, extras=wandb_cfg.log_extras if wandb_cfg is not None else None)
+        return cls(
+            paths, role, enabled=enabled, extras=wandb_cfg.log_extras if wandb_cfg is not None else None
+        )
 
     def _record(self, step: int, fields: dict[str, Any]) -> dict[str, Any]:
         return {"role": self.role, "step": int(step), "time": time.time(), **fields}
@@ -135,8 +145,9 @@ class Metrics:
         from hpcrl.fileio import write_atomic
 
         # Written whole and renamed before the pointer exists, so a follower never reads half a table.
-        write_atomic(path, [b"".join(_dumps({c: _clean(v) for c, v in rows[i].items()}) for i in keep)],
-                     durable=False)
+        write_atomic(
+            path, [b"".join(_dumps({c: _clean(v) for c, v in rows[i].items()}) for i in keep)], durable=False
+        )
         assert self.jsonl is not None
         rel = path.relative_to(self.paths.root).as_posix()
         self.jsonl.write(self._record(step, {EXTRA_KEY: "samples", "file": rel, "rows": len(keep)}))

@@ -62,8 +62,13 @@ def collect(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[int, fl
     return out
 
 
-def _series(data: dict[tuple[str, str], dict[int, float]], key: str, label: str | None = None,
-            role: str | None = None, **kw: Any) -> list[Series]:
+def _series(
+    data: dict[tuple[str, str], dict[int, float]],
+    key: str,
+    label: str | None = None,
+    role: str | None = None,
+    **kw: Any,
+) -> list[Series]:
     """The series of `key` (from `role`, or from whichever role logged it); [] if never logged."""
     for (r, k), points in sorted(data.items()):
         if k == key and (role is None or r == role) and points:
@@ -80,11 +85,15 @@ def panels(records: list[dict[str, Any]]) -> list[Panel]:
     for env in sorted({m.group(1) for k in keys if (m := _ENV_REWARD_RE.match(k)) and m.group(1) != "all"}):
         reward.series += _series(d, f"reward/{env}/mean", style="--")
     for k in sorted(k for k in keys if _EVAL_RE.match(k)):
-        reward.series += _series(d, k, f"eval {k[len('eval/'):]}", style="o-")
-    throughput = Panel("throughput", "Throughput", "trainer tokens/s",
-                       _series(d, "perf/throughput", "trainer perf/throughput (tok/s)")
-                       + _series(d, "perf/samples_per_s", "orchestrator perf/samples_per_s", axis=1),
-                       ylabel2="orchestrator samples/s")
+        reward.series += _series(d, k, f"eval {k[len('eval/') :]}", style="o-")
+    throughput = Panel(
+        "throughput",
+        "Throughput",
+        "trainer tokens/s",
+        _series(d, "perf/throughput", "trainer perf/throughput (tok/s)")
+        + _series(d, "perf/samples_per_s", "orchestrator perf/samples_per_s", axis=1),
+        ylabel2="orchestrator samples/s",
+    )
     return [
         reward,
         Panel("loss", "Loss", "loss", _series(d, "loss/mean")),
@@ -108,16 +117,25 @@ def render(panel: Panel, path: Path) -> Path:
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)
         if not panel.has_data:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", fontsize=16, color="gray",
-                    transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                "no data",
+                ha="center",
+                va="center",
+                fontsize=16,
+                color="gray",
+                transform=ax.transAxes,
+            )
         axes = {0: ax}
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         for i, s in enumerate(s for s in panel.series if s.steps):
             if s.axis not in axes:
                 axes[s.axis] = ax.twinx()
                 axes[s.axis].set_ylabel(panel.ylabel2)
-            axes[s.axis].plot(s.steps, s.values, s.style, label=s.label, color=colors[i % len(colors)],
-                              markersize=3)
+            axes[s.axis].plot(
+                s.steps, s.values, s.style, label=s.label, color=colors[i % len(colors)], markersize=3
+            )
         handles = [h for a in axes.values() for h in a.get_legend_handles_labels()[0]]
         if handles:
             ax.legend(handles=handles, fontsize=8, loc="best")
@@ -153,15 +171,20 @@ def report_plots(paths: RunPaths) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hpcrl plot", description="Write PNG plots of a run's metrics.jsonl "
-                                 "(reward, loss, entropy, mismatch_kl, throughput, policy lag) into <run>/plots/.")
+    ap = argparse.ArgumentParser(
+        prog="hpcrl plot",
+        description="Write PNG plots of a run's metrics.jsonl "
+        "(reward, loss, entropy, mismatch_kl, throughput, policy lag) into <run>/plots/.",
+    )
     ap.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run directory (holds metrics.jsonl)")
     ap.add_argument("--out", metavar="DIR", help="write the PNGs here instead of OUTPUT_DIR/plots")
     args = ap.parse_args(argv)
     paths = RunPaths(args.output_dir)
     if not paths.metrics_file.is_file():
-        print(f"hpcrl plot: {paths.metrics_file} does not exist (is {args.output_dir} a run directory?)",
-              file=sys.stderr)
+        print(
+            f"hpcrl plot: {paths.metrics_file} does not exist (is {args.output_dir} a run directory?)",
+            file=sys.stderr,
+        )
         return 2
     files = write_plots(paths, Path(args.out) if args.out else None)
     print(f"plots: {files[0].parent}/")

@@ -30,9 +30,9 @@ def iter_payloads(data: bytes):
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         pos += 7
-        chunk = data[pos:pos + length]
+        chunk = data[pos : pos + length]
         pos += length
         if kind == _FULL:
             yield chunk
@@ -89,8 +89,9 @@ def read_offline_run(path: Path) -> OfflineRun:
         elif kind == "exit":
             out.exited = True
         elif kind == "metric":
-            out.metrics.append({"name": rec.metric.name, "glob": rec.metric.glob_name,
-                                "step_metric": rec.metric.step_metric})
+            out.metrics.append(
+                {"name": rec.metric.name, "glob": rec.metric.glob_name, "step_metric": rec.metric.step_metric}
+            )
     return out
 
 

@@ -104,8 +104,15 @@ def is_writer(cfg: Any, role: str) -> bool:
 class WandbSink:
     """A daemon thread: follow metrics.jsonl every `poll_s` seconds, log new records to W&B."""
 
-    def __init__(self, wandb_cfg: Any, paths: RunPaths, name: str, multi_role: bool = True,
-                 poll_s: float = 2.0, mode: str | None = None):
+    def __init__(
+        self,
+        wandb_cfg: Any,
+        paths: RunPaths,
+        name: str,
+        multi_role: bool = True,
+        poll_s: float = 2.0,
+        mode: str | None = None,
+    ):
         self.cfg = wandb_cfg
         self.paths = paths
         self.name = name
@@ -144,7 +151,11 @@ class WandbSink:
             while not self._stop.wait(self.poll_s):
                 self._drain()
             self._drain()
-            while self._wait_for is not None and not self._done(self._wait_for) and time.monotonic() < self._deadline:
+            while (
+                self._wait_for is not None
+                and not self._done(self._wait_for)
+                and time.monotonic() < self._deadline
+            ):
                 time.sleep(min(self.poll_s, 0.5))
                 self._drain()
         except BaseException as e:  # never take the orchestrator down: W&B is a mirror of metrics.jsonl
@@ -171,10 +182,16 @@ class WandbSink:
         import wandb
 
         self.paths.wandb_dir.mkdir(parents=True, exist_ok=True)
-        kwargs = dict(project=self.cfg.project, entity=self.cfg.entity, name=self.cfg.name or self.name,
-                      id=run_id(self.paths, self.name), resume="allow", config=self._config(),
-                      dir=os.environ.get("WANDB_DIR") or str(self.paths.wandb_dir),
-                      settings=wandb.Settings(console="off", silent=True))
+        kwargs = dict(
+            project=self.cfg.project,
+            entity=self.cfg.entity,
+            name=self.cfg.name or self.name,
+            id=run_id(self.paths, self.name),
+            resume="allow",
+            config=self._config(),
+            dir=os.environ.get("WANDB_DIR") or str(self.paths.wandb_dir),
+            settings=wandb.Settings(console="off", silent=True),
+        )
         try:
             run = wandb.init(mode=self.mode, **kwargs)
         except Exception as e:
@@ -268,8 +285,9 @@ class _NoSink:
         pass
 
 
-def start_wandb_sink(cfg: Any, paths: RunPaths, role: str = "orchestrator", poll_s: float = 2.0
-                     ) -> WandbSink | _NoSink:
+def start_wandb_sink(
+    cfg: Any, paths: RunPaths, role: str = "orchestrator", poll_s: float = 2.0
+) -> WandbSink | _NoSink:
     """Start the W&B sink when `cfg.wandb` is set and `role` is the designated writer; otherwise a
     handle whose `close()` does nothing. Every role may call this; exactly one gets a real sink."""
     wandb_cfg = getattr(cfg, "wandb", None)

@@ -84,8 +84,12 @@ class Watchdog:
         while not self._stop.wait(self._poll):
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
-                log.error("watchdog: %s made no progress for %.0f s (last: %s); ending the job", self.role, idle,
-                          self.what)
+                log.error(
+                    "watchdog: %s made no progress for %.0f s (last: %s); ending the job",
+                    self.role,
+                    idle,
+                    self.what,
+                )
                 _dump_stacks()
                 os._exit(EXIT_STALLED)
 

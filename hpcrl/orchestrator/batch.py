@@ -37,7 +37,9 @@ class StepCounts:
     zero_advantage_filled: int = 0  # dropped groups put back because refills kept coming back uniform
 
 
-def judge_group(group: GroupRecord, buffer: Buffer, adv: AdvantageConfig, mode: str, counts: StepCounts) -> bool:
+def judge_group(
+    group: GroupRecord, buffer: Buffer, adv: AdvantageConfig, mode: str, counts: StepCounts
+) -> bool:
     """Set `group.advantages` and decide whether the group is trained on.
 
     Errored rollouts take no part in the group baseline (advantage 0, never packed). sft trains on
@@ -71,8 +73,9 @@ def num_rollouts(groups: Sequence[GroupRecord]) -> int:
     return sum(sum(not r.errored for r in g.rollouts) for g in groups)
 
 
-def fill_with_uniform(ready: list[GroupRecord], uniform: list[GroupRecord], missing: int
-                      ) -> tuple[list[GroupRecord], int]:
+def fill_with_uniform(
+    ready: list[GroupRecord], uniform: list[GroupRecord], missing: int
+) -> tuple[list[GroupRecord], int]:
     """``ready`` plus the first zero-advantage groups that cover ``missing`` rollouts; how many."""
     taken, got = [], 0
     for g in uniform:
@@ -95,8 +98,14 @@ def fill_batch(ready: list[GroupRecord], batch_size: int) -> tuple[list[GroupRec
     return taken, []
 
 
-def to_samples(groups: Sequence[GroupRecord], step: int, max_off_policy_steps: int, temperature: float,
-               buffer: Buffer, counts: StepCounts) -> list[Sample]:
+def to_samples(
+    groups: Sequence[GroupRecord],
+    step: int,
+    max_off_policy_steps: int,
+    temperature: float,
+    buffer: Buffer,
+    counts: StepCounts,
+) -> list[Sample]:
     """Samples of the usable rollouts, sorted by (env, example_id, rollout index, piece) so the packing
     never depends on completion order. A rollout older than the bound is dropped (counted): batch
     `step` is trained by the update from policy step-1, so its lag is (step-1) - policy_version."""
@@ -109,25 +118,36 @@ def to_samples(groups: Sequence[GroupRecord], step: int, max_off_policy_steps: i
             continue
         assert g.advantages is not None, "judge_group sets advantages before a group is used"
         for p_i, p in enumerate(r.pieces):
-            s = Sample(input_ids=np.asarray(p.input_ids, dtype=np.int32), loss_mask=np.asarray(p.loss_mask, bool),
-                       inference_logprobs=np.asarray(p.logprobs, dtype=np.float32),
-                       advantage=g.advantages[r.index], policy_version=r.policy_version,
-                       example_id=g.example_id, env_name=g.env, temperature=temperature, reward=r.reward,
-                       teacher_logprobs=None if p.teacher_logprobs is None
-                       else np.asarray(p.teacher_logprobs, dtype=np.float32))
+            s = Sample(
+                input_ids=np.asarray(p.input_ids, dtype=np.int32),
+                loss_mask=np.asarray(p.loss_mask, bool),
+                inference_logprobs=np.asarray(p.logprobs, dtype=np.float32),
+                advantage=g.advantages[r.index],
+                policy_version=r.policy_version,
+                example_id=g.example_id,
+                env_name=g.env,
+                temperature=temperature,
+                reward=r.reward,
+                teacher_logprobs=None
+                if p.teacher_logprobs is None
+                else np.asarray(p.teacher_logprobs, dtype=np.float32),
+            )
             samples.append(((g.env, g.example_id, r.index, p_i), s))
     samples.sort(key=lambda kv: kv[0])
     return [s for _, s in samples]
 
 
-def build_batches(samples: Sequence[Sample], step: int, world_size: int, seq_len: int,
-                  created_at: float | None = None) -> tuple[list[TrainBatch], PackStats]:
+def build_batches(
+    samples: Sequence[Sample], step: int, world_size: int, seq_len: int, created_at: float | None = None
+) -> tuple[list[TrainBatch], PackStats]:
     """One TrainBatch per rank; `total_loss_tokens` counts the loss tokens of every rank."""
     packed, stats = pack_for_ranks(samples, world_size, seq_len)
     total = int(sum(int(np.count_nonzero(b["loss_mask"])) for b in packed))
     extra = {} if created_at is None else {"created_at": created_at}
-    batches = [TrainBatch(step=step, rank=r, world_size=world_size, total_loss_tokens=total, **b, **extra)
-               for r, b in enumerate(packed)]
+    batches = [
+        TrainBatch(step=step, rank=r, world_size=world_size, total_loss_tokens=total, **b, **extra)
+        for r, b in enumerate(packed)
+    ]
     return batches, stats
 
 
@@ -136,12 +156,20 @@ def unpack_samples(batch: TrainBatch) -> list[Sample]:
     bounds = np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(int)
     out = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        out.append(Sample(input_ids=batch.input_ids[a:b], loss_mask=batch.loss_mask[a:b],
-                          inference_logprobs=batch.inference_logprobs[a:b], advantage=batch.advantages[a:b],
-                          policy_version=int(batch.policy_versions[i]), example_id=int(batch.example_ids[i]),
-                          env_name=batch.env_names[i], temperature=float(batch.temperatures[i]),
-                          reward=float(batch.rewards[i]),
-                          teacher_logprobs=None if batch.teacher_logprobs is None else batch.teacher_logprobs[a:b]))
+        out.append(
+            Sample(
+                input_ids=batch.input_ids[a:b],
+                loss_mask=batch.loss_mask[a:b],
+                inference_logprobs=batch.inference_logprobs[a:b],
+                advantage=batch.advantages[a:b],
+                policy_version=int(batch.policy_versions[i]),
+                example_id=int(batch.example_ids[i]),
+                env_name=batch.env_names[i],
+                temperature=float(batch.temperatures[i]),
+                reward=float(batch.rewards[i]),
+                teacher_logprobs=None if batch.teacher_logprobs is None else batch.teacher_logprobs[a:b],
+            )
+        )
     return out
 
 

@@ -34,7 +34,9 @@ class EvalEnv:
     k: int
 
 
-def avg_and_pass_at_k(groups: Sequence[Sequence[RolloutRecord]], threshold: float = PASS_THRESHOLD) -> tuple[float, float]:
+def avg_and_pass_at_k(
+    groups: Sequence[Sequence[RolloutRecord]], threshold: float = PASS_THRESHOLD
+) -> tuple[float, float]:
     """(mean reward over every rollout, fraction of examples with a rollout >= threshold)."""
     if not groups:
         return float("nan"), float("nan")
@@ -49,8 +51,9 @@ def _take(env: Environment, split: str, n: int):
     return list(tasks if n < 0 else tasks[:n])
 
 
-async def run_eval(gen: Generator, envs: Sequence[EvalEnv], sampling: Mapping[str, Any], policy_step: int
-                   ) -> dict[str, float]:
+async def run_eval(
+    gen: Generator, envs: Sequence[EvalEnv], sampling: Mapping[str, Any], policy_step: int
+) -> dict[str, float]:
     out: dict[str, float] = {}
     for e in envs:
         tasks = _take(e.env, "eval", e.num_examples)
@@ -66,8 +69,14 @@ async def run_eval(gen: Generator, envs: Sequence[EvalEnv], sampling: Mapping[st
     return out
 
 
-async def run_val(gen: Generator, envs: Mapping[str, Environment], num_examples: int, k: int,
-                  sampling: Mapping[str, Any], step: int) -> dict[str, float]:
+async def run_val(
+    gen: Generator,
+    envs: Mapping[str, Environment],
+    num_examples: int,
+    k: int,
+    sampling: Mapping[str, Any],
+    step: int,
+) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, env in envs.items():
         try:

@@ -79,7 +79,12 @@ def main(cfg: Config) -> int:
     except ShutdownRequested as e:
         log.info("shutdown requested (%s): exiting", e)
         return 0
-    except (PolicyMismatch, InferenceUnavailable, BusTimeout, TimeoutError) as e:  # the run failed, not the code
+    except (
+        PolicyMismatch,
+        InferenceUnavailable,
+        BusTimeout,
+        TimeoutError,
+    ) as e:  # the run failed, not the code
         log.error("orchestrator failed: %s: %s", type(e).__name__, e)
         return 1
 
@@ -107,7 +112,9 @@ class Orchestrator:
         self.pack_stats: PackStats | None = None  # of the batch being published, for its metrics
 
     async def run(self) -> int:
-        self.setup = setup.build(self.cfg, self.paths)  # fails in one line on a bad env id / args, before any work
+        self.setup = setup.build(
+            self.cfg, self.paths
+        )  # fails in one line on a bad env id / args, before any work
         self.install_signals()
         try:
             self.sync = await self.connect()
@@ -162,9 +169,16 @@ class Orchestrator:
         from hpcrl.inference.guard import resolve_api_key
 
         self.servers = ServerSet(self.paths, servers, self.orch_cfg.server_down_timeout_s)
-        sync = PolicySync(self.paths, self.bus, [x.base_url for x in servers], self.setup.transport,
-                          self.orch_cfg.request_timeout_s, self.orch_cfg.policy_timeout_s,
-                          api_key=resolve_api_key(self.cfg.server.api_key), servers=self.servers)
+        sync = PolicySync(
+            self.paths,
+            self.bus,
+            [x.base_url for x in servers],
+            self.setup.transport,
+            self.orch_cfg.request_timeout_s,
+            self.orch_cfg.policy_timeout_s,
+            api_key=resolve_api_key(self.cfg.server.api_key),
+            servers=self.servers,
+        )
         await sync.wait_healthy()
         if self.setup.transport == "collective":
             await sync.join_group(servers)
@@ -197,13 +211,23 @@ class Orchestrator:
                 self.bus.publish_batch(m, b.rank, b)
             self.published[m] = batches
         if state.world_size != self.setup.world_size:
-            log.warning("checkpoint %d was taken with %d trainer rank(s), this run has %d: pending batches "
-                        "%s re-packed", n, state.world_size, self.setup.world_size, state.pending_steps)
+            log.warning(
+                "checkpoint %d was taken with %d trainer rank(s), this run has %d: pending batches "
+                "%s re-packed",
+                n,
+                state.world_size,
+                self.setup.world_size,
+                state.pending_steps,
+            )
             state = msgspec.structs.replace(state, world_size=self.setup.world_size)
         self.state, self.start, self.ckpt_done = state, n, n
         self.prompts.truncate_after(state.step)
-        log.info("resumed from checkpoint %d: re-published batches %s, continuing at step %d",
-                 n, state.pending_steps, state.step + 1)
+        log.info(
+            "resumed from checkpoint %d: re-published batches %s, continuing at step %d",
+            n,
+            state.pending_steps,
+            state.step + 1,
+        )
 
     async def load_start_policy(self) -> None:
         """The trainer publishes PolicyReady(start) first; nothing is generated before every server
@@ -238,10 +262,17 @@ class Orchestrator:
                 break
             if wave >= REFILL_WAVES and num_rollouts(uniform) >= missing:
                 ready, counts.zero_advantage_filled = fill_with_uniform(ready, uniform, missing)
-                log.warning("step %d: %d generation rounds kept returning groups with equal rewards; filled the "
-                            "batch with %d of them (advantage 0: no gradient)", step, wave, counts.zero_advantage_filled)
+                log.warning(
+                    "step %d: %d generation rounds kept returning groups with equal rewards; filled the "
+                    "batch with %d of them (advantage 0: no gradient)",
+                    step,
+                    wave,
+                    counts.zero_advantage_filled,
+                )
                 break
-            refs = buffer.next_tasks(buffer.num_tasks_to_request(-(-missing // self.orch_cfg.rollouts_per_example)))
+            refs = buffer.next_tasks(
+                buffer.num_tasks_to_request(-(-missing // self.orch_cfg.rollouts_per_example))
+            )
             new = await self.setup.generate(refs, step)
             generated += new
             for ref, g in zip(refs, new):
@@ -251,12 +282,18 @@ class Orchestrator:
                 elif g.advantages is not None:
                     uniform.append(g)
             if wave and wave % 8 == 0:
-                log.warning("step %d: %d generation rounds and the batch is not full (filters: %s)",
-                            step, wave, dict(counts.filtered))
+                log.warning(
+                    "step %d: %d generation rounds and the batch is not full (filters: %s)",
+                    step,
+                    wave,
+                    dict(counts.filtered),
+                )
         else:
-            raise UserError(f"step {step}: {MAX_WAVES} generation rounds did not fill a batch of "
-                            f"{self.orch_cfg.batch_size}; filters dropped {dict(counts.filtered)} (loosen the buffer/"
-                            "advantage filters or check the environment's rewards)")
+            raise UserError(
+                f"step {step}: {MAX_WAVES} generation rounds did not fill a batch of "
+                f"{self.orch_cfg.batch_size}; filters dropped {dict(counts.filtered)} (loosen the buffer/"
+                "advantage filters or check the environment's rewards)"
+            )
         # Committed with the batch in publish(): a stop before then leaves the last boundary intact.
         groups, self.next_ready = fill_batch(ready, self.orch_cfg.batch_size)
         if self.orch_cfg.training_mode == "opd":
@@ -264,11 +301,22 @@ class Orchestrator:
         return groups, generated, counts, time.perf_counter() - t0
 
     def publish(self, step: int, groups: list[GroupRecord], counts: StepCounts) -> list[TrainBatch]:
-        samples = to_samples(groups, step, self.orch_cfg.max_off_policy_steps, self.orch_cfg.train.sampling.temperature,
-                             self.setup.buffer, counts)
+        samples = to_samples(
+            groups,
+            step,
+            self.orch_cfg.max_off_policy_steps,
+            self.orch_cfg.train.sampling.temperature,
+            self.setup.buffer,
+            counts,
+        )
         # Deterministic runs stamp batches with a fixed time so their bytes depend on the data only.
-        batches, self.pack_stats = build_batches(samples, step, self.setup.world_size, self.cfg.seq_len,
-                                                 created_at=0.0 if self.cfg.deterministic else None)
+        batches, self.pack_stats = build_batches(
+            samples,
+            step,
+            self.setup.world_size,
+            self.cfg.seq_len,
+            created_at=0.0 if self.cfg.deterministic else None,
+        )
         for b in batches:
             self.bus.publish_batch(step, b.rank, b)
         self.published[step] = batches
@@ -281,17 +329,29 @@ class Orchestrator:
         self.prompts.write(step, groups)
         return batches
 
-    def log_step(self, step: int, groups: list[GroupRecord], generated: list[GroupRecord], counts: StepCounts,
-                 batches: list[TrainBatch], t_policy: float, t_gen: float) -> None:
+    def log_step(
+        self,
+        step: int,
+        groups: list[GroupRecord],
+        generated: list[GroupRecord],
+        counts: StepCounts,
+        batches: list[TrainBatch],
+        t_policy: float,
+        t_gen: float,
+    ) -> None:
         n_samples = sum(b.num_samples for b in batches)
         n_tokens = sum(b.num_tokens for b in batches)
         p = self.state.progress
         p["total_samples"] = p.get("total_samples", 0) + n_samples
         p["total_tokens"] = p.get("total_tokens", 0) + n_tokens
         p["total_problems"] = p.get("total_problems", 0) + len(groups)
-        extra: dict[str, Any] = {**self.pack_stats.metrics(), **self.setup.buffer.metrics(),
-                                 "policy/loaded": self.sync.loaded, "progress/total_samples": p["total_samples"],
-                                 **self.server_metrics()}
+        extra: dict[str, Any] = {
+            **self.pack_stats.metrics(),
+            **self.setup.buffer.metrics(),
+            "policy/loaded": self.sync.loaded,
+            "progress/total_samples": p["total_samples"],
+            **self.server_metrics(),
+        }
         m = step_metrics(groups, generated, step, counts, t_policy, t_gen, n_samples, n_tokens, extra)
         self.metrics.log(step, m)
         watchdog.beat(f"published batch {step}")
@@ -300,15 +360,25 @@ class Orchestrator:
         if self.metrics.distributions_due(step):
             self.metrics.log_distribution(step, "reward", [r.reward for g in groups for r in g.rollouts])
             self.metrics.log_distribution(step, "advantage", [a for g in groups for a in g.advantages or []])
-        log.info("step %d: published %d samples (%d tokens), reward %.3f, policy %s, gen %.1fs",
-                 step, n_samples, n_tokens, m["reward/all/mean"], self.sync.loaded, t_gen)
+        log.info(
+            "step %d: published %d samples (%d tokens), reward %.3f, policy %s, gen %.1fs",
+            step,
+            n_samples,
+            n_tokens,
+            m["reward/all/mean"],
+            self.sync.loaded,
+            t_gen,
+        )
 
     def server_metrics(self) -> dict[str, int]:
         """Dead-server handling so far (cumulative): restarted servers brought back, requests moved
         off a dead server, servers up now."""
         moved = sum(p.moved for p in self.setup.pools)
-        return {"inference/server_restarts": self.servers.restarts, "inference/requests_moved": moved,
-                "inference/servers_up": len(self.servers.live())}
+        return {
+            "inference/server_restarts": self.servers.restarts,
+            "inference/requests_moved": moved,
+            "inference/servers_up": len(self.servers.live()),
+        }
 
     # -- boundaries -------------------------------------------------------------------------------
     async def at_boundary(self, step: int) -> None:
@@ -318,8 +388,17 @@ class Orchestrator:
         await self.maybe_eval()
         v = self.orch_cfg.val
         if v is not None and v.interval and step % v.interval == 0:
-            self.metrics.log(step, await run_val(self.setup.eval_gen, self.setup.envs, v.num_examples,
-                                                 v.rollouts_per_example, self.setup.eval_sampling, step))
+            self.metrics.log(
+                step,
+                await run_val(
+                    self.setup.eval_gen,
+                    self.setup.envs,
+                    v.num_examples,
+                    v.rollouts_per_example,
+                    self.setup.eval_sampling,
+                    step,
+                ),
+            )
 
     def checkpoints(self, forced: bool) -> None:
         """Write our part of every checkpoint the trainer takes: each due step N up to the newest
@@ -347,8 +426,12 @@ class Orchestrator:
         st = msgspec.structs.replace(self.state, checkpoint_step=n, pending_steps=pending)
         blobs = {m: [encode(b, checksum=self.bus.checksum) for b in self.published[m]] for m in pending}
         save_part(self.paths, st, blobs)
-        log.info("checkpoint %d: orchestrator part written (state at batch %d, pending %s)", n, self.state.step,
-                 pending)
+        log.info(
+            "checkpoint %d: orchestrator part written (state at batch %d, pending %s)",
+            n,
+            self.state.step,
+            pending,
+        )
 
     async def maybe_eval(self) -> None:
         e, k = self.orch_cfg.eval, self.sync.loaded
@@ -356,7 +439,9 @@ class Orchestrator:
             return
         if k % e.interval == 0 and (k > 0 or e.eval_base_model) or k == self.cfg.max_steps:
             self.state.evaluated.append(k)
-            self.metrics.log(k, await run_eval(self.setup.eval_gen, self.setup.eval_envs, self.setup.eval_sampling, k))
+            self.metrics.log(
+                k, await run_eval(self.setup.eval_gen, self.setup.eval_envs, self.setup.eval_sampling, k)
+            )
 
     async def finish(self) -> None:
         msg = await self.wait(self.sync.exact(self.cfg.max_steps))
@@ -416,4 +501,3 @@ class Orchestrator:
         lps = await asyncio.gather(*(teacher_logprobs(self.setup.teacher, p.input_ids) for p in pieces))
         for p, lp in zip(pieces, lps):
             p.teacher_logprobs = lp
-

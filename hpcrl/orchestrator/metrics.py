@@ -46,28 +46,38 @@ def rollout_metrics(groups: Sequence[GroupRecord], step: int) -> dict[str, float
     return out
 
 
-def step_metrics(trained: Sequence[GroupRecord], generated: Sequence[GroupRecord], step: int,
-                 counts: StepCounts, t_policy: float, t_gen: float, num_samples: int, num_tokens: int,
-                 extra: dict[str, Any]) -> dict[str, Any]:
+def step_metrics(
+    trained: Sequence[GroupRecord],
+    generated: Sequence[GroupRecord],
+    step: int,
+    counts: StepCounts,
+    t_policy: float,
+    t_gen: float,
+    num_samples: int,
+    num_tokens: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     m: dict[str, Any] = rollout_metrics(trained, step)
     gen = rollout_metrics(generated, step)
     # Failures are counted over everything generated for the step, filtered groups included.
     for k in ("empty_rollouts/all", "errored_rollouts/all"):
         m[k] = gen[k]
-    m.update({
-        "off_policy/dropped": counts.stale_dropped,
-        "filter/easy_dropped": counts.filtered["easy"],
-        "filter/hard_dropped": counts.filtered["hard"],
-        "filter/zero_advantage_dropped": counts.filtered["zero_advantage"],
-        "filter/zero_advantage_filled": counts.zero_advantage_filled,
-        "filter/all_errored_dropped": counts.filtered["all_errored"],
-        "time/wait_for_policy": t_policy,
-        "time/generate": t_gen,
-        "perf/samples_per_s": num_samples / t_gen if t_gen > 0 else float("nan"),
-        "batch/samples": num_samples,
-        "batch/tokens": num_tokens,
-        **extra,
-    })
+    m.update(
+        {
+            "off_policy/dropped": counts.stale_dropped,
+            "filter/easy_dropped": counts.filtered["easy"],
+            "filter/hard_dropped": counts.filtered["hard"],
+            "filter/zero_advantage_dropped": counts.filtered["zero_advantage"],
+            "filter/zero_advantage_filled": counts.zero_advantage_filled,
+            "filter/all_errored_dropped": counts.filtered["all_errored"],
+            "time/wait_for_policy": t_policy,
+            "time/generate": t_gen,
+            "perf/samples_per_s": num_samples / t_gen if t_gen > 0 else float("nan"),
+            "batch/samples": num_samples,
+            "batch/tokens": num_tokens,
+            **extra,
+        }
+    )
     return m
 
 
@@ -113,8 +123,15 @@ def sample_rows(groups: list[GroupRecord], tokenizer: Any, step: int) -> list[di
                 continue
             p = r.pieces[0]
             start = next((i for i, m in enumerate(p.loss_mask) if m), len(p.input_ids))
-            rows.append({"step": step, "env": g.env, "example_id": g.example_id,
-                         "prompt": tokenizer.decode(p.input_ids[:start]),
-                         "completion": tokenizer.decode(p.input_ids[start:]),
-                         "reward": r.reward, "advantage": adv})
+            rows.append(
+                {
+                    "step": step,
+                    "env": g.env,
+                    "example_id": g.example_id,
+                    "prompt": tokenizer.decode(p.input_ids[:start]),
+                    "completion": tokenizer.decode(p.input_ids[start:]),
+                    "reward": r.reward,
+                    "advantage": adv,
+                }
+            )
     return rows

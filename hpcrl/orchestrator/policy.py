@@ -40,8 +40,17 @@ class PolicyMismatch(RuntimeError):
 
 
 class PolicySync:
-    def __init__(self, paths: RunPaths, bus: Bus, base_urls: list[str], transport: str, timeout: float,
-                 policy_timeout: float, api_key: str | None = None, servers: ServerSet | None = None):
+    def __init__(
+        self,
+        paths: RunPaths,
+        bus: Bus,
+        base_urls: list[str],
+        transport: str,
+        timeout: float,
+        policy_timeout: float,
+        api_key: str | None = None,
+        servers: ServerSet | None = None,
+    ):
         from hpcrl.inference.guard import env_api_key
 
         self.paths, self.bus, self.transport = paths, bus, transport
@@ -118,19 +127,39 @@ class PolicySync:
         )
 
         if len(servers) != len(self.clients):
-            raise PolicyMismatch(f"join_group got {len(servers)} server announcement(s) for {len(self.clients)} servers")
+            raise PolicyMismatch(
+                f"join_group got {len(servers)} server announcement(s) for {len(self.clients)} servers"
+            )
         addr = await asyncio.to_thread(read_weight_group_address, self.paths, self.policy_timeout)
         try:
             layout = check_layout(addr, servers)
         except WeightGroupMismatch as e:
             raise PolicyMismatch(str(e)) from None
-        slot = {s.index: (offset, n) for s, offset, n in
-                zip(by_index(servers), layout.rank_offsets, layout.receivers)}
-        await asyncio.gather(*(c.init_broadcaster(addr.host, addr.port, addr.world_size, slot[s.index][0],
-                                                  receivers=slot[s.index][1], timeout=self.timeout)
-                               for c, s in zip(self.clients, servers)))
-        log.info("%d server(s) joined the weight broadcast group at %s:%s (world_size %d, receivers %s)",
-                 len(self.clients), addr.host, addr.port, addr.world_size, list(layout.receivers))
+        slot = {
+            s.index: (offset, n)
+            for s, offset, n in zip(by_index(servers), layout.rank_offsets, layout.receivers)
+        }
+        await asyncio.gather(
+            *(
+                c.init_broadcaster(
+                    addr.host,
+                    addr.port,
+                    addr.world_size,
+                    slot[s.index][0],
+                    receivers=slot[s.index][1],
+                    timeout=self.timeout,
+                )
+                for c, s in zip(self.clients, servers)
+            )
+        )
+        log.info(
+            "%d server(s) joined the weight broadcast group at %s:%s (world_size %d, receivers %s)",
+            len(self.clients),
+            addr.host,
+            addr.port,
+            addr.world_size,
+            list(layout.receivers),
+        )
 
     # -- waiting for policies ---------------------------------------------------------------------
     async def wait_at_least(self, step: int, poll: float = 0.1) -> PolicyReady:
@@ -148,8 +177,10 @@ class PolicySync:
             watchdog.beat(f"waiting for policy {step}")  # the trainer's own watchdog covers its stalls
             if time.monotonic() > deadline:
                 have = f"newest is {msg.step}" if msg is not None else "none published"
-                raise BusTimeout(f"no policy >= {step} after {self.policy_timeout:.0f}s ({have}) in "
-                                 f"{self.paths.policy_dir}: is the trainer running?")
+                raise BusTimeout(
+                    f"no policy >= {step} after {self.policy_timeout:.0f}s ({have}) in "
+                    f"{self.paths.policy_dir}: is the trainer running?"
+                )
             await self.nap(poll)
 
     async def exact(self, step: int) -> PolicyReady:
@@ -184,29 +215,46 @@ class PolicySync:
         so walk back until the policy the servers hold or a full broadcast (the trainer keeps those
         files). A collective delta always follows its base (every broadcast is received in order)."""
         chain = [msg]
-        while (self.transport != "collective" and chain[-1].base_step is not None
-               and chain[-1].base_step != self.loaded):
+        while (
+            self.transport != "collective"
+            and chain[-1].base_step is not None
+            and chain[-1].base_step != self.loaded
+        ):
             chain.append(read_message(self.paths.policy_file(chain[-1].base_step), PolicyReady))
         return chain[::-1]
 
     async def _load(self, msg: PolicyReady) -> None:
         t0 = time.perf_counter()
-        errors = [e for e in await asyncio.gather(*(self._load_or_lose(i, msg) for i in self.live()),
-                                                  return_exceptions=True) if e is not None]
+        errors = [
+            e
+            for e in await asyncio.gather(
+                *(self._load_or_lose(i, msg) for i in self.live()), return_exceptions=True
+            )
+            if e is not None
+        ]
         if errors and msg.transport == "collective":
             # A receiver died mid-broadcast: the trainer re-publishes this policy as files.
             msg = await self._republished(msg, errors[0])
             self.fall_back_to_files()
-            errors = [e for e in await asyncio.gather(*(self._load_or_lose(i, msg) for i in self.live()),
-                                                      return_exceptions=True) if e is not None]
+            errors = [
+                e
+                for e in await asyncio.gather(
+                    *(self._load_or_lose(i, msg) for i in self.live()), return_exceptions=True
+                )
+                if e is not None
+            ]
         if errors:
             raise errors[0]
         self.loaded = msg.step
         watchdog.beat(f"loaded policy {msg.step}")
         self.adapter = ADAPTER_NAME if msg.adapter else None  # only once every server holds it
         self.load_time += time.perf_counter() - t0
-        log.info("policy %d loaded on %d server(s) (checksum verified, %.2fs)", msg.step, len(self.live()),
-                 time.perf_counter() - t0)
+        log.info(
+            "policy %d loaded on %d server(s) (checksum verified, %.2fs)",
+            msg.step,
+            len(self.live()),
+            time.perf_counter() - t0,
+        )
 
     async def _republished(self, msg: PolicyReady, error: BaseException, poll: float = 0.2) -> PolicyReady:
         """Policy `msg.step` as the trainer re-published it with a path after its broadcast failed
@@ -216,8 +264,10 @@ class PolicySync:
             again = read_message(self.paths.policy_file(msg.step), PolicyReady)
             if again.path is not None:
                 if again.checksum != msg.checksum:
-                    raise PolicyMismatch(f"policy {msg.step} re-published with checksum {again.checksum}, "
-                                         f"broadcast as {msg.checksum}")
+                    raise PolicyMismatch(
+                        f"policy {msg.step} re-published with checksum {again.checksum}, "
+                        f"broadcast as {msg.checksum}"
+                    )
                 log.warning("policy %d: the broadcast failed, loading it from %s", msg.step, again.path)
                 return again
             await asyncio.sleep(poll)
@@ -235,7 +285,9 @@ class PolicySync:
             if self.servers is None or not await is_dead(client):
                 if isinstance(e, PolicyMismatch):
                     raise
-                raise PolicyMismatch(f"server {client.base_url} failed to load policy {msg.step}: {e}") from None
+                raise PolicyMismatch(
+                    f"server {client.base_url} failed to load policy {msg.step}: {e}"
+                ) from None
             self.servers.mark_down(pos, f"policy {msg.step} load failed: {e}")
             self.fall_back_to_files()
 
@@ -246,10 +298,14 @@ class PolicySync:
             try:
                 r = await client.load_lora_adapter(ADAPTER_NAME, str(msg.path), step=msg.step)
             except WeightSyncError as e:
-                raise PolicyMismatch(f"server {client.base_url} failed to load the adapter of policy {msg.step}: {e}") from None
+                raise PolicyMismatch(
+                    f"server {client.base_url} failed to load the adapter of policy {msg.step}: {e}"
+                ) from None
             if r.get("checksum") != msg.checksum:
-                raise PolicyMismatch(f"server {client.base_url} loaded adapter checksum {r.get('checksum')} for policy "
-                                     f"{msg.step}, the trainer published {msg.checksum}")
+                raise PolicyMismatch(
+                    f"server {client.base_url} loaded adapter checksum {r.get('checksum')} for policy "
+                    f"{msg.step}, the trainer published {msg.checksum}"
+                )
             return
         if msg.transport == "filesystem" and self.loaded is None:
             info = await client.weights()
@@ -266,8 +322,10 @@ class PolicySync:
         except WeightSyncError as e:
             raise PolicyMismatch(f"server {client.base_url} failed to load policy {msg.step}: {e}") from None
         if r.get("checksum") != msg.checksum:
-            raise PolicyMismatch(f"server {client.base_url} holds checksum {r.get('checksum')} after loading "
-                                 f"policy {msg.step}, the trainer published {msg.checksum}")
+            raise PolicyMismatch(
+                f"server {client.base_url} holds checksum {r.get('checksum')} after loading "
+                f"policy {msg.step}, the trainer published {msg.checksum}"
+            )
 
     async def verify(self, msg: PolicyReady) -> None:
         """Every server reports exactly `msg`'s checksum (GET /weights)."""
@@ -275,15 +333,22 @@ class PolicySync:
         infos = await asyncio.gather(*(c.weights() for c in clients))
         for c, info in zip(clients, infos):
             if msg.adapter:  # the base's checksum is unchanged; the merged adapter must be this policy's
-                if info.get("step") != msg.step or info.get("lora_checksum") != msg.checksum or \
-                        ADAPTER_NAME not in (info.get("lora_adapters") or {}):
-                    raise PolicyMismatch(f"server {c.base_url} holds step {info.get('step')} / adapters "
-                                         f"{info.get('lora_adapters')} ({info.get('lora_checksum')}), policy "
-                                         f"{msg.step} is adapter {ADAPTER_NAME!r} ({msg.checksum})")
+                if (
+                    info.get("step") != msg.step
+                    or info.get("lora_checksum") != msg.checksum
+                    or ADAPTER_NAME not in (info.get("lora_adapters") or {})
+                ):
+                    raise PolicyMismatch(
+                        f"server {c.base_url} holds step {info.get('step')} / adapters "
+                        f"{info.get('lora_adapters')} ({info.get('lora_checksum')}), policy "
+                        f"{msg.step} is adapter {ADAPTER_NAME!r} ({msg.checksum})"
+                    )
                 continue
             if info.get("checksum") != msg.checksum:
-                raise PolicyMismatch(f"server {c.base_url} holds checksum {info.get('checksum')} (step "
-                                     f"{info.get('step')}), policy {msg.step} has {msg.checksum}")
+                raise PolicyMismatch(
+                    f"server {c.base_url} holds checksum {info.get('checksum')} (step "
+                    f"{info.get('step')}), policy {msg.step} has {msg.checksum}"
+                )
 
     # -- in-flight updates (non-deterministic mode) -------------------------------------------------
     async def watch(self, poll: float = 0.2) -> None:
@@ -306,8 +371,10 @@ class PolicySync:
 
         write_atomic(self.paths.weights_fallback_file, [b"a server died: the weight group is broken\n"])
         self.transport = "filesystem"
-        log.warning("collective weight transport: a server died, so policies travel as files from the next "
-                    "one on (a torch.distributed group cannot take in a restarted server)")
+        log.warning(
+            "collective weight transport: a server died, so policies travel as files from the next "
+            "one on (a torch.distributed group cannot take in a restarted server)"
+        )
 
     async def revive(self, poll: float = 1.0) -> None:
         """Runs until cancelled: a down server that was restarted (a new announcement) gets the current

@@ -51,9 +51,18 @@ class ServerPool:
     (not counted as a retry: the request never ran to an answer); requests wait for a server to come
     back only when none is up, bounded by the set's down_timeout_s."""
 
-    def __init__(self, base_urls: Sequence[str], *, model: str, timeout: float, max_concurrent: int,
-                 api_key: str | None = None, retries: int = RETRIES, backoff: float = BACKOFF_S,
-                 servers: ServerSet | None = None):
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        *,
+        model: str,
+        timeout: float,
+        max_concurrent: int,
+        api_key: str | None = None,
+        retries: int = RETRIES,
+        backoff: float = BACKOFF_S,
+        servers: ServerSet | None = None,
+    ):
         self.timeout, self.api_key, self.max_concurrent = timeout, api_key, max_concurrent
         self.clients = [self._client(u) for u in base_urls]
         self.model = model
@@ -65,7 +74,9 @@ class ServerPool:
         self.retries, self.backoff = retries, backoff
         self.failure_streak = 0
         self.servers = servers
-        self.moved = 0  # requests sent to another server because theirs died (metric inference/requests_moved)
+        self.moved = (
+            0  # requests sent to another server because theirs died (metric inference/requests_moved)
+        )
         self._closing: set[asyncio.Task] = set()
         if servers is not None:
             assert len(servers) == len(self.clients)
@@ -74,7 +85,9 @@ class ServerPool:
     def _client(self, url: str):
         from hpcrl.inference.client import InferenceClient
 
-        return InferenceClient(url, timeout=self.timeout, api_key=self.api_key, max_connections=self.max_concurrent + 8)
+        return InferenceClient(
+            url, timeout=self.timeout, api_key=self.api_key, max_connections=self.max_concurrent + 8
+        )
 
     def readdress(self, pos: int, url: str) -> None:
         """A restarted server listens elsewhere: new requests go there; the old client closes."""
@@ -129,8 +142,10 @@ class ServerPool:
                 attempt += 1
         self.failure_streak += 1
         if self.failure_streak >= FAILURE_STREAK:
-            raise InferenceUnavailable(f"inference at {self.base_urls} stopped answering: {self.failure_streak} "
-                                       f"requests in a row failed after {self.retries} retries; last: {err}")
+            raise InferenceUnavailable(
+                f"inference at {self.base_urls} stopped answering: {self.failure_streak} "
+                f"requests in a row failed after {self.retries} retries; last: {err}"
+            )
         raise RequestFailed(f"{self.clients[server].base_url} failed after {self.retries} retries: {err}")
 
     async def _route(self, server: int) -> int:
@@ -187,13 +202,23 @@ def openai_sampling(sampling: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Token stitching (pure functions)
 # ---------------------------------------------------------------------------------------------
-def render(tokenizer: Any, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool,
-           template_kwargs: Mapping[str, Any] | None = None) -> str:
+def render(
+    tokenizer: Any,
+    messages: list[Message],
+    tools: list[dict] | None,
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
     """The chat template's text. `template_kwargs` (enable_thinking, reasoning_effort) must be the
     request's on every render: a later turn's prompt is rendered here, not by the server, and a
     template that changes with them (Qwen3's empty think block) would otherwise differ from turn 1."""
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False, **(template_kwargs or {}))
+    return tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **(template_kwargs or {}),
+    )
 
 
 def template_kwargs(sampling: Mapping[str, Any]) -> dict[str, Any]:
@@ -205,9 +230,14 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def env_response_ids(tokenizer: Any, history: list[Message], messages: list[Message],
-                     tools: list[dict] | None, completion_ids: list[int],
-                     template_kwargs: Mapping[str, Any] | None = None) -> list[int] | None:
+def env_response_ids(
+    tokenizer: Any,
+    history: list[Message],
+    messages: list[Message],
+    tools: list[dict] | None,
+    completion_ids: list[int],
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int] | None:
     """Token ids the template puts after the last sampled token of `history` (which ends with the
     assistant turn that produced `completion_ids`) up to the next generation prompt of `messages`.
     None when the template does not render `history` as a prefix of `messages` plus what the model
@@ -217,14 +247,16 @@ def env_response_ids(tokenizer: Any, history: list[Message], messages: list[Mess
     full = render(tokenizer, messages, tools, True, template_kwargs)
     if not (through.startswith(before) and full.startswith(through)):
         return None
-    assistant_text = through[len(before):]
+    assistant_text = through[len(before) :]
     sampled = tokenizer.decode(completion_ids, skip_special_tokens=False)
     if not assistant_text.startswith(sampled):
         return None
-    return encode(tokenizer, assistant_text[len(sampled):] + full[len(through):])
+    return encode(tokenizer, assistant_text[len(sampled) :] + full[len(through) :])
 
 
-def stitch_prompt(prev_prompt: Sequence[int], prev_completion: Sequence[int], env_ids: Sequence[int]) -> list[int]:
+def stitch_prompt(
+    prev_prompt: Sequence[int], prev_completion: Sequence[int], env_ids: Sequence[int]
+) -> list[int]:
     return [*prev_prompt, *prev_completion, *env_ids]
 
 
@@ -233,21 +265,35 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
     turn with ``branching``: orchestrator.trajectory_strategy = "branching")."""
     whole = None if branching else stitch_turns(turns)
     if whole is not None:
-        return [Piece(input_ids=whole.input_ids.tolist(), loss_mask=whole.loss_mask.tolist(),
-                      logprobs=whole.logprobs.tolist())]
-    return [Piece(input_ids=[*t.prompt_token_ids, *t.completion_token_ids],
-                  loss_mask=[False] * len(t.prompt_token_ids) + [True] * len(t.completion_token_ids),
-                  logprobs=[0.0] * len(t.prompt_token_ids) + [float(x) for x in t.completion_logprobs])
-            for t in turns]
+        return [
+            Piece(
+                input_ids=whole.input_ids.tolist(),
+                loss_mask=whole.loss_mask.tolist(),
+                logprobs=whole.logprobs.tolist(),
+            )
+        ]
+    return [
+        Piece(
+            input_ids=[*t.prompt_token_ids, *t.completion_token_ids],
+            loss_mask=[False] * len(t.prompt_token_ids) + [True] * len(t.completion_token_ids),
+            logprobs=[0.0] * len(t.prompt_token_ids) + [float(x) for x in t.completion_logprobs],
+        )
+        for t in turns
+    ]
 
 
 def to_record(index: int, traj: Trajectory, branching: bool = False) -> RolloutRecord:
     sampled = [t for t in traj.turns if t.completion_token_ids]
     return RolloutRecord(
-        index=index, pieces=pieces_from_turns(traj.turns, branching) if sampled else [], reward=float(traj.reward),
-        policy_version=min((t.oldest_policy_step for t in sampled), default=0), num_turns=len(traj.turns),
-        completion_tokens=sum(len(t.completion_token_ids) for t in traj.turns), truncated=traj.truncated,
-        error=traj.error, metrics={k: float(v) for k, v in traj.metrics.items()},
+        index=index,
+        pieces=pieces_from_turns(traj.turns, branching) if sampled else [],
+        reward=float(traj.reward),
+        policy_version=min((t.oldest_policy_step for t in sampled), default=0),
+        num_turns=len(traj.turns),
+        completion_tokens=sum(len(t.completion_token_ids) for t in traj.turns),
+        truncated=traj.truncated,
+        error=traj.error,
+        metrics={k: float(v) for k, v in traj.metrics.items()},
     )
 
 
@@ -258,8 +304,14 @@ class RolloutClient:
     """One conversation's ChatClient (hpcrl.envs.ChatClient): remembers the previous turn's ids so
     the next turn's prompt extends them exactly."""
 
-    def __init__(self, pool: ServerPool, tokenizer: Any, seq_len: int, seed: int | None,
-                 default_policy: Callable[[], int]):
+    def __init__(
+        self,
+        pool: ServerPool,
+        tokenizer: Any,
+        seq_len: int,
+        seed: int | None,
+        default_policy: Callable[[], int],
+    ):
         self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
         self.seed, self.default_policy = seed, default_policy
         self.server = pool.pick()
@@ -267,35 +319,48 @@ class RolloutClient:
         self.prev: Turn | None = None
         self.turn = 0
 
-    async def chat(self, messages: list[Message], tools: list[dict[str, Any]] | None,
-                   sampling: Mapping[str, Any]) -> Turn:
+    async def chat(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any]
+    ) -> Turn:
         body = {**sampling}
         kw = template_kwargs(sampling)
         if self.seed is not None:
             body["seed"] = derive_seed(self.seed, self.turn)
         ids = None
-        if self.prev is not None and self.history is not None and messages[: len(self.history)] == self.history:
-            env_ids = env_response_ids(self.tokenizer, self.history, messages, tools, self.prev.completion_token_ids, kw)
+        if (
+            self.prev is not None
+            and self.history is not None
+            and messages[: len(self.history)] == self.history
+        ):
+            env_ids = env_response_ids(
+                self.tokenizer, self.history, messages, tools, self.prev.completion_token_ids, kw
+            )
             if env_ids is not None:
                 ids = stitch_prompt(self.prev.prompt_token_ids, self.prev.completion_token_ids, env_ids)
         if ids is None and self.turn > 0:
             log.debug("turn %d re-rendered by the chat template (no exact stitching)", self.turn)
             ids = encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw))
-        prompt_len = len(ids) if ids is not None else len(
-            encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw)))
+        prompt_len = (
+            len(ids)
+            if ids is not None
+            else len(encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw)))
+        )
         room = self.seq_len - prompt_len
         if room <= 0:  # the conversation filled seq_len: a truncated rollout, not an error
             turn = Turn("", ids or [], [], [], [], finish_reason="length")
         else:
             body["max_tokens"] = min(int(body.get("max_tokens") or room), room)
-            turn = await (self._chat(messages, tools, body) if ids is None else self._complete(ids, tools, body))
+            turn = await (
+                self._chat(messages, tools, body) if ids is None else self._complete(ids, tools, body)
+            )
         self.history = copy.deepcopy([*messages, turn.message()])
         self.prev = turn
         self.turn += 1
         return turn
 
-    async def chat_group(self, messages: list[Message], tools: list[dict[str, Any]] | None,
-                         sampling: Mapping[str, Any], n: int) -> list[Turn]:
+    async def chat_group(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any], n: int
+    ) -> list[Turn]:
         """`n` samples of a first turn in one request with `n` choices: one HTTP round trip and one
         prefill instead of n. With a seed, choice i draws from seed + i (the server's rule), so every
         rollout still has its own reproducible stream."""
@@ -303,25 +368,34 @@ class RolloutClient:
         body = {**sampling}
         if self.seed is not None:
             body["seed"] = derive_seed(self.seed, self.turn)
-        room = self.seq_len - len(encode(self.tokenizer, render(self.tokenizer, messages, tools, True,
-                                                                template_kwargs(sampling))))
+        room = self.seq_len - len(
+            encode(self.tokenizer, render(self.tokenizer, messages, tools, True, template_kwargs(sampling)))
+        )
         if room <= 0:
             return [Turn("", [], [], [], [], finish_reason="length") for _ in range(n)]
         body["max_tokens"] = min(int(body.get("max_tokens") or room), room)
-        resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.request_model, tools=tools,
-                                    n=n, **body)
+        resp = await self.pool.call(
+            self.server, "chat_completion", messages, model=self.pool.request_model, tools=tools, n=n, **body
+        )
         choices = resp.get("choices") or []
         if len(choices) != n:
             raise RequestFailed(f"asked for {n} choices, the server returned {len(choices)}")
         return [self._chat_turn(c, resp, messages, tools, template_kwargs(body)) for c in choices]
 
     async def _chat(self, messages: list[Message], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
-        resp = await self.pool.call(self.server, "chat_completion", messages, model=self.pool.request_model, tools=tools,
-                                    **body)
+        resp = await self.pool.call(
+            self.server, "chat_completion", messages, model=self.pool.request_model, tools=tools, **body
+        )
         return self._chat_turn(resp["choices"][0], resp, messages, tools, template_kwargs(body))
 
-    def _chat_turn(self, choice: dict[str, Any], resp: dict[str, Any], messages: list[Message],
-                   tools: list[dict] | None, kw: Mapping[str, Any] | None = None) -> Turn:
+    def _chat_turn(
+        self,
+        choice: dict[str, Any],
+        resp: dict[str, Any],
+        messages: list[Message],
+        tools: list[dict] | None,
+        kw: Mapping[str, Any] | None = None,
+    ) -> Turn:
         msg = choice.get("message") or {}
         text = msg.get("content") or ""
         ids = choice.get("token_ids")
@@ -332,9 +406,15 @@ class RolloutClient:
             ids = encode(self.tokenizer, text)
         if len(lps) != len(ids):
             lps = [0.0] * len(ids)
-        return Turn(text=text, prompt_token_ids=list(prompt_ids), completion_token_ids=list(ids),
-                    completion_logprobs=[float(x) for x in lps], policy_steps=self._steps(choice, resp),
-                    finish_reason=choice.get("finish_reason") or "stop", tool_calls=msg.get("tool_calls") or None)
+        return Turn(
+            text=text,
+            prompt_token_ids=list(prompt_ids),
+            completion_token_ids=list(ids),
+            completion_logprobs=[float(x) for x in lps],
+            policy_steps=self._steps(choice, resp),
+            finish_reason=choice.get("finish_reason") or "stop",
+            tool_calls=msg.get("tool_calls") or None,
+        )
 
     async def _complete(self, ids: list[int], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
         # The prompt is token ids rendered here with the same template kwargs (see chat()).
@@ -353,9 +433,15 @@ class RolloutClient:
             content, calls = extract_tool_calls(text)
             if calls:
                 text, tool_calls = content or "", calls
-        return Turn(text=text, prompt_token_ids=ids, completion_token_ids=out, completion_logprobs=lps,
-                    policy_steps=self._steps(choice, resp), finish_reason=choice.get("finish_reason") or "stop",
-                    tool_calls=tool_calls)
+        return Turn(
+            text=text,
+            prompt_token_ids=ids,
+            completion_token_ids=out,
+            completion_logprobs=lps,
+            policy_steps=self._steps(choice, resp),
+            finish_reason=choice.get("finish_reason") or "stop",
+            tool_calls=tool_calls,
+        )
 
     def _steps(self, choice: dict[str, Any], resp: dict[str, Any]) -> list[int]:
         # Our server reports the policies that produced the choice; vLLM does not: then we assume
@@ -373,18 +459,24 @@ class GroupClient:
         self.convs: list[RolloutClient] = []
         self.busy: set[int] = set()
 
-    async def chat(self, messages: list[Message], tools: list[dict[str, Any]] | None,
-                   sampling: Mapping[str, Any]) -> Turn:
+    async def chat(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any]
+    ) -> Turn:
         for i, c in enumerate(self.convs):
             # A busy conversation is never claimed twice, so identical conversations stay apart.
-            if i not in self.busy and c.history is not None and len(messages) > len(c.history) \
-                    and messages[: len(c.history)] == c.history:
+            if (
+                i not in self.busy
+                and c.history is not None
+                and len(messages) > len(c.history)
+                and messages[: len(c.history)] == c.history
+            ):
                 return await self._send(i, messages, tools, sampling)
         self.convs.append(self.make(len(self.convs)))
         return await self._send(len(self.convs) - 1, messages, tools, sampling)
 
-    async def _send(self, i: int, messages: list[Message], tools: list[dict[str, Any]] | None,
-                    sampling: Mapping[str, Any]) -> Turn:
+    async def _send(
+        self, i: int, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any]
+    ) -> Turn:
         self.busy.add(i)
         try:
             return await self.convs[i].chat(messages, tools, sampling)
@@ -400,18 +492,30 @@ Sink = Callable[[Task, int, Trajectory], None]
 keep the conversation text that RolloutRecord leaves out."""
 
 
-async def run_group(env: Environment, task: Task, n: int, sampling: Mapping[str, Any],
-                    make_client: Callable[[int], RolloutClient], branching: bool = False,
-                    sink: Sink | None = None) -> list[RolloutRecord]:
+async def run_group(
+    env: Environment,
+    task: Task,
+    n: int,
+    sampling: Mapping[str, Any],
+    make_client: Callable[[int], RolloutClient],
+    branching: bool = False,
+    sink: Sink | None = None,
+) -> list[RolloutRecord]:
     """`n` scored rollouts of `task`. An env or request failure errors that rollout (or the whole
     group for group-run environments); InferenceUnavailable propagates and ends the run."""
     if type(env).rollout_group is Environment.rollout_group:
         if n > 1 and single_turn(env):
             shared = SharedFirstTurn(make_client(0), n)
-            return list(await asyncio.gather(*(_one(env, task, sampling, shared.view(), i, branching, sink)
-                                               for i in range(n))))
-        return list(await asyncio.gather(*(_one(env, task, sampling, make_client(i), i, branching, sink)
-                                           for i in range(n))))
+            return list(
+                await asyncio.gather(
+                    *(_one(env, task, sampling, shared.view(), i, branching, sink) for i in range(n))
+                )
+            )
+        return list(
+            await asyncio.gather(
+                *(_one(env, task, sampling, make_client(i), i, branching, sink) for i in range(n))
+            )
+        )
     try:
         trajs = await env.rollout_group(task, GroupClient(make_client), sampling, n)
     except InferenceUnavailable:
@@ -427,8 +531,15 @@ def _record(task: Task, index: int, traj: Trajectory, branching: bool, sink: Sin
     return to_record(index, traj, branching)
 
 
-async def _one(env: Environment, task: Task, sampling: Mapping[str, Any], client: RolloutClient | _SharedView,
-               index: int, branching: bool = False, sink: Sink | None = None) -> RolloutRecord:
+async def _one(
+    env: Environment,
+    task: Task,
+    sampling: Mapping[str, Any],
+    client: RolloutClient | _SharedView,
+    index: int,
+    branching: bool = False,
+    sink: Sink | None = None,
+) -> RolloutRecord:
     try:
         return _record(task, index, await env.rollout(task, client, sampling), branching, sink)
     except InferenceUnavailable:
@@ -462,7 +573,9 @@ class SharedFirstTurn:
     def view(self) -> _SharedView:
         return _SharedView(self)
 
-    def ask(self, messages: list[Message], tools: list[dict] | None, sampling: Mapping[str, Any]) -> asyncio.Future:
+    def ask(
+        self, messages: list[Message], tools: list[dict] | None, sampling: Mapping[str, Any]
+    ) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((messages, tools, sampling, fut))
         self._maybe_send()
@@ -508,8 +621,9 @@ class _SharedView:
     def __init__(self, shared: SharedFirstTurn):
         self.shared, self.asked = shared, False
 
-    async def chat(self, messages: list[Message], tools: list[dict[str, Any]] | None,
-                   sampling: Mapping[str, Any]) -> Turn:
+    async def chat(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any]
+    ) -> Turn:
         assert not self.asked, "a single-turn rollout asked twice"
         self.asked = True
         return await self.shared.ask(copy.deepcopy(messages), tools, dict(sampling))
@@ -530,14 +644,22 @@ def _errored(index: int, e: BaseException, env_name: str) -> RolloutRecord:
 async def teacher_logprobs(pool: ServerPool, ids: list[int]) -> list[float]:
     """Teacher log-probabilities of every token of `ids` given its prefix (first token: 0), from a
     vLLM-style `prompt_logprobs` completion request."""
-    resp = await pool.call(pool.pick(), "completion", ids, model=pool.request_model, max_tokens=1, tokens=False,
-                           prompt_logprobs=0)
+    resp = await pool.call(
+        pool.pick(),
+        "completion",
+        ids,
+        model=pool.request_model,
+        max_tokens=1,
+        tokens=False,
+        prompt_logprobs=0,
+    )
     choice = resp["choices"][0]
     plp = choice.get("prompt_logprobs") or resp.get("prompt_logprobs")
     if not plp or len(plp) != len(ids):
         raise InferenceUnavailable(
             f"teacher at {pool.base_urls[0]} did not return prompt_logprobs for {len(ids)} tokens "
-            "(opd needs a server that supports prompt_logprobs, e.g. vLLM)")
+            "(opd needs a server that supports prompt_logprobs, e.g. vLLM)"
+        )
     out = [0.0]
     for tok, entry in zip(ids[1:], plp[1:]):
         e = entry.get(str(tok)) if isinstance(entry, dict) else None
@@ -557,8 +679,15 @@ class Generator:
       each finishes sooner; lower throughput).
     Either way a rollout's turns are stitched into one sample, and results are the same per seed."""
 
-    def __init__(self, pool: ServerPool, tokenizer: Any, seq_len: int, default_policy: Callable[[], int],
-                 seed: int | None, strategy: str = "interleaved"):
+    def __init__(
+        self,
+        pool: ServerPool,
+        tokenizer: Any,
+        seq_len: int,
+        default_policy: Callable[[], int],
+        seed: int | None,
+        strategy: str = "interleaved",
+    ):
         assert strategy in ("interleaved", "branching"), strategy
         self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
         self.default_policy, self.seed, self.strategy = default_policy, seed, strategy
@@ -572,12 +701,26 @@ class Generator:
 
         return make
 
-    async def groups(self, env: Environment, tasks: Sequence[Task], n: int, sampling: Mapping[str, Any],
-                     *key: object, sink: Sink | None = None) -> list[list[RolloutRecord]]:
+    async def groups(
+        self,
+        env: Environment,
+        tasks: Sequence[Task],
+        n: int,
+        sampling: Mapping[str, Any],
+        *key: object,
+        sink: Sink | None = None,
+    ) -> list[list[RolloutRecord]]:
         return list(await asyncio.gather(*(self._group(env, t, n, sampling, key, sink) for t in tasks)))
 
-    async def _group(self, env: Environment, task: Task, n: int, sampling: Mapping[str, Any],
-                     key: tuple[object, ...], sink: Sink | None) -> list[RolloutRecord]:
+    async def _group(
+        self,
+        env: Environment,
+        task: Task,
+        n: int,
+        sampling: Mapping[str, Any],
+        key: tuple[object, ...],
+        sink: Sink | None,
+    ) -> list[RolloutRecord]:
         make = self.client_factory(*key, task.example_id)
         if self.strategy == "interleaved":
             return await run_group(env, task, n, sampling, make, sink=sink)

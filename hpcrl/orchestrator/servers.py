@@ -59,16 +59,22 @@ class ServerSet:
         if pos in self.down:
             return
         self.down[pos] = time.monotonic()
-        log.warning("%s is down (%s): its requests go to the other servers; waiting up to %.0fs for it to come "
-                    "back", self.name(pos), why, self.down_timeout_s)
+        log.warning(
+            "%s is down (%s): its requests go to the other servers; waiting up to %.0fs for it to come back",
+            self.name(pos),
+            why,
+            self.down_timeout_s,
+        )
 
     def check_deadline(self) -> None:
         """InferenceUnavailable naming the first server down longer than down_timeout_s."""
         now = time.monotonic()
         for pos, since in sorted(self.down.items(), key=lambda kv: kv[1]):
             if now - since > self.down_timeout_s:
-                raise InferenceUnavailable(f"{self.name(pos)} died and did not come back within "
-                                           f"{self.down_timeout_s:.0f}s (orchestrator.server_down_timeout_s)")
+                raise InferenceUnavailable(
+                    f"{self.name(pos)} died and did not come back within "
+                    f"{self.down_timeout_s:.0f}s (orchestrator.server_down_timeout_s)"
+                )
 
     def announced(self, pos: int) -> ServerInfo | None:
         """What the server's file says now (None while there is no readable file)."""
@@ -81,7 +87,11 @@ class ServerSet:
         """The announcement of a new process for a down server, once one exists."""
         info = self.announced(pos)
         old = self.infos[pos]
-        if info is None or (info.pid, info.created_at, info.base_url) == (old.pid, old.created_at, old.base_url):
+        if info is None or (info.pid, info.created_at, info.base_url) == (
+            old.pid,
+            old.created_at,
+            old.base_url,
+        ):
             return None
         return info
 
@@ -94,8 +104,12 @@ class ServerSet:
                 notify(pos, info.base_url)
         self.down.pop(pos, None)
         self.restarts += 1
-        log.warning("%s is back (pid %d, was %d): policy loaded and verified; sending it requests again",
-                    self.name(pos), info.pid, old.pid)
+        log.warning(
+            "%s is back (pid %d, was %d): policy loaded and verified; sending it requests again",
+            self.name(pos),
+            info.pid,
+            old.pid,
+        )
         if self._up_event is not None:
             self._up_event.set()
 

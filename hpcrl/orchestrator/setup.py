@@ -81,12 +81,25 @@ class Setup:
 
     def fresh_state(self) -> OrchestratorState:
         o = self.cfg.orchestrator
-        return OrchestratorState(step=0, checkpoint_step=0, world_size=self.world_size, batch_size=o.batch_size,
-                                 rollouts_per_example=o.rollouts_per_example, buffer={}, ready=[], progress={},
-                                 evaluated=[], pending_steps=[])
+        return OrchestratorState(
+            step=0,
+            checkpoint_step=0,
+            world_size=self.world_size,
+            batch_size=o.batch_size,
+            rollouts_per_example=o.rollouts_per_example,
+            buffer={},
+            ready=[],
+            progress={},
+            evaluated=[],
+            pending_steps=[],
+        )
 
-    def attach_servers(self, servers: ServerSet, loaded_policy: Callable[[], int],
-                       adapter: Callable[[], str | None] = lambda: None) -> None:
+    def attach_servers(
+        self,
+        servers: ServerSet,
+        loaded_policy: Callable[[], int],
+        adapter: Callable[[], str | None] = lambda: None,
+    ) -> None:
         """Generators over the student servers (and the teacher for opd/sft); `adapter` names the LoRA
         adapter the students serve the loaded policy under (None: their base name)."""
         cfg, o = self.cfg, self.cfg.orchestrator
@@ -96,32 +109,71 @@ class Setup:
             seed = o.train.sampling.seed if o.train.sampling.seed is not None else cfg.seed
         from hpcrl.inference.guard import resolve_api_key
 
-        student = ServerPool([s.base_url for s in servers.infos], model=servers.infos[0].model,
-                             timeout=o.request_timeout_s, max_concurrent=o.max_concurrent,
-                             api_key=resolve_api_key(cfg.server.api_key), servers=servers)
+        student = ServerPool(
+            [s.base_url for s in servers.infos],
+            model=servers.infos[0].model,
+            timeout=o.request_timeout_s,
+            max_concurrent=o.max_concurrent,
+            api_key=resolve_api_key(cfg.server.api_key),
+            servers=servers,
+        )
         student.adapter = adapter
         self.pools.append(student)
         # Same strategy for eval and training, each with its own one-example-at-a-time lock under
         # branching, so eval never waits behind training groups.
-        self.eval_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy)
-        self.train_gen = Generator(student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy)
+        self.eval_gen = Generator(
+            student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy
+        )
+        self.train_gen = Generator(
+            student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy
+        )
         if o.teacher is not None:
-            self.teacher = ServerPool([o.teacher.base_url], model=o.teacher.model, timeout=o.request_timeout_s,
-                                      max_concurrent=o.max_concurrent, api_key=os.environ.get(o.teacher.api_key_var))
+            self.teacher = ServerPool(
+                [o.teacher.base_url],
+                model=o.teacher.model,
+                timeout=o.request_timeout_s,
+                max_concurrent=o.max_concurrent,
+                api_key=os.environ.get(o.teacher.api_key_var),
+            )
             self.pools.append(self.teacher)
             if o.training_mode == "sft":  # the teacher writes the completions; they are never stale
-                self.train_gen = Generator(self.teacher, self.tokenizer, cfg.seq_len,
-                                           lambda: max(0, loaded_policy()), seed, o.trajectory_strategy)
+                self.train_gen = Generator(
+                    self.teacher,
+                    self.tokenizer,
+                    cfg.seq_len,
+                    lambda: max(0, loaded_policy()),
+                    seed,
+                    o.trajectory_strategy,
+                )
 
     async def generate(self, refs: Sequence[TaskRef], step: int) -> list[GroupRecord]:
         assert self.train_gen is not None
         n = self.cfg.orchestrator.rollouts_per_example
-        results = await asyncio.gather(*(
-            self.train_gen.groups(self.envs[r.env], [self.tasks[r.env][r.index]], n, self.train_sampling,
-                                  "train", step, r.env, r.epoch)
-            for r in refs))
-        return [GroupRecord(env=r.env, example_id=self.tasks[r.env][r.index].example_id, task_index=r.index,
-                            task_epoch=r.epoch, rollouts=res[0]) for r, res in zip(refs, results)]
+        results = await asyncio.gather(
+            *(
+                self.train_gen.groups(
+                    self.envs[r.env],
+                    [self.tasks[r.env][r.index]],
+                    n,
+                    self.train_sampling,
+                    "train",
+                    step,
+                    r.env,
+                    r.epoch,
+                )
+                for r in refs
+            )
+        )
+        return [
+            GroupRecord(
+                env=r.env,
+                example_id=self.tasks[r.env][r.index].example_id,
+                task_index=r.index,
+                task_epoch=r.epoch,
+                rollouts=res[0],
+            )
+            for r, res in zip(refs, results)
+        ]
 
     async def aclose(self) -> None:
         for p in self.pools:
@@ -143,28 +195,53 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     if ratios is None and any(e.ratio is not None for e in o.train.env):
         ratios = [e.ratio if e.ratio is not None else 1.0 for e in o.train.env]
     b = o.buffer
-    buffer = Buffer({k: len(v) for k, v in tasks.items()}, BufferConfig(
-        online_difficulty_filtering=b.online_difficulty_filtering, easy_threshold=b.easy_threshold,
-        hard_threshold=b.hard_threshold, easy_fraction=b.easy_fraction, hard_fraction=b.hard_fraction,
-        env_ratios=None if ratios is None else tuple(ratios), oversampling_factor=o.oversampling_factor,
-        max_off_policy_steps=o.max_off_policy_steps, seed=b.seed + o.seed + cfg.seed))
+    buffer = Buffer(
+        {k: len(v) for k, v in tasks.items()},
+        BufferConfig(
+            online_difficulty_filtering=b.online_difficulty_filtering,
+            easy_threshold=b.easy_threshold,
+            hard_threshold=b.hard_threshold,
+            easy_fraction=b.easy_fraction,
+            hard_fraction=b.hard_fraction,
+            env_ratios=None if ratios is None else tuple(ratios),
+            oversampling_factor=o.oversampling_factor,
+            max_off_policy_steps=o.max_off_policy_steps,
+            seed=b.seed + o.seed + cfg.seed,
+        ),
+    )
     eval_envs = []
     if o.eval is not None:
         loaded = load_envs(o.eval.env, "orchestrator.eval.env")
         for e in o.eval.env:
             n = e.num_examples if e.num_examples is not None else o.eval.num_examples
-            eval_envs.append(EvalEnv(env_name(e), loaded[env_name(e)], n,
-                                     e.rollouts_per_example or o.eval.rollouts_per_example))
+            eval_envs.append(
+                EvalEnv(
+                    env_name(e), loaded[env_name(e)], n, e.rollouts_per_example or o.eval.rollouts_per_example
+                )
+            )
     open_env_logs(cfg, paths, envs, eval_envs)
     world, servers, transport = deployment(cfg)
     if cfg.deterministic and transport == "collective" and o.max_async_level > 0:
-        raise ConfigError("deterministic", "true needs trainer.broadcast.transport = 'filesystem' when "
-                                           "max_async_level > 0 (a collective broadcast cannot be loaded later)")
+        raise ConfigError(
+            "deterministic",
+            "true needs trainer.broadcast.transport = 'filesystem' when "
+            "max_async_level > 0 (a collective broadcast cannot be loaded later)",
+        )
     eval_sampling = eval_sampling_of(o)
-    return Setup(cfg=cfg, tokenizer=load_tokenizer(cfg), envs=envs, tasks=tasks, buffer=buffer,
-                 advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)), world_size=world,
-                 num_servers=servers, transport=transport, eval_envs=eval_envs,
-                 train_sampling=openai_sampling(o.train.sampling), eval_sampling=openai_sampling(eval_sampling))
+    return Setup(
+        cfg=cfg,
+        tokenizer=load_tokenizer(cfg),
+        envs=envs,
+        tasks=tasks,
+        buffer=buffer,
+        advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)),
+        world_size=world,
+        num_servers=servers,
+        transport=transport,
+        eval_envs=eval_envs,
+        train_sampling=openai_sampling(o.train.sampling),
+        eval_sampling=openai_sampling(eval_sampling),
+    )
 
 
 def eval_sampling_of(o: OrchestratorConfig) -> SamplingConfig:
@@ -175,11 +252,15 @@ def eval_sampling_of(o: OrchestratorConfig) -> SamplingConfig:
         return t
     e = o.eval.sampling
     return msgspec.structs.replace(
-        e, enable_thinking=t.enable_thinking if e.enable_thinking is None else e.enable_thinking,
-        reasoning_effort=e.reasoning_effort or t.reasoning_effort)
+        e,
+        enable_thinking=t.enable_thinking if e.enable_thinking is None else e.enable_thinking,
+        reasoning_effort=e.reasoning_effort or t.reasoning_effort,
+    )
 
 
-def open_env_logs(cfg: Config, paths: RunPaths, envs: dict[str, Environment], eval_envs: list[EvalEnv]) -> None:
+def open_env_logs(
+    cfg: Config, paths: RunPaths, envs: dict[str, Environment], eval_envs: list[EvalEnv]
+) -> None:
     """logs/envs/{train,eval}/<env>.log (docs/architecture.md §4): what `hpcrl logs -c env:NAME` and tmux.sh follow."""
     from hpcrl.envs.verifiers_adapter import VerifiersEnvironment
     from hpcrl.monitor.logging import attach_env_logs
@@ -189,8 +270,11 @@ def open_env_logs(cfg: Config, paths: RunPaths, envs: dict[str, Environment], ev
         files.setdefault(name, []).append(paths.env_log_file("train", name))
     for e in eval_envs:
         files.setdefault(e.name, []).append(paths.env_log_file("eval", e.name))
-    vf = tuple(n for n, env in [*envs.items(), *((e.name, e.env) for e in eval_envs)]
-               if isinstance(env, VerifiersEnvironment))
+    vf = tuple(
+        n
+        for n, env in [*envs.items(), *((e.name, e.env) for e in eval_envs)]
+        if isinstance(env, VerifiersEnvironment)
+    )
     attach_env_logs(files, cfg.log.vf_level, vf)
 
 
@@ -200,4 +284,6 @@ def load_tokenizer(cfg: Config) -> Any:
     from hpcrl.models.tiny import resolve_model
 
     model = cfg.orchestrator.model or cfg.model
-    return AutoTokenizer.from_pretrained(resolve_model(model.name or ""), trust_remote_code=model.trust_remote_code)
+    return AutoTokenizer.from_pretrained(
+        resolve_model(model.name or ""), trust_remote_code=model.trust_remote_code
+    )

@@ -115,10 +115,14 @@ def load_part(paths: RunPaths, ckpt_step: int) -> tuple[OrchestratorState, dict[
         raise ConfigError("ckpt.resume_step", f"checkpoint step_{ckpt_step} has no orchestrator state ({f})")
     state = msgspec.json.decode(f.read_bytes(), type=OrchestratorState)
     if state.format != STATE_FORMAT:
-        raise ConfigError("ckpt.resume_step", f"{f}: orchestrator state format {state.format}, this build "
-                                              f"reads {STATE_FORMAT}")
+        raise ConfigError(
+            "ckpt.resume_step",
+            f"{f}: orchestrator state format {state.format}, this build reads {STATE_FORMAT}",
+        )
     if state.checkpoint_step != ckpt_step:
-        raise ConfigError("ckpt.resume_step", f"{f} belongs to checkpoint {state.checkpoint_step}, not {ckpt_step}")
+        raise ConfigError(
+            "ckpt.resume_step", f"{f} belongs to checkpoint {state.checkpoint_step}, not {ckpt_step}"
+        )
     pending = {
         m: [_pending_file(paths, ckpt_step, m, r).read_bytes() for r in range(state.world_size)]
         for m in state.pending_steps
@@ -129,9 +133,13 @@ def load_part(paths: RunPaths, ckpt_step: int) -> tuple[OrchestratorState, dict[
 def check_compatible(state: OrchestratorState, batch_size: int, rollouts_per_example: int) -> None:
     """A resumed run must cut batches the same way, or the prompt stream would silently change.
     (The trainer world size may change: pending batches are re-packed, see OrchestratorLoop.restore.)"""
-    for name, saved, now in (("orchestrator.batch_size", state.batch_size, batch_size),
-                             ("orchestrator.rollouts_per_example", state.rollouts_per_example,
-                              rollouts_per_example)):
+    for name, saved, now in (
+        ("orchestrator.batch_size", state.batch_size, batch_size),
+        ("orchestrator.rollouts_per_example", state.rollouts_per_example, rollouts_per_example),
+    ):
         if saved != now:
-            raise ConfigError(name, f"checkpoint step_{state.checkpoint_step} was taken with {name} = {saved}, "
-                                    f"this run has {now}; resume with the same value")
+            raise ConfigError(
+                name,
+                f"checkpoint step_{state.checkpoint_step} was taken with {name} = {saved}, "
+                f"this run has {now}; resume with the same value",
+            )

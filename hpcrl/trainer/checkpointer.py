@@ -31,8 +31,16 @@ log = logging.getLogger("hpcrl.trainer")
 
 
 class Checkpointer:
-    def __init__(self, cfg: CkptConfig | None, paths: RunPaths, tr: Training, max_steps: int, *,
-                 parts: tuple[str, ...] = checkpoint.PARTS, finalize_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        cfg: CkptConfig | None,
+        paths: RunPaths,
+        tr: Training,
+        max_steps: int,
+        *,
+        parts: tuple[str, ...] = checkpoint.PARTS,
+        finalize_timeout_s: float = 600.0,
+    ):
         self.cfg, self.paths, self.tr, self.max_steps = cfg, paths, tr, max_steps
         self.parts = parts  # the parts COMPLETE waits for
         self.finalize_timeout_s = finalize_timeout_s
@@ -49,8 +57,9 @@ class Checkpointer:
             return 0, initial
         step = checkpoint.resolve_resume_step(self.paths, self.cfg.resume_step)
         tr = self.tr
-        saved = load_trainer_state(self.paths, step, tr.dist.rank, tr.dist.world_size, tr.model, tr.optimizer,
-                                   tr.scheduler)
+        saved = load_trainer_state(
+            self.paths, step, tr.dist.rank, tr.dist.world_size, tr.model, tr.optimizer, tr.scheduler
+        )
         log.info("resumed trainer state from %s", self.paths.checkpoint_dir(step))
         self.last_saved = step
         return step, Progress.from_saved(saved)
@@ -88,7 +97,9 @@ class Checkpointer:
         if rank == 0:
             checkpoint.begin_part(paths, step, "trainer", clear=True)
         parallel.barrier()
-        save_trainer_state(paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress.to_saved())
+        save_trainer_state(
+            paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress.to_saved()
+        )
         checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
         if rank == 0:
             self._start_finalizer(step)
@@ -108,8 +119,15 @@ class Checkpointer:
         from hpcrl.trainer.model import export_hf, is_peft_model, save_adapter
 
         tr, rank = self.tr, self.tr.dist.rank
-        export_hf(tr.model, tr.tokenizer, self.paths.weights_dir(step), write=rank == 0, dtype=tr.precision.compute)
-        if rank == 0 and self.cfg is not None and self.cfg.save_adapter_separately and is_peft_model(tr.model):
+        export_hf(
+            tr.model, tr.tokenizer, self.paths.weights_dir(step), write=rank == 0, dtype=tr.precision.compute
+        )
+        if (
+            rank == 0
+            and self.cfg is not None
+            and self.cfg.save_adapter_separately
+            and is_peft_model(tr.model)
+        ):
             save_adapter(tr.model, self.paths.weights_dir(step) / "adapter")
 
     # -- finalisation ----------------------------------------------------------------------------
@@ -125,13 +143,17 @@ class Checkpointer:
         assert self.cfg is not None
         try:
             world = self.tr.dist.world_size
-            if checkpoint.finalize_when_ready(self.paths, step, self.parts, world, self.finalize_timeout_s) is None:
+            if (
+                checkpoint.finalize_when_ready(self.paths, step, self.parts, world, self.finalize_timeout_s)
+                is None
+            ):
                 return
             log.info("checkpoint step_%d complete", step)
             with self._lock:
                 busy = self._finalizing - {step}
-                removed = checkpoint.apply_retention(self.paths, self.cfg.keep_last, self.cfg.keep_interval,
-                                                     in_progress=busy)
+                removed = checkpoint.apply_retention(
+                    self.paths, self.cfg.keep_last, self.cfg.keep_interval, in_progress=busy
+                )
             for s in removed:
                 shutil.rmtree(self.paths.weights_dir(s), ignore_errors=True)
         finally:

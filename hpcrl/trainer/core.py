@@ -27,8 +27,11 @@ from hpcrl.trainer.setup import Training
 log = logging.getLogger("hpcrl.trainer")
 
 # Counter names SFT checkpoints used before RL and SFT shared one Progress: still read on resume.
-LEGACY_PROGRESS_NAMES = {"num_samples": "total_samples", "num_tokens": "total_tokens",
-                         "num_truncated": "total_truncated"}
+LEGACY_PROGRESS_NAMES = {
+    "num_samples": "total_samples",
+    "num_tokens": "total_tokens",
+    "num_truncated": "total_truncated",
+}
 
 
 class Progress(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,9 +46,14 @@ class Progress(msgspec.Struct, frozen=True, kw_only=True):
 
     def advance(self, out: StepResult, *, truncated: int = 0, data: dict[str, int] | None = None) -> Progress:
         return msgspec.structs.replace(
-            self, step=self.step + 1, total_tokens=self.total_tokens + out.tokens,
-            total_samples=self.total_samples + out.samples, total_truncated=self.total_truncated + truncated,
-            skipped_updates=self.skipped_updates + int(out.skipped), data=self.data if data is None else data)
+            self,
+            step=self.step + 1,
+            total_tokens=self.total_tokens + out.tokens,
+            total_samples=self.total_samples + out.samples,
+            total_truncated=self.total_truncated + truncated,
+            skipped_updates=self.skipped_updates + int(out.skipped),
+            data=self.data if data is None else data,
+        )
 
     def to_saved(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -77,8 +85,15 @@ class StepResult:
         return replace(self, tokens=tokens, samples=samples)
 
 
-def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams, num_loss_tokens: int | float,
-                       max_norm: float, step: int, t0: float) -> StepResult:
+def step_micro_batches(
+    tr: Training,
+    mbs: list[PackedBatch],
+    params: LossParams,
+    num_loss_tokens: int | float,
+    max_norm: float,
+    step: int,
+    t0: float,
+) -> StepResult:
     """Forward/backward over this rank's micro-batches (loss normalised by the step's global
     loss-token count), then one optimizer step that is skipped - on every rank alike - when the loss
     or grad norm is not finite."""
@@ -93,20 +108,38 @@ def step_micro_batches(tr: Training, mbs: list[PackedBatch], params: LossParams,
         tokens, slots, padding = tokens + mb.num_tokens, slots + fwd.slots, padding + fwd.padding
         if fwd.entropy is not None:
             entropies.append(fwd.entropy.detach()[mb.loss_mask.bool()].float().cpu())
-        out = compute_loss(params, trainer_logprobs=fwd.logprobs, loss_mask=mb.loss_mask,
-                           num_loss_tokens=num_loss_tokens, inference_logprobs=mb.inference_logprobs,
-                           advantages=mb.advantages, entropy=fwd.entropy, teacher_logprobs=mb.teacher_logprobs,
-                           ref_logprobs=mb.ref_logprobs, seq_lens=mb.seq_lens)
+        out = compute_loss(
+            params,
+            trainer_logprobs=fwd.logprobs,
+            loss_mask=mb.loss_mask,
+            num_loss_tokens=num_loss_tokens,
+            inference_logprobs=mb.inference_logprobs,
+            advantages=mb.advantages,
+            entropy=fwd.entropy,
+            teacher_logprobs=mb.teacher_logprobs,
+            ref_logprobs=mb.ref_logprobs,
+            seq_lens=mb.seq_lens,
+        )
         out.loss.backward()
         stats = add_stats(stats, out.stats)
     t_fb = time.perf_counter() - t0
     grad_norm, summed, lr, ok = optimizer_step(tr, stats, max_norm, step)
-    return StepResult(stats=summarize(summed), grad_norm=grad_norm, lr=lr, skipped=not ok, time_fb=t_fb,
-                      micro_batches=n_mb, padding=padding / max(slots, 1), slots_per_token=slots / max(tokens, 1),
-                      entropies=torch.cat(entropies) if entropies else torch.zeros(0))
+    return StepResult(
+        stats=summarize(summed),
+        grad_norm=grad_norm,
+        lr=lr,
+        skipped=not ok,
+        time_fb=t_fb,
+        micro_batches=n_mb,
+        padding=padding / max(slots, 1),
+        slots_per_token=slots / max(tokens, 1),
+        entropies=torch.cat(entropies) if entropies else torch.zeros(0),
+    )
 
 
-def optimizer_step(tr: Training, stats: Any, max_norm: float, step: int) -> tuple[float, dict[str, Any], float, bool]:
+def optimizer_step(
+    tr: Training, stats: Any, max_norm: float, step: int
+) -> tuple[float, dict[str, Any], float, bool]:
     """Clip, all-reduce the loss stats, step (only when finite), zero grads, advance the schedule.
     Returns (grad norm, summed stats, lr used, stepped)."""
     grad_norm = clip_grad_norm(tr.model.parameters(), max_norm if max_norm > 0 else None)
@@ -115,8 +148,12 @@ def optimizer_step(tr: Training, stats: Any, max_norm: float, step: int) -> tupl
     if ok:
         tr.optimizer.step()
     else:
-        log.error("non-finite loss (%s) or grad norm (%s) at step %d: update skipped, weights unchanged",
-                  float(summed["loss"]), grad_norm, step)
+        log.error(
+            "non-finite loss (%s) or grad norm (%s) at step %d: update skipped, weights unchanged",
+            float(summed["loss"]),
+            grad_norm,
+            step,
+        )
     tr.optimizer.zero_grad(set_to_none=True)
     lr = current_lr(tr.optimizer)
     tr.scheduler.step()
@@ -143,10 +180,16 @@ def install_stop_handler() -> threading.Event:
 def common_metrics(out: StepResult, progress: Progress, t_ckpt: float, t_step: float) -> dict[str, Any]:
     """The metrics both trainers log under the same names (each adds its own)."""
     return {
-        "optim/grad_norm": out.grad_norm, "optim/lr": out.lr, "optim/skipped_updates": progress.skipped_updates,
-        "time/forward_backward": out.time_fb, "time/save_ckpt": t_ckpt, "time/step": t_step,
-        "perf/throughput": out.tokens / max(out.time_fb, 1e-9), "perf/peak_memory": peak_memory_gib(),
-        "micro_batches": out.micro_batches, "perf/padding": out.padding,
+        "optim/grad_norm": out.grad_norm,
+        "optim/lr": out.lr,
+        "optim/skipped_updates": progress.skipped_updates,
+        "time/forward_backward": out.time_fb,
+        "time/save_ckpt": t_ckpt,
+        "time/step": t_step,
+        "perf/throughput": out.tokens / max(out.time_fb, 1e-9),
+        "perf/peak_memory": peak_memory_gib(),
+        "micro_batches": out.micro_batches,
+        "perf/padding": out.padding,
     }
 
 

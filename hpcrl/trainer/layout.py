@@ -38,8 +38,13 @@ def common_prefix(ids: np.ndarray, pos: np.ndarray, a: tuple[int, int], b: tuple
     return int(diff[0]) if diff.size else n
 
 
-def shared_prefixes(input_ids: np.ndarray, position_ids: np.ndarray, seq_lens: Sequence[int],
-                    max_unit_tokens: int, key_cost: float = 512.0) -> np.ndarray:
+def shared_prefixes(
+    input_ids: np.ndarray,
+    position_ids: np.ndarray,
+    seq_lens: Sequence[int],
+    max_unit_tokens: int,
+    key_cost: float = 512.0,
+) -> np.ndarray:
     """``prefix_lens [S]``: 0 for a sample that starts a unit; ``p > 0`` for a sample that joins the
     previous sample's unit, sharing its first ``p`` tokens (the same ``p`` for the whole unit).
 
@@ -63,11 +68,11 @@ def shared_prefixes(input_ids: np.ndarray, position_ids: np.ndarray, seq_lens: S
         while j < len(lens):
             lcp = common_prefix(input_ids, position_ids, head, (int(starts[j]), lens[j]))
             q = lcp if j == i + 1 else min(p, lcp)
-            joined = q + sum(n - q for n in lens[i:j + 1])
+            joined = q + sum(n - q for n in lens[i : j + 1])
             if q < 1 or joined > max_unit_tokens or cost(joined) > cost(slots) + cost(lens[j]):
                 break
             p, slots, j = q, joined, j + 1
-        out[i + 1:j] = p
+        out[i + 1 : j] = p
         i = j
     return out
 
@@ -99,8 +104,9 @@ def rows_needed(sizes: Sequence[int], width: int) -> int:
     return max(place_units(sizes, width), default=0) // width + 1
 
 
-def choose_width(sizes: Sequence[int], key_cost: float, max_padding: float = MAX_ROW_PADDING,
-                 max_width: int | None = None) -> int:
+def choose_width(
+    sizes: Sequence[int], key_cost: float, max_padding: float = MAX_ROW_PADDING, max_width: int | None = None
+) -> int:
     """Row width for units of ``sizes``: among ``longest * ROW_WIDTH_FACTORS`` (never below the longest
     unit, never above ``max_width`` or all units in one row), the one with the lowest cost
     ``slots * (key_cost + width)`` (every slot pays its linear layers plus attention over the row,
@@ -190,8 +196,12 @@ def place_units(sizes: Sequence[int], width: int) -> list[int]:
     return start
 
 
-def row_layout(seq_lens: Tensor, prefix_lens: Tensor | None = None, key_cost: float | None = None,
-               width: int | None = None) -> RowLayout:
+def row_layout(
+    seq_lens: Tensor,
+    prefix_lens: Tensor | None = None,
+    key_cost: float | None = None,
+    width: int | None = None,
+) -> RowLayout:
     """Layout of units (single samples when ``prefix_lens`` is None) into rows, first-fit decreasing
     (:func:`place_units`). Rows are ``width`` wide (at least the longest unit) if given, else as wide
     as :func:`choose_width` says with ``key_cost``, else as wide as the longest unit. Inside a unit:

@@ -97,8 +97,11 @@ def load_model(
 
     if not Path(path, "config.json").is_file():
         raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
-    kwargs = {"dtype": parse_dtype(dtype), "attn_implementation": attn_impl or default_attn_impl(device),
-              "trust_remote_code": trust_remote_code}
+    kwargs = {
+        "dtype": parse_dtype(dtype),
+        "attn_implementation": attn_impl or default_attn_impl(device),
+        "trust_remote_code": trust_remote_code,
+    }
     if meta:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         with torch.device("meta"):
@@ -180,8 +183,9 @@ def _strip_peft(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
-def hf_named_tensors(model: nn.Module, *, device: str = "cpu", dtype: str | torch.dtype | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_named_tensors(
+    model: nn.Module, *, device: str = "cpu", dtype: str | torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for every weight, in a fixed order, one tensor at a time.
 
     FSDP shards are gathered (collective: EVERY rank must iterate to the end, in step); LoRA is

@@ -117,8 +117,11 @@ class PackedBatch:
         offsets = (torch.cumsum(self.seq_lens, 0) - self.seq_lens).tolist()
         lens = self.seq_lens.tolist()
         dev = self.seq_lens.device
-        tok = torch.cat([torch.arange(offsets[i], offsets[i] + lens[i], device=dev) for i in order]) if order \
+        tok = (
+            torch.cat([torch.arange(offsets[i], offsets[i] + lens[i], device=dev) for i in order])
+            if order
             else torch.zeros(0, dtype=torch.long, device=dev)
+        )
         idx = torch.tensor(list(order), dtype=torch.long, device=dev)
         out = {}
         for f in fields(self):
@@ -159,11 +162,15 @@ def micro_batches(batch: PackedBatch, micro_batch_tokens: int) -> list[PackedBat
     pl = None if batch.prefix_lens is None else batch.prefix_lens.tolist()
     units = units_of(pl, batch.num_samples)
     sizes = unit_slots(units, batch.seq_lens.tolist())
-    return [batch.slice_samples(units[a][0], units[b - 1][1]) for a, b in split_micro_batches(sizes, micro_batch_tokens)]
+    return [
+        batch.slice_samples(units[a][0], units[b - 1][1])
+        for a, b in split_micro_batches(sizes, micro_batch_tokens)
+    ]
 
 
-def row_micro_batches(batch: PackedBatch, micro_batch_tokens: int,
-                      key_cost: float | None = None) -> list[PackedBatch]:
+def row_micro_batches(
+    batch: PackedBatch, micro_batch_tokens: int, key_cost: float | None = None
+) -> list[PackedBatch]:
     """Micro-batches for masked kernels (CPU): the whole batch's units packed first-fit decreasing
     into rows as wide as the longest unit (with ``key_cost``: as wide as ``layout.choose_width``
     picks, at most ``micro_batch_tokens`` unless a unit is longer), then runs of
@@ -196,8 +203,13 @@ def row_micro_batches(batch: PackedBatch, micro_batch_tokens: int,
 
 def with_shared_prefixes(batch: PackedBatch, micro_batch_tokens: int, key_cost: float = 512.0) -> PackedBatch:
     """``batch`` with ``prefix_lens`` set (see :func:`hpcrl.trainer.layout.shared_prefixes`)."""
-    pl = shared_prefixes(batch.input_ids.cpu().numpy(), batch.position_ids.cpu().numpy(),
-                         batch.seq_lens.tolist(), micro_batch_tokens, key_cost)
+    pl = shared_prefixes(
+        batch.input_ids.cpu().numpy(),
+        batch.position_ids.cpu().numpy(),
+        batch.seq_lens.tolist(),
+        micro_batch_tokens,
+        key_cost,
+    )
     return replace(batch, prefix_lens=torch.from_numpy(pl).to(batch.seq_lens.device))
 
 
@@ -236,8 +248,9 @@ def block_causal_mask(seq_lens: Tensor, dtype: torch.dtype = torch.bool) -> Tens
     return torch.where(allowed, 0.0, neg).to(dtype)[None, None]
 
 
-def next_token_logprobs(logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0,
-                        *, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def next_token_logprobs(
+    logits: Tensor, labels: Tensor, temperature: Tensor | float = 1.0, *, entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """``log softmax(logits[i] / temperature)[labels[i]]`` in fp32 (with grad) and, if asked, the
     entropy of that distribution (no grad). Row ``i`` of ``logits`` is the position that predicts
     ``labels[i]``; dividing by the sample's sampling temperature makes the logprobs comparable with
@@ -295,24 +308,37 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
-def model_inputs(model: torch.nn.Module, mb: PackedBatch) -> tuple[dict[str, Tensor | None], RowLayout | None]:
+def model_inputs(
+    model: torch.nn.Module, mb: PackedBatch
+) -> tuple[dict[str, Tensor | None], RowLayout | None]:
     """Model arguments for a micro-batch: rows of whole units (samples, or samples sharing a prefix)
     for masked kernels (sdpa/eager: no varlen attention on CPU); one packed row for varlen kernels
     (flash-attention), which cannot express a shared prefix and run every sample in full."""
     impl = attention_kernel(model)
     if impl not in MASKED_KERNELS:
-        return {"input_ids": mb.input_ids[None], "position_ids": mb.position_ids[None],
-                "attention_mask": attention_mask_for(model, mb)}, None
+        return {
+            "input_ids": mb.input_ids[None],
+            "position_ids": mb.position_ids[None],
+            "attention_mask": attention_mask_for(model, mb),
+        }, None
     dev = mb.input_ids.device
-    layout = row_layout(mb.seq_lens.to(dev), None if mb.prefix_lens is None else mb.prefix_lens.to(dev),
-                        key_cost_of(getattr(model, "config", None)), width=mb.row_width)
+    layout = row_layout(
+        mb.seq_lens.to(dev),
+        None if mb.prefix_lens is None else mb.prefix_lens.to(dev),
+        key_cost_of(getattr(model, "config", None)),
+        width=mb.row_width,
+    )
     dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
-    return {"input_ids": layout.grid(mb.input_ids), "position_ids": layout.grid(mb.position_ids),
-            "attention_mask": layout.mask(dtype)}, layout
+    return {
+        "input_ids": layout.grid(mb.input_ids),
+        "position_ids": layout.grid(mb.position_ids),
+        "attention_mask": layout.mask(dtype),
+    }, layout
 
 
-def forward_packed(model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: bool = True,
-                   wanted: Tensor | None = None) -> ForwardOutput:
+def forward_packed(
+    model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: bool = True, wanted: Tensor | None = None
+) -> ForwardOutput:
     """Run ``model`` over one micro-batch; logprobs keep the graph.
 
     ``wanted`` ([T] bool, e.g. the loss mask) names the tokens whose logprob the caller uses: logits
@@ -347,5 +373,9 @@ def forward_packed(model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: 
         temp = mb.temperatures.to(dev)[sample[pos]]
     picked, ent_p = next_token_logprobs(logits, mb.input_ids[pos + 1], temp, entropy=compute_entropy)
     lp = torch.zeros(t, dtype=picked.dtype, device=dev).index_copy(0, pos + 1, picked)
-    ent = None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, pos + 1, ent_p)
-    return ForwardOutput(logprobs=lp, entropy=ent, slots=n_slots, padding=0 if layout is None else layout.padding)
+    ent = (
+        None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, pos + 1, ent_p)
+    )
+    return ForwardOutput(
+        logprobs=lp, entropy=ent, slots=n_slots, padding=0 if layout is None else layout.padding
+    )

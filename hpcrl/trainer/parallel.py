@@ -269,11 +269,15 @@ def fill_from_rank0(model: nn.Module, full: MutableMapping[str, torch.Tensor]) -
 
     named = local_tensors(model)
     if not _same_structure(named):
-        raise ValueError("meta-device init: the ranks built different models (names, shapes or dtypes differ); "
-                         "is the model code deterministic?")
+        raise ValueError(
+            "meta-device init: the ranks built different models (names, shapes or dtypes differ); "
+            "is the model code deterministic?"
+        )
     if is_rank0() and set(full) != set(named):
-        raise ValueError(f"meta-device init: rank 0's loaded tensors differ from the sharded model's: "
-                         f"{sorted(set(full) ^ set(named))[:4]}")
+        raise ValueError(
+            f"meta-device init: rank 0's loaded tensors differ from the sharded model's: "
+            f"{sorted(set(full) ^ set(named))[:4]}"
+        )
     from hpcrl.trainer.state import row_range
 
     comm = _comm_device()

@@ -40,20 +40,26 @@ class Precision:
     def describe(self) -> str:
         c, m, r = _SHORT[self.compute], _SHORT[self.master], _SHORT[self.reduce]
         if self.mixed:
-            return (f"{c}-mixed: {c} compute over {m} master weights + optimizer state, {r} gradient reduce, "
-                    f"{c} policy published")
+            return (
+                f"{c}-mixed: {c} compute over {m} master weights + optimizer state, {r} gradient reduce, "
+                f"{c} policy published"
+            )
         if r == c:
             return f"{c} (no mixed precision)"
         return f"{c} compute, master weights + optimizer state; {r} gradient reduce"
 
 
-def resolve(dtype: str, optimization_dtype: str, reduce_dtype: str, on_gpu: bool, field: str = "trainer.model"
-            ) -> Precision:
+def resolve(
+    dtype: str, optimization_dtype: str, reduce_dtype: str, on_gpu: bool, field: str = "trainer.model"
+) -> Precision:
     """The trainer's precision from the three fields (``field`` prefixes error paths). Raises a one-line
     ConfigError for combinations that make no sense."""
     if dtype == "float16":
-        raise ConfigError(f"{field}.dtype", "'float16' is not supported for training (it needs loss scaling); use "
-                                            "'bfloat16' (bf16 compute over float32 master weights) or 'float32'")
+        raise ConfigError(
+            f"{field}.dtype",
+            "'float16' is not supported for training (it needs loss scaling); use "
+            "'bfloat16' (bf16 compute over float32 master weights) or 'float32'",
+        )
     for name, value in (("optimization_dtype", optimization_dtype), ("reduce_dtype", reduce_dtype)):
         if value not in _BITS:
             raise ConfigError(f"{field}.{name}", f"{value!r} is not one of 'float32', 'bfloat16'")
@@ -66,12 +72,18 @@ def resolve(dtype: str, optimization_dtype: str, reduce_dtype: str, on_gpu: bool
     else:
         raise ConfigError(f"{field}.dtype", f"{dtype!r} is not one of 'auto', 'float32', 'bfloat16'")
     if _BITS[optimization_dtype] < _BITS[compute]:
-        raise ConfigError(f"{field}.optimization_dtype", f"'{optimization_dtype}' master weights under '{compute}' "
-                                                         "compute gain nothing; set optimization_dtype = 'float32' or "
-                                                         "dtype = 'bfloat16'")
+        raise ConfigError(
+            f"{field}.optimization_dtype",
+            f"'{optimization_dtype}' master weights under '{compute}' "
+            "compute gain nothing; set optimization_dtype = 'float32' or "
+            "dtype = 'bfloat16'",
+        )
     if _BITS[reduce_dtype] < _BITS[compute]:
-        raise ConfigError(f"{field}.reduce_dtype", f"'{reduce_dtype}' would round '{compute}' gradients only to "
-                                                   "reduce them; use 'float32' (or dtype = 'bfloat16' for bf16 compute)")
+        raise ConfigError(
+            f"{field}.reduce_dtype",
+            f"'{reduce_dtype}' would round '{compute}' gradients only to "
+            "reduce them; use 'float32' (or dtype = 'bfloat16' for bf16 compute)",
+        )
     return Precision(compute=compute, master=optimization_dtype, reduce=reduce_dtype)
 
 

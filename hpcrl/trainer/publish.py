@@ -38,9 +38,20 @@ log = logging.getLogger("hpcrl.trainer")
 
 
 class PolicyPublisher:
-    def __init__(self, paths: RunPaths, bus: Bus, rank: int, transport: str, keep: int,
-                 weight_group: Any = None, bucket_mb: float = 256, dtype: str | None = None, *,
-                 delta: bool = False, full_every: int = 20):
+    def __init__(
+        self,
+        paths: RunPaths,
+        bus: Bus,
+        rank: int,
+        transport: str,
+        keep: int,
+        weight_group: Any = None,
+        bucket_mb: float = 256,
+        dtype: str | None = None,
+        *,
+        delta: bool = False,
+        full_every: int = 20,
+    ):
         assert transport in ("filesystem", "collective"), transport
         self.paths = paths
         self.bus = bus
@@ -84,7 +95,9 @@ class PolicyPublisher:
         if self.transport == "collective" and self.paths.weights_fallback_file.exists():
             # A server died (the orchestrator says so): the group has a dead member and cannot take
             # in its restarted process, so every later policy travels as files, from a full one on.
-            log.warning("a server of the weight group died: publishing policies as files from step %d on", step)
+            log.warning(
+                "a server of the weight group died: publishing policies as files from step %d on", step
+            )
             self._fall_back_to_files()
         checksum = state_dict_checksum(named)
         nbytes = payload_bytes(named)
@@ -94,36 +107,82 @@ class PolicyPublisher:
         base = delta.base_step if delta is not None else None
         if self.transport == "filesystem":
             path = self._write_files(step, named, delta)
-            self.bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(path), checksum=checksum,
-                                                num_params=nparams, num_bytes=nbytes, base_step=base,
-                                                sync_bytes=self.last_sync_bytes))
+            self.bus.publish_policy(
+                PolicyReady(
+                    step=step,
+                    transport="filesystem",
+                    path=str(path),
+                    checksum=checksum,
+                    num_params=nparams,
+                    num_bytes=nbytes,
+                    base_step=base,
+                    sync_bytes=self.last_sync_bytes,
+                )
+            )
         else:
             from hpcrl.weights.collective import broadcast_weights
 
-            self.bus.publish_policy(PolicyReady(step=step, transport="collective", path=None, checksum=checksum,
-                                                num_params=nparams, num_bytes=nbytes, base_step=base,
-                                                sync_bytes=self.last_sync_bytes))
+            self.bus.publish_policy(
+                PolicyReady(
+                    step=step,
+                    transport="collective",
+                    path=None,
+                    checksum=checksum,
+                    num_params=nparams,
+                    num_bytes=nbytes,
+                    base_step=base,
+                    sync_bytes=self.last_sync_bytes,
+                )
+            )
             try:
                 if delta is None:
                     broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
                 else:
-                    broadcast_weights(self.group, delta.tensors, step, bucket_mb=self.bucket_mb, checksum=checksum,
-                                      delta=delta.manifest())
+                    broadcast_weights(
+                        self.group,
+                        delta.tensors,
+                        step,
+                        bucket_mb=self.bucket_mb,
+                        checksum=checksum,
+                        delta=delta.manifest(),
+                    )
             except RuntimeError as e:  # a receiver died mid-broadcast (gloo/NCCL: connection closed)
-                log.warning("weight broadcast of policy %d failed (%s): publishing it and every later policy "
-                            "as files", step, str(e).splitlines()[0][:200])
+                log.warning(
+                    "weight broadcast of policy %d failed (%s): publishing it and every later policy "
+                    "as files",
+                    step,
+                    str(e).splitlines()[0][:200],
+                )
                 self._fall_back_to_files()  # survivors waiting for the rest of this broadcast fail at once
                 delta, self.last_sync_bytes = None, nbytes
-                path = self._write_files(step, named, None)  # same tensors, same checksum; replaces the message
-                self.bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(path),
-                                                    checksum=checksum, num_params=nparams, num_bytes=nbytes,
-                                                    sync_bytes=nbytes))
+                path = self._write_files(
+                    step, named, None
+                )  # same tensors, same checksum; replaces the message
+                self.bus.publish_policy(
+                    PolicyReady(
+                        step=step,
+                        transport="filesystem",
+                        path=str(path),
+                        checksum=checksum,
+                        num_params=nparams,
+                        num_bytes=nbytes,
+                        sync_bytes=nbytes,
+                    )
+                )
         self._remember(named, step, checksum, delta)
         if self.transport == "filesystem":
             self._clean_behind(step)
         dt = time.perf_counter() - t0
-        log.info("policy %d published (%s, %s %.1f MB of %.1f MB, %.2fs, checksum %s)", step, self.transport,
-                 "delta" if delta is not None else "full", self.last_sync_bytes / 1e6, nbytes / 1e6, dt, checksum[:12])
+        log.info(
+            "policy %d published (%s, %s %.1f MB of %.1f MB, %.2fs, checksum %s)",
+            step,
+            self.transport,
+            "delta" if delta is not None else "full",
+            self.last_sync_bytes / 1e6,
+            nbytes / 1e6,
+            dt,
+            checksum[:12],
+        )
         return dt
 
     def _fall_back_to_files(self) -> None:
@@ -145,12 +204,16 @@ class PolicyPublisher:
 
         t0 = time.perf_counter()
         if self.transport == "filesystem":
-            path = save_adapter(model, self.paths.broadcast_dir(step), write=self.rank == 0)  # collective under FSDP
+            path = save_adapter(
+                model, self.paths.broadcast_dir(step), write=self.rank == 0
+            )  # collective under FSDP
             if self.rank != 0:
                 return time.perf_counter() - t0
             from safetensors.torch import load_file
 
-            tensors = load_file(str(path / "adapter_model.safetensors"))  # the checksum is over what was written
+            tensors = load_file(
+                str(path / "adapter_model.safetensors")
+            )  # the checksum is over what was written
             self.last_sync_bytes = sum(f.stat().st_size for f in path.iterdir())
         else:
             tensors = adapter_tensors(model)  # collective under FSDP
@@ -158,31 +221,57 @@ class PolicyPublisher:
                 return time.perf_counter() - t0
             path, self.last_sync_bytes = None, payload_bytes(tensors)
         checksum = state_dict_checksum(tensors)
-        self.bus.publish_policy(PolicyReady(
-            step=step, transport=self.transport, path=None if path is None else str(path), checksum=checksum,
-            adapter=True, num_params=sum(t.numel() for t in tensors.values()), num_bytes=self.last_sync_bytes,
-            sync_bytes=self.last_sync_bytes))
+        self.bus.publish_policy(
+            PolicyReady(
+                step=step,
+                transport=self.transport,
+                path=None if path is None else str(path),
+                checksum=checksum,
+                adapter=True,
+                num_params=sum(t.numel() for t in tensors.values()),
+                num_bytes=self.last_sync_bytes,
+                sync_bytes=self.last_sync_bytes,
+            )
+        )
         if path is None:
             from hpcrl.weights.collective import broadcast_weights
 
-            broadcast_weights(self.group, tensors, step, bucket_mb=self.bucket_mb, checksum=checksum,
-                              adapter=adapter_config(model))
+            broadcast_weights(
+                self.group,
+                tensors,
+                step,
+                bucket_mb=self.bucket_mb,
+                checksum=checksum,
+                adapter=adapter_config(model),
+            )
         else:
             self._clean_behind(step)
         dt = time.perf_counter() - t0
-        log.info("policy %d published (LoRA adapter, %s, %.3f MB, %.2fs, checksum %s)", step, self.transport,
-                 self.last_sync_bytes / 1e6, dt, checksum[:12])
+        log.info(
+            "policy %d published (LoRA adapter, %s, %.3f MB, %.2fs, checksum %s)",
+            step,
+            self.transport,
+            self.last_sync_bytes / 1e6,
+            dt,
+            checksum[:12],
+        )
         return dt
 
     def _encode(self, named: dict[str, torch.Tensor], step: int) -> Delta | None:
         """The delta from the previous policy, or None for a full sync (first, periodic, or not smaller)."""
-        if (not self.delta or self._prev is None or self._prev_step >= step
-                or step - self._last_full >= self.full_every):
+        if (
+            not self.delta
+            or self._prev is None
+            or self._prev_step >= step
+            or step - self._last_full >= self.full_every
+        ):
             return None
         delta = encode_delta(self._prev, named, self._prev_step, self._prev_checksum)
         return delta if delta.nbytes < payload_bytes(named) else None
 
-    def _remember(self, named: dict[str, torch.Tensor], step: int, checksum: str, delta: Delta | None) -> None:
+    def _remember(
+        self, named: dict[str, torch.Tensor], step: int, checksum: str, delta: Delta | None
+    ) -> None:
         if not self.delta:
             return
         if delta is None or self._prev is None:
@@ -200,10 +289,17 @@ class PolicyPublisher:
         final = self.paths.broadcast_dir(step)
         with atomic_dir(final) as tmp:  # the server never sees a half-written broadcast
             if delta is None:
-                save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / "model.safetensors"),
-                          metadata={"format": "pt"})
+                save_file(
+                    {k: v.contiguous() for k, v in named.items()},
+                    str(tmp / "model.safetensors"),
+                    metadata={"format": "pt"},
+                )
             else:
-                save_file(delta.tensors, str(tmp / DELTA_FILE), metadata={"format": "pt", META_KEY: delta.manifest_json()})
+                save_file(
+                    delta.tensors,
+                    str(tmp / DELTA_FILE),
+                    metadata={"format": "pt", META_KEY: delta.manifest_json()},
+                )
         return final
 
     def _clean_behind(self, step: int) -> None:

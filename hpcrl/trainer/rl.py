@@ -1,7 +1,7 @@
 """`hpcrl trainer`: one rank of the RL trainer.
 
-    wait for batch N on the bus -> forward/backward over packed micro-batches -> optimizer step
-    -> publish policy N (weights to inference + PolicyReady) -> checkpoint when due -> metrics
+wait for batch N on the bus -> forward/backward over packed micro-batches -> optimizer step
+-> publish policy N (weights to inference + PolicyReady) -> checkpoint when due -> metrics
 """
 
 from __future__ import annotations
@@ -45,8 +45,14 @@ def main(cfg: Config) -> int:
     setup_logging("trainer", (cfg.trainer.log or cfg.log).level)
     paths = RunPaths(cfg.output_dir)
     tr = start_rank(cfg, paths)
-    ckpt = Checkpointer(cfg.ckpt, paths, tr, cfg.max_steps, parts=checkpoint.PARTS,
-                        finalize_timeout_s=cfg.orchestrator.policy_timeout_s)
+    ckpt = Checkpointer(
+        cfg.ckpt,
+        paths,
+        tr,
+        cfg.max_steps,
+        parts=checkpoint.PARTS,
+        finalize_timeout_s=cfg.orchestrator.policy_timeout_s,
+    )
     start, progress = ckpt.restore(Progress())
     bus = Bus(paths, role="trainer", rank=tr.dist.rank)
     publisher = make_publisher(cfg, paths, bus, tr.dist.rank, tr.precision.compute)
@@ -61,18 +67,37 @@ def main(cfg: Config) -> int:
         if batch is None:  # stop requested while waiting: the last finished step is the checkpoint
             if step - 1 > start:
                 ckpt.maybe_save(step - 1, progress, force=True)
-            log.warning("stop requested while waiting for batch %d: checkpointed step %d, exiting", step, step - 1)
+            log.warning(
+                "stop requested while waiting for batch %d: checkpointed step %d, exiting", step, step - 1
+            )
             break
-        out = train_step(tr, batch, params, cfg.trainer.micro_batch_tokens, cfg.trainer.optim.max_norm,
-                         share_prefix=cfg.trainer.share_prefix)
+        out = train_step(
+            tr,
+            batch,
+            params,
+            cfg.trainer.micro_batch_tokens,
+            cfg.trainer.optim.max_norm,
+            share_prefix=cfg.trainer.share_prefix,
+        )
         t_pub = publisher.publish(tr.model, step)
         if tr.dist.rank == 0:
             bus.cleanup(before_step=step, keep=2)  # every rank has read its shard of `step` by now
         progress = progress.advance(out)
         t_ckpt = ckpt.maybe_save(step, progress, force=stop.is_set())
         ckpt.maybe_save_adapter(step)
-        log_step(metrics, step, out, progress, {"time/wait_for_batch": t_wait, "time/broadcast": t_pub,
-                 "time/save_ckpt": t_ckpt, "time/step": time.perf_counter() - t_step}, publisher.last_sync_bytes)
+        log_step(
+            metrics,
+            step,
+            out,
+            progress,
+            {
+                "time/wait_for_batch": t_wait,
+                "time/broadcast": t_pub,
+                "time/save_ckpt": t_ckpt,
+                "time/step": time.perf_counter() - t_step,
+            },
+            publisher.last_sync_bytes,
+        )
         watchdog.beat(f"trained and published step {step}")
         if stop.is_set():
             log.warning("stop requested: checkpointed step %d, exiting", step)
@@ -93,8 +118,13 @@ def start_rank(cfg: Config, paths: RunPaths) -> Training:
     watchdog.beat(f"joining the trainer group ({denv.world_size} rank(s)) and loading the model")
     placement.start_process(cfg, paths, "trainer", denv.rank, port=denv.master_port)  # before CUDA starts
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
-    return build_training(cfg.trainer.model or cfg.model, cfg.trainer.optim, cfg.max_steps,
-                          cfg.seed + cfg.trainer.seed, warm_start=warm)
+    return build_training(
+        cfg.trainer.model or cfg.model,
+        cfg.trainer.optim,
+        cfg.max_steps,
+        cfg.seed + cfg.trainer.seed,
+        warm_start=warm,
+    )
 
 
 def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str) -> PolicyPublisher:
@@ -106,12 +136,23 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str
 
         group = trainer_join_weight_group(paths, bus, num_servers(cfg), cfg.trainer.broadcast.timeout_s)
     b = cfg.trainer.broadcast
-    return PolicyPublisher(paths, bus, rank, transport, keep, group, b.chunk_mb, dtype=dtype, delta=b.delta,
-                           full_every=b.full_every)
+    return PolicyPublisher(
+        paths,
+        bus,
+        rank,
+        transport,
+        keep,
+        group,
+        b.chunk_mb,
+        dtype=dtype,
+        delta=b.delta,
+        full_every=b.full_every,
+    )
 
 
-def wait_for_batch(bus: Bus, step: int, rank: int, timeout: float, stop: threading.Event
-                   ) -> tuple[TrainBatch | None, float]:
+def wait_for_batch(
+    bus: Bus, step: int, rank: int, timeout: float, stop: threading.Event
+) -> tuple[TrainBatch | None, float]:
     """Wait in short slices so a stop signal (preemption) is honoured while idle; None if stopped.
     Collective over ranks: they agree on stopping, so none is left alone in a collective."""
     from hpcrl.bus import BusTimeout
@@ -136,16 +177,27 @@ def to_packed(batch: TrainBatch, device: torch.device) -> PackedBatch:
         return None if a is None else torch.as_tensor(np.asarray(a)).to(device=device, dtype=dtype)
 
     return PackedBatch(
-        input_ids=t(batch.input_ids, torch.long), position_ids=t(batch.position_ids, torch.long),
-        seq_lens=t(batch.seq_lens, torch.long), loss_mask=t(batch.loss_mask, torch.bool),
-        advantages=t(batch.advantages, torch.float32), inference_logprobs=t(batch.inference_logprobs, torch.float32),
-        temperatures=t(batch.temperatures, torch.float32), teacher_logprobs=t(batch.teacher_logprobs, torch.float32),
+        input_ids=t(batch.input_ids, torch.long),
+        position_ids=t(batch.position_ids, torch.long),
+        seq_lens=t(batch.seq_lens, torch.long),
+        loss_mask=t(batch.loss_mask, torch.bool),
+        advantages=t(batch.advantages, torch.float32),
+        inference_logprobs=t(batch.inference_logprobs, torch.float32),
+        temperatures=t(batch.temperatures, torch.float32),
+        teacher_logprobs=t(batch.teacher_logprobs, torch.float32),
         ref_logprobs=t(batch.reference_logprobs, torch.float32),
     )
 
 
-def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens: int, max_norm: float,
-               *, share_prefix: bool = True) -> StepResult:
+def train_step(
+    tr: Training,
+    batch: TrainBatch,
+    params: LossParams,
+    micro_tokens: int,
+    max_norm: float,
+    *,
+    share_prefix: bool = True,
+) -> StepResult:
     """Forward/backward over this rank's micro-batches, then one (finite-checked) optimizer step."""
     t0 = time.perf_counter()
     packed = to_packed(batch, tr.device)
@@ -162,8 +214,9 @@ def train_step(tr: Training, batch: TrainBatch, params: LossParams, micro_tokens
     return out.counted(tokens, samples)
 
 
-def log_step(metrics: Metrics, step: int, out: StepResult, progress: Progress, times: dict[str, float],
-             sync_bytes: int) -> None:
+def log_step(
+    metrics: Metrics, step: int, out: StepResult, progress: Progress, times: dict[str, float], sync_bytes: int
+) -> None:
     metrics.log(step, step_metrics(out, progress, times) | {"weights/sync_bytes": sync_bytes})
     if metrics.distributions_due(step):
         metrics.log_distribution(step, "entropy", out.entropies.numpy())
@@ -171,10 +224,18 @@ def log_step(metrics: Metrics, step: int, out: StepResult, progress: Progress, t
 
 def step_metrics(out: StepResult, progress: Progress, times: dict[str, float]) -> dict[str, Any]:
     s = out.stats
-    return common_metrics(out, progress, times["time/save_ckpt"], times["time/step"]) | times | {
-        "loss/mean": s["loss"], "entropy/mean": s["entropy"], "mismatch_kl/mean": s["mismatch_kl"],
-        "masked_advantage_positive/mean": s["masked_advantage_positive"],
-        "masked_advantage_negative/mean": s["masked_advantage_negative"],
-        "progress/total_tokens": progress.total_tokens, "progress/total_samples": progress.total_samples,
-        "loss_tokens": s["loss_tokens"], "perf/slots_per_token": out.slots_per_token,
-    }
+    return (
+        common_metrics(out, progress, times["time/save_ckpt"], times["time/step"])
+        | times
+        | {
+            "loss/mean": s["loss"],
+            "entropy/mean": s["entropy"],
+            "mismatch_kl/mean": s["mismatch_kl"],
+            "masked_advantage_positive/mean": s["masked_advantage_positive"],
+            "masked_advantage_negative/mean": s["masked_advantage_negative"],
+            "progress/total_tokens": progress.total_tokens,
+            "progress/total_samples": progress.total_samples,
+            "loss_tokens": s["loss_tokens"],
+            "perf/slots_per_token": out.slots_per_token,
+        }
+    )

@@ -37,8 +37,14 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
 
 
-def build_training(model_cfg: ModelConfig, optim_cfg: OptimConfig, total_steps: int, seed: int,
-                   warm_start: str | None = None, meta_init: bool = True) -> Training:
+def build_training(
+    model_cfg: ModelConfig,
+    optim_cfg: OptimConfig,
+    total_steps: int,
+    seed: int,
+    warm_start: str | None = None,
+    meta_init: bool = True,
+) -> Training:
     """Distributed init, model (sharded with FSDP2 when world > 1 or mixed precision), optimizer and
     scheduler. ``meta_init = False`` makes every rank read the whole model (the old path, kept for the
     memory benchmark's baseline)."""
@@ -56,21 +62,40 @@ def build_training(model_cfg: ModelConfig, optim_cfg: OptimConfig, total_steps: 
     model = build_model(path, model_cfg, prec, device, warm_start, meta_init=meta_init)
     tokenizer = model_lib.load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
     optimizer = optim_lib.build_optimizer(
-        model, optim_cfg.type, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
-        betas=(optim_cfg.betas[0], optim_cfg.betas[1]), eps=optim_cfg.eps,
+        model,
+        optim_cfg.type,
+        lr=optim_cfg.lr,
+        weight_decay=optim_cfg.weight_decay,
+        betas=(optim_cfg.betas[0], optim_cfg.betas[1]),
+        eps=optim_cfg.eps,
     )
     scheduler = optim_lib.build_scheduler(
-        optimizer, optim_cfg.scheduler, warmup_steps=optim_cfg.warmup_steps,
-        total_steps=max(total_steps, optim_cfg.warmup_steps + 1), min_lr_ratio=optim_cfg.min_lr_ratio,
+        optimizer,
+        optim_cfg.scheduler,
+        warmup_steps=optim_cfg.warmup_steps,
+        total_steps=max(total_steps, optim_cfg.warmup_steps + 1),
+        min_lr_ratio=optim_cfg.min_lr_ratio,
     )
     n = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters on %s (world size %d), %s", path, n / 1e6, device, env.world_size,
-             prec.describe())
+    log.info(
+        "model %s: %.2fM parameters on %s (world size %d), %s",
+        path,
+        n / 1e6,
+        device,
+        env.world_size,
+        prec.describe(),
+    )
     return Training(model, tokenizer, optimizer, scheduler, device, path, env, prec)
 
 
-def build_model(path: str, model_cfg: ModelConfig, prec: precision.Precision, device: torch.device,
-                warm_start: str | None = None, meta_init: bool = True) -> torch.nn.Module:
+def build_model(
+    path: str,
+    model_cfg: ModelConfig,
+    prec: precision.Precision,
+    device: torch.device,
+    warm_start: str | None = None,
+    meta_init: bool = True,
+) -> torch.nn.Module:
     """The trainable model, sharded. Over several ranks with ``meta_init``, only rank 0 reads the
     weights (into CPU memory): the others build the model on the meta device, every rank shards it
     (FSDP2), and rank 0 broadcasts one tensor at a time, each rank keeping its rows. Rank 0 then drops
@@ -78,15 +103,21 @@ def build_model(path: str, model_cfg: ModelConfig, prec: precision.Precision, de
     lora = None
     if model_cfg.lora is not None:
         lc = model_cfg.lora
-        lora = model_lib.LoraParams(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
-                                    target_modules=tuple(lc.target_modules))
+        lora = model_lib.LoraParams(
+            rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules)
+        )
     from_rank0 = meta_init and parallel.get_world_size() > 1
     on_meta = from_rank0 and not parallel.is_rank0()
     model = model_lib.load_model(
-        path, dtype=prec.master, device="cpu" if from_rank0 else device,
+        path,
+        dtype=prec.master,
+        device="cpu" if from_rank0 else device,
         attn_impl=None if model_cfg.attn == "auto" else model_cfg.attn,
-        activation_checkpointing=model_cfg.activation_checkpointing, lora=None if warm_start else lora,
-        trust_remote_code=model_cfg.trust_remote_code, meta=on_meta)
+        activation_checkpointing=model_cfg.activation_checkpointing,
+        lora=None if warm_start else lora,
+        trust_remote_code=model_cfg.trust_remote_code,
+        meta=on_meta,
+    )
     if warm_start:
         # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
         # merged), and the new adapter starts at zero on top of them. Meta ranks get it from rank 0.
@@ -95,8 +126,12 @@ def build_model(path: str, model_cfg: ModelConfig, prec: precision.Precision, de
         if lora is not None:
             model = model_lib.apply_lora(model, lora)
     whole = parallel.local_tensors(model) if from_rank0 and not on_meta else {}
-    model = parallel.apply_fsdp(model, param_dtype=model_lib.parse_dtype(prec.compute),
-                                reduce_dtype=model_lib.parse_dtype(prec.reduce), force=prec.mixed)
+    model = parallel.apply_fsdp(
+        model,
+        param_dtype=model_lib.parse_dtype(prec.compute),
+        reduce_dtype=model_lib.parse_dtype(prec.reduce),
+        force=prec.mixed,
+    )
     if from_rank0:
         if on_meta:
             model.to_empty(device=device)
@@ -120,12 +155,21 @@ def load_warm_start(model: torch.nn.Module, path: str) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
     if real_missing or unexpected:
-        raise ValueError(f"ckpt.warm_start: weights do not match the model (missing {real_missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
+        raise ValueError(
+            f"ckpt.warm_start: weights do not match the model (missing {real_missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
     log.info("warm start from %s", path)
 
 
 def loss_params(loss: LossConfig, mode: str) -> LossParams:
-    return LossParams(type=loss.type, mode=mode, eps_low=loss.eps_low, eps_high=loss.eps_high,
-                      max_log_ratio=loss.max_log_ratio, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
-                      kl_target="inference")
+    return LossParams(
+        type=loss.type,
+        mode=mode,
+        eps_low=loss.eps_low,
+        eps_high=loss.eps_high,
+        max_log_ratio=loss.max_log_ratio,
+        kl_coef=loss.kl_coef,
+        kl_estimator=loss.kl_estimator,
+        kl_target="inference",
+    )

@@ -53,21 +53,37 @@ def main(cfg: SFTConfig) -> int:
 
 def train(cfg: SFTConfig) -> int:
     paths, tr, data = start_rank(cfg)
-    ckpt = Checkpointer(cfg.ckpt, paths, tr, cfg.max_steps, parts=SFT_PARTS, finalize_timeout_s=FINALIZE_TIMEOUT_S)
+    ckpt = Checkpointer(
+        cfg.ckpt, paths, tr, cfg.max_steps, parts=SFT_PARTS, finalize_timeout_s=FINALIZE_TIMEOUT_S
+    )
     start, progress = ckpt.restore(Progress(data=data.cursor.state()))
     if progress.data is not None:
         data.cursor.restore(progress.data)
     rank, world = tr.dist.rank, tr.dist.world_size
-    log.info("sft: %d training rows (%s), %d validation rows, steps %d..%d, %d rank(s)", len(data.train),
-             data.train.source, len(data.val), start + 1, cfg.max_steps, world)
+    log.info(
+        "sft: %d training rows (%s), %d validation rows, steps %d..%d, %d rank(s)",
+        len(data.train),
+        data.train.source,
+        len(data.val),
+        start + 1,
+        cfg.max_steps,
+        world,
+    )
     metrics = Metrics(paths, "trainer", enabled=rank == 0)
     params = LossParams(mode="sft")
     stop = install_stop_handler()
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         batch = data.next_batch(rank, world, tr.device)
-        out = step_micro_batches(tr, batch.micro_batches, params, batch.totals["loss_tokens"],
-                                 cfg.optim.max_norm, step, time.perf_counter())
+        out = step_micro_batches(
+            tr,
+            batch.micro_batches,
+            params,
+            batch.totals["loss_tokens"],
+            cfg.optim.max_norm,
+            step,
+            time.perf_counter(),
+        )
         out = out.counted(batch.totals["tokens"], batch.totals["samples"])
         progress = progress.advance(out, truncated=batch.totals["truncated"], data=data.cursor.state())
         val_loss, t_val = maybe_validate(cfg, data, tr, step)
@@ -75,14 +91,18 @@ def train(cfg: SFTConfig) -> int:
         reached = cfg.val.stop_at_loss > 0 and val_loss is not None and val_loss <= cfg.val.stop_at_loss
         t_ckpt = ckpt.maybe_save(step, progress, force=stop.is_set() or reached)
         ckpt.maybe_save_adapter(step)
-        m = metrics.log(step, step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt,
-                                           time.perf_counter() - t_step))
+        m = metrics.log(
+            step,
+            step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt, time.perf_counter() - t_step),
+        )
         log_console(cfg, rank, step, m, val_loss)
         if stop.is_set():
             log.warning("stop requested: checkpointed step %d, exiting", step)
             break
         if reached:
-            log.info("val loss %.4f <= val.stop_at_loss %g at step %d: done", val_loss, cfg.val.stop_at_loss, step)
+            log.info(
+                "val loss %.4f <= val.stop_at_loss %g at step %d: done", val_loss, cfg.val.stop_at_loss, step
+            )
             break
     ckpt.close()
     metrics.close()
@@ -113,9 +133,16 @@ def start_rank(cfg: SFTConfig) -> tuple[RunPaths, Training, SFTData]:
 
 def log_console(cfg: SFTConfig, rank: int, step: int, m: dict[str, Any], val_loss: float | None) -> None:
     if rank == 0 and (step % cfg.log.console_interval == 0 or step == cfg.max_steps):
-        log.info("step %d | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | epoch %.2f", step,
-                 m["loss/mean"], "" if val_loss is None else f" | val {val_loss:.4f}", m["optim/lr"],
-                 m["optim/grad_norm"], m["perf/throughput"], m["progress/epoch"])
+        log.info(
+            "step %d | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | epoch %.2f",
+            step,
+            m["loss/mean"],
+            "" if val_loss is None else f" | val {val_loss:.4f}",
+            m["optim/lr"],
+            m["optim/grad_norm"],
+            m["perf/throughput"],
+            m["progress/epoch"],
+        )
 
 
 def prepare(cfg: SFTConfig) -> RunPaths:
@@ -158,45 +185,70 @@ class SFTData:
                 keep, held = sd.holdout_split(len(rows), cfg.val.fraction, cfg.data.seed)
                 rows, val = rows.subset(keep), rows.subset(held)
             if len(val) == 0:
-                raise ValueError("val: validation is on (val.interval > 0) but there are no validation rows; "
-                                 "set val.fraction > 0 or val.data")
+                raise ValueError(
+                    "val: validation is on (val.interval > 0) but there are no validation rows; "
+                    "set val.fraction > 0 or val.data"
+                )
         if len(rows) == 0:
             raise ValueError(f"data.name: '{cfg.data.name}' has no rows")
         mask = {r: bool(getattr(cfg.loss_mask, r)) for r in sd.ROLES}
         if not any(mask.values()):
             raise ValueError("loss_mask: every role is off, nothing would be trained")
         cursor = sd.DataCursor(len(rows), cfg.data.seed, cfg.data.shuffle)
-        switches = {"enable_thinking": cfg.data.enable_thinking, "reasoning_effort": cfg.data.reasoning_effort}
-        return cls(rows, val, cursor, mask, cfg.data.seq_len or cfg.seq_len, cfg.micro_batch_tokens,
-                   cfg.data.batch_size, {k: v for k, v in switches.items() if v is not None})
+        switches = {
+            "enable_thinking": cfg.data.enable_thinking,
+            "reasoning_effort": cfg.data.reasoning_effort,
+        }
+        return cls(
+            rows,
+            val,
+            cursor,
+            mask,
+            cfg.data.seq_len or cfg.seq_len,
+            cfg.micro_batch_tokens,
+            cfg.data.batch_size,
+            {k: v for k, v in switches.items() if v is not None},
+        )
 
     def sample(self, rows: sd.Rows, i: int, where: str) -> sd.TokenizedSample:
         conv = sd.row_to_conversation(rows[i], where, self.template_defaults)
-        return sd.truncate(sd.tokenize_conversation(self.tokenizer, conv, self.role_mask, where), self.seq_len)
+        return sd.truncate(
+            sd.tokenize_conversation(self.tokenizer, conv, self.role_mask, where), self.seq_len
+        )
 
     def next_batch(self, rank: int, world: int, device: torch.device) -> StepBatch:
         idx = self.cursor.take(self.batch_size)
-        mine = [self.sample(self.train, int(i), f"{self.train.source} row {int(i)}") for i in idx[rank::world]]
+        mine = [
+            self.sample(self.train, int(i), f"{self.train.source} row {int(i)}") for i in idx[rank::world]
+        ]
         return self._batch(mine, device)
 
     def val_batch(self, rank: int, world: int, device: torch.device) -> StepBatch:
         if self._val_cache is None:  # the validation set is fixed: tokenize it once
-            self._val_cache = [self.sample(self.val, i, f"{self.val.source or 'val'} row {i}")
-                               for i in range(rank, len(self.val), world)]
+            self._val_cache = [
+                self.sample(self.val, i, f"{self.val.source or 'val'} row {i}")
+                for i in range(rank, len(self.val), world)
+            ]
         return self._batch(self._val_cache, device)
 
     def _batch(self, samples: list[sd.TokenizedSample], device: torch.device) -> StepBatch:
         kept = [s for s in samples if s.loss_mask.any()]  # nothing to learn (e.g. truncated away)
         mbs, waste = micro_batches_for(kept, self.seq_len, self.micro_tokens, device)
-        local = [sum(int(s.loss_mask.sum()) for s in kept), sum(len(s) for s in kept), len(kept),
-                 sum(s.truncated for s in samples), len(samples) - len(kept)]
+        local = [
+            sum(int(s.loss_mask.sum()) for s in kept),
+            sum(len(s) for s in kept),
+            len(kept),
+            sum(s.truncated for s in samples),
+            len(samples) - len(kept),
+        ]
         summed = parallel.all_reduce(torch.tensor(local, dtype=torch.float64))
         keys = ("loss_tokens", "tokens", "samples", "truncated", "dropped")
         return StepBatch(mbs, {k: int(v) for k, v in zip(keys, summed.tolist())}, waste)
 
 
-def micro_batches_for(samples: list[sd.TokenizedSample], seq_len: int, micro_tokens: int,
-                      device: torch.device) -> tuple[list[PackedBatch], float]:
+def micro_batches_for(
+    samples: list[sd.TokenizedSample], seq_len: int, micro_tokens: int, device: torch.device
+) -> tuple[list[PackedBatch], float]:
     """Pack samples into rows of <= seq_len (first-fit decreasing); a micro-batch is a run of whole
     rows of <= max(micro_tokens, seq_len) tokens, forwarded by forward_packed (one packed row on
     varlen kernels, rows of samples on CPU), so no sample attends to another."""
@@ -215,8 +267,10 @@ def micro_batches_for(samples: list[sd.TokenizedSample], seq_len: int, micro_tok
     packed.validate()
     row_lens = [sum(lengths[i] for i in r) for r in rows]
     first_sample = np.cumsum([0] + [len(r) for r in rows])  # index (in `order`) of each row's first sample
-    mbs = [packed.slice_samples(int(first_sample[a]), int(first_sample[b]))
-           for a, b in split_micro_batches(row_lens, max(micro_tokens, seq_len))]
+    mbs = [
+        packed.slice_samples(int(first_sample[a]), int(first_sample[b]))
+        for a, b in split_micro_batches(row_lens, max(micro_tokens, seq_len))
+    ]
     return mbs, sd.padding_waste(lengths, rows, seq_len)
 
 
@@ -248,14 +302,28 @@ def validation_loss(tr: Training, data: SFTData) -> float:
     return float(parallel.all_reduce(total)) / max(batch.totals["loss_tokens"], 1)
 
 
-def step_metrics(out: StepResult, batch: StepBatch, progress: Progress, data: SFTData,
-                 val_loss: float | None, t_val: float, t_ckpt: float, t_step: float) -> dict[str, Any]:
+def step_metrics(
+    out: StepResult,
+    batch: StepBatch,
+    progress: Progress,
+    data: SFTData,
+    val_loss: float | None,
+    t_val: float,
+    t_ckpt: float,
+    t_step: float,
+) -> dict[str, Any]:
     t = batch.totals
-    m: dict[str, Any] = {"loss/mean": out.stats["loss"], **common_metrics(out, progress, t_ckpt, t_step),
-                         "progress/epoch": data.cursor.epochs_done,
-                         "progress/num_samples": progress.total_samples, "progress/num_tokens": progress.total_tokens,
-                         "data/truncated": t["truncated"], "data/dropped": t["dropped"],
-                         "data/packing_waste": batch.packing_waste, "loss_tokens": t["loss_tokens"]}
+    m: dict[str, Any] = {
+        "loss/mean": out.stats["loss"],
+        **common_metrics(out, progress, t_ckpt, t_step),
+        "progress/epoch": data.cursor.epochs_done,
+        "progress/num_samples": progress.total_samples,
+        "progress/num_tokens": progress.total_tokens,
+        "data/truncated": t["truncated"],
+        "data/dropped": t["dropped"],
+        "data/packing_waste": batch.packing_waste,
+        "loss_tokens": t["loss_tokens"],
+    }
     if val_loss is not None:
         m["val/loss"], m["time/val"] = val_loss, t_val
     return m

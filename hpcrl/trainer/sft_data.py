@@ -119,7 +119,9 @@ def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows
     dataset stays memory-mapped. A name that is not a local path and looks like `owner/name` is
     fetched from the Hugging Face hub with `datasets.load_dataset` (never in tests)."""
     if not name:
-        raise DataError(f"{field}: empty; give a jsonl/parquet file, a directory of them, or a saved HF dataset")
+        raise DataError(
+            f"{field}: empty; give a jsonl/parquet file, a directory of them, or a saved HF dataset"
+        )
     path = Path(name).expanduser()
     if path.is_file():
         return Rows(_read_file(path), source=str(path))
@@ -128,15 +130,19 @@ def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows
             return Rows(_load_from_disk(path, split, field), source=str(path))
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _FILE_SUFFIXES)
         if not files:
-            raise DataError(f"{field}: directory '{name}' has no .jsonl/.json/.parquet files and is not a "
-                            f"saved HF dataset (datasets.save_to_disk)")
+            raise DataError(
+                f"{field}: directory '{name}' has no .jsonl/.json/.parquet files and is not a "
+                f"saved HF dataset (datasets.save_to_disk)"
+            )
         rows: list[dict[str, Any]] = []
         for f in files:
             rows += _read_file(f)
         return Rows(rows, source=str(path))
     if _looks_local(name):
-        raise DataError(f"{field}: '{name}' does not exist (expected a jsonl/parquet file, a directory of them, "
-                        f"or a saved HF datasets directory)")
+        raise DataError(
+            f"{field}: '{name}' does not exist (expected a jsonl/parquet file, a directory of them, "
+            f"or a saved HF datasets directory)"
+        )
     datasets = _need_datasets(f"{field} = '{name}' (a Hugging Face hub dataset)")
     return Rows(datasets.load_dataset(name, split=split), source=name)
 
@@ -154,8 +160,9 @@ def _load_from_disk(path: Path, split: str, field: str) -> Any:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise DataError(f"{field}: saved dataset '{path}' has splits {sorted(ds)}, not '{split}' "
-                            f"(set data.split)")
+            raise DataError(
+                f"{field}: saved dataset '{path}' has splits {sorted(ds)}, not '{split}' (set data.split)"
+            )
         ds = ds[split]
     return ds
 
@@ -226,8 +233,9 @@ def parse_tools(value: Any, what: str = "tools") -> list[dict[str, Any]] | None:
     return out or None
 
 
-def row_to_conversation(row: Mapping[str, Any], where: str = "row",
-                        template_defaults: Mapping[str, Any] | None = None) -> Conversation:
+def row_to_conversation(
+    row: Mapping[str, Any], where: str = "row", template_defaults: Mapping[str, Any] | None = None
+) -> Conversation:
     """`template_defaults` (the config's enable_thinking / reasoning_effort) apply to every render of
     the conversation; a row's own chat_template_kwargs override them key by key."""
     tools = parse_tools(row.get("tools"), f"{where}.tools")
@@ -238,7 +246,10 @@ def row_to_conversation(row: Mapping[str, Any], where: str = "row",
         kwargs = json.loads(kwargs) if kwargs.strip() else None
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise DataError(f"{where}.chat_template_kwargs must be an object")
-    kwargs = {**(template_defaults or {}), **{k: v for k, v in (kwargs or {}).items() if v is not None}} or None
+    kwargs = {
+        **(template_defaults or {}),
+        **{k: v for k, v in (kwargs or {}).items() if v is not None},
+    } or None
     if row.get("messages") is not None:
         msgs = _as_messages(row["messages"], "user", f"{where}.messages")
         return Conversation(msgs, tools, kwargs, 0)
@@ -246,8 +257,9 @@ def row_to_conversation(row: Mapping[str, Any], where: str = "row",
         prompt = _as_messages(row["prompt"], "user", f"{where}.prompt")
         completion = _as_messages(row["completion"], "assistant", f"{where}.completion")
         return Conversation(prompt + completion, tools, kwargs, len(prompt))
-    raise DataError(f"{where}: needs a 'messages' column or 'prompt' and 'completion' columns "
-                    f"(found {sorted(row)})")
+    raise DataError(
+        f"{where}: needs a 'messages' column or 'prompt' and 'completion' columns (found {sorted(row)})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,17 +279,25 @@ class TemplateError(ValueError):
     """The chat template is not prefix-stable, so per-message loss masks cannot be built."""
 
 
-def render_ids(tokenizer: Any, messages: list[dict[str, Any]], conv: Conversation, gen_prompt: bool) -> list[int]:
+def render_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], conv: Conversation, gen_prompt: bool
+) -> list[int]:
     if not messages and not gen_prompt:
         return []
-    text = tokenizer.apply_chat_template(messages, tools=conv.tools, tokenize=False,
-                                         add_generation_prompt=gen_prompt, **(conv.template_kwargs or {}))
+    text = tokenizer.apply_chat_template(
+        messages,
+        tools=conv.tools,
+        tokenize=False,
+        add_generation_prompt=gen_prompt,
+        **(conv.template_kwargs or {}),
+    )
     # Same as apply_chat_template(tokenize=True), whose return type differs across transformers versions.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def tokenize_conversation(tokenizer: Any, conv: Conversation, role_mask: Mapping[str, bool],
-                          where: str = "row") -> TokenizedSample:
+def tokenize_conversation(
+    tokenizer: Any, conv: Conversation, role_mask: Mapping[str, bool], where: str = "row"
+) -> TokenizedSample:
     """Render messages[:k] for k = 1..n; the tokens message k adds take role_mask[its role].
 
     For an assistant message, the generation prompt the template puts before it (e.g.
@@ -400,23 +420,27 @@ class DataCursor:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         if int(state["num_rows"]) != self.num_rows or int(state["seed"]) != self.seed:
-            raise DataError(f"data: the checkpoint was taken on {state['num_rows']} rows with seed {state['seed']}; "
-                            f"this run has {self.num_rows} rows with seed {self.seed} (same data needed to resume)")
+            raise DataError(
+                f"data: the checkpoint was taken on {state['num_rows']} rows with seed {state['seed']}; "
+                f"this run has {self.num_rows} rows with seed {self.seed} (same data needed to resume)"
+            )
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
 # ---------------------------------------------------------------------------------------------
 # demo data
 # ---------------------------------------------------------------------------------------------
-def make_demo(out: str | os.PathLike[str], task: str = "reverse-text", n: int = 2000, seed: int = 0
-              ) -> tuple[Path, int]:
+def make_demo(
+    out: str | os.PathLike[str], task: str = "reverse-text", n: int = 2000, seed: int = 0
+) -> tuple[Path, int]:
     """Messages-form rows for a built-in single-turn environment: its prompt plus the known answer."""
     from hpcrl.envs.registry import load_environment
 
     env = load_environment(task, num_examples=n, seed=seed)
     if getattr(env, "max_turns", 1) != 1:
-        raise DataError(f"make-demo: '{task}' is multi-turn; only single-turn environments have a "
-                        f"one-message answer")
+        raise DataError(
+            f"make-demo: '{task}' is multi-turn; only single-turn environments have a one-message answer"
+        )
     tasks = env.tasks("train")
     lines = []
     for t in list(tasks)[:n]:

@@ -53,7 +53,9 @@ def row_range(t: torch.Tensor) -> tuple[list[int], int, int]:
     local_rows = t.to_local().shape[0]
     if not any(isinstance(p, Shard) for p in placements):
         return shape, 0, shape[0]
-    assert len(placements) == 1 and placements[0] == Shard(0), f"only FSDP2 dim-0 sharding is supported, got {placements}"
+    assert len(placements) == 1 and placements[0] == Shard(0), (
+        f"only FSDP2 dim-0 sharding is supported, got {placements}"
+    )
     world, rank = t.device_mesh.size(), t.device_mesh.get_local_rank()
     chunk = -(-shape[0] // world)  # torch.chunk: ceil-sized chunks, the last ones short or empty
     first = min(rank * chunk, shape[0])
@@ -66,14 +68,27 @@ def _shard_entry(t: torch.Tensor) -> list[Any]:
     return [shape, first]
 
 
-def save_trainer_state(paths: RunPaths, step: int, rank: int, world_size: int, model: torch.nn.Module,
-                       optimizer: torch.optim.Optimizer, scheduler: Any, progress: dict[str, Any]) -> None:
+def save_trainer_state(
+    paths: RunPaths,
+    step: int,
+    rank: int,
+    world_size: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    progress: dict[str, Any],
+) -> None:
     d = paths.trainer_ckpt_dir(step)
     d.mkdir(parents=True, exist_ok=True)
     model_state = model.state_dict()
-    shards: dict[str, dict[str, Any]] = {"model": {k: _shard_entry(v) for k, v in model_state.items()}, "optim": {}}
+    shards: dict[str, dict[str, Any]] = {
+        "model": {k: _shard_entry(v) for k, v in model_state.items()},
+        "optim": {},
+    }
     # Tied weights share storage; safetensors refuses aliases, so store copies.
-    save_file({k: _local(v).clone() for k, v in model_state.items()}, str(d / f"rank_{rank}.model.safetensors"))
+    save_file(
+        {k: _local(v).clone() for k, v in model_state.items()}, str(d / f"rank_{rank}.model.safetensors")
+    )
     optim_tensors: dict[str, torch.Tensor] = {}
     optim_scalars: dict[str, Any] = {}
     for i, p in enumerate(_params(optimizer)):
@@ -149,18 +164,27 @@ class _Saved:
             sl = f.get_slice(key)
             lo, hi = max(first, start), min(first + count, start + sl.get_shape()[0])
             if lo < hi:
-                pieces.append(sl[lo - start:hi - start])
+                pieces.append(sl[lo - start : hi - start])
         if not pieces:
             return self._file(part, self.layouts[0][0]).get_slice(key)[0:0]
         out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if out.shape[0] != count:
-            raise ValueError(f"checkpoint shards of {part} tensor {key} cover {out.shape[0]} of rows "
-                             f"[{first}, {first + count})")
+            raise ValueError(
+                f"checkpoint shards of {part} tensor {key} cover {out.shape[0]} of rows "
+                f"[{first}, {first + count})"
+            )
         return out
 
 
-def load_trainer_state(paths: RunPaths, step: int, rank: int, world_size: int, model: torch.nn.Module,
-                       optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+def load_trainer_state(
+    paths: RunPaths,
+    step: int,
+    rank: int,
+    world_size: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+) -> dict[str, Any]:
     """Restore everything save_trainer_state wrote, from any number of saved ranks; returns the
     progress dict."""
     from hpcrl.trainer.optim import load_scheduler_state
@@ -174,11 +198,17 @@ def load_trainer_state(paths: RunPaths, step: int, rank: int, world_size: int, m
     elif saved_world == world_size:  # format 1: this rank's own files, read whole
         layouts = [(rank, _whole_file_layout(d, rank))]
     else:
-        raise ValueError(f"checkpoint step_{step} was written by {saved_world} trainer ranks in format 1 "
-                         f"(no shard layout); this run has {world_size}: resume with {saved_world} ranks")
+        raise ValueError(
+            f"checkpoint step_{step} was written by {saved_world} trainer ranks in format 1 "
+            f"(no shard layout); this run has {world_size}: resume with {saved_world} ranks"
+        )
     if saved_world != world_size:
-        log.warning("resharding checkpoint step_%d: written by %d trainer rank(s), loading on %d",
-                    step, saved_world, world_size)
+        log.warning(
+            "resharding checkpoint step_%d: written by %d trainer rank(s), loading on %d",
+            step,
+            saved_world,
+            world_size,
+        )
     with ExitStack() as stack:
         saved = _Saved(d, layouts, stack)
         _load_model(saved, model, step)

@@ -42,7 +42,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def state_dict_checksum(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
+def state_dict_checksum(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> str:
     """Checksum over (name, dtype, shape, bytes) of every tensor, in sorted name order.
 
     Order-independent in the input; the result looks like "xxh3_128:<32 hex digits>".

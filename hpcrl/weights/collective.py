@@ -85,16 +85,20 @@ def init_group(
 
         backend = "nccl" if use_cuda() else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+    )
     prefixed = dist.PrefixStore(_PREFIX, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         iface = os.environ.get("GLOO_SOCKET_IFNAME")
         # Same rule as init_process_group: an explicit interface wins, else the hostname's address.
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
-                         else dist.ProcessGroupGloo.create_default_device()]
+        opts._devices = [
+            dist.ProcessGroupGloo.create_device(interface=iface)
+            if iface
+            else dist.ProcessGroupGloo.create_default_device()
+        ]
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
         device = torch.device("cpu")
     elif backend == "nccl":  # pragma: no cover - no GPU here
@@ -189,12 +193,12 @@ def _stream(group: WeightGroup, views: list[torch.Tensor], bucket: int, src: int
         pos = 0
         if sending:
             for i, a, b in pieces:
-                buf[pos:pos + b - a].copy_(views[i][a:b])
+                buf[pos : pos + b - a].copy_(views[i][a:b])
                 pos += b - a
         _broadcast(group, buf, src)
         if not sending:
             for i, a, b in pieces:
-                views[i][a:b].copy_(buf[pos:pos + b - a])
+                views[i][a:b].copy_(buf[pos : pos + b - a])
                 pos += b - a
 
 
@@ -226,8 +230,9 @@ def broadcast_weights(
         "checksum": checksum,
         "delta": delta,
         "adapter": adapter,
-        "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                    for (name, _), t in zip(items, tensors)],
+        "tensors": [
+            [name, str(t.dtype).removeprefix("torch."), list(t.shape)] for (name, _), t in zip(items, tensors)
+        ],
     }
     raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(group.device)
     _broadcast(group, torch.tensor([raw.numel()], dtype=torch.int64, device=group.device), src)
@@ -261,14 +266,25 @@ def matches(header: WeightsHeader, tensors: Mapping[str, torch.Tensor] | None, d
     if tensors is None or len(tensors) != len(header.tensors):
         return False
     for (name, dtype, shape), (have, t) in zip(header.tensors, tensors.items()):
-        if (name != have or str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != shape
-                or (device is not None and t.device != device) or not t.is_contiguous()):
+        if (
+            name != have
+            or str(t.dtype).removeprefix("torch.") != dtype
+            or tuple(t.shape) != shape
+            or (device is not None and t.device != device)
+            or not t.is_contiguous()
+        ):
             return False
     return True
 
 
-def receive_tensors(group: WeightGroup, header: WeightsHeader, *, src: int = 0,
-                    device: Any = None, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def receive_tensors(
+    group: WeightGroup,
+    header: WeightsHeader,
+    *,
+    src: int = 0,
+    device: Any = None,
+    into: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Second half of a receive: the payload, into tensors on `device` (default: the group's).
 
     `into` (the previous update's result, kept by the caller) is reused when it has the header's
@@ -280,7 +296,9 @@ def receive_tensors(group: WeightGroup, header: WeightsHeader, *, src: int = 0,
     if matches(header, into, dev):
         out = into
     else:
-        out = {name: torch.empty(shape, dtype=_dtype(dtype), device=dev) for name, dtype, shape in header.tensors}
+        out = {
+            name: torch.empty(shape, dtype=_dtype(dtype), device=dev) for name, dtype, shape in header.tensors
+        }
     views = _byte_views(list(out.values()))
     if dev != group.device:  # e.g. NCCL into GPU buffers, then the caller wants CPU tensors
         staged = [torch.empty_like(v, device=group.device) for v in views]
@@ -292,7 +310,9 @@ def receive_tensors(group: WeightGroup, header: WeightsHeader, *, src: int = 0,
     return out
 
 
-def receive_weights(group: WeightGroup, *, src: int = 0, device: Any = None) -> tuple[int, dict[str, torch.Tensor]]:
+def receive_weights(
+    group: WeightGroup, *, src: int = 0, device: Any = None
+) -> tuple[int, dict[str, torch.Tensor]]:
     """Receive one update sent by `broadcast_weights`: (step, {hf_name: tensor})."""
     header = receive_header(group, src=src)
     return header.step, receive_tensors(group, header, src=src, device=device)

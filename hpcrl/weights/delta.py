@@ -60,8 +60,11 @@ class Delta:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def manifest(self) -> dict[str, Any]:
-        return {"base_step": self.base_step, "base_checksum": self.base_checksum,
-                "layout": {n: [d, list(s), k] for n, (d, s, k) in self.layout.items()}}
+        return {
+            "base_step": self.base_step,
+            "base_checksum": self.base_checksum,
+            "layout": {n: [d, list(s), k] for n, (d, s, k) in self.layout.items()},
+        }
 
     def manifest_json(self) -> str:
         return json.dumps(self.manifest(), separators=(",", ":"))
@@ -71,7 +74,9 @@ class Delta:
         """Parse and check a received delta; ValueError names what is wrong."""
         m = json.loads(manifest) if isinstance(manifest, str) else manifest
         try:
-            layout = {str(n): (str(d), tuple(int(x) for x in s), str(k)) for n, (d, s, k) in m["layout"].items()}
+            layout = {
+                str(n): (str(d), tuple(int(x) for x in s), str(k)) for n, (d, s, k) in m["layout"].items()
+            }
             delta = cls(int(m["base_step"]), str(m["base_checksum"]), layout, tensors)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed weight delta manifest: {e}") from e
@@ -89,19 +94,30 @@ class Delta:
             if kind == "dense":
                 t = self._get(name)
                 if _dtype_name(t) != dtype or tuple(t.shape) != shape:
-                    raise ValueError(f"weight delta: dense {name!r} is {_dtype_name(t)}{tuple(t.shape)}, "
-                                     f"the manifest says {dtype}{shape}")
+                    raise ValueError(
+                        f"weight delta: dense {name!r} is {_dtype_name(t)}{tuple(t.shape)}, "
+                        f"the manifest says {dtype}{shape}"
+                    )
                 want.add(name)
             elif kind == "sparse":
                 counts, index, values = (self._get(f"{name}{SEP}{p}") for p in ("counts", "index", "values"))
                 k = int(counts.sum()) if counts.numel() else 0
-                if (counts.numel() != -(-numel // BLOCK) or index.numel() != k or values.numel() != k
-                        or _dtype_name(values) != dtype or bool((counts < 0).any())):
-                    raise ValueError(f"weight delta: sparse parts of {name!r} disagree with its shape {shape}")
+                if (
+                    counts.numel() != -(-numel // BLOCK)
+                    or index.numel() != k
+                    or values.numel() != k
+                    or _dtype_name(values) != dtype
+                    or bool((counts < 0).any())
+                ):
+                    raise ValueError(
+                        f"weight delta: sparse parts of {name!r} disagree with its shape {shape}"
+                    )
                 want |= {f"{name}{SEP}counts", f"{name}{SEP}index", f"{name}{SEP}values"}
         extra = set(self.tensors) - want
         if extra:
-            raise ValueError(f"weight delta: {len(extra)} tensor(s) not in the manifest, e.g. {sorted(extra)[:3]}")
+            raise ValueError(
+                f"weight delta: {len(extra)} tensor(s) not in the manifest, e.g. {sorted(extra)[:3]}"
+            )
 
     def _get(self, key: str) -> torch.Tensor:
         t = self.tensors.get(key)
@@ -110,8 +126,9 @@ class Delta:
         return t
 
 
-def encode_delta(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], base_step: int,
-                 base_checksum: str) -> Delta:
+def encode_delta(
+    prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], base_step: int, base_checksum: str
+) -> Delta:
     """The delta that turns `prev` (policy `base_step`) into `new`; tensors are CPU copies."""
     import torch
 
@@ -138,7 +155,9 @@ def encode_delta(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
             layout[name] = (dtype, shape, "sparse")
             out[f"{name}{SEP}counts"] = torch.bincount(idx >> 16, minlength=nblocks).to(torch.int32)
             low = idx & 0xFFFF
-            out[f"{name}{SEP}index"] = torch.where(low >= 1 << 15, low - BLOCK, low).to(torch.int16)  # uint16 bits
+            out[f"{name}{SEP}index"] = torch.where(low >= 1 << 15, low - BLOCK, low).to(
+                torch.int16
+            )  # uint16 bits
             out[f"{name}{SEP}values"] = full.reshape(-1)[idx]
     return Delta(base_step, base_checksum, layout, out)
 
@@ -157,13 +176,16 @@ def apply_delta(base: MutableMapping[str, torch.Tensor], delta: Delta) -> list[s
     device); return the names whose values changed. `base` must have every name of the layout."""
     missing = [n for n in delta.layout if n not in base]
     if missing:
-        raise ValueError(f"weight delta names {len(missing)} tensor(s) the receiver does not hold, e.g. "
-                         f"{missing[:3]}")
+        raise ValueError(
+            f"weight delta names {len(missing)} tensor(s) the receiver does not hold, e.g. {missing[:3]}"
+        )
     touched = []
     for name, (_, shape, kind) in delta.layout.items():
         dst = base[name]
         if tuple(dst.shape) != shape:
-            raise ValueError(f"weight delta: {name!r} has shape {shape}, the receiver holds {tuple(dst.shape)}")
+            raise ValueError(
+                f"weight delta: {name!r} has shape {shape}, the receiver holds {tuple(dst.shape)}"
+            )
         if kind == "dense":
             dst.copy_(delta.tensors[name])
         elif kind == "sparse":

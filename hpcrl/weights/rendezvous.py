@@ -64,7 +64,9 @@ def group_layout(receivers: Sequence[int]) -> GroupLayout:
     offsets, nxt = [], 1
     for i, r in enumerate(receivers):
         if not isinstance(r, int) or r < 1:
-            raise ValueError(f"weight group: server {i} announces {r!r} weight receivers; must be an integer >= 1")
+            raise ValueError(
+                f"weight group: server {i} announces {r!r} weight receivers; must be an integer >= 1"
+            )
         offsets.append(nxt)
         nxt += r
     return GroupLayout(world_size=nxt, rank_offsets=tuple(offsets), receivers=tuple(receivers))
@@ -85,14 +87,16 @@ def check_layout(address: WeightGroupAddress, servers: Sequence[ServerInfo]) -> 
     where = f"the trainer's weight group at {address.host}:{address.port}"
     indices = [s.index for s in ordered]
     if indices != list(address.server_indices):
-        raise WeightGroupMismatch(f"{where} counts servers {list(address.server_indices)}, the orchestrator "
-                                  f"uses servers {indices}")
+        raise WeightGroupMismatch(
+            f"{where} counts servers {list(address.server_indices)}, the orchestrator uses servers {indices}"
+        )
     for s, counted in zip(ordered, address.receivers):
         if s.weight_receivers != counted:
             raise WeightGroupMismatch(
                 f"server {s.index} ({s.base_url}) announces {s.weight_receivers} weight receiver(s), {where} "
                 f"was sized for {counted} (world_size {address.world_size}); did the server restart with "
-                "another tensor-parallel size?")
+                "another tensor-parallel size?"
+            )
     assert mine.world_size == address.world_size, (mine, address)  # WeightGroupAddress checks the sum
     return mine
 
@@ -115,13 +119,23 @@ def trainer_join_weight_group(paths: RunPaths, bus: Bus, num_servers: int, timeo
     layout = layout_of(servers)
     host = host_address()
     port = free_port(host)
-    address = WeightGroupAddress(host=host, port=port, world_size=layout.world_size,
-                                 server_indices=[s.index for s in servers], receivers=list(layout.receivers))
+    address = WeightGroupAddress(
+        host=host,
+        port=port,
+        world_size=layout.world_size,
+        server_indices=[s.index for s in servers],
+        receivers=list(layout.receivers),
+    )
     path = paths.endpoint_file(ENDPOINT)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, [encode_json(address)])
-    log.info("weight group at %s:%d: world_size %d = 1 + receivers %s", host, port, layout.world_size,
-             list(layout.receivers))
+    log.info(
+        "weight group at %s:%d: world_size %d = 1 + receivers %s",
+        host,
+        port,
+        layout.world_size,
+        list(layout.receivers),
+    )
     return init_group(host, port, layout.world_size, 0, timeout_s=timeout_s)
 
 
@@ -140,5 +154,7 @@ def read_weight_group_address(paths: RunPaths, timeout_s: float, poll: float = 0
         except CorruptMessageError as e:
             # Written atomically, so a bad file is not half-written: it is from another version.
             raise WeightGroupMismatch(str(e)) from None
-    raise TimeoutError(f"no weight-broadcast group announced at {path} after {timeout_s:.0f}s "
-                       "(is trainer rank 0 running with trainer.broadcast.transport = collective?)")
+    raise TimeoutError(
+        f"no weight-broadcast group announced at {path} after {timeout_s:.0f}s "
+        "(is trainer rank 0 running with trainer.broadcast.transport = collective?)"
+    )

@@ -32,10 +32,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("config", help="hpcrl bench config (TOML) that defines the workload")
     p.add_argument("--out", required=True, help="output dir (metrics.jsonl, TRL scratch)")
     p.add_argument("--steps", type=int, required=True, help="max optimizer steps")
-    p.add_argument("--budget-s", type=float, default=0.0,
-                   help="stop once this many seconds passed since the end of step 1 (0 = off)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="stop once this many seconds passed since the end of step 1 (0 = off)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
-    p.add_argument("--model-name", help="override model.name (e.g. an SFT-warmed weights dir), as hpcrl's flag")
+    p.add_argument(
+        "--model-name", help="override model.name (e.g. an SFT-warmed weights dir), as hpcrl's flag"
+    )
     return p.parse_args(argv)
 
 
@@ -101,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=opt.lr,
         # TRL's default is linear decay; hpcrl's "constant" warms up linearly first when asked to,
         # which in transformers' names is "constant_with_warmup".
-        lr_scheduler_type="constant_with_warmup" if opt.scheduler == "constant" and opt.warmup_steps else opt.scheduler,
+        lr_scheduler_type="constant_with_warmup"
+        if opt.scheduler == "constant" and opt.warmup_steps
+        else opt.scheduler,
         warmup_steps=opt.warmup_steps,
         adam_beta1=opt.betas[0],
         adam_beta2=opt.betas[1],
@@ -125,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(cfg.model.name)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = GRPOTrainer(model=model, reward_funcs=[env_reward], args=targs, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[env_reward], args=targs, train_dataset=dataset, processing_class=tokenizer
+    )
 
     clock: dict[str, float] = {}
     # A private TRL method (hence the tight trl pin in the `bench` extra): the one place where a
@@ -140,9 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         result = generate_and_score(*a, **kw)
         clock["gen"] = time.perf_counter() - t0
-        emit({"role": "orchestrator", "step": trainer.state.global_step + 1, "time": time.time(),
-              "reward/all/mean": step_rewards[-1] if step_rewards else None, "time/generate": clock["gen"],
-              "batch/samples": o.batch_size})
+        emit(
+            {
+                "role": "orchestrator",
+                "step": trainer.state.global_step + 1,
+                "time": time.time(),
+                "reward/all/mean": step_rewards[-1] if step_rewards else None,
+                "time/generate": clock["gen"],
+                "batch/samples": o.batch_size,
+            }
+        )
         return result
 
     trainer._generate_and_score_completions = timed_generate
@@ -155,8 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         def on_step_end(self, _args, state, control, **kw):
             t_step = time.perf_counter() - clock["begin"]
             now = time.time()
-            emit({"role": "trainer", "step": state.global_step, "time": now, "time/step": t_step,
-                  "time/wait_for_batch": clock["gen"], "time/forward_backward": t_step - clock["gen"]})
+            emit(
+                {
+                    "role": "trainer",
+                    "step": state.global_step,
+                    "time": now,
+                    "time/step": t_step,
+                    "time/wait_for_batch": clock["gen"],
+                    "time/forward_backward": t_step - clock["gen"],
+                }
+            )
             if state.global_step == 1:
                 clock["t1"] = now
             elif args.budget_s > 0 and now - clock["t1"] >= args.budget_s:

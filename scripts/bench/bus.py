@@ -214,7 +214,16 @@ def start_readers(root: Path, topic: str, readers: int, steps: int) -> list[tupl
     started, first = [], 0
     for i, n in enumerate(shares):
         out = root / f"held_{i}.json"
-        cmd = [sys.executable, __file__, "--fanout-reader", str(root), topic, f"{first}:{n}", str(steps), str(out)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--fanout-reader",
+            str(root),
+            topic,
+            f"{first}:{n}",
+            str(steps),
+            str(out),
+        ]
         started.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True), out))
         first += n
     for proc, _ in started:
@@ -255,9 +264,14 @@ def bench_fanout_rollouts(root: Path, readers: int, steps: int, gap: float) -> d
     lat = [held[k] - renamed[k] for k in renamed]
     spread = [max(held[s, r] for r in range(readers)) - renamed[s, 0] for s in range(steps)]
     # Throughput while a step is in flight: its R files over first rename -> last reader holding.
-    return {"p50": pct(lat, 50), "p99": pct(lat, 99), "spread": statistics.median(spread),
-            "publish": statistics.median(publish_s), "per_s": readers / statistics.median(spread),
-            "n": len(lat)}
+    return {
+        "p50": pct(lat, 50),
+        "p99": pct(lat, 99),
+        "spread": statistics.median(spread),
+        "publish": statistics.median(publish_s),
+        "per_s": readers / statistics.median(spread),
+        "n": len(lat),
+    }
 
 
 def bench_fanout_policy(root: Path, subscribers: int, steps: int, gap: float) -> dict[str, float]:
@@ -280,19 +294,28 @@ def bench_fanout_policy(root: Path, subscribers: int, steps: int, gap: float) ->
 
 
 def fanout_tables(root: Path, readers: list[int], subscribers: list[int], steps: int) -> list[str]:
-    lines = [f"(d) rollouts fan-out: one writer, R trainer-rank buses ({FANOUT_TOKENS} tokens per rank, "
-             f"{steps} steps, readers = threads in {FANOUT_PROCS} processes)",
-             f"{'R':>5}  {'p50 ms':>7}  {'p99 ms':>7}  {'step spread ms':>14}  {'publish ms/file':>15}  "
-             f"{'hand-offs/s':>11}  {'n':>6}"]
+    lines = [
+        f"(d) rollouts fan-out: one writer, R trainer-rank buses ({FANOUT_TOKENS} tokens per rank, "
+        f"{steps} steps, readers = threads in {FANOUT_PROCS} processes)",
+        f"{'R':>5}  {'p50 ms':>7}  {'p99 ms':>7}  {'step spread ms':>14}  {'publish ms/file':>15}  "
+        f"{'hand-offs/s':>11}  {'n':>6}",
+    ]
     for r in readers:
         m = bench_fanout_rollouts(root, r, steps, gap=0.05)
-        lines.append(f"{r:>5}  {m['p50'] * 1e3:7.2f}  {m['p99'] * 1e3:7.2f}  {m['spread'] * 1e3:14.1f}  "
-                     f"{m['publish'] * 1e3:15.2f}  {m['per_s']:11.0f}  {m['n']:>6}")
-    lines += ["", "(d) policy fan-out: publish_policy -> K doorbell subscribers (Bus.wait_policy)",
-              f"{'K':>5}  {'p50 ms':>7}  {'p99 ms':>7}  {'ring_all ms':>11}  {'n':>6}"]
+        lines.append(
+            f"{r:>5}  {m['p50'] * 1e3:7.2f}  {m['p99'] * 1e3:7.2f}  {m['spread'] * 1e3:14.1f}  "
+            f"{m['publish'] * 1e3:15.2f}  {m['per_s']:11.0f}  {m['n']:>6}"
+        )
+    lines += [
+        "",
+        "(d) policy fan-out: publish_policy -> K doorbell subscribers (Bus.wait_policy)",
+        f"{'K':>5}  {'p50 ms':>7}  {'p99 ms':>7}  {'ring_all ms':>11}  {'n':>6}",
+    ]
     for k in subscribers:
         m = bench_fanout_policy(root, k, steps * 2, gap=0.05)
-        lines.append(f"{k:>5}  {m['p50'] * 1e3:7.2f}  {m['p99'] * 1e3:7.2f}  {m['ring_all'] * 1e3:11.2f}  {m['n']:>6}")
+        lines.append(
+            f"{k:>5}  {m['p50'] * 1e3:7.2f}  {m['p99'] * 1e3:7.2f}  {m['ring_all'] * 1e3:11.2f}  {m['n']:>6}"
+        )
     return lines
 
 
@@ -320,12 +343,18 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     t_start = time.time()
-    fanout = fanout_tables(args.dir, [int(x) for x in args.readers.split(",")],
-                           [int(x) for x in args.subscribers.split(",")], args.fanout_steps)
+    fanout = fanout_tables(
+        args.dir,
+        [int(x) for x in args.readers.split(",")],
+        [int(x) for x in args.subscribers.split(",")],
+        args.fanout_steps,
+    )
     if args.fanout:
         print("\n".join(fanout))
-        print(f"\n{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, scratch {args.dir}, "
-              f"total {time.time() - t_start:.0f} s")
+        print(
+            f"\n{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, scratch {args.dir}, "
+            f"total {time.time() - t_start:.0f} s"
+        )
         shutil.rmtree(args.dir, ignore_errors=True)
         return
     rows = []

@@ -51,7 +51,9 @@ def time_help(command: str | None, runs: int) -> tuple[float, int]:
     times, rc = [], 0
     for _ in range(runs):
         t0 = time.perf_counter()
-        rc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=REPO).returncode
+        rc = subprocess.run(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=REPO
+        ).returncode
         times.append(time.perf_counter() - t0)
     return statistics.median(times), rc
 
@@ -68,23 +70,29 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="runs per command (median reported)")
     ap.add_argument("--target", type=float, default=0.3, help="seconds a help may take")
-    ap.add_argument("--commands", nargs="*", help="subcommands to time (default: all); '-' = bare `hpcrl --help`")
+    ap.add_argument(
+        "--commands", nargs="*", help="subcommands to time (default: all); '-' = bare `hpcrl --help`"
+    )
     ap.add_argument("--strict", action="store_true", help="exit 1 when any command misses the target")
     args = ap.parse_args(argv)
 
-    todo: list[str | None] = [None, *commands()] if not args.commands else [
-        None if c == "-" else c for c in args.commands
-    ]
+    todo: list[str | None] = (
+        [None, *commands()] if not args.commands else [None if c == "-" else c for c in args.commands]
+    )
     rows, failed = [], 0
     for cmd in todo:
         median, rc = time_help(cmd, args.runs)
         heavy = heavy_imports(cmd)
         ok = median <= args.target and rc == 0 and not heavy
         failed += not ok
-        rows.append((f"hpcrl {cmd + ' ' if cmd else ''}--help", median, rc, heavy or "-", "pass" if ok else "FAIL"))
+        rows.append(
+            (f"hpcrl {cmd + ' ' if cmd else ''}--help", median, rc, heavy or "-", "pass" if ok else "FAIL")
+        )
 
     width = max(len(r[0]) for r in rows)
-    print(f"{'command':<{width}}  {'median':>8}  rc  {'heavy imports':<14} target {args.target:.2f}s ({args.runs} runs)")
+    print(
+        f"{'command':<{width}}  {'median':>8}  rc  {'heavy imports':<14} target {args.target:.2f}s ({args.runs} runs)"
+    )
     for name, median, rc, heavy, verdict in rows:
         print(f"{name:<{width}}  {median:>7.3f}s  {rc:>2}  {heavy:<14} {verdict}")
     print(f"{len(rows) - failed}/{len(rows)} within target")

@@ -60,13 +60,19 @@ def median(xs: Iterable[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def by_step(records: Iterable[dict[str, Any]], role: str, key: str | None = None) -> dict[int, dict[str, Any]]:
+def by_step(
+    records: Iterable[dict[str, Any]], role: str, key: str | None = None
+) -> dict[int, dict[str, Any]]:
     """{step: record} of one role (the last record wins: resumed or eval records never duplicate a
     step's training record in these runs, but a later one is the more complete). With `key`, only
     records carrying it (the orchestrator also logs eval/val records under the same role)."""
     out: dict[int, dict[str, Any]] = {}
     for r in records:
-        if r.get("role") == role and isinstance(r.get("step"), int) and (key is None or r.get(key) is not None):
+        if (
+            r.get("role") == role
+            and isinstance(r.get("step"), int)
+            and (key is None or r.get(key) is not None)
+        ):
             out[r["step"]] = r
     return out
 
@@ -86,8 +92,12 @@ class Summary:
     startup_s: float | None  # launch -> end of step 1
 
 
-def summarize(records: Sequence[dict[str, Any]], budget_s: float, launched_at: float | None = None,
-              window: int = REWARD_WINDOW) -> Summary:
+def summarize(
+    records: Sequence[dict[str, Any]],
+    budget_s: float,
+    launched_at: float | None = None,
+    window: int = REWARD_WINDOW,
+) -> Summary:
     trainer = by_step(records, "trainer", "time/step")
     orch = by_step(records, "orchestrator", "reward/all/mean")
     steps = sorted(trainer)
@@ -103,8 +113,10 @@ def summarize(records: Sequence[dict[str, Any]], budget_s: float, launched_at: f
     steady = [n for n in steps if n >= 2]
     gen_s = median(orch[n].get("time/generate") for n in sorted(orch) if n >= 2)
     train_s = median(trainer[n]["time/step"] - (trainer[n].get("time/wait_for_batch") or 0.0) for n in steady)
-    fb_bcast_s = median((trainer[n].get("time/forward_backward") or 0.0) + (trainer[n].get("time/broadcast") or 0.0)
-                        for n in steady)
+    fb_bcast_s = median(
+        (trainer[n].get("time/forward_backward") or 0.0) + (trainer[n].get("time/broadcast") or 0.0)
+        for n in steady
+    )
     step_s = median(periods.values())
     busy = max((x for x in (gen_s, train_s) if x is not None), default=None)
     ratio = step_s / busy if step_s is not None and busy else None
@@ -118,12 +130,24 @@ def summarize(records: Sequence[dict[str, Any]], budget_s: float, launched_at: f
         reward_at_budget = _mean(in_time[-window:])
     first = [orch[n]["reward/all/mean"] for n in sorted(orch)][:window]
     startup = t1 - launched_at if t1 is not None and launched_at is not None else None
-    return Summary(len(steps), steps_in_budget, median(rates), step_s, gen_s, train_s, fb_bcast_s, ratio,
-                   reward_at_budget, _mean(first), startup)
+    return Summary(
+        len(steps),
+        steps_in_budget,
+        median(rates),
+        step_s,
+        gen_s,
+        train_s,
+        fb_bcast_s,
+        ratio,
+        reward_at_budget,
+        _mean(first),
+        startup,
+    )
 
 
-def reward_by_clock(records: Sequence[dict[str, Any]], launched: float, budget_s: float,
-                    every: float = 20.0) -> list[tuple[float, float | None, int]]:
+def reward_by_clock(
+    records: Sequence[dict[str, Any]], launched: float, budget_s: float, every: float = 20.0
+) -> list[tuple[float, float | None, int]]:
     """``[(t, reward, steps)]`` every ``every`` seconds after launch up to ``budget_s``: the mean
     reward of the batches generated in ``(t - every, t]`` (None if none was) and the optimizer
     steps finished by ``t``."""
@@ -139,13 +163,14 @@ def reward_by_clock(records: Sequence[dict[str, Any]], launched: float, budget_s
     return out
 
 
-def time_to_reward(records: Sequence[dict[str, Any]], launched: float, target: float,
-                   window: int = 10) -> float | None:
+def time_to_reward(
+    records: Sequence[dict[str, Any]], launched: float, target: float, window: int = 10
+) -> float | None:
     """Seconds from launch until the mean reward of the last ``window`` batches first reaches
     ``target`` (None if it never does)."""
     orch = sorted(by_step(records, "orchestrator", "reward/all/mean").values(), key=lambda r: r["time"])
     for i in range(window - 1, len(orch)):
-        if _mean([r["reward/all/mean"] for r in orch[i - window + 1:i + 1]]) >= target:
+        if _mean([r["reward/all/mean"] for r in orch[i - window + 1 : i + 1]]) >= target:
             return orch[i]["time"] - launched
     return None
 
@@ -191,19 +216,48 @@ def verdicts(results: dict[str, Summary], baseline: str = "trl") -> list[str]:
 
 def format_table(results: dict[str, Summary], budget_s: float, baseline: str = "trl") -> str:
     base = results.get(baseline)
-    head = ["system", "steps", f"in {budget_s:.0f}s", "samples/s", "step s", "gen s", "train s",
-            "pipeline", "vs TRL", "reward@budget", "reward@start", "startup s"]
+    head = [
+        "system",
+        "steps",
+        f"in {budget_s:.0f}s",
+        "samples/s",
+        "step s",
+        "gen s",
+        "train s",
+        "pipeline",
+        "vs TRL",
+        "reward@budget",
+        "reward@start",
+        "startup s",
+    ]
     rows = [head]
     for name, s in results.items():
-        speedup = (s.samples_per_s / base.samples_per_s if base is not None and base.samples_per_s
-                   and s.samples_per_s and name != baseline else None)
-        rows.append([name, str(s.steps), str(s.steps_in_budget), _f(s.samples_per_s, ".1f"), _f(s.step_s, ".2f"),
-                     _f(s.gen_s, ".2f"), _f(s.train_s, ".2f"), _f(s.pipeline_ratio, ".2f"),
-                     _f(speedup, ".2f", "x"), _f(s.reward_at_budget, ".3f"), _f(s.reward_first, ".3f"),
-                     _f(s.startup_s, ".1f")])
+        speedup = (
+            s.samples_per_s / base.samples_per_s
+            if base is not None and base.samples_per_s and s.samples_per_s and name != baseline
+            else None
+        )
+        rows.append(
+            [
+                name,
+                str(s.steps),
+                str(s.steps_in_budget),
+                _f(s.samples_per_s, ".1f"),
+                _f(s.step_s, ".2f"),
+                _f(s.gen_s, ".2f"),
+                _f(s.train_s, ".2f"),
+                _f(s.pipeline_ratio, ".2f"),
+                _f(speedup, ".2f", "x"),
+                _f(s.reward_at_budget, ".3f"),
+                _f(s.reward_first, ".3f"),
+                _f(s.startup_s, ".1f"),
+            ]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = [
+        " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -230,14 +284,21 @@ def child_env(threads: int) -> dict[str, str]:
     # Every process of either system gets the same torch/OpenMP thread count: hpcrl's inference,
     # trainer and orchestrator are separate processes, so on 2 cores they share the cores that TRL's
     # single process has to itself (see docs/e2e.md).
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        WANDB_MODE="disabled",
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 
 
-def run_until_budget(cmd: list[str], metrics: Path, log: Path, budget_s: float, threads: int,
-                     from_launch: bool = False) -> tuple[float, int]:
+def run_until_budget(
+    cmd: list[str], metrics: Path, log: Path, budget_s: float, threads: int, from_launch: bool = False
+) -> tuple[float, int]:
     """Start `cmd`; once the trainer's step-1 record is in `metrics`, let it run `budget_s` more
     seconds (plus a little so the step in flight can finish), then interrupt it. `from_launch`:
     interrupt it `budget_s` after launch instead. Returns (launch time, exit code); an interrupted
@@ -245,8 +306,9 @@ def run_until_budget(cmd: list[str], metrics: Path, log: Path, budget_s: float, 
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as fh:
         launched = time.time()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(threads), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=child_env(threads), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
         t1, grace = None, 5.0
         interrupted = False
         try:
@@ -285,11 +347,24 @@ def run_until_budget(cmd: list[str], metrics: Path, log: Path, budget_s: float, 
     return launched, 0 if interrupted and (t1 is not None or from_launch) else code
 
 
-def run_hpcrl(name: str, out_root: Path, steps: int, budget_s: float, threads: int) -> tuple[list[dict], float, int]:
+def run_hpcrl(
+    name: str, out_root: Path, steps: int, budget_s: float, threads: int
+) -> tuple[list[dict], float, int]:
     out = out_root / name.replace(" ", "-")
-    cmd = [sys.executable, "-m", "hpcrl.cli", "run", CONFIGS[name], "--output-dir", str(out),
-           "--max-steps", str(steps)]
-    launched, code = run_until_budget(cmd, out / "metrics.jsonl", out_root / f"{out.name}.log", budget_s, threads)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpcrl.cli",
+        "run",
+        CONFIGS[name],
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+    ]
+    launched, code = run_until_budget(
+        cmd, out / "metrics.jsonl", out_root / f"{out.name}.log", budget_s, threads
+    )
     return read_records(out / "metrics.jsonl"), launched, code
 
 
@@ -299,8 +374,19 @@ def run_trl(out_root: Path, steps: int, budget_s: float, threads: int) -> tuple[
         import shutil
 
         shutil.rmtree(out)
-    cmd = [sys.executable, str(REPO / "scripts/bench/_trl_runner.py"), TRL_CONFIG, "--out", str(out),
-           "--steps", str(steps), "--budget-s", str(budget_s), "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts/bench/_trl_runner.py"),
+        TRL_CONFIG,
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--budget-s",
+        str(budget_s),
+        "--threads",
+        str(threads),
+    ]
     launched, code = run_until_budget(cmd, out / "metrics.jsonl", out_root / "trl.log", budget_s, threads)
     return read_records(out / "metrics.jsonl"), launched, code
 
@@ -323,10 +409,34 @@ def sft_warmup(out_root: Path, threads: int) -> Path:
     data = out_root / "sft-data" / "train.jsonl"
     print(f"SFT warm-up (configs/demo/sft.toml) -> {sft}", flush=True)
     env = child_env(threads)
-    for cmd in ([sys.executable, "-m", "hpcrl.trainer.sft_data", "make-demo", str(data), "--task",
-                 "reverse-text-demo", "--n", "2000", "--seed", "0"],
-                [sys.executable, "-m", "hpcrl.cli", "sft", "configs/demo/sft.toml", "--clean-output-dir", "true",
-                 "--output-dir", str(sft), "--data.name", str(data)]):
+    for cmd in (
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.trainer.sft_data",
+            "make-demo",
+            str(data),
+            "--task",
+            "reverse-text-demo",
+            "--n",
+            "2000",
+            "--seed",
+            "0",
+        ],
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "sft",
+            "configs/demo/sft.toml",
+            "--clean-output-dir",
+            "true",
+            "--output-dir",
+            str(sft),
+            "--data.name",
+            str(data),
+        ],
+    ):
         with open(out_root / "sft.log", "ab") as fh:
             subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True)
     return sft_warmup(out_root, threads)
@@ -339,18 +449,46 @@ def run_wallclock(args: argparse.Namespace, out_root: Path) -> int:
     for name in ("hpcrl", "trl"):
         out = out_root / name
         if name == "hpcrl":
-            cmd = [sys.executable, "-m", "hpcrl.cli", "run", WALLCLOCK_CONFIG, "--output-dir", str(out),
-                   "--max-steps", str(args.steps), "--model.name", str(weights)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "hpcrl.cli",
+                "run",
+                WALLCLOCK_CONFIG,
+                "--output-dir",
+                str(out),
+                "--max-steps",
+                str(args.steps),
+                "--model.name",
+                str(weights),
+            ]
         else:
             if out.exists():
                 import shutil
 
                 shutil.rmtree(out)
-            cmd = [sys.executable, str(REPO / "scripts/bench/_trl_runner.py"), WALLCLOCK_CONFIG, "--out", str(out),
-                   "--steps", str(args.steps), "--threads", str(args.threads), "--model-name", str(weights)]
+            cmd = [
+                sys.executable,
+                str(REPO / "scripts/bench/_trl_runner.py"),
+                WALLCLOCK_CONFIG,
+                "--out",
+                str(out),
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+                "--model-name",
+                str(weights),
+            ]
         print(f"running {name} for {args.budget_s:.0f} s of wall clock from launch...", flush=True)
-        launched, code = run_until_budget(cmd, out / "metrics.jsonl", out_root / f"{name}.log", args.budget_s,
-                                          args.threads, from_launch=True)
+        launched, code = run_until_budget(
+            cmd,
+            out / "metrics.jsonl",
+            out_root / f"{name}.log",
+            args.budget_s,
+            args.threads,
+            from_launch=True,
+        )
         records = read_records(out / "metrics.jsonl")
         curves[name] = reward_by_clock(records, launched, args.budget_s)
         starts[name] = (records, launched)
@@ -363,21 +501,36 @@ def run_wallclock(args: argparse.Namespace, out_root: Path) -> int:
     end_h, end_t = curves["hpcrl"][-1][1], curves["trl"][-1][1]
     if end_h is not None and end_t is not None:
         ok = "meets target" if end_h - end_t >= REWARD_MARGIN else "below target"
-        print(f"reward at {args.budget_s:.0f} s: hpcrl {end_h:.3f}, TRL {end_t:.3f}, difference {end_h - end_t:+.3f} "
-              f"(target >= +{REWARD_MARGIN}): {ok}")
+        print(
+            f"reward at {args.budget_s:.0f} s: hpcrl {end_h:.3f}, TRL {end_t:.3f}, difference {end_h - end_t:+.3f} "
+            f"(target >= +{REWARD_MARGIN}): {ok}"
+        )
     for target in (0.6, 0.7, 0.8):
         reach = {n: time_to_reward(r, t0, target) for n, (r, t0) in starts.items()}
-        print(f"seconds from launch until the mean reward of 10 consecutive batches reaches {target}: "
-              + ", ".join(f"{n} {_f(v, '.0f')}" for n, v in reach.items()))
+        print(
+            f"seconds from launch until the mean reward of 10 consecutive batches reaches {target}: "
+            + ", ".join(f"{n} {_f(v, '.0f')}" for n, v in reach.items())
+        )
     for line in failed:
         print(f"FAILED {line}")
-    print(f"threads per process: {args.threads}; 1-min load average {load_before:.1f} before, {load_after:.1f} after "
-          f"on {os.cpu_count()} cores (runs one after the other; other work on the machine = noisy numbers)")
+    print(
+        f"threads per process: {args.threads}; 1-min load average {load_before:.1f} before, {load_after:.1f} after "
+        f"on {os.cpu_count()} cores (runs one after the other; other work on the machine = noisy numbers)"
+    )
     plot_wallclock(starts, PLOT, args.budget_s)
     print(f"plot: {PLOT}")
-    (out_root / "summary_wallclock.json").write_text(json.dumps(
-        {"args": vars(args), "weights": str(weights), "curves": curves, "failed": failed,
-         "load": [load_before, load_after]}, indent=2))
+    (out_root / "summary_wallclock.json").write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "weights": str(weights),
+                "curves": curves,
+                "failed": failed,
+                "load": [load_before, load_after],
+            },
+            indent=2,
+        )
+    )
     return 1 if failed else 0
 
 
@@ -390,13 +543,16 @@ def plot_wallclock(runs: dict[str, tuple[list[dict], float]], path: Path, budget
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, (records, launched) in runs.items():
         orch = by_step(records, "orchestrator", "reward/all/mean")
-        pts = sorted((r["time"] - launched, r["reward/all/mean"]) for r in orch.values()
-                     if r["time"] - launched <= budget_s)
+        pts = sorted(
+            (r["time"] - launched, r["reward/all/mean"])
+            for r in orch.values()
+            if r["time"] - launched <= budget_s
+        )
         if not pts:
             continue
         xs, ys = zip(*pts)
-        smooth = [_mean(ys[max(0, i - 9):i + 1]) for i in range(len(ys))]
-        line, = ax.plot(xs, smooth, label=f"{name} ({len(pts)} batches; mean of last 10)")
+        smooth = [_mean(ys[max(0, i - 9) : i + 1]) for i in range(len(ys))]
+        (line,) = ax.plot(xs, smooth, label=f"{name} ({len(pts)} batches; mean of last 10)")
         ax.scatter(xs, ys, s=6, alpha=0.3, color=line.get_color())
     ax.set_xlabel("seconds since launch")
     ax.set_ylabel("train reward (batch mean)")
@@ -412,16 +568,27 @@ def plot_wallclock(runs: dict[str, tuple[list[dict], float]], path: Path, budget
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=1000, help="max optimizer steps per run (a cap; the budget ends runs)")
-    p.add_argument("--budget-s", "--budget", type=float, default=None,
-                   help="wall-clock seconds each run trains after its first (warm-up) step (default 90); "
-                        "wallclock mode: seconds from launch (default 120)")
+    p.add_argument(
+        "--steps", type=int, default=1000, help="max optimizer steps per run (a cap; the budget ends runs)"
+    )
+    p.add_argument(
+        "--budget-s",
+        "--budget",
+        type=float,
+        default=None,
+        help="wall-clock seconds each run trains after its first (warm-up) step (default 90); "
+        "wallclock mode: seconds from launch (default 120)",
+    )
     # Default 1: on a shared 2-core machine, 2 OpenMP threads per process (hpcrl has 3 processes)
     # oversubscribe the cores and spin-wait stalls swamp the measurement (see docs/e2e.md).
     p.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per process, both systems")
     p.add_argument("--only", choices=["hpcrl", "trl"], help="run only one side")
-    p.add_argument("--mode", choices=["throughput", "wallclock"], default="throughput",
-                   help="throughput: samples/s from random init; wallclock: reward per wall-clock from an SFT warm-up")
+    p.add_argument(
+        "--mode",
+        choices=["throughput", "wallclock"],
+        default="throughput",
+        help="throughput: samples/s from random init; wallclock: reward per wall-clock from an SFT warm-up",
+    )
     p.add_argument("--out", help="root of the runs' output dirs (default outputs/bench-e2e[-wallclock])")
     args = p.parse_args(argv)
     if args.budget_s is None:
@@ -442,14 +609,19 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Summary] = {}
     failed: list[str] = []
     for name in plan:
-        print(f"running {name} (budget {args.budget_s:.0f}s after step 1, cap {args.steps} steps)...", flush=True)
+        print(
+            f"running {name} (budget {args.budget_s:.0f}s after step 1, cap {args.steps} steps)...",
+            flush=True,
+        )
         if name == "trl":
             records, launched, code = run_trl(out_root, args.steps, args.budget_s, args.threads)
         else:
             records, launched, code = run_hpcrl(name, out_root, args.steps, args.budget_s, args.threads)
         s = summarize(records, args.budget_s, launched)
         if code != 0 or s.steps == 0:
-            failed.append(f"{name}: exit code {code}, {s.steps} steps; see {out_root / (name.replace(' ', '-') + '.log')}")
+            failed.append(
+                f"{name}: exit code {code}, {s.steps} steps; see {out_root / (name.replace(' ', '-') + '.log')}"
+            )
         if s.steps:
             results[name] = s
     load_after = os.getloadavg()[0]
@@ -460,10 +632,16 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for line in failed:
         print(f"FAILED {line}")
-    print(f"threads per process: {args.threads}; 1-min load average {load_before:.1f} before, {load_after:.1f} "
-          f"after on {os.cpu_count()} cores (much above the run's own processes = noisy numbers)")
-    summary = {"args": vars(args), "results": {k: asdict(v) for k, v in results.items()}, "failed": failed,
-               "load": [load_before, load_after]}
+    print(
+        f"threads per process: {args.threads}; 1-min load average {load_before:.1f} before, {load_after:.1f} "
+        f"after on {os.cpu_count()} cores (much above the run's own processes = noisy numbers)"
+    )
+    summary = {
+        "args": vars(args),
+        "results": {k: asdict(v) for k, v in results.items()},
+        "failed": failed,
+        "load": [load_before, load_after],
+    }
     (out_root / "summary.json").write_text(json.dumps(summary, indent=2))
     return 1 if failed else 0
 

@@ -40,8 +40,12 @@ async def throughput(client, concurrency: int, max_tokens: int, n: int = 1) -> t
     """(generated tokens per second, mean decode batch size the server reported)."""
     before = await client.metrics()
     t0 = time.perf_counter()
-    rs = await asyncio.gather(*(client.chat_completion(MSGS, max_tokens=max_tokens, ignore_eos=True, tokens=False,
-                                                       n=n) for _ in range(concurrency)))
+    rs = await asyncio.gather(
+        *(
+            client.chat_completion(MSGS, max_tokens=max_tokens, ignore_eos=True, tokens=False, n=n)
+            for _ in range(concurrency)
+        )
+    )
     dt = time.perf_counter() - t0
     after = await client.metrics()
     tokens = sum(r["usage"]["completion_tokens"] for r in rs)
@@ -82,10 +86,16 @@ async def sync_rows(c, model_dir: Path, tmp: Path, args: argparse.Namespace) -> 
         full_b = (full_dir / "model.safetensors").stat().st_size
     lt, ft = statistics.median(lora_t), statistics.median(full_t)
     return [
-        (f"policy sync, LoRA rank {args.lora_rank} adapter (write + /load_lora_adapter, verified)",
-         f"{lt * 1e3:.1f} ms", f"{lora_b / 2**20:.3f} MiB = {100 * lora_b / full_b:.1f} % of full"),
-        ("policy sync, full merged weights (write + /update_weights from path, verified)", f"{ft * 1e3:.1f} ms",
-         f"{full_b / 2**20:.2f} MiB; LoRA {ft / lt:.1f}x faster"),
+        (
+            f"policy sync, LoRA rank {args.lora_rank} adapter (write + /load_lora_adapter, verified)",
+            f"{lt * 1e3:.1f} ms",
+            f"{lora_b / 2**20:.3f} MiB = {100 * lora_b / full_b:.1f} % of full",
+        ),
+        (
+            "policy sync, full merged weights (write + /update_weights from path, verified)",
+            f"{ft * 1e3:.1f} ms",
+            f"{full_b / 2**20:.2f} MiB; LoRA {ft / lt:.1f}x faster",
+        ),
     ]
 
 
@@ -116,13 +126,22 @@ async def run(args: argparse.Namespace) -> None:
                 runs = [await throughput(c, conc, args.max_tokens) for _ in range(args.repeats)]
                 tps = statistics.median(r[0] for r in runs)
                 batch = statistics.median(r[1] for r in runs)
-                rows.append((f"generate, {conc} concurrent x {args.max_tokens} tokens", f"{tps:,.0f} tok/s",
-                             f"mean decode batch {batch:.1f}"))
+                rows.append(
+                    (
+                        f"generate, {conc} concurrent x {args.max_tokens} tokens",
+                        f"{tps:,.0f} tok/s",
+                        f"mean decode batch {batch:.1f}",
+                    )
+                )
             # What the orchestrator sends for a single-turn group: one request, n choices, one prefill.
             runs = [await throughput(c, 1, args.max_tokens, n=64) for _ in range(args.repeats)]
-            rows.append((f"generate, 1 request n=64 x {args.max_tokens} tokens",
-                         f"{statistics.median(r[0] for r in runs):,.0f} tok/s",
-                         f"mean decode batch {statistics.median(r[1] for r in runs):.1f}"))
+            rows.append(
+                (
+                    f"generate, 1 request n=64 x {args.max_tokens} tokens",
+                    f"{statistics.median(r[0] for r in runs):,.0f} tok/s",
+                    f"mean decode batch {statistics.median(r[1] for r in runs):.1f}",
+                )
+            )
 
             ck = state_dict_checksum(new_sd)
             times = []
@@ -130,21 +149,35 @@ async def run(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 await c.update_weights(i + 1, path=str(new_dir), expected_checksum=ck)
                 times.append(time.perf_counter() - t0)
-            rows.append(("update_weights from path (safetensors, verified)", f"{statistics.median(times) * 1e3:.1f} ms",
-                         f"{nbytes / 2**20:.1f} MiB"))
+            rows.append(
+                (
+                    "update_weights from path (safetensors, verified)",
+                    f"{statistics.median(times) * 1e3:.1f} ms",
+                    f"{nbytes / 2**20:.1f} MiB",
+                )
+            )
 
             port = free_port()
-            group, _ = await asyncio.gather(asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0),
-                                            c.init_broadcaster("127.0.0.1", port, 2, 1))
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0),
+                c.init_broadcaster("127.0.0.1", port, 2, 1),
+            )
             times = []
             for i in range(args.repeats):
                 step = 100 + i
                 t0 = time.perf_counter()
-                await asyncio.gather(asyncio.to_thread(broadcast_weights, group, new_sd, step, checksum=ck),
-                                     c.update_weights(step, collective=True, expected_checksum=ck))
+                await asyncio.gather(
+                    asyncio.to_thread(broadcast_weights, group, new_sd, step, checksum=ck),
+                    c.update_weights(step, collective=True, expected_checksum=ck),
+                )
                 times.append(time.perf_counter() - t0)
-            rows.append(("update_weights over gloo (broadcast, verified)", f"{statistics.median(times) * 1e3:.1f} ms",
-                         f"{nbytes / 2**20:.1f} MiB"))
+            rows.append(
+                (
+                    "update_weights over gloo (broadcast, verified)",
+                    f"{statistics.median(times) * 1e3:.1f} ms",
+                    f"{nbytes / 2**20:.1f} MiB",
+                )
+            )
 
         dst = {k: torch.empty_like(v) for k, v in new_sd.items()}
         times = []
@@ -153,16 +186,22 @@ async def run(args: argparse.Namespace) -> None:
             for k, v in new_sd.items():
                 dst[k].copy_(v)
             times.append(time.perf_counter() - t0)
-        rows.append(("raw copy of the same bytes (torch copy_)", f"{statistics.median(times) * 1e3:.2f} ms",
-                     f"{nbytes / 2**20:.1f} MiB"))
+        rows.append(
+            (
+                "raw copy of the same bytes (torch copy_)",
+                f"{statistics.median(times) * 1e3:.2f} ms",
+                f"{nbytes / 2**20:.1f} MiB",
+            )
+        )
     finally:
         server.stop()
     _print(rows, args)
 
 
 def _print(rows: list[tuple[str, str, str]], args: argparse.Namespace) -> None:
-    print(f"\nhf backend, preset {args.preset}, server torch threads {args.threads}, "
-          f"median of {args.repeats}\n")
+    print(
+        f"\nhf backend, preset {args.preset}, server torch threads {args.threads}, median of {args.repeats}\n"
+    )
     print("| measurement | median | note |\n|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")
@@ -175,8 +214,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--sync-only", action="store_true", help="only the LoRA vs full sync comparison")
-    p.add_argument("--threads", type=int, default=1,
-                   help="server torch threads (1: OpenMP spinning collapses on a shared 2-core machine)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="server torch threads (1: OpenMP spinning collapses on a shared 2-core machine)",
+    )
     args = p.parse_args()
     t0 = time.perf_counter()
     asyncio.run(run(args))

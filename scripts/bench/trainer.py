@@ -56,14 +56,28 @@ def make_batch(rng: np.random.Generator, n: int, lo: int, hi: int, vocab: int):
         lp.append(np.where(m, -rng.random(L) * 3, 0.0).astype(np.float32))
     cat = np.concatenate
     loss_tokens = int(sum(m.sum() for m in mask))
-    return TrainBatch(step=1, rank=0, world_size=1, input_ids=cat(ids), position_ids=cat(pos), seq_lens=lens,
-                      loss_mask=cat(mask), advantages=cat(adv), inference_logprobs=cat(lp),
-                      policy_versions=np.zeros(n), temperatures=np.ones(n), env_names=["bench"] * n,
-                      example_ids=np.arange(n), rewards=np.zeros(n), total_loss_tokens=loss_tokens)
+    return TrainBatch(
+        step=1,
+        rank=0,
+        world_size=1,
+        input_ids=cat(ids),
+        position_ids=cat(pos),
+        seq_lens=lens,
+        loss_mask=cat(mask),
+        advantages=cat(adv),
+        inference_logprobs=cat(lp),
+        policy_versions=np.zeros(n),
+        temperatures=np.ones(n),
+        env_names=["bench"] * n,
+        example_ids=np.arange(n),
+        rewards=np.zeros(n),
+        total_loss_tokens=loss_tokens,
+    )
 
 
-def make_group_batch(rng: np.random.Generator, prompts: int, group: int, prompt_len: int, lo: int, hi: int,
-                     vocab: int):
+def make_group_batch(
+    rng: np.random.Generator, prompts: int, group: int, prompt_len: int, lo: int, hi: int, vocab: int
+):
     """A GRPO-shaped TrainBatch: ``prompts`` prompts x ``group`` completions of lo..hi tokens each."""
     from hpcrl.bus import TrainBatch
 
@@ -77,12 +91,23 @@ def make_group_batch(rng: np.random.Generator, prompts: int, group: int, prompt_
             lens.append(prompt_len + n)
     m = np.concatenate(mask)
     k = len(lens)
-    return TrainBatch(step=1, rank=0, world_size=1, input_ids=np.concatenate(ids),
-                      position_ids=np.concatenate([np.arange(n) for n in lens]), seq_lens=np.array(lens),
-                      loss_mask=m, advantages=(rng.normal(size=m.size) * m).astype(np.float32),
-                      inference_logprobs=np.where(m, -rng.random(m.size) * 3, 0.0).astype(np.float32),
-                      policy_versions=np.zeros(k), temperatures=np.ones(k), env_names=["bench"] * k,
-                      example_ids=np.arange(k), rewards=np.zeros(k), total_loss_tokens=int(m.sum()))
+    return TrainBatch(
+        step=1,
+        rank=0,
+        world_size=1,
+        input_ids=np.concatenate(ids),
+        position_ids=np.concatenate([np.arange(n) for n in lens]),
+        seq_lens=np.array(lens),
+        loss_mask=m,
+        advantages=(rng.normal(size=m.size) * m).astype(np.float32),
+        inference_logprobs=np.where(m, -rng.random(m.size) * 3, 0.0).astype(np.float32),
+        policy_versions=np.zeros(k),
+        temperatures=np.ones(k),
+        env_names=["bench"] * k,
+        example_ids=np.arange(k),
+        rewards=np.zeros(k),
+        total_loss_tokens=int(m.sum()),
+    )
 
 
 def bare_step(model, opt, batch, micro_tokens: int, device) -> None:
@@ -129,8 +154,12 @@ def row_padding(lens: list[int], micro_tokens: int, key_cost: float | None) -> f
     from hpcrl.trainer.packing import PackedBatch, row_micro_batches
 
     t = sum(lens)
-    batch = PackedBatch(input_ids=torch.arange(t), position_ids=torch.cat([torch.arange(n) for n in lens]),
-                        seq_lens=torch.tensor(lens), loss_mask=torch.zeros(t, dtype=torch.bool))
+    batch = PackedBatch(
+        input_ids=torch.arange(t),
+        position_ids=torch.cat([torch.arange(n) for n in lens]),
+        seq_lens=torch.tensor(lens),
+        loss_mask=torch.zeros(t, dtype=torch.bool),
+    )
     slots = pad = 0
     for mb in row_micro_batches(batch, micro_tokens, key_cost):
         lay = row_layout(mb.seq_lens, None, key_cost, width=mb.row_width)
@@ -138,8 +167,16 @@ def row_padding(lens: list[int], micro_tokens: int, key_cost: float | None) -> f
     return pad / slots
 
 
-def padding_table(rng: np.random.Generator, n: int, lo: int, hi: int, seq_lens: list[int], trials: int,
-                  micro_tokens: int, key_cost: float):
+def padding_table(
+    rng: np.random.Generator,
+    n: int,
+    lo: int,
+    hi: int,
+    seq_lens: list[int],
+    trials: int,
+    micro_tokens: int,
+    key_cost: float,
+):
     from hpcrl.trainer.sft_data import pack_rows, padding_waste
 
     naive, fixed, longest = [], {s: [] for s in seq_lens}, {s: [] for s in seq_lens}
@@ -154,12 +191,19 @@ def padding_table(rng: np.random.Generator, n: int, lo: int, hi: int, seq_lens: 
             fixed[s].append(padding_waste(lens, rows, s))
             longest[s].append(padding_waste(lens, rows))
     med = statistics.median
-    out = [("hpcrl RL micro-batches, varlen kernel (GPU flash-attention: one packed row)", "0.0 %", ""),
-           ("hpcrl RL micro-batches, sdpa/eager (CPU: row width chosen per batch, layout.choose_width)",
-            f"{100 * med(rows_cpu):.1f} %", ""),
-           ("  before: rows exactly as wide as the longest sample", f"{100 * med(rows_longest):.1f} %", "")]
-    out += [(f"hpcrl SFT rows, seq_len {s}", f"{100 * med(longest[s]):.1f} %", f"{100 * med(fixed[s]):.1f} %")
-            for s in seq_lens]
+    out = [
+        ("hpcrl RL micro-batches, varlen kernel (GPU flash-attention: one packed row)", "0.0 %", ""),
+        (
+            "hpcrl RL micro-batches, sdpa/eager (CPU: row width chosen per batch, layout.choose_width)",
+            f"{100 * med(rows_cpu):.1f} %",
+            "",
+        ),
+        ("  before: rows exactly as wide as the longest sample", f"{100 * med(rows_longest):.1f} %", ""),
+    ]
+    out += [
+        (f"hpcrl SFT rows, seq_len {s}", f"{100 * med(longest[s]):.1f} %", f"{100 * med(fixed[s]):.1f} %")
+        for s in seq_lens
+    ]
     out.append(("baseline: right-pad each sample to the longest sample", f"{100 * med(naive):.1f} %", ""))
     return out
 
@@ -175,10 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--memory", choices=["on", "off", "only"], default="on",
-                    help="the memory table at load (trainer_memory.py: 1 and 2 ranks, meta init vs every rank loading)")
-    ap.add_argument("--group-shape", default="16x8x56x4-16",
-                    help="GRPO batch for the shared-prefix table: PROMPTSxGROUPxPROMPT_LENxMIN-MAX completion tokens")
+    ap.add_argument(
+        "--memory",
+        choices=["on", "off", "only"],
+        default="on",
+        help="the memory table at load (trainer_memory.py: 1 and 2 ranks, meta init vs every rank loading)",
+    )
+    ap.add_argument(
+        "--group-shape",
+        default="16x8x56x4-16",
+        help="GRPO batch for the shared-prefix table: PROMPTSxGROUPxPROMPT_LENxMIN-MAX completion tokens",
+    )
     args = ap.parse_args(argv)
     if args.memory == "only":
         return memory_part()
@@ -209,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     sft_samples = []
     off = 0
     for L in batch.seq_lens.tolist():
-        sft_samples.append(sd.TokenizedSample(batch.input_ids[off:off + L], batch.loss_mask[off:off + L]))
+        sft_samples.append(sd.TokenizedSample(batch.input_ids[off : off + L], batch.loss_mask[off : off + L]))
         off += L
 
     bare_model = copy.deepcopy(tr.model)
@@ -237,8 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     def run_grpo_shared() -> None:
         train_step(tr, grpo, rl_params, args.micro_batch_tokens, optim.max_norm, share_prefix=True)
 
-    paths = [("bare", run_bare), ("rl", run_rl), ("sft", run_sft), ("grpo_full", run_grpo_full),
-             ("grpo_shared", run_grpo_shared)]
+    paths = [
+        ("bare", run_bare),
+        ("rl", run_rl),
+        ("sft", run_sft),
+        ("grpo_full", run_grpo_full),
+        ("grpo_shared", run_grpo_shared),
+    ]
     wall: dict[str, list[float]] = {k: [] for k, _ in paths}
     cpu: dict[str, list[float]] = {k: [] for k, _ in paths}
     t_start = time.perf_counter()
@@ -260,32 +316,54 @@ def main(argv: list[str] | None = None) -> int:
     tps = {k: n_tok / v for k, v in med.items()}
     n_params = sum(p.numel() for p in tr.model.parameters())
 
-    print(f"\ntrainer benchmark: preset {args.preset} ({n_params / 1e6:.2f}M params), {args.samples} samples of "
-          f"{args.min_len}-{args.max_len} tokens ({n_tok} tokens, {n_loss} trained), micro_batch_tokens "
-          f"{args.micro_batch_tokens}; torch {torch.__version__} on {tr.device} ({torch.get_num_threads()} threads); "
-          f"median of {args.repeats} after {args.warmup} warmup ({time.perf_counter() - t_start:.0f} s)\n")
+    print(
+        f"\ntrainer benchmark: preset {args.preset} ({n_params / 1e6:.2f}M params), {args.samples} samples of "
+        f"{args.min_len}-{args.max_len} tokens ({n_tok} tokens, {n_loss} trained), micro_batch_tokens "
+        f"{args.micro_batch_tokens}; torch {torch.__version__} on {tr.device} ({torch.get_num_threads()} threads); "
+        f"median of {args.repeats} after {args.warmup} warmup ({time.perf_counter() - t_start:.0f} s)\n"
+    )
     unit = "GPU wall" if tr.device.type == "cuda" else "CPU"
     print(f"| step | median {unit} s | median wall s | tokens/s ({unit}) | vs bare |")
     print("|---|---:|---:|---:|---:|")
-    labels = {"bare": "bare forward+backward+AdamW (plain loop in this script)",
-              "rl": "hpcrl RL `train_step` (rl.py)", "sft": "hpcrl SFT step (packed rows + shared step core)"}
+    labels = {
+        "bare": "bare forward+backward+AdamW (plain loop in this script)",
+        "rl": "hpcrl RL `train_step` (rl.py)",
+        "sft": "hpcrl SFT step (packed rows + shared step core)",
+    }
     for k in ("bare", "rl", "sft"):
-        print(f"| {labels[k]} | {med[k]:.3f} | {med_wall[k]:.3f} | {tps[k]:,.0f} | {tps[k] / tps['bare']:.2f} |")
+        print(
+            f"| {labels[k]} | {med[k]:.3f} | {med_wall[k]:.3f} | {tps[k]:,.0f} | {tps[k] / tps['bare']:.2f} |"
+        )
     g_tok = len(grpo.input_ids)
-    print(f"\nGRPO-shaped batch ({n_prompts} prompts x {group} completions, {prompt_len}-token prompts, {lo}-{hi} "
-          f"completion tokens: {g_tok} tokens), RL `train_step` with and without shared prefixes:\n")
+    print(
+        f"\nGRPO-shaped batch ({n_prompts} prompts x {group} completions, {prompt_len}-token prompts, {lo}-{hi} "
+        f"completion tokens: {g_tok} tokens), RL `train_step` with and without shared prefixes:\n"
+    )
     print(f"| train_step | median {unit} s | median wall s | tokens/s ({unit}) | speed-up |")
     print("|---|---:|---:|---:|---:|")
-    for k, label in (("grpo_full", "share_prefix = false (every sample in full)"),
-                     ("grpo_shared", "share_prefix = true (each prompt computed once per group)")):
-        print(f"| {label} | {med[k]:.3f} | {med_wall[k]:.3f} | {g_tok / med[k]:,.0f} | "
-              f"{med['grpo_full'] / med[k]:.2f}x |")
-    print(f"\n| packing ({args.samples} samples of {args.min_len}-{args.max_len} tokens, median of 200 batches) "
-          f"| padded to longest row | padded to seq_len |")
+    for k, label in (
+        ("grpo_full", "share_prefix = false (every sample in full)"),
+        ("grpo_shared", "share_prefix = true (each prompt computed once per group)"),
+    ):
+        print(
+            f"| {label} | {med[k]:.3f} | {med_wall[k]:.3f} | {g_tok / med[k]:,.0f} | "
+            f"{med['grpo_full'] / med[k]:.2f}x |"
+        )
+    print(
+        f"\n| packing ({args.samples} samples of {args.min_len}-{args.max_len} tokens, median of 200 batches) "
+        f"| padded to longest row | padded to seq_len |"
+    )
     print("|---|---:|---:|")
-    for label, a, b in padding_table(np.random.default_rng(args.seed + 1), args.samples, args.min_len,
-                                     args.max_len, [256, 512, 1024], 200, args.micro_batch_tokens,
-                                     key_cost_of(tr.model.config)):
+    for label, a, b in padding_table(
+        np.random.default_rng(args.seed + 1),
+        args.samples,
+        args.min_len,
+        args.max_len,
+        [256, 512, 1024],
+        200,
+        args.micro_batch_tokens,
+        key_cost_of(tr.model.config),
+    ):
         print(f"| {label} | {a} | {b} |")
     from hpcrl.trainer import parallel
 

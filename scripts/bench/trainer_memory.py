@@ -74,18 +74,35 @@ def worker(model_dir: str, meta_init: bool, out: str) -> None:
     rng = np.random.default_rng(tr.dist.rank)
     lens = np.full(4, 64)
     mask = np.concatenate([np.arange(n) >= 16 for n in lens])
-    batch = TrainBatch(step=1, rank=tr.dist.rank, world_size=tr.dist.world_size,
-                       input_ids=rng.integers(3, tr.model.config.vocab_size, size=int(lens.sum())),
-                       position_ids=np.concatenate([np.arange(n) for n in lens]), seq_lens=lens, loss_mask=mask,
-                       advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
-                       inference_logprobs=np.where(mask, -5.0, 0.0).astype(np.float32),
-                       policy_versions=np.zeros(4), temperatures=np.ones(4), env_names=["x"] * 4,
-                       example_ids=np.arange(4), rewards=np.zeros(4),
-                       total_loss_tokens=int(mask.sum()) * tr.dist.world_size)
+    batch = TrainBatch(
+        step=1,
+        rank=tr.dist.rank,
+        world_size=tr.dist.world_size,
+        input_ids=rng.integers(3, tr.model.config.vocab_size, size=int(lens.sum())),
+        position_ids=np.concatenate([np.arange(n) for n in lens]),
+        seq_lens=lens,
+        loss_mask=mask,
+        advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
+        inference_logprobs=np.where(mask, -5.0, 0.0).astype(np.float32),
+        policy_versions=np.zeros(4),
+        temperatures=np.ones(4),
+        env_names=["x"] * 4,
+        example_ids=np.arange(4),
+        rewards=np.zeros(4),
+        total_loss_tokens=int(mask.sum()) * tr.dist.world_size,
+    )
     train_step(tr, batch, LossParams(), 256, 1.0)
-    res = {"rank": tr.dist.rank, "floor": floor, "imported": imported, "built_peak": built_peak, "built_now": built_now, "built_anon": built_anon,
-           "step_peak": peak_rss_mib(), "load_s": t_load,
-           "params": sum(p.numel() for p in tr.model.parameters())}
+    res = {
+        "rank": tr.dist.rank,
+        "floor": floor,
+        "imported": imported,
+        "built_peak": built_peak,
+        "built_now": built_now,
+        "built_anon": built_anon,
+        "step_peak": peak_rss_mib(),
+        "load_s": t_load,
+        "params": sum(p.numel() for p in tr.model.parameters()),
+    }
     Path(out, f"rank{tr.dist.rank}.json").write_text(json.dumps(res))
     parallel.barrier()
     parallel.destroy_distributed()
@@ -98,12 +115,32 @@ def run_ranks(model_dir: Path, world: int, meta_init: bool, out: Path) -> list[d
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(model_dir),
-                                       "meta" if meta_init else "full", str(out)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    str(model_dir),
+                    "meta" if meta_init else "full",
+                    str(out),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for p in procs:
         text = p.communicate(timeout=600)[0]
         if p.returncode != 0:
@@ -118,22 +155,30 @@ def memory_table(preset: str = "medium") -> None:
     try:
         model_dir = build_tiny_model(root / "model", preset=preset)
         size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / MIB
-        runs = [("1", "single rank (loads the model)", 1, False),
-                ("2", "every rank loads the whole model (old path)", 2, False),
-                ("2", "meta-device init (rank 0 reads, others on meta)", 2, True)]
+        runs = [
+            ("1", "single rank (loads the model)", 1, False),
+            ("2", "every rank loads the whole model (old path)", 2, False),
+            ("2", "meta-device init (rank 0 reads, others on meta)", 2, True),
+        ]
         rows = []
         for ranks, label, world, meta in runs:
             for r in run_ranks(model_dir, world, meta, root / f"{world}-{meta}"):
                 rows.append((ranks, label, r))
         n = rows[0][2]["params"]
-        print(f"\ntrainer memory at load: preset {preset} ({n / 1e6:.1f}M params, {size:.0f} MiB of fp32 "
-              f"safetensors), CPU, gloo; RSS in MiB per rank\n")
-        print("| ranks | init | rank | RSS after imports | peak during load+shard | RSS after load+shard | "
-              "peak through 1 step | load s |")
+        print(
+            f"\ntrainer memory at load: preset {preset} ({n / 1e6:.1f}M params, {size:.0f} MiB of fp32 "
+            f"safetensors), CPU, gloo; RSS in MiB per rank\n"
+        )
+        print(
+            "| ranks | init | rank | RSS after imports | peak during load+shard | RSS after load+shard | "
+            "peak through 1 step | load s |"
+        )
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for ranks, label, r in rows:
-            print(f"| {ranks} | {label} | {r['rank']} | {r['imported']:,.0f} | {r['built_peak']:,.0f} | "
-                  f"{r['built_now']:,.0f} ({r['built_anon']:,.0f}) | {r['step_peak']:,.0f} | {r['load_s']:.1f} |")
+            print(
+                f"| {ranks} | {label} | {r['rank']} | {r['imported']:,.0f} | {r['built_peak']:,.0f} | "
+                f"{r['built_now']:,.0f} ({r['built_anon']:,.0f}) | {r['step_peak']:,.0f} | {r['load_s']:.1f} |"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

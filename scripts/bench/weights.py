@@ -68,9 +68,13 @@ def transformer_shapes(total_bytes: int, layers: int = 4, itemsize: int = 2) -> 
     return shapes
 
 
-def make_policy(total_bytes: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def make_policy(
+    total_bytes: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {n: (torch.randn(s, generator=g) * 0.02).to(dtype) for n, s in transformer_shapes(total_bytes).items()}
+    return {
+        n: (torch.randn(s, generator=g) * 0.02).to(dtype) for n, s in transformer_shapes(total_bytes).items()
+    }
 
 
 def nbytes(named: dict[str, torch.Tensor]) -> int:
@@ -101,7 +105,7 @@ def raw_file_roundtrip(path: Path, buf: torch.Tensor) -> None:
     try:
         mv = memoryview(buf.numpy())
         while mv:
-            mv = mv[os.write(fd, mv):]
+            mv = mv[os.write(fd, mv) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -177,7 +181,9 @@ def receiver_main(port: int) -> None:
             apply_delta(params, Delta.from_manifest(header.delta, coll.receive_tensors(group, header)))
         else:
             tensors = staging = coll.receive_tensors(group, header, into=staging)
-            if {n: tuple(t.shape) for n, t in params.items()} != {n: tuple(t.shape) for n, t in tensors.items()}:
+            if {n: tuple(t.shape) for n, t in params.items()} != {
+                n: tuple(t.shape) for n, t in tensors.items()
+            }:
                 params = {n: torch.empty_like(t) for n, t in tensors.items()}
             for n, t in tensors.items():
                 params[n].copy_(t)
@@ -193,8 +199,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_collective(sizes: list[int], reps: int, bucket_mb: float, delta_args: tuple | None = None
-                     ) -> tuple[list[dict], list[dict]]:
+def bench_collective(
+    sizes: list[int], reps: int, bucket_mb: float, delta_args: tuple | None = None
+) -> tuple[list[dict], list[dict]]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--receiver", str(port)])
     group = coll.init_group("127.0.0.1", port, 2, 0, backend="gloo")
@@ -204,6 +211,7 @@ def bench_collective(sizes: list[int], reps: int, bucket_mb: float, delta_args: 
             policy = make_policy(size)
             raw = torch.randint(0, 255, (nbytes(policy),), dtype=torch.uint8)
             ours, theirs = [], []
+
             def hpcrl_sync(step: int, policy=policy) -> None:
                 _control(group, KIND_FULL, 0)
                 checksum = state_dict_checksum(policy)  # what PolicyPublisher does before broadcasting
@@ -258,8 +266,12 @@ def bench_delta(root: Path, size: int, steps: int, lr: float, group: coll.Weight
     transport = "collective" if group is not None else "filesystem"
     paths = RunPaths(root / f"delta_{transport}")
     bus = Bus(paths, "trainer", 0, listen=False)
-    pubs = {mode: PolicyPublisher(paths, bus, 0, transport, keep=2, weight_group=group, delta=mode == "delta",
-                                  full_every=10**9) for mode in ("delta", "full")}
+    pubs = {
+        mode: PolicyPublisher(
+            paths, bus, 0, transport, keep=2, weight_group=group, delta=mode == "delta", full_every=10**9
+        )
+        for mode in ("delta", "full")
+    }
     params: dict[str, torch.Tensor] = {}
     t: dict[str, list[float]] = {"delta": [], "full": []}
     b: dict[str, list[int]] = {"delta": [], "full": []}
@@ -285,27 +297,49 @@ def bench_delta(root: Path, size: int, steps: int, lr: float, group: coll.Weight
     bus.close()
     out = []
     for mode in ("full", "delta"):
-        out.append({"transport": transport, "mode": mode, "nominal_mib": size // MiB, "steps": steps,
-                    "seconds": statistics.median(t[mode]), "bytes": statistics.median(b[mode])})
+        out.append(
+            {
+                "transport": transport,
+                "mode": mode,
+                "nominal_mib": size // MiB,
+                "steps": steps,
+                "seconds": statistics.median(t[mode]),
+                "bytes": statistics.median(b[mode]),
+            }
+        )
     full, delta = out
-    print(f"{transport:<11} {size // MiB:5d} MiB bf16, lr {lr:g}, {steps} steps:  full {full['bytes'] / MiB:7.1f} MiB "
-          f"{full['seconds'] * 1e3:7.1f} ms   delta {delta['bytes'] / MiB:6.2f} MiB {delta['seconds'] * 1e3:7.1f} ms"
-          f"   bytes {delta['bytes'] / full['bytes'] * 100:4.1f} % (target <= 5 %), time delta/full {delta['seconds'] / full['seconds']:4.2f}x",
-          flush=True)
+    print(
+        f"{transport:<11} {size // MiB:5d} MiB bf16, lr {lr:g}, {steps} steps:  full {full['bytes'] / MiB:7.1f} MiB "
+        f"{full['seconds'] * 1e3:7.1f} ms   delta {delta['bytes'] / MiB:6.2f} MiB {delta['seconds'] * 1e3:7.1f} ms"
+        f"   bytes {delta['bytes'] / full['bytes'] * 100:4.1f} % (target <= 5 %), time delta/full {delta['seconds'] / full['seconds']:4.2f}x",
+        flush=True,
+    )
     return out
 
 
 # -- report ---------------------------------------------------------------------------------------
 def row(transport: str, nominal: int, size: int, ours: list[float], theirs: list[float]) -> dict:
     s, r = statistics.median(ours), statistics.median(theirs)
-    return {"transport": transport, "nominal_mib": nominal // MiB, "bytes": size, "seconds": s, "raw_seconds": r, "gbps": size / s / 1e9,
-            "raw_gbps": size / r / 1e9, "ratio": r / s, "reps": len(ours)}
+    return {
+        "transport": transport,
+        "nominal_mib": nominal // MiB,
+        "bytes": size,
+        "seconds": s,
+        "raw_seconds": r,
+        "gbps": size / s / 1e9,
+        "raw_gbps": size / r / 1e9,
+        "ratio": r / s,
+        "reps": len(ours),
+    }
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['transport']:<11} {r['nominal_mib']:5d} MiB  hpcrl {r['seconds'] * 1e3:8.1f} ms "
-          f"{r['gbps']:5.2f} GB/s   raw {r['raw_seconds'] * 1e3:8.1f} ms {r['raw_gbps']:5.2f} GB/s   "
-          f"ratio {r['ratio']:4.2f}x", flush=True)
+    print(
+        f"{r['transport']:<11} {r['nominal_mib']:5d} MiB  hpcrl {r['seconds'] * 1e3:8.1f} ms "
+        f"{r['gbps']:5.2f} GB/s   raw {r['raw_seconds'] * 1e3:8.1f} ms {r['raw_gbps']:5.2f} GB/s   "
+        f"ratio {r['ratio']:4.2f}x",
+        flush=True,
+    )
 
 
 def fit(rows: list[dict], key: str = "seconds") -> tuple[float, float]:
@@ -353,7 +387,9 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=REPO / "outputs" / "bench_weights", help="scratch dir (disk)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     ap.add_argument("--plot", type=Path, default=None, help="write the cost curve PNG here")
-    ap.add_argument("--delta-mib", type=int, default=None, help="delta rows: policy size (quick 64, else 256)")
+    ap.add_argument(
+        "--delta-mib", type=int, default=None, help="delta rows: policy size (quick 64, else 256)"
+    )
     ap.add_argument("--delta-steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-6, help="delta rows: AdamW learning rate")
     ap.add_argument("--receiver", type=int, help=argparse.SUPPRESS)
@@ -380,8 +416,9 @@ def main() -> None:
         rows += bench_filesystem(root, sizes, args.reps)
         deltas += bench_delta(root, delta_size, args.delta_steps, args.lr, None)
     if "collective" in transports:
-        more, more_deltas = bench_collective(sizes, args.reps, args.bucket_mb,
-                                             (args.dir, delta_size, args.delta_steps, args.lr))
+        more, more_deltas = bench_collective(
+            sizes, args.reps, args.bucket_mb, (args.dir, delta_size, args.delta_steps, args.lr)
+        )
         rows += more
         deltas += more_deltas
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -393,8 +430,10 @@ def main() -> None:
             ra, rb = fit(rs, "raw_seconds")
             big = [r["ratio"] for r in rs if r["nominal_mib"] >= 256]
             target = 0.8 if transport == "filesystem" else 0.5
-            print(f"{transport:<11} fit: {a * 1e3:6.1f} ms + {b:6.3f} s/GB (raw {ra * 1e3:6.1f} ms + {rb:6.3f} s/GB)"
-                  f"   ratio >= 256 MiB: {min(big) if big else float('nan'):.2f}x (target >= {target})")
+            print(
+                f"{transport:<11} fit: {a * 1e3:6.1f} ms + {b:6.3f} s/GB (raw {ra * 1e3:6.1f} ms + {rb:6.3f} s/GB)"
+                f"   ratio >= 256 MiB: {min(big) if big else float('nan'):.2f}x (target >= {target})"
+            )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "delta": deltas}, indent=1))
     if args.plot:

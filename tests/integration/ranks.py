@@ -22,12 +22,21 @@ def run_ranks(script: str, world: int, *args: str, timeout: float = 240) -> list
     procs, logs = [], []
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
         log = tempfile.TemporaryFile("w+", dir=log_dir)  # noqa: SIM115 - closed below
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen([sys.executable, script, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        )
     deadline = time.monotonic() + timeout
     try:
         # A rank that fails leaves the others blocked in a collective: stop them at once.

@@ -23,8 +23,12 @@ def _start(tmp: Path, steps: int, *flags: str) -> tuple[subprocess.Popen, RunPat
     cfg = tmp / "cfg.toml"
     cfg.write_text(TINY_RL.format(steps=steps))
     out = tmp / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return proc, RunPaths(out)
 
 
@@ -48,8 +52,9 @@ def _server_pid(paths: RunPaths, index: int) -> int:
 @pytest.mark.parametrize("transport", ["filesystem", "collective"])
 def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path, transport: str) -> None:
     steps = 200  # a tiny step takes ~0.15 s: long enough for the restarted server to come back
-    launcher, paths = _start(tmp_path, steps, "--deployment.num-inference-servers", "2",
-                             "--trainer.broadcast.transport", transport)
+    launcher, paths = _start(
+        tmp_path, steps, "--deployment.num-inference-servers", "2", "--trainer.broadcast.transport", transport
+    )
     try:
         _wait(lambda: _published_steps(paths) >= 2, 240, "two published batches")
         victim = _server_pid(paths, 1)
@@ -66,7 +71,11 @@ def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path, 
     orch = paths.log_file("orchestrator").read_text()
     assert "inference server 1 (" in orch and "is down" in orch
     assert "is back (pid" in orch and "policy loaded and verified" in orch
-    rows = [m for m in read_metrics(paths.metrics_file) if m["role"] == "orchestrator" and "inference/server_restarts" in m]
+    rows = [
+        m
+        for m in read_metrics(paths.metrics_file)
+        if m["role"] == "orchestrator" and "inference/server_restarts" in m
+    ]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     assert rows[-1]["inference/server_restarts"] == 1 and rows[-1]["inference/servers_up"] == 2
     assert min(m["inference/servers_up"] for m in rows) == 1  # steps were trained on one server meanwhile
@@ -83,8 +92,9 @@ def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path, 
 @pytest.mark.timeout(300)
 def test_the_only_server_never_answering_again_ends_the_run_naming_it(tmp_path: Path) -> None:
     # SIGSTOP: the process lives (so its supervisor does not restart it) but never answers again.
-    launcher, paths = _start(tmp_path, 200, "--orchestrator.server-down-timeout-s", "8",
-                             "--orchestrator.request-timeout-s", "4")
+    launcher, paths = _start(
+        tmp_path, 200, "--orchestrator.server-down-timeout-s", "8", "--orchestrator.request-timeout-s", "4"
+    )
     stopped = None
     try:
         _wait(lambda: _published_steps(paths) >= 1, 240, "a published batch")

@@ -26,10 +26,24 @@ def test_demo_script_shortened(tmp_path: Path) -> None:
         "DEMO_RL_ARGS": "--orchestrator.batch-size 32 --orchestrator.eval.num-examples 8",
         "PYTHONUNBUFFERED": "1",
     }
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+    ):
         env.pop(var, None)
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "demo.sh")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]
 

@@ -20,9 +20,23 @@ def test_demo_dry_run_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [*_hpcrl(), "run", "@", str(REPO / "configs/demo/rl.toml"), "--dry-run", "--output-dir", str(out),
-         "--ckpt.interval", "5", "--no-wandb"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+        [
+            *_hpcrl(),
+            "run",
+            "@",
+            str(REPO / "configs/demo/rl.toml"),
+            "--dry-run",
+            "--output-dir",
+            str(out),
+            "--ckpt.interval",
+            "5",
+            "--no-wandb",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
@@ -30,4 +44,8 @@ def test_demo_dry_run_subprocess(tmp_path: Path) -> None:
     assert "checkpoints:  every 5 step(s)" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == ["configs"]
     assert sorted(p.name for p in (out / "configs").iterdir()) == [
-        "inference.toml", "orchestrator.toml", "resolved.toml", "trainer.toml"]
+        "inference.toml",
+        "orchestrator.toml",
+        "resolved.toml",
+        "trainer.toml",
+    ]

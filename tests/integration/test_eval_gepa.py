@@ -21,8 +21,9 @@ VF_ENV = "tests.integration.vf_env_fixture:load_environment"
 
 def hpcrl(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", *args], capture_output=True, text=True, env=env, timeout=400
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -33,10 +34,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def test_eval_writes_one_line_per_rollout_and_a_summary(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval"
-    proc = hpcrl("eval", VF_ENV, "-m", str(tiny_model_dir), "-n", "8", "-r", "3", "-t", "8", "--output-dir", str(out))
+    proc = hpcrl(
+        "eval", VF_ENV, "-m", str(tiny_model_dir), "-n", "8", "-r", "3", "-t", "8", "--output-dir", str(out)
+    )
     rows = read_jsonl(out / "results.jsonl")
     assert len(rows) == 24
-    assert sorted((r["example_id"], r["rollout_index"]) for r in rows) == [(e, i) for e in range(8) for i in range(3)]
+    assert sorted((r["example_id"], r["rollout_index"]) for r in rows) == [
+        (e, i) for e in range(8) for i in range(3)
+    ]
     for r in rows:
         assert isinstance(r["reward"], float) and r["error"] is None
         assert r["prompt"][-1]["role"] == "user" and r["completion"][0]["role"] == "assistant"
@@ -51,8 +56,25 @@ def test_eval_writes_one_line_per_rollout_and_a_summary(tiny_model_dir: Path, tm
 
 def test_gepa_writes_its_files_keeps_the_budget_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "gepa"
-    args = ("gepa", "run", VF_ENV, "-m", str(tiny_model_dir), "-n", "8", "-N", "6", "--minibatch-size", "3",
-            "-t", "8", "--state-columns", "answer", "--output-dir", str(out))
+    args = (
+        "gepa",
+        "run",
+        VF_ENV,
+        "-m",
+        str(tiny_model_dir),
+        "-n",
+        "8",
+        "-N",
+        "6",
+        "--minibatch-size",
+        "3",
+        "-t",
+        "8",
+        "--state-columns",
+        "answer",
+        "--output-dir",
+        str(out),
+    )
     hpcrl(*args, "-B", "30")
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["total_metric_calls"] <= 30 and meta["best_score"] >= meta["base_score"]
@@ -61,7 +83,9 @@ def test_gepa_writes_its_files_keeps_the_budget_and_resumes(tiny_model_dir: Path
     best = (out / "best_prompt.txt").read_text()
     assert best == (out / "system_prompt.txt").read_text() and best.strip() == meta["best_prompt"].strip()
     frontier = read_jsonl(out / "pareto_frontier.jsonl")
-    assert len(frontier) == 6 and all(f["candidates"] and len(f["prompts"]) == len(f["candidates"]) for f in frontier)
+    assert len(frontier) == 6 and all(
+        f["candidates"] and len(f["prompts"]) == len(f["candidates"]) for f in frontier
+    )
     assert len(read_jsonl(out / "results.jsonl")) == 6
 
     # A second invocation with a larger budget continues the same search.
@@ -74,6 +98,20 @@ def test_gepa_writes_its_files_keeps_the_budget_and_resumes(tiny_model_dir: Path
 
     # The optimised prompt plugs into eval (and training) through system_prompt_file.
     ev = tmp_path / "eval_best"
-    hpcrl("eval", VF_ENV, "-m", str(tiny_model_dir), "-n", "2", "-r", "1", "-t", "4",
-          "-a", json.dumps({"system_prompt_file": str(out / "best_prompt.txt")}), "--output-dir", str(ev))
+    hpcrl(
+        "eval",
+        VF_ENV,
+        "-m",
+        str(tiny_model_dir),
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "-t",
+        "4",
+        "-a",
+        json.dumps({"system_prompt_file": str(out / "best_prompt.txt")}),
+        "--output-dir",
+        str(ev),
+    )
     assert {r["prompt"][0]["content"] for r in read_jsonl(ev / "results.jsonl")} == {best.strip()}

@@ -29,9 +29,22 @@ def test_demo_runs_two_steps_from_a_hub_id_in_the_cache(tiny_model_dir: Path, tm
     hf_home = tmp_path / "hf"
     snap = seed_cache(tiny_model_dir, HUB_ID, hf_home / "hub")
     out = tmp_path / "run"
-    r = subprocess.run(_hpcrl("run", str(REPO / "configs/demo/rl.toml"), "--model.name", HUB_ID, "--max-steps", "2",
-                              "--output-dir", str(out)),
-                       capture_output=True, text=True, env=_offline_env(hf_home), timeout=280)
+    r = subprocess.run(
+        _hpcrl(
+            "run",
+            str(REPO / "configs/demo/rl.toml"),
+            "--model.name",
+            HUB_ID,
+            "--max-steps",
+            "2",
+            "--output-dir",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        env=_offline_env(hf_home),
+        timeout=280,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "step    2/2" in r.stdout and "hpcrl: run finished" in r.stdout
     # The trainer really loaded the cached snapshot (not a built-in tiny model).
@@ -39,22 +52,50 @@ def test_demo_runs_two_steps_from_a_hub_id_in_the_cache(tiny_model_dir: Path, tm
 
 
 def test_unknown_hub_id_offline_fails_in_one_line(tmp_path: Path) -> None:
-    r = subprocess.run(_hpcrl("run", str(REPO / "configs/demo/rl.toml"), "--model.name", "tiny-org/absent",
-                              "--output-dir", str(tmp_path / "run")),
-                       capture_output=True, text=True, env=_offline_env(tmp_path / "hf"), timeout=120)
+    r = subprocess.run(
+        _hpcrl(
+            "run",
+            str(REPO / "configs/demo/rl.toml"),
+            "--model.name",
+            "tiny-org/absent",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ),
+        capture_output=True,
+        text=True,
+        env=_offline_env(tmp_path / "hf"),
+        timeout=120,
+    )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: model.name: 'tiny-org/absent'"), r.stderr
 
 
-def test_submit_renders_an_offline_job_reading_the_submitters_cache(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_submit_renders_an_offline_job_reading_the_submitters_cache(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     hf_home = tmp_path / "hf"
     seed_cache(tiny_model_dir, HUB_ID, hf_home / "hub")
     out = tmp_path / "run"
-    r = subprocess.run(_hpcrl("submit", str(REPO / "configs/demo/rl.toml"), "--model.name", HUB_ID, "--nodes", "2",
-                              "--slurm.gpus-per-node", "0",
-                              "--dry-run", "--output-dir", str(out)),
-                       capture_output=True, text=True, env=_offline_env(hf_home), timeout=120)
+    r = subprocess.run(
+        _hpcrl(
+            "submit",
+            str(REPO / "configs/demo/rl.toml"),
+            "--model.name",
+            HUB_ID,
+            "--nodes",
+            "2",
+            "--slurm.gpus-per-node",
+            "0",
+            "--dry-run",
+            "--output-dir",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        env=_offline_env(hf_home),
+        timeout=120,
+    )
     assert r.returncode in (0, 1), r.stderr  # 1: a local sbatch --test-only may reject the partition
     from hpcrl.paths import RunPaths
 
@@ -62,8 +103,9 @@ def test_submit_renders_an_offline_job_reading_the_submitters_cache(tiny_model_d
     assert "export HF_HUB_OFFLINE=1" in script and f"export HF_HUB_CACHE={hf_home / 'hub'}" in script
 
 
-def test_job_env_downloads_every_hub_id_first(tiny_model_dir: Path, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_env_downloads_every_hub_id_first(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from hpcrl.config import load
     from hpcrl.config.errors import ConfigError
     from hpcrl.models import hub
@@ -74,7 +116,9 @@ def test_job_env_downloads_every_hub_id_first(tiny_model_dir: Path, tmp_path: Pa
     seed_cache(tiny_model_dir, HUB_ID, cache)
     calls: list[str] = []
     real = hub.resolve_hub
-    monkeypatch.setattr(hub, "resolve_hub", lambda n, **kw: calls.append(n) or real(n, cache_dir=str(cache), **kw))
+    monkeypatch.setattr(
+        hub, "resolve_hub", lambda n, **kw: calls.append(n) or real(n, cache_dir=str(cache), **kw)
+    )
     cfg = load(["--model.name", HUB_ID], require_envs=False).config
     assert hub.job_env(cfg, download=True) == {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
     assert calls == [HUB_ID]  # once, although every section names it

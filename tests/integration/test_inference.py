@@ -29,11 +29,12 @@ def model(tiny_model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
 
 
-def reference_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0,
-                       top_k: int = 0) -> list[float]:
+def reference_logprobs(
+    model, prompt: list[int], completion: list[int], temperature: float = 1.0, top_k: int = 0
+) -> list[float]:
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1: -1].float() / temperature
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     if top_k:
         kth = torch.topk(logits, top_k, dim=1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
@@ -43,9 +44,19 @@ def reference_logprobs(model, prompt: list[int], completion: list[int], temperat
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 20}])
 def test_logprobs_equal_a_direct_forward_pass(inference_server, model, sampling) -> None:
-    r = post(inference_server, "/v1/chat/completions",
-             {"messages": MSGS, "max_tokens": 12, "n": 3, "logprobs": True, "return_token_ids": True,
-              "ignore_eos": True, **sampling})
+    r = post(
+        inference_server,
+        "/v1/chat/completions",
+        {
+            "messages": MSGS,
+            "max_tokens": 12,
+            "n": 3,
+            "logprobs": True,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            **sampling,
+        },
+    )
     assert r.status_code == 200, r.text
     data = r.json()
     prompt = data["prompt_token_ids"]
@@ -54,7 +65,9 @@ def test_logprobs_equal_a_direct_forward_pass(inference_server, model, sampling)
         toks = choice["token_ids"]
         got = [c["logprob"] for c in choice["logprobs"]["content"]]
         assert len(toks) == len(got) == 12
-        want = reference_logprobs(model, prompt, toks, sampling.get("temperature", 1.0), sampling.get("top_k", 0))
+        want = reference_logprobs(
+            model, prompt, toks, sampling.get("temperature", 1.0), sampling.get("top_k", 0)
+        )
         assert max(abs(a - b) for a, b in zip(got, want)) < LOGPROB_ATOL
         assert choice["policy_steps"] == [0]
         entry = choice["logprobs"]["content"][0]
@@ -63,8 +76,11 @@ def test_logprobs_equal_a_direct_forward_pass(inference_server, model, sampling)
 
 def test_tokenize_matches_the_chat_prompt(inference_server) -> None:
     tok = post(inference_server, "/tokenize", {"messages": MSGS, "add_generation_prompt": True}).json()
-    chat = post(inference_server, "/v1/chat/completions",
-                {"messages": MSGS, "max_tokens": 2, "return_token_ids": True}).json()
+    chat = post(
+        inference_server,
+        "/v1/chat/completions",
+        {"messages": MSGS, "max_tokens": 2, "return_token_ids": True},
+    ).json()
     assert tok["tokens"] == chat["prompt_token_ids"] and tok["count"] == len(tok["tokens"])
     assert tok["max_model_len"] == 2048
     models = httpx.get(f"{inference_server.base_url}/v1/models").json()["data"]
@@ -81,9 +97,18 @@ def test_seed_reproduces_a_completion(inference_server) -> None:
 
 
 def test_n_choices_and_completions_with_token_prompt(inference_server) -> None:
-    r = post(inference_server, "/v1/completions",
-             {"prompt": [5, 6, 7, 8], "n": 4, "max_tokens": 5, "logprobs": 2, "return_token_ids": True,
-              "ignore_eos": True}).json()
+    r = post(
+        inference_server,
+        "/v1/completions",
+        {
+            "prompt": [5, 6, 7, 8],
+            "n": 4,
+            "max_tokens": 5,
+            "logprobs": 2,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    ).json()
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
     assert r["prompt_token_ids"] == [5, 6, 7, 8]
     for c in r["choices"]:
@@ -94,15 +119,23 @@ def test_n_choices_and_completions_with_token_prompt(inference_server) -> None:
 
 
 def test_greedy_stop_and_max_tokens(inference_server) -> None:
-    body = {"messages": MSGS, "max_tokens": 20, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    body = {
+        "messages": MSGS,
+        "max_tokens": 20,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     a = post(inference_server, "/v1/chat/completions", body).json()["choices"][0]
     b = post(inference_server, "/v1/chat/completions", body).json()["choices"][0]
     assert a["token_ids"] == b["token_ids"] and a["finish_reason"] == "length"
     text = a["message"]["content"]
-    stop = text[len(text) // 2:][:2]
+    stop = text[len(text) // 2 :][:2]
     if stop.strip():
         s = post(inference_server, "/v1/chat/completions", {**body, "stop": [stop]}).json()["choices"][0]
-        assert s["finish_reason"] == "stop" and s["stop_reason"] == stop and stop not in s["message"]["content"]
+        assert (
+            s["finish_reason"] == "stop" and s["stop_reason"] == stop and stop not in s["message"]["content"]
+        )
 
 
 def test_concurrent_requests_are_batched(inference_server) -> None:
@@ -163,7 +196,11 @@ MALFORMED: list[tuple[str, object, int]] = [
     ("/update_weights", {"step": 1, "transport": "carrier-pigeon"}, 400),
     ("/init_broadcaster", {"host": "127.0.0.1", "port": 0, "world_size": 2, "rank": 1}, 400),
     ("/init_broadcaster", {"host": "127.0.0.1", "port": 1234, "world_size": 2, "rank": 5}, 400),
-    ("/init_broadcaster", {"host": "127.0.0.1", "port": 1234, "world_size": 2, "rank": 1, "receivers": 0}, 400),
+    (
+        "/init_broadcaster",
+        {"host": "127.0.0.1", "port": 1234, "world_size": 2, "rank": 1, "receivers": 0},
+        400,
+    ),
     ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/nope"}, 400),
     ("/load_lora_adapter", {}, 400),
     ("/v1/nothing", {}, 404),
@@ -177,6 +214,7 @@ def test_malformed_requests_leave_the_server_healthy(inference_server, tmp_path:
     async def run() -> int:
         sem = asyncio.Semaphore(16)
         async with httpx.AsyncClient(base_url=inference_server.base_url, timeout=60) as c:
+
             async def one(path: str, body: object, status: int) -> None:
                 content = body if isinstance(body, str | bytes) else json.dumps(body)
                 async with sem:
@@ -206,8 +244,13 @@ def test_openai_client_gets_chat_completions_with_logprobs(inference_server) -> 
         client = openai.AsyncOpenAI(base_url=f"{inference_server.base_url}/v1", api_key="unused")
         resp = await client.chat.completions.create(
             model=(await client.models.list()).data[0].id,
-            messages=MSGS, max_tokens=6, logprobs=True, top_logprobs=3, temperature=0.8,
-            extra_body={"return_token_ids": True, "ignore_eos": True})
+            messages=MSGS,
+            max_tokens=6,
+            logprobs=True,
+            top_logprobs=3,
+            temperature=0.8,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
         choice = resp.choices[0]
         assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
         assert len(choice.logprobs.content) == 6
@@ -225,10 +268,17 @@ def test_tool_calls_are_parsed_when_tools_are_given(inference_server) -> None:
     content, calls = extract_tool_calls('ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     assert content == "ok" and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    msgs = [*MSGS, {"role": "assistant", "content": None,
-                    "tool_calls": [{"id": "c1", "type": "function",
-                                    "function": {"name": "add", "arguments": "{\"a\": 1}"}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    msgs = [
+        *MSGS,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
     r = post(inference_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "max_tokens": 3})
     assert r.status_code == 200, r.text
 
@@ -239,8 +289,10 @@ def test_seeded_request_is_independent_of_its_batch(inference_server) -> None:
     async def run() -> list[list[int]]:
         async with httpx.AsyncClient(base_url=inference_server.base_url, timeout=60) as c:
             alone = (await c.post("/v1/chat/completions", json=body)).json()
-            others = [c.post("/v1/chat/completions", json={**body, "seed": None, "max_tokens": 8 + i})
-                      for i in range(7)]
+            others = [
+                c.post("/v1/chat/completions", json={**body, "seed": None, "max_tokens": 8 + i})
+                for i in range(7)
+            ]
             crowd = await asyncio.gather(c.post("/v1/chat/completions", json=body), *others)
         return [alone["choices"][0]["token_ids"], crowd[0].json()["choices"][0]["token_ids"]]
 

@@ -28,7 +28,7 @@ def engine(tiny_model_dir: Path):
 def _reference(model, prompt: list[int], completion: list[int]) -> list[float]:
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1: -1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits, 1).gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
@@ -57,7 +57,9 @@ def test_seeded_rows_do_not_depend_on_their_neighbours(engine) -> None:
     prompt = [5, 9, 11, 20, 7]
     seeded = SamplingParams(n=2, max_tokens=12, seed=3, ignore_eos=True, temperature=0.9, top_p=0.95)
     alone = engine.submit(prompt, seeded).result(timeout=60)
-    crowd = [engine.submit([4] * (3 + i), SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True)) for i in range(6)]
+    crowd = [
+        engine.submit([4] * (3 + i), SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True)) for i in range(6)
+    ]
     again = engine.submit(prompt, seeded).result(timeout=60)
     for f in crowd:
         f.result(timeout=60)

@@ -48,14 +48,22 @@ async def greedy(c: InferenceClient) -> dict:
     r = await c.chat_completion(MSGS, **GREEDY)
     ch = r["choices"][0]
     # Random tiny models often repeat one token greedily: compare logprobs too, not only tokens.
-    return {"tokens": ch["token_ids"], "steps": ch["policy_steps"],
-            "out": (ch["token_ids"], [round(x["logprob"], 5) for x in ch["logprobs"]["content"]])}
+    return {
+        "tokens": ch["token_ids"],
+        "steps": ch["policy_steps"],
+        "out": (ch["token_ids"], [round(x["logprob"], 5) for x in ch["logprobs"]["content"]]),
+    }
 
 
 def test_collective_protocol_round_trip() -> None:
     """Odd bucket sizes (chunks inside one tensor and across several), bf16, int and 0-dim tensors."""
-    sd = {"w": torch.randn(37, 11), "b": torch.randn(5).bfloat16(), "i": torch.arange(9), "s": torch.tensor(2.5),
-          "big": torch.randn(70_000)}
+    sd = {
+        "w": torch.randn(37, 11),
+        "b": torch.randn(5).bfloat16(),
+        "i": torch.arange(9),
+        "s": torch.tensor(2.5),
+        "big": torch.randn(70_000),
+    }
 
     def receiver(port: int, got: dict) -> None:
         got["out"] = receive_weights(init_group("127.0.0.1", port, 2, 1, timeout_s=30))
@@ -91,7 +99,9 @@ def test_update_from_path_changes_outputs_and_checksum(server, other_weights) ->
             start = await c.weights()
             before = await greedy(c)
             expected = state_dict_checksum(load_sd(other_weights[1]))
-            r = await c.update_weights(start["step"] + 1, path=str(other_weights[1]), expected_checksum=expected)
+            r = await c.update_weights(
+                start["step"] + 1, path=str(other_weights[1]), expected_checksum=expected
+            )
             assert r["checksum"] == expected != start["checksum"]
             after = await greedy(c)
             assert after["out"] != before["out"] and after["steps"] == [start["step"] + 1]
@@ -109,11 +119,14 @@ def test_update_over_gloo_changes_outputs_and_checksum(server, other_weights) ->
             before = await greedy(c)
             step = (await c.weights())["step"] + 1
             port = free_port()
-            group, _ = await asyncio.gather(asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
-                                            c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60))
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
+                c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60),
+            )
             _, r = await asyncio.gather(
                 asyncio.to_thread(broadcast_weights, group, sd, step, bucket_mb=0.25, checksum=expected),
-                c.update_weights(step, collective=True, expected_checksum=expected))
+                c.update_weights(step, collective=True, expected_checksum=expected),
+            )
             assert r["checksum"] == expected
             after = await greedy(c)
             assert after["out"] != before["out"] and after["steps"] == [step]
@@ -173,11 +186,18 @@ def test_lora_adapter_is_merged_and_listed(server, tmp_path: Path) -> None:
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})
+    )
     g = torch.Generator().manual_seed(0)
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    save_file({f"{prefix}.lora_A.weight": torch.randn(2, 128, generator=g),
-               f"{prefix}.lora_B.weight": torch.randn(128, 2, generator=g)}, str(adapter / "adapter_model.safetensors"))
+    save_file(
+        {
+            f"{prefix}.lora_A.weight": torch.randn(2, 128, generator=g),
+            f"{prefix}.lora_B.weight": torch.randn(128, 2, generator=g),
+        },
+        str(adapter / "adapter_model.safetensors"),
+    )
 
     async def run() -> None:
         async with InferenceClient(server.base_url) as c:
@@ -188,8 +208,11 @@ def test_lora_adapter_is_merged_and_listed(server, tmp_path: Path) -> None:
             after = await c.chat_completion(MSGS, model="reverse-lora", **GREEDY)
             lps = [round(x["logprob"], 5) for x in after["choices"][0]["logprobs"]["content"]]
             assert (after["choices"][0]["token_ids"], lps) != before["out"]
-            bad = httpx.post(f"{server.base_url}/load_lora_adapter",
-                             json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=30)
+            bad = httpx.post(
+                f"{server.base_url}/load_lora_adapter",
+                json={"lora_name": "x", "lora_path": str(tmp_path)},
+                timeout=30,
+            )
             assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
 
     asyncio.run(run())
@@ -231,8 +254,14 @@ def test_delta_sync_from_path_and_over_gloo_is_verified(server, other_weights, t
                 r = await c.update_weights(msg.step, path=msg.path, expected_checksum=msg.checksum)
                 assert r["checksum"] == msg.checksum == state_dict_checksum(sd)
             # a delta whose base the server does not hold is refused and changes nothing
-            stale = PolicyPublisher(RunPaths(tmp_path / "stale"), Bus(RunPaths(tmp_path / "stale"), "trainer", 0,
-                                                                       listen=False), 0, "filesystem", keep=2, delta=True)
+            stale = PolicyPublisher(
+                RunPaths(tmp_path / "stale"),
+                Bus(RunPaths(tmp_path / "stale"), "trainer", 0, listen=False),
+                0,
+                "filesystem",
+                keep=2,
+                delta=True,
+            )
             stale.publish_named(p2, 1)
             stale.publish_named(_perturbed(p2, 3), 2)
             before = await c.weights()
@@ -241,11 +270,15 @@ def test_delta_sync_from_path_and_over_gloo_is_verified(server, other_weights, t
             assert await c.weights() == before
             # over gloo: the same publisher code, collective transport
             port = free_port()
-            group, _ = await asyncio.gather(asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
-                                            c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60))
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
+                c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60),
+            )
             pub.transport, pub.group = "collective", group
-            _, r = await asyncio.gather(asyncio.to_thread(pub.publish_named, p2, step + 2),
-                                        c.update_weights(step + 2, collective=True))
+            _, r = await asyncio.gather(
+                asyncio.to_thread(pub.publish_named, p2, step + 2),
+                c.update_weights(step + 2, collective=True),
+            )
             msg = bus.latest_policy()
             assert msg.base_step == step + 1 and msg.sync_bytes < 0.1 * msg.num_bytes
             assert r["checksum"] == msg.checksum == state_dict_checksum(p2) == (await c.weights())["checksum"]

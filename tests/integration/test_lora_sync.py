@@ -27,16 +27,37 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("transport", ["filesystem", "collective"])
 def test_lora_run_syncs_only_the_adapter(tmp_path: Path, transport: str) -> None:
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "configs/demo/lora.toml"),
-                        "--output-dir", str(out), "--max-steps", "3", "--ckpt.adapter-interval", "2",
-                        "--orchestrator.train.sampling.max-tokens", "8", "--trainer.broadcast.transport", transport],
-                       capture_output=True, text=True, timeout=540)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "run",
+            str(REPO / "configs/demo/lora.toml"),
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            "3",
+            "--ckpt.adapter-interval",
+            "2",
+            "--orchestrator.train.sampling.max-tokens",
+            "8",
+            "--trainer.broadcast.transport",
+            transport,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     paths = RunPaths(out)
     full = read_message(paths.policy_file(0), PolicyReady)
     assert not full.adapter  # the base goes once, in full
-    sync = {m["step"]: m["weights/sync_bytes"] for m in read_metrics(paths.metrics_file)
-            if m.get("role") == "trainer" and "weights/sync_bytes" in m}
+    sync = {
+        m["step"]: m["weights/sync_bytes"]
+        for m in read_metrics(paths.metrics_file)
+        if m.get("role") == "trainer" and "weights/sync_bytes" in m
+    }
     assert sorted(sync) == [1, 2, 3]
     for step in (1, 2, 3):
         msg = read_message(paths.policy_file(step), PolicyReady)
@@ -89,15 +110,23 @@ def test_lora_over_gloo_broadcasts_only_the_adapter(tiny_model_dir: Path, tmp_pa
 
     async def out(c: InferenceClient, model_name: str | None = None) -> tuple:
         ch = (await c.chat_completion(msgs, model=model_name, **greedy))["choices"][0]
-        return ch["token_ids"], [round(x["logprob"], 5) for x in ch["logprobs"]["content"]], ch["policy_steps"]
+        return (
+            ch["token_ids"],
+            [round(x["logprob"], 5) for x in ch["logprobs"]["content"]],
+            ch["policy_steps"],
+        )
 
     async def run() -> None:
         port = _free_port()
         pub_bus = Bus(paths, "trainer", 0, listen=False)
-        sync = PolicySync(paths, Bus(paths, "orchestrator", listen=False), [srv.base_url], "collective", 60, 60)
+        sync = PolicySync(
+            paths, Bus(paths, "orchestrator", listen=False), [srv.base_url], "collective", 60, 60
+        )
         async with InferenceClient(srv.base_url) as c:
-            group, _ = await asyncio.gather(asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
-                                            c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60))
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
+                c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60),
+            )
             pub = PolicyPublisher(paths, pub_bus, 0, "collective", keep=2, weight_group=group)
             outputs, full_bytes = {}, 0
             for step in (0, 1, 2):
@@ -132,7 +161,9 @@ def test_lora_over_gloo_broadcasts_only_the_adapter(tiny_model_dir: Path, tmp_pa
             # A corrupt broadcast (the checksum does not match the adapter) is refused.
             bad = adapter_tensors(model)
             cfg = {"r": 4, "lora_alpha": 8}
-            sent = asyncio.to_thread(broadcast_weights, group, bad, 3, checksum="xxh3_128:" + "0" * 32, adapter=cfg)
+            sent = asyncio.to_thread(
+                broadcast_weights, group, bad, 3, checksum="xxh3_128:" + "0" * 32, adapter=cfg
+            )
             with pytest.raises(WeightSyncError, match="checksum"):
                 await asyncio.gather(sent, c.update_weights(3, collective=True))
         await sync.aclose()

@@ -30,7 +30,9 @@ def warm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("variant", ["plain", "lora", "warm"])
-def test_meta_init_equals_full_load(variant: str, tiny_model_dir: Path, warm_dir: Path, tmp_path: Path) -> None:
+def test_meta_init_equals_full_load(
+    variant: str, tiny_model_dir: Path, warm_dir: Path, tmp_path: Path
+) -> None:
     run_ranks(__file__, 2, variant, str(tiny_model_dir), str(warm_dir), str(tmp_path))
     r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for res in r:
@@ -65,12 +67,23 @@ def _rank_batch(rank: int, vocab: int):
     rng = np.random.default_rng(100 + rank)
     lens = rng.integers(8, 20, size=4)
     mask = np.concatenate([np.arange(n) >= n // 2 for n in lens])
-    return TrainBatch(step=1, rank=rank, world_size=2, input_ids=rng.integers(3, vocab, size=int(lens.sum())),
-                      position_ids=np.concatenate([np.arange(n) for n in lens]), seq_lens=lens, loss_mask=mask,
-                      advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
-                      inference_logprobs=np.where(mask, -4.0, 0.0).astype(np.float32),
-                      policy_versions=np.zeros(4), temperatures=np.ones(4), env_names=["x"] * 4,
-                      example_ids=np.arange(4), rewards=np.zeros(4), total_loss_tokens=0)
+    return TrainBatch(
+        step=1,
+        rank=rank,
+        world_size=2,
+        input_ids=rng.integers(3, vocab, size=int(lens.sum())),
+        position_ids=np.concatenate([np.arange(n) for n in lens]),
+        seq_lens=lens,
+        loss_mask=mask,
+        advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
+        inference_logprobs=np.where(mask, -4.0, 0.0).astype(np.float32),
+        policy_versions=np.zeros(4),
+        temperatures=np.ones(4),
+        env_names=["x"] * 4,
+        example_ids=np.arange(4),
+        rewards=np.zeros(4),
+        total_loss_tokens=0,
+    )
 
 
 def _whole_copies(shape: tuple[int, ...], nbytes: int) -> list[str]:
@@ -132,11 +145,21 @@ def _worker(variant: str, model_dir: str, warm_dir: str, out: str) -> None:
         opt = optim.build_optimizer(model, "adamw", lr=1e-2)
         sched = optim.build_scheduler(opt, "constant", warmup_steps=0, total_steps=10)
         tr = Training(model, None, opt, sched, device, model_dir, env, prec)
-        losses[name] = [train_step(tr, _batch(env.rank, vocab), LossParams(), 64, 1.0).stats["loss"] for _ in range(2)]
-    res = {"state_equal": not diff and sd_meta.keys() == sd_full.keys(), "state_diff": diff[:5],
-           "buffers_equal": buffers_equal, "buffer_names": sorted(bm), "tied": tied,
-           "losses_meta": losses["meta"], "losses_full": losses["full"], "whole_copies_alive": whole, "control": control,
-           "warm_applied": warm_applied}
+        losses[name] = [
+            train_step(tr, _batch(env.rank, vocab), LossParams(), 64, 1.0).stats["loss"] for _ in range(2)
+        ]
+    res = {
+        "state_equal": not diff and sd_meta.keys() == sd_full.keys(),
+        "state_diff": diff[:5],
+        "buffers_equal": buffers_equal,
+        "buffer_names": sorted(bm),
+        "tied": tied,
+        "losses_meta": losses["meta"],
+        "losses_full": losses["full"],
+        "whole_copies_alive": whole,
+        "control": control,
+        "warm_applied": warm_applied,
+    }
     Path(out, f"rank{env.rank}.json").write_text(json.dumps(res))
     parallel.barrier()
     parallel.destroy_distributed()

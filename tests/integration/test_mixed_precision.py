@@ -49,14 +49,21 @@ def test_bf16_mixed_matches_fp32_and_publishes_bf16(tiny_model_dir: Path, tmp_pa
         assert mixed["forward_weight_dtypes"] == ["torch.bfloat16"]  # the forward really runs in bf16
         for run_res in (fp32, mixed):
             # master weights, their gradients and AdamW state stay fp32; reductions run in fp32
-            assert run_res["param_dtypes"] == run_res["grad_dtypes"] == run_res["optim_state_dtypes"] == ["torch.float32"]
+            assert (
+                run_res["param_dtypes"]
+                == run_res["grad_dtypes"]
+                == run_res["optim_state_dtypes"]
+                == ["torch.float32"]
+            )
             assert run_res["reduce_scatter_dtypes"] == ["torch.float32"]
         assert len(fp32["losses"]) == len(mixed["losses"]) == STEPS
         diffs = [abs(a - b) for a, b in zip(fp32["losses"], mixed["losses"], strict=True)]
         assert max(diffs) <= LOSS_ATOL, (fp32["losses"], mixed["losses"])
         assert max(diffs) > 0  # bf16 rounding is visible: the two paths did not silently coincide
-        assert mixed["precision"] == "bf16-mixed: bf16 compute over fp32 master weights + optimizer state, fp32 " \
-                                     "gradient reduce, bf16 policy published"
+        assert (
+            mixed["precision"] == "bf16-mixed: bf16 compute over fp32 master weights + optimizer state, fp32 "
+            "gradient reduce, bf16 policy published"
+        )
 
     bus = Bus(RunPaths(run), role="orchestrator", listen=False)
     try:
@@ -64,11 +71,14 @@ def test_bf16_mixed_matches_fp32_and_publishes_bf16(tiny_model_dir: Path, tmp_pa
     finally:
         bus.close()
     sent = load_file(str(Path(pol.path) / "model.safetensors"))
-    assert {str(t.dtype) for t in sent.values()} == {"torch.bfloat16"}  # the inference dtype, not the master's
+    assert {str(t.dtype) for t in sent.values()} == {
+        "torch.bfloat16"
+    }  # the inference dtype, not the master's
     assert state_dict_checksum(sent) == pol.checksum  # the checksum covers exactly what was sent
 
     srv = InferenceServer(tiny_model_dir, tmp_path / "srv", "--inference.dtype", "bfloat16")
     try:
+
         async def load() -> dict:
             async with InferenceClient(srv.base_url) as c:
                 return await c.update_weights(STEPS, path=pol.path, expected_checksum=pol.checksum)
@@ -97,12 +107,23 @@ def _rank_batch(rank: int, step: int, vocab: int):
     rng = np.random.default_rng(1000 * step + rank)
     lens = rng.integers(10, 24, size=4)
     mask = np.concatenate([np.arange(n) >= n // 2 for n in lens])
-    return TrainBatch(step=step, rank=rank, world_size=2, input_ids=rng.integers(3, vocab, size=int(lens.sum())),
-                      position_ids=np.concatenate([np.arange(n) for n in lens]), seq_lens=lens, loss_mask=mask,
-                      advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
-                      inference_logprobs=np.where(mask, -5.0, 0.0).astype(np.float32),
-                      policy_versions=np.zeros(4), temperatures=np.ones(4), env_names=["x"] * 4,
-                      example_ids=np.arange(4), rewards=np.zeros(4), total_loss_tokens=0)
+    return TrainBatch(
+        step=step,
+        rank=rank,
+        world_size=2,
+        input_ids=rng.integers(3, vocab, size=int(lens.sum())),
+        position_ids=np.concatenate([np.arange(n) for n in lens]),
+        seq_lens=lens,
+        loss_mask=mask,
+        advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
+        inference_logprobs=np.where(mask, -5.0, 0.0).astype(np.float32),
+        policy_versions=np.zeros(4),
+        temperatures=np.ones(4),
+        env_names=["x"] * 4,
+        example_ids=np.arange(4),
+        rewards=np.zeros(4),
+        total_loss_tokens=0,
+    )
 
 
 def _observe(model, opt) -> dict[str, set]:
@@ -112,8 +133,9 @@ def _observe(model, opt) -> dict[str, set]:
 
     from hpcrl.trainer.parallel import decoder_layers
 
-    seen: dict[str, set] = {k: set() for k in ("forward_weight_dtypes", "reduce_scatter_dtypes", "grad_dtypes",
-                                               "param_dtypes")}
+    seen: dict[str, set] = {
+        k: set() for k in ("forward_weight_dtypes", "reduce_scatter_dtypes", "grad_dtypes", "param_dtypes")
+    }
 
     class Recording(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, *args, **kwargs):
@@ -124,7 +146,9 @@ def _observe(model, opt) -> dict[str, set]:
         if isinstance(m, FSDPModule):
             m.set_custom_reduce_scatter(Recording())
     proj = decoder_layers(model)[0].self_attn.q_proj
-    proj.register_forward_pre_hook(lambda mod, _args: seen["forward_weight_dtypes"].add(str(mod.weight.dtype)))
+    proj.register_forward_pre_hook(
+        lambda mod, _args: seen["forward_weight_dtypes"].add(str(mod.weight.dtype))
+    )
 
     def before_step(optimizer, _args, _kwargs):
         for g in optimizer.param_groups:
@@ -161,11 +185,19 @@ def _worker(model_dir: str, run_dir: str, out: str) -> None:
         tr = Training(model, None, opt, optim.build_scheduler(opt, "constant"), device, model_dir, env, prec)
         seen = _observe(model, opt)
         vocab = model.config.vocab_size
-        losses = [train_step(tr, _batch(env.rank, s, vocab), LossParams(), 64, 1.0).stats["loss"]
-                  for s in range(1, STEPS + 1)]
-        state = {str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
-        res[dtype] = {"losses": losses, "optim_state_dtypes": sorted(state), "precision": prec.describe(),
-                      **{k: sorted(v) for k, v in seen.items()}}
+        losses = [
+            train_step(tr, _batch(env.rank, s, vocab), LossParams(), 64, 1.0).stats["loss"]
+            for s in range(1, STEPS + 1)
+        ]
+        state = {
+            str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+        }
+        res[dtype] = {
+            "losses": losses,
+            "optim_state_dtypes": sorted(state),
+            "precision": prec.describe(),
+            **{k: sorted(v) for k, v in seen.items()},
+        }
     paths = RunPaths(run_dir)
     bus = Bus(paths, role="trainer", rank=env.rank)
     PolicyPublisher(paths, bus, env.rank, "filesystem", keep=2, dtype=prec.compute).publish(model, STEPS)

@@ -22,20 +22,45 @@ from hpcrl.paths import RunPaths
 from tests.conftest import InferenceServer, rl_toml
 
 CONFIG = rl_toml(
-    "{max_steps}", seq_len=256, model="{model}", batch_size=8, max_tokens=12,
+    "{max_steps}",
+    seq_len=256,
+    model="{model}",
+    batch_size=8,
+    max_tokens=12,
     top='output_dir = "{run}"\ndeterministic = {deterministic}\n',
     orchestrator="max_async_level = 1\nmax_concurrent = 16\nrequest_timeout_s = 60\npolicy_timeout_s = 60\n",
     tables='args = {{ num_examples = 50 }}\n[trainer.broadcast]\ntransport = "filesystem"\n'
-           "[deployment]\nnum_inference_servers = 1\n[orchestrator.advantage]\nzero_advantage = \"keep\"\n")
+    '[deployment]\nnum_inference_servers = 1\n[orchestrator.advantage]\nzero_advantage = "keep"\n',
+)
 
 # Eval on the base model (step 0) and every 2 steps, 4 examples x 2 rollouts.
-EVAL = ("--orchestrator.eval.interval", "2", "--orchestrator.eval.num-examples", "4",
-        "--orchestrator.eval.rollouts-per-example", "2", "--orchestrator.eval.env", '[{id = "reverse-text", name = "rev"}]')
+EVAL = (
+    "--orchestrator.eval.interval",
+    "2",
+    "--orchestrator.eval.num-examples",
+    "4",
+    "--orchestrator.eval.rollouts-per-example",
+    "2",
+    "--orchestrator.eval.env",
+    '[{id = "reverse-text", name = "rev"}]',
+)
 
 REQUIRED_METRICS = (
-    "reward/all/mean", "reward/all/std", "reward/reverse-text/mean", "seq_len/all/mean", "is_truncated/all/mean",
-    "num_turns/all/mean", "empty_rollouts/all", "errored_rollouts/all", "off_policy/mean", "off_policy/dropped",
-    "filter/easy_dropped", "filter/hard_dropped", "time/wait_for_policy", "time/generate", "perf/samples_per_s",
+    "reward/all/mean",
+    "reward/all/std",
+    "reward/reverse-text/mean",
+    "seq_len/all/mean",
+    "is_truncated/all/mean",
+    "num_turns/all/mean",
+    "empty_rollouts/all",
+    "errored_rollouts/all",
+    "off_policy/mean",
+    "off_policy/dropped",
+    "filter/easy_dropped",
+    "filter/hard_dropped",
+    "time/wait_for_policy",
+    "time/generate",
+    "perf/samples_per_s",
 )
 
 
@@ -67,15 +92,21 @@ def model_checksum(model_dir: Path) -> tuple[str, int, int]:
     return state_dict_checksum(tensors), sum(t.numel() for t in tensors.values()), nbytes
 
 
-def start_orchestrator(run: Path, model: Path, max_steps: int = 2, deterministic: bool = False,
-                       extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def start_orchestrator(
+    run: Path, model: Path, max_steps: int = 2, deterministic: bool = False, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     cfg = run / "orch.toml"
-    cfg.write_text(CONFIG.format(run=run, model=model, max_steps=max_steps,
-                                 deterministic=str(deterministic).lower()))
+    cfg.write_text(
+        CONFIG.format(run=run, model=model, max_steps=max_steps, deterministic=str(deterministic).lower())
+    )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
     log = open(run / "orchestrator.out", "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "orchestrator", "@", str(cfg), *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "orchestrator", "@", str(cfg), *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def check_batch(batch: TrainBatch, step: int, prompt_ids_end: list[int]) -> None:
@@ -91,7 +122,7 @@ def check_batch(batch: TrainBatch, step: int, prompt_ids_end: list[int]) -> None
         first = int(np.argmax(mask))
         assert mask.any() and mask[first:].all(), "single turn: the loss mask is exactly the completion"
         # Everything before the completion is prompt, ending with the generation prompt.
-        assert ids[:first].tolist()[-len(prompt_ids_end):] == prompt_ids_end
+        assert ids[:first].tolist()[-len(prompt_ids_end) :] == prompt_ids_end
         assert np.array_equal(batch.position_ids[a:b], np.arange(b - a))
         lp = batch.inference_logprobs[a:b]
         assert np.all(np.isfinite(lp)) and np.all(lp[mask] <= 0) and np.all(lp[~mask] == 0)
@@ -104,7 +135,9 @@ def check_batch(batch: TrainBatch, step: int, prompt_ids_end: list[int]) -> None
 
 
 @pytest.mark.timeout(180)
-def test_orchestrator_publishes_valid_batches(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
+def test_orchestrator_publishes_valid_batches(
+    tiny_model_dir: Path, run_dir: Path, server: InferenceServer
+) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -115,9 +148,18 @@ def test_orchestrator_publishes_valid_batches(tiny_model_dir: Path, run_dir: Pat
     paths = RunPaths(run_dir)
     bus = Bus(paths, role="trainer", rank=0, timeout=90)
     try:
+
         def policy(step: int) -> None:
-            bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(tiny_model_dir),
-                                           checksum=checksum, num_params=nparams, num_bytes=nbytes))
+            bus.publish_policy(
+                PolicyReady(
+                    step=step,
+                    transport="filesystem",
+                    path=str(tiny_model_dir),
+                    checksum=checksum,
+                    num_params=nparams,
+                    num_bytes=nbytes,
+                )
+            )
 
         policy(0)
         for step in (1, 2):
@@ -150,8 +192,16 @@ def run_one_step(model_dir: Path, run_dir: Path, server: InferenceServer, *flags
     bus = Bus(RunPaths(run_dir), role="trainer", rank=0, timeout=90)
     try:
         for step in (0, 1):
-            bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(model_dir),
-                                           checksum=checksum, num_params=nparams, num_bytes=nbytes))
+            bus.publish_policy(
+                PolicyReady(
+                    step=step,
+                    transport="filesystem",
+                    path=str(model_dir),
+                    checksum=checksum,
+                    num_params=nparams,
+                    num_bytes=nbytes,
+                )
+            )
             if step == 0:
                 batch = bus.wait_batch(1, 0)
         assert orch.wait(timeout=60) == 0, (run_dir / "orchestrator.out").read_text()[-3000:]
@@ -166,8 +216,15 @@ def run_one_step(model_dir: Path, run_dir: Path, server: InferenceServer, *flags
 def test_opd_carries_teacher_logprobs(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
     """training_mode = opd with the policy's own server as teacher: the teacher's logprobs of the
     sampled tokens must equal the sampler's (same weights)."""
-    batch = run_one_step(tiny_model_dir, run_dir, server, "--orchestrator.training-mode", "opd",
-                         "--orchestrator.teacher.base-url", server.base_url)
+    batch = run_one_step(
+        tiny_model_dir,
+        run_dir,
+        server,
+        "--orchestrator.training-mode",
+        "opd",
+        "--orchestrator.teacher.base-url",
+        server.base_url,
+    )
     assert batch.teacher_logprobs is not None
     m = batch.loss_mask
     assert np.allclose(batch.teacher_logprobs[m], batch.inference_logprobs[m], atol=1e-3)
@@ -175,7 +232,9 @@ def test_opd_carries_teacher_logprobs(tiny_model_dir: Path, run_dir: Path, serve
 
 
 @pytest.mark.timeout(180)
-def test_verifiers_env_runs_against_our_server(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
+def test_verifiers_env_runs_against_our_server(
+    tiny_model_dir: Path, run_dir: Path, server: InferenceServer
+) -> None:
     """A classic verifiers environment, unchanged, through the adapter against the real server."""
     pytest.importorskip("verifiers")
     env = '[{id = "tests.integration.vf_env_fixture:load_environment", name = "vf-reverse"}]'
@@ -198,8 +257,16 @@ class FakeTrainer:
         self.bus = Bus(self.paths, role="trainer", rank=0, timeout=90)
 
     def policy(self, step: int) -> None:
-        self.bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=str(self.model),
-                                            checksum=self.checksum, num_params=self.nparams, num_bytes=self.nbytes))
+        self.bus.publish_policy(
+            PolicyReady(
+                step=step,
+                transport="filesystem",
+                path=str(self.model),
+                checksum=self.checksum,
+                num_params=self.nparams,
+                num_bytes=self.nbytes,
+            )
+        )
 
     def batch(self, step: int) -> bytes:
         self.bus.wait_batch(step, 0)
@@ -220,8 +287,9 @@ class FakeTrainer:
 CKPT = ("--ckpt.interval", "2")
 
 
-def run_uninterrupted(run: Path, model: Path, steps: int, start: int = 0, extra: tuple[str, ...] = ()
-                      ) -> dict[int, bytes]:
+def run_uninterrupted(
+    run: Path, model: Path, steps: int, start: int = 0, extra: tuple[str, ...] = ()
+) -> dict[int, bytes]:
     """Orchestrator from `start` (0, or a resumed checkpoint) to `steps` against a fake trainer;
     returns the published batch files by step."""
     orch = start_orchestrator(run, model, max_steps=steps, deterministic=True, extra=(*CKPT, *extra))
@@ -241,13 +309,17 @@ def run_uninterrupted(run: Path, model: Path, steps: int, start: int = 0, extra:
 
 
 def prompts(run: Path) -> list[tuple[int, list[int]]]:
-    return [(x["step"], x["example_ids"]) for x in map(json.loads, RunPaths(run).prompts_log.read_text().splitlines())]
+    return [
+        (x["step"], x["example_ids"])
+        for x in map(json.loads, RunPaths(run).prompts_log.read_text().splitlines())
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_resume_continues_the_same_prompts_and_batches(tiny_model_dir: Path, tmp_path: Path,
-                                                       server: InferenceServer) -> None:
+def test_resume_continues_the_same_prompts_and_batches(
+    tiny_model_dir: Path, tmp_path: Path, server: InferenceServer
+) -> None:
     """Kill the orchestrator after checkpoint 2, resume from it: the same prompts in the same order,
     none skipped or repeated, and (deterministic mode) the same batch bytes as an uninterrupted run."""
     steps = 4
@@ -287,7 +359,9 @@ def test_resume_continues_the_same_prompts_and_batches(tiny_model_dir: Path, tmp
         # Same tokens, masks, advantages, ids. Logprobs may differ in the last bits: the hf engine's
         # logits depend on which requests share a decode batch (float reassociation), so two runs
         # are byte-identical only on a batch-invariant server.
-        assert not diff(got[s], reference[s]), f"batch {s} differs from the uninterrupted run: {diff(got[s], reference[s])}"
+        assert not diff(got[s], reference[s]), (
+            f"batch {s} differs from the uninterrupted run: {diff(got[s], reference[s])}"
+        )
 
 
 def diff(a: bytes, b: bytes, logprob_atol: float = 1e-4) -> list[str]:
@@ -302,14 +376,17 @@ def diff(a: bytes, b: bytes, logprob_atol: float = 1e-4) -> list[str]:
         else:
             same = np.array_equal(u, v) if isinstance(u, np.ndarray) else u == v
         if not same:
-            out.append(f"{f}: {u if not isinstance(u, np.ndarray) else u[:40]} != "
-                       f"{v if not isinstance(v, np.ndarray) else v[:40]}")
+            out.append(
+                f"{f}: {u if not isinstance(u, np.ndarray) else u[:40]} != "
+                f"{v if not isinstance(v, np.ndarray) else v[:40]}"
+            )
     return out
 
 
 @pytest.mark.timeout(120)
-def test_multi_turn_rollouts_are_stitched_from_sampled_ids(tiny_model_dir: Path, server: InferenceServer,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_multi_turn_rollouts_are_stitched_from_sampled_ids(
+    tiny_model_dir: Path, server: InferenceServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """alphabet-sort against the real server: turn k>1 prompts are the previous prompt + sampled
     ids + the env's messages, so each rollout is one sequence whose loss mask covers exactly the
     sampled tokens (equality with the chat template is checked in tests/unit/test_orchestrator.py)."""
@@ -354,8 +431,9 @@ def test_multi_turn_rollouts_are_stitched_from_sampled_ids(tiny_model_dir: Path,
 
 
 @pytest.mark.timeout(180)
-def test_uniform_rewards_fill_the_batch_instead_of_stalling(tiny_model_dir: Path, tmp_path: Path,
-                                                            server: InferenceServer) -> None:
+def test_uniform_rewards_fill_the_batch_instead_of_stalling(
+    tiny_model_dir: Path, tmp_path: Path, server: InferenceServer
+) -> None:
     """zero_advantage = "drop" on an environment where every completion scores the same (a mastered
     task): after REFILL_WAVES rounds the batch is filled with those groups (advantage 0, no
     gradient) and the run goes on, instead of failing after MAX_WAVES rounds."""
@@ -365,8 +443,12 @@ def test_uniform_rewards_fill_the_batch_instead_of_stalling(tiny_model_dir: Path
     run = tmp_path / "uniform"
     RunPaths(run).make_dirs()
     announce(server, run)
-    extra = ("--orchestrator.advantage.zero-advantage", "drop", "--orchestrator.train.env",
-             '[{id = "tests.integration.uniform_env", args = {num_examples = 50}}]')
+    extra = (
+        "--orchestrator.advantage.zero-advantage",
+        "drop",
+        "--orchestrator.train.env",
+        '[{id = "tests.integration.uniform_env", args = {num_examples = 50}}]',
+    )
     orch = start_orchestrator(run, tiny_model_dir, max_steps=1, extra=extra)
     trainer = FakeTrainer(run, tiny_model_dir)
     try:
@@ -378,8 +460,16 @@ def test_uniform_rewards_fill_the_batch_instead_of_stalling(tiny_model_dir: Path
         if orch.poll() is None:
             orch.kill()
         trainer.close()
-    assert batch.num_samples == 8 and not batch.advantages.any() and set(batch.env_names) == {"tests.integration.uniform_env"}
-    m = [r for r in read_metrics(RunPaths(run).metrics_file) if r.get("role") == "orchestrator" and r["step"] == 1][0]
+    assert (
+        batch.num_samples == 8
+        and not batch.advantages.any()
+        and set(batch.env_names) == {"tests.integration.uniform_env"}
+    )
+    m = [
+        r
+        for r in read_metrics(RunPaths(run).metrics_file)
+        if r.get("role") == "orchestrator" and r["step"] == 1
+    ][0]
     assert m["filter/zero_advantage_filled"] == 2  # 8 samples = 2 groups of 4
     assert m["filter/zero_advantage_dropped"] >= 2 * REFILL_WAVES
     assert "filled the batch with 2 of them" in (run / "orchestrator.out").read_text()
@@ -387,14 +477,24 @@ def test_uniform_rewards_fill_the_batch_instead_of_stalling(tiny_model_dir: Path
 
 # Last in the module: it leaves the shared server refusing to generate (unverified weights).
 @pytest.mark.timeout(120)
-def test_checksum_mismatch_is_a_loud_error(tiny_model_dir: Path, run_dir: Path, server: InferenceServer) -> None:
+def test_checksum_mismatch_is_a_loud_error(
+    tiny_model_dir: Path, run_dir: Path, server: InferenceServer
+) -> None:
     announce(server, run_dir)
     orch = start_orchestrator(run_dir, tiny_model_dir)
     bus = Bus(RunPaths(run_dir), role="trainer", rank=0)
     try:
         # The weights on disk are the tiny model, but the trainer claims other bytes.
-        bus.publish_policy(PolicyReady(step=0, transport="filesystem", path=str(tiny_model_dir),
-                                       checksum="xxh3_128:" + "0" * 32, num_params=1, num_bytes=4))
+        bus.publish_policy(
+            PolicyReady(
+                step=0,
+                transport="filesystem",
+                path=str(tiny_model_dir),
+                checksum="xxh3_128:" + "0" * 32,
+                num_params=1,
+                num_bytes=4,
+            )
+        )
         assert orch.wait(timeout=90) == 1
     finally:
         if orch.poll() is None:

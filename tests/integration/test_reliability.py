@@ -27,9 +27,14 @@ TRIALS = int(os.environ.get("HPCRL_RELIABILITY_TRIALS", "20"))
 MAX_STEPS = 6
 ROLES = ("trainer", "orchestrator", "inference", "launcher")
 
-CONFIG = rl_toml("{max_steps}", seq_len=64, max_tokens=8, top="deterministic = true\nseed = 11\n",
-                 orchestrator="max_async_level = 1\n",
-                 tables="[trainer.optim]\nlr = 3e-3\n[ckpt]\ninterval = 1\nkeep_last = 2\n")
+CONFIG = rl_toml(
+    "{max_steps}",
+    seq_len=64,
+    max_tokens=8,
+    top="deterministic = true\nseed = 11\n",
+    orchestrator="max_async_level = 1\n",
+    tables="[trainer.optim]\nlr = 3e-3\n[ckpt]\ninterval = 1\nkeep_last = 2\n",
+)
 
 
 def _hpcrl(*args: str) -> list[str]:
@@ -75,8 +80,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     cfg = root / "cfg.toml"
     cfg.write_text(CONFIG.format(max_steps=MAX_STEPS))
     out = root / "reference"
-    r = subprocess.run(_hpcrl("run", str(cfg), "--output-dir", str(out)), env=_env(), capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        _hpcrl("run", str(cfg), "--output-dir", str(out)),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     weights, prompts = _final_state(out)
     return cfg, weights, prompts
@@ -91,13 +101,21 @@ def test_sigkill_random_role_then_resume_is_lossless(reference, tmp_path: Path) 
     for trial in range(TRIALS):
         out = tmp_path / f"trial_{trial}"
         role = ROLES[trial % len(ROLES)] if trial < len(ROLES) else rng.choice(ROLES)
-        launcher = subprocess.Popen(_hpcrl("run", str(cfg), "--output-dir", str(out)), env=_env(),
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        launcher = subprocess.Popen(
+            _hpcrl("run", str(cfg), "--output-dir", str(out)),
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         paths = RunPaths(out)
         # A random moment after the first checkpoint exists (before it there is nothing to resume:
         # a rerun from scratch is the answer, which needs no test) and before the run could end.
         deadline = time.monotonic() + 300
-        while checkpoint.latest_complete(paths) is None and time.monotonic() < deadline and launcher.poll() is None:
+        while (
+            checkpoint.latest_complete(paths) is None
+            and time.monotonic() < deadline
+            and launcher.poll() is None
+        ):
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 3.5))
         victims = [launcher.pid] if role == "launcher" else _role_pids(out, role)
@@ -109,9 +127,16 @@ def test_sigkill_random_role_then_resume_is_lossless(reference, tmp_path: Path) 
                 pass
         launcher.wait(timeout=120)
         time.sleep(0.5)
-        assert not any(_role_pids(out, r) for r in ROLES[:3]), f"trial {trial}: processes outlived the launcher"
-        resumed = subprocess.run(_hpcrl("resume", "--step", "-1", "--output-dir", str(out)), env=_env(),
-                                 capture_output=True, text=True, timeout=600)
+        assert not any(_role_pids(out, r) for r in ROLES[:3]), (
+            f"trial {trial}: processes outlived the launcher"
+        )
+        resumed = subprocess.run(
+            _hpcrl("resume", "--step", "-1", "--output-dir", str(out)),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         detail = f"trial {trial} (killed {role}: {killed}): {resumed.stdout[-1500:]}{resumed.stderr[-1500:]}"
         assert resumed.returncode == 0, detail
         weights, prompts = _final_state(out)
@@ -119,4 +144,6 @@ def test_sigkill_random_role_then_resume_is_lossless(reference, tmp_path: Path) 
         assert weights.keys() == ref_weights.keys()
         assert all(weights[k] == ref_weights[k] for k in weights), f"{detail}\nfinal weights differ"
         report.append((trial, role, killed))
-    assert sum(k for _, _, k in report) >= TRIALS * 3 // 4, f"too few trials actually killed something: {report}"
+    assert sum(k for _, _, k in report) >= TRIALS * 3 // 4, (
+        f"too few trials actually killed something: {report}"
+    )

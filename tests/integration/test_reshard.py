@@ -26,11 +26,25 @@ def _run(mode: str, world: int, model_dir: Path, run_dir: Path, out: Path) -> No
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(model_dir), str(run_dir), str(out)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, mode, str(model_dir), str(run_dir), str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for p in procs:
         text, _ = p.communicate(timeout=240)
         assert p.returncode == 0, text[-3000:]
@@ -130,21 +144,52 @@ def test_run_checkpointed_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     cfg.write_text(TINY_RL.format(steps=3))
     out = tmp_path / "run"
     hpcrl = [sys.executable, "-m", "hpcrl.cli"]
-    r = subprocess.run([*hpcrl, "run", str(cfg), "--output-dir", str(out), "--ckpt", "--ckpt.interval", "2",
-                        "--deployment.num-trainer-ranks", "2"], capture_output=True, text=True, timeout=280)
+    r = subprocess.run(
+        [
+            *hpcrl,
+            "run",
+            str(cfg),
+            "--output-dir",
+            str(out),
+            "--ckpt",
+            "--ckpt.interval",
+            "2",
+            "--deployment.num-trainer-ranks",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     paths = RunPaths(out)
     state = json.loads((paths.orchestrator_ckpt_dir(2) / "state.json").read_text())
     assert state["world_size"] == 2 and state["pending_steps"] == [3]
     prompts = paths.prompts_log.read_text().splitlines()
     paths.complete_file(3).unlink()  # as if the job died while writing checkpoint 3
-    r = subprocess.run([*hpcrl, "resume", "--step", "-1", "--output-dir", str(out),
-                        "--deployment.num-trainer-ranks", "1", "--max-steps", "4"],
-                       capture_output=True, text=True, timeout=280)
+    r = subprocess.run(
+        [
+            *hpcrl,
+            "resume",
+            "--step",
+            "-1",
+            "--output-dir",
+            str(out),
+            "--deployment.num-trainer-ranks",
+            "1",
+            "--max-steps",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "step    4/4" in r.stdout and "hpcrl: run finished" in r.stdout
-    assert "resharding checkpoint step_2: written by 2 trainer rank(s), loading on 1" in \
-        paths.log_file("trainer").read_text()
+    assert (
+        "resharding checkpoint step_2: written by 2 trainer rank(s), loading on 1"
+        in paths.log_file("trainer").read_text()
+    )
     assert "pending batches [3] re-packed" in paths.log_file("orchestrator").read_text()
     after = paths.prompts_log.read_text().splitlines()
     assert after[:3] == prompts[:3] and len(after) == 4  # step 3 trained on the same prompts, none repeated

@@ -62,7 +62,9 @@ def test_a_single_turn_group_is_one_request(server, tiny_model_dir: Path) -> Non
             assert all(lp <= 0 for lp, m in zip(p.logprobs, p.loss_mask) if m)
         assert len({tuple(r.pieces[0].input_ids) for r in g}) > 1  # n independent samples
     again = _groups(server, tiny_model_dir, env, 4, seed=3)
-    assert [[r.pieces[0].input_ids for r in g] for g in groups] == [[r.pieces[0].input_ids for r in g] for g in again]
+    assert [[r.pieces[0].input_ids for r in g] for g in groups] == [
+        [r.pieces[0].input_ids for r in g] for g in again
+    ]
 
 
 def test_a_rollout_failing_before_its_turn_does_not_block_the_group(server, tiny_model_dir: Path) -> None:

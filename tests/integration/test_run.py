@@ -34,15 +34,32 @@ def _hpcrl(*args: str) -> list[str]:
 @pytest.mark.timeout(600)
 def test_two_fsdp_ranks_two_servers_collective_weights(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    r = subprocess.run(_hpcrl("run", str(_cfg(tmp_path, 3)), "--output-dir", str(out), "--ckpt",
-                              "--deployment.num-trainer-ranks", "2", "--deployment.num-inference-servers", "2",
-                              "--trainer.broadcast.transport", "collective"),
-                       capture_output=True, text=True, timeout=540)
+    r = subprocess.run(
+        _hpcrl(
+            "run",
+            str(_cfg(tmp_path, 3)),
+            "--output-dir",
+            str(out),
+            "--ckpt",
+            "--deployment.num-trainer-ranks",
+            "2",
+            "--deployment.num-inference-servers",
+            "2",
+            "--trainer.broadcast.transport",
+            "collective",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     paths = RunPaths(out)
     assert "step    3/3" in r.stdout and "hpcrl: run finished" in r.stdout
     assert checkpoint.latest_complete(paths) == 3
-    assert sorted(p.name for p in paths.trainer_ckpt_dir(3).glob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
+    assert sorted(p.name for p in paths.trainer_ckpt_dir(3).glob("rank_*.json")) == [
+        "rank_0.json",
+        "rank_1.json",
+    ]
     orch = paths.log_file("orchestrator").read_text()
     assert "policy 3 loaded on 2 server(s) (checksum verified" in orch
     assert "collective" in paths.log_file("trainer").read_text()
@@ -56,8 +73,12 @@ def test_two_fsdp_ranks_two_servers_collective_weights(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_dying_role_stops_the_run_and_is_named(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    launcher = subprocess.Popen(_hpcrl("run", str(_cfg(tmp_path, 200)), "--output-dir", str(out)),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        _hpcrl("run", str(_cfg(tmp_path, 200)), "--output-dir", str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     paths = RunPaths(out)
     deadline = time.monotonic() + 180
     while not paths.prompts_log.exists() and time.monotonic() < deadline:
@@ -66,8 +87,13 @@ def test_a_dying_role_stops_the_run_and_is_named(tmp_path: Path) -> None:
     info = json.loads(paths.job_file.read_text())
     assert info["target"] == "local" and info["pid"] == launcher.pid
     # The orchestrator is the launcher's child whose command line says so.
-    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-            and b"orchestrator" in (p / "cmdline").read_bytes() and str(out).encode() in (p / "cmdline").read_bytes()]
+    pids = [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit()
+        and b"orchestrator" in (p / "cmdline").read_bytes()
+        and str(out).encode() in (p / "cmdline").read_bytes()
+    ]
     assert pids
     t0 = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
@@ -77,8 +103,11 @@ def test_a_dying_role_stops_the_run_and_is_named(tmp_path: Path) -> None:
     last = stderr.strip().splitlines()[-1]
     assert "orchestrator was killed by signal 9" in last and str(paths.log_file("orchestrator")) in last
     time.sleep(0.5)
-    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit()
-                 and str(out).encode() in _safe_read(p / "cmdline")]
+    leftovers = [
+        p
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and str(out).encode() in _safe_read(p / "cmdline")
+    ]
     assert not leftovers, "processes outlived the run"
 
 

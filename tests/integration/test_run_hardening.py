@@ -56,14 +56,21 @@ def test_run_key_and_sigterm(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(TINY_RL.format(steps=200))
     env = {k: v for k, v in os.environ.items() if k != "HPCRL_API_KEY"}
-    launcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         paths = RunPaths(out)
         deadline = time.monotonic() + 180
         while not paths.prompts_log.exists() and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert paths.prompts_log.exists(), launcher.stderr.read() if launcher.poll() is not None else "no batch"
+        assert paths.prompts_log.exists(), (
+            launcher.stderr.read() if launcher.poll() is not None else "no batch"
+        )
         url = json.loads(paths.server_file(0).read_text())["base_url"]
         (server_pid,) = _pids(out, "inference")
         key = _environ(server_pid)["HPCRL_API_KEY"]
@@ -72,7 +79,10 @@ def test_run_key_and_sigterm(tmp_path: Path) -> None:
         for route in ("/update_weights", "/pause", "/init_broadcaster"):
             r = httpx.post(url + route, json={"step": 1, "path": str(out)}, timeout=10)
             assert r.status_code == 401, r.text
-        assert httpx.get(url + "/weights", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200
+        assert (
+            httpx.get(url + "/weights", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+            == 200
+        )
         # The key is nowhere in the run directory (configs, logs, bus files).
         for f in out.rglob("*"):
             if f.is_file():

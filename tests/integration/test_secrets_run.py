@@ -79,14 +79,32 @@ def test_hosted_run_with_env_file_and_api_key_leaves_no_secret_on_disk(tmp_path:
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=f"{pkg}{os.pathsep}{REPO}")
     env.pop("JUDGE_TOKEN", None)
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out), "--ckpt",
-                        "--wandb.offline"], capture_output=True, text=True, timeout=540, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "run",
+            str(cfg),
+            "--output-dir",
+            str(out),
+            "--ckpt",
+            "--wandb.offline",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "hpcrl: run finished" in r.stdout
     # The roles started from references, not from "***" (the old redaction broke the env).
     role = tomllib.loads((out / "configs" / "orchestrator.toml").read_text())
-    assert role["orchestrator"]["train"]["env"][0]["args"]["api_key"] == \
-        "${env:HPCRL_SECRET_ORCHESTRATOR_TRAIN_ENV_0_ARGS_API_KEY}"
+    assert (
+        role["orchestrator"]["train"]["env"][0]["args"]["api_key"]
+        == "${env:HPCRL_SECRET_ORCHESTRATOR_TRAIN_ENV_0_ARGS_API_KEY}"
+    )
     assert role["env_files"] == [str(env_file)]
     assert (out / "weights" / "step_2").is_dir() and (out / "checkpoints" / "step_2").is_dir()
     hits = _files_holding(out, [API_KEY.encode(), ENV_FILE_TOKEN.encode()])

@@ -25,37 +25,74 @@ import pytest
 
 KEY = "abuse-test-key-0123456789"
 MSGS = [{"role": "user", "content": "hello"}]
-VALID = {"model": "tiny", "messages": MSGS, "max_tokens": 4, "seed": 7, "temperature": 1.0, "logprobs": True,
-         "return_token_ids": True}
+VALID = {
+    "model": "tiny",
+    "messages": MSGS,
+    "max_tokens": 4,
+    "seed": 7,
+    "temperature": 1.0,
+    "logprobs": True,
+    "return_token_ids": True,
+}
 SURROGATE = '"\\ud800x"'  # a JSON string escape Python decodes to a lone surrogate
 DEEP = "[" * 100_000 + "]" * 100_000
 
 # route -> a valid body; every field of it is then replaced by each BAD value
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {k: v for k, v in VALID.items()},
-    "/v1/completions": {"model": "tiny", "prompt": "hello", "max_tokens": 4, "seed": 7, "n": 1, "logprobs": 0,
-                        "stop": ["x"], "top_p": 0.9},
+    "/v1/completions": {
+        "model": "tiny",
+        "prompt": "hello",
+        "max_tokens": 4,
+        "seed": 7,
+        "n": 1,
+        "logprobs": 0,
+        "stop": ["x"],
+        "top_p": 0.9,
+    },
     "/tokenize": {"model": "tiny", "messages": MSGS, "add_generation_prompt": True},
     "/detokenize": {"model": "tiny", "tokens": [1, 2, 3]},
-    "/init_broadcaster": {"host": "127.0.0.1", "port": 1, "world_size": 2, "rank": 1, "timeout": 1,
-                          "backend": "gloo"},
+    "/init_broadcaster": {
+        "host": "127.0.0.1",
+        "port": 1,
+        "world_size": 2,
+        "rank": 1,
+        "timeout": 1,
+        "backend": "gloo",
+    },
     "/update_weights": {"step": 1, "path": "/nope", "expected_checksum": "x"},
     "/load_lora_adapter": {"lora_name": "a", "lora_path": "/nope"},
 }
 # raw JSON texts of values no field accepts
 BAD = {
-    "surrogate": SURROGATE, "deep": DEEP, "huge-int": str(10**30), "neg-huge": str(-(10**30)),
-    "nan": "NaN", "inf": "Infinity", "object": '{"a": {"b": 1}}', "list-of-null": "[null]",
-    "bool": "true", "neg": "-1", "float": "1.5", "empty-str": '""', "null-byte": '"a\\u0000b"',
+    "surrogate": SURROGATE,
+    "deep": DEEP,
+    "huge-int": str(10**30),
+    "neg-huge": str(-(10**30)),
+    "nan": "NaN",
+    "inf": "Infinity",
+    "object": '{"a": {"b": 1}}',
+    "list-of-null": "[null]",
+    "bool": "true",
+    "neg": "-1",
+    "float": "1.5",
+    "empty-str": '""',
+    "null-byte": '"a\\u0000b"',
 }
 # (route, field) -> BAD labels that are legitimately valid there (the request may then succeed, or fail
 # on another field of the base body, e.g. /update_weights' path outside the run dir)
-VALID_ANYWAY = {("/v1/chat/completions", "temperature"): {"float"}, ("/v1/chat/completions", "logprobs"): {"bool"},
-                ("/v1/chat/completions", "return_token_ids"): {"bool"}, ("/v1/completions", "logprobs"): {"bool"},
-                ("/v1/completions", "stop"): {"null-byte"},
-                ("/v1/completions", "prompt"): {"null-byte"}, ("/tokenize", "add_generation_prompt"): {"bool"},
-                ("/init_broadcaster", "timeout"): {"float"}, ("/update_weights", "expected_checksum"):
-                {"null-byte", "empty-str"}, ("/load_lora_adapter", "lora_name"): {"null-byte"}}
+VALID_ANYWAY = {
+    ("/v1/chat/completions", "temperature"): {"float"},
+    ("/v1/chat/completions", "logprobs"): {"bool"},
+    ("/v1/chat/completions", "return_token_ids"): {"bool"},
+    ("/v1/completions", "logprobs"): {"bool"},
+    ("/v1/completions", "stop"): {"null-byte"},
+    ("/v1/completions", "prompt"): {"null-byte"},
+    ("/tokenize", "add_generation_prompt"): {"bool"},
+    ("/init_broadcaster", "timeout"): {"float"},
+    ("/update_weights", "expected_checksum"): {"null-byte", "empty-str"},
+    ("/load_lora_adapter", "lora_name"): {"null-byte"},
+}
 
 
 def _cases() -> list[Any]:
@@ -90,9 +127,22 @@ class Server:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         env.pop("HPCRL_API_KEY", None)
         self.log = run_dir / "server.log"
-        cmd = [sys.executable, "-m", "hpcrl.cli", "inference", "--model.name", str(model_dir),
-               "--server.port", "0", "--server.api-key", KEY, "--run-dir", str(run_dir),
-               "--inference.max-model-len", "256"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "inference",
+            "--model.name",
+            str(model_dir),
+            "--server.port",
+            "0",
+            "--server.api-key",
+            KEY,
+            "--run-dir",
+            str(run_dir),
+            "--inference.max-model-len",
+            "256",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
         info = RunPaths(run_dir).server_file(0)
         deadline = time.monotonic() + 120
@@ -139,12 +189,14 @@ def server(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("route,field,raw", CASES)
 def test_malformed_field(server, route, field, raw):
     t0 = time.monotonic()
-    r = server.http.post(route, content=_body_text(route, field, raw).encode(),
-                         headers={"Content-Type": "application/json"})
+    r = server.http.post(
+        route, content=_body_text(route, field, raw).encode(), headers={"Content-Type": "application/json"}
+    )
     assert time.monotonic() - t0 < 10
     label = next((k for k, v in BAD.items() if v == raw), "")
-    if label in VALID_ANYWAY.get((route, field), ()) or (field == "__extra__" and raw != DEEP
-                                                         and not raw.startswith('{"\\udc')):
+    if label in VALID_ANYWAY.get((route, field), ()) or (
+        field == "__extra__" and raw != DEEP and not raw.startswith('{"\\udc')
+    ):
         # a join to the base body's closed port fails as a 502: bounded, with a message
         assert r.status_code < 500 or (route == "/init_broadcaster" and r.status_code in (502, 504)), r.text
         return
@@ -164,7 +216,9 @@ def test_server_answers_identically_after_abuse(server):
     assert server.http.get("/health").json()["status"] == "ok"
 
 
-@pytest.mark.parametrize("seed,ok", [(0, True), (2**62, True), (-1, False), (2**63, False), (2**64 + 5, False)])
+@pytest.mark.parametrize(
+    "seed,ok", [(0, True), (2**62, True), (-1, False), (2**63, False), (2**64 + 5, False)]
+)
 def test_seed_bounds(server, seed, ok):
     r = server.http.post("/v1/chat/completions", json={**VALID, "seed": seed})
     assert (r.status_code == 200) == ok, r.text
@@ -185,11 +239,19 @@ def test_surrogates_everywhere(server):
 
 
 def test_unauthenticated_admin_is_401(server):
-    for route in ("/update_weights", "/init_broadcaster", "/load_lora_adapter", "/pause", "/resume",
-                  "/v1/chat/completions", "/weights"):
+    for route in (
+        "/update_weights",
+        "/init_broadcaster",
+        "/load_lora_adapter",
+        "/pause",
+        "/resume",
+        "/v1/chat/completions",
+        "/weights",
+    ):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-            r = httpx.post(server.url + route, json={"step": 1, "path": str(server.run_dir)}, headers=headers,
-                           timeout=10)
+            r = httpx.post(
+                server.url + route, json={"step": 1, "path": str(server.run_dir)}, headers=headers, timeout=10
+            )
             assert r.status_code == 401, (route, headers, r.text)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert server.http.get("/weights").json()["step"] == 0
@@ -200,8 +262,10 @@ def test_broadcaster_join_that_never_completes(server):
         s.bind(("127.0.0.1", 0))
         s.listen()
         t0 = time.monotonic()
-        r = server.http.post("/init_broadcaster", json={"host": "127.0.0.1", "port": s.getsockname()[1],
-                                                        "world_size": 2, "rank": 1, "timeout": 2})
+        r = server.http.post(
+            "/init_broadcaster",
+            json={"host": "127.0.0.1", "port": s.getsockname()[1], "world_size": 2, "rank": 1, "timeout": 2},
+        )
     assert time.monotonic() - t0 < 10
     assert r.status_code in (502, 504) and "broadcast" in r.json()["error"]["message"], r.text
 
@@ -246,8 +310,10 @@ def test_mismatched_lora_refused_at_load(server):
     d.mkdir()
     (d / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
     mod = "base_model.model.model.layers.0.self_attn.q_proj"
-    save_file({f"{mod}.lora_A.weight": torch.zeros(4, 7), f"{mod}.lora_B.weight": torch.zeros(9, 4)},
-              str(d / "adapter_model.safetensors"))
+    save_file(
+        {f"{mod}.lora_A.weight": torch.zeros(4, 7), f"{mod}.lora_B.weight": torch.zeros(9, 4)},
+        str(d / "adapter_model.safetensors"),
+    )
     r = server.http.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(d)})
     assert r.status_code == 400 and "shapes" in r.json()["error"]["message"], r.text
     assert _reference(server) == server.reference

@@ -21,12 +21,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 def write_config(path: Path, model: Path, data: Path, out: Path, **extra: str) -> Path:
     lines = [
-        "max_steps = 4", "seq_len = 64", f'output_dir = "{out}"',
-        "[model]", f'name = "{model}"',
-        "[data]", f'name = "{data}"', "batch_size = 8", "seed = 0",
-        "[val]", "interval = 2", "fraction = 0.1",
-        "[optim]", "lr = 3e-3", "warmup_steps = 1",
-        "[ckpt]", "interval = 2",
+        "max_steps = 4",
+        "seq_len = 64",
+        f'output_dir = "{out}"',
+        "[model]",
+        f'name = "{model}"',
+        "[data]",
+        f'name = "{data}"',
+        "batch_size = 8",
+        "seed = 0",
+        "[val]",
+        "interval = 2",
+        "fraction = 0.1",
+        "[optim]",
+        "lr = 3e-3",
+        "warmup_steps = 1",
+        "[ckpt]",
+        "interval = 2",
     ]
     for k, v in extra.items():
         lines.insert(0, f"{k} = {v}")
@@ -36,10 +47,24 @@ def write_config(path: Path, model: Path, data: Path, out: Path, **extra: str) -
 
 def run_sft(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+    ):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "sft", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "sft", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -67,8 +92,16 @@ def test_sft_run_learns_and_writes_checkpoints_and_weights(sft_run):
     assert m[4]["loss/mean"] < m[1]["loss/mean"] - 0.3
     assert "val/loss" in m[2] and "val/loss" in m[4] and "val/loss" not in m[3]
     assert m[4]["val/loss"] < m[2]["val/loss"]
-    for key in ("progress/epoch", "progress/num_samples", "progress/num_tokens", "optim/grad_norm", "optim/lr",
-                "perf/throughput", "time/step", "time/forward_backward"):
+    for key in (
+        "progress/epoch",
+        "progress/num_samples",
+        "progress/num_tokens",
+        "optim/grad_norm",
+        "optim/lr",
+        "perf/throughput",
+        "time/step",
+        "time/forward_backward",
+    ):
         assert key in m[4], key
     assert m[4]["progress/num_samples"] == 32 and m[4]["progress/epoch"] == pytest.approx(32 / 180)
 
@@ -125,8 +158,13 @@ def test_sft_resume_continues_with_the_next_samples(sft_run, tmp_path):
 
 def test_sft_bad_data_is_one_line_error(tiny_model_dir, tmp_path):
     cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, tmp_path / "missing.jsonl", tmp_path / "run")
-    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert err[-1].startswith("hpcrl: error: data.name: '") and "does not exist" in err[-1]
@@ -146,7 +184,10 @@ def test_sft_two_ranks_fsdp(sft_run, tiny_model_dir, tmp_path):
     from hpcrl import checkpoint
 
     assert checkpoint.verify(paths, 4) is None
-    assert sorted(p.name for p in paths.trainer_ckpt_dir(4).glob("DONE.rank_*")) == ["DONE.rank_0", "DONE.rank_1"]
+    assert sorted(p.name for p in paths.trainer_ckpt_dir(4).glob("DONE.rank_*")) == [
+        "DONE.rank_0",
+        "DONE.rank_1",
+    ]
     m = losses(tmp_path / "run")
     assert m[4]["progress/num_samples"] == 32 and m[4]["loss/mean"] < m[1]["loss/mean"]
 
@@ -156,9 +197,17 @@ def test_sft_two_ranks_user_error_is_one_line(tiny_model_dir, tmp_path):
     error ends the run with the rank's exit code 2 and its one-line message last, no traceback."""
     cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, tmp_path / "missing.jsonl", tmp_path / "run")
     cfg.write_text(cfg.read_text() + "[deployment]\nnum_trainer_ranks = 2\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "MASTER_PORT")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()
     assert err[-1].startswith("hpcrl: error: data.name: '") and "does not exist" in err[-1]
@@ -172,11 +221,21 @@ def test_sft_two_ranks_sigterm_checkpoints_and_stops(sft_run, tiny_model_dir, tm
     _, cfg1 = sft_run
     data = next(cfg1.parent.glob("demo-sft-data/train.jsonl"))
     cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, data, tmp_path / "run")
-    cfg.write_text(cfg.read_text().replace("max_steps = 4", "max_steps = 200").replace("interval = 2", "interval = 100")
-                   + "[deployment]\nnum_trainer_ranks = 2\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)], cwd=REPO, text=True,
-                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cfg.write_text(
+        cfg.read_text().replace("max_steps = 4", "max_steps = 200").replace("interval = 2", "interval = 100")
+        + "[deployment]\nnum_trainer_ranks = 2\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "MASTER_PORT")
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)],
+        cwd=REPO,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     paths = RunPaths(tmp_path / "run")
     deadline = time.monotonic() + 300
     while not (paths.metrics_file.exists() and losses(paths.root)) and time.monotonic() < deadline:
@@ -189,5 +248,8 @@ def test_sft_two_ranks_sigterm_checkpoints_and_stops(sft_run, tiny_model_dir, tm
 
     step = checkpoint.latest_complete(paths)
     assert step is not None and step < 200
-    assert sorted(p.name for p in paths.trainer_ckpt_dir(step).glob("DONE.rank_*")) == ["DONE.rank_0", "DONE.rank_1"]
+    assert sorted(p.name for p in paths.trainer_ckpt_dir(step).glob("DONE.rank_*")) == [
+        "DONE.rank_0",
+        "DONE.rank_1",
+    ]
     assert max(losses(paths.root)) == step

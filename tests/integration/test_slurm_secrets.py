@@ -111,14 +111,21 @@ def test_secret_setup_and_env_files_render_by_reference(tmp_path: Path, monkeypa
 
     cfg_file, env_file = tmp_path / "rl.toml", tmp_path / "judge.env"
     env_file.write_text(f"JUDGE_API_KEY={JUDGE_KEY}\n")  # loaded by the config loader, never rendered
-    cfg_file.write_text(CONFIG.format(steps=2, env_file=env_file, probe="", hf_token=HF_TOKEN, site="/opt/site"))
+    cfg_file.write_text(
+        CONFIG.format(steps=2, env_file=env_file, probe="", hf_token=HF_TOKEN, site="/opt/site")
+    )
     pytest.importorskip("verifiers")
     (tmp_path / "judge_reverse.py").write_text(PACKAGE)  # the env id must name an installed package
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load([str(cfg_file), "--output-dir", "/scratch/runs/secrets"], require_envs=False).config
     paths = RunPaths("/scratch/runs/secrets")
-    spec = build_spec(cfg, slurm_placement(cfg, 3), paths, python="/opt/hpcrl/.venv/bin/python",
-                      scripts=Path("/opt/hpcrl/sbatch"))
+    spec = build_spec(
+        cfg,
+        slurm_placement(cfg, 3),
+        paths,
+        python="/opt/hpcrl/.venv/bin/python",
+        scripts=Path("/opt/hpcrl/sbatch"),
+    )
     text = render(spec, paths)
     check_golden("hetjob_secrets.sbatch", text.replace(str(tmp_path), "/secure"))  # machine-independent
     assert f"set -a; . {env_file}; set +a" in text
@@ -150,8 +157,14 @@ def test_submit_with_secrets_completes_leaves_none_and_resumes(cluster, jobs, tm
     cfg = _write(tmp_path)
     out = tmp_path / "run"
     env = _clean_env(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(cfg), "--nodes", "3", "--output-dir",
-                        str(out)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "submit", str(cfg), "--nodes", "3", "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     paths = RunPaths(out)
     job = str(json.loads(paths.job_file.read_text())["job_id"])
@@ -169,15 +182,50 @@ def test_submit_with_secrets_completes_leaves_none_and_resumes(cluster, jobs, tm
 
     # Resume. The setup line's secret lived only in the first submission's environment: without it,
     # one line naming the variable, exit 2, nothing submitted.
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", "--step", "-1", "--output-dir", str(out),
-                        "--max-steps", "3"], capture_output=True, text=True, timeout=120, env=_clean_env(tmp_path),
-                       cwd=tmp_path)
-    assert r.returncode == 2 and "HPCRL_SECRET_SLURM_SETUP_0" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "resume",
+            "--step",
+            "-1",
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(tmp_path),
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "HPCRL_SECRET_SLURM_SETUP_0" in r.stderr and r.stderr.count("\n") == 1, (
+        r.stderr
+    )
     assert str(json.loads(paths.job_file.read_text())["job_id"]) == job
     # Exporting that one again is enough: the env_file's key is re-read from its file on the nodes.
     env = _clean_env(tmp_path) | {"HPCRL_SECRET_SLURM_SETUP_0": f"export HF_TOKEN={HF_TOKEN}"}
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", "--step", "-1", "--output-dir", str(out),
-                        "--max-steps", "3"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "resume",
+            "--step",
+            "-1",
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0 and "submitted SLURM job" in r.stdout, r.stdout + r.stderr
     job2 = str(json.loads(paths.job_file.read_text())["job_id"])
     jobs.append(job2)

@@ -26,21 +26,28 @@ from tests.integration.tiny_run import TINY_RL
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-CONFIG = TINY_RL + """
+CONFIG = (
+    TINY_RL
+    + """
 [slurm]
 gpus_per_node = 0
 time = "00:20:00"
 [ckpt]
 interval = {interval}
 """
+)
 
 
 def _submit(tmp: Path, steps: int, interval: int) -> tuple[RunPaths, str]:
     cfg = tmp / "cfg.toml"
     cfg.write_text(CONFIG.format(steps=steps, interval=interval))
     out = tmp / "run"
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(cfg), "--nodes", "3", "--output-dir", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "submit", str(cfg), "--nodes", "3", "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     paths = RunPaths(out)
     job_id = json.loads(paths.job_file.read_text())["job_id"]
@@ -74,7 +81,9 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, jobs, tmp_path: Pa
     wait_for(lambda: checkpoint.latest_complete(paths) is not None, 400, "a first checkpoint", every=0.5)
     # What SLURM sends before the time limit or on preemption (--signal=B:USR2@N): to the batch shell.
     subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True)
-    wait_for(lambda: restarts(job_id) >= 1, 330, "the job to requeue itself", every=1)  # checkpoint grace is 285 s
+    wait_for(
+        lambda: restarts(job_id) >= 1, 330, "the job to requeue itself", every=1
+    )  # checkpoint grace is 285 s
     assert release_now(job_id, wait_s=60)  # skip SLURM's ~120 s requeue hold
     state = wait_for(lambda: ended(job_id), 600, "the requeued job to finish", every=2)
     log = _job_log(paths, job_id)
@@ -86,8 +95,23 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, jobs, tmp_path: Pa
     trainer_log = paths.log_file("trainer").read_text()
     assert "resumed trainer state" in trainer_log
     # From a login node: resubmit the finished run to train further; it resumes from step 10.
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", "--step", "-1", "--output-dir", str(paths.root),
-                        "--max-steps", "12"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "resume",
+            "--step",
+            "-1",
+            "--output-dir",
+            str(paths.root),
+            "--max-steps",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "submitted SLURM job" in r.stdout, r.stdout + r.stderr
     job2 = str(json.loads(paths.job_file.read_text())["job_id"])
     jobs.append(job2)
@@ -116,7 +140,9 @@ def test_killing_an_inference_server_restarts_it_and_the_job_completes(cluster, 
     steps = 150  # long enough for the restarted server to come back before the end
     paths, job_id = _submit(tmp_path, steps=steps, interval=steps)
     jobs.append(job_id)
-    wait_for(lambda: paths.prompts_log.exists() and len(_prompt_steps(paths)) >= 2, 300, "two batches", every=0.5)
+    wait_for(
+        lambda: paths.prompts_log.exists() and len(_prompt_steps(paths)) >= 2, 300, "two batches", every=0.5
+    )
     victim = json.loads(paths.server_file(1).read_text())["pid"]
     os.kill(victim, signal.SIGKILL)
     state = wait_for(lambda: ended(job_id), 600, "the job to finish", every=2)
@@ -130,5 +156,9 @@ def test_killing_an_inference_server_restarts_it_and_the_job_completes(cluster, 
     assert "inference server 1 (" in orch and "is back (pid" in orch
     from hpcrl.monitor.metrics import read_metrics
 
-    rows = [m for m in read_metrics(paths.metrics_file) if m["role"] == "orchestrator" and "inference/server_restarts" in m]
+    rows = [
+        m
+        for m in read_metrics(paths.metrics_file)
+        if m["role"] == "orchestrator" and "inference/server_restarts" in m
+    ]
     assert rows[-1]["step"] == steps and rows[-1]["inference/server_restarts"] == 1

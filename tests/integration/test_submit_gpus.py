@@ -22,7 +22,9 @@ from tests.integration.tiny_run import TINY_RL
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 
-CONFIG = TINY_RL + """
+CONFIG = (
+    TINY_RL
+    + """
 [deployment]
 num_train_gpus = 2
 num_infer_gpus = 4
@@ -33,6 +35,7 @@ tp = 2
 gpus_per_node = 4
 time = "00:20:00"
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,12 @@ def gpu_cluster(cluster):  # noqa: F811
 def _submit(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
     cfg = tmp / "cfg.toml"
     cfg.write_text(CONFIG.format(steps=3))
-    return subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(cfg), "--output-dir", str(tmp / "run"),
-                           *extra], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "submit", str(cfg), "--output-dir", str(tmp / "run"), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_gpu_run_places_every_process_on_its_own_gpus(gpu_cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
@@ -74,15 +81,21 @@ def test_gpu_run_places_every_process_on_its_own_gpus(gpu_cluster, jobs, tmp_pat
     assert all(s["port"] for s in servers)  # a real port, advertised
     assert by_role["orchestrator"][0]["gpus"] == []
 
-    status = subprocess.run([sys.executable, "-m", "hpcrl.cli", "status", str(paths.root)],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "status", str(paths.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 0, status.stderr
     rows = [line.split() for line in status.stdout.split("placement:")[1].strip().splitlines()]
     assert rows[0][:4] == ["role", "rank", "node", "gpus"]
     assert sorted(row[3] for row in rows if row[0] == "inference") == ["0,1", "2,3"]
 
 
-def test_dry_run_prints_the_plan_and_rejects_more_gpus_than_the_partition(gpu_cluster, tmp_path: Path) -> None:
+def test_dry_run_prints_the_plan_and_rejects_more_gpus_than_the_partition(
+    gpu_cluster, tmp_path: Path
+) -> None:
     r = _submit(tmp_path, "--dry-run")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "trainer node 0: rank 0 -> GPU 0, rank 1 -> GPU 1" in r.stdout
@@ -95,8 +108,21 @@ def test_dry_run_prints_the_plan_and_rejects_more_gpus_than_the_partition(gpu_cl
 
 
 def test_hosted_single_node_dry_run_requests_one_gpu_each(gpu_cluster, tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(REPO / "configs/hosted/full_ft_single_node.toml"),
-                        "--dry-run", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.cli",
+            "submit",
+            str(REPO / "configs/hosted/full_ft_single_node.toml"),
+            "--dry-run",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     script = (tmp_path / "run" / "slurm" / "hetjob.sbatch").read_text()
     assert script.count("#SBATCH --gpus-per-node=1") == 2 and script.count("#SBATCH --ntasks-per-node=1") == 2

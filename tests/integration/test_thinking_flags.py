@@ -16,10 +16,13 @@ from tests.conftest import InferenceServer
 MARK = "<think></think>"
 # Qwen3-style switch: with enable_thinking = false every assistant turn opens with an empty think block
 # (also when the template renders the generation prompt); reasoning_effort is written into the system turn.
-_SWITCH = ("{%- if enable_thinking is defined and enable_thinking is false %}{{- '" + MARK + "' }}{%- endif %}")
+_SWITCH = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '" + MARK + "' }}{%- endif %}"
 THINKING_TEMPLATE = (
     "{%- if reasoning_effort is defined %}{{- '<|im_start|>system\\neffort=' + reasoning_effort + '<|im_end|>\\n' }}"
-    "{%- endif %}" + CHAT_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n' }}" + _SWITCH)
+    "{%- endif %}"
+    + CHAT_TEMPLATE.replace(
+        "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n' }}" + _SWITCH
+    )
 )
 
 
@@ -44,7 +47,8 @@ def server(thinking_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.timeout(240)
 def test_every_turn_of_a_multi_turn_rollout_is_rendered_with_the_switches(
-        thinking_model: Path, server: InferenceServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    thinking_model: Path, server: InferenceServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers import AutoTokenizer
 
     from hpcrl.config.schema import SamplingConfig
@@ -68,7 +72,8 @@ def test_every_turn_of_a_multi_turn_rollout_is_rendered_with_the_switches(
         pool = ServerPool([server.base_url], model=str(thinking_model), timeout=60, max_concurrent=8)
         try:
             return await Generator(pool, tok, 2048, lambda: 0, seed=1).groups(
-                env, list(env.tasks("train")[:2]), 2, sampling, "t")
+                env, list(env.tasks("train")[:2]), 2, sampling, "t"
+            )
         finally:
             await pool.aclose()
 
@@ -85,10 +90,18 @@ def test_every_turn_of_a_multi_turn_rollout_is_rendered_with_the_switches(
 def test_eval_keeps_the_train_switches_unless_it_sets_its_own() -> None:
     from hpcrl.config import load
 
-    base = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]',
-            "--orchestrator.train.sampling.enable-thinking", "false",
-            "--orchestrator.train.sampling.reasoning-effort", "high",
-            "--orchestrator.eval.sampling.temperature", "0"]
+    base = [
+        "--model.name",
+        "hpcrl/tiny-qwen3",
+        "--orchestrator.train.env",
+        '[{id = "reverse-text"}]',
+        "--orchestrator.train.sampling.enable-thinking",
+        "false",
+        "--orchestrator.train.sampling.reasoning-effort",
+        "high",
+        "--orchestrator.eval.sampling.temperature",
+        "0",
+    ]
     cfg = load(base).config
     from hpcrl.orchestrator.setup import eval_sampling_of
 
@@ -104,13 +117,20 @@ def test_sft_renders_every_turn_with_the_configured_switches(thinking_model: Pat
     from hpcrl.trainer import sft_data as sd
 
     tok = AutoTokenizer.from_pretrained(thinking_model)
-    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+        ]
+    }
     mask = {"system": False, "user": False, "assistant": True, "tool": False}
     conv = sd.row_to_conversation(row, "row", {"enable_thinking": False})
     sample = sd.tokenize_conversation(tok, conv, mask)
     assert tok.decode(sample.input_ids.tolist()).count(MARK) == 2
     # a row's own kwargs win over the config's
-    own = sd.row_to_conversation({**row, "chat_template_kwargs": {"enable_thinking": True}}, "row",
-                                 {"enable_thinking": False})
+    own = sd.row_to_conversation(
+        {**row, "chat_template_kwargs": {"enable_thinking": True}}, "row", {"enable_thinking": False}
+    )
     assert tok.decode(sd.tokenize_conversation(tok, own, mask).input_ids.tolist()).count(MARK) == 0

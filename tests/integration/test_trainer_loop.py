@@ -27,8 +27,16 @@ pytestmark = pytest.mark.timeout(240)
 
 def _config(tmp: Path, model: Path, out: Path) -> Path:
     cfg = tmp / "cfg.toml"
-    cfg.write_text(rl_toml(3, seq_len=64, model=str(model), batch_size=8, top=f'output_dir = "{out}"\n',
-                           tables="[trainer]\nmicro_batch_tokens = 96\n[trainer.optim]\nlr = 0.01\n[ckpt]\ninterval = 1\n"))
+    cfg.write_text(
+        rl_toml(
+            3,
+            seq_len=64,
+            model=str(model),
+            batch_size=8,
+            top=f'output_dir = "{out}"\n',
+            tables="[trainer]\nmicro_batch_tokens = 96\n[trainer.optim]\nlr = 0.01\n[ckpt]\ninterval = 1\n",
+        )
+    )
     return cfg
 
 
@@ -39,17 +47,29 @@ def _batch(step: int, rng: np.random.Generator, poison: bool = False) -> TrainBa
         ids.append(rng.integers(10, 300, size=n))
         pos.append(np.arange(n))
         m = np.zeros(n, bool)
-        m[n // 2:] = True  # completion = second half
+        m[n // 2 :] = True  # completion = second half
         mask.append(m)
     mask_all = np.concatenate(mask)
     adv = np.repeat(np.where(np.arange(8) % 2 == 0, 1.0, -1.0), lens).astype(np.float32)
     if poison:
         adv[np.flatnonzero(mask_all)[0]] = np.nan
-    return TrainBatch(step=step, rank=0, world_size=1, input_ids=np.concatenate(ids), position_ids=np.concatenate(pos),
-                      seq_lens=lens, loss_mask=mask_all, advantages=adv * mask_all,
-                      inference_logprobs=np.where(mask_all, -5.0, 0.0).astype(np.float32),
-                      policy_versions=np.full(8, step - 1), temperatures=np.ones(8), env_names=["x"] * 8,
-                      example_ids=np.arange(8), rewards=np.zeros(8), total_loss_tokens=int(mask_all.sum()))
+    return TrainBatch(
+        step=step,
+        rank=0,
+        world_size=1,
+        input_ids=np.concatenate(ids),
+        position_ids=np.concatenate(pos),
+        seq_lens=lens,
+        loss_mask=mask_all,
+        advantages=adv * mask_all,
+        inference_logprobs=np.where(mask_all, -5.0, 0.0).astype(np.float32),
+        policy_versions=np.full(8, step - 1),
+        temperatures=np.ones(8),
+        env_names=["x"] * 8,
+        example_ids=np.arange(8),
+        rewards=np.zeros(8),
+        total_loss_tokens=int(mask_all.sum()),
+    )
 
 
 def test_trainer_process_trains_publishes_and_checkpoints(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -59,11 +79,21 @@ def test_trainer_process_trains_publishes_and_checkpoints(tmp_path: Path, tiny_m
     cfg = _config(tmp_path, tiny_model_dir, out)
     assert cli(["run", str(cfg), "--dry-run"]) == 0
     paths = RunPaths(out)
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29613",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29613",
+        "OMP_NUM_THREADS": "1",
+    }
     log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "trainer", "@", str(paths.process_config("trainer"))],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "trainer", "@", str(paths.process_config("trainer"))],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     bus = Bus(paths, role="orchestrator")
     try:
         from safetensors.torch import load_file

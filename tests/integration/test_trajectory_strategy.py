@@ -60,7 +60,9 @@ def _blocks(events: list[tuple[str, str]]) -> int:
 
 
 @pytest.mark.timeout(240)
-def test_interleaved_and_branching(tiny_model_dir: Path, server: InferenceServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interleaved_and_branching(
+    tiny_model_dir: Path, server: InferenceServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     results = {}
     for strategy in ("interleaved", "branching"):
         groups, events = _run(strategy, tiny_model_dir, server, monkeypatch)

@@ -58,14 +58,21 @@ def offline_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _cfg(run_dir: Path, offline: bool = True) -> Config:
-    return Config(output_dir=str(run_dir), name="demo-run", max_steps=4,
-                  wandb=WandbConfig(project="hpcrl-test", offline=offline,
-                                    log_extras=LogExtrasConfig(interval=2, sample_ratio=0.5)))
+    return Config(
+        output_dir=str(run_dir),
+        name="demo-run",
+        max_steps=4,
+        wandb=WandbConfig(
+            project="hpcrl-test", offline=offline, log_extras=LogExtrasConfig(interval=2, sample_ratio=0.5)
+        ),
+    )
 
 
 def _write(run_dir: Path, first: int, last: int) -> None:
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, role, str(first), str(last), str(run_dir)], cwd=ROOT)
-             for role in ("orchestrator", "trainer")]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, role, str(first), str(last), str(run_dir)], cwd=ROOT)
+        for role in ("orchestrator", "trainer")
+    ]
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
 
 
@@ -113,8 +120,9 @@ def test_one_offline_run_holds_both_roles_and_resumes(run_dir: Path, offline_env
     assert _scalars(second.history, "reward/all/mean") == pytest.approx({3: 0.3, 4: 0.4})
 
 
-def test_online_without_credentials_falls_back_to_offline(run_dir: Path, offline_env: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_online_without_credentials_falls_back_to_offline(
+    run_dir: Path, offline_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("WANDB_MODE")
     paths = RunPaths(run_dir)
     sink = start_wandb_sink(_cfg(run_dir, offline=False), paths, poll_s=0.2)

@@ -18,8 +18,9 @@ from tests.integration.tiny_run import TINY_RL
 
 
 def _hpcrl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], capture_output=True, text=True, timeout=400,
-                          cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", *args], capture_output=True, text=True, timeout=400, cwd=cwd
+    )
 
 
 def _weights_checksum(d: Path) -> str:
@@ -67,27 +68,55 @@ def test_warm_start_begins_from_the_checkpoint_weights(source_run: Path, tmp_pat
     # Policy 0 of the new run (what the trainer publishes before its first step) is exactly the
     # checkpoint's weights; then it trains step 1 of its own count.
     assert _policy0(out).checksum == want
-    steps = [m["step"] for m in read_metrics(RunPaths(out).metrics_file) if m.get("role") == "trainer" and "loss/mean" in m]
+    steps = [
+        m["step"]
+        for m in read_metrics(RunPaths(out).metrics_file)
+        if m.get("role") == "trainer" and "loss/mean" in m
+    ]
     assert steps == [1]
 
 
-def test_checkpoint_references_and_model_mismatch(source_run: Path, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_checkpoint_references_and_model_mismatch(
+    source_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from hpcrl.cli import main
 
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(TINY_RL.format(steps=1))
     for ref in (str(source_run / "checkpoints" / "step_2"), str(source_run / "weights" / "step_2")):
-        assert main(["run", str(cfg), "--dry-run", "--output-dir", str(tmp_path / "o"), "--ckpt.warm-start", ref]) == 0
+        assert (
+            main(
+                ["run", str(cfg), "--dry-run", "--output-dir", str(tmp_path / "o"), "--ckpt.warm-start", ref]
+            )
+            == 0
+        )
     capsys.readouterr()
     cases = [
-        (["--model.name", "hpcrl/small-qwen3"], str(source_run / "checkpoints" / "step_2"),
-         "was trained from model 'hpcrl/tiny-qwen3', this run's model is 'hpcrl/small-qwen3'"),
+        (
+            ["--model.name", "hpcrl/small-qwen3"],
+            str(source_run / "checkpoints" / "step_2"),
+            "was trained from model 'hpcrl/tiny-qwen3', this run's model is 'hpcrl/small-qwen3'",
+        ),
         ([], "ckpt_000000000000", "unknown checkpoint id 'ckpt_000000000000'"),
         ([], str(source_run / "checkpoints" / "step_99"), "is neither a checkpoint"),
     ]
     for flags, ref, expected in cases:
-        assert main(["run", str(cfg), "--dry-run", "--output-dir", str(tmp_path / "o"),
-                     "--ckpt.warm-start", ref, *flags]) == 2
+        assert (
+            main(
+                [
+                    "run",
+                    str(cfg),
+                    "--dry-run",
+                    "--output-dir",
+                    str(tmp_path / "o"),
+                    "--ckpt.warm-start",
+                    ref,
+                    *flags,
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
-        assert err.startswith("config error: ckpt.warm_start: ") and err.count("\n") == 1 and expected in err, err
+        assert (
+            err.startswith("config error: ckpt.warm_start: ") and err.count("\n") == 1 and expected in err
+        ), err

@@ -41,8 +41,14 @@ class WorkerProcess:
 
     def __init__(self, rank: int, corrupt: bool = False):
         cmd = [sys.executable, "-m", "tests.integration.tp_roles", "worker", "--rank", str(rank)]
-        self.proc = subprocess.Popen(cmd + (["--corrupt"] if corrupt else []), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+        self.proc = subprocess.Popen(
+            cmd + (["--corrupt"] if corrupt else []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=ENV,
+            cwd=REPO,
+        )
         self.lock = threading.Lock()
 
     def call(self, method: str, args: tuple = ()) -> Any:
@@ -109,8 +115,9 @@ class TPServer:
             assert time.monotonic() < deadline, "stand-in vLLM router did not start"
             time.sleep(0.02)
         self.base_url = f"http://127.0.0.1:{port}"
-        opts = ServeOptions(model_name="tiny", backend="vllm", run_dir=str(run_dir), server_index=index,
-                            tp=tp)
+        opts = ServeOptions(
+            model_name="tiny", backend="vllm", run_dir=str(run_dir), server_index=index, tp=tp
+        )
         write_server_info(opts, port)
 
     def stop(self) -> None:
@@ -123,8 +130,20 @@ class TPServer:
 
 def start_trainer(run_dir: Path, model_dir: Path, servers: int, steps: int) -> subprocess.Popen:
     log = open(run_dir / "trainer.log", "w")  # noqa: SIM115 - closed with the process
-    cmd = [sys.executable, "-m", "tests.integration.tp_roles", "trainer", "--run-dir", str(run_dir),
-           "--model", str(model_dir), "--servers", str(servers), "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.integration.tp_roles",
+        "trainer",
+        "--run-dir",
+        str(run_dir),
+        "--model",
+        str(model_dir),
+        "--servers",
+        str(servers),
+        "--steps",
+        str(steps),
+    ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO)
 
 
@@ -143,10 +162,12 @@ def cluster(tiny_model_dir: Path, tmp_path: Path):
     RunPaths(run_dir).make_dirs()
     made: list[Any] = []
     try:
+
         def start(tp_kwargs: dict[str, Any] | None = None) -> tuple[Path, TPServer, InferenceServer]:
             made.append(TPServer(run_dir, 0, 2, **(tp_kwargs or {})))
             made.append(InferenceServer(tiny_model_dir, run_dir, index=1))
             return run_dir, made[0], made[1]
+
         yield start
     finally:
         for m in made:
@@ -156,7 +177,9 @@ def cluster(tiny_model_dir: Path, tmp_path: Path):
 async def sync_of(paths: RunPaths) -> tuple[PolicySync, list]:
     bus = Bus(paths, role="orchestrator", listen=False)
     servers = bus.wait_servers(2, timeout=30)
-    sync = PolicySync(paths, bus, [s.base_url for s in servers], "collective", timeout=120, policy_timeout=120)
+    sync = PolicySync(
+        paths, bus, [s.base_url for s in servers], "collective", timeout=120, policy_timeout=120
+    )
     await sync.wait_healthy()
     return sync, servers
 
@@ -166,17 +189,27 @@ def test_tp2_server_and_hf_server_share_one_group(cluster, tiny_model_dir: Path)
     paths = RunPaths(run_dir)
     trainer = start_trainer(run_dir, tiny_model_dir, servers=2, steps=2)
     try:
+
         async def main() -> list[str]:
             sync, servers = await sync_of(paths)
             assert [s.weight_receivers for s in servers] == [2, 1]
             # A server must refuse a slot that does not match the workers it runs, before joining.
             async with httpx.AsyncClient() as http:
-                r = await http.post(f"{tp_server.base_url}/init_broadcaster",
-                                    json={"host": "127.0.0.1", "port": 1, "world_size": 4, "rank": 1, "receivers": 3})
-                assert r.status_code == 409 and "runs 2 weight-receiving worker(s)" in r.json()["error"]["message"]
-                r = await http.post(f"{hf_server.base_url}/init_broadcaster",
-                                    json={"host": "127.0.0.1", "port": 1, "world_size": 4, "rank": 3, "receivers": 2})
-                assert r.status_code == 409 and "receives weights in 1 process" in r.json()["error"]["message"]
+                r = await http.post(
+                    f"{tp_server.base_url}/init_broadcaster",
+                    json={"host": "127.0.0.1", "port": 1, "world_size": 4, "rank": 1, "receivers": 3},
+                )
+                assert (
+                    r.status_code == 409
+                    and "runs 2 weight-receiving worker(s)" in r.json()["error"]["message"]
+                )
+                r = await http.post(
+                    f"{hf_server.base_url}/init_broadcaster",
+                    json={"host": "127.0.0.1", "port": 1, "world_size": 4, "rank": 3, "receivers": 2},
+                )
+                assert (
+                    r.status_code == 409 and "receives weights in 1 process" in r.json()["error"]["message"]
+                )
             await sync.join_group(servers)
             checksums = []
             for step in (1, 2):
@@ -206,6 +239,7 @@ def test_one_bad_worker_fails_the_update(cluster, tiny_model_dir: Path) -> None:
     run_dir, tp_server, _ = cluster({"corrupt_rank": 1})
     trainer = start_trainer(run_dir, tiny_model_dir, servers=2, steps=1)
     try:
+
         async def main() -> str:
             sync, servers = await sync_of(RunPaths(run_dir))
             await sync.join_group(servers)

@@ -13,6 +13,11 @@ def load_environment(num_examples: int = 16):
     import verifiers as vf
 
     words = ["abc", "hello", "xyz", "tree", "moon", "cat", "dog", "star"]
-    rows = [{"question": w, "answer": w[::-1]} for w in (words * (num_examples // len(words) + 1))[:num_examples]]
-    return vf.SingleTurnEnv(dataset=datasets.Dataset.from_list(rows), system_prompt="Reverse the text.",
-                            rubric=vf.Rubric(funcs=[reversed_exactly]))
+    rows = [
+        {"question": w, "answer": w[::-1]} for w in (words * (num_examples // len(words) + 1))[:num_examples]
+    ]
+    return vf.SingleTurnEnv(
+        dataset=datasets.Dataset.from_list(rows),
+        system_prompt="Reverse the text.",
+        rubric=vf.Rubric(funcs=[reversed_exactly]),
+    )

@@ -22,11 +22,27 @@ def fake_run(periods, gen, train_busy, rewards, t0=1000.0, samples=128, wait=0.5
     recs, t = [], t0
     for i, dt in enumerate(periods):
         n, t = i + 1, t + dt
-        recs.append({"role": "orchestrator", "step": n, "time": t - wait, "reward/all/mean": rewards[i],
-                     "time/generate": gen[i], "batch/samples": samples})
-        recs.append({"role": "trainer", "step": n, "time": t, "time/step": train_busy[i] + wait,
-                     "time/wait_for_batch": wait, "time/forward_backward": fb_frac * train_busy[i],
-                     "time/broadcast": bcast})
+        recs.append(
+            {
+                "role": "orchestrator",
+                "step": n,
+                "time": t - wait,
+                "reward/all/mean": rewards[i],
+                "time/generate": gen[i],
+                "batch/samples": samples,
+            }
+        )
+        recs.append(
+            {
+                "role": "trainer",
+                "step": n,
+                "time": t,
+                "time/step": train_busy[i] + wait,
+                "time/wait_for_batch": wait,
+                "time/forward_backward": fb_frac * train_busy[i],
+                "time/broadcast": bcast,
+            }
+        )
     return recs
 
 
@@ -39,8 +55,12 @@ def test_median_ignores_missing_values():
 
 def test_step_one_is_excluded_and_medians_are_per_step():
     # Step 1 is a 10 s warm-up with slow generation; steps 2..5 take 2, 2, 4, 2 s.
-    recs = fake_run(periods=[10.0, 2.0, 2.0, 4.0, 2.0], gen=[9.0, 1.8, 1.6, 1.7, 3.0],
-                    train_busy=[5.0, 1.0, 1.2, 1.1, 0.9], rewards=[0.1] * 5)
+    recs = fake_run(
+        periods=[10.0, 2.0, 2.0, 4.0, 2.0],
+        gen=[9.0, 1.8, 1.6, 1.7, 3.0],
+        train_busy=[5.0, 1.0, 1.2, 1.1, 0.9],
+        rewards=[0.1] * 5,
+    )
     s = e2e.summarize(recs, budget_s=100.0, launched_at=990.0)
     assert s.steps == 5
     assert s.step_s == 2.0  # median of 2, 2, 4, 2
@@ -84,7 +104,9 @@ def test_eval_records_and_gaps_do_not_pollute_the_step_series():
 
 def test_empty_run_summarises_to_nothing():
     s = e2e.summarize([], 60.0)
-    assert s.steps == 0 and s.samples_per_s is None and s.pipeline_ratio is None and s.reward_at_budget is None
+    assert (
+        s.steps == 0 and s.samples_per_s is None and s.pipeline_ratio is None and s.reward_at_budget is None
+    )
 
 
 def _summary(rate, ratio):
@@ -92,7 +114,11 @@ def _summary(rate, ratio):
 
 
 def test_verdicts_say_below_target_when_missed():
-    results = {"hpcrl async0": _summary(150.0, 1.9), "hpcrl async1": _summary(250.0, 1.3), "trl": _summary(100.0, 2.0)}
+    results = {
+        "hpcrl async0": _summary(150.0, 1.9),
+        "hpcrl async1": _summary(250.0, 1.3),
+        "trl": _summary(100.0, 2.0),
+    }
     lines = e2e.verdicts(results)
     assert "hpcrl async0: samples/s = 1.50x TRL (target >= 2x): below target" in lines
     assert "hpcrl async1: samples/s = 2.50x TRL (target >= 2x): meets target" in lines
@@ -108,7 +134,10 @@ def test_table_has_one_row_per_system_and_speedups():
     assert len(lines) == 4 and "samples/s" in lines[0]
     assert "2.50x" in lines[2] and lines[3].startswith("trl")
     # Without TRL there is no speedup to show.
-    assert "x" not in e2e.format_table({"hpcrl async1": _summary(250.0, 1.1)}, 60.0).splitlines()[2].split("|")[8]
+    assert (
+        "x"
+        not in e2e.format_table({"hpcrl async1": _summary(250.0, 1.1)}, 60.0).splitlines()[2].split("|")[8]
+    )
 
 
 def test_reward_by_clock_and_time_to_reward():

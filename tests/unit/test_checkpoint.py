@@ -54,7 +54,9 @@ def test_verify_catches_truncation_bitflip_and_garbage(paths: RunPaths) -> None:
     assert "corrupt" in (ck.verify(paths, 1) or "")
 
 
-def test_latest_complete_skips_corrupt_newer_with_warning(paths: RunPaths, caplog: pytest.LogCaptureFixture) -> None:
+def test_latest_complete_skips_corrupt_newer_with_warning(
+    paths: RunPaths, caplog: pytest.LogCaptureFixture
+) -> None:
     _save(paths, 2)
     _save(paths, 4)
     (paths.trainer_ckpt_dir(4) / "state.bin").write_bytes(b"oops")
@@ -81,7 +83,9 @@ def test_no_checkpoint_is_a_clear_error(paths: RunPaths) -> None:
         ([5], 3, 2, {5}),
     ],
 )
-def test_retention_keep(steps: list[int], keep_last: int | None, keep_interval: int | None, expected: set[int]) -> None:
+def test_retention_keep(
+    steps: list[int], keep_last: int | None, keep_interval: int | None, expected: set[int]
+) -> None:
     assert ck.retention_keep(steps, keep_last, keep_interval) == expected
 
 
@@ -126,6 +130,8 @@ def test_begin_part_removes_stale_complete(paths: RunPaths) -> None:
     assert ck.verify(paths, 5) == "no COMPLETE manifest"
 
 
-@pytest.mark.parametrize(("step", "interval", "due"), [(5, None, False), (10, None, True), (4, 2, True), (5, 2, False)])
+@pytest.mark.parametrize(
+    ("step", "interval", "due"), [(5, None, False), (10, None, True), (4, 2, True), (5, 2, False)]
+)
 def test_is_due(step: int, interval: int | None, due: bool) -> None:
     assert ck.is_due(step, max_steps=10, interval=interval) is due

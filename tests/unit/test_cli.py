@@ -33,10 +33,26 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_run_help_shows_the_documented_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--output-dir", "--max-steps", "--clean-output-dir", "--dry-run", "--ckpt | --no-ckpt",
-                 "--ckpt.interval", "--ckpt.keep-last", "--ckpt.keep-interval", "--ckpt.resume-step",
-                 "--ckpt.weights-only", "--wandb | --no-wandb", "--wandb.project", "--wandb.name", "--model.name",
-                 "--server.port", "--orchestrator.batch-size", "--trainer.optim.lr", "--seq-len"):
+    for flag in (
+        "--output-dir",
+        "--max-steps",
+        "--clean-output-dir",
+        "--dry-run",
+        "--ckpt | --no-ckpt",
+        "--ckpt.interval",
+        "--ckpt.keep-last",
+        "--ckpt.keep-interval",
+        "--ckpt.resume-step",
+        "--ckpt.weights-only",
+        "--wandb | --no-wandb",
+        "--wandb.project",
+        "--wandb.name",
+        "--model.name",
+        "--server.port",
+        "--orchestrator.batch-size",
+        "--trainer.optim.lr",
+        "--seq-len",
+    ):
         assert f"  {flag} " in out, flag
     # each field's docstring is its help text, with its default
     assert "--orchestrator.rollouts-per-example int  Completions per task" in out
@@ -51,7 +67,9 @@ def test_sft_help_uses_the_sft_schema(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--orchestrator" not in out
 
 
-@pytest.mark.parametrize("command", ["run", "submit", "resume", "inference", "trainer", "orchestrator", "sft"])
+@pytest.mark.parametrize(
+    "command", ["run", "submit", "resume", "inference", "trainer", "orchestrator", "sft"]
+)
 def test_config_commands_have_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([command, "-h"]) == 0
     assert capsys.readouterr().out.startswith(f"usage: hpcrl {command} ")
@@ -82,8 +100,9 @@ for name in [None, *COMMANDS]:
 print(json.dumps(report))
 """
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     offenders = {k: v for k, v in report.items() if isinstance(v, list) and v}

@@ -54,8 +54,14 @@ def cfg_of(*argv: str | Path) -> Config:
 def test_configs_are_shipped() -> None:
     names = {str(p.relative_to(REPO / "configs")) for p in CONFIGS}
     for expected in (
-        "demo/rl.toml", "demo/sft.toml", "reverse_text/rl.toml", "alphabet_sort/rl.toml", "multi_node/rl.toml",
-        "hosted/full_ft_single_node.toml", "hosted/full_ft_multi_node.toml", "hosted/hosted_reference.toml",
+        "demo/rl.toml",
+        "demo/sft.toml",
+        "reverse_text/rl.toml",
+        "alphabet_sort/rl.toml",
+        "multi_node/rl.toml",
+        "hosted/full_ft_single_node.toml",
+        "hosted/full_ft_multi_node.toml",
+        "hosted/hosted_reference.toml",
         "hosted/hosted_multi_env.toml",
     ):
         assert expected in names
@@ -72,7 +78,11 @@ def test_shipped_config_dry_run(path: Path, tmp_path: Path, capsys: pytest.Captu
     assert out.startswith(f"hpcrl {command}")
     assert "dry run OK" in out.splitlines()[0]
     files = sorted(p.name for p in (out_dir / "configs").iterdir())
-    expected = ["sft.toml"] if command == "sft" else ["inference.toml", "orchestrator.toml", "resolved.toml", "trainer.toml"]
+    expected = (
+        ["sft.toml"]
+        if command == "sft"
+        else ["inference.toml", "orchestrator.toml", "resolved.toml", "trainer.toml"]
+    )
     assert files == expected
     for f in files:  # every resolved file is valid TOML and names the run dir
         assert tomllib.loads((out_dir / "configs" / f).read_text())["output_dir"] == str(out_dir.absolute())
@@ -104,7 +114,10 @@ def test_full_ft_seed_configs_translate(tmp_path: Path) -> None:
 # merging and flags
 # ---------------------------------------------------------------------------------------------
 def test_files_merge_left_to_right_tables_deep_lists_replace(tmp_path: Path, base: Path) -> None:
-    b = write(tmp_path, "b.toml", """
+    b = write(
+        tmp_path,
+        "b.toml",
+        """
 [orchestrator]
 batch_size = 32
 [orchestrator.train.sampling]
@@ -113,7 +126,8 @@ temperature = 0.5
 id = "alphabet-sort"
 [trainer.optim]
 betas = [0.8, 0.9]
-""")
+""",
+    )
     c = write(tmp_path, "c.toml", "[trainer.optim]\nbetas = [0.5, 0.6]\n")
     cfg = cfg_of("@", base, "@", b, "@", c)
     o = cfg.orchestrator
@@ -125,8 +139,16 @@ betas = [0.8, 0.9]
 
 
 def test_positional_file_and_flags_override_files(base: Path) -> None:
-    cfg = cfg_of(base, "--orchestrator.batch-size", "64", "--trainer.optim.lr", "3e-6",
-                 "--orchestrator.train.sampling.temperature=0.7", "--max-steps", "9")
+    cfg = cfg_of(
+        base,
+        "--orchestrator.batch-size",
+        "64",
+        "--trainer.optim.lr",
+        "3e-6",
+        "--orchestrator.train.sampling.temperature=0.7",
+        "--max-steps",
+        "9",
+    )
     assert cfg.orchestrator.batch_size == 64 and cfg.trainer.optim.lr == 3e-6
     assert cfg.orchestrator.train.sampling.temperature == 0.7
     assert cfg.max_steps == cfg.trainer.max_steps == cfg.orchestrator.max_steps == 9
@@ -135,11 +157,31 @@ def test_positional_file_and_flags_override_files(base: Path) -> None:
 
 
 def test_seed_doc_flags_exist(base: Path, tmp_path: Path) -> None:
-    cfg = cfg_of(base, "--output-dir", str(tmp_path / "o"), "--max-steps", "40", "--clean-output-dir",
-                 "--ckpt.interval", "5", "--ckpt.keep-last", "3", "--ckpt.keep-interval", "10",
-                 "--ckpt.resume-step", "-1", "--ckpt.weights-only",
-                 "--wandb.project", "p", "--wandb.name", "n", "--model.name", "hpcrl/tiny-qwen3",
-                 "--server.port", "8001")
+    cfg = cfg_of(
+        base,
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--max-steps",
+        "40",
+        "--clean-output-dir",
+        "--ckpt.interval",
+        "5",
+        "--ckpt.keep-last",
+        "3",
+        "--ckpt.keep-interval",
+        "10",
+        "--ckpt.resume-step",
+        "-1",
+        "--ckpt.weights-only",
+        "--wandb.project",
+        "p",
+        "--wandb.name",
+        "n",
+        "--model.name",
+        "hpcrl/tiny-qwen3",
+        "--server.port",
+        "8001",
+    )
     assert cfg.output_dir == str(tmp_path / "o") and cfg.max_steps == 40 and cfg.clean_output_dir
     assert cfg.ckpt is not None
     assert (cfg.ckpt.interval, cfg.ckpt.keep_last, cfg.ckpt.keep_interval) == (5, 3, 10)
@@ -192,15 +234,20 @@ def test_shared_fields_flow_into_sections(base: Path) -> None:
 
 
 def test_shared_value_set_only_in_a_section(tmp_path: Path) -> None:
-    p = write(tmp_path, "s.toml", BASE.replace("seq_len = 128\n", "").replace(
-        "[orchestrator]\n", "[orchestrator]\nseq_len = 256\n"))
+    p = write(
+        tmp_path,
+        "s.toml",
+        BASE.replace("seq_len = 128\n", "").replace("[orchestrator]\n", "[orchestrator]\nseq_len = 256\n"),
+    )
     cfg = cfg_of(p)
     assert cfg.seq_len == cfg.trainer.seq_len == cfg.inference.seq_len == 256
 
 
 def test_aliases_in_files(base: Path) -> None:
     p = base.parent / "alias.toml"
-    p.write_text(BASE.replace("rollouts_per_example", "group_size").replace("max_tokens", "max_completion_tokens"))
+    p.write_text(
+        BASE.replace("rollouts_per_example", "group_size").replace("max_tokens", "max_completion_tokens")
+    )
     cfg = cfg_of(p)
     assert cfg.orchestrator.rollouts_per_example == 4 and cfg.orchestrator.train.sampling.max_tokens == 16
 
@@ -210,14 +257,19 @@ def test_aliases_in_files(base: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 def test_resolved_configs_per_role(base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    assert main(["run", str(base), "--dry-run", "--output-dir", str(out), "--ckpt.interval", "2", "--wandb"]) == 0
+    assert (
+        main(["run", str(base), "--dry-run", "--output-dir", str(out), "--ckpt.interval", "2", "--wandb"])
+        == 0
+    )
     capsys.readouterr()
     d = {p.stem: tomllib.loads(p.read_text()) for p in (out / "configs").glob("*.toml")}
     # Every role gets the whole resolved config (roles read each other's sections), and shared
     # fields appear once, at the top level, so a reload can override them.
     for role in ("trainer", "orchestrator", "inference"):
         assert d[role] == d["resolved"]
-    assert {"model", "trainer", "orchestrator", "inference", "ckpt", "wandb", "max_steps"} <= set(d["trainer"])
+    assert {"model", "trainer", "orchestrator", "inference", "ckpt", "wandb", "max_steps"} <= set(
+        d["trainer"]
+    )
     assert "max_steps" not in d["resolved"]["trainer"] and "seq_len" not in d["resolved"]["orchestrator"]
     assert d["resolved"]["orchestrator"]["batch_size"] == 16
     longer = cfg_of(out / "configs" / "resolved.toml", "--max-steps", "40", "--seq-len", "256")
@@ -228,35 +280,50 @@ def test_resolved_configs_per_role(base: Path, tmp_path: Path, capsys: pytest.Ca
     assert not (out / "rollouts").exists()  # a dry run creates nothing but configs/
 
 
-def test_secrets_never_reach_resolved_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_secrets_never_reach_resolved_configs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     secret_env = tmp_path / "secrets.env"
     secret_env.write_text("OPENAI_API_KEY=sk-envfilesecret0123456789\nCUSTOM_TOKEN=envfile-token-value\n")
     mod = tmp_path / "mods" / "secret_env_mod.py"
     mod.parent.mkdir()
     mod.write_text("def load_environment(**kwargs):\n    raise AssertionError('not built at config time')\n")
     monkeypatch.syspath_prepend(str(mod.parent))
-    cfg = write(tmp_path, "s.toml", f'env_files = ["{secret_env}"]\n' + BASE + """
+    cfg = write(
+        tmp_path,
+        "s.toml",
+        f'env_files = ["{secret_env}"]\n'
+        + BASE
+        + """
 [[orchestrator.train.env]]
 id = "secret_env_mod:load_environment"
 args = { api_key = "sk-argsecret0123456789abcd", password = "hunter2-pw", split = "train" }
 [slurm]
 setup = ["export HF_TOKEN=hf_slurmsetupsecret0123456789", "module load cuda"]
-""")
+""",
+    )
     out = tmp_path / "run"
     assert main(["run", cfg, "--dry-run", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     written = "".join(p.read_text() for p in (out / "configs").glob("*.toml"))
-    for secret in ("sk-envfilesecret0123456789", "envfile-token-value", "sk-argsecret0123456789abcd",
-                   "hunter2-pw", "hf_slurmsetupsecret0123456789"):
+    for secret in (
+        "sk-envfilesecret0123456789",
+        "envfile-token-value",
+        "sk-argsecret0123456789abcd",
+        "hunter2-pw",
+        "hf_slurmsetupsecret0123456789",
+    ):
         assert secret not in written and secret not in printed
     resolved = tomllib.loads((out / "configs" / "resolved.toml").read_text())
     assert resolved["env_files"] == [str(secret_env)]  # the path survives, the contents never enter
     args = resolved["orchestrator"]["train"]["env"][1]["args"]
     # Literal secrets become references to variables the launcher gives its children (never a
     # corrupted "***" value: the roles start from these files).
-    assert args == {"api_key": "${env:HPCRL_SECRET_ORCHESTRATOR_TRAIN_ENV_1_ARGS_API_KEY}",
-                    "password": "${env:HPCRL_SECRET_ORCHESTRATOR_TRAIN_ENV_1_ARGS_PASSWORD}", "split": "train"}
+    assert args == {
+        "api_key": "${env:HPCRL_SECRET_ORCHESTRATOR_TRAIN_ENV_1_ARGS_API_KEY}",
+        "password": "${env:HPCRL_SECRET_ORCHESTRATOR_TRAIN_ENV_1_ARGS_PASSWORD}",
+        "split": "train",
+    }
     assert resolved["slurm"]["setup"] == ["${env:HPCRL_SECRET_SLURM_SETUP_0}", "module load cuda"]
     for role in ("trainer", "orchestrator", "inference"):
         assert tomllib.loads((out / "configs" / f"{role}.toml").read_text()) == resolved
@@ -265,7 +332,10 @@ setup = ["export HF_TOKEN=hf_slurmsetupsecret0123456789", "module load cuda"]
 def test_hosted_env_file_is_not_read_or_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     env = tmp_path / "secrets.env"
     env.write_text("OPENAI_API_KEY=sk-hostedsecret0123456789\n")
-    cfg = write(tmp_path, "h.toml", f"""
+    cfg = write(
+        tmp_path,
+        "h.toml",
+        f"""
 model = "Qwen/Qwen3-4B"
 max_steps = 3
 batch_size = 8
@@ -275,7 +345,8 @@ env_file = ["{env}"]
 max_tokens = 64
 [[env]]
 id = "primeintellect/reverse-text"
-""")
+""",
+    )
     out = tmp_path / "run"
     assert main(["run", cfg, "--dry-run", "--output-dir", str(out)]) == 0
     assert "sk-hostedsecret" not in capsys.readouterr().out
@@ -291,10 +362,16 @@ def test_run_summary_lines(base: Path, tmp_path: Path, capsys: pytest.CaptureFix
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "hpcrl run (this machine): dry run OK"
     text = "\n".join(lines)
-    for expected in ("model:        hpcrl/tiny-qwen3", "steps:        5 (mode rl",
-                     "batch:        16 rollouts = 4 tasks x 4, seq_len 128, max_tokens 16",
-                     "envs:         reverse-text", "trainer:      1 rank(s)", "inference:    1 server(s)",
-                     "checkpoints:  every 2 step(s)", f"configs:      {out.absolute()}/configs/"):
+    for expected in (
+        "model:        hpcrl/tiny-qwen3",
+        "steps:        5 (mode rl",
+        "batch:        16 rollouts = 4 tasks x 4, seq_len 128, max_tokens 16",
+        "envs:         reverse-text",
+        "trainer:      1 rank(s)",
+        "inference:    1 server(s)",
+        "checkpoints:  every 2 step(s)",
+        f"configs:      {out.absolute()}/configs/",
+    ):
         assert expected in text
     assert len(lines) < 20  # short
 
@@ -306,16 +383,31 @@ def test_summary_reports_platform_only_fields(tmp_path: Path, capsys: pytest.Cap
     assert "model:        Qwen/Qwen3-30B-A3B-Instruct-2507 (LoRA)" in out
     assert "envs:         alphabet-sort, arithmetic" in out
     # the Hub id with no package installed runs the built-in, and says so
-    assert any("primeintellect/alphabet-sort" in line and "alias" in line for line in out.splitlines()
-               if line.startswith("note:"))
+    assert any(
+        "primeintellect/alphabet-sort" in line and "alias" in line
+        for line in out.splitlines()
+        if line.startswith("note:")
+    )
     for ignored in ("[infrastructure]", "checkpoints.keep_cloud", "adapters.keep_last"):
-        assert any(ignored in line and "ignored" in line for line in out.splitlines() if line.startswith("note:"))
+        assert any(
+            ignored in line and "ignored" in line for line in out.splitlines() if line.startswith("note:")
+        )
 
 
 def test_sft_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sft"
-    rc = main(["sft", str(REPO / "configs/demo/sft.toml"), "--dry-run", "--output-dir", str(out),
-               "--data.batch-size", "8", "--ckpt"])
+    rc = main(
+        [
+            "sft",
+            str(REPO / "configs/demo/sft.toml"),
+            "--dry-run",
+            "--output-dir",
+            str(out),
+            "--data.batch-size",
+            "8",
+            "--ckpt",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     assert "data:         outputs/demo-sft-data/train.jsonl (batch 8, seq_len 128)" in text
@@ -325,8 +417,9 @@ def test_sft_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert written["data"]["batch_size"] == 8 and "ckpt" in written
 
 
-def test_clean_output_dir_is_not_applied_by_dry_run(base: Path, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_clean_output_dir_is_not_applied_by_dry_run(
+    base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "run"
     (out / "keep").mkdir(parents=True)
     assert main(["run", str(base), "--dry-run", "--clean-output-dir", "--output-dir", str(out)]) == 0

@@ -29,17 +29,27 @@ NAN, INF = float("nan"), float("inf")
 DATE = datetime.date(1979, 5, 27)
 
 BASE: dict[str, Any] = {
-    "max_steps": 5, "seq_len": 128, "model": {"name": "hpcrl/tiny-qwen3"},
-    "orchestrator": {"batch_size": 16, "rollouts_per_example": 4,
-                     "train": {"sampling": {"max_tokens": 16}, "env": [{"id": "reverse-text"}]},
-                     "eval": {"env": [{"id": "reverse-text"}]}},
+    "max_steps": 5,
+    "seq_len": 128,
+    "model": {"name": "hpcrl/tiny-qwen3"},
+    "orchestrator": {
+        "batch_size": 16,
+        "rollouts_per_example": 4,
+        "train": {"sampling": {"max_tokens": 16}, "env": [{"id": "reverse-text"}]},
+        "eval": {"env": [{"id": "reverse-text"}]},
+    },
 }
 SFT_BASE: dict[str, Any] = {"model": {"name": "hpcrl/tiny-qwen3"}, "data": {"name": "x.jsonl"}}
 # Required fields of optional sections, so a section created by an injection is otherwise valid.
 REQUIRED = {"orchestrator.teacher": {"base_url": "http://127.0.0.1:1"}}
-HOSTED: dict[str, Any] = {"model": "Qwen/Qwen3-4B", "max_steps": 10, "batch_size": 16,
-                          "rollouts_per_example": 4, "sampling": {"max_tokens": 64},
-                          "env": [{"id": "reverse-text"}]}
+HOSTED: dict[str, Any] = {
+    "model": "Qwen/Qwen3-4B",
+    "max_steps": 10,
+    "batch_size": 16,
+    "rollouts_per_example": 4,
+    "sampling": {"max_tokens": 64},
+    "env": [{"id": "reverse-text"}],
+}
 
 
 def _unwrap(t: mi.Type) -> mi.Type:
@@ -74,7 +84,9 @@ def _bad_values(t: mi.Type) -> list[tuple[str, Any]]:
         return [("choice", "not-a-choice"), ("int", 7), ("list", ["a"])]
     if isinstance(t, mi.ListType):
         item = _unwrap(t.item_type)
-        items = [("item", [v]) for _, v in _bad_values(item)[:4]] if not isinstance(item, mi.StructType) else []
+        items = (
+            [("item", [v]) for _, v in _bad_values(item)[:4]] if not isinstance(item, mi.StructType) else []
+        )
         return [("scalar", 5), ("str", "abc"), ("table", {"x": 1})] + items
     if isinstance(t, mi.DictType):
         return [("scalar", 5), ("str", "abc"), ("list", [1]), ("nan-value", {"x": NAN})]
@@ -132,8 +144,11 @@ def _schema_cases(root: type, base: dict[str, Any], command: str) -> list[Any]:
             if root is schema.Config and parts == ["model"] and label == "str":
                 continue  # `model = "id"` is the hosted shorthand: valid
             dotted = _dotted(parts)
-            cases.append(pytest.param(command, _inject(base, parts, value), [], str(parts[-1]),
-                                      id=f"{command}:{dotted}={label}"))
+            cases.append(
+                pytest.param(
+                    command, _inject(base, parts, value), [], str(parts[-1]), id=f"{command}:{dotted}={label}"
+                )
+            )
     return cases
 
 
@@ -144,29 +159,76 @@ def _flag_cases() -> list[Any]:
         if any(isinstance(p, int) for p in parts) or isinstance(t, (mi.StructType, mi.DictType)):
             continue
         flag = "--" + ".".join(str(p) for p in parts).replace("_", "-")
-        literals = {"nan": "nan", "inf": "inf", "-inf": "-inf", "list": "[1, 2]", "table": "{x = 1}",
-                    "fraction": "1.5", "choice": "not-a-choice"}
+        literals = {
+            "nan": "nan",
+            "inf": "inf",
+            "-inf": "-inf",
+            "list": "[1, 2]",
+            "table": "{x = 1}",
+            "fraction": "1.5",
+            "choice": "not-a-choice",
+        }
         for label, _ in _bad_values(t):
             if isinstance(t, mi.BoolType):
                 break  # a bare --flag means true; a following '[1, 2]' is a stray argument, not its value
             if label in literals and not (isinstance(t, (mi.StrType,)) and label in ("list", "table")):
-                cases.append(pytest.param("run", BASE, [flag, literals[label]], str(parts[-1]),
-                                          id=f"flag:{flag}={label}"))
+                cases.append(
+                    pytest.param(
+                        "run", BASE, [flag, literals[label]], str(parts[-1]), id=f"flag:{flag}={label}"
+                    )
+                )
     return cases
 
 
 def _hosted_cases() -> list[Any]:
     cases = []
-    shapes = [("int", 5), ("str", "abc"), ("list", ["a"]), ("date", DATE), ("nan", NAN), ("inf", INF),
-              ("table", {"zzz": 1})]
-    keys = ["model", "max_steps", "batch_size", "rollouts_per_example", "sampling", "env", "eval", "val",
-            "buffer", "checkpoints", "adapters", "wandb", "learning_rate", "lora_alpha", "oversampling_factor",
-            "max_async_level", "trajectory_strategy", "env_file", "checkpoint_id", "trainer", "orchestrator",
-            "inference", "max_off_policy_steps"]
-    valid = {"model": ("str",), "env_file": ("str", "list"), "checkpoint_id": ("str",), "max_steps": ("int",),
-             "batch_size": ("int",), "rollouts_per_example": ("int",), "learning_rate": ("int",),
-             "lora_alpha": ("int",), "oversampling_factor": ("int",), "max_async_level": ("int",),
-             "max_off_policy_steps": ("int",)}
+    shapes = [
+        ("int", 5),
+        ("str", "abc"),
+        ("list", ["a"]),
+        ("date", DATE),
+        ("nan", NAN),
+        ("inf", INF),
+        ("table", {"zzz": 1}),
+    ]
+    keys = [
+        "model",
+        "max_steps",
+        "batch_size",
+        "rollouts_per_example",
+        "sampling",
+        "env",
+        "eval",
+        "val",
+        "buffer",
+        "checkpoints",
+        "adapters",
+        "wandb",
+        "learning_rate",
+        "lora_alpha",
+        "oversampling_factor",
+        "max_async_level",
+        "trajectory_strategy",
+        "env_file",
+        "checkpoint_id",
+        "trainer",
+        "orchestrator",
+        "inference",
+        "max_off_policy_steps",
+    ]
+    valid = {
+        "model": ("str",),
+        "env_file": ("str", "list"),
+        "checkpoint_id": ("str",),
+        "max_steps": ("int",),
+        "batch_size": ("int",),
+        "rollouts_per_example": ("int",),
+        "learning_rate": ("int",),
+        "lora_alpha": ("int",),
+        "oversampling_factor": ("int",),
+        "max_async_level": ("int",),
+        "max_off_policy_steps": ("int",),
+    }
     for key in keys:
         for label, value in shapes:
             if label in valid.get(key, ()):
@@ -174,8 +236,13 @@ def _hosted_cases() -> list[Any]:
             d = dict(HOSTED)
             d[key] = value
             cases.append(pytest.param("run", d, [], key, id=f"hosted:{key}={label}"))
-    for sec, field in (("sampling", "temperature"), ("buffer", "easy_threshold"), ("eval", "interval"),
-                       ("checkpoints", "interval"), ("env", "ratio")):
+    for sec, field in (
+        ("sampling", "temperature"),
+        ("buffer", "easy_threshold"),
+        ("eval", "interval"),
+        ("checkpoints", "interval"),
+        ("env", "ratio"),
+    ):
         for label, value in shapes:
             if label == "int" and field != "interval":
                 continue  # 5 is a valid float
@@ -198,11 +265,23 @@ def _nesting_cases() -> list[Any]:
     for _ in range(200):
         deep_table = {"a": deep_table}
     return [
-        pytest.param("run", deep_merge(BASE, {"orchestrator": {"train": {"env": [{"id": "x", "args": {"a": deep}}]}}}),
-                     [], "nested", id="nest:env-args-list"),
-        pytest.param("run", deep_merge(BASE, {"orchestrator": {"train": {"env": [{"id": "x", "args": deep_table}]}}}),
-                     [], "nested", id="nest:env-args-table"),
-        pytest.param("run", BASE, ["--trainer.optim.betas", "[" * 3000 + "]" * 3000], "nested", id="nest:flag"),
+        pytest.param(
+            "run",
+            deep_merge(BASE, {"orchestrator": {"train": {"env": [{"id": "x", "args": {"a": deep}}]}}}),
+            [],
+            "nested",
+            id="nest:env-args-list",
+        ),
+        pytest.param(
+            "run",
+            deep_merge(BASE, {"orchestrator": {"train": {"env": [{"id": "x", "args": deep_table}]}}}),
+            [],
+            "nested",
+            id="nest:env-args-table",
+        ),
+        pytest.param(
+            "run", BASE, ["--trainer.optim.betas", "[" * 3000 + "]" * 3000], "nested", id="nest:flag"
+        ),
         pytest.param("run", BASE, ["--max-steps", "[" * 3000 + "]" * 3000], "nested", id="nest:flag-scalar"),
     ]
 
@@ -221,12 +300,18 @@ def _output_dir_cases(tmp: Path) -> list[tuple[str, str]]:
     ]
 
 
-CASES = (_schema_cases(schema.Config, BASE, "run") + _schema_cases(schema.SFTConfig, SFT_BASE, "sft")
-         + _flag_cases() + _hosted_cases() + _nesting_cases())
+CASES = (
+    _schema_cases(schema.Config, BASE, "run")
+    + _schema_cases(schema.SFTConfig, SFT_BASE, "sft")
+    + _flag_cases()
+    + _hosted_cases()
+    + _nesting_cases()
+)
 
 
-def _run(tmp_path: Path, command: str, data: dict[str, Any], flags: list[str],
-         capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+def _run(
+    tmp_path: Path, command: str, data: dict[str, Any], flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
     cfg = tmp_path / "cfg.toml"
     data = dict(data)
     data.setdefault("output_dir", str(tmp_path / "out"))
@@ -271,8 +356,11 @@ def test_deep_toml_file(tmp_path, capsys):
     inline = tmp_path / "inline.toml"
     inline.write_text("x = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n")
     for f in (cfg, inline):
-        for argv in (["run", str(f), "--dry-run"], ["run", "@", str(f), "--dry-run"],
-                     ["run", str(cfg.with_name("x.toml")), "--trainer", "@", str(f)]):
+        for argv in (
+            ["run", str(f), "--dry-run"],
+            ["run", "@", str(f), "--dry-run"],
+            ["run", str(cfg.with_name("x.toml")), "--trainer", "@", str(f)],
+        ):
             if argv[1].endswith("x.toml"):
                 argv[1] = str(tmp_path / "base.toml")
                 Path(argv[1]).write_text(tomli_w.dumps(BASE))
@@ -283,8 +371,13 @@ def test_deep_toml_file(tmp_path, capsys):
 
 def test_finite_valid_values_still_load(tmp_path, capsys):
     """The finite-float walk refuses only non-finite values: large finite ones load."""
-    data = deep_merge(BASE, {"trainer": {"optim": {"lr": 1e300}}, "orchestrator": {
-        "train": {"sampling": {"temperature": 1e10}, "env": [{"id": "reverse-text"}]}}})
+    data = deep_merge(
+        BASE,
+        {
+            "trainer": {"optim": {"lr": 1e300}},
+            "orchestrator": {"train": {"sampling": {"temperature": 1e10}, "env": [{"id": "reverse-text"}]}},
+        },
+    )
     rc, err = _run(tmp_path, "run", data, [], capsys)
     assert rc == 0, err
 
@@ -307,8 +400,13 @@ def test_real_cli(tmp_path, name, flags, field):
     else:
         cfg.write_text(tomli_w.dumps({**BASE, "output_dir": str(tmp_path / "o")}))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    p = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--dry-run", *flags],
-                       capture_output=True, text=True, timeout=60, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--dry-run", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()

@@ -120,7 +120,10 @@ def test_core_fields(full: tuple[Config, list[str]]) -> None:
     assert o.oversampling_factor == 1.5
     assert o.max_async_level == 3
     assert o.trajectory_strategy == "branching"
-    assert cfg.env_files == [str(Path.cwd() / "secrets.env"), str(Path.cwd() / "more.env")]  # env_file, made absolute
+    assert cfg.env_files == [
+        str(Path.cwd() / "secrets.env"),
+        str(Path.cwd() / "more.env"),
+    ]  # env_file, made absolute
     # checkpoint_id: resolved to that checkpoint's HF weights dir
     assert cfg.ckpt is not None and cfg.ckpt.warm_start == str(Path.cwd() / "earlier" / "weights" / "step_3")
 
@@ -142,7 +145,11 @@ def test_eval_val_buffer(full: tuple[Config, list[str]]) -> None:
     assert len(ev.env) == 1
     e = ev.env[0]
     assert (e.id, e.args, e.num_examples, e.rollouts_per_example) == (
-        "primeintellect/alphabet-sort", {"split": "test"}, 30, 4)
+        "primeintellect/alphabet-sort",
+        {"split": "test"},
+        30,
+        4,
+    )
     val = cfg.orchestrator.val
     assert val is not None and (val.num_examples, val.rollouts_per_example, val.interval) == (32, 2, 7)
     b = cfg.orchestrator.buffer
@@ -163,7 +170,13 @@ def test_checkpoints_adapters_wandb(full: tuple[Config, list[str]]) -> None:
 def test_platform_only_fields_are_reported(full: tuple[Config, list[str]]) -> None:
     _, notes = full
     text = "\n".join(notes)
-    for ignored in ("[infrastructure]", "[tailscale]", "image_tag", "checkpoints.keep_cloud", "adapters.keep_last"):
+    for ignored in (
+        "[infrastructure]",
+        "[tailscale]",
+        "image_tag",
+        "checkpoints.keep_cloud",
+        "adapters.keep_last",
+    ):
         assert any(ignored in n and "ignored" in n for n in notes), (ignored, text)
     assert any("hosted (flat) config shape detected" in n for n in notes)
     assert any("seq_len not set" in n and "2048" in n for n in notes)
@@ -171,8 +184,10 @@ def test_platform_only_fields_are_reported(full: tuple[Config, list[str]]) -> No
 
 def test_hosted_defaults_from_the_docs(tmp_path: Path) -> None:
     p = tmp_path / "min.toml"
-    p.write_text('model = "m"\nmax_steps = 3\nbatch_size = 8\nrollouts_per_example = 4\n'
-                 '[sampling]\nmax_tokens = 64\n[[env]]\nid = "primeintellect/reverse-text"\n')
+    p.write_text(
+        'model = "m"\nmax_steps = 3\nbatch_size = 8\nrollouts_per_example = 4\n'
+        '[sampling]\nmax_tokens = 64\n[[env]]\nid = "primeintellect/reverse-text"\n'
+    )
     cfg = load([str(p)]).config
     assert cfg.trainer.optim.lr == 1e-4  # learning_rate default
     assert cfg.model.lora is not None and cfg.model.lora.alpha == 16  # lora_alpha default
@@ -180,8 +195,7 @@ def test_hosted_defaults_from_the_docs(tmp_path: Path) -> None:
     assert cfg.orchestrator.trajectory_strategy == "interleaved"
     assert cfg.seq_len == 2048 and cfg.ckpt is None and cfg.wandb is None
     # a flag or a later file beats a hosted default; a later hosted file does not reset earlier values
-    assert load([str(p), "--orchestrator.max-async-level", "1"]
-                ).config.orchestrator.max_async_level == 1
+    assert load([str(p), "--orchestrator.max-async-level", "1"]).config.orchestrator.max_async_level == 1
     q = tmp_path / "more.toml"
     q.write_text("learning_rate = 5e-5\nmax_async_level = 4\n")
     r = tmp_path / "later.toml"
@@ -193,8 +207,10 @@ def test_hosted_defaults_from_the_docs(tmp_path: Path) -> None:
 
 def test_hosted_seq_len_follows_long_max_tokens(tmp_path: Path) -> None:
     p = tmp_path / "long.toml"
-    p.write_text('model = "m"\nbatch_size = 8\nrollouts_per_example = 4\n[sampling]\nmax_tokens = 8192\n'
-                 '[[env]]\nid = "reverse-text"\n')
+    p.write_text(
+        'model = "m"\nbatch_size = 8\nrollouts_per_example = 4\n[sampling]\nmax_tokens = 8192\n'
+        '[[env]]\nid = "reverse-text"\n'
+    )
     assert load([str(p)]).config.seq_len == 8192
 
 
@@ -212,7 +228,9 @@ def test_shape_detection() -> None:
     assert is_hosted({"batch_size": 8})
     assert is_hosted({"env": [{"id": "x"}]})
     assert not is_hosted({"model": {"name": "x"}, "orchestrator": {"batch_size": 8}})
-    native, notes = to_native({"type": "full_finetune", "model": {"name": "x"}, "infrastructure": {}}, "f.toml")
+    native, notes = to_native(
+        {"type": "full_finetune", "model": {"name": "x"}, "infrastructure": {}}, "f.toml"
+    )
     assert "infrastructure" not in native and native["type"] == "full_finetune"
     assert any("[infrastructure]" in n for n in notes) and any("full_finetune" in n for n in notes)
 

@@ -10,13 +10,22 @@ from hpcrl.monitor.summary import effective_window, format_summary, main, summar
 
 
 def _train(step: int, reward: float, t: float | None = None) -> dict:
-    return {"role": "orchestrator", "step": step, "time": float(step) if t is None else t,
-            "reward/all/mean": reward}
+    return {
+        "role": "orchestrator",
+        "step": step,
+        "time": float(step) if t is None else t,
+        "reward/all/mean": reward,
+    }
 
 
 def _eval(step: int, value: float) -> dict:
-    return {"role": "orchestrator", "step": step, "time": 100.0 + step, "eval/rt/avg@2": value,
-            "eval/rt/pass@2": value / 2}
+    return {
+        "role": "orchestrator",
+        "step": step,
+        "time": 100.0 + step,
+        "eval/rt/avg@2": value,
+        "eval/rt/pass@2": value / 2,
+    }
 
 
 def test_first_and_last_windows_and_delta():
@@ -53,8 +62,11 @@ def test_other_roles_and_missing_data():
     assert s.steps == 0 and s.delta is None and s.eval_before == {}
     text = format_summary(s)
     assert "eval: none logged" in text and "delta n/a" in text
-    sft = summarize([{"role": "trainer", "step": i, "time": 0.0, "loss/mean": 3.0 - i} for i in range(3)],
-                    key="loss/mean", role="trainer")
+    sft = summarize(
+        [{"role": "trainer", "step": i, "time": 0.0, "loss/mean": 3.0 - i} for i in range(3)],
+        key="loss/mean",
+        role="trainer",
+    )
     assert sft.train_first == 3.0 and sft.train_last == 1.0
 
 
@@ -74,7 +86,9 @@ def test_cli(tmp_path, capsys):
     sft.mkdir()
     recs = [_eval(0, 0.1), _train(1, 0.1), _train(2, 0.2), _train(3, 0.5), _eval(3, 0.5)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (sft / "metrics.jsonl").write_text(json.dumps({"role": "trainer", "step": 1, "time": 0, "loss/mean": 4}) + "\n")
+    (sft / "metrics.jsonl").write_text(
+        json.dumps({"role": "trainer", "step": 1, "time": 0, "loss/mean": 4}) + "\n"
+    )
     assert main([str(run), "--sft-dir", str(sft), "--wall-s", "12"]) == 0
     out = capsys.readouterr().out
     assert "train reward/all/mean (mean of 1 steps): first 0.100 -> last 0.500, delta +0.400" in out

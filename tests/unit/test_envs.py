@@ -266,7 +266,9 @@ def test_registry_ids_and_errors():
     assert resolve_factory("reverse-text") is resolve_factory("primeintellect/reverse_text")
     assert resolve_factory("hpcrl/arithmetic") is resolve_factory("arithmetic")
     assert resolve_factory("hpcrl.envs.calculator:load_environment") is resolve_factory("calculator")
-    assert resolve_factory("hpcrl.envs.arithmetic") is resolve_factory("arithmetic")  # a module with load_environment
+    assert resolve_factory("hpcrl.envs.arithmetic") is resolve_factory(
+        "arithmetic"
+    )  # a module with load_environment
     with pytest.raises(ValueError, match=r"unknown environment 'nope-env'.*reverse-text") as e:
         load_environment("nope-env")
     assert "\n" not in str(e.value)
@@ -293,7 +295,8 @@ def test_owner_name_loads_the_installed_package(tmp_path, monkeypatch):
     (pkg / "reverse_text").mkdir(parents=True)
     (pkg / "reverse_text" / "__init__.py").write_text(
         "from hpcrl.envs.arithmetic import load_environment as _a\n"
-        "def load_environment(**kw):\n    return _a(**kw)\n")
+        "def load_environment(**kw):\n    return _a(**kw)\n"
+    )
     (pkg / "judge_env.py").write_text("def load_environment(api_key: str = ''):\n    return api_key\n")
     monkeypatch.syspath_prepend(str(pkg))
     import reverse_text
@@ -321,8 +324,11 @@ def test_aliases_are_named_and_unknown_hub_ids_fail():
         with pytest.raises(ValueError) as e:
             resolve_factory(env_id)
         assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"'primeintellect/gsm8k' is not installed \(no module 'gsm8k'.*"
-                                         r"prime env install primeintellect/gsm8k"):
+    with pytest.raises(
+        ValueError,
+        match=r"'primeintellect/gsm8k' is not installed \(no module 'gsm8k'.*"
+        r"prime env install primeintellect/gsm8k",
+    ):
         resolve_factory("primeintellect/gsm8k")
 
 
@@ -341,5 +347,7 @@ def test_env_args_reference_environment_variables(monkeypatch):
     load_environment("judge", api_key="${env:HPCRL_TEST_KEY}", prompt="key ${env:HPCRL_TEST_KEY}!")
     assert seen == {"api_key": "sk-real-value", "prompt": "key sk-real-value!"}
     monkeypatch.delenv("HPCRL_TEST_KEY")
-    with pytest.raises(ValueError, match=r"args.api_key: references \$\{env:HPCRL_TEST_KEY\} but HPCRL_TEST_KEY is not set"):
+    with pytest.raises(
+        ValueError, match=r"args.api_key: references \$\{env:HPCRL_TEST_KEY\} but HPCRL_TEST_KEY is not set"
+    ):
         load_environment("judge", api_key="${env:HPCRL_TEST_KEY}")

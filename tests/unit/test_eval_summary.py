@@ -20,8 +20,10 @@ from hpcrl.orchestrator.state import RolloutRecord
 
 def group(*rewards: float | None) -> list[RolloutRecord]:
     """None = an errored rollout."""
-    return [RolloutRecord(index=i, pieces=[], reward=r or 0.0, error=None if r is not None else "boom")
-            for i, r in enumerate(rewards)]
+    return [
+        RolloutRecord(index=i, pieces=[], reward=r or 0.0, error=None if r is not None else "boom")
+        for i, r in enumerate(rewards)
+    ]
 
 
 def test_avg_pass_std_and_uniform_fraction_by_hand() -> None:
@@ -31,7 +33,7 @@ def test_avg_pass_std_and_uniform_fraction_by_hand() -> None:
     assert s["avg@3"] == pytest.approx(5.5 / 12)
     assert s["pass@3"] == pytest.approx(2 / 4)  # examples 0 and 3 have a reward >= 0.99
     assert s["reward_mean"] == pytest.approx(5.5 / 12)
-    flat = [1, 0, 0, .5, .5, .5, 0, 0, 0, 1, 1, 1]
+    flat = [1, 0, 0, 0.5, 0.5, 0.5, 0, 0, 0, 1, 1, 1]
     mean = sum(flat) / 12
     assert s["reward_std"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in flat) / 12))
     assert s["example_std"] == pytest.approx((math.sqrt(2 / 9) + 0 + 0 + 0) / 4)  # std of (1,0,0) = sqrt(2)/3
@@ -60,20 +62,53 @@ def test_recommendation_names_the_cause() -> None:
 
 
 def test_short_flags_and_positional_envs() -> None:
-    rest, extra = split_argv(["reverse-text", "arithmetic", "-m", "M", "-n", "8", "-r", "3", "-a", '{"seed": 1}',
-                              "--sampling.temperature", "0.5", "-b", "http://x:1/v1", "@", "c.toml"],
-                             EvalRunConfig, EVAL_FLAGS)
+    rest, extra = split_argv(
+        [
+            "reverse-text",
+            "arithmetic",
+            "-m",
+            "M",
+            "-n",
+            "8",
+            "-r",
+            "3",
+            "-a",
+            '{"seed": 1}',
+            "--sampling.temperature",
+            "0.5",
+            "-b",
+            "http://x:1/v1",
+            "@",
+            "c.toml",
+        ],
+        EvalRunConfig,
+        EVAL_FLAGS,
+    )
     assert rest == ["--sampling.temperature", "0.5", "@", "c.toml"]
-    assert extra == {"model": "M", "num_examples": "8", "rollouts_per_example": "3",
-                     "client": {"base_url": "http://x:1/v1"},
-                     "env": [{"id": "reverse-text", "args": {"seed": 1}}, {"id": "arithmetic", "args": {"seed": 1}}]}
-    _, g = split_argv(["reverse-text", "-M", "R", "-B", "30", "-N", "4", "--state-columns", "text,answer"],
-                      GepaRunConfig, GEPA_FLAGS)
-    assert g["gepa"] == {"reflection_model": "R", "max_calls": "30", "num_val": "4", "state_columns": ["text", "answer"]}
+    assert extra == {
+        "model": "M",
+        "num_examples": "8",
+        "rollouts_per_example": "3",
+        "client": {"base_url": "http://x:1/v1"},
+        "env": [{"id": "reverse-text", "args": {"seed": 1}}, {"id": "arithmetic", "args": {"seed": 1}}],
+    }
+    _, g = split_argv(
+        ["reverse-text", "-M", "R", "-B", "30", "-N", "4", "--state-columns", "text,answer"],
+        GepaRunConfig,
+        GEPA_FLAGS,
+    )
+    assert g["gepa"] == {
+        "reflection_model": "R",
+        "max_calls": "30",
+        "num_val": "4",
+        "state_columns": ["text", "answer"],
+    }
 
 
 def test_load_run_types_values_and_reports_one_line_errors() -> None:
-    cfg = load_run(["reverse-text", "-m", "hpcrl/tiny-qwen3", "-n", "8", "-r", "3"], EvalRunConfig, EVAL_FLAGS).config
+    cfg = load_run(
+        ["reverse-text", "-m", "hpcrl/tiny-qwen3", "-n", "8", "-r", "3"], EvalRunConfig, EVAL_FLAGS
+    ).config
     assert (cfg.num_examples, cfg.rollouts_per_example, cfg.env[0].id) == (8, 3, "reverse-text")
     with pytest.raises(ConfigError, match="rollouts_per_example"):
         load_run(["reverse-text", "-m", "M", "-r", "zero"], EvalRunConfig, EVAL_FLAGS)
@@ -98,10 +133,18 @@ def test_budget_stopper_stops_before_an_iteration_that_could_overrun() -> None:
 
 
 def test_reflection_record_has_feedback_and_state_columns() -> None:
-    task = Task(3, [{"role": "system", "content": "S"}, {"role": "user", "content": "abc"}], "cba",
-                {"text": "abc"})
-    row = {"prompt": task.prompt, "completion": [{"role": "assistant", "content": "abd"}], "reward": 0.5,
-           "metrics": {"exact": 0.0}, "error": None, "truncated": True, "answer": "cba"}
+    task = Task(
+        3, [{"role": "system", "content": "S"}, {"role": "user", "content": "abc"}], "cba", {"text": "abc"}
+    )
+    row = {
+        "prompt": task.prompt,
+        "completion": [{"role": "assistant", "content": "abd"}],
+        "reward": 0.5,
+        "metrics": {"exact": 0.0},
+        "error": None,
+        "truncated": True,
+        "answer": "cba",
+    }
     rec = feedback(row, task, ["text", "answer", "missing"])
     assert rec["Inputs"] == "[user] abc" and rec["Generated Outputs"] == "[assistant] abd"
     assert "Reward 0.500 (exact=0)" in rec["Feedback"] and "expected answer was: cba" in rec["Feedback"]
@@ -130,8 +173,9 @@ def test_verifiers_env_takes_a_system_prompt_it_has_no_argument_for(tmp_path: Pa
     pytest.importorskip("verifiers")
     f = tmp_path / "p.txt"
     f.write_text("Spell it backwards.")
-    env = load_environment("tests.integration.vf_env_fixture:load_environment", num_examples=2,
-                           system_prompt_file=str(f))
+    env = load_environment(
+        "tests.integration.vf_env_fixture:load_environment", num_examples=2, system_prompt_file=str(f)
+    )
     task = env.tasks("train")[0]
     assert task.prompt[0]["content"] == "Reverse the text."  # the dataset keeps its own
     assert env._rollout_input(task)["prompt"][0] == {"role": "system", "content": "Spell it backwards."}
@@ -139,9 +183,11 @@ def test_verifiers_env_takes_a_system_prompt_it_has_no_argument_for(tmp_path: Pa
 
 def test_gepa_config_file_with_a_gepa_section(tmp_path: Path) -> None:
     f = tmp_path / "gepa.toml"
-    f.write_text('model = "hpcrl/tiny-qwen3"\noutput_dir = "out/g"\n[sampling]\nmax_tokens = 16\n'
-                 '[[env]]\nid = "reverse-text"\nargs = { num_examples = 20 }\n'
-                 '[gepa]\nmax_calls = 40\nnum_val = 5\nstate_columns = ["text"]\nperfect_score = 1.0\n')
+    f.write_text(
+        'model = "hpcrl/tiny-qwen3"\noutput_dir = "out/g"\n[sampling]\nmax_tokens = 16\n'
+        '[[env]]\nid = "reverse-text"\nargs = { num_examples = 20 }\n'
+        '[gepa]\nmax_calls = 40\nnum_val = 5\nstate_columns = ["text"]\nperfect_score = 1.0\n'
+    )
     cfg = load_run(["@", str(f), "-B", "50"], GepaRunConfig, GEPA_FLAGS).config
     assert (cfg.gepa.max_calls, cfg.gepa.num_val, cfg.gepa.state_columns) == (50, 5, ["text"])
     assert cfg.env[0].args == {"num_examples": 20} and cfg.sampling.max_tokens == 16

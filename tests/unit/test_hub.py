@@ -10,8 +10,9 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.models.hub import hub_ids, resolve_hub, seed_cache
 
 
-def test_hub_id_resolves_from_the_cache_offline(tiny_model_dir: Path, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_id_resolves_from_the_cache_offline(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cache = tmp_path / "hub"
     snap = seed_cache(tiny_model_dir, "tiny-org/tiny-qwen3", cache)
@@ -22,10 +23,13 @@ def test_hub_id_resolves_from_the_cache_offline(tiny_model_dir: Path, tmp_path: 
     assert load_model(got) is not None and load_tokenizer(got) is not None
 
 
-@pytest.mark.parametrize(("name", "field"), [("no-org/missing-model", "model.name"),
-                                             ("no-org/missing-model", "inference.model.name")])
-def test_unknown_hub_id_offline_is_one_line_naming_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             name: str, field: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "field"),
+    [("no-org/missing-model", "model.name"), ("no-org/missing-model", "inference.model.name")],
+)
+def test_unknown_hub_id_offline_is_one_line_naming_the_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, field: str
+) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError) as e:
         resolve_hub(name, field=field, cache_dir=str(tmp_path))
@@ -38,7 +42,9 @@ def test_invalid_name_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from hpcrl.models.tiny import resolve_model
 
-    with pytest.raises(ConfigError, match=r"model\.name: .*not a local directory|model\.name: .*valid Hub id"):
+    with pytest.raises(
+        ConfigError, match=r"model\.name: .*not a local directory|model\.name: .*valid Hub id"
+    ):
         resolve_model("./no/such/dir//x")
 
 

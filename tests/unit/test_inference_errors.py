@@ -13,12 +13,15 @@ from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown, W
 ENGINE = Path(__file__).resolve().parents[2] / "hpcrl" / "inference" / "engine.py"
 
 
-@pytest.mark.parametrize(("exc", "status", "kind"), [
-    (InvalidRequest("the prompt is empty", param="prompt"), 400, "BadRequestError"),
-    (WeightSyncRefused("a full update is needed"), 409, "WeightSyncError"),
-    (ShuttingDown("the server is shutting down"), 503, "ServiceUnavailableError"),
-    (EngineFailed("engine error: RuntimeError: x"), 500, "InternalServerError"),
-])
+@pytest.mark.parametrize(
+    ("exc", "status", "kind"),
+    [
+        (InvalidRequest("the prompt is empty", param="prompt"), 400, "BadRequestError"),
+        (WeightSyncRefused("a full update is needed"), 409, "WeightSyncError"),
+        (ShuttingDown("the server is shutting down"), 503, "ServiceUnavailableError"),
+        (EngineFailed("engine error: RuntimeError: x"), 500, "InternalServerError"),
+    ],
+)
 def test_engine_errors_map_to_their_http_answer(exc, status, kind) -> None:
     err = api_error(exc)
     assert (err.status, err.type, err.message, err.param) == (status, kind, exc.message, exc.param)

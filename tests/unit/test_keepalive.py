@@ -36,9 +36,25 @@ time.sleep(60)
 def _keepalive(tmp: Path, script: str, *flags: str) -> subprocess.Popen:
     (tmp / "server.py").write_text(script)
     addr = RunPaths(tmp / "run").server_file(0)
-    return subprocess.Popen([sys.executable, "-m", "hpcrl.launch.keepalive", *flags, "--run-dir", str(tmp / "run"),
-                             "--server-index", "0", "--", sys.executable, str(tmp / "server.py"),
-                             str(tmp / "runs.txt"), str(addr)], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.launch.keepalive",
+            *flags,
+            "--run-dir",
+            str(tmp / "run"),
+            "--server-index",
+            "0",
+            "--",
+            sys.executable,
+            str(tmp / "server.py"),
+            str(tmp / "runs.txt"),
+            str(addr),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _runs(tmp: Path) -> list[str]:
@@ -71,7 +87,9 @@ def test_a_server_that_keeps_dying_ends_the_task_after_its_restarts(tmp_path: Pa
     cfg = tmp_path / "inference.toml"
     cfg.write_text("[deployment]\nmax_server_restarts = 2\n")
     assert max_restarts_of(cfg) == 2
-    ka = _keepalive(tmp_path, "import sys; open(sys.argv[1], 'a').write('x\\n'); sys.exit(7)", "--config", str(cfg))
+    ka = _keepalive(
+        tmp_path, "import sys; open(sys.argv[1], 'a').write('x\\n'); sys.exit(7)", "--config", str(cfg)
+    )
     out, _ = ka.communicate(timeout=30)
     assert ka.returncode == 7
     assert len(_runs(tmp_path)) == 3  # the first run and two restarts

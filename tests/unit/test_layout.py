@@ -56,8 +56,9 @@ def test_key_cost_and_a_common_system_prompt():
 
     # tiny-qwen3: d 128, 4 heads x 32, 2 kv heads, ffn 256: per token 128*(128+2*64) + 128*128 + 3*128*256
     # = 147,456 multiply-adds per layer; one query-key pair 2 * 128 = 256: 576 keys' worth
-    cfg = Qwen3Config(hidden_size=128, num_attention_heads=4, head_dim=32, num_key_value_heads=2,
-                      intermediate_size=256)
+    cfg = Qwen3Config(
+        hidden_size=128, num_attention_heads=4, head_dim=32, num_key_value_heads=2, intermediate_size=256
+    )
     assert key_cost_of(cfg) == 576
     # 16 prompts = a 46-token system prompt + 10 tokens of their own, 8 completions of 16 tokens each:
     # one unit per prompt (56 shared + 8 x 16 = 184 slots), not units chained by the system prompt
@@ -117,8 +118,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    )
     out = tmp_path_factory.mktemp("qwen3_layout")
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
     return out
@@ -133,13 +142,19 @@ def group_batch(prompt_len: int, completions: list[int], groups: int, seed: int 
         for n in completions:
             ids.append(torch.cat([prompt, torch.randint(0, VOCAB, (n,), generator=g)]))
             lens.append(prompt_len + n)
-            mask.append(torch.cat([torch.zeros(prompt_len, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]))
+            mask.append(
+                torch.cat([torch.zeros(prompt_len, dtype=torch.bool), torch.ones(n, dtype=torch.bool)])
+            )
             temps.append(0.7 if k % 2 else 1.0)
     t = sum(lens)
     return PackedBatch(
-        input_ids=torch.cat(ids), position_ids=torch.cat([torch.arange(n) for n in lens]),
-        seq_lens=torch.tensor(lens), loss_mask=torch.cat(mask), advantages=torch.randn(t, generator=g),
-        inference_logprobs=-torch.rand(t, generator=g), temperatures=torch.tensor(temps),
+        input_ids=torch.cat(ids),
+        position_ids=torch.cat([torch.arange(n) for n in lens]),
+        seq_lens=torch.tensor(lens),
+        loss_mask=torch.cat(mask),
+        advantages=torch.randn(t, generator=g),
+        inference_logprobs=-torch.rand(t, generator=g),
+        temperatures=torch.tensor(temps),
     )
 
 
@@ -180,20 +195,31 @@ def test_row_micro_batches_pack_the_whole_batch_once(model_dir: Path):
     from hpcrl.trainer.packing import row_micro_batches
 
     lens = [5, 1, 7, 3]
-    b = PackedBatch(input_ids=torch.arange(16), position_ids=torch.cat([torch.arange(n) for n in lens]),
-                    seq_lens=torch.tensor(lens), loss_mask=torch.zeros(16, dtype=torch.bool),
-                    temperatures=torch.tensor([1.0, 0.7, 1.3, 0.9]))
+    b = PackedBatch(
+        input_ids=torch.arange(16),
+        position_ids=torch.cat([torch.arange(n) for n in lens]),
+        seq_lens=torch.tensor(lens),
+        loss_mask=torch.zeros(16, dtype=torch.bool),
+        temperatures=torch.tensor([1.0, 0.7, 1.3, 0.9]),
+    )
     # width 7, first-fit decreasing over the whole batch: s2 | s0 + s1 | s3; 14 tokens = 2 rows each
     mbs = row_micro_batches(b, 14)
     assert [mb.seq_lens.tolist() for mb in mbs] == [[7, 5, 1], [3]]
-    assert torch.equal(mbs[0].input_ids[:7], b.input_ids[6:13]) and torch.equal(mbs[1].input_ids, b.input_ids[13:])
+    assert torch.equal(mbs[0].input_ids[:7], b.input_ids[6:13]) and torch.equal(
+        mbs[1].input_ids, b.input_ids[13:]
+    )
     assert torch.equal(mbs[0].input_ids[7:], b.input_ids[:6])
-    assert mbs[0].temperatures.tolist() == pytest.approx([1.3, 1.0, 0.7]) and mbs[0].position_ids[:7].tolist() == list(range(7))
+    assert mbs[0].temperatures.tolist() == pytest.approx([1.3, 1.0, 0.7]) and mbs[0].position_ids[
+        :7
+    ].tolist() == list(range(7))
     # Same loss gradient as the in-order micro-batches, with and without shared prefixes.
     batch = group_batch(prompt_len=9, completions=[3, 5, 1, 4], groups=3)
     grads = []
-    for mbs in (micro_batches(batch, 40), row_micro_batches(batch, 40),
-                row_micro_batches(with_shared_prefixes(batch, 40), 40)):
+    for mbs in (
+        micro_batches(batch, 40),
+        row_micro_batches(batch, 40),
+        row_micro_batches(with_shared_prefixes(batch, 40), 40),
+    ):
         model = load_model(model_dir)
         tokens = 0
         for mb in mbs:
@@ -243,9 +269,13 @@ def test_chosen_row_width_equals_samples_alone(model_dir: Path, attn: str, share
         batch = with_shared_prefixes(batch, 64)
     lens = [int(n) for n in torch.randint(5, 21, (10,), generator=g)]
     t = sum(lens)
-    loose = PackedBatch(input_ids=torch.randint(0, VOCAB, (t,), generator=g),
-                        position_ids=torch.cat([torch.arange(n) for n in lens]), seq_lens=torch.tensor(lens),
-                        loss_mask=torch.arange(t) % 3 != 0, advantages=torch.randn(t, generator=g))
+    loose = PackedBatch(
+        input_ids=torch.randint(0, VOCAB, (t,), generator=g),
+        position_ids=torch.cat([torch.arange(n) for n in lens]),
+        seq_lens=torch.tensor(lens),
+        loss_mask=torch.arange(t) % 3 != 0,
+        advantages=torch.randn(t, generator=g),
+    )
     for b in (batch, loose):
         b.loss_mask[torch.cumsum(b.seq_lens, 0) - b.seq_lens] = False
         alone = micro_batches(replace_prefix(b), 1)  # one sample per micro-batch: no layout at all
@@ -266,8 +296,10 @@ def test_chosen_row_width_equals_samples_alone(model_dir: Path, attn: str, share
                 (out.logprobs * mb.advantages).sum().backward()
                 slots, pad = slots + out.slots, pad + out.padding
                 # key each sample's logprobs by its token ids (samples are reordered by packing)
-                for ids, v in zip(mb.input_ids.split(mb.seq_lens.tolist()), out.logprobs.detach().split(
-                        mb.seq_lens.tolist())):
+                for ids, v in zip(
+                    mb.input_ids.split(mb.seq_lens.tolist()),
+                    out.logprobs.detach().split(mb.seq_lens.tolist()),
+                ):
                     lp.setdefault(tuple(ids.tolist()), []).append(v)
             results.append((lp, [p.grad for p in model.parameters()], slots, pad))
         (lp0, g0, _, _), (lp1, g1, slots1, pad1) = results

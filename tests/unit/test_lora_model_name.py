@@ -17,8 +17,15 @@ from hpcrl.paths import RunPaths
 
 
 def _policy(step: int, adapter: bool) -> PolicyReady:
-    return PolicyReady(step=step, transport="filesystem", path=f"/run/broadcasts/step_{step}", checksum="c",
-                       adapter=adapter, num_params=1, num_bytes=4)
+    return PolicyReady(
+        step=step,
+        transport="filesystem",
+        path=f"/run/broadcasts/step_{step}",
+        checksum="c",
+        adapter=adapter,
+        num_params=1,
+        num_bytes=4,
+    )
 
 
 def test_requests_name_the_adapter_only_while_it_is_the_policy(tmp_path) -> None:
@@ -35,13 +42,22 @@ def test_requests_name_the_adapter_only_while_it_is_the_policy(tmp_path) -> None
         await pool.aclose()
         return seen
 
-    assert asyncio.run(go()) == ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", ADAPTER_NAME, ADAPTER_NAME, "Qwen/Qwen3-0.6B"]
+    assert asyncio.run(go()) == [
+        "Qwen/Qwen3-0.6B",
+        "Qwen/Qwen3-0.6B",
+        ADAPTER_NAME,
+        ADAPTER_NAME,
+        "Qwen/Qwen3-0.6B",
+    ]
 
 
 def test_vllm_lora_body_keeps_hpcrl_fields_out_of_vllms_request() -> None:
     body = {"lora_name": ADAPTER_NAME, "lora_path": "/run/broadcasts/step_4", "step": 4}
-    assert vb.lora_request_body(body) == {"lora_name": ADAPTER_NAME, "lora_path": "/run/broadcasts/step_4",
-                                          "load_inplace": True}
+    assert vb.lora_request_body(body) == {
+        "lora_name": ADAPTER_NAME,
+        "lora_path": "/run/broadcasts/step_4",
+        "load_inplace": True,
+    }
     assert vb.lora_step(body) == 4 and vb.lora_step({}) is None
     for bad in ("4", -1, True, 4.0):
         with pytest.raises(ValueError, match="step"):

@@ -75,7 +75,7 @@ def test_follower_reads_only_complete_lines(tmp_path: Path) -> None:
     f.write_bytes(b'{"step": 1}\n{"step": 2')
     assert fol.poll() == [{"step": 1}]
     with open(f, "ab") as fh:
-        fh.write(b'}\n')
+        fh.write(b"}\n")
     assert fol.poll() == [{"step": 2}] and fol.poll() == []
     f.write_bytes(b'{"step": 9}\n')  # replaced by a shorter file: start over
     assert fol.poll() == [{"step": 9}]
@@ -84,8 +84,14 @@ def test_follower_reads_only_complete_lines(tmp_path: Path) -> None:
 def test_extras_follow_interval_and_ratio(run_dir: Path) -> None:
     paths = RunPaths(run_dir)
     m = Metrics(paths, "orchestrator", extras=LogExtrasConfig(interval=5, sample_ratio=0.25))
-    rows = [{"prompt": f"p{i}", "completion": "c", "reward": float(i), "advantage": math.nan} for i in range(8)]
-    assert not m.samples_due(4) and m.log_samples(4, rows) is None and m.log_distribution(4, "reward", [1]) is None
+    rows = [
+        {"prompt": f"p{i}", "completion": "c", "reward": float(i), "advantage": math.nan} for i in range(8)
+    ]
+    assert (
+        not m.samples_due(4)
+        and m.log_samples(4, rows) is None
+        and m.log_distribution(4, "reward", [1]) is None
+    )
     assert m.samples_due(5) and m.distributions_due(5)
     path = m.log_samples(5, rows)
     h = m.log_distribution(5, "reward", [0.0, 1.0, 1.0, float("nan")])
@@ -94,7 +100,12 @@ def test_extras_follow_interval_and_ratio(run_dir: Path) -> None:
     assert path == paths.samples_file(5, "orchestrator")
     kept = _lines(path)
     assert len(kept) == 2 and all(r["advantage"] is None for r in kept)
-    assert h is not None and h["count"] == 3 and sum(h["counts"]) == 3 and len(h["edges"]) == len(h["counts"]) + 1
+    assert (
+        h is not None
+        and h["count"] == 3
+        and sum(h["counts"]) == 3
+        and len(h["edges"]) == len(h["counts"]) + 1
+    )
     assert read_metrics(paths.metrics_file) == []  # scalar readers never see extras
     extras = read_metrics(paths.metrics_file, extras=True)
     assert [r["extra"] for r in extras] == ["samples", "distribution"]

@@ -28,8 +28,13 @@ from hpcrl.paths import RunPaths
 
 # -- stitching ---------------------------------------------------------------------------------
 def turn(prompt: list[int], completion: list[int], step: int = 0) -> Turn:
-    return Turn(text="", prompt_token_ids=prompt, completion_token_ids=completion,
-                completion_logprobs=[-0.5] * len(completion), policy_steps=[step])
+    return Turn(
+        text="",
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        completion_logprobs=[-0.5] * len(completion),
+        policy_steps=[step],
+    )
 
 
 def test_turns_that_extend_each_other_stitch_into_one_sample() -> None:
@@ -86,14 +91,17 @@ def test_stitching_keeps_sampled_ids_where_the_template_would_tokenize_different
     full = [*history, {"role": "user", "content": "again"}]
     stitched = stitch_prompt(prompt, completion, env_response_ids(tok, history, full, None, completion))
     assert tok.decode(stitched) == tok.decode(_ids(tok, full, gen=True))
-    assert stitched[len(prompt): len(prompt) + len(completion)] == completion
+    assert stitched[len(prompt) : len(prompt) + len(completion)] == completion
 
 
 def test_no_exact_stitching_when_the_reply_is_not_what_the_template_renders(tokenizer) -> None:
     msgs = [{"role": "user", "content": "hi"}]
     history = [*msgs, {"role": "assistant", "content": "something else"}]
     completion = tokenizer("hello<|im_end|>", add_special_tokens=False)["input_ids"]
-    assert env_response_ids(tokenizer, history, [*history, {"role": "user", "content": "x"}], None, completion) is None
+    assert (
+        env_response_ids(tokenizer, history, [*history, {"role": "user", "content": "x"}], None, completion)
+        is None
+    )
 
 
 def test_request_seeds_are_stable_and_distinct() -> None:
@@ -104,15 +112,34 @@ def test_request_seeds_are_stable_and_distinct() -> None:
 
 # -- groups, staleness, packing ----------------------------------------------------------------
 def rollout(i: int, reward: float, version: int = 0, error: str | None = None) -> RolloutRecord:
-    pieces = [] if error else [Piece(input_ids=[1, 2, 3, 4], loss_mask=[False, False, True, True],
-                                     logprobs=[0.0, 0.0, -0.1, -0.2])]
-    return RolloutRecord(index=i, pieces=pieces, reward=reward, policy_version=version, completion_tokens=2,
-                         num_turns=1, error=error)
+    pieces = (
+        []
+        if error
+        else [
+            Piece(
+                input_ids=[1, 2, 3, 4], loss_mask=[False, False, True, True], logprobs=[0.0, 0.0, -0.1, -0.2]
+            )
+        ]
+    )
+    return RolloutRecord(
+        index=i,
+        pieces=pieces,
+        reward=reward,
+        policy_version=version,
+        completion_tokens=2,
+        num_turns=1,
+        error=error,
+    )
 
 
 def group(example_id: int, rewards: list[float], version: int = 0) -> GroupRecord:
-    return GroupRecord(env="e", example_id=example_id, task_index=example_id, task_epoch=0,
-                       rollouts=[rollout(i, r, version) for i, r in enumerate(rewards)])
+    return GroupRecord(
+        env="e",
+        example_id=example_id,
+        task_index=example_id,
+        task_epoch=0,
+        rollouts=[rollout(i, r, version) for i, r in enumerate(rewards)],
+    )
 
 
 def test_stale_samples_are_dropped_and_counted() -> None:
@@ -122,7 +149,9 @@ def test_stale_samples_are_dropped_and_counted() -> None:
     for g in (fresh, stale):
         assert judge_group(g, buf, AdvantageConfig(), "rl", counts)
     # Batch 10 is trained from policy 9: lag 2 (policy 7) is allowed, lag 3 (policy 6) is not.
-    samples = to_samples([stale, fresh], step=10, max_off_policy_steps=2, temperature=1.0, buffer=buf, counts=counts)
+    samples = to_samples(
+        [stale, fresh], step=10, max_off_policy_steps=2, temperature=1.0, buffer=buf, counts=counts
+    )
     assert counts.stale_dropped == 2
     assert [s.example_id for s in samples] == [0, 0] and [s.policy_version for s in samples] == [7, 7]
 
@@ -130,8 +159,13 @@ def test_stale_samples_are_dropped_and_counted() -> None:
 def test_advantages_filters_and_errored_rollouts() -> None:
     buf = Buffer({"e": 10}, BufferConfig())
     counts = StepCounts()
-    g = GroupRecord(env="e", example_id=0, task_index=0, task_epoch=0,
-                    rollouts=[rollout(0, 1.0), rollout(1, 0.0, error="boom"), rollout(2, 0.0)])
+    g = GroupRecord(
+        env="e",
+        example_id=0,
+        task_index=0,
+        task_epoch=0,
+        rollouts=[rollout(0, 1.0), rollout(1, 0.0, error="boom"), rollout(2, 0.0)],
+    )
     assert judge_group(g, buf, AdvantageConfig(), "rl", counts)
     assert g.advantages == [0.5, 0.0, -0.5]  # the errored rollout is outside the baseline
     uniform = group(1, [0.3, 0.3])
@@ -195,16 +229,39 @@ def test_state_round_trip_continues_the_same_task_stream(tmp_path: Path) -> None
     buf = Buffer(sizes, cfg)
     for _ in range(4):  # steps 1..4, crossing epochs
         draw(buf, 3)
-    batch = TrainBatch(step=4, rank=0, world_size=1, input_ids=[1, 2, 3], position_ids=[0, 1, 2], seq_lens=[3],
-                       loss_mask=[False, True, True], advantages=[0.5] * 3, inference_logprobs=[0, -0.1, -0.2],
-                       policy_versions=[3], temperatures=[1.0], env_names=["a"], example_ids=[2], rewards=[1.0],
-                       total_loss_tokens=2, created_at=0.0)
+    batch = TrainBatch(
+        step=4,
+        rank=0,
+        world_size=1,
+        input_ids=[1, 2, 3],
+        position_ids=[0, 1, 2],
+        seq_lens=[3],
+        loss_mask=[False, True, True],
+        advantages=[0.5] * 3,
+        inference_logprobs=[0, -0.1, -0.2],
+        policy_versions=[3],
+        temperatures=[1.0],
+        env_names=["a"],
+        example_ids=[2],
+        rewards=[1.0],
+        total_loss_tokens=2,
+        created_at=0.0,
+    )
     blob = encode(batch)
     carry = group(9, [1.0, 0.0])
     carry.advantages = [0.5, -0.5]
-    state = OrchestratorState(step=4, checkpoint_step=3, world_size=1, batch_size=6, rollouts_per_example=2,
-                              buffer=buf.state_dict(), ready=[carry], progress={"total_samples": 24}, evaluated=[0],
-                              pending_steps=[4])
+    state = OrchestratorState(
+        step=4,
+        checkpoint_step=3,
+        world_size=1,
+        batch_size=6,
+        rollouts_per_example=2,
+        buffer=buf.state_dict(),
+        ready=[carry],
+        progress={"total_samples": 24},
+        evaluated=[0],
+        pending_steps=[4],
+    )
     paths = RunPaths(tmp_path)
     save_part(paths, state, {4: [blob]})
     assert (paths.orchestrator_ckpt_dir(3) / "DONE").is_file()
@@ -212,7 +269,9 @@ def test_state_round_trip_continues_the_same_task_stream(tmp_path: Path) -> None
 
     loaded, pending = load_part(paths, 3)
     assert msgspec.json.encode(loaded) == msgspec.json.encode(state)
-    assert pending == {4: [blob]} and encode(decode(pending[4][0], TrainBatch)) == blob  # re-publish is bit-exact
+    assert (
+        pending == {4: [blob]} and encode(decode(pending[4][0], TrainBatch)) == blob
+    )  # re-publish is bit-exact
     resumed = Buffer(sizes, cfg)
     resumed.load_state_dict(loaded.buffer)
     assert [draw(resumed, 3) for _ in range(3)] == expected

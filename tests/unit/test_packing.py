@@ -101,17 +101,35 @@ def test_repack_for_another_world_size_keeps_every_sample() -> None:
     rng = np.random.default_rng(3)
     samples = []
     for i, n in enumerate([9, 5, 12, 3, 7, 8, 4]):
-        samples.append(Sample(input_ids=rng.integers(0, 100, n).astype(np.int32), loss_mask=rng.random(n) < 0.7,
-                              inference_logprobs=-rng.random(n).astype(np.float32),
-                              advantage=float(i) - 3, policy_version=i % 2, example_id=100 + i, env_name=f"e{i % 2}",
-                              temperature=1.0, reward=i / 10))
+        samples.append(
+            Sample(
+                input_ids=rng.integers(0, 100, n).astype(np.int32),
+                loss_mask=rng.random(n) < 0.7,
+                inference_logprobs=-rng.random(n).astype(np.float32),
+                advantage=float(i) - 3,
+                policy_version=i % 2,
+                example_id=100 + i,
+                env_name=f"e{i % 2}",
+                temperature=1.0,
+                reward=i / 10,
+            )
+        )
         samples[-1].loss_mask[-1] = True
     two, _ = build_batches(samples, step=5, world_size=2, seq_len=64, created_at=1.0)
 
     def key(s: Sample) -> tuple:
-        return (s.example_id, s.input_ids.tobytes(), s.loss_mask.tobytes(), s.inference_logprobs.tobytes(),
-                np.broadcast_to(np.float32(s.advantage), len(s)).tobytes() if np.ndim(s.advantage) == 0
-                else np.asarray(s.advantage, np.float32).tobytes(), s.policy_version, s.env_name, np.float32(s.reward))
+        return (
+            s.example_id,
+            s.input_ids.tobytes(),
+            s.loss_mask.tobytes(),
+            s.inference_logprobs.tobytes(),
+            np.broadcast_to(np.float32(s.advantage), len(s)).tobytes()
+            if np.ndim(s.advantage) == 0
+            else np.asarray(s.advantage, np.float32).tobytes(),
+            s.policy_version,
+            s.env_name,
+            np.float32(s.reward),
+        )
 
     want = sorted(key(s) for s in samples)
     for world in (1, 3):

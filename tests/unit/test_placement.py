@@ -40,8 +40,16 @@ def gpu_sets(p, role):
 
 
 def test_slurm_gpu_counts_two_trainer_gpus_and_two_tp2_servers():
-    cfg = cfg_of("--deployment.num-train-gpus", "2", "--deployment.num-infer-gpus", "4",
-                 "--inference.parallel.tp", "2", "--slurm.gpus-per-node", "4")
+    cfg = cfg_of(
+        "--deployment.num-train-gpus",
+        "2",
+        "--deployment.num-infer-gpus",
+        "4",
+        "--inference.parallel.tp",
+        "2",
+        "--slurm.gpus-per-node",
+        "4",
+    )
     p = slurm_placement(cfg)
     assert (p.train_nodes, p.infer_nodes, p.trainer_ranks, p.inference_servers) == (1, 1, 2, 2)
     assert gpu_sets(p, "trainer") == [(0, (0,)), (0, (1,))]
@@ -69,9 +77,18 @@ def test_multi_node_config_whole_nodes():
 
 def test_no_gpu_shared_and_none_idle():
     for tg, ig, tp, gpn in [(1, 1, 1, 8), (2, 4, 2, 4), (8, 8, 4, 8), (16, 8, 8, 8), (3, 6, 3, 8)]:
-        cfg = cfg_of("--deployment.num-train-gpus", str(tg), "--deployment.num-infer-gpus", str(ig),
-                     "--inference.parallel.tp", str(tp), "--slurm.gpus-per-node", str(gpn),
-                     "--deployment.gpus-per-node", "64")
+        cfg = cfg_of(
+            "--deployment.num-train-gpus",
+            str(tg),
+            "--deployment.num-infer-gpus",
+            str(ig),
+            "--inference.parallel.tp",
+            str(tp),
+            "--slurm.gpus-per-node",
+            str(gpn),
+            "--deployment.gpus-per-node",
+            "64",
+        )
         p = slurm_placement(cfg)
         for role in ("trainer", "inference"):
             used = [(node, g) for node, gpus in gpu_sets(p, role) for g in gpus]
@@ -81,8 +98,15 @@ def test_no_gpu_shared_and_none_idle():
 
 
 def test_local_gpu_machine_trainer_first_then_servers():
-    cfg = cfg_of("--deployment.num-train-gpus", "2", "--deployment.num-infer-gpus", "4",
-                 "--inference.parallel.tp", "2", slurm=False)
+    cfg = cfg_of(
+        "--deployment.num-train-gpus",
+        "2",
+        "--deployment.num-infer-gpus",
+        "4",
+        "--inference.parallel.tp",
+        "2",
+        slurm=False,
+    )
     p = local_placement(cfg, gpus_available=8)
     assert [s.gpus for s in p.slots()] == [(0,), (1,), (2, 3), (4, 5)]
     with pytest.raises(ConfigError, match="deployment.num_train_gpus"):
@@ -94,14 +118,57 @@ def test_local_cpu_placement_has_no_gpus():
     assert not p.uses_gpus and [s.gpus for s in p.slots()] == [(), ()]
 
 
-@pytest.mark.parametrize("args, field, words", [
-    (["--deployment.num-train-gpus", "1", "--deployment.num-infer-gpus", "6", "--inference.parallel.tp", "3",
-      "--slurm.gpus-per-node", "4"], "deployment.num_infer_gpus", "whole nodes"),
-    (["--deployment.num-train-nodes", "1", "--deployment.num-infer-nodes", "1", "--deployment.gpus-per-node", "6",
-      "--inference.parallel.tp", "4", "--slurm.gpus-per-node", "6"], "inference.parallel.tp", "does not divide"),
-    (["--deployment.num-train-nodes", "1", "--deployment.num-infer-nodes", "1", "--inference.parallel.tp", "8",
-      "--deployment.gpus-per-node", "4", "--slurm.gpus-per-node", "4"], "inference.parallel.tp", "does not divide"),
-])
+@pytest.mark.parametrize(
+    "args, field, words",
+    [
+        (
+            [
+                "--deployment.num-train-gpus",
+                "1",
+                "--deployment.num-infer-gpus",
+                "6",
+                "--inference.parallel.tp",
+                "3",
+                "--slurm.gpus-per-node",
+                "4",
+            ],
+            "deployment.num_infer_gpus",
+            "whole nodes",
+        ),
+        (
+            [
+                "--deployment.num-train-nodes",
+                "1",
+                "--deployment.num-infer-nodes",
+                "1",
+                "--deployment.gpus-per-node",
+                "6",
+                "--inference.parallel.tp",
+                "4",
+                "--slurm.gpus-per-node",
+                "6",
+            ],
+            "inference.parallel.tp",
+            "does not divide",
+        ),
+        (
+            [
+                "--deployment.num-train-nodes",
+                "1",
+                "--deployment.num-infer-nodes",
+                "1",
+                "--inference.parallel.tp",
+                "8",
+                "--deployment.gpus-per-node",
+                "4",
+                "--slurm.gpus-per-node",
+                "4",
+            ],
+            "inference.parallel.tp",
+            "does not divide",
+        ),
+    ],
+)
 def test_impossible_layouts_name_the_field(args, field, words):
     with pytest.raises(ConfigError) as e:
         slurm_placement(cfg_of(*args))
@@ -109,26 +176,38 @@ def test_impossible_layouts_name_the_field(args, field, words):
 
 
 def test_more_gpus_per_node_than_the_partition_has():
-    cfg = cfg_of("--deployment.num-train-nodes", "1", "--deployment.num-infer-nodes", "1",
-                 "--slurm.gpus-per-node", "8")
+    cfg = cfg_of(
+        "--deployment.num-train-nodes", "1", "--deployment.num-infer-nodes", "1", "--slurm.gpus-per-node", "8"
+    )
     with pytest.raises(ConfigError) as e:
         slurm_placement(cfg, partition_gpus=4)
     assert e.value.path == "slurm.gpus_per_node" and "at most 4 (sinfo)" in str(e.value)
     assert slurm_placement(cfg, partition_gpus=8).trainer_ranks == 8
 
 
-@pytest.mark.parametrize("gres, n", [("gpu:4", 4), ("gpu:a100:8(S:0-1)", 8), ("gpu:2,shard:8", 2),
-                                     ("(null)", 0), ("gpu:h100:4,gpu:a100:2", 6)])
+@pytest.mark.parametrize(
+    "gres, n",
+    [
+        ("gpu:4", 4),
+        ("gpu:a100:8(S:0-1)", 8),
+        ("gpu:2,shard:8", 2),
+        ("(null)", 0),
+        ("gpu:h100:4,gpu:a100:2", 6),
+    ],
+)
 def test_gres_parsing(gres, n):
     assert gres_gpus(gres) == n
 
 
-@pytest.mark.parametrize("visible, need, local, kept", [
-    (["0", "1"], 1, 1, ["1"]),  # --gpus-per-node: rank 1 of the node keeps GPU 1
-    (["0", "1", "2", "3"], 2, 1, ["2", "3"]),  # server 1 of a 4-GPU node at tp 2
-    (["3"], 1, 5, ["3"]),  # already bound (local launcher, --gpus-per-task): kept as is
-    (["0", "1", "2", "3"], 0, 0, []),  # the orchestrator owns no GPU
-])
+@pytest.mark.parametrize(
+    "visible, need, local, kept",
+    [
+        (["0", "1"], 1, 1, ["1"]),  # --gpus-per-node: rank 1 of the node keeps GPU 1
+        (["0", "1", "2", "3"], 2, 1, ["2", "3"]),  # server 1 of a 4-GPU node at tp 2
+        (["3"], 1, 5, ["3"]),  # already bound (local launcher, --gpus-per-task): kept as is
+        (["0", "1", "2", "3"], 0, 0, []),  # the orchestrator owns no GPU
+    ],
+)
 def test_select_gpus(visible, need, local, kept):
     assert select_gpus(visible, need, local) == kept
 
@@ -157,7 +236,9 @@ def test_record_appends_a_line_and_keeps_the_newest(tmp_path, monkeypatch):
     assert len(lines) == 3
     recs = read_records(paths)
     assert [(r["role"], r["rank"], r["gpus"], r["port"], r["node"]) for r in recs] == [
-        ("trainer", 0, [0], 29501, "n2"), ("inference", 1, [2, 3], 8001, "n2")]
+        ("trainer", 0, [0], 29501, "n2"),
+        ("inference", 1, [2, 3], 8001, "n2"),
+    ]
     line = placement_line("orchestrator", 0, environ={})
     assert set(line) >= {"role", "rank", "node", "gpus", "host", "port"} and line["gpus"] == []
 
@@ -172,12 +253,15 @@ def test_local_launcher_gives_each_child_its_slot():
     assert _gpu_env(local_placement(cfg, 0), p.trainer_slot(0)) == {}
 
 
-@pytest.mark.parametrize("count, local_rank, compute, expected", [
-    (1, 3, None, "cuda:0"),  # bound to its one GPU: cuda:0, never cuda:LOCAL_RANK (the old crash)
-    (4, 3, None, "cuda:3"),  # a node's whole GPU list: its local rank
-    (4, 3, "cpu", "cpu"),  # deployment.compute = "cpu"
-    (0, 0, None, "cpu"),
-])
+@pytest.mark.parametrize(
+    "count, local_rank, compute, expected",
+    [
+        (1, 3, None, "cuda:0"),  # bound to its one GPU: cuda:0, never cuda:LOCAL_RANK (the old crash)
+        (4, 3, None, "cuda:3"),  # a node's whole GPU list: its local rank
+        (4, 3, "cpu", "cpu"),  # deployment.compute = "cpu"
+        (0, 0, None, "cpu"),
+    ],
+)
 def test_trainer_device(monkeypatch, count, local_rank, compute, expected):
     import torch
 
@@ -207,7 +291,8 @@ def test_weight_transport_one_rule_for_launcher_and_hand_started_roles(monkeypat
     assert weight_transport(cfg) == "filesystem" == deployment(cfg)[2]
     explicit = cfg_of("--trainer.broadcast.transport", "collective", slurm=False)
     assert weight_transport(explicit, uses_gpus=False) == "collective" == deployment(explicit)[2]
-    gpu_plan = local_placement(cfg_of("--deployment.num-train-gpus", "1", "--deployment.num-infer-gpus", "1",
-                                      slurm=False), 2)
+    gpu_plan = local_placement(
+        cfg_of("--deployment.num-train-gpus", "1", "--deployment.num-infer-gpus", "1", slurm=False), 2
+    )
     prepare.apply_placement(cfg, gpu_plan)
     assert cfg.trainer.broadcast.transport == "collective" == deployment(cfg)[2]

@@ -20,10 +20,25 @@ PANELS = ["reward", "loss", "entropy", "mismatch_kl", "throughput", "policy_lag"
 def _fake_run(paths: RunPaths, steps: int = 6) -> None:
     tr, orch = Metrics(paths, "trainer"), Metrics(paths, "orchestrator")
     for s in range(1, steps + 1):
-        orch.log(s, {"reward/all/mean": 0.1 * s, "reward/rev/mean": 0.1 * s, "reward/sort/mean": 0.05 * s,
-                     "off_policy/mean": 1.0 if s > 1 else float("nan"), "perf/samples_per_s": 10.0 + s})
-        tr.log(s, {"loss/mean": 1.0 / s, "entropy/mean": 2.0 - 0.1 * s, "mismatch_kl/mean": 0.001 * s,
-                   "perf/throughput": 1000.0 * s})
+        orch.log(
+            s,
+            {
+                "reward/all/mean": 0.1 * s,
+                "reward/rev/mean": 0.1 * s,
+                "reward/sort/mean": 0.05 * s,
+                "off_policy/mean": 1.0 if s > 1 else float("nan"),
+                "perf/samples_per_s": 10.0 + s,
+            },
+        )
+        tr.log(
+            s,
+            {
+                "loss/mean": 1.0 / s,
+                "entropy/mean": 2.0 - 0.1 * s,
+                "mismatch_kl/mean": 0.001 * s,
+                "perf/throughput": 1000.0 * s,
+            },
+        )
     orch.log(3, {"eval/rev/avg@4": 0.5, "eval/rev/pass@4": 1.0})
     orch.log(6, {"eval/rev/avg@4": 0.7, "eval/rev/pass@4": 1.0})
     tr.log(6, {"loss/mean": 0.123})  # a resumed run redoes step 6: the later value wins
@@ -97,10 +112,12 @@ def test_cli_main(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_help_is_fast_and_lazy() -> None:
-    code = ("import sys, time; t = time.perf_counter(); from hpcrl.cli import main\n"
-            "try: main(['plot', '--help'])\nexcept SystemExit: pass\n"
-            "assert 'matplotlib' not in sys.modules and 'wandb' not in sys.modules, 'heavy import'\n"
-            "print(time.perf_counter() - t)")
+    code = (
+        "import sys, time; t = time.perf_counter(); from hpcrl.cli import main\n"
+        "try: main(['plot', '--help'])\nexcept SystemExit: pass\n"
+        "assert 'matplotlib' not in sys.modules and 'wandb' not in sys.modules, 'heavy import'\n"
+        "print(time.perf_counter() - t)"
+    )
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -14,13 +14,19 @@ BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = 
 
 # (dtype, optimization_dtype, reduce_dtype, on_gpu) -> (compute, master, reduce, mixed)
 RESOLVED = [
-    (("auto", "float32", "float32", True), ("bfloat16", "float32", "float32", True)),  # GPU default: bf16-mixed
+    (
+        ("auto", "float32", "float32", True),
+        ("bfloat16", "float32", "float32", True),
+    ),  # GPU default: bf16-mixed
     (("auto", "float32", "float32", False), ("float32", "float32", "float32", False)),  # CPU default: fp32
     (("bfloat16", "float32", "float32", False), ("bfloat16", "float32", "float32", True)),  # asked for on CPU
     (("bfloat16", "float32", "bfloat16", True), ("bfloat16", "float32", "bfloat16", True)),
     (("auto", "bfloat16", "float32", False), ("bfloat16", "bfloat16", "float32", False)),  # pure bf16 weights
     (("bfloat16", "bfloat16", "bfloat16", True), ("bfloat16", "bfloat16", "bfloat16", False)),
-    (("float32", "float32", "float32", True), ("float32", "float32", "float32", False)),  # fp32 on GPU if asked
+    (
+        ("float32", "float32", "float32", True),
+        ("float32", "float32", "float32", False),
+    ),  # fp32 on GPU if asked
 ]
 
 
@@ -34,22 +40,31 @@ def test_describe() -> None:
     assert resolve("auto", "float32", "float32", on_gpu=False).describe() == "fp32 (no mixed precision)"
     assert resolve("auto", "float32", "float32", on_gpu=True).describe() == (
         "bf16-mixed: bf16 compute over fp32 master weights + optimizer state, fp32 gradient reduce, "
-        "bf16 policy published")
+        "bf16 policy published"
+    )
 
 
 # (flags, the field the error must name, a phrase of the message)
 REJECTED = [
     (["--model.dtype", "float16"], "model.dtype", "needs loss scaling"),
     (["--trainer.model.dtype", "float16"], "trainer.model.dtype", "needs loss scaling"),
-    (["--model.dtype", "float32", "--model.optimization-dtype", "bfloat16"], "model.optimization_dtype",
-     "gain nothing"),
+    (
+        ["--model.dtype", "float32", "--model.optimization-dtype", "bfloat16"],
+        "model.optimization_dtype",
+        "gain nothing",
+    ),
     (["--model.dtype", "float32", "--model.reduce-dtype", "bfloat16"], "model.reduce_dtype", "round"),
-    (["--trainer.model.dtype", "float32", "--trainer.model.reduce-dtype", "bfloat16"], "trainer.model.reduce_dtype",
-     "round"),
+    (
+        ["--trainer.model.dtype", "float32", "--trainer.model.reduce-dtype", "bfloat16"],
+        "trainer.model.reduce_dtype",
+        "round",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("flags", "named", "phrase"), REJECTED, ids=[r[1] + "-" + r[0][-1] for r in REJECTED])
+@pytest.mark.parametrize(
+    ("flags", "named", "phrase"), REJECTED, ids=[r[1] + "-" + r[0][-1] for r in REJECTED]
+)
 def test_nonsense_combinations_are_one_line_errors(flags: list[str], named: str, phrase: str) -> None:
     with pytest.raises(ConfigError) as e:
         load([*BASE, *flags])
@@ -66,8 +81,17 @@ def test_sft_checks_precision_too(tmp_path: Path) -> None:
     from hpcrl.config.schema import SFTConfig
 
     with pytest.raises(ConfigError) as e:
-        load(["--model.name", "hpcrl/tiny-qwen3", "--data.name", str(tmp_path / "d.jsonl"), "--model.dtype",
-              "float16"], root=SFTConfig)
+        load(
+            [
+                "--model.name",
+                "hpcrl/tiny-qwen3",
+                "--data.name",
+                str(tmp_path / "d.jsonl"),
+                "--model.dtype",
+                "float16",
+            ],
+            root=SFTConfig,
+        )
     assert e.value.path == "model.dtype"
 
 
@@ -82,5 +106,7 @@ def test_dry_run_shows_precision_and_rejects_what_the_device_makes_nonsense(tmp_
     # valid on GPU (auto = bf16 there), nonsense on this CPU: fp32 gradients rounded to bf16 to reduce
     assert main([*args, "--model.reduce-dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["config error: model.reduce_dtype: 'bfloat16' would round 'float32' gradients "
-                                        "only to reduce them; use 'float32' (or dtype = 'bfloat16' for bf16 compute)"]
+    assert err.strip().splitlines() == [
+        "config error: model.reduce_dtype: 'bfloat16' would round 'float32' gradients "
+        "only to reduce them; use 'float32' (or dtype = 'bfloat16' for bf16 compute)"
+    ]

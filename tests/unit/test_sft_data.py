@@ -42,8 +42,13 @@ def ids(tok, text: str) -> list[int]:
 # loss masks
 # ---------------------------------------------------------------------------------------------
 def test_assistant_mask_exact_positions(tok):
-    conv = sd.Conversation([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
-                            {"role": "assistant", "content": "yo"}])
+    conv = sd.Conversation(
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"},
+        ]
+    )
     s = sd.tokenize_conversation(tok, conv, ASSISTANT_ONLY)
     prompt = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     n_prompt, n_reply = len(ids(tok, prompt)), len(ids(tok, "yo<|im_end|>\n"))
@@ -57,8 +62,11 @@ def test_masks_by_role_multi_turn_with_tools(tok):
     msgs = [
         {"role": "system", "content": "S"},
         {"role": "user", "content": "add 1 2"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+        },
         {"role": "tool", "content": "3"},
         {"role": "assistant", "content": "three"},
     ]
@@ -68,9 +76,13 @@ def test_masks_by_role_multi_turn_with_tools(tok):
     assert masked_runs(tok, s) == [call, "three<|im_end|>\n"]
     s = sd.tokenize_conversation(tok, conv, {"system": True, "user": True, "assistant": False, "tool": True})
     # The first token of a sample is never trained (nothing predicts it).
-    assert masked_runs(tok, s) == ["system\nS<|im_end|>\n<|im_start|>user\nadd 1 2<|im_end|>\n",
-                                   "<|im_start|>tool\n3<|im_end|>\n"]
-    s = sd.tokenize_conversation(tok, conv, {"system": False, "user": False, "assistant": False, "tool": True})
+    assert masked_runs(tok, s) == [
+        "system\nS<|im_end|>\n<|im_start|>user\nadd 1 2<|im_end|>\n",
+        "<|im_start|>tool\n3<|im_end|>\n",
+    ]
+    s = sd.tokenize_conversation(
+        tok, conv, {"system": False, "user": False, "assistant": False, "tool": True}
+    )
     assert masked_runs(tok, s) == ["<|im_start|>tool\n3<|im_end|>\n"]
 
 
@@ -79,8 +91,10 @@ def test_template_that_rewrites_history_is_rejected(tiny_model_dir):
 
     bad = load_tokenizer(tiny_model_dir)
     # Like Qwen3 dropping past reasoning: only the last message keeps its content.
-    bad.chat_template = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                         "{%- if loop.last %}{{ m['content'] }}{%- endif %}<|im_end|>\n{%- endfor %}")
+    bad.chat_template = (
+        "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{%- if loop.last %}{{ m['content'] }}{%- endif %}<|im_end|>\n{%- endfor %}"
+    )
     conv = sd.Conversation([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
     with pytest.raises(sd.TemplateError, match=r"not prefix-stable.*messages\[:1\]"):
         sd.tokenize_conversation(bad, conv, ASSISTANT_ONLY, where="data.jsonl row 7")
@@ -94,15 +108,22 @@ def test_prompt_completion_trains_completion_only(tok):
     assert conv.messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     everything = dict.fromkeys(sd.ROLES, True)
     assert masked_runs(tok, sd.tokenize_conversation(tok, conv, everything)) == ["yo<|im_end|>\n"]
-    conv = sd.row_to_conversation({"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],
-                                   "completion": [{"role": "assistant", "content": "a"}]})
+    conv = sd.row_to_conversation(
+        {
+            "prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],
+            "completion": [{"role": "assistant", "content": "a"}],
+        }
+    )
     assert conv.num_prompt_messages == 2
     assert masked_runs(tok, sd.tokenize_conversation(tok, conv, everything)) == ["a<|im_end|>\n"]
 
 
 def test_messages_win_over_prompt_completion():
-    row = {"prompt": "p", "completion": "c",
-           "messages": [{"role": "user", "content": "m"}, {"role": "assistant", "content": "n"}]}
+    row = {
+        "prompt": "p",
+        "completion": "c",
+        "messages": [{"role": "user", "content": "m"}, {"role": "assistant", "content": "n"}],
+    }
     conv = sd.row_to_conversation(row)
     assert [m["content"] for m in conv.messages] == ["m", "n"]
     assert conv.num_prompt_messages == 0
@@ -113,23 +134,40 @@ def test_messages_win_over_prompt_completion():
 
 
 def test_columnar_none_fields_are_dropped():
-    conv = sd.row_to_conversation({"messages": [{"role": "user", "content": "q", "tool_calls": None},
-                                                {"role": "assistant", "content": None}]})
+    conv = sd.row_to_conversation(
+        {
+            "messages": [
+                {"role": "user", "content": "q", "tool_calls": None},
+                {"role": "assistant", "content": None},
+            ]
+        }
+    )
     assert conv.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]
 
 
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
-@pytest.mark.parametrize("column,value", [
-    ("tools", [TOOL]),
-    ("tools", json.dumps([TOOL])),
-    ("tool_defs", json.dumps([TOOL["function"]])),  # verifiers' flat shape
-])
+@pytest.mark.parametrize(
+    "column,value",
+    [
+        ("tools", [TOOL]),
+        ("tools", json.dumps([TOOL])),
+        ("tool_defs", json.dumps([TOOL["function"]])),  # verifiers' flat shape
+    ],
+)
 def test_tools_column_reaches_the_template(tok, column, value):
-    row = {"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"}],
-           column: value}
+    row = {
+        "messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"}],
+        column: value,
+    }
     conv = sd.row_to_conversation(row)
     assert conv.tools == [TOOL]
     s = sd.tokenize_conversation(tok, conv, ASSISTANT_ONLY)
@@ -143,8 +181,10 @@ def test_tools_column_reaches_the_template(tok, column, value):
 # ---------------------------------------------------------------------------------------------
 # loading
 # ---------------------------------------------------------------------------------------------
-ROWS = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
-        for i in range(6)]
+ROWS = [
+    {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+    for i in range(6)
+]
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -262,8 +302,9 @@ def test_sft_batch_shards_ranks_and_counts_truncation(tok, tmp_path):
 
     rows = ROWS + [{"prompt": "x" * 80, "completion": "y"}]  # truncated: its reply is cut off -> dropped
     f = write_jsonl(tmp_path / "d.jsonl", rows)
-    cfg = SFTConfig(data=SFTDataConfig(name=str(f), batch_size=7, shuffle=False), seq_len=32,
-                    val=SFTValConfig(interval=0))
+    cfg = SFTConfig(
+        data=SFTDataConfig(name=str(f), batch_size=7, shuffle=False), seq_len=32, val=SFTValConfig(interval=0)
+    )
     data = SFTData.from_config(cfg)
     data.tokenizer = tok
     b = data.next_batch(0, 1, torch.device("cpu"))

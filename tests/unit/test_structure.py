@@ -30,7 +30,8 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
@@ -142,8 +143,10 @@ def test_cycle_finder_finds_a_lazy_cycle_and_ignores_type_checking(tmp_path: Pat
     a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
     a.write_text("import hpcrl.b\n")
     b.write_text("def f():\n    from hpcrl.c import x\n")
-    c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hpcrl.a import y\n"
-                 "def g():\n    from hpcrl import a\n")
+    c.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hpcrl.a import y\n"
+        "def g():\n    from hpcrl import a\n"
+    )
     known = {"hpcrl": tmp_path / "__init__.py", "hpcrl.a": a, "hpcrl.b": b, "hpcrl.c": c}
     graph = {m: _imported(m, p, known) for m, p in known.items() if m != "hpcrl"}
     graph["hpcrl"] = set()
@@ -176,6 +179,9 @@ def test_nothing_refers_to_a_file_outside_the_repository() -> None:
 def test_atomic_writes_have_one_home() -> None:
     """A hand-made tmp name (`.tmp-{os.getpid()}` and friends) means a second write protocol."""
     pattern = re.compile(r"tmp-\{os\.getpid\(\)\}|\.tmp\.png|mkdtemp\(prefix=\"\.build")
-    offenders = [str(f.relative_to(REPO)) for f in (REPO / "hpcrl").rglob("*.py")
-                 if f.name != "fileio.py" and pattern.search(f.read_text())]
+    offenders = [
+        str(f.relative_to(REPO))
+        for f in (REPO / "hpcrl").rglob("*.py")
+        if f.name != "fileio.py" and pattern.search(f.read_text())
+    ]
     assert not offenders, f"write through hpcrl.fileio (write_atomic / write_text / atomic_dir): {offenders}"

@@ -35,7 +35,8 @@ def test_pyproject_pins_the_checked_minor_version() -> None:
     assert spec.replace(" ", "") == f"submitit>={PINNED_MINOR},<1.{int(PINNED_MINOR.split('.')[1]) + 1}", spec
     installed = version("submitit")
     assert re.match(rf"{re.escape(PINNED_MINOR)}(\.|$)", installed), (
-        f"submitit {installed} is installed, HetJobExecutor was checked against {PINNED_MINOR}.x")
+        f"submitit {installed} is installed, HetJobExecutor was checked against {PINNED_MINOR}.x"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(RELIED_ON))
@@ -44,15 +45,20 @@ def test_private_methods_hetjob_relies_on_are_unchanged(name: str) -> None:
     assert fn is not None, f"submitit.SlurmExecutor.{name} is gone: update HetJobExecutor and the pin"
     params = list(inspect.signature(fn).parameters)
     assert params == RELIED_ON[name], (
-        f"submitit.SlurmExecutor.{name}{inspect.signature(fn)} changed: HetJobExecutor expects {RELIED_ON[name]}")
+        f"submitit.SlurmExecutor.{name}{inspect.signature(fn)} changed: HetJobExecutor expects {RELIED_ON[name]}"
+    )
 
 
 def test_submit_command_still_goes_through_the_overrides() -> None:
     """If `_submit_command` stopped calling them, the het script and task count would silently be
     submitit's own (a plain job with a pickled callable)."""
     src = inspect.getsource(SlurmExecutor._submit_command)
-    for called in ("self._make_submission_file_text(", "self._num_tasks(", "self._make_submission_command(",
-                   "self._get_job_id_from_submission_command("):
+    for called in (
+        "self._make_submission_file_text(",
+        "self._num_tasks(",
+        "self._make_submission_command(",
+        "self._get_job_id_from_submission_command(",
+    ):
         assert called in src, f"submitit's _submit_command no longer calls {called}..)"
 
 

@@ -36,8 +36,11 @@ def test_chat_template_renders_and_tokenizes(tiny_model_dir: Path) -> None:
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Reverse: hello 12+3"},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 3}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 3}}}],
+        },
         {"role": "tool", "content": "15"},
     ]
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]

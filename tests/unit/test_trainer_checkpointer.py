@@ -27,14 +27,32 @@ CURSOR = {"epoch": 1, "offset": 24, "num_rows": 180, "seed": 0}
 def _training(model_dir: Path) -> Training:
     model = load_model(model_dir)
     opt = optim.build_optimizer(model, "adamw", lr=1e-3)
-    return Training(model, load_tokenizer(model_dir), opt, optim.build_scheduler(opt, "constant"),
-                    torch.device("cpu"), str(model_dir), DistEnv(0, 1, 0, "127.0.0.1", 0),
-                    precision.of_model(ModelConfig(), on_gpu=False))
+    return Training(
+        model,
+        load_tokenizer(model_dir),
+        opt,
+        optim.build_scheduler(opt, "constant"),
+        torch.device("cpu"),
+        str(model_dir),
+        DistEnv(0, 1, 0, "127.0.0.1", 0),
+        precision.of_model(ModelConfig(), on_gpu=False),
+    )
 
 
 def _result(tokens: int, samples: int, skipped: bool = False) -> StepResult:
-    return StepResult(stats={"loss": 1.0}, grad_norm=1.0, lr=1e-3, skipped=skipped, time_fb=0.1, micro_batches=1,
-                      padding=0.0, slots_per_token=1.0, entropies=torch.zeros(0), tokens=tokens, samples=samples)
+    return StepResult(
+        stats={"loss": 1.0},
+        grad_norm=1.0,
+        lr=1e-3,
+        skipped=skipped,
+        time_fb=0.1,
+        micro_batches=1,
+        padding=0.0,
+        slots_per_token=1.0,
+        entropies=torch.zeros(0),
+        tokens=tokens,
+        samples=samples,
+    )
 
 
 @pytest.fixture
@@ -46,16 +64,26 @@ def paths(tmp_path: Path) -> RunPaths:
 
 def test_progress_advances_with_one_set_of_counter_names() -> None:
     p = Progress().advance(_result(100, 8)).advance(_result(50, 4, skipped=True), truncated=2, data=CURSOR)
-    assert p == Progress(step=2, total_tokens=150, total_samples=12, total_truncated=2, skipped_updates=1,
-                         data=CURSOR)
+    assert p == Progress(
+        step=2, total_tokens=150, total_samples=12, total_truncated=2, skipped_updates=1, data=CURSOR
+    )
     assert Progress.from_saved(p.to_saved()) == p
     # SFT checkpoints before the shared Progress used num_*; RL ones already used total_*.
-    old_sft = {"step": 3, "num_samples": 24, "num_tokens": 700, "num_truncated": 1, "skipped_updates": 0,
-               "data": CURSOR}
-    assert Progress.from_saved(old_sft) == Progress(step=3, total_tokens=700, total_samples=24, total_truncated=1,
-                                                    data=CURSOR)
+    old_sft = {
+        "step": 3,
+        "num_samples": 24,
+        "num_tokens": 700,
+        "num_truncated": 1,
+        "skipped_updates": 0,
+        "data": CURSOR,
+    }
+    assert Progress.from_saved(old_sft) == Progress(
+        step=3, total_tokens=700, total_samples=24, total_truncated=1, data=CURSOR
+    )
     old_rl = {"step": 5, "total_tokens": 900, "total_samples": 40, "skipped_updates": 2}
-    assert Progress.from_saved(old_rl) == Progress(step=5, total_tokens=900, total_samples=40, skipped_updates=2)
+    assert Progress.from_saved(old_rl) == Progress(
+        step=5, total_tokens=900, total_samples=40, skipped_updates=2
+    )
 
 
 def test_what_is_due(tiny_model_dir: Path, paths: RunPaths) -> None:
@@ -69,19 +97,33 @@ def test_what_is_due(tiny_model_dir: Path, paths: RunPaths) -> None:
     assert [s for s in range(1, 6) if Checkpointer(CkptConfig(), paths, tr, max_steps=5).due(s)] == [5]
 
 
-@pytest.mark.parametrize("saved", [
-    {"step": 2, "num_samples": 16, "num_tokens": 900, "num_truncated": 1, "skipped_updates": 0, "data": CURSOR},
-    {"step": 2, "total_tokens": 900, "total_samples": 16, "skipped_updates": 0},
-], ids=["old-sft", "old-rl"])
-def test_checkpoint_with_an_old_progress_dict_still_restores(tiny_model_dir: Path, paths: RunPaths,
-                                                             saved: dict) -> None:
+@pytest.mark.parametrize(
+    "saved",
+    [
+        {
+            "step": 2,
+            "num_samples": 16,
+            "num_tokens": 900,
+            "num_truncated": 1,
+            "skipped_updates": 0,
+            "data": CURSOR,
+        },
+        {"step": 2, "total_tokens": 900, "total_samples": 16, "skipped_updates": 0},
+    ],
+    ids=["old-sft", "old-rl"],
+)
+def test_checkpoint_with_an_old_progress_dict_still_restores(
+    tiny_model_dir: Path, paths: RunPaths, saved: dict
+) -> None:
     tr = _training(tiny_model_dir)
     ck.begin_part(paths, 2, "trainer")
     save_trainer_state(paths, 2, 0, 1, tr.model, tr.optimizer, tr.scheduler, saved)  # as the old trainers did
     ck.mark_part_done(paths, 2, "trainer", rank=0)
     ck.write_complete(paths, 2, ("trainer",))
     fresh = _training(tiny_model_dir)
-    step, progress = Checkpointer(CkptConfig(resume_step=-1), paths, fresh, 4, parts=("trainer",)).restore(Progress())
+    step, progress = Checkpointer(CkptConfig(resume_step=-1), paths, fresh, 4, parts=("trainer",)).restore(
+        Progress()
+    )
     assert step == 2
     assert (progress.step, progress.total_samples, progress.total_tokens) == (2, 16, 900)
     assert progress.data == saved.get("data")
@@ -95,7 +137,9 @@ def test_save_restore_roundtrip_and_complete_last(tiny_model_dir: Path, paths: R
     assert c.maybe_save(1, progress) > 0 and c.maybe_save(1, progress, force=True) == 0.0
     c.close()
     assert ck.verify(paths, 1) is None and (paths.weights_dir(1) / "config.json").is_file()
-    step, restored = Checkpointer(CkptConfig(resume_step=1), paths, _training(tiny_model_dir), 3).restore(Progress())
+    step, restored = Checkpointer(CkptConfig(resume_step=1), paths, _training(tiny_model_dir), 3).restore(
+        Progress()
+    )
     assert (step, restored) == (1, progress)
 
 

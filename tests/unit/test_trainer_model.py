@@ -97,7 +97,9 @@ def test_block_mask():
 def test_token_logprobs_and_entropy_by_hand():
     # logits [0, ln 3] -> p = [1/4, 3/4]; at temperature 2: [0, ln 3 / 2] -> p = [1/(1+sqrt3), sqrt3/(1+sqrt3)]
     logits = torch.tensor([[0.0, math.log(3)], [0.0, math.log(3)], [0.0, 0.0]])
-    lp, ent = next_token_logprobs(logits, torch.tensor([1, 0, 1]), torch.tensor([1.0, 2.0, 1.0]), entropy=True)
+    lp, ent = next_token_logprobs(
+        logits, torch.tensor([1, 0, 1]), torch.tensor([1.0, 2.0, 1.0]), entropy=True
+    )
     s3 = math.sqrt(3)
     assert lp.tolist() == pytest.approx([math.log(0.75), math.log(1 / (1 + s3)), math.log(0.5)], abs=1e-6)
     # entropy of [1/4, 3/4] = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335; of [1/2, 1/2] = ln 2
@@ -174,8 +176,12 @@ def test_wanted_tokens_only_same_values_and_gradients(model_dir: Path):
             self.inner, self.config = inner, inner.config
 
         def forward(self, input_ids, position_ids, attention_mask, use_cache):
-            return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                              use_cache=use_cache)
+            return self.inner(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                use_cache=use_cache,
+            )
 
     plain = forward_packed(NoLogitsToKeep(load_model(model_dir)), b, wanted=wanted)
     torch.testing.assert_close(plain.logprobs, part.logprobs, atol=1e-6, rtol=0)

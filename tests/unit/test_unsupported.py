@@ -21,9 +21,15 @@ REJECTED = [
     ("inference.parallel.dp", "2", "inference.parallel.dp"),
     ("orchestrator.renderer.name", "harmony", "orchestrator.renderer.name"),
 ]
-ACCEPTED = [("model.impl", "hf"), ("model.impl", "auto"), ("model.ep", "1"), ("inference.parallel.dp", "1"),
-            ("orchestrator.trajectory_strategy", "interleaved"), ("orchestrator.trajectory_strategy", "branching"),
-            ("orchestrator.renderer.name", "default")]
+ACCEPTED = [
+    ("model.impl", "hf"),
+    ("model.impl", "auto"),
+    ("model.ep", "1"),
+    ("inference.parallel.dp", "1"),
+    ("orchestrator.trajectory_strategy", "interleaved"),
+    ("orchestrator.trajectory_strategy", "branching"),
+    ("orchestrator.renderer.name", "default"),
+]
 
 
 def _flag(path: str) -> str:
@@ -48,7 +54,9 @@ def test_sft_rejects_them_too(tmp_path: Path) -> None:
     from hpcrl.config.schema import SFTConfig
 
     with pytest.raises(ConfigError, match=r"^model\.ep: 4 is not supported yet"):
-        load(["--model.name", "hpcrl/tiny-qwen3", "--data.name", "x.jsonl", "--model.ep", "4"], root=SFTConfig)
+        load(
+            ["--model.name", "hpcrl/tiny-qwen3", "--data.name", "x.jsonl", "--model.ep", "4"], root=SFTConfig
+        )
 
 
 def test_every_table_row_is_a_real_field() -> None:
@@ -71,7 +79,9 @@ def test_adapter_interval_needs_lora_and_writes_adapters(tiny_model_dir: Path, t
     from hpcrl.trainer.model import LoraParams, load_model
 
     cfg = load([*BASE, "--model.lora", "--ckpt.adapter-interval", "2"]).config
-    tr = SimpleNamespace(model=load_model(tiny_model_dir, lora=LoraParams(rank=2)), dist=SimpleNamespace(rank=0))
+    tr = SimpleNamespace(
+        model=load_model(tiny_model_dir, lora=LoraParams(rank=2)), dist=SimpleNamespace(rank=0)
+    )
     paths = RunPaths(tmp_path)
     ckpt = Checkpointer(cfg.ckpt, paths, tr, max_steps=5)
     written = [s for s in range(1, 6) if ckpt.maybe_save_adapter(s)]

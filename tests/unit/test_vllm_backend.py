@@ -21,8 +21,9 @@ def _flags(argv: list[str]) -> dict[str, str | None]:
 
 
 def test_argv_carries_tp_lora_port_and_extra_flags():
-    opts = ServeOptions(model_name="m", backend="vllm", port=41000, tp=4, lora_rank=20,
-                        vllm_args=["--enable-prefix-caching"])
+    opts = ServeOptions(
+        model_name="m", backend="vllm", port=41000, tp=4, lora_rank=20, vllm_args=["--enable-prefix-caching"]
+    )
     f = _flags(vb.vllm_serve_argv(opts, "/models/m"))
     assert f["--model"] == "/models/m" and f["--port"] == "41000" and f["--tensor-parallel-size"] == "4"
     assert "--enable-lora" in f and f["--max-lora-rank"] == "32"
@@ -88,6 +89,9 @@ def test_installed_vllm_with_a_broken_dependency_names_it(fake_vllm):
     for d in (pkg.parent, pkg):
         (d / "__init__.py").write_text("")
     (pkg / "cli_args.py").write_text("import no_such_dependency_xyz\n")
-    with pytest.raises(ConfigError, match="vllm 0.99.0 is installed but importing vllm.entrypoints.common.cli_args "
-                                          "failed: No module named 'no_such_dependency_xyz'"):
+    with pytest.raises(
+        ConfigError,
+        match="vllm 0.99.0 is installed but importing vllm.entrypoints.common.cli_args "
+        "failed: No module named 'no_such_dependency_xyz'",
+    ):
         vb.vllm_symbol("make_arg_parser")

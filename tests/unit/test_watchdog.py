@@ -36,8 +36,9 @@ def test_watchdog_names_the_stalled_role_and_ends_it():
 
 
 def test_exit_deadline_after_sigterm():
-    p = subprocess.Popen([sys.executable, "-c", TERM], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=REPO)
+    p = subprocess.Popen(
+        [sys.executable, "-c", TERM], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
     assert p.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
     p.terminate()

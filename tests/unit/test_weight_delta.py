@@ -12,16 +12,22 @@ from hpcrl.weights.delta import BLOCK, Delta, apply_delta, encode_delta  # noqa:
 
 def policy(seed: int = 0, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"a.weight": (torch.randn(300, 700, generator=g) * 0.02).to(dtype),  # > 3 blocks of 65536
-            "b.weight": (torch.randn(64, generator=g)).to(dtype),
-            "c.weight": torch.zeros(3, 5, dtype=dtype)}
+    return {
+        "a.weight": (torch.randn(300, 700, generator=g) * 0.02).to(dtype),  # > 3 blocks of 65536
+        "b.weight": (torch.randn(64, generator=g)).to(dtype),
+        "c.weight": torch.zeros(3, 5, dtype=dtype),
+    }
 
 
 def adam_like_step(p: dict[str, torch.Tensor], lr: float, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     # c.weight is frozen: it must travel as "same" (nothing)
-    return {k: v.clone() if k == "c.weight" else (v.float() + lr * torch.randn(v.shape, generator=g).sign()).to(v.dtype)
-            for k, v in p.items()}
+    return {
+        k: v.clone()
+        if k == "c.weight"
+        else (v.float() + lr * torch.randn(v.shape, generator=g).sign()).to(v.dtype)
+        for k, v in p.items()
+    }
 
 
 def roundtrip(prev, new):
@@ -73,7 +79,9 @@ def test_dense_when_sparse_is_not_smaller_and_fp32_base_receives_bf16() -> None:
     d = encode_delta(prev, small, 0, "x")
     base32 = {k: v.float() for k, v in prev.items()}
     apply_delta(base32, d)
-    assert state_dict_checksum({k: v.to(torch.bfloat16) for k, v in base32.items()}) == state_dict_checksum(small)
+    assert state_dict_checksum({k: v.to(torch.bfloat16) for k, v in base32.items()}) == state_dict_checksum(
+        small
+    )
 
 
 def test_bad_payloads_are_refused() -> None:

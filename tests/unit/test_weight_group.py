@@ -25,32 +25,46 @@ from hpcrl.weights.rendezvous import (
 
 
 def info(index: int, receivers: int = 1) -> ServerInfo:
-    return ServerInfo(index=index, base_url=f"http://h{index}:8000", host=f"h{index}", port=8000, pid=1,
-                      model="m", weight_receivers=receivers)
+    return ServerInfo(
+        index=index,
+        base_url=f"http://h{index}:8000",
+        host=f"h{index}",
+        port=8000,
+        pid=1,
+        model="m",
+        weight_receivers=receivers,
+    )
 
 
 def address(indices: list[int], receivers: list[int]) -> WeightGroupAddress:
-    return WeightGroupAddress(host="t", port=29500, world_size=1 + sum(receivers), server_indices=indices,
-                              receivers=receivers)
+    return WeightGroupAddress(
+        host="t", port=29500, world_size=1 + sum(receivers), server_indices=indices, receivers=receivers
+    )
 
 
-@pytest.mark.parametrize("receivers, world, offsets", [
-    ([1], 2, (1,)),             # one hf server: trainer + 1
-    ([1, 1], 3, (1, 2)),        # what the group was before tp counted
-    ([2, 1], 4, (1, 3)),        # tp=2 server takes ranks 1, 2; the hf server rank 3
-    ([4, 2, 1], 8, (1, 5, 7)),  # 1+4 -> 5, 5+2 -> 7, 7+1 = world 8
-    ([2, 2], 5, (1, 3)),
-])
+@pytest.mark.parametrize(
+    "receivers, world, offsets",
+    [
+        ([1], 2, (1,)),  # one hf server: trainer + 1
+        ([1, 1], 3, (1, 2)),  # what the group was before tp counted
+        ([2, 1], 4, (1, 3)),  # tp=2 server takes ranks 1, 2; the hf server rank 3
+        ([4, 2, 1], 8, (1, 5, 7)),  # 1+4 -> 5, 5+2 -> 7, 7+1 = world 8
+        ([2, 2], 5, (1, 3)),
+    ],
+)
 def test_group_layout_hand_checked(receivers, world, offsets) -> None:
     layout = group_layout(receivers)
     assert (layout.world_size, layout.rank_offsets, layout.receivers) == (world, offsets, tuple(receivers))
 
 
-@pytest.mark.parametrize("receivers, match", [
-    ([], "at least one inference server"),
-    ([2, 0], "server 1 announces 0 weight receivers"),
-    ([-1], "server 0 announces -1"),
-])
+@pytest.mark.parametrize(
+    "receivers, match",
+    [
+        ([], "at least one inference server"),
+        ([2, 0], "server 1 announces 0 weight receivers"),
+        ([-1], "server 0 announces -1"),
+    ],
+)
 def test_group_layout_rejects_nonsense(receivers, match) -> None:
     with pytest.raises(ValueError, match=match):
         group_layout(receivers)
@@ -69,7 +83,9 @@ def test_check_layout_agrees_and_disagrees_in_one_line() -> None:
     assert "\n" not in msg
     assert "server 0 (http://h0:8000) announces 2 weight receiver(s)" in msg and "sized for 1" in msg
     assert "world_size 3" in msg
-    with pytest.raises(WeightGroupMismatch, match=r"counts servers \[0\], the orchestrator uses servers \[0, 1\]"):
+    with pytest.raises(
+        WeightGroupMismatch, match=r"counts servers \[0\], the orchestrator uses servers \[0, 1\]"
+    ):
         check_layout(address([0], [1]), [info(0), info(1)])
 
 
@@ -93,14 +109,21 @@ def test_weight_group_address_round_trip_and_consistency() -> None:
         WeightGroupAddress(host="t", port=1, world_size=3, server_indices=[0], receivers=[1, 1])
 
 
-@pytest.mark.parametrize("backend, args, n", [
-    ("hf", ["--tensor-parallel-size=4"], 1),  # the embedded engine receives once, whatever it spans
-    ("vllm", [], 1),
-    ("vllm", ["--tensor-parallel-size=2", "--gpu-memory-utilization=0.9"], 2),  # what serve_config renders
-    ("vllm", ["-tp", "4"], 4),
-    ("vllm", ["--tensor_parallel_size", "2", "--pipeline-parallel-size=2"], 4),  # tp x pp workers
-    ("vllm", ["-tp=2", "--tensor-parallel-size", "8"], 8),  # last one wins, as in argparse
-])
+@pytest.mark.parametrize(
+    "backend, args, n",
+    [
+        ("hf", ["--tensor-parallel-size=4"], 1),  # the embedded engine receives once, whatever it spans
+        ("vllm", [], 1),
+        (
+            "vllm",
+            ["--tensor-parallel-size=2", "--gpu-memory-utilization=0.9"],
+            2,
+        ),  # what serve_config renders
+        ("vllm", ["-tp", "4"], 4),
+        ("vllm", ["--tensor_parallel_size", "2", "--pipeline-parallel-size=2"], 4),  # tp x pp workers
+        ("vllm", ["-tp=2", "--tensor-parallel-size", "8"], 8),  # last one wins, as in argparse
+    ],
+)
 def test_weight_receivers_of_a_server(backend, args, n) -> None:
     assert weight_receivers(backend, args) == n
 
@@ -108,14 +131,19 @@ def test_weight_receivers_of_a_server(backend, args, n) -> None:
 def test_weight_receivers_rendered_tp_and_flags_after_it() -> None:
     assert weight_receivers("vllm", [], tp=2) == 2
     assert weight_receivers("vllm", ["-pp", "2"], tp=2) == 4
-    assert weight_receivers("vllm", ["--tensor-parallel-size=4"], tp=2) == 4  # extra flags come last: they win
+    assert (
+        weight_receivers("vllm", ["--tensor-parallel-size=4"], tp=2) == 4
+    )  # extra flags come last: they win
     assert weight_receivers("hf", [], tp=2) == 1
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--tensor-parallel-size", "two"], "--tensor-parallel-size needs an integer"),
-    (["-pp=0"], "parallel sizes must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--tensor-parallel-size", "two"], "--tensor-parallel-size needs an integer"),
+        (["-pp=0"], "parallel sizes must be >= 1"),
+    ],
+)
 def test_weight_receivers_rejects_bad_flags(args, match) -> None:
     with pytest.raises(ValueError, match=match):
         weight_receivers("vllm", args)
@@ -145,7 +173,9 @@ def test_orchestrator_refuses_a_group_sized_for_other_servers(tmp_path: Path) ->
 
     async def join() -> None:
         bus = Bus(paths, role="orchestrator", listen=False)
-        sync = PolicySync(paths, bus, [s.base_url for s in servers], "collective", timeout=5, policy_timeout=5)
+        sync = PolicySync(
+            paths, bus, [s.base_url for s in servers], "collective", timeout=5, policy_timeout=5
+        )
         try:
             await sync.join_group(servers)
         finally:

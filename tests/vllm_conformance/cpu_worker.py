@@ -24,8 +24,14 @@ class _Runner:
 
 
 class CpuQwenWorker(Worker):
-    def __init__(self, vllm_config: Any, local_rank: int, rank: int, distributed_init_method: str,
-                 is_driver_worker: bool = False) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ) -> None:
         WorkerBase.__init__(self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 

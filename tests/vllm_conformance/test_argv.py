@@ -32,8 +32,16 @@ CONFIGS = {
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_argv_parses_and_validates(name, tmp_path):
     kw = CONFIGS[name]
-    opts = ServeOptions(model_name="hpcrl/tiny-qwen3", served_model_name="policy", backend="vllm",
-                        port=_free_port(), max_model_len=512, max_batch_size=8, seed=7, **kw)
+    opts = ServeOptions(
+        model_name="hpcrl/tiny-qwen3",
+        served_model_name="policy",
+        backend="vllm",
+        port=_free_port(),
+        max_model_len=512,
+        max_batch_size=8,
+        seed=7,
+        **kw,
+    )
     opts.validate()
     args = vb.parse_serve_args(opts, str(tmp_path))  # make_arg_parser + both validators
     assert args.model == str(tmp_path)
@@ -58,13 +66,19 @@ def test_engine_args_accept_the_parsed_namespace(tmp_path):
 
     opts = ServeOptions(model_name="m", backend="vllm", port=_free_port(), tp=2, lora_rank=64)
     engine_args = AsyncEngineArgs.from_cli_args(vb.parse_serve_args(opts, str(tmp_path)))
-    assert (engine_args.tensor_parallel_size, engine_args.enable_lora, engine_args.max_lora_rank) == (2, True, 64)
+    assert (engine_args.tensor_parallel_size, engine_args.enable_lora, engine_args.max_lora_rank) == (
+        2,
+        True,
+        64,
+    )
     assert engine_args.worker_extension_cls == vb.EXTENSION_CLS
 
 
 def test_vllm_rejects_an_unrounded_lora_rank(tmp_path):
     # Why vllm_lora_rank exists: vLLM only takes its listed ranks.
-    opts = ServeOptions(model_name="m", backend="vllm", port=_free_port(), vllm_args=["--max-lora-rank", "20"])
+    opts = ServeOptions(
+        model_name="m", backend="vllm", port=_free_port(), vllm_args=["--max-lora-rank", "20"]
+    )
     with pytest.raises(SystemExit):
         vb.parse_serve_args(opts, str(tmp_path))
 

@@ -29,7 +29,9 @@ def test_symbol_resolves_from_the_newest_layout(name):
 
 
 def test_a_missing_symbol_names_itself_and_the_installed_version(monkeypatch):
-    monkeypatch.setitem(vb.VLLM_SYMBOLS, "no_such_symbol", ("vllm.entrypoints.common.cli_args", "vllm.no_such"))
+    monkeypatch.setitem(
+        vb.VLLM_SYMBOLS, "no_such_symbol", ("vllm.entrypoints.common.cli_args", "vllm.no_such")
+    )
     vb.vllm_symbol.cache_clear()
     with pytest.raises(ConfigError) as e:
         vb.vllm_symbol("no_such_symbol")
@@ -103,8 +105,14 @@ def test_lora_ranks_are_vllms():
 def test_lora_request_accepts_the_body_hpcrl_sends():
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-    request = vb.vllm_symbol("LoadLoRAAdapterRequest")(**vb.lora_request_body(
-        {"lora_name": "policy-lora", "lora_path": "/runs/x/broadcasts/step_3", "step": 3}))
-    assert (request.lora_name, request.lora_path, request.load_inplace) == ("policy-lora", "/runs/x/broadcasts/step_3",
-                                                                            True)
+    request = vb.vllm_symbol("LoadLoRAAdapterRequest")(
+        **vb.lora_request_body(
+            {"lora_name": "policy-lora", "lora_path": "/runs/x/broadcasts/step_3", "step": 3}
+        )
+    )
+    assert (request.lora_name, request.lora_path, request.load_inplace) == (
+        "policy-lora",
+        "/runs/x/broadcasts/step_3",
+        True,
+    )
     assert "error" in ErrorResponse.model_fields

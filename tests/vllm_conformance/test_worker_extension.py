@@ -68,7 +68,9 @@ class InProcessEngine:
 
         self._check("collective_rpc", method, timeout=timeout, args=args, kwargs=kwargs)
         args = tuple(self._wire(list(args)))
-        results = await asyncio.to_thread(lambda: [run_method(w, method, args, kwargs or {}) for w in self.workers])
+        results = await asyncio.to_thread(
+            lambda: [run_method(w, method, args, kwargs or {}) for w in self.workers]
+        )
         return self._wire(results)
 
     async def reset_prefix_cache(self, *args, **kwargs):
@@ -105,12 +107,22 @@ def vllm_config(model_dir):
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
 
-    cfg = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=128, enforce_eager=True,
-                     worker_extension_cls=vb.EXTENSION_CLS).create_engine_config()
+    cfg = EngineArgs(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        worker_extension_cls=vb.EXTENSION_CLS,
+    ).create_engine_config()
     cfg.parallel_config.worker_cls = WORKER_CLS
     with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
         initialize_model_parallel(1, 1)
     return cfg
 
@@ -120,8 +132,17 @@ def wrapper(vllm_config):
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     w = WorkerWrapperBase(rpc_rank=0)
-    w.init_worker([{"vllm_config": vllm_config, "local_rank": 0, "rank": 0, "is_driver_worker": True,
-                    "distributed_init_method": "tcp://127.0.0.1:1"}])  # vLLM's own mixing + conflict check
+    w.init_worker(
+        [
+            {
+                "vllm_config": vllm_config,
+                "local_rank": 0,
+                "rank": 0,
+                "is_driver_worker": True,
+                "distributed_init_method": "tcp://127.0.0.1:1",
+            }
+        ]
+    )  # vLLM's own mixing + conflict check
     return w
 
 
@@ -133,8 +154,15 @@ def server(wrapper, vllm_config, model_dir, tmp_path_factory):
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 
     run_dir = tmp_path_factory.mktemp("run")
-    opts = ServeOptions(model_name=str(model_dir), served_model_name="policy", backend="vllm", port=0,
-                        run_dir=str(run_dir), server_index=3, lora_rank=8)
+    opts = ServeOptions(
+        model_name=str(model_dir),
+        served_model_name="policy",
+        backend="vllm",
+        port=0,
+        run_dir=str(run_dir),
+        server_index=3,
+        lora_rank=8,
+    )
     sock, opts, args = vb.prepare(opts, str(model_dir))
     entry = sys.modules[vb.vllm_symbol("run_server_worker").__module__]
     original = entry.build_app
@@ -146,8 +174,9 @@ def server(wrapper, vllm_config, model_dir, tmp_path_factory):
         entry.build_app = original
     engine = InProcessEngine([wrapper], vllm_config.model_config)
     app.state.engine_client = engine
-    app.state.openai_serving_models = OpenAIServingModels(engine, [BaseModelPath(name="policy",
-                                                                                 model_path=str(model_dir))])
+    app.state.openai_serving_models = OpenAIServingModels(
+        engine, [BaseModelPath(name="policy", model_path=str(model_dir))]
+    )
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
     thread.start()
@@ -191,7 +220,9 @@ def test_vllm_rejects_an_extension_that_shadows_the_worker(vllm_config):
     # The check that passed above is live: a method named like one of Worker's is refused.
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    vllm_config.parallel_config.worker_extension_cls = "tests.vllm_conformance.test_worker_extension.Shadowing"
+    vllm_config.parallel_config.worker_extension_cls = (
+        "tests.vllm_conformance.test_worker_extension.Shadowing"
+    )
     try:
         with pytest.raises(AssertionError, match="conflicts with the worker"):
             WorkerWrapperBase(rpc_rank=0).init_worker([{"vllm_config": vllm_config}])
@@ -221,7 +252,9 @@ def test_update_from_path_through_the_route(server, wrapper, model_dir, tmp_path
         async with InferenceClient(f"http://127.0.0.1:{opts.port}") as c:
             r = await c.update_weights(1, path=str(tmp_path / "step_1"), expected_checksum=expected)
             with pytest.raises(WeightSyncError):
-                await c.update_weights(2, path=str(tmp_path / "step_1"), expected_checksum="xxh3_128:" + "0" * 32)
+                await c.update_weights(
+                    2, path=str(tmp_path / "step_1"), expected_checksum="xxh3_128:" + "0" * 32
+                )
             return r, await c._request("GET", "/weights")
 
     r, weights = _run(go())
@@ -279,11 +312,14 @@ def _adapter(out: Path, seed: int) -> tuple[str, str]:
 
     g = torch.Generator().manual_seed(seed)
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    tensors = {f"{prefix}.lora_A.weight": torch.randn(4, 128, generator=g),
-               f"{prefix}.lora_B.weight": torch.randn(128, 4, generator=g)}
+    tensors = {
+        f"{prefix}.lora_A.weight": torch.randn(4, 128, generator=g),
+        f"{prefix}.lora_B.weight": torch.randn(128, 4, generator=g),
+    }
     out.mkdir(parents=True)
-    (out / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
-                                                         "peft_type": "LORA"}))
+    (out / "adapter_config.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"})
+    )
     save_file(tensors, out / "adapter_model.safetensors")
     return str(out), state_dict_checksum(tensors)
 
@@ -303,12 +339,27 @@ def test_load_lora_adapter_twice_under_one_name_as_the_orchestrator_does(server,
     adapters = {step: _adapter(tmp_path / f"step_{step}", seed=step) for step in (11, 12)}
 
     async def go():
-        sync = PolicySync(paths, Bus(paths, "orchestrator", listen=False), [f"http://127.0.0.1:{opts.port}"],
-                          "filesystem", 30, 30)
+        sync = PolicySync(
+            paths,
+            Bus(paths, "orchestrator", listen=False),
+            [f"http://127.0.0.1:{opts.port}"],
+            "filesystem",
+            30,
+            30,
+        )
         seen = []
         for step, (path, checksum) in adapters.items():
-            trainer_bus.publish_policy(PolicyReady(step=step, transport="filesystem", path=path, checksum=checksum,
-                                                   adapter=True, num_params=1024, num_bytes=4096))
+            trainer_bus.publish_policy(
+                PolicyReady(
+                    step=step,
+                    transport="filesystem",
+                    path=path,
+                    checksum=checksum,
+                    adapter=True,
+                    num_params=1024,
+                    num_bytes=4096,
+                )
+            )
             msg = await sync.exact(step)
             await sync.ensure(msg)  # /load_lora_adapter; raises PolicyMismatch unless the checksum matches
             await sync.verify(msg)  # /weights: step, adapter and its checksum
@@ -319,7 +370,11 @@ def test_load_lora_adapter_twice_under_one_name_as_the_orchestrator_does(server,
     seen = _run(go())
     for (adapter, st), (step, (path, checksum)) in zip(seen, adapters.items()):
         assert adapter == ADAPTER_NAME
-        assert st["step"] == step and st["lora_adapters"] == {ADAPTER_NAME: path} and st["lora_checksum"] == checksum
+        assert (
+            st["step"] == step
+            and st["lora_adapters"] == {ADAPTER_NAME: path}
+            and st["lora_checksum"] == checksum
+        )
     first, second = engine.loras[-2:]
     assert first.lora_name == second.lora_name == ADAPTER_NAME
     assert second.lora_path == adapters[12][0]
