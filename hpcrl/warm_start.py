@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tomllib
 
@@ -184,6 +185,73 @@ def resolve_for(ref: str, model_name: str) -> Path:
     src = resolve(ref)
     check_same_model(src, ref, model_name)
     return src.weights_dir
+
+
+OPTIM_FIELD = "ckpt.warm_start_optimizer"
+
+
+def optimizer_source(ref: str) -> tuple[RunPaths, int]:
+    """The run and step whose trainer optimizer state `ckpt.warm_start_optimizer` carries over: the
+    reference must name a run's complete checkpoint that kept its trainer part (a bare HF dir has no
+    optimizer state). Works on the resolved reference too (`<run>/weights/step_N`), so every role
+    finds the same checkpoint."""
+    from hpcrl import checkpoint
+
+    src = resolve(ref)
+    if src.run_dir is None or src.step is None:
+        raise ConfigError(
+            OPTIM_FIELD,
+            f"ckpt.warm_start '{ref}' is a bare weights dir without optimizer state; name a checkpoint "
+            "(<run_dir>/checkpoints/step_N or an id from `hpcrl checkpoints RUN_DIR`) or set it to false",
+        )
+    paths = RunPaths(src.run_dir)
+    problem = checkpoint.verify(paths, src.step, deep=False)
+    if problem is not None:
+        raise ConfigError(
+            OPTIM_FIELD, f"checkpoint {paths.checkpoint_dir(src.step)} is not complete: {problem}"
+        )
+    if not (paths.trainer_ckpt_dir(src.step) / "rank_0.json").is_file():
+        raise ConfigError(
+            OPTIM_FIELD,
+            f"checkpoint {paths.checkpoint_dir(src.step)} has no trainer optimizer state "
+            "(written with ckpt.weights_only)",
+        )
+    return paths, src.step
+
+
+def source_lora(paths: RunPaths) -> tuple[bool, dict[str, Any] | None]:
+    """(known, the source run's LoRA table or None): the trainer's model section of its resolved
+    config (RL copies the shared one there; SFT has only `model`). Not known without a config."""
+    try:
+        cfg = tomllib.loads(paths.resolved_config.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return False, None
+    trainer = cfg.get("trainer")
+    model = trainer.get("model") if isinstance(trainer, dict) else None
+    if not isinstance(model, dict):
+        model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    lora = model.get("lora")
+    return True, lora if isinstance(lora, dict) else None
+
+
+def check_same_adapter(paths: RunPaths, lora: dict[str, Any] | None) -> None:
+    """Adapter moments only fit the same adapter: full vs LoRA, or another rank / target set, is
+    refused (one line). The trainer checks tensor shapes again when it loads."""
+    known, theirs = source_lora(paths)
+    if not known:
+        return
+
+    def shape(t: dict[str, Any] | None) -> str:
+        if t is None:
+            return "full fine-tuning"
+        return f"LoRA rank {t.get('rank')} on {sorted(t.get('target_modules') or [])}"
+
+    if shape(theirs) != shape(lora):
+        raise ConfigError(
+            OPTIM_FIELD,
+            f"the source run trained {shape(theirs)}, this run trains {shape(lora)}: its optimizer "
+            "state does not apply (use the same adapter shape, or set it to false for a fresh optimizer)",
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -389,11 +389,20 @@ def _load_env_files(cfg: Config) -> None:
 def _resolve_warm_start(cfg: Config | SFTConfig) -> None:
     """checkpoint_id / ckpt.warm_start -> the HF weights dir it names, checked against the model, so
     every role reads one absolute path (hpcrl.warm_start)."""
-    if cfg.ckpt is None or not cfg.ckpt.warm_start:
+    if cfg.ckpt is None:
         return
-    from hpcrl.warm_start import resolve_for
+    if not cfg.ckpt.warm_start:
+        if cfg.ckpt.warm_start_optimizer:
+            raise ConfigError("ckpt.warm_start_optimizer", "needs ckpt.warm_start (hosted: checkpoint_id)")
+        return
+    from hpcrl.warm_start import check_same_adapter, optimizer_source, resolve_for
 
-    cfg.ckpt.warm_start = str(resolve_for(cfg.ckpt.warm_start, cfg.model.name or ""))
+    ref = cfg.ckpt.warm_start
+    cfg.ckpt.warm_start = str(resolve_for(ref, cfg.model.name or ""))
+    if cfg.ckpt.warm_start_optimizer:
+        model = cfg.trainer.model if isinstance(cfg, Config) and cfg.trainer.model else cfg.model
+        lora = msgspec.to_builtins(model.lora) if model.lora is not None else None
+        check_same_adapter(optimizer_source(ref)[0], lora)
 
 
 def _alias_notes(cfg: Config) -> list[str]:

@@ -424,6 +424,13 @@ class CkptConfig(Section):
         int, D("LoRA: write adapters/step_N every N steps and at the final step (0 = off).", ge=0)
     ] = 0
     warm_start: Annotated[str | None, D("Initialise weights from this checkpoint or weights dir.")] = None
+    warm_start_optimizer: Annotated[
+        bool,
+        D(
+            "Also carry the warm-start checkpoint's optimizer state (AdamW moments) over; needs a "
+            "complete checkpoint with a trainer part (not a bare weights dir) and the same LoRA shape."
+        ),
+    ] = False
 
 
 class LogExtrasConfig(Section):

@@ -1,7 +1,8 @@
 """The trainer's checkpointer: which steps are saved, what a save writes, and the background
 finalisation that writes COMPLETE last (in the spirit of torchtitan's CheckpointManager).
 
-    restore(initial)          -> (step, Progress) of ckpt.resume_step, state loaded into the model
+    restore(initial)          -> (step, Progress) of ckpt.resume_step, state loaded into the model;
+                                 (0, initial) else, with a warm start's optimizer state when asked
     maybe_save(step, progress, force)   every ckpt.interval steps, at the final step, and when forced
       -> weights/step_N (HF dir) + checkpoints/step_N/trainer/ -> rank 0: finaliser thread waits for
          every part (RL: trainer + orchestrator; SFT: trainer), writes COMPLETE, applies retention
@@ -53,7 +54,11 @@ class Checkpointer:
     def restore(self, initial: Progress) -> tuple[int, Progress]:
         """(step, progress) of ``ckpt.resume_step``, with model/optimizer/scheduler/RNG restored;
         (0, ``initial``) without one."""
-        if self.cfg is None or self.cfg.resume_step is None:
+        if self.cfg is None:
+            return 0, initial
+        if self.cfg.resume_step is None:
+            if self.cfg.warm_start and self.cfg.warm_start_optimizer:
+                self._warm_start_optimizer(self.cfg.warm_start)
             return 0, initial
         step = checkpoint.resolve_resume_step(self.paths, self.cfg.resume_step)
         tr = self.tr
@@ -63,6 +68,21 @@ class Checkpointer:
         log.info("resumed trainer state from %s", self.paths.checkpoint_dir(step))
         self.last_saved = step
         return step, Progress.from_saved(saved)
+
+    def _warm_start_optimizer(self, ref: str) -> None:
+        """Warm start with ``ckpt.warm_start_optimizer``: the source checkpoint's optimizer state
+        into this run's optimizer; step 0, fresh scheduler and progress (a resume of this run itself
+        takes its own state instead)."""
+        from hpcrl.trainer.state import load_optimizer_moments
+        from hpcrl.warm_start import optimizer_source
+
+        src, step = optimizer_source(ref)
+        tr = self.tr
+        try:
+            load_optimizer_moments(src, step, tr.dist.rank, tr.dist.world_size, tr.optimizer)
+        except ValueError as e:
+            raise checkpoint.CheckpointError(f"ckpt.warm_start_optimizer: {e}") from None
+        log.info("warm start: optimizer state from %s", src.checkpoint_dir(step))
 
     # -- what is due ---------------------------------------------------------------------------
     def due(self, step: int, force: bool = False) -> bool:

@@ -190,6 +190,27 @@ def load_trainer_state(
     from hpcrl.trainer.optim import load_scheduler_state
 
     d = paths.trainer_ckpt_dir(step)
+    meta, layouts, saved_world = _open_layouts(d, step, rank, world_size)
+    with ExitStack() as stack:
+        saved = _Saved(d, layouts, stack)
+        _load_model(saved, model, step)
+        _load_optimizer(saved, optimizer, meta)
+    for g, saved_g in zip(optimizer.param_groups, meta["param_groups"], strict=True):
+        for k, v in saved_g.items():
+            g[k] = _tuplify(v) if k == "betas" else v
+    sched = meta["scheduler"]
+    sched.pop("lr_lambdas", None)
+    load_scheduler_state(scheduler, sched)
+    if rank < saved_world:
+        torch.set_rng_state(torch.tensor(meta["rng"]["torch"], dtype=torch.uint8))
+        random.setstate(_tuplify(meta["rng"]["python"]))
+    return meta["progress"]
+
+
+def _open_layouts(
+    d: Path, step: int, rank: int, world_size: int
+) -> tuple[dict[str, Any], list[tuple[int, dict[str, Any]]], int]:
+    """(this rank's saved meta, the shard layouts to read from, saved world size)."""
     saved_world = json.loads((d / "rank_0.json").read_text())["world_size"]
     metas = [json.loads((d / f"rank_{r}.json").read_text()) for r in range(saved_world)]
     meta = metas[min(rank, saved_world - 1)]
@@ -209,20 +230,31 @@ def load_trainer_state(
             saved_world,
             world_size,
         )
+    return meta, layouts, saved_world
+
+
+def load_optimizer_moments(
+    paths: RunPaths, step: int, rank: int, world_size: int, optimizer: torch.optim.Optimizer
+) -> None:
+    """Another run's optimizer state (warm start): per-parameter tensors and counters only (AdamW's
+    exp_avg, exp_avg_sq and step, which its bias correction needs). Param groups (lr, betas, decay)
+    stay this run's, as do the scheduler, RNG and progress. Resharded like a resume. Parameters
+    must line up one to one (same model, same adapter shape), else ValueError naming the first."""
+    d = paths.trainer_ckpt_dir(step)
+    meta, layouts, _ = _open_layouts(d, step, rank, world_size)
+    params = _params(optimizer)
+    for key, (shape, _) in layouts[0][1]["optim"].items():
+        idx, name = key.split(".", 1)
+        i = int(idx)
+        if i >= len(params) or (shape and list(shape) != list(params[i].shape)):
+            have = list(params[i].shape) if i < len(params) else "nothing"
+            raise ValueError(
+                f"optimizer state of {paths.checkpoint_dir(step)} does not fit this run's parameters "
+                f"(its parameter {i} {name} is {shape}, here {have}; {len(params)} trainable here): "
+                "a warm start carries optimizer state only for the same model and adapter shape"
+            )
     with ExitStack() as stack:
-        saved = _Saved(d, layouts, stack)
-        _load_model(saved, model, step)
-        _load_optimizer(saved, optimizer, meta)
-    for g, saved_g in zip(optimizer.param_groups, meta["param_groups"], strict=True):
-        for k, v in saved_g.items():
-            g[k] = _tuplify(v) if k == "betas" else v
-    sched = meta["scheduler"]
-    sched.pop("lr_lambdas", None)
-    load_scheduler_state(scheduler, sched)
-    if rank < saved_world:
-        torch.set_rng_state(torch.tensor(meta["rng"]["torch"], dtype=torch.uint8))
-        random.setstate(_tuplify(meta["rng"]["python"]))
-    return meta["progress"]
+        _load_optimizer(_Saved(d, layouts, stack), optimizer, meta)
 
 
 def _whole_file_layout(d: Path, rank: int) -> dict[str, dict[str, Any]]:
