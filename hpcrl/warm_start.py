@@ -1,5 +1,6 @@
 """Warm start (hosted `checkpoint_id`, native `ckpt.warm_start`): a new run begins from the weights
-of another run's checkpoint, at step 0, with a fresh optimizer.
+of another run's checkpoint, at step 0, with a fresh optimizer unless `ckpt.warm_start_optimizer`
+asks for the source run's optimizer state too (`optimizer_source`; the trainer's Checkpointer loads it).
 
 A checkpoint is named by its directory (`<run_dir>/checkpoints/step_N`), by its HF weights directory
 (`<run_dir>/weights/step_N`, or any HF model dir), or by an id that `hpcrl checkpoints <run_dir>`

@@ -69,6 +69,22 @@ def test_checkpoint_reshards(saved: int, loaded: int, tiny_model_dir: Path, tmp_
         assert torch.equal(a[k], b[k]), k
 
 
+def test_warm_start_optimizer_moments_reshard(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """ckpt.warm_start_optimizer on another rank count: a 1-rank checkpoint's AdamW state arrives
+    bitwise in a fresh 2-rank FSDP model's optimizer (only the moments: the model stays fresh)."""
+    import torch
+
+    run = tmp_path / "run"
+    _run("save", 1, tiny_model_dir, run, tmp_path / "saved.safetensors")
+    _run("moments", 2, tiny_model_dir, run, tmp_path / "loaded.safetensors")
+    a, b = _full_state(tmp_path / "saved.safetensors"), _full_state(tmp_path / "loaded.safetensors")
+    optim_keys = sorted(k for k in a if k.startswith("optim."))
+    assert optim_keys and optim_keys == sorted(k for k in b if k.startswith("optim."))
+    for k in optim_keys:
+        assert torch.equal(a[k], b[k]), k
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("model."))  # weights not loaded
+
+
 def _gathered(model, opt) -> dict:
     import torch
 
@@ -92,7 +108,7 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
     from hpcrl.trainer import optim
     from hpcrl.trainer import parallel as par
     from hpcrl.trainer.model import load_model
-    from hpcrl.trainer.state import load_trainer_state, save_trainer_state
+    from hpcrl.trainer.state import load_optimizer_moments, load_trainer_state, save_trainer_state
 
     env = par.init_distributed(torch.device("cpu"))
     torch.manual_seed(0)
@@ -111,10 +127,12 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
     if mode == "save":
         step()
         save_trainer_state(paths, 1, env.rank, env.world_size, model, opt, sched, {"step": 1})
+    elif mode == "moments":
+        load_optimizer_moments(paths, 1, env.rank, env.world_size, opt)
     else:
         assert load_trainer_state(paths, 1, env.rank, env.world_size, model, opt, sched) == {"step": 1}
     state = _gathered(model, opt)
-    if mode == "load":
+    if mode in ("load", "moments"):
         step()  # the resharded optimizer state is usable
     if env.rank == 0:
         save_file(state, out)

@@ -156,6 +156,25 @@ def test_sft_resume_continues_with_the_next_samples(sft_run, tmp_path):
     assert all((wa[k] == wb[k]).all() for k in wa)
 
 
+@pytest.mark.parametrize("carry", [True, False], ids=["warm-start-optimizer", "fresh-optimizer"])
+def test_sft_warm_start_carries_optimizer_state_when_asked(sft_run, tmp_path, carry):
+    """`hpcrl sft` warm-started from the run's step_2 starts at its own step 1; with
+    ckpt.warm_start_optimizer its AdamW state continues A's (saved step counters 2 + 1 = 3, moments
+    from A's), without it the optimizer starts fresh (step counters 1)."""
+    from safetensors.torch import load_file
+
+    run, cfg = sft_run
+    out = tmp_path / "warm"
+    flags = ["--ckpt.warm-start-optimizer"] if carry else []
+    ref = str(RunPaths(run).checkpoint_dir(2))
+    proc = run_sft(str(cfg), "--output-dir", str(out), "--max-steps", "1", "--ckpt.warm-start", ref, *flags)
+    assert sorted(losses(out)) == [1]
+    assert ("warm start: optimizer state from" in proc.stderr + proc.stdout) == carry
+    saved = load_file(str(RunPaths(out).trainer_ckpt_dir(1) / "rank_0.optim.safetensors"))
+    counters = {float(v) for k, v in saved.items() if k.endswith(".step")}
+    assert counters == ({3.0} if carry else {1.0})
+
+
 def test_sft_bad_data_is_one_line_error(tiny_model_dir, tmp_path):
     cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, tmp_path / "missing.jsonl", tmp_path / "run")
     proc = subprocess.run(

@@ -168,3 +168,19 @@ def test_config_refuses_another_adapter_shape(source: RunPaths, tiny_model_dir: 
     same = ["--model.lora", "--model.lora.rank", "8", "--model.lora.target-modules", '["q_proj"]']
     loaded = _load(tmp_path, tiny_model_dir, "--ckpt.warm-start", ref, "--ckpt.warm-start-optimizer", *same)
     assert loaded.config.ckpt.warm_start_optimizer
+
+
+def test_hosted_shape_asks_with_a_native_ckpt_table(
+    source: RunPaths, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Hosted configs have no key for it: `checkpoint_id` plus a native `[ckpt]` table."""
+    from hpcrl.config.loader import load
+
+    cfg = tmp_path / "hosted.toml"
+    cfg.write_text(
+        f'model = "{tiny_model_dir}"\nmax_steps = 1\nbatch_size = 16\nrollouts_per_example = 4\n'
+        f'checkpoint_id = "{source.checkpoint_dir(2)}"\n[[env]]\nid = "reverse-text"\n'
+        "[ckpt]\nwarm_start_optimizer = true\n"
+    )
+    ck_cfg = load([str(cfg), "--output-dir", str(tmp_path / "o")], require_envs=False).config.ckpt
+    assert ck_cfg.warm_start == str(source.weights_dir(2)) and ck_cfg.warm_start_optimizer
