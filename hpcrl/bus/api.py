@@ -171,7 +171,9 @@ class Bus:
     def publish_policy(self, msg: PolicyReady) -> Path:
         path = self.paths.policy_file(msg.step)
         self.last_renamed_at = write_message(path, msg, checksum=self.checksum, durable=self.durable)
-        self._writer.ring_all(Ring("policy", msg.step), exclude=self.name)
+        # Trainer ranks publish policies and never wait for one: at 1,000 nodes ringing them would
+        # cost 8,000 endpoint stats per step for nobody (docs/bus.md, paper model).
+        self._writer.ring_all(Ring("policy", msg.step), exclude=self.name, skip_role="trainer")
         return path
 
     def latest_policy(self) -> PolicyReady | None:

@@ -149,12 +149,15 @@ class DoorbellWriter:
         self.sent += 1
         return True
 
-    def ring_all(self, ring: Ring, *, exclude: str | None = None) -> int:
-        """Ring every announced reader except `exclude`; returns how many were queued."""
+    def ring_all(self, ring: Ring, *, exclude: str | None = None, skip_role: str | None = None) -> int:
+        """Ring every announced reader except `exclude` and the readers of role `skip_role` (endpoint
+        names `<role>_<rank>`); returns how many were queued."""
         if not self.paths.endpoints_dir.is_dir():
             return 0
+        skip = f"{skip_role}_" if skip_role else None
         names = sorted(p.stem for p in self.paths.endpoints_dir.glob("*.json"))
-        return sum(self.ring(n, Ring(ring.topic, ring.step, ring.rank)) for n in names if n != exclude)
+        wanted = [n for n in names if n != exclude and not (skip and n.startswith(skip))]
+        return sum(self.ring(n, Ring(ring.topic, ring.step, ring.rank)) for n in wanted)
 
     def _socket_for(self, name: str) -> zmq.Socket | None:
         path: Path = self.paths.endpoint_file(name)

@@ -305,6 +305,17 @@ def test_policy_rings_skip_foreign_address_files(buses, paths, caplog):
     assert "WARNING" not in caplog.text
 
 
+def test_policy_rings_skip_trainer_ranks(buses, paths):
+    """Only readers that wait for policies are rung: never the trainer ranks (they publish them)."""
+    orch = buses("orchestrator", poll_interval=SLOW_POLL)
+    ranks = [buses("trainer", r) for r in range(4)]
+    publisher = ranks[0]
+    later(0.2, publisher.publish_policy, policy(0))
+    assert orch.wait_policy(0, timeout=5).step == 0  # woken by the ring, not the slow poll
+    assert publisher._writer.sent == 1
+    assert all(not r.rings_pending() for r in ranks[1:])
+
+
 def test_asyncio_policy_wait_is_woken_by_the_doorbell(buses, paths):
     """The orchestrator's event-loop wait (PolicySync.wait_at_least -> nap) wakes on the trainer's
     ring, not on its next poll; rings that arrive while nobody naps are received (no spinning) and
