@@ -57,3 +57,39 @@ def run_ranks(script: str, world: int, *args: str, timeout: float = 240) -> list
     for rank, (p, text) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{text[-4000:]}"
     return outs
+
+
+def two_rank_batch(
+    rank: int, vocab: int, seed: int, lens: tuple[int, int], step: int = 1, logprob: float = -4.0
+):
+    """Rank ``rank`` of 2's random 4-sample TrainBatch (second half of each sample trained), the
+    loss normalised by both ranks' loss tokens, as the orchestrator would. ``seed + rank`` seeds it."""
+    import msgspec
+    import numpy as np
+
+    from hpcrl.bus import TrainBatch
+
+    def one(r: int) -> TrainBatch:
+        rng = np.random.default_rng(seed + r)
+        n = rng.integers(lens[0], lens[1], size=4)
+        mask = np.concatenate([np.arange(k) >= k // 2 for k in n])
+        return TrainBatch(
+            step=step,
+            rank=r,
+            world_size=2,
+            input_ids=rng.integers(3, vocab, size=int(n.sum())),
+            position_ids=np.concatenate([np.arange(k) for k in n]),
+            seq_lens=n,
+            loss_mask=mask,
+            advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
+            inference_logprobs=np.where(mask, logprob, 0.0).astype(np.float32),
+            policy_versions=np.zeros(4),
+            temperatures=np.ones(4),
+            env_names=["x"] * 4,
+            example_ids=np.arange(4),
+            rewards=np.zeros(4),
+            total_loss_tokens=0,
+        )
+
+    total = sum(int(one(r).loss_mask.sum()) for r in range(2))
+    return msgspec.structs.replace(one(rank), total_loss_tokens=total)

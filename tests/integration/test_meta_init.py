@@ -53,37 +53,9 @@ def test_meta_init_equals_full_load(
 
 def _batch(rank: int, vocab: int):
     """Rank ``rank``'s batch; the loss is normalised by both ranks' loss tokens."""
-    import msgspec
+    from tests.integration.ranks import two_rank_batch
 
-    total = sum(int(_rank_batch(r, vocab).loss_mask.sum()) for r in range(2))
-    return msgspec.structs.replace(_rank_batch(rank, vocab), total_loss_tokens=total)
-
-
-def _rank_batch(rank: int, vocab: int):
-    import numpy as np
-
-    from hpcrl.bus import TrainBatch
-
-    rng = np.random.default_rng(100 + rank)
-    lens = rng.integers(8, 20, size=4)
-    mask = np.concatenate([np.arange(n) >= n // 2 for n in lens])
-    return TrainBatch(
-        step=1,
-        rank=rank,
-        world_size=2,
-        input_ids=rng.integers(3, vocab, size=int(lens.sum())),
-        position_ids=np.concatenate([np.arange(n) for n in lens]),
-        seq_lens=lens,
-        loss_mask=mask,
-        advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
-        inference_logprobs=np.where(mask, -4.0, 0.0).astype(np.float32),
-        policy_versions=np.zeros(4),
-        temperatures=np.ones(4),
-        env_names=["x"] * 4,
-        example_ids=np.arange(4),
-        rewards=np.zeros(4),
-        total_loss_tokens=0,
-    )
+    return two_rank_batch(rank, vocab, seed=100, lens=(8, 20), logprob=-4.0)
 
 
 def _whole_copies(shape: tuple[int, ...], nbytes: int) -> list[str]:

@@ -93,37 +93,9 @@ def test_bf16_mixed_matches_fp32_and_publishes_bf16(tiny_model_dir: Path, tmp_pa
 
 def _batch(rank: int, step: int, vocab: int):
     """Rank ``rank``'s batch of step ``step``; the loss is normalised by both ranks' loss tokens."""
-    import msgspec
+    from tests.integration.ranks import two_rank_batch
 
-    total = sum(int(_rank_batch(r, step, vocab).loss_mask.sum()) for r in range(2))
-    return msgspec.structs.replace(_rank_batch(rank, step, vocab), total_loss_tokens=total)
-
-
-def _rank_batch(rank: int, step: int, vocab: int):
-    import numpy as np
-
-    from hpcrl.bus import TrainBatch
-
-    rng = np.random.default_rng(1000 * step + rank)
-    lens = rng.integers(10, 24, size=4)
-    mask = np.concatenate([np.arange(n) >= n // 2 for n in lens])
-    return TrainBatch(
-        step=step,
-        rank=rank,
-        world_size=2,
-        input_ids=rng.integers(3, vocab, size=int(lens.sum())),
-        position_ids=np.concatenate([np.arange(n) for n in lens]),
-        seq_lens=lens,
-        loss_mask=mask,
-        advantages=(rng.normal(size=mask.size) * mask).astype(np.float32),
-        inference_logprobs=np.where(mask, -5.0, 0.0).astype(np.float32),
-        policy_versions=np.zeros(4),
-        temperatures=np.ones(4),
-        env_names=["x"] * 4,
-        example_ids=np.arange(4),
-        rewards=np.zeros(4),
-        total_loss_tokens=0,
-    )
+    return two_rank_batch(rank, vocab, seed=1000 * step, lens=(10, 24), step=step, logprob=-5.0)
 
 
 def _observe(model, opt) -> dict[str, set]:

@@ -9,45 +9,20 @@ be able to keep training.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hpcrl.net import free_port
+from tests.integration.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
 def _run(mode: str, world: int, model_dir: Path, run_dir: Path, out: Path) -> None:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, mode, str(model_dir), str(run_dir), str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    for p in procs:
-        text, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, text[-3000:]
+    run_ranks(__file__, world, mode, str(model_dir), str(run_dir), str(out))
 
 
 def _full_state(path: Path) -> dict:
