@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,35 +106,27 @@ class PolicyPublisher:
         delta = self._encode(named, step)
         self.last_sync_bytes = delta.nbytes if delta is not None else nbytes
         base = delta.base_step if delta is not None else None
-        if self.transport == "filesystem":
-            path = self._write_files(step, named, delta)
+
+        def announce(transport: str, path: Path | None, base_step: int | None, sync_bytes: int) -> None:
             self.bus.publish_policy(
                 PolicyReady(
                     step=step,
-                    transport="filesystem",
-                    path=str(path),
+                    transport=transport,
+                    path=None if path is None else str(path),
                     checksum=checksum,
                     num_params=nparams,
                     num_bytes=nbytes,
-                    base_step=base,
-                    sync_bytes=self.last_sync_bytes,
+                    base_step=base_step,
+                    sync_bytes=sync_bytes,
                 )
             )
+
+        if self.transport == "filesystem":
+            announce("filesystem", self._write_files(step, named, delta), base, self.last_sync_bytes)
         else:
             from hpcrl.weights.collective import broadcast_weights
 
-            self.bus.publish_policy(
-                PolicyReady(
-                    step=step,
-                    transport="collective",
-                    path=None,
-                    checksum=checksum,
-                    num_params=nparams,
-                    num_bytes=nbytes,
-                    base_step=base,
-                    sync_bytes=self.last_sync_bytes,
-                )
-            )
+            announce("collective", None, base, self.last_sync_bytes)
             try:
                 if delta is None:
                     broadcast_weights(self.group, named, step, bucket_mb=self.bucket_mb, checksum=checksum)
@@ -155,20 +148,8 @@ class PolicyPublisher:
                 )
                 self._fall_back_to_files()  # survivors waiting for the rest of this broadcast fail at once
                 delta, self.last_sync_bytes = None, nbytes
-                path = self._write_files(
-                    step, named, None
-                )  # same tensors, same checksum; replaces the message
-                self.bus.publish_policy(
-                    PolicyReady(
-                        step=step,
-                        transport="filesystem",
-                        path=str(path),
-                        checksum=checksum,
-                        num_params=nparams,
-                        num_bytes=nbytes,
-                        sync_bytes=nbytes,
-                    )
-                )
+                # same tensors, same checksum; the files' announcement replaces the collective one
+                announce("filesystem", self._write_files(step, named, None), None, nbytes)
         self._remember(named, step, checksum, delta)
         if self.transport == "filesystem":
             self._clean_behind(step)

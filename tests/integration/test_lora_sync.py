@@ -7,7 +7,6 @@ dir."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from hpcrl.bus import PolicyReady
 from hpcrl.bus.files import read_message
 from hpcrl.monitor.metrics import read_metrics
+from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,12 +69,6 @@ def test_lora_run_syncs_only_the_adapter(tmp_path: Path, transport: str) -> None
     assert (paths.adapter_dir(2) / "adapter_model.safetensors").is_file()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _perturb_adapter(model, seed: int) -> None:
     """What a training step does to the adapter (peft starts B at zero: the adapter would be a no-op)."""
     import torch
@@ -117,7 +111,7 @@ def test_lora_over_gloo_broadcasts_only_the_adapter(tiny_model_dir: Path, tmp_pa
         )
 
     async def run() -> None:
-        port = _free_port()
+        port = free_port()
         pub_bus = Bus(paths, "trainer", 0, listen=False)
         sync = PolicySync(
             paths, Bus(paths, "orchestrator", listen=False), [srv.base_url], "collective", 60, 60

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
+from hpcrl.net import free_port
 from tests.vllm_conformance._vllm import require_vllm
 
 vllm = require_vllm()
 
 from hpcrl.inference import vllm_backend as vb  # noqa: E402
 from hpcrl.inference.options import ServeOptions, bind_server_socket  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 CONFIGS = {
     "tp1": dict(tp=1),
@@ -36,7 +28,7 @@ def test_argv_parses_and_validates(name, tmp_path):
         model_name="hpcrl/tiny-qwen3",
         served_model_name="policy",
         backend="vllm",
-        port=_free_port(),
+        port=free_port(),
         max_model_len=512,
         max_batch_size=8,
         seed=7,
@@ -64,7 +56,7 @@ def test_argv_parses_and_validates(name, tmp_path):
 def test_engine_args_accept_the_parsed_namespace(tmp_path):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    opts = ServeOptions(model_name="m", backend="vllm", port=_free_port(), tp=2, lora_rank=64)
+    opts = ServeOptions(model_name="m", backend="vllm", port=free_port(), tp=2, lora_rank=64)
     engine_args = AsyncEngineArgs.from_cli_args(vb.parse_serve_args(opts, str(tmp_path)))
     assert (engine_args.tensor_parallel_size, engine_args.enable_lora, engine_args.max_lora_rank) == (
         2,
@@ -76,9 +68,7 @@ def test_engine_args_accept_the_parsed_namespace(tmp_path):
 
 def test_vllm_rejects_an_unrounded_lora_rank(tmp_path):
     # Why vllm_lora_rank exists: vLLM only takes its listed ranks.
-    opts = ServeOptions(
-        model_name="m", backend="vllm", port=_free_port(), vllm_args=["--max-lora-rank", "20"]
-    )
+    opts = ServeOptions(model_name="m", backend="vllm", port=free_port(), vllm_args=["--max-lora-rank", "20"])
     with pytest.raises(SystemExit):
         vb.parse_serve_args(opts, str(tmp_path))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import socket
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hpcrl.net import free_port
 from tests.vllm_conformance._vllm import require_vllm
 
 vllm = require_vllm()
@@ -34,12 +34,6 @@ from hpcrl.inference.options import ServeOptions  # noqa: E402
 from hpcrl.weights.checksum import state_dict_checksum  # noqa: E402
 
 WORKER_CLS = "tests.vllm_conformance.cpu_worker.CpuQwenWorker"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class InProcessEngine:
@@ -121,7 +115,7 @@ def vllm_config(model_dir):
             rank=0,
             local_rank=0,
             backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
         )
         initialize_model_parallel(1, 1)
     return cfg
@@ -270,7 +264,7 @@ def test_update_over_a_gloo_broadcast_through_the_routes(server, wrapper, model_
     opts, _, _ = server
     tensors = _perturbed(model_dir, tmp_path / "w", 0.5)
     checksum = state_dict_checksum(tensors)
-    port, sent = _free_port(), {}
+    port, sent = free_port(), {}
 
     def trainer():  # rank 0 of the weight group, as the trainer's broadcaster
         group = init_group("127.0.0.1", port, 2, 0, backend="gloo", timeout_s=60)
