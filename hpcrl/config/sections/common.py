@@ -1,0 +1,66 @@
+"""Sections every root shares: [ckpt], [wandb] and [log] (also restated by trainer and orchestrator)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from hpcrl.config.sections.base import D, Section
+
+
+class CkptConfig(Section):
+    interval: Annotated[
+        Annotated[int, Meta(ge=1)] | None, D("Checkpoint every N steps (unset: at the end only).")
+    ] = None
+    keep_last: Annotated[Annotated[int, Meta(ge=1)] | None, D("Keep only the newest K checkpoints.")] = None
+    keep_interval: Annotated[
+        Annotated[int, Meta(ge=1)] | None, D("Also keep every M-th step permanently.")
+    ] = None
+    resume_step: Annotated[
+        Annotated[int, Meta(ge=-1)] | None, D("Resume from this checkpoint step (-1 = newest complete).")
+    ] = None
+    weights_only: Annotated[
+        bool, D("Write only weights/step_N (HF dir), no optimizer/orchestrator state.")
+    ] = False
+    save_adapter_separately: Annotated[bool, D("LoRA: also write the raw adapter beside merged weights.")] = (
+        False
+    )
+    adapter_interval: Annotated[
+        int, D("LoRA: write adapters/step_N every N steps and at the final step (0 = off).", ge=0)
+    ] = 0
+    warm_start: Annotated[str | None, D("Initialise weights from this checkpoint or weights dir.")] = None
+    warm_start_optimizer: Annotated[
+        bool,
+        D(
+            "Also carry the warm-start checkpoint's optimizer state (AdamW moments) over; needs a "
+            "complete checkpoint with a trainer part (not a bare weights dir) and the same LoRA shape."
+        ),
+    ] = False
+
+
+class LogExtrasConfig(Section):
+    interval: Annotated[int, D("Log sample tables and distributions every N steps.", ge=1)] = 10
+    sample_ratio: Annotated[float, D("Fraction of samples in the tables.", gt=0, le=1)] = 0.1
+    samples: Annotated[bool, D("Log prompt/completion tables.")] = True
+    distributions: Annotated[bool, D("Log reward/advantage/entropy distributions.")] = True
+
+
+class WandbConfig(Section):
+    project: Annotated[str, D("W&B project.")] = "hpcrl"
+    name: Annotated[str | None, D("W&B run name (default: the run name).")] = None
+    entity: Annotated[str | None, D("W&B team/entity.")] = None
+    offline: Annotated[bool, D("Log offline (no network); sync later with `wandb sync`.")] = False
+    log_extras: LogExtrasConfig = msgspec.field(default_factory=LogExtrasConfig)
+
+
+class LogConfig(Section):
+    level: Annotated[
+        Literal["debug", "info", "warning", "error"] | None,
+        D("Log level (default info or $HPCRL_LOG_LEVEL)."),
+    ] = None
+    vf_level: Annotated[
+        Literal["debug", "info", "warning", "error"], D("Environment / verifiers log level.")
+    ] = "warning"
+    console_interval: Annotated[int, D("Print one console line every N steps.", ge=1)] = 1

@@ -1,0 +1,70 @@
+"""Where processes run: [deployment] (GPUs, nodes, process counts) and [slurm] (`hpcrl submit`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from hpcrl.config.sections.base import D, Section
+
+
+class DeploymentConfig(Section):
+    num_train_gpus: Annotated[Annotated[int, Meta(ge=0)] | None, D("Single node: GPUs for the trainer.")] = (
+        None
+    )
+    num_infer_gpus: Annotated[Annotated[int, Meta(ge=0)] | None, D("Single node: GPUs for inference.")] = None
+    num_train_nodes: Annotated[Annotated[int, Meta(ge=1)] | None, D("Multi-node: trainer nodes.")] = None
+    num_infer_nodes: Annotated[Annotated[int, Meta(ge=1)] | None, D("Multi-node: inference nodes.")] = None
+    gpus_per_node: Annotated[int, D("GPUs on each node (multi-node layout).", ge=0)] = 8
+    num_trainer_ranks: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        D("CPU: trainer processes (default 1; on GPU one per trainer GPU)."),
+    ] = None
+    num_inference_servers: Annotated[
+        Annotated[int, Meta(ge=1)] | None, D("CPU: inference servers (default 1).")
+    ] = None
+    orchestrator_node: Annotated[
+        Literal["trainer", "inference"], D("Where the orchestrator runs on SLURM.")
+    ] = "trainer"
+    compute: Annotated[
+        Literal["auto", "cpu"],
+        D(
+            "auto: CUDA where present. cpu: every role computes on CPU even where GPUs are allocated "
+            "(rehearse a GPU job on a fake-GPU SLURM); placement and GPU requests are unchanged."
+        ),
+    ] = "auto"
+    max_server_restarts: Annotated[
+        int,
+        D(
+            "Times the supervisor (hpcrl run, or the SLURM server step) restarts one dead inference server "
+            "before giving up (0 = a dead server ends the job).",
+            ge=0,
+        ),
+    ] = 5
+
+
+class SlurmConfig(Section):
+    partition: Annotated[str | None, D("SLURM partition.")] = None
+    account: Annotated[str | None, D("SLURM account.")] = None
+    qos: Annotated[str | None, D("SLURM QOS.")] = None
+    time: Annotated[str, D("Walltime (HH:MM:SS or D-HH:MM:SS).")] = "24:00:00"
+    job_name: Annotated[str | None, D("Job name (default: the run name).")] = None
+    gpus_per_node: Annotated[int, D("GPUs requested per node.", ge=0)] = 8
+    cpus_per_task: Annotated[int, D("CPUs per task.", ge=1)] = 1
+    mem: Annotated[str | None, D("Memory per node (e.g. 0, 400G).")] = None
+    constraint: Annotated[str | None, D("Node feature constraint.")] = None
+    nodes: Annotated[
+        Annotated[int, Meta(ge=2)] | None, D("Total nodes (split by deployment or 1 : rest).")
+    ] = None
+    signal_before_s: Annotated[int, D("Seconds before the time limit to checkpoint and requeue.", ge=10)] = (
+        300
+    )
+    requeue: Annotated[bool, D("Requeue on preemption / time limit and resume automatically.")] = True
+    extra_sbatch: Annotated[list[str], D("Extra #SBATCH options, e.g. ['--exclusive'].")] = msgspec.field(
+        default_factory=list
+    )
+    setup: Annotated[list[str], D("Shell lines run on every node before the job (module load, venv).")] = (
+        msgspec.field(default_factory=list)
+    )

@@ -1,0 +1,155 @@
+"""[orchestrator]: sampling, environments, eval / val, buffer, advantage, teacher, renderer."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from hpcrl.config.sections.base import D, Section
+from hpcrl.config.sections.common import LogConfig
+from hpcrl.config.sections.trainer import ModelConfig
+
+
+class SamplingConfig(Section):
+    max_tokens: Annotated[int, D("Max new tokens per model turn (alias max_completion_tokens).", ge=1)] = 128
+    temperature: Annotated[float, D("Sampling temperature.", ge=0)] = 1.0
+    top_p: Annotated[float, D("Nucleus sampling mass.", gt=0, le=1)] = 1.0
+    top_k: Annotated[int, D("Top-k sampling (-1 = off).", ge=-1)] = -1
+    min_p: Annotated[float, D("Min-p sampling (0 = off).", ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, D("Repetition penalty (1 = off).", gt=0)] = 1.0
+    seed: Annotated[
+        int | None, D("Base sampling seed; per-request seeds derive from it (deterministic mode).")
+    ] = None
+    enable_thinking: Annotated[
+        bool | None, D("Toggle thinking mode in the chat template (Qwen3.5, Nemotron).")
+    ] = None
+    reasoning_effort: Annotated[Literal["low", "medium", "high"] | None, D("Reasoning effort (GPT-OSS).")] = (
+        None
+    )
+
+
+class EnvConfig(Section):
+    id: Annotated[str, D("Environment id: built-in name, owner/name, python module or module:function.")]
+    name: Annotated[str | None, D("Display name in metrics and logs (default: last part of id).")] = None
+    args: Annotated[dict[str, Any], D("Keyword arguments for load_environment().")] = msgspec.field(
+        default_factory=dict
+    )
+    ratio: Annotated[
+        Annotated[float, Meta(gt=0)] | None, D("Relative share of this env's tasks in a batch.")
+    ] = None
+    num_examples: Annotated[Annotated[int, Meta(ge=-1)] | None, D("Examples to use (-1 or unset = all).")] = (
+        None
+    )
+    rollouts_per_example: Annotated[
+        Annotated[int, Meta(ge=1)] | None, D("Eval only: rollouts per example for this env.")
+    ] = None
+
+
+class TrainEnvsConfig(Section):
+    env: Annotated[list[EnvConfig], D("Training environments ([[orchestrator.train.env]]).")] = msgspec.field(
+        default_factory=list
+    )
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+
+
+class EvalConfig(Section):
+    interval: Annotated[int, D("Evaluate every N training steps (0 = off).", ge=0)] = 100
+    num_examples: Annotated[int, D("Eval examples per env (-1 = all).", ge=-1)] = -1
+    rollouts_per_example: Annotated[int, D("Rollouts per eval example (k of avg@k / pass@k).", ge=1)] = 1
+    eval_base_model: Annotated[bool, D("Also evaluate the base model before training.")] = True
+    env: Annotated[list[EnvConfig], D("Eval environments ([[orchestrator.eval.env]]).")] = msgspec.field(
+        default_factory=list
+    )
+    sampling: Annotated[
+        SamplingConfig | None, D("Eval sampling (default: train sampling, temperature kept).")
+    ] = None
+
+
+class ValConfig(Section):
+    interval: Annotated[int, D("Validate every N steps (0 = off).", ge=0)] = 5
+    num_examples: Annotated[int, D("Validation examples per check.", ge=1)] = 64
+    rollouts_per_example: Annotated[int, D("Rollouts per validation example.", ge=1)] = 1
+
+
+class BufferConfig(Section):
+    online_difficulty_filtering: Annotated[bool, D("Drop groups the model finds too easy or too hard.")] = (
+        False
+    )
+    easy_threshold: Annotated[float, D("Group mean reward above this is easy.")] = 0.8
+    hard_threshold: Annotated[float, D("Group mean reward below this is hard.")] = 0.2
+    easy_fraction: Annotated[float, D("Fraction of easy groups kept.", ge=0, le=1)] = 0.0
+    hard_fraction: Annotated[float, D("Fraction of hard groups kept.", ge=0, le=1)] = 0.0
+    env_ratios: Annotated[list[float] | None, D("Task share per training env (multi-env).")] = None
+    seed: Annotated[int, D("Seed of the buffer's sampling decisions.")] = 42
+
+
+class AdvantageConfig(Section):
+    std_normalize: Annotated[bool, D("Divide group-relative advantages by the group std.")] = False
+    length_penalty: Annotated[
+        float, D("Subtract coef * (len/mean_len - 1) from the advantage (0 = off).", ge=0)
+    ] = 0.0
+    zero_advantage: Annotated[
+        Literal["keep", "drop"],
+        D(
+            "Groups whose rewards are all equal: keep, or drop and generate replacements (after 16 rounds "
+            "that leave the batch short, it is filled with dropped groups, advantage 0, and a warning)."
+        ),
+    ] = "drop"
+
+
+class TeacherConfig(Section):
+    base_url: Annotated[str, D("OpenAI-compatible endpoint of the teacher (opd / sft modes).")]
+    model: Annotated[str | None, D("Teacher model name at that endpoint.")] = None
+    api_key_var: Annotated[str, D("Environment variable holding the teacher's API key.")] = "OPENAI_API_KEY"
+
+
+class RendererConfig(Section):
+    name: Annotated[str, D("Chat renderer: default (the tokenizer's chat template).")] = "default"
+
+
+class OrchestratorConfig(Section):
+    model: Annotated[ModelConfig | None, D("Orchestrator-side model overrides (name must agree).")] = None
+    max_steps: Annotated[Annotated[int, Meta(ge=0)] | None, D("Shared: final training step.")] = None
+    seq_len: Annotated[Annotated[int, Meta(ge=8)] | None, D("Shared: max tokens per sample.")] = None
+    batch_size: Annotated[
+        int, D("Rollouts per training step (a multiple of rollouts_per_example).", ge=1)
+    ] = 128
+    rollouts_per_example: Annotated[int, D("Completions per task (group size, alias group_size).", ge=1)] = 8
+    max_async_level: Annotated[int, D("Steps the orchestrator may run ahead of the newest policy.", ge=0)] = 1
+    max_off_policy_steps: Annotated[
+        int, D("Drop a sample whose oldest token is this many policies old.", ge=0)
+    ] = 8
+    oversampling_factor: Annotated[float, D("Request this many times the tasks a batch needs.", ge=1)] = 1.0
+    training_mode: Annotated[
+        Literal["rl", "opd", "sft"], D("rl; opd (KL to a teacher); sft (teacher generates).")
+    ] = "rl"
+    trajectory_strategy: Annotated[
+        Literal["interleaved", "branching"],
+        D(
+            "Multi-turn rollouts: interleaved (all examples' turns run concurrently; a rollout's turns are "
+            "stitched into one sample) or branching (one example's trajectories run to the end before the "
+            "next; one training sample per turn)."
+        ),
+    ] = "interleaved"
+    max_concurrent: Annotated[int, D("Rollouts in flight at once.", ge=1)] = 256
+    seed: Annotated[int, D("Seed of task order and environment data.")] = 0
+    train: TrainEnvsConfig = msgspec.field(default_factory=TrainEnvsConfig)
+    eval: Annotated[EvalConfig | None, D("Online evaluation ([orchestrator.eval]).")] = None
+    val: Annotated[ValConfig | None, D("Validation on the env's val split.")] = None
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
+    teacher: Annotated[TeacherConfig | None, D("Teacher endpoint for opd / sft modes.")] = None
+    renderer: RendererConfig = msgspec.field(default_factory=RendererConfig)
+    request_timeout_s: Annotated[float, D("Timeout of one inference request.", gt=0)] = 600.0
+    policy_timeout_s: Annotated[float, D("Seconds to wait for a policy before failing.", gt=0)] = 1800.0
+    server_down_timeout_s: Annotated[
+        float,
+        D(
+            "Seconds an inference server may stay dead (its supervisor restarts it) before the run ends, "
+            "naming it; its requests go to the other servers meanwhile.",
+            gt=0,
+        ),
+    ] = 300.0
+    log: Annotated[LogConfig | None, D("Orchestrator log overrides.")] = None

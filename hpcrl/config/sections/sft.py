@@ -1,0 +1,74 @@
+"""The `hpcrl sft` root: [data], [loss_mask], [val] and the SFTConfig that holds them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from hpcrl.config.sections.base import D, Section
+from hpcrl.config.sections.common import CkptConfig, LogConfig, WandbConfig
+from hpcrl.config.sections.deployment import DeploymentConfig
+from hpcrl.config.sections.trainer import ModelConfig, OptimConfig
+
+
+class SFTDataConfig(Section):
+    name: Annotated[str, D("Local jsonl/parquet file, a directory of them, or a saved HF datasets dir.")] = ""
+    split: Annotated[str, D("Split for saved dataset dicts.")] = "train"
+    batch_size: Annotated[int, D("Samples per optimizer step.", ge=1)] = 32
+    seq_len: Annotated[
+        Annotated[int, Meta(ge=8)] | None, D("Packed row length (default: top-level seq_len).")
+    ] = None
+    shuffle: Annotated[bool, D("Shuffle each epoch (seeded).")] = True
+    seed: Annotated[int, D("Shuffle seed.")] = 0
+    enable_thinking: Annotated[
+        bool | None,
+        D("Chat-template thinking switch for every rendered turn (a row's own chat_template_kwargs win)."),
+    ] = None
+    reasoning_effort: Annotated[
+        Literal["low", "medium", "high"] | None,
+        D("Chat-template reasoning effort for every rendered turn (GPT-OSS; a row's own kwargs win)."),
+    ] = None
+
+
+class LossMaskConfig(Section):
+    system: Annotated[bool, D("Train on system turns.")] = False
+    user: Annotated[bool, D("Train on user turns.")] = False
+    assistant: Annotated[bool, D("Train on assistant turns.")] = True
+    tool: Annotated[bool, D("Train on tool turns.")] = False
+
+
+class SFTValConfig(Section):
+    interval: Annotated[int, D("Validation loss every N steps (0 = off).", ge=0)] = 0
+    data: Annotated[SFTDataConfig | None, D("Validation data (mirrors [data]).")] = None
+    fraction: Annotated[float, D("Hold out this fraction of [data] when val.data is unset.", ge=0, lt=1)] = (
+        0.05
+    )
+    stop_at_loss: Annotated[
+        float,
+        D(
+            "Stop (and save weights, with [ckpt]) once the validation loss is <= this; 0 = off. A warm-up "
+            "that ends at a level of skill, not at a step count.",
+            ge=0,
+        ),
+    ] = 0.0
+
+
+class SFTConfig(Section):
+    name: Annotated[str | None, D("Run name.")] = None
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    max_steps: Annotated[int, D("Final optimizer step.", ge=0)] = 100
+    seq_len: Annotated[int, D("Max tokens per packed row.", ge=8)] = 512
+    output_dir: Annotated[str, D("Run directory.")] = "outputs/sft"
+    clean_output_dir: Annotated[bool, D("Delete output_dir before starting.")] = False
+    seed: Annotated[int, D("Global seed.")] = 0
+    data: SFTDataConfig = msgspec.field(default_factory=SFTDataConfig)
+    loss_mask: LossMaskConfig = msgspec.field(default_factory=LossMaskConfig)
+    val: SFTValConfig = msgspec.field(default_factory=SFTValConfig)
+    optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-3))
+    micro_batch_tokens: Annotated[int, D("Tokens per micro-batch.", ge=8)] = 4096
+    deployment: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
+    ckpt: Annotated[CkptConfig | None, D("Checkpointing.")] = None
+    wandb: Annotated[WandbConfig | None, D("Weights & Biases.")] = None
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
