@@ -163,7 +163,7 @@ def _search(
     seed_prompt: str,
     resumed: bool,
 ) -> tuple[Any, PromptAdapter, ReflectionLM]:
-    from hpcrl.orchestrator.rollout import openai_sampling
+    from hpcrl.orchestrator.chat import openai_sampling
 
     g = cfg.gepa
     url = ep.url(cfg.model)

@@ -1,6 +1,6 @@
 """Scored rollouts for `hpcrl eval` and GEPA through the orchestrator's own machinery.
 
-Requests go through hpcrl.orchestrator.rollout (ServerPool, RolloutClient, run_group: token ids,
+Requests go through hpcrl.orchestrator.rollout and its pool / chat / stitching modules (token ids,
 exact multi-turn stitching, shared first turns, retries) and rewards come from the environment's
 rubric exactly as in training, so an eval score means what a training reward means. What the
 orchestrator drops (the conversation text) is caught with run_group's sink and written per rollout.
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcrl.envs.base import Environment, Message, Task, Trajectory
-from hpcrl.orchestrator.rollout import Generator, ServerPool, run_group
+from hpcrl.orchestrator.pool import ServerPool
+from hpcrl.orchestrator.rollout import Generator, run_group
 from hpcrl.orchestrator.state import RolloutRecord
 
 

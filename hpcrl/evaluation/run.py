@@ -162,7 +162,7 @@ async def _generate(
     tokenizer: Any,
     jobs: list[tuple[str, Environment, Task, int]],
 ) -> list[ScoredGroup]:
-    from hpcrl.orchestrator.rollout import openai_sampling
+    from hpcrl.orchestrator.chat import openai_sampling
 
     gen = make_generator(
         url,

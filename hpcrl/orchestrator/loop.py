@@ -48,8 +48,8 @@ from hpcrl.orchestrator.eval import run_eval, run_val
 from hpcrl.orchestrator.metrics import PromptsLog, sample_rows, step_metrics
 from hpcrl.orchestrator.packing import PackStats
 from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync
-from hpcrl.orchestrator.rollout import InferenceUnavailable, teacher_logprobs
-from hpcrl.orchestrator.servers import ServerSet
+from hpcrl.orchestrator.pool import teacher_logprobs
+from hpcrl.orchestrator.servers import InferenceUnavailable, ServerSet
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState, check_compatible, load_part, save_part
 from hpcrl.paths import RunPaths
 

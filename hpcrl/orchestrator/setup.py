@@ -22,8 +22,10 @@ from hpcrl.envs import Environment, Task, load_environment
 from hpcrl.envs.registry import alias_note
 from hpcrl.orchestrator.advantages import AdvantageConfig
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
+from hpcrl.orchestrator.chat import openai_sampling
 from hpcrl.orchestrator.eval import EvalEnv
-from hpcrl.orchestrator.rollout import Generator, ServerPool, openai_sampling
+from hpcrl.orchestrator.pool import ServerPool
+from hpcrl.orchestrator.rollout import Generator
 from hpcrl.orchestrator.servers import ServerSet
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState
 from hpcrl.paths import RunPaths
