@@ -27,7 +27,7 @@ from hpcrl.config.schema import Config
 from hpcrl.launch import restart
 from hpcrl.launch.console import ConsoleReporter
 from hpcrl.launch.keepalive import restart_delay
-from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot
+from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot, rank_env
 from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
 
@@ -137,16 +137,11 @@ def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_ar
     for r in range(n):
         # LOCAL_RANK is the rank's index on this machine; its device is whatever its own
         # CUDA_VISIBLE_DEVICES holds (cuda:0), never cuda:LOCAL_RANK of a narrowed list.
-        env = dict(
-            base_env,
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE=str(n),
-            LOCAL_WORLD_SIZE=str(n),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(master_port),
+        env = {
+            **base_env,
+            **rank_env(r, n, "127.0.0.1", master_port),
             **_gpu_env(placement, placement.trainer_slot(r)),
-        )
+        }
         log = paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r)
         children.append(
             spawn(

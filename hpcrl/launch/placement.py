@@ -355,6 +355,35 @@ def bind_gpus(environ: MutableMapping[str, str] | None = None) -> list[str] | No
     return keep
 
 
+def rank_env(
+    rank: int,
+    world: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    local_rank: int | None = None,
+    local_world: int | None = None,
+) -> dict[str, str]:
+    """The torchrun-style variables of one rank that we start ourselves (hpcrl.trainer.parallel.dist_env
+    reads them; under srun the SLURM_* variables serve instead). By default every rank is on this
+    machine: its local rank is its rank and the local world is the world. The GPU a rank uses is not
+    decided here: bind_gpus narrows CUDA_VISIBLE_DEVICES by LOCAL_RANK."""
+    local_rank = rank if local_rank is None else local_rank
+    local_world = world if local_world is None else local_world
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise ValueError(f"rank {rank} (local {local_rank} of {local_world}) does not fit a world of {world}")
+    if not 0 < master_port < 65536:
+        raise ValueError(f"master port {master_port} is not a TCP port")
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
 def use_cuda(cfg: Config | None = None) -> bool:
     """Whether this process computes on CUDA: GPUs present and not `deployment.compute = "cpu"`."""
     if cfg is not None and _cpu(cfg):

@@ -16,6 +16,7 @@ import sys
 
 from hpcrl.config.schema import SFTConfig
 from hpcrl.launch.local import Child, free_port, signal_children, spawn, supervise_then_stop
+from hpcrl.launch.placement import rank_env
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.launch")
@@ -36,17 +37,9 @@ def launched_as_rank() -> bool:
     return "WORLD_SIZE" in os.environ or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
 
 
-def rank_env(n: int, cpu: bool) -> dict[str, str]:
-    """Environment shared by the n ranks (each adds RANK / LOCAL_RANK)."""
-    env = {
-        **os.environ,
-        CHILD_ENV: "1",
-        "PYTHONUNBUFFERED": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-    }
+def shared_env(n: int, cpu: bool) -> dict[str, str]:
+    """Environment every one of the n ranks gets (each adds its own placement.rank_env)."""
+    env = {**os.environ, CHILD_ENV: "1", "PYTHONUNBUFFERED": "1"}
     if cpu:  # one thread per core in every rank oversubscribes the machine
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     return env
@@ -55,7 +48,8 @@ def rank_env(n: int, cpu: bool) -> dict[str, str]:
 def spawn_ranks(paths: RunPaths, n: int) -> list[Child]:
     from hpcrl.launch.prepare import visible_gpus
 
-    base = rank_env(n, cpu=visible_gpus() == 0)
+    base = shared_env(n, cpu=visible_gpus() == 0)
+    port = free_port()
     args = ["@", str(paths.configs_dir / "sft.toml")]
     return [
         spawn(
@@ -63,7 +57,7 @@ def spawn_ranks(paths: RunPaths, n: int) -> list[Child]:
             f"sft[{r}]",
             args,
             paths.log_file("trainer") if r == 0 else paths.rank_log_file("trainer", r),
-            {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            {**base, **rank_env(r, n, "127.0.0.1", port)},
             capture=False,
         )
         for r in range(n)

@@ -109,6 +109,7 @@ def worker(model_dir: str, meta_init: bool, out: str) -> None:
 
 
 def run_ranks(model_dir: Path, world: int, meta_init: bool, out: Path) -> list[dict]:
+    from hpcrl.launch.placement import rank_env
     from hpcrl.net import free_port
 
     out.mkdir(parents=True, exist_ok=True)
@@ -117,11 +118,7 @@ def run_ranks(model_dir: Path, world: int, meta_init: bool, out: Path) -> list[d
     for rank in range(world):
         env = {
             **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **rank_env(rank, world, "127.0.0.1", port),
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         }

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcrl.launch.placement import rank_env
 from hpcrl.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,11 +25,7 @@ def run_ranks(script: str, world: int, *args: str, timeout: float = 240) -> list
     for rank in range(world):
         env = {
             **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **rank_env(rank, world, "127.0.0.1", port),
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         }

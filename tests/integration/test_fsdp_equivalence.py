@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hpcrl.launch.placement import rank_env
 from hpcrl.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,11 +36,7 @@ def _launch(world: int, model_dir: Path, out: Path) -> list[subprocess.Popen]:
     for rank in range(world):
         env = dict(os.environ)
         env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            rank_env(rank, world, "127.0.0.1", port),
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.launch.placement import rank_env
 from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
 from tests.integration.tiny_run import TINY_RL
@@ -35,16 +36,7 @@ def test_a_trainer_stuck_in_its_rendezvous_is_named_and_exits(tmp_path: Path) ->
     paths = RunPaths(out)
     # Rank 0 of a world of 2 whose rank 1 never starts: init_process_group waits for it forever
     # (its own timeout is 30 min); the watchdog ends it after 3 s.
-    env = dict(
-        os.environ,
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        HPCRL_RUN_DIR=str(out),
-    )
+    env = {**os.environ, **rank_env(0, 2, "127.0.0.1", free_port()), "HPCRL_RUN_DIR": str(out)}
     t0 = time.monotonic()
     p = subprocess.run(
         _hpcrl("trainer", "@", str(paths.process_config("trainer")), "--watchdog-s", "3"),

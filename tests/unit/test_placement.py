@@ -17,6 +17,7 @@ from hpcrl.launch.placement import (
     gres_gpus,
     local_placement,
     placement_line,
+    rank_env,
     read_records,
     record,
     select_gpus,
@@ -222,6 +223,46 @@ def test_bind_gpus_narrows_by_slurm_localid():
     assert bind_gpus(env) == ["2", "3"] and env["CUDA_VISIBLE_DEVICES"] == "2,3"
     untouched = {"CUDA_VISIBLE_DEVICES": "0,1"}  # no placement given: leave it
     assert bind_gpus(untouched) == ["0", "1"] and untouched["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_rank_env_is_the_torchrun_layout():
+    assert rank_env(1, 3, "10.0.0.5", 29400) == {
+        "RANK": "1",
+        "WORLD_SIZE": "3",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "3",
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29400",
+    }
+    # rank 5 of 8 on the second of two 4-rank nodes: local rank 1 of 4
+    two_nodes = rank_env(5, 8, "n1", 29500, local_rank=1, local_world=4)
+    assert (two_nodes["RANK"], two_nodes["LOCAL_RANK"], two_nodes["LOCAL_WORLD_SIZE"]) == ("5", "1", "4")
+
+
+def test_rank_env_is_what_the_trainer_reads_and_binds_by():
+    from hpcrl.trainer.parallel import DistEnv, dist_env
+
+    assert dist_env(rank_env(2, 4, "127.0.0.1", 1234)) == DistEnv(
+        rank=2, world_size=4, local_rank=2, master_addr="127.0.0.1", master_port=1234
+    )
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "HPCRL_GPUS_PER_TASK": "2", **rank_env(1, 2, "h", 1)}
+    assert bind_gpus(env) == ["2", "3"]  # LOCAL_RANK 1 takes the second pair
+
+
+@pytest.mark.parametrize(
+    "args, kw, match",
+    [
+        ((2, 2, "h", 1), {}, "rank 2 .* world of 2"),
+        ((-1, 2, "h", 1), {}, "rank -1"),
+        ((1, 4, "h", 1), {"local_rank": 2, "local_world": 2}, "local 2 of 2"),
+        ((1, 2, "h", 1), {"local_world": 3}, "local 1 of 3"),
+        ((0, 1, "h", 0), {}, "master port 0"),
+        ((0, 1, "h", 65536), {}, "master port 65536"),
+    ],
+)
+def test_rank_env_refuses_a_rank_outside_its_world(args, kw, match):
+    with pytest.raises(ValueError, match=match):
+        rank_env(*args, **kw)
 
 
 def test_record_appends_a_line_and_keeps_the_newest(tmp_path, monkeypatch):
