@@ -19,6 +19,8 @@ import pytest
 
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, TrainBatch
+from hpcrl.launch.placement import rank_env
+from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
 
@@ -81,10 +83,7 @@ def test_trainer_process_trains_publishes_and_checkpoints(tmp_path: Path, tiny_m
     paths = RunPaths(out)
     env = {
         **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29613",
+        **rank_env(0, 1, "127.0.0.1", free_port()),  # a free port: a fixed one collides with parallel runs
         "OMP_NUM_THREADS": "1",
     }
     log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115
