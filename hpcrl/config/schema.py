@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.common import CkptConfig, LogConfig, LogExtrasConfig, WandbConfig
+from hpcrl.config.sections.common import CkptConfig, LogConfig, LogExtrasConfig, LogLevels, WandbConfig
 from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
 from hpcrl.config.sections.evaluation import (
     ClientConfig,
@@ -71,6 +71,7 @@ __all__ = [
     "InferenceParallelConfig",
     "LogConfig",
     "LogExtrasConfig",
+    "LogLevels",
     "LoraConfig",
     "LossConfig",
     "LossMaskConfig",

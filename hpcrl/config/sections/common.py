@@ -55,7 +55,9 @@ class WandbConfig(Section):
     log_extras: LogExtrasConfig = msgspec.field(default_factory=LogExtrasConfig)
 
 
-class LogConfig(Section):
+class LogLevels(Section):
+    """How much a command logs; every command's [log] has these (a training run's adds its console line)."""
+
     level: Annotated[
         Literal["debug", "info", "warning", "error"] | None,
         D("Log level (default info or $HPCRL_LOG_LEVEL)."),
@@ -63,4 +65,7 @@ class LogConfig(Section):
     vf_level: Annotated[
         Literal["debug", "info", "warning", "error"], D("Environment / verifiers log level.")
     ] = "warning"
+
+
+class LogConfig(LogLevels):
     console_interval: Annotated[int, D("Print one console line every N steps.", ge=1)] = 1

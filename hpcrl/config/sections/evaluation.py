@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
+from hpcrl.config.sections.common import LogLevels
 from hpcrl.config.sections.orchestrator import EnvConfig, SamplingConfig
 
 
@@ -50,14 +51,8 @@ class EvalInferenceConfig(Section):
     trust_remote_code: Annotated[bool, D("Allow model/tokenizer code from the model directory.")] = False
 
 
-class EvalLogConfig(Section):
-    level: Annotated[
-        Literal["debug", "info", "warning", "error"] | None,
-        D("Log level (default info or $HPCRL_LOG_LEVEL)."),
-    ] = None
-    vf_level: Annotated[
-        Literal["debug", "info", "warning", "error"], D("Environment / verifiers log level.")
-    ] = "warning"
+class EvalLogConfig(LogLevels):
+    """[log] of `hpcrl eval` / `hpcrl gepa`: the levels alone (no training steps to print)."""
 
 
 class _PromptRunConfig(Section):
