@@ -30,7 +30,7 @@ from hpcrl.evaluation.gepa_adapter import (
     prompt_key,
 )
 from hpcrl.evaluation.rollouts import make_generator
-from hpcrl.evaluation.run import default_output_dir, sampling_seed, write_json, write_jsonl
+from hpcrl.evaluation.run import default_output_dir, write_json, write_jsonl
 from hpcrl.fileio import write_atomic
 from hpcrl.paths import EvalPaths
 
@@ -168,16 +168,7 @@ def _search(
     g = cfg.gepa
     url = ep.url(cfg.model)
     tokenizer = load_tokenizer(cfg.model, cfg.client, cfg.inference.trust_remote_code)
-    gen = make_generator(
-        url,
-        cfg.model,
-        tokenizer,
-        cfg.seq_len,
-        sampling_seed(cfg),
-        timeout=cfg.client.timeout_s,
-        max_concurrent=cfg.client.max_concurrent,
-        api_key=ep.api_key(),
-    )
+    gen = make_generator(cfg, url, tokenizer, ep.api_key())
     adapter = PromptAdapter(loop, gen, name, env, openai_sampling(cfg.sampling), val, g.state_columns)
     if resumed:
         from gepa.core.state import GEPAState

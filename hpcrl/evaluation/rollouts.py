@@ -27,22 +27,22 @@ class ScoredGroup:
     trajectories: dict[int, Trajectory]  # rollout index -> trajectory (errored rollouts have none)
 
 
-def make_generator(
-    base_url: str,
-    model: str,
-    tokenizer: Any,
-    seq_len: int,
-    seed: int | None,
-    *,
-    timeout: float,
-    max_concurrent: int,
-    api_key: str | None,
-) -> Generator:
+def sampling_seed(cfg: Any) -> int | None:
+    return cfg.sampling.seed if cfg.sampling.seed is not None else cfg.seed
+
+
+def make_generator(cfg: Any, base_url: str, tokenizer: Any, api_key: str | None) -> Generator:
+    """The Generator of an `hpcrl eval` / `hpcrl gepa` config (EvalRunConfig, GepaRunConfig) against
+    the endpoint at `base_url`."""
     pool = ServerPool(
-        [base_url], model=model, timeout=timeout, max_concurrent=max_concurrent, api_key=api_key
+        [base_url],
+        model=cfg.model,
+        timeout=cfg.client.timeout_s,
+        max_concurrent=cfg.client.max_concurrent,
+        api_key=api_key,
     )
     # No training here: every token comes from "policy 0" (the model as it is).
-    return Generator(pool, tokenizer, seq_len, lambda: 0, seed)
+    return Generator(pool, tokenizer, cfg.seq_len, lambda: 0, sampling_seed(cfg))
 
 
 async def score_group(

@@ -36,10 +36,6 @@ def default_output_dir(command: str, cfg: Any, stamp: bool) -> str:
     return out + time.strftime("/%Y%m%d-%H%M%S") if stamp else out
 
 
-def sampling_seed(cfg: Any) -> int | None:
-    return cfg.sampling.seed if cfg.sampling.seed is not None else cfg.seed
-
-
 def write_jsonl(path: Any, rows: Sequence[dict[str, Any]]) -> None:
     write_atomic(path, [(json.dumps(r, ensure_ascii=False) + "\n").encode() for r in rows])
 
@@ -164,16 +160,7 @@ async def _generate(
 ) -> list[ScoredGroup]:
     from hpcrl.orchestrator.chat import openai_sampling
 
-    gen = make_generator(
-        url,
-        cfg.model,
-        tokenizer,
-        cfg.seq_len,
-        sampling_seed(cfg),
-        timeout=cfg.client.timeout_s,
-        max_concurrent=cfg.client.max_concurrent,
-        api_key=api_key,
-    )
+    gen = make_generator(cfg, url, tokenizer, api_key)
     total = sum(k for *_, k in jobs)
     try:
         with Progress(total, "eval") as bar:

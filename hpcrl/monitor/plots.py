@@ -156,6 +156,16 @@ def write_plots(paths: RunPaths, out_dir: Path | None = None) -> list[Path]:
     return [render(p, out / f"{p.name}.png") for p in panels(records)]
 
 
+def metrics_of(run_dir: str, prog: str) -> RunPaths | None:
+    """The paths of a run directory that holds metrics.jsonl; else None, after one line on stderr
+    (the caller exits 2)."""
+    paths = RunPaths(run_dir)
+    if not paths.metrics_file.is_file():
+        print(f"{prog}: {paths.metrics_file} does not exist (is {run_dir} a run directory?)", file=sys.stderr)
+        return None
+    return paths
+
+
 def report_plots(paths: RunPaths) -> list[Path]:
     """The launcher's end-of-run call: write the plots and print where they are. Plotting is a
     convenience, so any failure is one printed line, never a failed run."""
@@ -179,12 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run directory (holds metrics.jsonl)")
     ap.add_argument("--out", metavar="DIR", help="write the PNGs here instead of OUTPUT_DIR/plots")
     args = ap.parse_args(argv)
-    paths = RunPaths(args.output_dir)
-    if not paths.metrics_file.is_file():
-        print(
-            f"hpcrl plot: {paths.metrics_file} does not exist (is {args.output_dir} a run directory?)",
-            file=sys.stderr,
-        )
+    paths = metrics_of(args.output_dir, "hpcrl plot")
+    if paths is None:
         return 2
     files = write_plots(paths, Path(args.out) if args.out else None)
     print(f"plots: {files[0].parent}/")

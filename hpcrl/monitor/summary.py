@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.monitor.metrics import read_metrics
-from hpcrl.monitor.plots import _EVAL_RE, collect
+from hpcrl.monitor.plots import _EVAL_RE, collect, metrics_of
 from hpcrl.paths import RunPaths
 
 TRAIN_KEY = "reward/all/mean"
@@ -131,12 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft-dir", help="also report the SFT loss of this `hpcrl sft` run directory")
     ap.add_argument("--wall-s", type=float, help="total wall time to report (seconds)")
     args = ap.parse_args(argv)
-    paths = RunPaths(args.run_dir)
-    if not paths.metrics_file.is_file():
-        print(
-            f"summary: {paths.metrics_file} does not exist (is {args.run_dir} a run directory?)",
-            file=sys.stderr,
-        )
+    paths = metrics_of(args.run_dir, "summary")
+    if paths is None:
         return 2
     rl = summarize(read_metrics(paths.metrics_file), args.window)
     sft = None

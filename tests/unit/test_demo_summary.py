@@ -94,3 +94,11 @@ def test_cli(tmp_path, capsys):
     assert "train reward/all/mean (mean of 1 steps): first 0.100 -> last 0.500, delta +0.400" in out
     assert "SFT loss" in out and "wall time: 12 s" in out
     assert main([str(tmp_path / "nope")]) == 2
+
+
+def test_main_without_metrics_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"summary: {tmp_path / 'metrics.jsonl'} does not exist (is {tmp_path} a run directory?)\n"
+    )

@@ -104,6 +104,11 @@ def test_missing_metrics_say_no_data(run_dir: Path) -> None:
 def test_cli_main(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     paths = RunPaths(run_dir)
     assert main([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"hpcrl plot: {tmp_path / 'nope' / 'metrics.jsonl'} does not exist (is {tmp_path / 'nope'} a run directory?)\n"
+    )
     _fake_run(paths, steps=2)
     out_dir = tmp_path / "elsewhere"
     assert main([str(run_dir), "--out", str(out_dir)]) == 0
