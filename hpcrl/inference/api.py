@@ -32,8 +32,8 @@ from hpcrl.inference.protocol import (
     chat_response,
     completion_response,
     not_found,
+    parse_chat_render,
     parse_completion_prompts,
-    parse_messages,
     parse_sampling,
 )
 from hpcrl.inference.protocol import (
@@ -223,12 +223,7 @@ def build_app(state: ServerState) -> FastAPI:
         if body.get("prompt_token_ids") is not None:  # exact continuation of a stitched conversation
             prompt = _int_list(body["prompt_token_ids"], "prompt_token_ids")
         else:
-            messages = parse_messages(body)
-            cont = _bool(body, "continue_final_message", False)
-            agp = _bool(body, "add_generation_prompt", not cont)
-            kwargs = body.get("chat_template_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
+            messages, agp, cont, kwargs = parse_chat_render(body)
             prompt = engine.tokens.cached_chat(engine.tokens.chat_key(messages, tools, agp, cont, kwargs))
             if prompt is None:  # a template render is slow enough to keep off the event loop
                 prompt = await asyncio.to_thread(
@@ -291,12 +286,7 @@ def build_app(state: ServerState) -> FastAPI:
         body = await _body(request)
         _check_model(state, body)
         if body.get("messages") is not None:
-            messages = parse_messages(body)
-            cont = _bool(body, "continue_final_message", False)
-            agp = _bool(body, "add_generation_prompt", not cont)
-            kwargs = body.get("chat_template_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
+            messages, agp, cont, kwargs = parse_chat_render(body)
             tokens = await asyncio.to_thread(
                 engine.tokens.encode_chat, messages, body.get("tools"), agp, cont, kwargs
             )

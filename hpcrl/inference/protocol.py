@@ -205,6 +205,19 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def parse_chat_render(body: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, bool, dict[str, Any]]:
+    """What the chat template renders a request's messages with: (messages, add_generation_prompt,
+    continue_final_message, chat_template_kwargs). /v1/chat/completions and /tokenize must agree, or a
+    client's /tokenize count would not be the prompt it is charged for."""
+    messages = parse_messages(body)
+    cont = _bool(body, "continue_final_message", False)
+    agp = _bool(body, "add_generation_prompt", not cont)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise APIError("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
+    return messages, agp, cont, kwargs
+
+
 def _normalise_tool_call(call: dict[str, Any], i: int) -> dict[str, Any]:
     fn = call.get("function", call)
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
