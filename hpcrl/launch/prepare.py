@@ -8,7 +8,7 @@ from pathlib import Path
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
-from hpcrl.config.schema import Config, SFTConfig
+from hpcrl.config.schema import CkptConfig, Config, ModelConfig, SFTConfig
 from hpcrl.config.validate import trainer_precision
 from hpcrl.launch.placement import Placement, local_placement, weight_transport
 from hpcrl.paths import RunPaths
@@ -63,6 +63,16 @@ def local_plan(loaded: Loaded) -> Placement:
     return local_placement(loaded.config, visible_gpus())
 
 
+def _model(model: ModelConfig) -> str:
+    return f"{model.name}" + (" (LoRA)" if model.lora is not None else "")
+
+
+def _checkpoints(ckpt: CkptConfig | None) -> str:
+    if ckpt is None:
+        return "off (enable with --ckpt)"
+    return f"every {ckpt.interval} step(s)" if ckpt.interval else "at the end"
+
+
 def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list[str] | None = None) -> None:
     cfg: Config = loaded.config
     o = cfg.orchestrator
@@ -70,7 +80,7 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
     envs = ", ".join(e.name or e.id.rsplit("/", 1)[-1] for e in o.train.env) or "-"
     lines = [
         f"hpcrl {target}: dry run OK",
-        f"model:        {cfg.model.name}" + (" (LoRA)" if cfg.model.lora is not None else ""),
+        f"model:        {_model(cfg.model)}",
         f"steps:        {cfg.max_steps} (mode {o.training_mode}, max_async_level {o.max_async_level})",
         f"batch:        {o.batch_size} rollouts = {o.batch_size // o.rollouts_per_example} tasks x "
         f"{o.rollouts_per_example}, seq_len {cfg.seq_len}, max_tokens {o.train.sampling.max_tokens}",
@@ -79,12 +89,7 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
         *placement.plan(),
         "precision:    "
         + trainer_precision(cfg, on_gpu=placement.uses_gpus and not placement.cpu_compute).describe(),
-        "checkpoints:  "
-        + (
-            "off (enable with --ckpt)"
-            if cfg.ckpt is None
-            else (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")
-        ),
+        f"checkpoints:  {_checkpoints(cfg.ckpt)}",
         f"configs:      {paths.configs_dir}/",
     ]
     lines += extra or []
@@ -113,18 +118,13 @@ def print_sft_summary(loaded: Loaded) -> None:
     )
     lines = [
         "hpcrl sft: dry run OK",
-        f"model:        {cfg.model.name}" + (" (LoRA)" if cfg.model.lora is not None else ""),
+        f"model:        {_model(cfg.model)}",
         f"data:         {cfg.data.name} (batch {cfg.data.batch_size}, seq_len {cfg.data.seq_len or cfg.seq_len})",
         f"steps:        {cfg.max_steps} (lr {cfg.optim.lr:g}, loss on {mask} turns)",
         f"validation:   {val}",
         "precision:    "
         + trainer_precision(cfg, on_gpu=visible_gpus() > 0 and cfg.deployment.compute != "cpu").describe(),
-        "checkpoints:  "
-        + (
-            "off (enable with --ckpt)"
-            if cfg.ckpt is None
-            else (f"every {cfg.ckpt.interval} step(s)" if cfg.ckpt.interval else "at the end")
-        ),
+        f"checkpoints:  {_checkpoints(cfg.ckpt)}",
         f"configs:      {RunPaths(cfg.output_dir).configs_dir}/",
     ]
     lines += [f"note:         {n}" for n in loaded.notes]

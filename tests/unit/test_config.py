@@ -376,6 +376,21 @@ def test_run_summary_lines(base: Path, tmp_path: Path, capsys: pytest.CaptureFix
     assert len(lines) < 20  # short
 
 
+def test_sft_summary_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcrl.launch.prepare import print_sft_summary
+
+    out = tmp_path / "sft"
+    base = ["--model.name", "hpcrl/tiny-qwen3", "--data.name", "x.jsonl", "--output-dir", str(out)]
+    print_sft_summary(load([*base, "--model.lora", "--ckpt.interval", "3"], SFTConfig))
+    print_sft_summary(load(base, SFTConfig))
+    first, second = capsys.readouterr().out.split("hpcrl sft: dry run OK\n")[1:]
+    assert "model:        hpcrl/tiny-qwen3 (LoRA)\n" in first and "checkpoints:  every 3 step(s)\n" in first
+    assert (
+        "model:        hpcrl/tiny-qwen3\n" in second and "checkpoints:  off (enable with --ckpt)\n" in second
+    )
+    assert f"configs:      {out.absolute()}/configs/" in second
+
+
 def test_summary_reports_platform_only_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = REPO / "configs/hosted/hosted_multi_env.toml"
     assert main(["run", str(path), "--dry-run", "--output-dir", str(tmp_path / "o")]) == 0
