@@ -86,27 +86,22 @@ def build_spec(
     }
     from hpcrl.launch.placement import GPUS_PER_TASK_ENV
 
-    tr, inf = placement.resources("trainer"), placement.resources("inference")
-    trainer = HetComponent(
-        "trainer",
-        [str(scripts / "trainer.sh"), *trainer_args],
-        nodes=tr["nodes"],
-        ntasks_per_node=tr["ntasks_per_node"],
-        gpus_per_node=tr["gpus_per_node"],
-        forward_signal=True,  # the trainer checkpoints on USR2
-        env={GPUS_PER_TASK_ENV: str(placement.gpus_per_task("trainer"))} if placement.uses_gpus else {},
-        **common,
-    )
-    inference = HetComponent(
-        "inference",
-        [str(scripts / "inference.sh"), *inference_args],
-        nodes=inf["nodes"],
-        ntasks_per_node=inf["ntasks_per_node"],
-        gpus_per_node=inf["gpus_per_node"],
-        forward_signal=False,  # servers hold no state: they are stopped when the job requeues
-        env={GPUS_PER_TASK_ENV: str(placement.gpus_per_task("inference"))} if placement.uses_gpus else {},
-        **common,
-    )
+    def component(role: str, args: Sequence[str], forward_signal: bool) -> HetComponent:
+        res = placement.resources(role)
+        return HetComponent(
+            role,
+            [str(scripts / f"{role}.sh"), *args],
+            nodes=res["nodes"],
+            ntasks_per_node=res["ntasks_per_node"],
+            gpus_per_node=res["gpus_per_node"],
+            forward_signal=forward_signal,
+            env={GPUS_PER_TASK_ENV: str(placement.gpus_per_task(role))} if placement.uses_gpus else {},
+            **common,
+        )
+
+    trainer = component("trainer", trainer_args, forward_signal=True)  # the trainer checkpoints on USR2
+    # Servers hold no state: they are stopped when the job requeues.
+    inference = component("inference", inference_args, forward_signal=False)
     orchestrator = HetStep(
         "orchestrator",
         component=0 if placement.orchestrator_on == "trainer" else 1,
