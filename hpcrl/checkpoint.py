@@ -164,6 +164,15 @@ def latest_complete(paths: RunPaths, at_most: int | None = None) -> int | None:
     return None
 
 
+def newest_marked_complete(paths: RunPaths) -> int | None:
+    """Newest step with a COMPLETE manifest, unverified: one listing and a stat per step tried, cheap
+    enough for every training step (bus retention spares what resuming from it needs)."""
+    for step in reversed(list_steps(paths)):
+        if paths.complete_file(step).is_file():
+            return step
+    return None
+
+
 def resolve_resume_step(paths: RunPaths, requested: int) -> int:
     """-1 -> newest valid; N -> N if valid. Raises CheckpointError naming what is wrong."""
     if requested == -1:

@@ -61,6 +61,17 @@ def ensure_dir(directory: Path) -> None:
 def write_atomic(path: Path, parts: list[Any], *, durable: bool = True) -> float:
     """Write the concatenation of `parts` to `path` atomically. Returns time.time() right after rename."""
     ensure_dir(path.parent)
+    renamed_at = write_renamed(path, parts, durable=durable)
+    if durable:
+        fsync_dir(path.parent)
+    return renamed_at
+
+
+def write_renamed(path: Path, parts: list[Any], *, durable: bool = True) -> float:
+    """write_atomic without its directory steps: the parent must exist, and the caller fsyncs it
+    (once for many files: hpcrl.bus publishes a step's files this way). Until that fsync the rename
+    may not survive a node crash; the file's content is durable and a reader sees all or nothing.
+    Returns time.time() right after the rename."""
     tmp = tmp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -78,10 +89,7 @@ def write_atomic(path: Path, parts: list[Any], *, durable: bool = True) -> float
         except OSError:
             pass
         raise
-    renamed_at = time.time()
-    if durable:
-        fsync_dir(path.parent)
-    return renamed_at
+    return time.time()
 
 
 def _write_all(fd: int, part: Any) -> None:

@@ -127,6 +127,11 @@ class RunPaths:
         return self.policy_dir / f"step_{step}.msgpack"
 
     @property
+    def policy_latest_file(self) -> Path:
+        """The newest published policy's step (ASCII), a hint that spares readers a listing of policy/."""
+        return self.policy_dir / "LATEST"
+
+    @property
     def control_dir(self) -> Path:
         return self.root / "control"
 

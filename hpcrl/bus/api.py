@@ -10,8 +10,10 @@
     policy = bus.wait_policy(step - max_async_level)    # newest policy >= that step
 
 Every wait is bounded (per-call `timeout`, default `Bus.timeout`), wakes on the doorbell, and
-rescans the directory at least every `poll_interval` seconds whatever the doorbell does. A wait is
-interrupted by a Shutdown control message (ShutdownRequested). Corrupt files are moved into
+rescans the directory at least every `poll_interval` seconds whatever the doorbell does (2 s with a
+doorbell, which is the primary wake-up; 0.5 s without). A wait is interrupted by a Shutdown control
+message (ShutdownRequested): control/ is scanned at once on a "control" ring and otherwise every
+`control_every` polls, so an idle rank costs the metadata server little (docs/bus.md, paper model). Corrupt files are moved into
 RunPaths.rejected_dir, logged, listed in `Bus.rejected`, and the wait goes on.
 """
 
@@ -23,7 +25,8 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -38,6 +41,7 @@ from hpcrl.bus.files import (
     reject,
     write_atomic,
     write_message,
+    write_messages,
 )
 from hpcrl.bus.messages import (
     DEFAULT_CHECKSUM,
@@ -56,6 +60,12 @@ log = logging.getLogger("hpcrl.bus")
 ROLLOUT_CONSUMER = "trainer"  # rollouts/step_N/rank_R is for endpoint "trainer_R"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 T = TypeVar("T")
+# Fallback rescan period of a wait. With a doorbell a ring wakes the reader within a millisecond and
+# the rescan only covers lost rings, so it can be slow: at 8,000 waiting ranks every rescan is 8,000
+# opens on the metadata server.
+DOORBELL_POLL_S = 2.0
+NO_DOORBELL_POLL_S = 0.5
+_DUE_SLACK_S = 0.002  # a wake this close to a due rescan counts as due (poll timeouts are in ms)
 
 
 def endpoint_name(role: str, rank: int = 0) -> str:
@@ -79,24 +89,35 @@ class Bus:
         *,
         host: str | None = None,
         listen: bool = True,
-        poll_interval: float = 0.5,
+        poll_interval: float | None = None,
         timeout: float = 1800.0,
         check_shutdown: bool = True,
         durable: bool = True,
         checksum: str = DEFAULT_CHECKSUM,
         stale_tmp_age: float = 600.0,
+        control_every: int = 4,
+        publish_threads: int = 16,
     ):
         if not _SAFE_NAME.match(role):
             raise ValueError(f"bus role must match {_SAFE_NAME.pattern}, got {role!r}")
         if rank < 0:
             raise ValueError(f"bus rank must be >= 0, got {rank}")
+        if poll_interval is None:
+            poll_interval = DOORBELL_POLL_S if listen else NO_DOORBELL_POLL_S
         if not (math.isfinite(poll_interval) and poll_interval > 0):
             raise ValueError(f"bus poll_interval must be a positive number of seconds, got {poll_interval}")
+        if control_every < 1:
+            raise ValueError(f"bus control_every must be >= 1 poll, got {control_every}")
+        if publish_threads < 1:
+            raise ValueError(f"bus publish_threads must be >= 1, got {publish_threads}")
         self.paths = paths
         self.role = role
         self.rank = rank
         self.name = endpoint_name(role, rank)
         self.poll_interval = poll_interval
+        # Without a doorbell a Shutdown is only ever found by scanning, so scan on every poll.
+        self.control_interval = poll_interval * (control_every if listen else 1)
+        self.publish_threads = publish_threads
         self.timeout = _check_timeout(timeout)
         self.check_shutdown = check_shutdown
         self.durable = durable
@@ -106,6 +127,9 @@ class Bus:
         self.rings_received = 0
         self.last_renamed_at = 0.0  # time.time() right after the last publish's rename
         self._consumed: set[tuple[int, int]] = set()
+        self._control_due = 0.0  # time.monotonic() of the next scheduled scan of control/
+        self._missed: tuple[Hashable, float] | None = None  # (what, when) the last look found nothing
+        self._pool: ThreadPoolExecutor | None = None  # publish_batches' writers, made on first use
         for d in (paths.endpoints_dir, paths.rollouts_dir, paths.policy_dir, paths.control_dir):
             ensure_dir(d)
         self._clean_tmp()
@@ -144,6 +168,30 @@ class Bus:
         self._writer.ring(endpoint_name(ROLLOUT_CONSUMER, rank), Ring("rollouts", step, rank))
         return path
 
+    def publish_batches(self, step: int, batches: Sequence[TrainBatch]) -> list[Path]:
+        """Every rank's batch of `step` at once: rollouts/step_N/rank_R for each, written by
+        `publish_threads` threads (their fsyncs overlap) with one fsync of the step directory at the
+        end instead of one per file; trainer_R is rung as its file lands. Each file is still atomic
+        and complete before it is visible. Returns once every file is durable; on an error the
+        files already renamed are complete and publishing the step again completes it."""
+        ranks = [b.rank for b in batches]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"step {step} batches name a rank twice: ranks {sorted(ranks)}")
+        for b in batches:
+            if b.step != step:
+                raise ValueError(f"batch is for step {b.step} rank {b.rank}, published as step {step}")
+        items = [(self.paths.rollout_file(step, b.rank), b) for b in batches]
+
+        def landed(i: int, renamed_at: float) -> None:
+            self.last_renamed_at = max(self.last_renamed_at, renamed_at)
+            rank = batches[i].rank
+            self._writer.ring(endpoint_name(ROLLOUT_CONSUMER, rank), Ring("rollouts", step, rank))
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.publish_threads, thread_name_prefix="bus-publish")
+        write_messages(items, self._pool, checksum=self.checksum, durable=self.durable, on_renamed=landed)
+        return [path for path, _ in items]
+
     def wait_batch(self, step: int, rank: int | None = None, timeout: float | None = None) -> TrainBatch:
         """This consumer's batch of `step` (exactly that file), once. BusTimeout if it does not come."""
         rank = self.rank if rank is None else rank
@@ -163,7 +211,7 @@ class Bus:
             newest = f"step {present[-1]}" if present else "none"
             return f"rollouts step {step} rank {rank} at {path} (newest rollout step present: {newest})"
 
-        batch = self._wait(attempt, describe, timeout)
+        batch = self._wait(attempt, describe, timeout, ("rollouts", step, rank))
         self._consumed.add((step, rank))
         return batch
 
@@ -171,22 +219,44 @@ class Bus:
     def publish_policy(self, msg: PolicyReady) -> Path:
         path = self.paths.policy_file(msg.step)
         self.last_renamed_at = write_message(path, msg, checksum=self.checksum, durable=self.durable)
+        # The hint that makes latest_policy O(1); written after the file, so it never names a step
+        # that is not there yet (a crash in between leaves it one behind, which readers detect).
+        write_atomic(self.paths.policy_latest_file, [b"%d\n" % msg.step], durable=self.durable)
         # Trainer ranks publish policies and never wait for one: at 1,000 nodes ringing them would
         # cost 8,000 endpoint stats per step for nobody (docs/bus.md, paper model).
         self._writer.ring_all(Ring("policy", msg.step), exclude=self.name, skip_role="trainer")
         return path
 
     def latest_policy(self) -> PolicyReady | None:
-        """The newest readable policy announcement, or None. Never blocks."""
+        """The newest readable policy announcement, or None. Never blocks.
+
+        Three lookups (policy/LATEST, no step after it, its file) instead of a listing of policy/;
+        the listing remains the fallback when the hint is missing, behind or names a bad file.
+        """
+        hint = self._latest_policy_hint()
+        if hint is not None and not self.paths.policy_file(hint + 1).exists():
+            msg = self._policy_at(hint)
+            if msg is not None:
+                return msg
         for step in reversed(RunPaths.steps_in(self.paths.policy_dir)):
-            path = self.paths.policy_file(step)
-            msg = self._read(path, PolicyReady)
-            if msg is not None and msg.step != step:
-                self._reject(CorruptMessageError(f"holds policy step {msg.step}", path))
-                msg = None
+            msg = self._policy_at(step)
             if msg is not None:
                 return msg
         return None
+
+    def _latest_policy_hint(self) -> int | None:
+        try:
+            return int(self.paths.policy_latest_file.read_bytes())
+        except (OSError, ValueError):  # absent, or torn by a crash before its rename was durable
+            return None
+
+    def _policy_at(self, step: int) -> PolicyReady | None:
+        path = self.paths.policy_file(step)
+        msg = self._read(path, PolicyReady)
+        if msg is not None and msg.step != step:
+            self._reject(CorruptMessageError(f"holds policy step {msg.step}", path))
+            return None
+        return msg
 
     def wait_policy(self, step: int, timeout: float | None = None) -> PolicyReady:
         """The newest policy whose step is >= `step` (the orchestrator wants the freshest weights)."""
@@ -200,7 +270,7 @@ class Bus:
             have = f"newest is step {newest.step}" if newest else "none published"
             return f"policy step >= {step} in {self.paths.policy_dir} ({have})"
 
-        return self._wait(attempt, describe, timeout)
+        return self._wait(attempt, describe, timeout, ("policy", step))
 
     # -- control -------------------------------------------------------------------------------
     def publish_control(self, msg: Shutdown) -> Path:
@@ -225,6 +295,7 @@ class Bus:
     def announce_server(self, info: ServerInfo) -> Path:
         path = self.paths.server_file(info.index)
         write_atomic(path, [encode_json(info)], durable=self.durable)
+        self._writer.ring_all(Ring("servers", info.index), exclude=self.name, skip_role=ROLLOUT_CONSUMER)
         return path
 
     def servers(self) -> list[ServerInfo]:
@@ -249,7 +320,7 @@ class Bus:
         def describe() -> str:
             return f"{count} inference server(s) in {self.paths.servers_dir} (have {len(self.servers())})"
 
-        return self._wait(attempt, describe, timeout)
+        return self._wait(attempt, describe, timeout, ("servers", count))
 
     # -- retention and resume -------------------------------------------------------------------
     def cleanup(self, before_step: int, keep: int = 0) -> list[Path]:
@@ -268,6 +339,20 @@ class Bus:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
         self._clean_tmp()
+        return removed
+
+    def prune_policies(self, before_step: int, keep_steps: Iterable[int] = ()) -> list[Path]:
+        """Delete policy announcements of steps < `before_step`, except `keep_steps` and the newest
+        one. The caller (trainer rank 0) knows what readers may still load: see
+        hpcrl.trainer.publish. Keeps policy/ O(1) entries, so the fallback listing stays cheap."""
+        steps = RunPaths.steps_in(self.paths.policy_dir)
+        keep = set(keep_steps) | set(steps[-1:])
+        removed = []
+        for s in steps:
+            if s < before_step and s not in keep:
+                path = self.paths.policy_file(s)
+                path.unlink(missing_ok=True)  # no directory fsync: a resurrected one is pruned again
+                removed.append(path)
         return removed
 
     def move_aside_after(self, step: int, tag: str) -> list[Path]:
@@ -290,6 +375,7 @@ class Bus:
                 moves.append((f, dest_root / "policy" / f.name))
         for f in sorted(self.paths.control_dir.glob("*")):
             moves.append((f, dest_root / "control" / f.name))
+        self.paths.policy_latest_file.unlink(missing_ok=True)  # may name a step moved aside
         moved = []
         for src, dst in moves:
             ensure_dir(dst.parent)
@@ -311,6 +397,9 @@ class Bus:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._writer.close()
 
     def __enter__(self) -> Bus:
@@ -328,31 +417,59 @@ class Bus:
         attempt: Callable[[], T | None],
         describe: Callable[[], str],
         timeout: float | None,
+        what: Hashable,
     ) -> T:
+        """Look (`attempt`) now, on every ring, and `poll_interval` after the last look otherwise.
+
+        The schedule outlives one call: callers that wait in slices (the trainer, to stay responsive
+        to a stop signal) do not look more often than one long wait would. control/ is scanned on a
+        "control" ring and at least every `control_interval`. Rings are hints only ("look sooner");
+        lost ones cost at most `poll_interval` for the file and `control_interval` for a Shutdown.
+        """
         timeout = self.timeout if timeout is None else _check_timeout(timeout)
         start = time.monotonic()
         deadline = start + timeout
+        look = timeout == 0 or not self._looked_within(what, start)
+        control_rung = False
         while True:
-            result = attempt()
-            if result is not None:
-                return result
-            if self.check_shutdown and (stop := self.poll_control()) is not None:
-                raise ShutdownRequested(stop)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if look:
+                result = attempt()
+                if result is not None:
+                    self._missed = None
+                    return result
+                self._missed = (what, time.monotonic())
+            if self.check_shutdown and (control_rung or time.monotonic() >= self._control_due):
+                self._control_due = time.monotonic() + self.control_interval
+                if (stop := self.poll_control()) is not None:
+                    raise ShutdownRequested(stop)
+            now = time.monotonic()
+            if now >= deadline:
                 rejected = f"; rejected files: {[str(p) for p in self.rejected]}" if self.rejected else ""
                 raise BusTimeout(
-                    f"{self.name} waited {time.monotonic() - start:.1f}s for {describe()}; "
+                    f"{self.name} waited {now - start:.1f}s for {describe()}; "
                     f"doorbell {self.address or 'off'} got {self.rings_received} ring(s){rejected}"
                 )
-            self._pause(min(self.poll_interval, remaining))
+            assert self._missed is not None
+            due = self._missed[1] + self.poll_interval
+            rings = self._pause(max(0.0, min(due, deadline) - now))
+            look = bool(rings) or time.monotonic() >= due - _DUE_SLACK_S
+            control_rung = any(r.topic == "control" for r in rings)
 
-    def _pause(self, seconds: float) -> None:
+    def _looked_within(self, what: Hashable, now: float) -> bool:
+        """The previous wait looked for exactly `what` less than one poll ago (and found nothing)."""
+        return (
+            self._missed is not None
+            and self._missed[0] == what
+            and now - self._missed[1] < self.poll_interval
+        )
+
+    def _pause(self, seconds: float) -> list[Ring]:
         if self._reader is None:
             time.sleep(seconds)
-        else:
-            # The ring's content is not trusted: any ring just means "rescan now".
-            self.rings_received += len(self._reader.wait(seconds))
+            return []
+        rings = self._reader.wait(seconds)
+        self.rings_received += len(rings)
+        return rings
 
     def _read(self, path: Path, type: type[M]) -> M | None:
         try:

@@ -17,6 +17,7 @@ what makes the first ring after a (re)connect arrive instead of being dropped.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -81,7 +82,7 @@ class DoorbellReader:
     def wait(self, timeout: float) -> list[Ring]:
         """Block up to `timeout` seconds for rings; return every ring queued by then (maybe none)."""
         rings: list[Ring] = []
-        if self._sock.poll(max(0, int(timeout * 1000))):
+        if self._sock.poll(max(0, math.ceil(timeout * 1000))):
             while True:
                 try:
                     raw = self._sock.recv(zmq.NOBLOCK)

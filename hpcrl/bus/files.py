@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from hpcrl.fileio import (  # noqa: F401 (re-exported: the bus's write protocol 
     is_tmp,
     tmp_name,
     write_atomic,
+    write_renamed,
 )
 
 log = logging.getLogger("hpcrl.bus")
@@ -41,6 +44,48 @@ def write_message(
 ) -> float:
     """Frame `msg` and write it atomically (array bytes go straight from numpy to the kernel)."""
     return write_atomic(path, encode_parts(msg, checksum=checksum), durable=durable)
+
+
+def write_messages(
+    items: Sequence[tuple[Path, Message]],
+    pool: Executor,
+    *,
+    checksum: str = DEFAULT_CHECKSUM,
+    durable: bool = True,
+    on_renamed: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """write_message for several distinct paths at once; returns each one's rename time.
+
+    Same guarantees per file as write_message (tmp, fsync, rename: all or nothing for a reader), but
+    the files are framed, written and fsynced by `pool`'s threads, so their fsyncs overlap, and each
+    parent directory is fsynced once after the last rename instead of once per file. `on_renamed(i,
+    t)` runs in the calling thread as item i lands (zmq sockets are not thread-safe: ring there).
+    If a write fails, the others still finish before the first error is raised: every renamed file
+    is complete and the rest are absent, so publishing the same items again completes the set.
+    """
+    for d in dict.fromkeys(p.parent for p, _ in items):
+        ensure_dir(d)
+
+    def one(path: Path, msg: Message) -> float:
+        return write_renamed(path, encode_parts(msg, checksum=checksum), durable=durable)
+
+    futures = {pool.submit(one, path, msg): i for i, (path, msg) in enumerate(items)}
+    renamed_at = [0.0] * len(items)
+    error: BaseException | None = None
+    for fut in as_completed(futures):
+        i = futures[fut]
+        if (e := fut.exception()) is not None:
+            error = error or e
+            continue
+        renamed_at[i] = fut.result()
+        if on_renamed is not None:
+            on_renamed(i, renamed_at[i])
+    if error is not None:
+        raise error
+    if durable:
+        for d in dict.fromkeys(p.parent for p, _ in items):
+            fsync_dir(d)
+    return renamed_at
 
 
 def read_bytes(path: Path) -> tuple[np.ndarray, int]:

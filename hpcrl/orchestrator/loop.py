@@ -207,8 +207,7 @@ class Orchestrator:
                 # Packed for another number of trainer ranks: the same samples, re-packed (no prompt
                 # skipped, repeated or regenerated; only the split over ranks changes).
                 batches = repack_batches(batches, self.setup.world_size, self.cfg.seq_len)
-            for b in batches:
-                self.bus.publish_batch(m, b.rank, b)
+            self.bus.publish_batches(m, batches)
             self.published[m] = batches
         if state.world_size != self.setup.world_size:
             log.warning(
@@ -317,8 +316,7 @@ class Orchestrator:
             self.cfg.seq_len,
             created_at=0.0 if self.cfg.deterministic else None,
         )
-        for b in batches:
-            self.bus.publish_batch(step, b.rank, b)
+        self.bus.publish_batches(step, batches)  # the ranks' files concurrently (docs/bus.md)
         self.published[step] = batches
         # The boundary: everything a checkpoint saves is taken here, together. The live buffer runs
         # ahead during the next batch's generation; a forced (SIGTERM/preemption) checkpoint taken

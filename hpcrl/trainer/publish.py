@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hpcrl import checkpoint
 from hpcrl.bus import Bus, PolicyReady
 from hpcrl.paths import RunPaths
 from hpcrl.trainer.model import hf_named_tensors
@@ -71,6 +72,7 @@ class PolicyPublisher:
         self._prev_step = -1
         self._prev_checksum = ""
         self._last_full = -1
+        self._adapter_base: int | None = None  # LoRA: the full policy the adapters apply to
         self.last_sync_bytes = 0  # `weights/sync_bytes` of the newest publish (rank 0)
 
     def publish(self, model: torch.nn.Module, step: int) -> float:
@@ -80,8 +82,10 @@ class PolicyPublisher:
 
         # The first policy of a process goes in full (merged): the servers' base must be this trainer's
         # base (a warm start changes it); after that only the adapter changes.
-        if is_peft_model(model) and self.base_sent:
-            return self._publish_adapter(model, step)
+        if is_peft_model(model):
+            if self.base_sent:
+                return self._publish_adapter(model, step)
+            self._adapter_base = step
         self.base_sent = True
         t0 = time.perf_counter()
         named = dict(hf_named_tensors(model, dtype=self.dtype))  # every rank iterates: shards are gathered
@@ -151,8 +155,7 @@ class PolicyPublisher:
                 # same tensors, same checksum; the files' announcement replaces the collective one
                 announce("filesystem", self._write_files(step, named, None), None, nbytes)
         self._remember(named, step, checksum, delta)
-        if self.transport == "filesystem":
-            self._clean_behind(step)
+        self._clean_behind(step)
         dt = time.perf_counter() - t0
         log.info(
             "policy %d published (%s, %s %.1f MB of %.1f MB, %.2fs, checksum %s)",
@@ -225,8 +228,7 @@ class PolicyPublisher:
                 checksum=checksum,
                 adapter=adapter_config(model),
             )
-        else:
-            self._clean_behind(step)
+        self._clean_behind(step)
         dt = time.perf_counter() - t0
         log.info(
             "policy %d published (LoRA adapter, %s, %.3f MB, %.2fs, checksum %s)",
@@ -284,12 +286,28 @@ class PolicyPublisher:
         return final
 
     def _clean_behind(self, step: int) -> None:
-        """Keep the newest `keep` broadcasts (the orchestrator may still load a slightly older one) and,
-        with delta sync, every broadcast since the last full one: a server that loads policy N after
-        missing some replays the chain from there."""
+        """Retention of what policy `step` made old: broadcasts (filesystem transport) and policy/
+        announcements, which would otherwise grow by one file per step (docs/bus.md, paper model).
+
+        What a reader can still ask for, so what stays:
+        - the newest `keep` (max_async_level + 2) policies: the orchestrator is at most
+          max_async_level steps behind (PolicySync.exact, `ensure`'s in-order collective loads,
+          reviving a server with the policy it holds);
+        - with delta sync, everything since the last full policy: a server that loads policy N
+          after missing some replays the chain from there (PolicySync._delta_chain);
+        - announcements only: the window of the newest complete checkpoint C (a resume from C
+          asks PolicySync.exact for policies down to C - max_async_level) and, with LoRA, the full
+          policy the adapters apply to.
+        """
         floor = step - self.keep
         if self.delta and self._last_full >= 0:
             floor = min(floor, self._last_full - 1)
-        for s in RunPaths.steps_in(self.paths.broadcasts_dir):
-            if s <= floor:
-                shutil.rmtree(self.paths.broadcast_dir(s), ignore_errors=True)
+        if self.transport == "filesystem":
+            for s in RunPaths.steps_in(self.paths.broadcasts_dir):
+                if s <= floor:
+                    shutil.rmtree(self.paths.broadcast_dir(s), ignore_errors=True)
+        pinned = set() if self._adapter_base is None else {self._adapter_base}
+        ckpt = checkpoint.newest_marked_complete(self.paths)
+        if ckpt is not None:
+            pinned.update(range(ckpt - self.keep, ckpt + 1))
+        self.bus.prune_policies(before_step=floor + 1, keep_steps=pinned)

@@ -14,6 +14,10 @@
     still has its own PULL socket, endpoint file and wait loop, so the writer side (files, endpoint
     stats, PUSH sockets, rings) is exactly that of R processes; 256 processes on 2 cores would
     measure the VM's scheduler, not the bus (on a cluster 256 ranks sit on 32+ nodes).
+(e) writer (--writer, ~1 min): seconds to publish one step's rank files (small batches) for 64, 256
+    and 1024 ranks, the old way (publish_batch per rank: each file fsynced, renamed and its
+    directory fsynced in turn) against publish_batches (a thread pool, one directory fsync per
+    step), alternating in the same run; medians and the ratio new/old.
 """
 
 from __future__ import annotations
@@ -293,6 +297,40 @@ def bench_fanout_policy(root: Path, subscribers: int, steps: int, gap: float) ->
     return {"p50": pct(lat, 50), "p99": pct(lat, 99), "ring_all": statistics.median(ring_s), "n": len(lat)}
 
 
+def bench_writer(root: Path, ranks: list[int], reps: int, threads: int, tokens: int) -> list[str]:
+    lines = [
+        f"(e) writer: publish one step of R rank files ({tokens} tokens each, durable), {reps} reps "
+        f"alternating, medians; new = publish_batches ({threads} threads, one dir fsync per step)",
+        f"{'R':>5}  {'old s/step':>10}  {'new s/step':>10}  {'new/old':>7}  {'old ms/file':>11}  "
+        f"{'new ms/file':>11}",
+    ]
+    batch = make_batch(tokens, sample_len=min(tokens, 128))
+    paths = RunPaths(root / "writer")
+    with Bus(paths, "orchestrator", listen=False, publish_threads=threads) as writer:
+        step = 0
+        for r in ranks:
+            rank_batches = [msgspec.structs.replace(batch, rank=i, world_size=r) for i in range(r)]
+            old, new = [], []
+            for _ in range(reps):
+                for how in ("old", "new"):
+                    step += 1
+                    for b in rank_batches:
+                        b.step = step
+                    t0 = time.perf_counter()
+                    if how == "old":
+                        for b in rank_batches:
+                            writer.publish_batch(step, b.rank, b)
+                    else:
+                        writer.publish_batches(step, rank_batches)
+                    (old if how == "old" else new).append(time.perf_counter() - t0)
+                    writer.cleanup(before_step=step + 1)  # the trainer's retention, off the clock
+            o, n = statistics.median(old), statistics.median(new)
+            lines.append(
+                f"{r:>5}  {o:10.3f}  {n:10.3f}  {n / o:7.2f}  {o / r * 1e3:11.3f}  {n / r * 1e3:11.3f}"
+            )
+    return lines
+
+
 def fanout_tables(root: Path, readers: list[int], subscribers: list[int], steps: int) -> list[str]:
     lines = [
         f"(d) rollouts fan-out: one writer, R trainer-rank buses ({FANOUT_TOKENS} tokens per rank, "
@@ -329,6 +367,9 @@ def main() -> None:
     ap.add_argument("--readers", default="1,16,64,256", help="(d) trainer-rank readers, comma-separated")
     ap.add_argument("--subscribers", default="1,4,16,64", help="(d) policy doorbell subscribers")
     ap.add_argument("--fanout-steps", type=int, default=10, help="(d) steps per reader count")
+    ap.add_argument("--writer", action="store_true", help="only (e), the step writer old vs new")
+    ap.add_argument("--writer-ranks", default="64,256,1024", help="(e) rank files per step")
+    ap.add_argument("--writer-threads", type=int, default=16, help="(e) Bus(publish_threads=...)")
     ap.add_argument("--reader", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--fanout-reader", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -343,6 +384,15 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     t_start = time.time()
+    if args.writer:
+        ranks = [int(x) for x in args.writer_ranks.split(",")]
+        print("\n".join(bench_writer(args.dir, ranks, args.reps, args.writer_threads, 256)))
+        print(
+            f"\n{os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, scratch {args.dir}, "
+            f"total {time.time() - t_start:.0f} s"
+        )
+        shutil.rmtree(args.dir, ignore_errors=True)
+        return
     fanout = fanout_tables(
         args.dir,
         [int(x) for x in args.readers.split(",")],
