@@ -146,8 +146,14 @@ def vllm_lora_rank(rank: int) -> int:
 def bind_server_socket(host: str, port: int) -> socket.socket:
     """Bind (not yet listen) the server's socket; port 0 picks a free one (getsockname says which)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not the default 0: asyncio turns Nagle off only on TCP sockets whose proto
+    # says so, and with Nagle on a kept-alive connection's every response after the first waits ~40 ms
+    # for the client's delayed ACK (uvicorn writes head and body separately). TCP_NODELAY on the
+    # listener as well: Linux copies it to every accepted connection, whoever serves them (uvicorn
+    # here, vLLM's server with the vLLM backend).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

@@ -3,6 +3,7 @@
     python scripts/bench/inference.py [--preset tiny|small] [--repeats 3] [--max-tokens 64]
 
 Starts a real server subprocess on 127.0.0.1 with a locally built model, then measures
+0. the round trip of a trivial request on a kept-alive connection (every request's fixed cost);
 1. generated tokens/s with 1, 8 and 64 concurrent chat requests (each `--max-tokens`, ignore_eos), and
    with one request for n=64 choices (how the orchestrator asks for a single-turn group);
 2. the wall time of one weight update from a path and over gloo, next to a raw in-memory copy of the
@@ -52,6 +53,21 @@ async def throughput(client, concurrency: int, max_tokens: int, n: int = 1) -> t
     steps = sum(after["batch_size_hist"].values()) - sum(before["batch_size_hist"].values())
     rows = after["generated_tokens"] - before["generated_tokens"]
     return tokens / dt, rows / max(steps, 1)
+
+
+async def round_trip(client, n: int = 30) -> tuple[str, str, str]:
+    """Median of n GET /metrics on one kept-alive connection: the fixed cost every request pays (was
+    ~44 ms from the 2nd request on, when Nagle held the response body for the client's delayed ACK)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await client.metrics()
+        times.append(time.perf_counter() - t0)
+    return (
+        "HTTP round trip on a kept-alive connection (GET /metrics)",
+        f"{statistics.median(times) * 1e3:.2f} ms",
+        f"median of {n}",
+    )
 
 
 async def sync_rows(c, model_dir: Path, tmp: Path, args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -119,6 +135,7 @@ async def run(args: argparse.Namespace) -> None:
     try:
         async with InferenceClient(server.base_url) as c:
             await c.chat_completion(MSGS, max_tokens=4)  # warm-up
+            rows.append(await round_trip(c))
             rows += await sync_rows(c, model_dir, tmp, args)
             if args.sync_only:
                 return _print(rows, args)
