@@ -42,14 +42,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model-name", help="override model.name (e.g. an SFT-warmed weights dir), as hpcrl's flag"
     )
-    return p.parse_args(argv)
+    # Anything else is an hpcrl config override (e.g. --trainer.optim.lr 5e-4), applied exactly as
+    # `hpcrl run` applies it, so a sweep changes both sides the same way.
+    args, args.overrides = p.parse_known_args(argv)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from hpcrl.config.loader import load
 
-    overrides = ["--model.name", args.model_name] if args.model_name else []
+    overrides = (["--model.name", args.model_name] if args.model_name else []) + args.overrides
     cfg = load([args.config, "--max-steps", str(args.steps), *overrides]).config
     o = cfg.orchestrator
     if len(o.train.env) != 1:

@@ -3,12 +3,11 @@
     python scripts/bench/e2e.py [--budget-s 90] [--steps 1000] [--threads 1] [--only hpcrl|trl]
     python scripts/bench/e2e.py --mode wallclock [--budget-s 120]     # reward per wall-clock
 
---mode wallclock: both systems start from the same SFT-warmed tiny model (the demo's warm-up,
-configs/demo/sft.toml, run once and cached under --out), on the demo's task, batch and sampling
-(configs/bench/e2e_wallclock.toml), one after the other, each for --budget-s seconds of wall clock
-counted from its launch (start-up included: it is part of what a user waits for). Prints the mean
-reward of the batches generated in each 20 s window, plots reward vs seconds for both
-(docs/img/e2e_wallclock.png), and checks hpcrl >= TRL + 0.2 reward at the budget.
+--mode wallclock (scripts/bench/e2e_wallclock.py): both systems start from the same SFT-warmed tiny
+model on the demo's task, batch and sampling, each for --budget-s seconds of wall clock from launch,
+over an lr sweep (--lr a,b,c; --repeats N). Prints reward per 20 s window, the reward at the budget,
+time to reward 0.6 / 0.7, plots reward vs seconds (docs/img/e2e_wallclock.png), and checks
+hpcrl >= TRL + 0.2 reward at the budget.
 
 Same tiny model (hpcrl/tiny-qwen3), same reverse-text tasks rendered through the same chat template,
 same reward (the environment's rubric), same batch (16 prompts x 8 completions x <=16 new tokens),
@@ -391,181 +390,6 @@ def run_trl(out_root: Path, steps: int, budget_s: float, threads: int) -> tuple[
     return read_records(out / "metrics.jsonl"), launched, code
 
 
-# ---------------------------------------------------------------------------------------------
-# --mode wallclock: reward per wall-clock second from the same SFT-warmed model
-# ---------------------------------------------------------------------------------------------
-WALLCLOCK_CONFIG = "configs/bench/e2e_wallclock.toml"
-REWARD_MARGIN = 0.2
-PLOT = REPO / "docs/img/e2e_wallclock.png"
-
-
-def sft_warmup(out_root: Path, threads: int) -> Path:
-    """The demo's warm-up (scripts/demo.sh steps 1-2), run once: its final weights dir, cached."""
-    sft = out_root / "sft"
-    found = sorted(sft.glob("weights/step_*/config.json"), key=lambda p: int(p.parent.name.split("_")[1]))
-    if found:
-        print(f"reusing the SFT warm-up {found[-1].parent}", flush=True)
-        return found[-1].parent
-    data = out_root / "sft-data" / "train.jsonl"
-    print(f"SFT warm-up (configs/demo/sft.toml) -> {sft}", flush=True)
-    env = child_env(threads)
-    for cmd in (
-        [
-            sys.executable,
-            "-m",
-            "hpcrl.trainer.sft_data",
-            "make-demo",
-            str(data),
-            "--task",
-            "reverse-text-demo",
-            "--n",
-            "2000",
-            "--seed",
-            "0",
-        ],
-        [
-            sys.executable,
-            "-m",
-            "hpcrl.cli",
-            "sft",
-            "configs/demo/sft.toml",
-            "--clean-output-dir",
-            "true",
-            "--output-dir",
-            str(sft),
-            "--data.name",
-            str(data),
-        ],
-    ):
-        with open(out_root / "sft.log", "ab") as fh:
-            subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, check=True)
-    return sft_warmup(out_root, threads)
-
-
-def run_wallclock(args: argparse.Namespace, out_root: Path) -> int:
-    weights = sft_warmup(out_root, max(args.threads, os.cpu_count() or 1))
-    load_before = os.getloadavg()[0]
-    curves, failed, starts = {}, [], {}
-    for name in ("hpcrl", "trl"):
-        out = out_root / name
-        if name == "hpcrl":
-            cmd = [
-                sys.executable,
-                "-m",
-                "hpcrl.cli",
-                "run",
-                WALLCLOCK_CONFIG,
-                "--output-dir",
-                str(out),
-                "--max-steps",
-                str(args.steps),
-                "--model.name",
-                str(weights),
-            ]
-        else:
-            if out.exists():
-                import shutil
-
-                shutil.rmtree(out)
-            cmd = [
-                sys.executable,
-                str(REPO / "scripts/bench/_trl_runner.py"),
-                WALLCLOCK_CONFIG,
-                "--out",
-                str(out),
-                "--steps",
-                str(args.steps),
-                "--threads",
-                str(args.threads),
-                "--model-name",
-                str(weights),
-            ]
-        print(f"running {name} for {args.budget_s:.0f} s of wall clock from launch...", flush=True)
-        launched, code = run_until_budget(
-            cmd,
-            out / "metrics.jsonl",
-            out_root / f"{name}.log",
-            args.budget_s,
-            args.threads,
-            from_launch=True,
-        )
-        records = read_records(out / "metrics.jsonl")
-        curves[name] = reward_by_clock(records, launched, args.budget_s)
-        starts[name] = (records, launched)
-        if code != 0 or not curves[name][-1][2]:
-            failed.append(f"{name}: exit code {code}; see {out_root / (name + '.log')}")
-    load_after = os.getloadavg()[0]
-    print()
-    print(format_clock_table(curves))
-    print()
-    end_h, end_t = curves["hpcrl"][-1][1], curves["trl"][-1][1]
-    if end_h is not None and end_t is not None:
-        ok = "meets target" if end_h - end_t >= REWARD_MARGIN else "below target"
-        print(
-            f"reward at {args.budget_s:.0f} s: hpcrl {end_h:.3f}, TRL {end_t:.3f}, difference {end_h - end_t:+.3f} "
-            f"(target >= +{REWARD_MARGIN}): {ok}"
-        )
-    for target in (0.6, 0.7, 0.8):
-        reach = {n: time_to_reward(r, t0, target) for n, (r, t0) in starts.items()}
-        print(
-            f"seconds from launch until the mean reward of 10 consecutive batches reaches {target}: "
-            + ", ".join(f"{n} {_f(v, '.0f')}" for n, v in reach.items())
-        )
-    for line in failed:
-        print(f"FAILED {line}")
-    print(
-        f"threads per process: {args.threads}; 1-min load average {load_before:.1f} before, {load_after:.1f} after "
-        f"on {os.cpu_count()} cores (runs one after the other; other work on the machine = noisy numbers)"
-    )
-    plot_wallclock(starts, PLOT, args.budget_s)
-    print(f"plot: {PLOT}")
-    (out_root / "summary_wallclock.json").write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "weights": str(weights),
-                "curves": curves,
-                "failed": failed,
-                "load": [load_before, load_after],
-            },
-            indent=2,
-        )
-    )
-    return 1 if failed else 0
-
-
-def plot_wallclock(runs: dict[str, tuple[list[dict], float]], path: Path, budget_s: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, (records, launched) in runs.items():
-        orch = by_step(records, "orchestrator", "reward/all/mean")
-        pts = sorted(
-            (r["time"] - launched, r["reward/all/mean"])
-            for r in orch.values()
-            if r["time"] - launched <= budget_s
-        )
-        if not pts:
-            continue
-        xs, ys = zip(*pts)
-        smooth = [_mean(ys[max(0, i - 9) : i + 1]) for i in range(len(ys))]
-        (line,) = ax.plot(xs, smooth, label=f"{name} ({len(pts)} batches; mean of last 10)")
-        ax.scatter(xs, ys, s=6, alpha=0.3, color=line.get_color())
-    ax.set_xlabel("seconds since launch")
-    ax.set_ylabel("train reward (batch mean)")
-    ax.set_xlim(0, budget_s)
-    ax.set_title("reverse-text-demo from the same SFT warm-up: reward vs wall clock")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -590,7 +414,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="throughput: samples/s from random init; wallclock: reward per wall-clock from an SFT warm-up",
     )
     p.add_argument("--out", help="root of the runs' output dirs (default outputs/bench-e2e[-wallclock])")
+    p.add_argument(
+        "--lr", default="2e-3", help="wallclock mode: comma-separated lrs, both systems (default: the demo's)"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="wallclock mode: runs per lr and system (medians)")
     args = p.parse_args(argv)
+    if args.mode == "wallclock" and args.only:
+        p.error("--only applies to --mode throughput; wallclock mode always runs both systems")
+    if args.repeats < 1:
+        p.error(f"--repeats: {args.repeats} must be >= 1")
     if args.budget_s is None:
         args.budget_s = 120.0 if args.mode == "wallclock" else 90.0
     if args.out is None:
@@ -603,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     out_root = (REPO / args.out).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     if args.mode == "wallclock":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from e2e_wallclock import run_wallclock
+
         return run_wallclock(args, out_root)
     plan = ([] if args.only == "trl" else list(CONFIGS)) + ([] if args.only == "hpcrl" else ["trl"])
     load_before = os.getloadavg()[0]

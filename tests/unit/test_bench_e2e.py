@@ -154,3 +154,71 @@ def test_reward_by_clock_and_time_to_reward():
     assert e2e.time_to_reward(recs, 1000.0, 0.6, window=2) is None
     table = e2e.format_clock_table({"hpcrl": rows, "trl": rows})
     assert "hpcrl - trl" in table.splitlines()[0] and "+0.000" in table
+
+
+# --- scripts/bench/e2e_wallclock.py: the lr sweep's pure part --------------------------------------
+sys.modules["e2e"] = e2e  # e2e_wallclock imports its sibling by name: give it this same module
+_wspec = importlib.util.spec_from_file_location("bench_e2e_wallclock", _PATH.parent / "e2e_wallclock.py")
+wall = importlib.util.module_from_spec(_wspec)
+_wspec.loader.exec_module(wall)
+
+
+def test_run_order_alternates_so_drift_hits_both_sides():
+    assert [wall.run_order(i) for i in range(3)] == [("hpcrl", "trl"), ("trl", "hpcrl"), ("hpcrl", "trl")]
+
+
+def test_cell_reads_the_last_window_and_reach_times():
+    # batches at 9.5, 19.5, ... 59.5 s after launch with rewards 0.1 .. 0.6 (see fake_run)
+    recs = fake_run([10.0] * 6, [1.0] * 6, [1.0] * 6, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    c = wall.cell(recs, launched=1000.0, budget_s=60.0)
+    assert c["reward"] == pytest.approx(0.55) and c["steps"] == 6  # window (40, 60]: 0.5, 0.6
+    # 10-batch means never reach 0.6 with 6 batches
+    assert c["reach"] == {"0.6": None, "0.7": None}
+
+
+def _cell(reward, steps, r6=None, r7=None):
+    return {"reward": reward, "steps": steps, "reach": {"0.6": r6, "0.7": r7}, "curve": []}
+
+
+def test_sweep_rows_take_medians_over_repeats_and_the_difference_of_medians():
+    results = {
+        "2e-3": [
+            {"hpcrl": _cell(0.8, 700, 20, 30), "trl": _cell(0.7, 400, 50, None)},
+            {"hpcrl": _cell(0.6, 500, 30, None), "trl": _cell(0.9, 420, 40, 60)},
+            {"hpcrl": _cell(0.7, 600, 25, 35), "trl": _cell(0.8, 380, 45, 70)},
+        ],
+        "5e-4": [{"hpcrl": _cell(0.7, 650), "trl": _cell(None, 0)}],
+    }
+    rows = wall.sweep_rows(results)
+    a, b = rows
+    assert (a["lr"], a["runs"], a["hpcrl"], a["trl"]) == ("2e-3", 3, 0.7, 0.8)
+    assert a["delta"] == pytest.approx(-0.1)
+    assert (a["hpcrl steps"], a["trl steps"]) == (600, 400)
+    assert (a["hpcrl reach 0.6"], a["trl reach 0.7"]) == (25, 65)  # median of the runs that got there
+    assert b["trl"] is None and b["delta"] is None
+    lines = wall.verdict_lines(rows, 120.0)
+    assert "difference -0.100" in lines[0] and lines[0].endswith("below target")
+    assert "no reward" in lines[1]
+    table = wall.format_sweep(rows, 120.0).splitlines()
+    assert "hpcrl @120s" in table[0] and "-0.100" in table[2] and "600 / 400" in table[2]
+
+
+def test_verdicts_name_the_best_lr_of_each_side():
+    rows = wall.sweep_rows(
+        {
+            "2e-3": [{"hpcrl": _cell(0.75, 1), "trl": _cell(0.74, 1)}],
+            "5e-4": [{"hpcrl": _cell(0.72, 1), "trl": _cell(0.45, 1)}],
+        }
+    )
+    lines = wall.verdict_lines(rows, 120.0)
+    assert lines[1].endswith("meets target")  # 0.72 - 0.45
+    assert "hpcrl 0.750 (lr 2e-3) vs TRL 0.740 (lr 2e-3): +0.010" in lines[-1]
+
+
+def test_wallclock_cli_rejects_only_and_bad_repeats():
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--mode", "wallclock", "--only", "trl"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--mode", "wallclock", "--repeats", "0"])
+    args = e2e.parse_args(["--mode", "wallclock", "--lr", "2e-3,5e-4"])
+    assert (args.budget_s, args.lr, args.repeats) == (120.0, "2e-3,5e-4", 1)
