@@ -3,7 +3,8 @@
     python scripts/bench/inference.py [--preset tiny|small] [--repeats 3] [--max-tokens 64]
 
 Starts a real server subprocess on 127.0.0.1 with a locally built model, then measures
-0. the round trip of a trivial request on a kept-alive connection (every request's fixed cost);
+0. the round trip of a trivial request on a kept-alive connection (every request's fixed cost), and
+   the latency of one e2e RL step's requests (8 concurrent groups, n=16, <= 10 tokens);
 1. generated tokens/s with 1, 8 and 64 concurrent chat requests (each `--max-tokens`, ignore_eos), and
    with one request for n=64 choices (how the orchestrator asks for a single-turn group);
 2. the wall time of one weight update from a path and over gloo, next to a raw in-memory copy of the
@@ -66,6 +67,21 @@ async def round_trip(client, n: int = 30) -> tuple[str, str, str]:
     return (
         "HTTP round trip on a kept-alive connection (GET /metrics)",
         f"{statistics.median(times) * 1e3:.2f} ms",
+        f"median of {n}",
+    )
+
+
+async def rl_step(client, n: int = 20) -> tuple[str, str, str]:
+    """Median latency of what the orchestrator sends for one step of the e2e workload: 8 concurrent
+    group requests, n = 16 choices each, <= 10 tokens (the whole batch is done when the last is)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client.chat_completion(MSGS, max_tokens=10, n=16) for _ in range(8)))
+        times.append(time.perf_counter() - t0)
+    return (
+        "one RL step's requests: 8 concurrent x n=16 x <=10 tokens",
+        f"{statistics.median(times) * 1e3:.1f} ms",
         f"median of {n}",
     )
 
@@ -136,6 +152,7 @@ async def run(args: argparse.Namespace) -> None:
         async with InferenceClient(server.base_url) as c:
             await c.chat_completion(MSGS, max_tokens=4)  # warm-up
             rows.append(await round_trip(c))
+            rows.append(await rl_step(c))
             rows += await sync_rows(c, model_dir, tmp, args)
             if args.sync_only:
                 return _print(rows, args)
