@@ -232,6 +232,10 @@ def apply_retention(
     steps = list_steps(paths)
     complete = [s for s in steps if paths.complete_file(s).is_file()]
     keep = retention_keep(complete, keep_last, keep_interval)
+    # Never the checkpoint a resume would pick: a newer COMPLETE whose files are gone does not count.
+    intact = newest_intact(paths)
+    if intact is not None:
+        keep.add(intact)
     newest = max(complete) if complete else None
     removed = []
     for s in steps:

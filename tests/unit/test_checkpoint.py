@@ -171,3 +171,13 @@ def test_newest_intact_falls_back_past_a_broken_complete_with_one_warning(
     shutil.rmtree(paths.checkpoints_dir)
     paths.checkpoints_dir.mkdir()
     assert ck.newest_intact(paths, seen) is None and ck.resumable(paths) == []
+
+
+def test_retention_never_deletes_the_checkpoint_a_resume_would_pick(paths: RunPaths) -> None:
+    """keep_last = 1 and the newest COMPLETE's files are gone: the newest intact one stays (resume's
+    deep check skips the broken one and falls back to it)."""
+    for s in (2, 4, 6):
+        _save(paths, s)
+    (paths.trainer_ckpt_dir(6) / "state.bin").unlink()
+    assert ck.apply_retention(paths, keep_last=1, keep_interval=None) == [2]
+    assert ck.list_steps(paths) == [4, 6] and ck.resolve_resume_step(paths, -1) == 4
