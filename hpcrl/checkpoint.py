@@ -164,13 +164,40 @@ def latest_complete(paths: RunPaths, at_most: int | None = None) -> int | None:
     return None
 
 
-def newest_marked_complete(paths: RunPaths) -> int | None:
-    """Newest step with a COMPLETE manifest, unverified: one listing and a stat per step tried, cheap
-    enough for every training step (bus retention spares what resuming from it needs)."""
+def newest_intact(paths: RunPaths, seen: dict[int, tuple[int, str | None]] | None = None) -> int | None:
+    """Newest step whose COMPLETE parses and whose files are all there at their manifest sizes
+    (``verify(deep=False)``: stats, no hashing); a newer one that fails is skipped with a one-line
+    warning, so what protects a resume protects the checkpoint a resume would really pick.
+
+    ``seen`` (caller-owned, for callers asking every training step) maps a step to its COMPLETE's
+    mtime_ns and verdict: a step is re-checked (and warned about) only when its COMPLETE changes, so
+    a steady call costs one listing and a stat per step tried. A file that vanishes after its
+    step was found intact is caught by resume's deep check (``latest_complete``)."""
+    seen = {} if seen is None else seen
     for step in reversed(list_steps(paths)):
-        if paths.complete_file(step).is_file():
+        try:
+            mtime = paths.complete_file(step).stat().st_mtime_ns
+        except FileNotFoundError:
+            continue
+        known = seen.get(step)
+        if known is None or known[0] != mtime:
+            reason = verify(paths, step, deep=False)
+            if reason is not None:
+                log.warning(
+                    "checkpoint %s is marked COMPLETE but unusable: %s", paths.checkpoint_dir(step), reason
+                )
+            seen[step] = known = (mtime, reason)
+        if known[1] is None:
             return step
     return None
+
+
+def resumable(paths: RunPaths, seen: dict[int, tuple[int, str | None]] | None = None) -> list[int]:
+    """Steps a resume may start from, now or once the checkpoints being written complete: the newest
+    intact one (``newest_intact``) and every newer step directory (being written, or broken). What a
+    resume from these needs must be kept (hpcrl.trainer.publish)."""
+    newest = newest_intact(paths, seen)
+    return [s for s in list_steps(paths) if newest is None or s >= newest]
 
 
 def resolve_resume_step(paths: RunPaths, requested: int) -> int:
@@ -205,6 +232,10 @@ def apply_retention(
     steps = list_steps(paths)
     complete = [s for s in steps if paths.complete_file(s).is_file()]
     keep = retention_keep(complete, keep_last, keep_interval)
+    # Never the checkpoint a resume would pick: a newer COMPLETE whose files are gone does not count.
+    intact = newest_intact(paths)
+    if intact is not None:
+        keep.add(intact)
     newest = max(complete) if complete else None
     removed = []
     for s in steps:
@@ -235,9 +266,11 @@ __all__ = [
     "is_due",
     "latest_complete",
     "mark_part_done",
+    "newest_intact",
     "part_done",
     "parse_step_dir",
     "resolve_resume_step",
+    "resumable",
     "retention_keep",
     "verify",
     "write_complete",

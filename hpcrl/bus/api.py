@@ -355,11 +355,14 @@ class Bus:
                 removed.append(path)
         return removed
 
-    def move_aside_after(self, step: int, tag: str) -> list[Path]:
+    def move_aside_after(self, step: int, tag: str, *, republished: bool = False) -> list[Path]:
         """Resume: move every rollout and policy file newer than `step`, and all control files,
         into RunPaths.moved_aside_dir(tag). Returns the new locations.
 
         Control files go too: a Shutdown from the run being resumed must not stop the new one.
+        `republished`: policy `step` too, because the resumed trainer announces it again. The old
+        announcement names the dead run's broadcast, which retention may have deleted and which the
+        new trainer replaces; the orchestrator must wait for (and verify) the new one.
         """
         if not _SAFE_NAME.match(tag):
             raise ValueError(f"move_aside tag must match {_SAFE_NAME.pattern}, got {tag!r}")
@@ -370,7 +373,7 @@ class Bus:
                 d = self.paths.rollout_step_dir(s)
                 moves.append((d, dest_root / "rollouts" / d.name))
         for s in RunPaths.steps_in(self.paths.policy_dir):
-            if s > step:
+            if s > step or (republished and s == step):
                 f = self.paths.policy_file(s)
                 moves.append((f, dest_root / "policy" / f.name))
         for f in sorted(self.paths.control_dir.glob("*")):

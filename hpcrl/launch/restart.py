@@ -30,12 +30,13 @@ def clear_stale_addresses(paths: RunPaths) -> None:
 
 
 def move_bus_aside(paths: RunPaths, step: int) -> list:
-    """Move bus files newer than `step` aside (they belong to steps that are generated again)."""
+    """Move bus files newer than `step` aside (they belong to steps that are generated again), and the
+    announcement of policy `step`, which the resumed trainer publishes again from the checkpoint."""
     from hpcrl.bus import Bus
 
     bus = Bus(paths, role="launcher", listen=False)
     try:
-        return bus.move_aside_after(step, tag=f"resume_{step}_{int(time.time())}")
+        return bus.move_aside_after(step, tag=f"resume_{step}_{int(time.time())}", republished=True)
     finally:
         bus.close()
 
@@ -58,7 +59,8 @@ def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
             "max_steps", f"{cfg.max_steps} is below the resumed step {step} (max_steps is the final step)"
         )
     moved = move_bus_aside(paths, step)
-    # Policy files up to N stay, but the trainer re-publishes N; weights/broadcasts newer than N are stale.
+    # Policy files below N stay (a deterministic orchestrator reloads N - max_async_level ..); the
+    # trainer re-publishes N; weights/broadcasts newer than N are stale.
     print(
         f"hpcrl: resuming from {paths.checkpoint_dir(step)} (moved {len(moved)} newer bus file(s) aside)",
         flush=True,

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hpcrl import checkpoint
-from hpcrl.bus import Bus, PolicyReady
+from hpcrl.bus import Bus, BusError, PolicyReady, read_message
 from hpcrl.paths import RunPaths
 from hpcrl.trainer.model import hf_named_tensors
 from hpcrl.weights.checksum import payload_bytes, state_dict_checksum
@@ -53,6 +53,7 @@ class PolicyPublisher:
         *,
         delta: bool = False,
         full_every: int = 20,
+        resume_lag: int | None = None,
     ):
         assert transport in ("filesystem", "collective"), transport
         self.paths = paths
@@ -60,6 +61,10 @@ class PolicyPublisher:
         self.rank = rank
         self.transport = transport
         self.keep = max(2, keep)
+        # How far before checkpoint C a resume from C loads policies: max_async_level (keep - 2).
+        self.resume_lag = max(0, keep - 2) if resume_lag is None else resume_lag
+        self._ckpt_seen: dict[int, tuple[int, str | None]] = {}  # checkpoint.newest_intact's memo
+        self._bases: dict[int, int | None] = {}  # policy step -> its delta base (None: full)
         self.group = weight_group
         self.bucket_mb = bucket_mb
         self.dtype = dtype
@@ -112,6 +117,7 @@ class PolicyPublisher:
         base = delta.base_step if delta is not None else None
 
         def announce(transport: str, path: Path | None, base_step: int | None, sync_bytes: int) -> None:
+            self._bases[step] = base_step
             self.bus.publish_policy(
                 PolicyReady(
                     step=step,
@@ -295,19 +301,49 @@ class PolicyPublisher:
           reviving a server with the policy it holds);
         - with delta sync, everything since the last full policy: a server that loads policy N
           after missing some replays the chain from there (PolicySync._delta_chain);
-        - announcements only: the window of the newest complete checkpoint C (a resume from C
-          asks PolicySync.exact for policies down to C - max_async_level) and, with LoRA, the full
+        - what a resume needs (`_resume_pins`): files and announcements of policies C - max_async_level
+          .. C for every checkpoint C a resume may pick, and with LoRA (announcement only) the full
           policy the adapters apply to.
         """
         floor = step - self.keep
         if self.delta and self._last_full >= 0:
             floor = min(floor, self._last_full - 1)
+        pinned = self._resume_pins()
         if self.transport == "filesystem":
             for s in RunPaths.steps_in(self.paths.broadcasts_dir):
-                if s <= floor:
+                if s <= floor and s not in pinned:
                     shutil.rmtree(self.paths.broadcast_dir(s), ignore_errors=True)
-        pinned = set() if self._adapter_base is None else {self._adapter_base}
-        ckpt = checkpoint.newest_marked_complete(self.paths)
-        if ckpt is not None:
-            pinned.update(range(ckpt - self.keep, ckpt + 1))
+        if self._adapter_base is not None:
+            pinned.add(self._adapter_base)
         self.bus.prune_policies(before_step=floor + 1, keep_steps=pinned)
+        oldest = min(pinned | {floor})
+        self._bases = {s: b for s, b in self._bases.items() if s >= oldest}
+
+    def _resume_pins(self) -> set[int]:
+        """Policies a resume loads again: a deterministic orchestrator resumed from checkpoint C at
+        batch B >= C generates batch B+1 with exactly policy B - max_async_level, which can be as old as
+        C - max_async_level. The trainer restores only C's weights, so the older policies must still be
+        on disk (bitwise losslessness; docs/architecture.md §4). Pinned for the newest intact
+        checkpoint and every newer one being written (checkpoint.resumable: a kill while C+k is half
+        written resumes from C), with the delta chains those policies are built on."""
+        pins: set[int] = set()
+        for c in checkpoint.resumable(self.paths, self._ckpt_seen):
+            pins.update(range(max(0, c - self.resume_lag), c + 1))
+        if not self.delta:
+            return pins
+        todo = list(pins)
+        while todo:
+            base = self._base_of(todo.pop())
+            if base is not None and base not in pins:
+                pins.add(base)
+                todo.append(base)
+        return pins
+
+    def _base_of(self, step: int) -> int | None:
+        """The delta base of policy `step` (None: a full policy, or no announcement left to ask)."""
+        if step not in self._bases:
+            try:
+                self._bases[step] = read_message(self.paths.policy_file(step), PolicyReady).base_step
+            except (FileNotFoundError, BusError):
+                return None
+        return self._bases[step]

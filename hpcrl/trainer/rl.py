@@ -147,6 +147,7 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str
         dtype=dtype,
         delta=b.delta,
         full_every=b.full_every,
+        resume_lag=cfg.orchestrator.max_async_level,
     )
 
 

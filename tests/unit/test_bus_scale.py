@@ -11,6 +11,7 @@ import pytest
 import hpcrl.bus.api as bus_api
 import hpcrl.bus.files as bus_files
 import tests.unit.test_bus_api as api_tests
+from hpcrl import checkpoint
 from hpcrl.bus import Bus, BusTimeout, PolicyReady, Shutdown, ShutdownRequested, read_message, write_message
 from hpcrl.bus.doorbell import DoorbellWriter
 from hpcrl.bus.messages import Ring
@@ -274,25 +275,69 @@ def test_publisher_keeps_policy_and_broadcasts_o1_over_1000_steps_and_resume_wor
         for step in range(1000):
             w[step % 64] += 1  # a few elements change per step: deltas
             if step == 500:
-                paths.complete_file(500).parent.mkdir(parents=True)
-                paths.complete_file(500).write_text("{}")  # marked complete (retention reads no more)
+                paths.checkpoint_dir(500).mkdir(parents=True)
+                checkpoint.write_complete(paths, 500)  # a (file-less) complete checkpoint
             pub.publish_named({"w": w.clone()}, step)
-            assert len(list(paths.policy_dir.iterdir())) <= 20
+            # the newest `keep`, the chain since the last full (10), the checkpoint's window
+            # (async_level + 1) and the chain its oldest policy is built on (10)
+            assert len(list(paths.policy_dir.iterdir())) <= keep + 10 + async_level + 1 + 10
         policies = RunPaths.steps_in(paths.policy_dir)
-        window = list(range(500 - keep, 501))
+        window = list(range(500 - async_level, 501))
         assert set(window) <= set(policies)  # what resuming from 500 reads
-        recent = [s for s in policies if s not in window]
+        assert set(window) <= set(RunPaths.steps_in(paths.broadcasts_dir))  # ... and loads
+        for s in window:  # every delta of the window can be replayed from a full policy still on disk
+            while (m := read_message(paths.policy_file(s), PolicyReady)).base_step is not None:
+                assert paths.broadcast_dir(m.base_step).is_dir()
+                s = m.base_step
+        recent = [s for s in policies if s not in window and s > 500]
         newest = read_message(paths.policy_file(999), PolicyReady)
         chain = [newest.step]
         while (m := read_message(paths.policy_file(chain[-1]), PolicyReady)).base_step is not None:
             chain.append(m.base_step)  # the delta chain back to a full policy: all there
         assert set(chain) <= set(recent) and min(recent) <= 999 - keep
-        assert len(recent) <= 10 + keep and len(RunPaths.steps_in(paths.broadcasts_dir)) <= 10 + keep
+        assert len(recent) <= 10 + keep
+        assert len(RunPaths.steps_in(paths.broadcasts_dir)) <= keep + 10 + async_level + 1 + 10
         assert bus.latest_policy().step == 999
 
-        bus.move_aside_after(500, tag="resume_500")  # what `hpcrl resume` does before the roles start
+        # what `hpcrl resume` does before the roles start (policy 500 is announced again)
+        bus.move_aside_after(500, tag="resume_500", republished=True)
         pub = PolicyPublisher(paths, bus, 0, "filesystem", keep, delta=True, full_every=10)
         pub.publish_named({"w": w.clone()}, 500)  # the resumed trainer announces its start policy
         assert bus.latest_policy().step == 500
         for s in range(500 - async_level, 501):  # PolicySync.exact for the first resumed steps
             assert read_message(paths.policy_file(s), PolicyReady).step == s
+
+
+def test_publisher_keeps_what_a_resume_needs_past_a_broken_or_unfinished_checkpoint(paths):
+    """A deterministic orchestrator resumed from checkpoint C loads policies down to
+    C - max_async_level again (hpcrl.trainer.publish._resume_pins): their broadcast files stay while
+    a resume may pick C, i.e. also while the next checkpoint is half written or marked COMPLETE with
+    files missing, and go once a newer checkpoint is intact."""
+    import torch
+
+    from hpcrl.trainer.publish import PolicyPublisher
+
+    def save(step: int) -> None:
+        d = checkpoint.begin_part(paths, step, "trainer")
+        (d / "state.bin").write_bytes(b"state")
+        checkpoint.write_complete(paths, step)
+
+    async_level = 2
+    with Bus(paths, "trainer", durable=False) as bus:
+        pub = PolicyPublisher(paths, bus, 0, "filesystem", async_level + 2, resume_lag=async_level)
+        for step in range(13):
+            if step == 5:
+                save(4)
+            if step == 9:
+                checkpoint.begin_part(paths, 8, "trainer")  # step 8 is being written
+            pub.publish_named({"w": torch.full((4,), float(step))}, step)
+        kept = set(RunPaths.steps_in(paths.broadcasts_dir))
+        assert {2, 3, 4, 6, 7, 8} <= kept and not kept & {0, 1, 5}
+        save(8)
+        (paths.trainer_ckpt_dir(8) / "state.bin").unlink()  # marked COMPLETE, but a resume skips it
+        pub.publish_named({"w": torch.zeros(4)}, 13)
+        kept = set(RunPaths.steps_in(paths.broadcasts_dir))
+        assert {2, 3, 4} <= kept and {2, 3, 4} <= set(RunPaths.steps_in(paths.policy_dir))
+        save(8)
+        pub.publish_named({"w": torch.zeros(4)}, 14)
+        assert set(RunPaths.steps_in(paths.broadcasts_dir)) == {6, 7, 8, 11, 12, 13, 14}

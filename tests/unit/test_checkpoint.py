@@ -135,3 +135,49 @@ def test_begin_part_removes_stale_complete(paths: RunPaths) -> None:
 )
 def test_is_due(step: int, interval: int | None, due: bool) -> None:
     assert ck.is_due(step, max_steps=10, interval=interval) is due
+
+
+def test_newest_intact_falls_back_past_a_broken_complete_with_one_warning(
+    paths: RunPaths, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What bus retention protects (hpcrl.trainer.publish) is the checkpoint a resume would pick: a
+    COMPLETE whose files are missing or cut short does not count, and is warned about once."""
+    _save(paths, 2)
+    _save(paths, 4)
+    _save(paths, 6)
+    seen: dict[int, tuple[int, str | None]] = {}
+    assert ck.newest_intact(paths, seen) == 6
+    (paths.trainer_ckpt_dir(6) / "state.bin").unlink()  # missing file: COMPLETE alone is not enough
+    assert ck.newest_intact(paths) == 4
+    (paths.trainer_ckpt_dir(4) / "state.bin").write_bytes(b"x")  # truncated
+    ck.begin_part(paths, 8, "trainer")  # being written
+    with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
+        assert ck.newest_intact(paths, {}) == 2
+        assert ck.resumable(paths) == [2, 4, 6, 8]  # 2, and everything newer a resume could still pick
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("step_4" in w and "size" in w for w in warnings)
+    assert any("step_6" in w and "missing file" in w for w in warnings)
+    assert all("\n" not in w for w in warnings)
+    # The caller's memo: a step found intact is trusted until its COMPLETE changes (a stat per call);
+    # a broken one is re-checked (and warned about) only when its COMPLETE is rewritten.
+    caplog.clear()
+    seen = {}
+    with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
+        assert ck.newest_intact(paths, seen) == 2
+        assert ck.newest_intact(paths, seen) == 2
+    assert len(caplog.records) == 2  # step_6 and step_4, once each
+    _save(paths, 6)  # rewritten and whole again
+    assert ck.newest_intact(paths, seen) == 6
+    shutil.rmtree(paths.checkpoints_dir)
+    paths.checkpoints_dir.mkdir()
+    assert ck.newest_intact(paths, seen) is None and ck.resumable(paths) == []
+
+
+def test_retention_never_deletes_the_checkpoint_a_resume_would_pick(paths: RunPaths) -> None:
+    """keep_last = 1 and the newest COMPLETE's files are gone: the newest intact one stays (resume's
+    deep check skips the broken one and falls back to it)."""
+    for s in (2, 4, 6):
+        _save(paths, s)
+    (paths.trainer_ckpt_dir(6) / "state.bin").unlink()
+    assert ck.apply_retention(paths, keep_last=1, keep_interval=None) == [2]
+    assert ck.list_steps(paths) == [4, 6] and ck.resolve_resume_step(paths, -1) == 4
