@@ -60,6 +60,18 @@ def cell(records: Sequence[dict[str, Any]], launched: float, budget_s: float) ->
     }
 
 
+def ended_early(
+    records: Sequence[dict[str, Any]], launched: float, budget_s: float, slack: float = 20.0
+) -> float | None:
+    """Seconds after launch of the last trainer record if the run stopped more than `slack` seconds
+    before the budget (a step cap or a crash), else None: its reward at the budget would be missing."""
+    times = [r["time"] for r in e2e.by_step(records, "trainer", "time/step").values()]
+    if not times:
+        return 0.0
+    last = max(times) - launched
+    return last if last < budget_s - slack else None
+
+
 def median_of(cells: Sequence[dict[str, Any]], key: str) -> float | None:
     return e2e.median(c[key] for c in cells)
 
@@ -209,10 +221,15 @@ def run_wallclock(args: argparse.Namespace, out_root: Path) -> int:
                 )
                 records, launched, code = run_one(name, out, command(name, out, weights, args, lr), args)
                 cells[name] = cell(records, launched, args.budget_s)
-                if code != 0 or not cells[name]["steps"]:
-                    failed.append(
-                        f"lr {lr} run {rep + 1} {name}: exit code {code}; see {out.parent / (name + '.log')}"
+                log = out.parent / f"{name}.log"
+                early = ended_early(records, launched, args.budget_s)
+                if code != 0 or early is not None:
+                    why = (
+                        f"exit code {code}"
+                        if code != 0
+                        else f"stopped {early:.0f} s after launch, before the budget"
                     )
+                    failed.append(f"lr {lr} run {rep + 1} {name}: {why} (--steps {args.steps}); see {log}")
                 if rep == 0:
                     first[f"{name} lr {lr}"] = (records, launched)
             results[lr].append(cells)

@@ -285,6 +285,7 @@ class FakeTrainer:
 
 
 CKPT = ("--ckpt.interval", "2")
+ASYNC2 = ("--orchestrator.max-async-level", "2")
 
 
 def run_uninterrupted(
@@ -327,16 +328,25 @@ def test_resume_continues_the_same_prompts_and_batches(
     for r in (ref_run, run):
         RunPaths(r).make_dirs()
         announce(server, r)
-    reference = run_uninterrupted(ref_run, tiny_model_dir, steps)
+    reference = run_uninterrupted(ref_run, tiny_model_dir, steps, extra=ASYNC2)
 
-    orch = start_orchestrator(run, tiny_model_dir, max_steps=steps, deterministic=True, extra=CKPT)
+    orch = start_orchestrator(
+        run, tiny_model_dir, max_steps=steps, deterministic=True, extra=(*CKPT, *ASYNC2)
+    )
     trainer = FakeTrainer(run, tiny_model_dir)
     got = {}
     try:
         trainer.policy(0)
-        for s in (1, 2):
-            got[s] = trainer.batch(s)
-            trainer.policy(s)
+        got[1] = trainer.batch(1)
+        trainer.policy(1)
+        # max_async_level 2: batch 3 needs only policy 1, so it is out before policy 2 exists. The
+        # orchestrator writes its part of checkpoint 2 at the first step boundary after it sees
+        # policy 2, which is therefore after batch 3: checkpoint 2 always holds batch 3 as pending.
+        # (With level 1, batch 3 needed policy 2, and whether the part was written before or after
+        # batch 3 depended on which process was faster.)
+        got[2] = trainer.batch(2)
+        got[3] = trainer.batch(3)
+        trainer.policy(2)
         trainer.checkpoint(2)  # returns once the orchestrator's part is done too
         orch.kill()
         orch.wait()
@@ -345,11 +355,13 @@ def test_resume_continues_the_same_prompts_and_batches(
     # The batches checkpoint 2 saved as pending (published, not yet trained) must be re-published
     # byte for byte; a batch published after that boundary is regenerated (new created_at).
     pending = json.loads((RunPaths(run).orchestrator_ckpt_dir(2) / "state.json").read_text())["pending_steps"]
-    assert pending, "with max_async_level 1 checkpoint 2 holds batch 3 as pending"
+    assert 3 in pending, f"checkpoint 2 must hold batch 3 as pending, holds {pending}"
     before = {s: RunPaths(run).rollout_file(s, 0).read_bytes() for s in pending}
     Bus(RunPaths(run), role="launcher", listen=False).move_aside_after(2, tag="resume_test")
 
-    got.update(run_uninterrupted(run, tiny_model_dir, steps, start=2, extra=("--ckpt.resume-step", "2")))
+    got.update(
+        run_uninterrupted(run, tiny_model_dir, steps, start=2, extra=(*ASYNC2, "--ckpt.resume-step", "2"))
+    )
     assert prompts(run) == prompts(ref_run)
     ids = [i for _, step_ids in prompts(run) for i in step_ids]
     assert len(ids) == len(set(ids)) == steps * 2  # 50 tasks: nothing repeats within one epoch

@@ -222,3 +222,12 @@ def test_wallclock_cli_rejects_only_and_bad_repeats():
         e2e.parse_args(["--mode", "wallclock", "--repeats", "0"])
     args = e2e.parse_args(["--mode", "wallclock", "--lr", "2e-3,5e-4"])
     assert (args.budget_s, args.lr, args.repeats) == (120.0, "2e-3,5e-4", 1)
+
+
+def test_a_run_that_stopped_before_the_budget_is_reported():
+    recs = fake_run([10.0] * 6, [1.0] * 6, [1.0] * 6, [0.1] * 6)  # trainer records at 10 .. 60 s
+    assert wall.ended_early(recs, launched=1000.0, budget_s=120.0) == pytest.approx(60.0)
+    assert wall.ended_early(recs, launched=1000.0, budget_s=75.0) is None  # within the 20 s slack
+    assert wall.ended_early([], launched=1000.0, budget_s=120.0) == 0.0
+    assert e2e.parse_args(["--mode", "wallclock"]).steps == 100_000
+    assert e2e.parse_args([]).steps == 1000
