@@ -68,6 +68,30 @@ NO_DOORBELL_POLL_S = 0.5
 _DUE_SLACK_S = 0.002  # a wake this close to a due rescan counts as due (poll timeouts are in ms)
 
 
+def announce_server(
+    paths: RunPaths,
+    info: ServerInfo,
+    *,
+    writer: DoorbellWriter | None = None,
+    exclude: str | None = None,
+    durable: bool = True,
+) -> Path:
+    """Write bus/servers/server_I.json and ring every waiting reader: the orchestrator and, with the
+    collective transport, trainer rank 0 (Bus.wait_servers). Without the ring a waiter sees the server
+    only at its next fallback rescan (up to 2 s with a doorbell). Used by the server processes, which
+    have no Bus of their own (a transient writer), and by Bus.announce_server."""
+    path = paths.server_file(info.index)
+    write_atomic(path, [encode_json(info)], durable=durable)
+    own = writer is None
+    w = DoorbellWriter(paths) if own else writer
+    try:
+        w.ring_all(Ring("servers", info.index), exclude=exclude)
+    finally:
+        if own:
+            w.close(linger_ms=1000)  # the rings were queued before the connections were up
+    return path
+
+
 def endpoint_name(role: str, rank: int = 0) -> str:
     return f"{role}_{rank}"
 
@@ -293,10 +317,7 @@ class Bus:
 
     # -- inference server addresses -------------------------------------------------------------
     def announce_server(self, info: ServerInfo) -> Path:
-        path = self.paths.server_file(info.index)
-        write_atomic(path, [encode_json(info)], durable=self.durable)
-        self._writer.ring_all(Ring("servers", info.index), exclude=self.name, skip_role=ROLLOUT_CONSUMER)
-        return path
+        return announce_server(self.paths, info, writer=self._writer, exclude=self.name, durable=self.durable)
 
     def servers(self) -> list[ServerInfo]:
         """Every readable server announcement, by index (unreadable ones are logged and skipped)."""
@@ -327,7 +348,7 @@ class Bus:
         """Delete consumed rollout steps < `before_step`, except the newest `keep` of them.
 
         Call it once every consumer of those steps is done (e.g. trainer rank 0 after the optimizer
-        step: all ranks have read their shard by then). Policy files are tiny and kept.
+        step: all ranks have read their shard by then). Policy announcements are pruned separately (prune_policies).
         """
         if keep < 0:
             raise ValueError(f"cleanup keep must be >= 0, got {keep}")
@@ -433,15 +454,16 @@ class Bus:
         start = time.monotonic()
         deadline = start + timeout
         look = timeout == 0 or not self._looked_within(what, start)
-        control_rung = False
+        looked = False
         while True:
             if look:
+                looked = True
                 result = attempt()
                 if result is not None:
                     self._missed = None
                     return result
                 self._missed = (what, time.monotonic())
-            if self.check_shutdown and (control_rung or time.monotonic() >= self._control_due):
+            if self.check_shutdown and time.monotonic() >= self._control_due:
                 self._control_due = time.monotonic() + self.control_interval
                 if (stop := self.poll_control()) is not None:
                     raise ShutdownRequested(stop)
@@ -455,8 +477,14 @@ class Bus:
             assert self._missed is not None
             due = self._missed[1] + self.poll_interval
             rings = self._pause(max(0.0, min(due, deadline) - now))
-            look = bool(rings) or time.monotonic() >= due - _DUE_SLACK_S
-            control_rung = any(r.topic == "control" for r in rings)
+            now = time.monotonic()
+            # A call that has not looked yet looks at its deadline: a timeout is never reported
+            # without one look (a file that landed unrung), and slices that did look add none.
+            look = bool(rings) or now >= due - _DUE_SLACK_S or (now >= deadline and not looked)
+            if any(r.topic == "control" for r in rings):
+                # Kept on the instance: if this same wake-up also finds the file and the wait returns,
+                # the next wait still scans control/ first instead of up to control_interval later.
+                self._control_due = 0.0
 
     def _looked_within(self, what: Hashable, now: float) -> bool:
         """The previous wait looked for exactly `what` less than one poll ago (and found nothing)."""

@@ -193,11 +193,14 @@ class DoorbellWriter:
         log.debug("doorbell: %s is at %s", name, endpoint.address)
         return sock
 
-    def _drop(self, name: str) -> None:
+    def _drop(self, name: str, linger_ms: int = 0) -> None:
         peer = self._peers.pop(name, None)
         if peer is not None:
-            peer.sock.close(linger=0)
+            peer.sock.close(linger=linger_ms)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket. A writer that rang just before closing (a short-lived one) passes a
+        linger: rings still queued while the connection is being made are sent for that long in
+        zmq's I/O thread instead of being discarded (close itself does not block)."""
         for name in list(self._peers):
-            self._drop(name)
+            self._drop(name, linger_ms)

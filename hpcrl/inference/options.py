@@ -120,16 +120,16 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
         "model": opts.served_model_name or opts.model_name,
         "weight_receivers": weight_receivers(opts.backend, opts.vllm_args, opts.tp),
     }
-    path = RunPaths(opts.run_dir).server_file(opts.server_index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads).
-    from hpcrl.bus.messages import ServerInfo, encode_json
-    from hpcrl.fileio import write_atomic
+    paths = RunPaths(opts.run_dir)
+    paths.servers_dir.mkdir(parents=True, exist_ok=True)
+    # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads) and rings the waiters.
+    from hpcrl.bus.api import announce_server
+    from hpcrl.bus.messages import ServerInfo
 
-    write_atomic(path, [encode_json(ServerInfo(**info))])
+    path = announce_server(paths, ServerInfo(**info))
     from hpcrl.launch.placement import record
 
-    record(RunPaths(opts.run_dir), "inference", opts.server_index, port)
+    record(paths, "inference", opts.server_index, port)
     return path
 
 

@@ -9,6 +9,7 @@ this module (never the other way round).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from hpcrl import checkpoint
 from hpcrl.config.errors import ConfigError
@@ -41,6 +42,32 @@ def move_bus_aside(paths: RunPaths, step: int) -> list:
         bus.close()
 
 
+def check_old_policies(cfg: Config, paths: RunPaths, step: int) -> None:
+    """A deterministic resume from checkpoint N reloads policies N - max_async_level .. N - 1 (the
+    batches after N were made with them). The trainer keeps those only for its newest intact
+    checkpoint (trainer/publish.py); resuming an older one cannot be bitwise lossless, so refuse it
+    in one line instead of failing later inside the orchestrator."""
+    lag = cfg.orchestrator.max_async_level
+    if not cfg.deterministic or lag == 0:
+        return
+    from hpcrl.bus import CorruptMessageError, PolicyReady, read_message
+
+    for s in range(max(0, step - lag), step):
+        try:
+            msg = read_message(paths.policy_file(s), PolicyReady)
+            ok = msg.path is None or Path(msg.path).exists()
+        except (OSError, CorruptMessageError):  # missing or unreadable announcement
+            ok = False
+        if not ok:
+            newest = checkpoint.latest_complete(paths)
+            raise ConfigError(
+                "ckpt.resume_step",
+                f"step {step}: the weights of policy {s}, which a deterministic resume reloads "
+                f"(max_async_level {lag}), are no longer kept; the newest checkpoint (step {newest}) "
+                "can be resumed: --step -1",
+            )
+
+
 def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
     """If the config asks to resume, validate the checkpoint, move newer bus files aside and return
     the flags that pin every role to that exact step; else []."""
@@ -58,6 +85,7 @@ def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
         raise ConfigError(
             "max_steps", f"{cfg.max_steps} is below the resumed step {step} (max_steps is the final step)"
         )
+    check_old_policies(cfg, paths, step)
     moved = move_bus_aside(paths, step)
     # Policy files below N stay (a deterministic orchestrator reloads N - max_async_level ..); the
     # trainer re-publishes N; weights/broadcasts newer than N are stale.

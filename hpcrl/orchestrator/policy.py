@@ -186,7 +186,14 @@ class PolicySync:
     async def exact(self, step: int) -> PolicyReady:
         """PolicyReady(step) itself, once it (or a newer one) is published."""
         await self.wait_at_least(step)
-        msg = read_message(self.paths.policy_file(step), PolicyReady)
+        try:
+            msg = read_message(self.paths.policy_file(step), PolicyReady)
+        except FileNotFoundError:
+            raise PolicyMismatch(
+                f"policy {step} is needed (deterministic mode) but its announcement "
+                f"{self.paths.policy_file(step)} is gone: retention keeps old policies only for the "
+                "newest intact checkpoint"
+            ) from None
         assert msg.step == step, (msg.step, step)
         return msg
 

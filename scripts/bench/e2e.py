@@ -424,6 +424,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.mode == "wallclock" and args.only:
         p.error("--only applies to --mode throughput; wallclock mode always runs both systems")
+    lrs = [x.strip() for x in args.lr.split(",")]
+    for x in lrs:
+        try:
+            ok = float(x) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error(f"--lr: {x!r} is not a positive number (comma-separated list, e.g. 2e-3,5e-4)")
     if args.repeats < 1:
         p.error(f"--repeats: {args.repeats} must be >= 1")
     if args.steps is None:

@@ -202,9 +202,7 @@ def run_one(name: str, out: Path, cmd: list[str], args: argparse.Namespace) -> t
 
 def run_wallclock(args: argparse.Namespace, out_root: Path) -> int:
     weights = sft_warmup(out_root, max(args.threads, os.cpu_count() or 1))
-    lrs = [x.strip() for x in args.lr.split(",") if x.strip()]
-    for lr in lrs:
-        float(lr)  # a typo fails here, before minutes of runs
+    lrs = [x.strip() for x in args.lr.split(",")]  # checked by e2e.parse_args
     load_before = os.getloadavg()[0]
     results: dict[str, list[dict[str, dict[str, Any]]]] = {lr: [] for lr in lrs}
     failed: list[str] = []

@@ -220,6 +220,9 @@ def test_wallclock_cli_rejects_only_and_bad_repeats():
         e2e.parse_args(["--mode", "wallclock", "--only", "trl"])
     with pytest.raises(SystemExit):
         e2e.parse_args(["--mode", "wallclock", "--repeats", "0"])
+    for bad in ("2e-3,abc", "0", "2e-3,"):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["--mode", "wallclock", "--lr", bad])
     args = e2e.parse_args(["--mode", "wallclock", "--lr", "2e-3,5e-4"])
     assert (args.budget_s, args.lr, args.repeats) == (120.0, "2e-3,5e-4", 1)
 

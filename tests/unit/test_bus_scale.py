@@ -341,3 +341,60 @@ def test_publisher_keeps_what_a_resume_needs_past_a_broken_or_unfinished_checkpo
         save(8)
         pub.publish_named({"w": torch.zeros(4)}, 14)
         assert set(RunPaths.steps_in(paths.broadcasts_dir)) == {6, 7, 8, 11, 12, 13, 14}
+
+
+# --- review fixes: server rings, the last look at the deadline, control rings that outlive a wait -----
+def test_a_server_process_announcement_rings_the_waiters(buses, paths):
+    """The server processes announce through options.write_server_info (no Bus of their own): the
+    orchestrator and trainer rank 0 (collective) must be woken by a ring, not the 2 s fallback poll."""
+    from hpcrl.inference.options import ServeOptions, write_server_info
+
+    orch = buses("orchestrator", poll_interval=SLOW_POLL)
+    trainer0 = buses("trainer", 0, poll_interval=SLOW_POLL)  # waits for servers with the collective transport
+    opts = ServeOptions(model_name="m", run_dir=str(paths.root), server_index=0)
+    got: dict[str, float] = {}
+
+    def wait(bus: Bus) -> None:
+        t0 = time.monotonic()
+        bus.wait_servers(1, timeout=10)
+        got[bus.name] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=wait, args=(b,)) for b in (orch, trainer0)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    write_server_info(opts, 1234)
+    for t in threads:
+        t.join(15)
+    # Only a ring can end these waits before SLOW_POLL; 10 s timeouts would have raised otherwise.
+    assert set(got) == {"orchestrator_0", "trainer_0"} and max(got.values()) < 5
+    assert orch.rings_received >= 1 and trainer0.rings_received >= 1
+
+
+def test_a_wait_looks_once_more_at_its_deadline(buses, paths):
+    """A file that lands without a ring after the last look is still found by the final look, not
+    reported as a timeout (the trainer waits in short slices)."""
+    reader = buses("trainer", 0, poll_interval=SLOW_POLL)
+    with pytest.raises(BusTimeout):
+        reader.wait_batch(1, timeout=0.05)  # looks, finds nothing: the next look is due in 30 s
+    write_message(paths.rollout_file(1, 0), make_batch(step=1, rank=0), durable=False)  # no ring
+    assert reader.wait_batch(1, timeout=0.2).step == 1
+
+
+def test_a_control_ring_that_arrives_with_the_file_is_not_lost(buses, paths):
+    """One wake-up brings both the batch ring and a control ring: the wait returns the batch, and the
+    next wait scans control/ at once (not control_interval later) and raises the Shutdown."""
+    reader = buses("trainer", 0, poll_interval=SLOW_POLL, control_every=100)
+    writer = buses("orchestrator", listen=False)
+    with pytest.raises(BusTimeout):
+        reader.wait_batch(1, timeout=0.05)  # schedules the next control scan 3000 s away
+
+    def both() -> None:
+        writer.publish_control(Shutdown(reason="test", origin="launcher"))
+        writer.publish_batch(1, 0, make_batch(step=1, rank=0))
+
+    both()
+    time.sleep(0.2)  # both rings are queued before the wait starts: one wake-up returns them
+    assert reader.wait_batch(1, timeout=5).step == 1
+    with pytest.raises(ShutdownRequested):
+        reader.wait_batch(2, timeout=5)

@@ -1,0 +1,62 @@
+"""A deterministic resume from checkpoint N reloads policies N - max_async_level .. N - 1; the trainer
+keeps them only for its newest intact checkpoint. Resuming an older checkpoint whose old policies are
+gone is refused before anything moves, in one line naming ckpt.resume_step (hpcrl/launch/restart.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpcrl.bus import PolicyReady, write_message
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.loader import load
+from hpcrl.launch.restart import check_old_policies
+from hpcrl.paths import RunPaths
+
+
+def config(tmp_path: Path, *flags: str):
+    return load(
+        ["configs/demo/rl.toml", "--output-dir", str(tmp_path / "run"), *flags], require_envs=False
+    ).config
+
+
+def announce(paths: RunPaths, step: int, weights: bool = True) -> None:
+    d = paths.broadcast_dir(step)
+    if weights:
+        d.mkdir(parents=True, exist_ok=True)
+    msg = PolicyReady(step=step, transport="filesystem", path=str(d), checksum="x", num_params=1, num_bytes=1)
+    write_message(paths.policy_file(step), msg, durable=False)
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> RunPaths:
+    p = RunPaths(tmp_path / "run")
+    p.make_dirs()
+    return p
+
+
+def test_kept_policies_pass(tmp_path: Path, paths: RunPaths) -> None:
+    cfg = config(tmp_path, "--deterministic", "true", "--orchestrator.max-async-level", "2")
+    for s in (8, 9):
+        announce(paths, s)
+    check_old_policies(cfg, paths, 10)  # needs 8 and 9: both there
+
+
+@pytest.mark.parametrize("gone", ["announcement", "weights"])
+def test_a_pruned_policy_is_one_line_naming_resume_step(tmp_path: Path, paths: RunPaths, gone: str) -> None:
+    cfg = config(tmp_path, "--deterministic", "true", "--orchestrator.max-async-level", "2")
+    announce(paths, 9)
+    if gone == "weights":
+        announce(paths, 8, weights=False)
+    with pytest.raises(ConfigError) as e:
+        check_old_policies(cfg, paths, 10)
+    msg = str(e.value)
+    assert "ckpt.resume_step" in msg and "policy 8" in msg and "\n" not in msg
+
+
+def test_not_deterministic_or_no_lag_needs_nothing(tmp_path: Path, paths: RunPaths) -> None:
+    check_old_policies(config(tmp_path, "--orchestrator.max-async-level", "2"), paths, 10)
+    check_old_policies(
+        config(tmp_path, "--deterministic", "true", "--orchestrator.max-async-level", "0"), paths, 10
+    )
