@@ -56,6 +56,18 @@ def _final_state(out: Path) -> tuple[dict[str, bytes], list[list[int]]]:
     return raw, [by_step[s] for s in range(1, MAX_STEPS + 1)]
 
 
+def kill_and_reap(victims: list[int], launcher: subprocess.Popen, out: Path, what: str) -> None:
+    """SIGKILL `victims`, wait for the launcher, and check no role process of run `out` outlived it."""
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.wait(timeout=120)
+    time.sleep(0.5)
+    assert not any(_role_pids(out, r) for r in ROLES[:3]), what
+
+
 def _role_pids(out: Path, role: str) -> list[int]:
     """Processes of this run that play `role` (found through /proc, like `pgrep -f`)."""
     marker = str(out)
@@ -131,16 +143,7 @@ def test_sigkill_random_role_then_resume_is_lossless(reference, tmp_path: Path) 
         time.sleep(rng.uniform(0.0, 0.6 * tail))
         victims = [launcher.pid] if role == "launcher" else _role_pids(out, role)
         killed = launcher.poll() is None and bool(victims)
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        launcher.wait(timeout=120)
-        time.sleep(0.5)
-        assert not any(_role_pids(out, r) for r in ROLES[:3]), (
-            f"trial {trial}: processes outlived the launcher"
-        )
+        kill_and_reap(victims, launcher, out, f"trial {trial}: processes outlived the launcher")
         resumed = subprocess.run(
             _hpcrl("resume", "--step", "-1", "--output-dir", str(out)),
             env=_env(),

@@ -12,9 +12,7 @@ equal an uninterrupted run's, and the orchestrator must log the old policy as ch
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -25,7 +23,7 @@ import pytest
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
-from tests.integration.test_reliability import ROLES, _env, _hpcrl, _role_pids
+from tests.integration.test_reliability import ROLES, _env, _hpcrl, _role_pids, kill_and_reap
 
 ASYNC = 2
 MAX_STEPS = 10
@@ -91,14 +89,9 @@ def _kill_run_when(cfg: Path, out: Path, moment: Callable[[RunPaths], bool]) -> 
         time.sleep(0.01)
     hit = launcher.poll() is None and moment(paths)
     victims = [launcher.pid] + [p for r in ROLES[:3] for p in _role_pids(out, r)]
-    for pid in victims:  # the whole run at once, as a node failure would
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    launcher.wait(timeout=60)
-    time.sleep(0.5)
-    assert not any(_role_pids(out, r) for r in ROLES[:3]), "processes outlived the kill"
+    kill_and_reap(
+        victims, launcher, out, "processes outlived the kill"
+    )  # the whole run, as a node failure would
     return hit
 
 
