@@ -84,9 +84,16 @@ def test_run_key_and_sigterm(tmp_path: Path) -> None:
             == 200
         )
         # The key is nowhere in the run directory (configs, logs, bus files).
-        for f in out.rglob("*"):
-            if f.is_file():
-                assert key.encode() not in f.read_bytes(), f"run key leaked into {f}"
+        # The run is live: tmp files and broadcast dirs come and go while we scan (os.walk skips a
+        # directory that vanished; a file that vanished had nothing left to leak).
+        for root, _dirs, files in os.walk(out):
+            for name in files:
+                f = Path(root) / name
+                try:
+                    data = f.read_bytes()
+                except (FileNotFoundError, IsADirectoryError):
+                    continue
+                assert key.encode() not in data, f"run key leaked into {f}"
         # SIGTERM: the orchestrator leaves within 10 s whatever it was waiting for.
         (orch,) = _pids(out, "orchestrator")
         os.kill(orch, signal.SIGTERM)
