@@ -2,24 +2,11 @@
 
 Written against vLLM 0.33 (older layouts are tried where that costs one tuple entry). vLLM needs CUDA
 to serve and pins other torch/transformers versions than this project's CPU environment, so this is
-the only module that imports vllm, and it does so lazily. What is proven without a GPU, by
-`scripts/vllm_conformance.sh` (tests/vllm_conformance/, vLLM 0.33's real modules imported on CPU):
-
-- every vLLM name hpcrl relies on exists: VLLM_SYMBOLS (resolved at start), ENGINE_CLIENT_METHODS
-  (with the keyword arguments passed here), APP_STATE, WORKER_ATTRS, VLLM_LORA_RANKS;
-- the argv `vllm_serve_argv` renders (tp, LoRA, ports, extra flags) parses with vLLM's own parser
-  and passes `validate_parsed_serve_args`, and `build_app` is read from the module hpcrl patches;
-- vLLM's WorkerWrapperBase.init_worker mixes HpcrlWorkerExtension into the real GPU Worker class
-  without a name conflict, and vLLM's `run_method` (what `collective_rpc` runs in each worker) calls
-  its methods with the exact arguments the routes below pass: a real vLLM Qwen3 model, built on CPU,
-  loads the weights (HF names onto fused qkv/gate_up), from a path and over a gloo broadcast; the
-  results survive vLLM's msgpack RPC encoding;
-- /load_lora_adapter, driven by the orchestrator's PolicySync through vLLM's real OpenAIServingModels:
-  `step` kept out of vLLM's request, two policies replace one adapter slot in place under one name,
-  the adapter tensors' checksum answered and verified.
-
-Not proven here (needs a GPU): serving itself (engine start, CUDA graphs, NCCL weight broadcast,
-sampling and logprobs on the GPU, pause/resume inside a live engine, LoRA adapters applied).
+the only module that imports vllm, and it does so lazily. What `scripts/vllm_conformance.sh`
+(tests/vllm_conformance/, vLLM 0.33's real modules imported on CPU) proves, and what still needs a
+GPU (engine start, CUDA graphs, NCCL inside the workers, LoRA applied): docs/inference.md,
+"The vLLM backend". The names checked there: VLLM_SYMBOLS, ENGINE_CLIENT_METHODS, APP_STATE,
+WORKER_ATTRS, VLLM_LORA_RANKS.
 
 - `--worker-extension-cls hpcrl.inference.vllm_backend.HpcrlWorkerExtension` mixes the methods below
   into every GPU worker; the API server reaches them with `engine_client.collective_rpc(name, args=...)`,

@@ -45,15 +45,16 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def _final_state(out: Path) -> tuple[dict[str, bytes], list[list[int]]]:
+def _final_state(out: Path, max_steps: int = MAX_STEPS) -> tuple[dict[str, bytes], list[list[int]]]:
+    """The final weights (bytes per tensor) and each step's training prompt ids of a finished run."""
     from safetensors.torch import load_file
 
-    weights = load_file(str(RunPaths(out).weights_dir(MAX_STEPS) / "model.safetensors"))
+    weights = load_file(str(RunPaths(out).weights_dir(max_steps) / "model.safetensors"))
     raw = {k: v.numpy().tobytes() for k, v in sorted(weights.items())}
     prompts = [json.loads(line) for line in RunPaths(out).prompts_log.read_text().splitlines()]
     by_step = {p["step"]: p["example_ids"] for p in prompts}
-    assert sorted(by_step) == list(range(1, MAX_STEPS + 1)), f"prompt log steps: {sorted(by_step)}"
-    return raw, [by_step[s] for s in range(1, MAX_STEPS + 1)]
+    assert sorted(by_step) == list(range(1, max_steps + 1)), f"prompt log steps: {sorted(by_step)}"
+    return raw, [by_step[s] for s in range(1, max_steps + 1)]
 
 
 def kill_and_reap(victims: list[int], launcher: subprocess.Popen, out: Path, what: str) -> None:
@@ -66,6 +67,17 @@ def kill_and_reap(victims: list[int], launcher: subprocess.Popen, out: Path, wha
     launcher.wait(timeout=120)
     time.sleep(0.5)
     assert not any(_role_pids(out, r) for r in ROLES[:3]), what
+
+
+def resume_run(out: Path) -> subprocess.CompletedProcess:
+    """`hpcrl resume --step -1` on run `out`, waited for, output captured."""
+    return subprocess.run(
+        _hpcrl("resume", "--step", "-1", "--output-dir", str(out)),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _role_pids(out: Path, role: str) -> list[int]:
@@ -144,13 +156,7 @@ def test_sigkill_random_role_then_resume_is_lossless(reference, tmp_path: Path) 
         victims = [launcher.pid] if role == "launcher" else _role_pids(out, role)
         killed = launcher.poll() is None and bool(victims)
         kill_and_reap(victims, launcher, out, f"trial {trial}: processes outlived the launcher")
-        resumed = subprocess.run(
-            _hpcrl("resume", "--step", "-1", "--output-dir", str(out)),
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        resumed = resume_run(out)
         detail = f"trial {trial} (killed {role}: {killed}): {resumed.stdout[-1500:]}{resumed.stderr[-1500:]}"
         assert resumed.returncode == 0, detail
         weights, prompts = _final_state(out)

@@ -23,7 +23,7 @@ import pytest
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
-from tests.integration.test_reliability import ROLES, _env, _hpcrl, _role_pids, kill_and_reap
+from tests.integration.test_reliability import ROLES, _env, _hpcrl, _role_pids, kill_and_reap, resume_run
 
 ASYNC = 2
 MAX_STEPS = 10
@@ -112,13 +112,7 @@ def test_resume_reloads_policies_older_than_the_checkpoint(reference, tmp_path: 
     assert len(needed) > 0, f"checkpoint {c} saved the orchestrator at batch {b}: no older policy needed"
     assert all(paths.broadcast_dir(s).is_dir() for s in needed), RunPaths.steps_in(paths.broadcasts_dir)
 
-    resumed = subprocess.run(
-        _hpcrl("resume", "--step", "-1", "--output-dir", str(out)),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    resumed = resume_run(out)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     prompts, weights = _final(out)
     assert prompts == ref_prompts, "prompt sequence differs from the uninterrupted run"
