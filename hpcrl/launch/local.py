@@ -6,6 +6,12 @@ restarted in place (same port and GPUs, up to deployment.max_server_restarts tim
 the orchestrator loads the current policy into it, see hpcrl.orchestrator.servers); when any other
 process dies, or a server runs out of restarts, the others are stopped within seconds and the exit
 code and last line name the one that died.
+
+Stopping: Ctrl-C / SIGTERM stop every process within seconds (each role promises to exit within 10 s
+of SIGTERM; the trainer checkpoints its last finished step if it can in that time). SIGUSR2 is the
+unhurried stop, as on SLURM: the trainer ranks get it, finish their step, write a complete checkpoint
+however long that takes, and exit; then the rest are stopped and `hpcrl resume --step -1` continues
+from exactly there.
 """
 
 from __future__ import annotations
@@ -206,9 +212,11 @@ def supervise(
     poll: float = 0.5,
     max_restarts: int = 0,
     paths: RunPaths | None = None,
+    stopped: Callable[[], str | None] = lambda: None,
 ) -> tuple[int, str]:
-    """Block until the run finishes or a process dies for good. Returns (exit code, last line).
-    A dead inference server is restarted up to `max_restarts` times (see the module doc)."""
+    """Block until the run finishes, a process dies for good, or `stopped()` returns a last line (a
+    requested stop is over). Returns (exit code, last line). A dead inference server is restarted up
+    to `max_restarts` times (see the module doc)."""
     workers = [c for c in children if c.kind != "inference"]
     while True:
         if console is not None:
@@ -239,6 +247,8 @@ def supervise(
             if console is not None:
                 console.update()
             return 0, "hpcrl: run finished"
+        if (line := stopped()) is not None:
+            return 0, line
         time.sleep(poll)
 
 
@@ -278,6 +288,39 @@ def last_error(log_path: Path, tail: int = 65536) -> str:
     return ""
 
 
+class CheckpointStop:
+    """SIGUSR2 to `hpcrl run`: the trainer ranks checkpoint after their current step and exit (no
+    deadline: a big model's checkpoint takes what it takes); once they have, the run is over."""
+
+    def __init__(self, children: list[Child], paths: RunPaths) -> None:
+        self.trainers = [c for c in children if c.kind == "trainer"]
+        self.paths = paths
+        self.requested = False
+
+    def request(self, _signum: int, _frame: object) -> None:
+        if not self.requested:
+            print(
+                "hpcrl: SIGUSR2: the trainer checkpoints after its current step, then the run stops "
+                "(Ctrl-C stops now)",
+                flush=True,
+            )
+        self.requested = True
+        signal_children(self.trainers, signal.SIGUSR2)
+
+    def over(self) -> str | None:
+        """The last line once every trainer rank has exited after the request, else None."""
+        if not self.requested or any(c.proc.poll() is None for c in self.trainers):
+            return None
+        from hpcrl import checkpoint
+
+        c = checkpoint.latest_complete(self.paths)
+        where = f"checkpoint {c}" if c is not None else "no complete checkpoint"
+        return (
+            f"hpcrl: stopped on SIGUSR2 at {where}; continue with "
+            f"`hpcrl resume --step -1 --output-dir {self.paths.root}`"
+        )
+
+
 def _server_index(child: Child) -> int:
     return int(child.args[child.args.index("--server-index") + 1])
 
@@ -309,12 +352,14 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt
 
+    stop = CheckpointStop(children, paths)
     code, line, _ = supervise_then_stop(
         children,
-        {signal.SIGTERM: on_signal, signal.SIGINT: on_signal},
+        {signal.SIGTERM: on_signal, signal.SIGINT: on_signal, signal.SIGUSR2: stop.request},
         console,
         max_restarts=cfg.deployment.max_server_restarts,
         paths=paths,
+        stopped=stop.over,
     )
     console.finish()
     from hpcrl.monitor.plots import report_plots

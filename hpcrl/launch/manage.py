@@ -169,10 +169,25 @@ def logs(argv: list[str]) -> int:
 
 
 def cancel(argv: list[str]) -> int:
-    args = _parse(_parser("cancel"), argv)
+    p = _parser("cancel")
+    p.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="local runs: the trainer writes a complete checkpoint after its current step, however long "
+        "it takes, then the run stops (SIGUSR2 to the launcher); without it every process stops within "
+        "seconds",
+    )
+    args = _parse(p, argv)
     paths = _run_dir(args)
     job = read_job(paths)
     if job.get("target") == "slurm":
+        if args.checkpoint:
+            print(
+                "hpcrl: error: --checkpoint is for local runs; a SLURM job checkpoints on "
+                f"`scancel -b -s USR2 {job['job_id']}` (and requeues itself)",
+                file=sys.stderr,
+            )
+            return 2
         subprocess.run(["scancel", str(job["job_id"])], check=False)
         print(f"hpcrl: cancelled SLURM job {job['job_id']}")
         return 0
@@ -180,9 +195,10 @@ def cancel(argv: list[str]) -> int:
     if not pid:
         print(f"hpcrl: error: {paths.job_file} names no job", file=sys.stderr)
         return 2
+    sig = signal.SIGUSR2 if args.checkpoint else signal.SIGTERM
     try:
-        os.kill(int(pid), signal.SIGTERM)
-        print(f"hpcrl: sent SIGTERM to launcher {pid}")
+        os.kill(int(pid), sig)
+        print(f"hpcrl: sent {sig.name} to launcher {pid}")
     except ProcessLookupError:
         print(f"hpcrl: launcher {pid} is not running")
     return 0
