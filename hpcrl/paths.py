@@ -258,6 +258,12 @@ class RunPaths:
         """Records the SLURM job id (or local launcher pid) that owns this run."""
         return self.root / "job.json"
 
+    @property
+    def stop_request_file(self) -> Path:
+        """Written by `hpcrl cancel --checkpoint` before it signals a SLURM job: the job's batch script
+        then checkpoints and ends instead of requeueing. Removed by the next submit or resume."""
+        return self.root / "slurm" / "stop_requested"
+
     # -- listing helpers -----------------------------------------------------------------------
     @staticmethod
     def steps_in(directory: Path) -> list[int]:

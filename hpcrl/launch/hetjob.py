@@ -120,6 +120,9 @@ class HetJobSpec:
     max_requeues: int = 100
     checkpoint_grace_s: int | None = None  # default: signal_before_s - 15
     stop_grace_s: int = 15  # other steps get SIGTERM, then this long before the job exits
+    # If this file exists when USR2 arrives, the job checkpoints and ends without requeueing
+    # (`hpcrl cancel --checkpoint`); None: every USR2 requeues.
+    stop_file: str | None = None
 
     def all_steps(self) -> list[tuple[str, int, HetStep | HetComponent]]:
         """(name, component index, step-or-component) in launch order: main steps first."""
@@ -280,6 +283,7 @@ def render_sbatch(spec: HetJobSpec, folder: str | Path) -> str:
         f"CHECKPOINT_GRACE_S={ckpt_grace}",
         f"STOP_GRACE_S={spec.stop_grace_s}",
         f"REQUEUE={1 if spec.requeue else 0}",
+        f"STOP_FILE={shlex.quote(spec.stop_file or '')}",
         f"STEP_LOGS={shlex.quote(str(folder))}/${{SLURM_JOB_ID}}",
     ]
     lines += [f"export {k}={shlex.quote(str(v))}" for k, v in spec.env.items()]
@@ -321,7 +325,7 @@ stop_steps() {  # SIGTERM every running step (srun forwards it to the tasks), wa
   done
 }
 
-on_usr2() {  # pre-timeout or preemption: let the trainer checkpoint, then requeue
+on_usr2() {  # pre-timeout, preemption or hpcrl cancel --checkpoint: let the trainer checkpoint, then requeue
   trap '' USR2
   local pid deadline=$((SECONDS + CHECKPOINT_GRACE_S))
   log "USR2 (time limit near or preemption): forwarding to the steps that checkpoint"
@@ -332,7 +336,9 @@ on_usr2() {  # pre-timeout or preemption: let the trainer checkpoint, then reque
     [[ ${STEP_FWD[$pid]} == 1 ]] || continue
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
   done
-  if ((REQUEUE)) && ((${SLURM_RESTART_COUNT:-0} < MAX_REQUEUES)); then
+  if [[ -n $STOP_FILE && -e $STOP_FILE ]]; then
+    log "not requeueing: a stop was requested ($STOP_FILE, hpcrl cancel --checkpoint)"
+  elif ((REQUEUE)) && ((${SLURM_RESTART_COUNT:-0} < MAX_REQUEUES)); then
     log "requeueing job ${SLURM_JOB_ID} (restart $((${SLURM_RESTART_COUNT:-0} + 1)) of at most $MAX_REQUEUES)"
     scontrol requeue "${SLURM_JOB_ID}" || log "scontrol requeue failed"
   else

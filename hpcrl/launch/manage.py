@@ -168,26 +168,40 @@ def logs(argv: list[str]) -> int:
     return 0
 
 
+def _checkpoint_then_cancel_slurm(paths: RunPaths, job_id: str) -> int:
+    """The job's batch script gets USR2 (what SLURM sends before the time limit): the trainer
+    checkpoints, and because the stop file exists the script ends the job instead of requeueing."""
+    from hpcrl.fileio import write_text
+
+    write_text(paths.stop_request_file, json.dumps({"requested_at": time.time(), "job_id": job_id}))
+    try:
+        r = subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], capture_output=True, text=True)
+        code, why = r.returncode, " ".join((r.stderr or r.stdout).split())[:300]
+    except OSError as e:  # no scancel on this machine
+        code, why = 1, str(e)
+    if code != 0:
+        paths.stop_request_file.unlink(missing_ok=True)
+        print(f"hpcrl: error: scancel --batch --signal=USR2 {job_id} failed: {why}", file=sys.stderr)
+        return 1
+    print(f"hpcrl: asked SLURM job {job_id} to checkpoint and end (USR2 to its batch script; no requeue)")
+    return 0
+
+
 def cancel(argv: list[str]) -> int:
     p = _parser("cancel")
     p.add_argument(
         "--checkpoint",
         action="store_true",
-        help="local runs: the trainer writes a complete checkpoint after its current step, however long "
-        "it takes, then the run stops (SIGUSR2 to the launcher); without it every process stops within "
-        "seconds",
+        help="the trainer writes a complete checkpoint after its current step, then the run stops "
+        "(local: SIGUSR2 to the launcher, no deadline; SLURM: USR2 to the batch script, no requeue, "
+        "slurm.signal_before_s - 15 s to finish); without it every process stops within seconds",
     )
     args = _parse(p, argv)
     paths = _run_dir(args)
     job = read_job(paths)
     if job.get("target") == "slurm":
         if args.checkpoint:
-            print(
-                "hpcrl: error: --checkpoint is for local runs; a SLURM job checkpoints on "
-                f"`scancel -b -s USR2 {job['job_id']}` (and requeues itself)",
-                file=sys.stderr,
-            )
-            return 2
+            return _checkpoint_then_cancel_slurm(paths, str(job["job_id"]))
         subprocess.run(["scancel", str(job["job_id"])], check=False)
         print(f"hpcrl: cancelled SLURM job {job['job_id']}")
         return 0

@@ -122,6 +122,7 @@ def build_spec(
         extra_sbatch=job_wide,
         requeue=s.requeue,
         signal_before_s=s.signal_before_s,
+        stop_file=str(paths.stop_request_file),
     )
 
 

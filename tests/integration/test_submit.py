@@ -1,7 +1,8 @@
 """`hpcrl submit` on the real one-machine SLURM (scripts/slurm/up.sh, fake nodes n1..n4).
 
 The CPU demo as one hetjob over 3 fake nodes finishes with a checkpoint; a preemption signal mid-run
-checkpoints, requeues and the requeued job resumes and finishes on its own; killing the trainer
+checkpoints, requeues and the requeued job resumes and finishes on its own; `hpcrl cancel
+--checkpoint` checkpoints and ends the job without a requeue; killing the trainer
 ends the whole job within 30 s and the job log names it, while a killed inference server is
 restarted in place (hpcrl.launch.keepalive) and the job completes.
 """
@@ -120,6 +121,43 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, jobs, tmp_path: Pa
     assert checkpoint.latest_complete(paths) == 12
     steps = _prompt_steps(paths)
     assert sorted(set(steps)) == list(range(1, 13)) and len(steps) == 12, steps
+
+
+def test_cancel_checkpoint_ends_the_job_without_requeue(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
+    """`hpcrl cancel --checkpoint` on a requeue = true job: the trainer checkpoints its step (no periodic
+    checkpoint is due), the job ends instead of requeueing, and a later resume clears the request so
+    that the resumed job would requeue on preemption again."""
+    paths, job_id = _submit(tmp_path, steps=200, interval=1000)
+    jobs.append(job_id)
+    wait_for(lambda: max(RunPaths.steps_in(paths.policy_dir), default=-1) >= 2, 400, "policy 2", every=0.5)
+    r = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "cancel", "--checkpoint", str(paths.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "no requeue" in r.stdout, r.stdout + r.stderr
+    state = wait_for(lambda: ended(job_id), 330, "the job to end", every=1)
+    log = _job_log(paths, job_id)
+    assert "not requeueing: a stop was requested" in log, log[-3000:]
+    assert restarts(job_id) == 0 and state == "COMPLETED", (state, log[-3000:])
+    c = checkpoint.latest_complete(paths)
+    assert c is not None and 2 <= c < 200, c
+    r = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "resume", "--step", "-1", "--output-dir", str(paths.root)]
+        + ["--max-steps", str(c + 2)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "submitted SLURM job" in r.stdout, r.stdout + r.stderr
+    assert not paths.stop_request_file.exists()
+    job2 = str(json.loads(paths.job_file.read_text())["job_id"])
+    jobs.append(job2)
+    assert wait_for(lambda: ended(job2), 400, "the resumed job to finish", every=2) == "COMPLETED"
+    assert checkpoint.latest_complete(paths) == c + 2
+    steps = _prompt_steps(paths)
+    assert sorted(set(steps)) == list(range(1, c + 3)) and len(steps) == c + 2, steps
 
 
 def test_killing_the_trainer_ends_the_job(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811

@@ -46,9 +46,14 @@ def test_local_cancel_signals_the_launcher(tmp_path: Path, capsys, flags: list[s
         proc.wait()
 
 
-def test_checkpoint_cancel_of_a_slurm_job_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+def test_checkpoint_cancel_of_a_slurm_job_without_scancel_fails_in_one_line(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """No scancel here: one error line naming the command, exit 1, and no stop request left behind
+    (it would keep a later preemption from requeueing)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     d = _run_dir(tmp_path, {"target": "slurm", "job_id": 4242})
-    assert manage.cancel(["--checkpoint", "--output-dir", str(d)]) == 2
+    assert manage.cancel(["--checkpoint", "--output-dir", str(d)]) == 1
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert "--checkpoint is for local runs" in err and "scancel -b -s USR2 4242" in err
+    assert len(err.splitlines()) == 1 and "scancel --batch --signal=USR2 4242 failed" in err
+    assert not RunPaths(d).stop_request_file.exists()
