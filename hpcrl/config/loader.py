@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -109,7 +109,12 @@ def parse_argv(argv: list[str], root: type[msgspec.Struct] = Config) -> tuple[li
             raise ConfigError(tok, "malformed flag (expected --section.field-name VALUE)")
         negated = bool(m.group(1))
         parts = [p.replace("-", "_") for p in m.group(2).split(".")]
+        typed = parts
+        if root is Config:
+            parts = canonical_path(parts)  # --orchestrator.group-size sets rollouts_per_example
         leaf = fields.resolve(root, parts)
+        if parts != typed:  # errors name the flag as given, and what it sets
+            leaf = replace(leaf, path=f"{'.'.join(typed)} (= {leaf.path})")
         nxt = argv[i + 1] if i + 1 < len(argv) else None
         i += 1
         if negated:
@@ -177,6 +182,14 @@ _ALIASES = [
     (["orchestrator", "train", "sampling"], "max_completion_tokens", "max_tokens"),
     (["orchestrator", "eval", "sampling"], "max_completion_tokens", "max_tokens"),
 ]
+
+
+def canonical_path(parts: list[str]) -> list[str]:
+    """A flag's field path with an alias (prime-rl's name) replaced by hpcrl's field."""
+    for section, alias, canonical in _ALIASES:
+        if parts[:-1] == section and parts[-1] == alias:
+            return [*section, canonical]
+    return parts
 
 
 def apply_aliases(d: dict[str, Any]) -> None:

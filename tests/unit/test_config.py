@@ -13,6 +13,7 @@ import pytest
 
 from hpcrl.cli import main
 from hpcrl.config import Config, SFTConfig, load
+from hpcrl.config.errors import ConfigError
 from tests.conftest import rl_toml
 
 if sys.version_info >= (3, 11):
@@ -250,6 +251,20 @@ def test_aliases_in_files(base: Path) -> None:
     )
     cfg = cfg_of(p)
     assert cfg.orchestrator.rollouts_per_example == 4 and cfg.orchestrator.train.sampling.max_tokens == 16
+
+
+def test_aliases_as_flags_override_the_files_field(base: Path) -> None:
+    """prime-rl's flag names work on the command line too, and win over the file like any flag."""
+    loaded = load(
+        [str(base), "--orchestrator.group-size", "8", "--orchestrator.eval.sampling.max-completion-tokens=5"]
+    )
+    cfg = loaded.config
+    assert cfg.orchestrator.rollouts_per_example == 8
+    assert cfg.orchestrator.eval is not None and cfg.orchestrator.eval.sampling.max_tokens == 5
+    with pytest.raises(
+        ConfigError, match=r"orchestrator\.group_size \(= orchestrator\.rollouts_per_example\)"
+    ):
+        load([str(base), "--orchestrator.group-size"])
 
 
 # ---------------------------------------------------------------------------------------------
