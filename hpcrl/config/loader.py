@@ -177,31 +177,46 @@ def _is_number(s: str) -> bool:
 # aliases, shared fields, conversion
 # ---------------------------------------------------------------------------------------------
 _ALIASES = [
-    # (section path, alias, canonical)
-    (["orchestrator"], "group_size", "rollouts_per_example"),
-    (["orchestrator", "train", "sampling"], "max_completion_tokens", "max_tokens"),
-    (["orchestrator", "eval", "sampling"], "max_completion_tokens", "max_tokens"),
+    # (alias path, field path): prime-rl's names for hpcrl's fields
+    (["orchestrator", "group_size"], ["orchestrator", "rollouts_per_example"]),
+    (
+        ["orchestrator", "train", "sampling", "max_completion_tokens"],
+        ["orchestrator", "train", "sampling", "max_tokens"],
+    ),
+    (
+        ["orchestrator", "eval", "sampling", "max_completion_tokens"],
+        ["orchestrator", "eval", "sampling", "max_tokens"],
+    ),
+    (["ckpt", "weights", "save_adapter_separately"], ["ckpt", "save_adapter_separately"]),
 ]
 
 
 def canonical_path(parts: list[str]) -> list[str]:
     """A flag's field path with an alias (prime-rl's name) replaced by hpcrl's field."""
-    for section, alias, canonical in _ALIASES:
-        if parts[:-1] == section and parts[-1] == alias:
-            return [*section, canonical]
+    for alias, canonical in _ALIASES:
+        if parts == alias:
+            return list(canonical)
     return parts
 
 
 def apply_aliases(d: dict[str, Any]) -> None:
-    for parts, alias, canonical in _ALIASES:
-        sec = get_path(d, parts)
-        if isinstance(sec, dict) and alias in sec:
-            if canonical in sec and sec[canonical] != sec[alias]:
-                path = ".".join(parts)
-                raise ConfigError(
-                    f"{path}.{alias}", f"conflicts with {path}.{canonical} (they are the same setting)"
-                )
-            sec[canonical] = sec.pop(alias)
+    """Move every alias's value to its field (same value set both ways is fine, different is an
+    error); a table left empty by the move (`[ckpt.weights]`) goes too."""
+    for alias, canonical in _ALIASES:
+        parent = get_path(d, alias[:-1])
+        if not isinstance(parent, dict) or alias[-1] not in parent:
+            continue
+        value = parent.pop(alias[-1])
+        current = get_path(d, canonical)
+        if current is not None and current != value:
+            raise ConfigError(
+                ".".join(alias), f"conflicts with {'.'.join(canonical)} (they are the same setting)"
+            )
+        set_path(d, canonical, value)
+        for k in range(len(alias) - 1, 0, -1):  # drop tables the move emptied
+            table = get_path(d, alias[:k])
+            if isinstance(table, dict) and not table:
+                get_path(d, alias[: k - 1]).pop(alias[k - 1])
 
 
 _MODEL_SECTIONS = (["model"], ["trainer", "model"], ["orchestrator", "model"], ["inference", "model"])
@@ -352,6 +367,7 @@ def load(
             any_hosted = any_hosted or hosted.is_hosted(data)
             data, file_notes = hosted.to_native(data, source=str(f))
             notes.extend(file_notes)
+            apply_aliases(data)  # per file: a later file or a flag overrides an alias like its field
         merged = deep_merge(merged, data)
     merged = deep_merge(merged, over)
     # `--no-x` on an optional section left None in the dict: that means "absent".

@@ -267,6 +267,29 @@ def test_aliases_as_flags_override_the_files_field(base: Path) -> None:
         load([str(base), "--orchestrator.group-size"])
 
 
+def test_nested_alias_moves_to_its_field_and_a_flag_overrides_it(base: Path) -> None:
+    """prime-rl's `[ckpt.weights] save_adapter_separately` is hpcrl's `ckpt.save_adapter_separately`:
+    the emptied table does not linger as an unknown field, a flag on the field wins over the alias in a
+    file, and one file setting both differently is refused naming the alias."""
+    from hpcrl.config.loader import apply_aliases
+
+    d = {"ckpt": {"interval": 2, "weights": {"save_adapter_separately": True}}}
+    apply_aliases(d)
+    assert d == {"ckpt": {"interval": 2, "save_adapter_separately": True}}
+    lora = "[model.lora]\nrank = 4\n"
+    p = base.parent / "prime.toml"
+    p.write_text(BASE + lora + "[ckpt.weights]\nsave_adapter_separately = true\n")
+    assert cfg_of(p).ckpt.save_adapter_separately is True
+    assert cfg_of(p, "--ckpt.save-adapter-separately", "false").ckpt.save_adapter_separately is False
+    p.write_text(
+        BASE
+        + lora
+        + "[ckpt]\nsave_adapter_separately = false\n[ckpt.weights]\nsave_adapter_separately = true\n"
+    )
+    with pytest.raises(ConfigError, match=r"ckpt\.weights\.save_adapter_separately: conflicts with"):
+        cfg_of(p)
+
+
 # ---------------------------------------------------------------------------------------------
 # resolved configs and redaction
 # ---------------------------------------------------------------------------------------------
