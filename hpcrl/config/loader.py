@@ -384,6 +384,7 @@ def load(
                 if key in shared:
                     merged[key] = shared[key]
             _micro_batch_default(merged)
+            _role_log_extras(merged)
         cfg = convert(merged, root)
         from hpcrl.config.validate import validate, validate_sft
 
@@ -443,6 +444,20 @@ def _alias_notes(cfg: Config) -> list[str]:
     o = cfg.orchestrator
     ids = [e.id for e in o.train.env] + ([e.id for e in o.eval.env] if o.eval is not None else [])
     return [n for n in dict.fromkeys(alias_note(i) for i in ids) if n]
+
+
+def _role_log_extras(merged: dict[str, Any]) -> None:
+    """A role's `wandb.log_extras` overrides [wandb.log_extras] field by field (as prime-rl's
+    `--no-trainer.wandb.log-extras.distributions` turns off one thing of one role)."""
+    for role in ("trainer", "orchestrator"):
+        extras = get_path(merged, [role, "wandb", "log_extras"])
+        if isinstance(extras, dict):
+            base = get_path(merged, ["wandb", "log_extras"])
+            set_path(
+                merged,
+                [role, "wandb", "log_extras"],
+                deep_merge(base if isinstance(base, dict) else {}, extras),
+            )
 
 
 def _micro_batch_default(merged: dict[str, Any]) -> None:

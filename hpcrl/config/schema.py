@@ -17,7 +17,14 @@ from typing import Annotated, Literal
 import msgspec
 
 from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.common import CkptConfig, LogConfig, LogExtrasConfig, LogLevels, WandbConfig
+from hpcrl.config.sections.common import (
+    CkptConfig,
+    LogConfig,
+    LogExtrasConfig,
+    LogLevels,
+    RoleWandbConfig,
+    WandbConfig,
+)
 from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
 from hpcrl.config.sections.evaluation import (
     ClientConfig,
@@ -71,6 +78,7 @@ __all__ = [
     "InferenceParallelConfig",
     "LogConfig",
     "LogExtrasConfig",
+    "RoleWandbConfig",
     "LogLevels",
     "LoraConfig",
     "LossConfig",

@@ -24,6 +24,9 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
     _deployment(cfg)
     _ckpt(cfg)
     _slurm(cfg)
+    for role in ("trainer", "orchestrator"):
+        if getattr(cfg, role).wandb is not None and cfg.wandb is None:
+            raise ConfigError(f"{role}.wandb", "needs W&B on ([wandb] or --wandb): it changes what W&B gets")
     if cfg.model.name is None or not cfg.model.name.strip():
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
 

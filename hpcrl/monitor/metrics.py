@@ -104,11 +104,14 @@ class Metrics:
 
     @classmethod
     def for_run(cls, cfg: Any, paths: RunPaths, role: str, enabled: bool = True) -> Metrics:
-        """The usual construction: log extras as `cfg.wandb.log_extras` says when W&B is on."""
+        """The usual construction: log extras as `cfg.<role>.wandb.log_extras` (else `cfg.wandb.log_extras`)
+        says when W&B is on."""
         wandb_cfg = getattr(cfg, "wandb", None)
-        return cls(
-            paths, role, enabled=enabled, extras=wandb_cfg.log_extras if wandb_cfg is not None else None
-        )
+        if wandb_cfg is None:
+            return cls(paths, role, enabled=enabled, extras=None)
+        own = getattr(getattr(cfg, role, None), "wandb", None)
+        extras = own.log_extras if own is not None and own.log_extras is not None else wandb_cfg.log_extras
+        return cls(paths, role, enabled=enabled, extras=extras)
 
     def _record(self, step: int, fields: dict[str, Any]) -> dict[str, Any]:
         return {"role": self.role, "step": int(step), "time": time.time(), **fields}

@@ -478,3 +478,10 @@ def test_clean_output_dir_is_not_applied_by_dry_run(
     assert main(["run", str(base), "--dry-run", "--clean-output-dir", "--output-dir", str(out)]) == 0
     capsys.readouterr()
     assert (out / "keep").is_dir()
+
+
+def test_a_roles_wandb_overrides_need_wandb_on(base: Path) -> None:
+    """Parsed and then ignored would be a silent no-op: refused in one line naming the section."""
+    with pytest.raises(ConfigError, match=r"^trainer\.wandb: needs W&B on"):
+        cfg_of(base, "--trainer.wandb.log-extras.interval", "5")
+    assert cfg_of(base, "--wandb", "--trainer.wandb.log-extras.interval", "5").trainer.wandb is not None

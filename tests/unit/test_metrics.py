@@ -121,6 +121,41 @@ def test_extras_off_without_wandb(run_dir: Path) -> None:
     assert Metrics.for_run(Config(wandb=WandbConfig()), paths, "trainer", enabled=False).extras is not None
 
 
+def test_a_roles_log_extras_override_the_global_ones_field_by_field(run_dir: Path, tmp_path: Path) -> None:
+    """prime-rl's per-process knobs: `--no-trainer.wandb.log-extras.distributions` turns off the
+    trainer's distributions only; `--orchestrator.wandb.log-extras.interval` changes its cadence only;
+    unset fields come from [wandb.log_extras]."""
+    from hpcrl.config import load
+    from tests.conftest import rl_toml
+
+    cfg_file = tmp_path / "cfg.toml"
+    cfg_file.write_text(rl_toml())
+    cfg = load(
+        [
+            str(cfg_file),
+            "--wandb",
+            "--wandb.log-extras.interval",
+            "7",
+            "--wandb.log-extras.sample-ratio",
+            "0.5",
+        ]
+        + ["--no-trainer.wandb.log-extras.distributions", "--orchestrator.wandb.log-extras.interval", "50"]
+    ).config
+    paths = RunPaths(run_dir)
+    trainer = Metrics.for_run(cfg, paths, "trainer", enabled=True)
+    orch = Metrics.for_run(cfg, paths, "orchestrator", enabled=True)
+    assert (trainer.extras.interval, trainer.extras.sample_ratio, trainer.extras.distributions) == (
+        7,
+        0.5,
+        False,
+    )
+    assert not trainer.distributions_due(7) and trainer.samples_due(7)
+    assert (orch.extras.interval, orch.extras.sample_ratio, orch.extras.distributions) == (50, 0.5, True)
+    assert orch.distributions_due(50) and not orch.distributions_due(7)
+    for m in (trainer, orch):
+        m.close()
+
+
 def test_histogram_of_arrays() -> None:
     np = pytest.importorskip("numpy")
     h = histogram(np.arange(1000, dtype=np.float32))

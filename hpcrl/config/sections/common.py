@@ -55,6 +55,16 @@ class WandbConfig(Section):
     log_extras: LogExtrasConfig = msgspec.field(default_factory=LogExtrasConfig)
 
 
+class RoleWandbConfig(Section):
+    """`trainer.wandb` / `orchestrator.wandb` (prime-rl's per-process W&B sections): both roles log into
+    the one run [wandb] names, so only what each role logs is per role."""
+
+    log_extras: Annotated[
+        LogExtrasConfig | None,
+        D("This role's sample tables / distributions; unset fields come from [wandb.log_extras]."),
+    ] = None
+
+
 class LogLevels(Section):
     """How much a command logs; every command's [log] has these (a training run's adds its console line)."""
 

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.common import LogConfig
+from hpcrl.config.sections.common import LogConfig, RoleWandbConfig
 from hpcrl.config.sections.trainer import ModelConfig
 
 
@@ -153,3 +153,7 @@ class OrchestratorConfig(Section):
         ),
     ] = 300.0
     log: Annotated[LogConfig | None, D("Orchestrator log overrides.")] = None
+    wandb: Annotated[
+        RoleWandbConfig | None,
+        D("Orchestrator W&B overrides (log_extras); needs W&B on ([wandb] or --wandb)."),
+    ] = None

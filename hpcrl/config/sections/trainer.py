@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.common import LogConfig
+from hpcrl.config.sections.common import LogConfig, RoleWandbConfig
 
 
 class LoraConfig(Section):
@@ -130,3 +130,6 @@ class TrainerConfig(Section):
     batch_timeout_s: Annotated[float, D("Seconds to wait for a rollout batch before failing.", gt=0)] = 1800.0
     seed: Annotated[int, D("Trainer RNG seed.")] = 0
     log: Annotated[LogConfig | None, D("Trainer log overrides.")] = None
+    wandb: Annotated[
+        RoleWandbConfig | None, D("Trainer W&B overrides (log_extras); needs W&B on ([wandb] or --wandb).")
+    ] = None
