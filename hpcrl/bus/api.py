@@ -92,6 +92,32 @@ def announce_server(
     return path
 
 
+def publish_control(
+    paths: RunPaths,
+    msg: Shutdown,
+    *,
+    writer: DoorbellWriter | None = None,
+    exclude: str | None = None,
+    durable: bool = True,
+    checksum: str = DEFAULT_CHECKSUM,
+) -> tuple[Path, float]:
+    """Write control/shutdown_<origin> and ring every waiter ("control"). Used by Bus.publish_control
+    and, with a transient writer, by the local launcher (which has no Bus). Returns (path, rename time)."""
+    if not isinstance(msg, Shutdown):
+        raise ValueError(f"control messages are Shutdown, got {type(msg).__name__}")
+    origin = re.sub(r"[^A-Za-z0-9_.-]", "_", msg.origin)
+    path = paths.control_file(f"shutdown_{origin}")
+    renamed_at = write_message(path, msg, checksum=checksum, durable=durable)
+    own = writer is None
+    w = DoorbellWriter(paths) if own else writer
+    try:
+        w.ring_all(Ring("control"), exclude=exclude)
+    finally:
+        if own:
+            w.close(linger_ms=1000)
+    return path, renamed_at
+
+
 def endpoint_name(role: str, rank: int = 0) -> str:
     return f"{role}_{rank}"
 
@@ -298,12 +324,14 @@ class Bus:
 
     # -- control -------------------------------------------------------------------------------
     def publish_control(self, msg: Shutdown) -> Path:
-        if not isinstance(msg, Shutdown):
-            raise ValueError(f"control messages are Shutdown, got {type(msg).__name__}")
-        origin = re.sub(r"[^A-Za-z0-9_.-]", "_", msg.origin)
-        path = self.paths.control_file(f"shutdown_{origin}")
-        self.last_renamed_at = write_message(path, msg, checksum=self.checksum, durable=self.durable)
-        self._writer.ring_all(Ring("control"), exclude=self.name)
+        path, self.last_renamed_at = publish_control(
+            self.paths,
+            msg,
+            writer=self._writer,
+            exclude=self.name,
+            durable=self.durable,
+            checksum=self.checksum,
+        )
         return path
 
     def poll_control(self) -> Shutdown | None:

@@ -293,9 +293,12 @@ def render_sbatch(spec: HetJobSpec, folder: str | Path) -> str:
         lines.append(
             f'export {var}="$(scontrol show hostnames "${{SLURM_JOB_NODELIST_HET_GROUP_{i}:-}}" | paste -sd, -)"'
         )
+    # The traps come before the setup lines: `hpcrl prepare-resume` may hash a big checkpoint for
+    # minutes, and a USR2 then (preemption, cancel --checkpoint) must not kill the batch shell.
+    lines += ["", _RUNTIME.strip()]
     if spec.setup:
         lines += ["", "# setup", *spec.setup]
-    lines += ["", _RUNTIME.strip(), "", "# steps: one srun each, all in the background"]
+    lines += ["", "# steps: one srun each, all in the background"]
     for name, index, unit in spec.all_steps():
         fwd = 1 if unit.forward_signal else 0
         ends = 1 if unit.end_job_on_success else 0

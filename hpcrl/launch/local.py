@@ -9,9 +9,9 @@ code and last line name the one that died.
 
 Stopping: Ctrl-C / SIGTERM stop every process within seconds (each role promises to exit within 10 s
 of SIGTERM; the trainer checkpoints its last finished step if it can in that time). SIGUSR2 is the
-unhurried stop, as on SLURM: the trainer ranks get it, finish their step, write a complete checkpoint
-however long that takes, and exit; then the rest are stopped and `hpcrl resume --step -1` continues
-from exactly there.
+unhurried stop, as on SLURM: the trainer ranks and the orchestrator get it; the trainer finishes its
+step, writes a complete checkpoint (the orchestrator writes its part) however long that takes, and
+exits; then the rest are stopped and `hpcrl resume --step -1` continues from exactly there.
 """
 
 from __future__ import annotations
@@ -76,6 +76,17 @@ def _die_with_parent() -> None:
         pass
 
 
+# Kinds that checkpoint on SIGUSR2. They start with it blocked (the mask survives exec) and unblock
+# it once their handler is in (hpcrl.trainer.core.install_stop_handler): a USR2 that arrives while
+# the interpreter is still importing waits instead of killing the process.
+CHECKPOINTING_KINDS = ("trainer", "sft", "orchestrator")
+
+
+def _die_with_parent_usr2_blocked() -> None:
+    _die_with_parent()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+
+
 def spawn(
     kind: str, role: str, args: list[str], log_path: Path, env: dict[str, str], capture: bool = True
 ) -> Child:
@@ -91,7 +102,7 @@ def spawn(
         stderr=subprocess.STDOUT if capture else None,
         env=env,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=_die_with_parent_usr2_blocked if kind in CHECKPOINTING_KINDS else _die_with_parent,
     )
     return Child(role, kind, proc, log_path, fh, args, env)
 
@@ -212,15 +223,17 @@ def supervise(
     poll: float = 0.5,
     max_restarts: int = 0,
     paths: RunPaths | None = None,
-    stopped: Callable[[], str | None] = lambda: None,
+    stopped: Callable[[], tuple[int, str] | None] = lambda: None,
 ) -> tuple[int, str]:
-    """Block until the run finishes, a process dies for good, or `stopped()` returns a last line (a
-    requested stop is over). Returns (exit code, last line). A dead inference server is restarted up
-    to `max_restarts` times (see the module doc)."""
+    """Block until the run finishes, a process dies for good, or `stopped()` returns (exit code, last
+    line): a requested stop is over, whatever the others do meanwhile. Returns (exit code, last line).
+    A dead inference server is restarted up to `max_restarts` times (see the module doc)."""
     workers = [c for c in children if c.kind != "inference"]
     while True:
         if console is not None:
             console.update()
+        if (done := stopped()) is not None:
+            return done
         for c in children:
             rc = c.proc.poll()
             if rc is None:
@@ -247,8 +260,6 @@ def supervise(
             if console is not None:
                 console.update()
             return 0, "hpcrl: run finished"
-        if (line := stopped()) is not None:
-            return 0, line
         time.sleep(poll)
 
 
@@ -268,6 +279,8 @@ def supervise_then_stop(
     except KeyboardInterrupt:
         return 130, "hpcrl: interrupted; stopping every process", None
     finally:
+        for s in handlers:  # already stopping: a second Ctrl-C or a USR2 must not interrupt it
+            signal.signal(s, signal.SIG_IGN)
         stop_children(children)
         for s, h in old.items():
             signal.signal(s, h)
@@ -289,34 +302,70 @@ def last_error(log_path: Path, tail: int = 65536) -> str:
 
 
 class CheckpointStop:
-    """SIGUSR2 to `hpcrl run`: the trainer ranks checkpoint after their current step and exit (no
-    deadline: a big model's checkpoint takes what it takes); once they have, the run is over."""
+    """SIGUSR2 to `hpcrl run` (`hpcrl cancel --checkpoint`): the trainer ranks checkpoint after their
+    current step and exit (no deadline: a big model's checkpoint takes what it takes); once they have,
+    the run is over. Installed before the children start; a request before then starts nothing."""
 
-    def __init__(self, children: list[Child], paths: RunPaths) -> None:
-        self.trainers = [c for c in children if c.kind == "trainer"]
+    def __init__(self, paths: RunPaths, checkpoints: bool) -> None:
         self.paths = paths
+        self.checkpoints = checkpoints  # False: [ckpt] unset or weights_only, nothing to resume from
+        self.trainers: list[Child] | None = None  # set by attach() once they are spawned
+        self.signalled: list[Child] = []
         self.requested = False
+        self.told = False
+
+    def attach(self, children: list[Child]) -> None:
+        self.trainers = [c for c in children if c.kind == "trainer"]
+        # The orchestrator too (as on SLURM): it writes its part of the trainer's checkpoint, which
+        # the trainer waits for; left alone it would sit waiting for a policy that never comes.
+        self.signalled = [c for c in children if c.kind in ("trainer", "orchestrator")]
+        if self.requested:
+            signal_children(self.signalled, signal.SIGUSR2)  # blocked until their handler is in
 
     def request(self, _signum: int, _frame: object) -> None:
-        if not self.requested:
-            print(
-                "hpcrl: SIGUSR2: the trainer checkpoints after its current step, then the run stops "
-                "(Ctrl-C stops now)",
-                flush=True,
+        if not self.checkpoints:
+            self._say(
+                "SIGUSR2 ignored: this run writes no resumable checkpoints ([ckpt] unset or "
+                "ckpt.weights_only); Ctrl-C stops it"
             )
+            return
+        if self.trainers is not None and all(c.proc.poll() is not None for c in self.trainers):
+            self._say("SIGUSR2 ignored: training is over, the run is finishing")
+            return
+        self._say(
+            "SIGUSR2: the trainer checkpoints after its current step, then the run stops (Ctrl-C stops now)"
+        )
         self.requested = True
-        signal_children(self.trainers, signal.SIGUSR2)
+        if self.trainers is not None:
+            signal_children(self.signalled, signal.SIGUSR2)
 
-    def over(self) -> str | None:
-        """The last line once every trainer rank has exited after the request, else None."""
-        if not self.requested or any(c.proc.poll() is None for c in self.trainers):
+    def _say(self, what: str) -> None:
+        if not self.told:
+            print(f"hpcrl: {what}", flush=True)
+        self.told = True
+
+    def over(self) -> tuple[int, str] | None:
+        """(exit code, last line) once every trainer rank has exited after the request, else None."""
+        if not self.requested or self.trainers is None or any(c.proc.poll() is None for c in self.trainers):
             return None
         from hpcrl import checkpoint
+        from hpcrl.bus.api import publish_control
+        from hpcrl.bus.messages import Shutdown
 
-        c = checkpoint.latest_complete(self.paths)
-        where = f"checkpoint {c}" if c is not None else "no complete checkpoint"
-        return (
-            f"hpcrl: stopped on SIGUSR2 at {where}; continue with "
+        if any(c.proc.returncode != 0 for c in self.trainers):
+            return None  # supervise reports the rank that failed
+        # The orchestrator may be waiting for a policy that will never come: tell it (a bus ring).
+        publish_control(
+            self.paths, Shutdown(reason="the trainer stopped after its checkpoint", origin="launcher")
+        )
+        c = checkpoint.newest_intact(self.paths)  # sizes, not hashes: resume checks those
+        if c is None:  # the trainer exited cleanly without one: no step had finished
+            return (
+                0,
+                "hpcrl: stopped on SIGUSR2 before the first step finished: nothing to resume, start it again",
+            )
+        return 0, (
+            f"hpcrl: stopped on SIGUSR2 at checkpoint {c}; continue with "
             f"`hpcrl resume --step -1 --output-dir {self.paths.root}`"
         )
 
@@ -339,6 +388,9 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     resolve_model(cfg.model.name or "")
     from hpcrl.launch.manage import write_job
 
+    # From the moment the job file names this pid, `hpcrl cancel --checkpoint` may signal it.
+    stop = CheckpointStop(paths, checkpoints=cfg.ckpt is not None and not cfg.ckpt.weights_only)
+    signal.signal(signal.SIGUSR2, stop.request)
     write_job(paths, {"target": "local", "pid": os.getpid(), "started_at": time.time()})
     from hpcrl.inference.guard import export_run_api_key
 
@@ -347,12 +399,15 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     )  # children inherit it: servers require it, the orchestrator sends it
     console = ConsoleReporter(paths, cfg.max_steps)
     console.banner(cfg, placement, loaded.notes)
+    if stop.requested:
+        print("hpcrl: stopped on SIGUSR2 before any process started", flush=True)
+        return 0
     children = start_children(cfg, placement, paths, resume_args)
+    stop.attach(children)
 
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt
 
-    stop = CheckpointStop(children, paths)
     code, line, _ = supervise_then_stop(
         children,
         {signal.SIGTERM: on_signal, signal.SIGINT: on_signal, signal.SIGUSR2: stop.request},
@@ -361,6 +416,7 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
         paths=paths,
         stopped=stop.over,
     )
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the run is over: nothing left to checkpoint
     console.finish()
     from hpcrl.monitor.plots import report_plots
 

@@ -168,6 +168,18 @@ def logs(argv: list[str]) -> int:
     return 0
 
 
+def _writes_checkpoints(paths: RunPaths) -> bool:
+    """Whether the run's resolved config checkpoints (True when it cannot be read: SLURM or the
+    launcher then decides, and says so)."""
+    import tomllib
+
+    try:
+        ckpt = tomllib.loads(paths.resolved_config.read_text()).get("ckpt")
+    except (OSError, tomllib.TOMLDecodeError):
+        return True
+    return isinstance(ckpt, dict) and not ckpt.get("weights_only", False)
+
+
 def _checkpoint_then_cancel_slurm(paths: RunPaths, job_id: str) -> int:
     """The job's batch script gets USR2 (what SLURM sends before the time limit): the trainer
     checkpoints, and because the stop file exists the script ends the job instead of requeueing."""
@@ -199,6 +211,13 @@ def cancel(argv: list[str]) -> int:
     args = _parse(p, argv)
     paths = _run_dir(args)
     job = read_job(paths)
+    if args.checkpoint and not _writes_checkpoints(paths):
+        print(
+            "hpcrl: error: --checkpoint: this run writes no resumable checkpoints ([ckpt] unset or "
+            "ckpt.weights_only); `hpcrl cancel` without it stops the run",
+            file=sys.stderr,
+        )
+        return 2
     if job.get("target") == "slurm":
         if args.checkpoint:
             return _checkpoint_then_cancel_slurm(paths, str(job["job_id"]))

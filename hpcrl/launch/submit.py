@@ -86,9 +86,8 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     from hpcrl.launch.restart import clear_stale_addresses
 
     clear_stale_addresses(paths)
-    paths.stop_request_file.unlink(
-        missing_ok=True
-    )  # an earlier `cancel --checkpoint` must not block requeues
+    # An earlier `cancel --checkpoint` must not keep this job from requeueing.
+    paths.stop_request_file.unlink(missing_ok=True)
     # Literal secrets reach the job through sbatch's environment (exported to every step), never
     # through the script or configs in the run directory; SLURM keeps it for requeues.
     os.environ.update(secret_env(cfg))
@@ -140,9 +139,8 @@ def prepare_resume_main(argv: list[str]) -> int:
         step = 0
     move_bus_aside(paths, step)
     clear_stale_addresses(paths)
-    paths.stop_request_file.unlink(
-        missing_ok=True
-    )  # an earlier `cancel --checkpoint` must not block requeues
+    # An earlier `cancel --checkpoint` must not keep this job from requeueing.
+    paths.stop_request_file.unlink(missing_ok=True)
     if cfg.ckpt is None:
         cfg.ckpt = CkptConfig()
     cfg.ckpt.resume_step = step if step > 0 else None

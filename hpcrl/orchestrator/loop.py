@@ -94,6 +94,7 @@ class Orchestrator:
         self.cfg, self.orch_cfg = cfg, cfg.orchestrator
         self.paths = RunPaths(cfg.output_dir)
         self.stop = asyncio.Event()
+        self.unhurried = False  # the stop came by SIGUSR2 only: wait for the trainer's checkpoint
         self.published: dict[int, list[TrainBatch]] = {}  # batches the trainer may not have trained yet
         self.ckpt_done = 0  # newest policy step whose checkpoint question is settled
         # Built by run() (envs, buffer, generators, tokenizer: setup.build), then connect() (bus,
@@ -152,6 +153,9 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
             loop.add_signal_handler(sig, self.on_signal, sig)
+        # `hpcrl run` starts this process with SIGUSR2 blocked (hpcrl.launch.local.spawn): one sent
+        # during start-up was held for this handler.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
 
     def on_signal(self, sig: int) -> None:
         log.warning("received signal %d: stopping at the next safe point", sig)
@@ -159,6 +163,9 @@ class Orchestrator:
             from hpcrl.monitor.watchdog import arm_exit_deadline
 
             arm_exit_deadline("orchestrator")
+            self.unhurried = False
+        elif not self.stop.is_set():
+            self.unhurried = True  # USR2 (time limit near, preemption, cancel --checkpoint): no deadline
         self.stop.set()
 
     async def connect(self) -> PolicySync:
@@ -453,13 +460,17 @@ class Orchestrator:
         self.wandb_sink.close(wait_for_step=self.cfg.max_steps)
 
     async def drain(self) -> None:
-        """After a stop signal: give the trainer a moment to take its forced checkpoint and write
-        our part for it (the state at the last boundary is consistent), then exit."""
-        deadline = time.monotonic() + STOP_GRACE_S
+        """After a stop signal: wait for the trainer's forced checkpoint and write our part for it (the
+        state at the last boundary is consistent), then exit. After SIGTERM that wait is short (every
+        role exits within seconds); after SIGUSR2 it lasts as long as the trainer's step and save may
+        (policy_timeout_s; SLURM's checkpoint grace bounds the job). A Shutdown on the bus (the launcher
+        once the trainer has exited) ends it at once: nothing more is coming."""
+        grace = self.orch_cfg.policy_timeout_s if self.unhurried else STOP_GRACE_S
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.sync is not None:
             before = self.ckpt_done
             self.checkpoints(forced=True)
-            if self.ckpt_done > before:
+            if self.ckpt_done > before or (self.bus is not None and self.bus.poll_control() is not None):
                 break
             await asyncio.sleep(0.5)
         log.warning("stopped at a batch boundary (last published step %s)", self.state and self.state.step)

@@ -125,6 +125,16 @@ class Checkpointer:
             self._start_finalizer(step)
         return time.perf_counter() - t0
 
+    def stop_summary(self, step: int) -> str:
+        """What a stop after `step` leaves for a resume, for the exit log line."""
+        if self.cfg is None:
+            return f"no checkpoint of step {step} (checkpointing is off: [ckpt] unset)"
+        if self.last_saved != step:
+            return f"no checkpoint of step {step} written"
+        if self.cfg.weights_only:
+            return f"saved weights of step {step} only (ckpt.weights_only: no resumable checkpoint)"
+        return f"checkpointed step {step}"
+
     def maybe_save_adapter(self, step: int) -> bool:
         """LoRA: the adapter alone (peft format) under adapters/step_N when due (the hosted shape's
         ``[adapters] interval``). Collective under FSDP."""

@@ -174,7 +174,18 @@ def install_stop_handler() -> threading.Event:
 
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, handler)
+    # `hpcrl run` starts trainer ranks with SIGUSR2 blocked (hpcrl.launch.local.spawn), so a stop
+    # requested while this process was still importing waits for this handler instead of killing it.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
     return ev
+
+
+def agreed_stop(stop: threading.Event) -> bool:
+    """Whether any rank was asked to stop, the same answer on every rank (a collective): ranks get
+    the signal one after another, and one rank saving while another waits for a batch would hang."""
+    from hpcrl.trainer import parallel
+
+    return parallel.all_reduce(float(stop.is_set()), op="max") > 0
 
 
 def common_metrics(out: StepResult, progress: Progress, t_ckpt: float, t_step: float) -> dict[str, Any]:

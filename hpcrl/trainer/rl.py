@@ -24,7 +24,14 @@ from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer.checkpointer import Checkpointer
-from hpcrl.trainer.core import Progress, StepResult, common_metrics, install_stop_handler, step_micro_batches
+from hpcrl.trainer.core import (
+    Progress,
+    StepResult,
+    agreed_stop,
+    common_metrics,
+    install_stop_handler,
+    step_micro_batches,
+)
 from hpcrl.trainer.layout import key_cost_of
 from hpcrl.trainer.loss import LossParams
 from hpcrl.trainer.packing import (
@@ -43,6 +50,7 @@ log = logging.getLogger("hpcrl.trainer")
 
 def main(cfg: Config) -> int:
     setup_logging("trainer", (cfg.trainer.log or cfg.log).level)
+    stop = install_stop_handler()  # first: a stop asked for during start-up is honoured at batch 1
     paths = RunPaths(cfg.output_dir)
     tr = start_rank(cfg, paths)
     ckpt = Checkpointer(
@@ -60,7 +68,6 @@ def main(cfg: Config) -> int:
     watchdog.beat(f"published policy {start}")
     metrics = Metrics.for_run(cfg, paths, "trainer", enabled=tr.dist.rank == 0)
     params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
-    stop = install_stop_handler()
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         batch, t_wait = wait_for_batch(bus, step, tr.dist.rank, cfg.trainer.batch_timeout_s, stop)
@@ -68,7 +75,7 @@ def main(cfg: Config) -> int:
             if step - 1 > start:
                 ckpt.maybe_save(step - 1, progress, force=True)
             log.warning(
-                "stop requested while waiting for batch %d: checkpointed step %d, exiting", step, step - 1
+                "stop requested while waiting for batch %d: %s, exiting", step, ckpt.stop_summary(step - 1)
             )
             break
         out = train_step(
@@ -83,7 +90,8 @@ def main(cfg: Config) -> int:
         if tr.dist.rank == 0:
             bus.cleanup(before_step=step, keep=2)  # every rank has read its shard of `step` by now
         progress = progress.advance(out)
-        t_ckpt = ckpt.maybe_save(step, progress, force=stop.is_set())
+        stopping = agreed_stop(stop)  # read once: the checkpoint and the exit must agree
+        t_ckpt = ckpt.maybe_save(step, progress, force=stopping)
         ckpt.maybe_save_adapter(step)
         log_step(
             metrics,
@@ -99,8 +107,8 @@ def main(cfg: Config) -> int:
             publisher.last_sync_bytes,
         )
         watchdog.beat(f"trained and published step {step}")
-        if stop.is_set():
-            log.warning("stop requested: checkpointed step %d, exiting", step)
+        if stopping:
+            log.warning("stop requested: %s, exiting", ckpt.stop_summary(step))
             break
     ckpt.close()
     bus.close()

@@ -31,7 +31,14 @@ from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer import sft_data as sd
 from hpcrl.trainer.checkpointer import Checkpointer
-from hpcrl.trainer.core import Progress, StepResult, common_metrics, install_stop_handler, step_micro_batches
+from hpcrl.trainer.core import (
+    Progress,
+    StepResult,
+    agreed_stop,
+    common_metrics,
+    install_stop_handler,
+    step_micro_batches,
+)
 from hpcrl.trainer.loss import LossParams
 from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed, split_micro_batches
 from hpcrl.trainer.setup import Training, build_training
@@ -52,6 +59,7 @@ def main(cfg: SFTConfig) -> int:
 
 
 def train(cfg: SFTConfig) -> int:
+    stop = install_stop_handler()  # first: a stop asked for during start-up is honoured after step 1
     paths, tr, data = start_rank(cfg)
     ckpt = Checkpointer(
         cfg.ckpt, paths, tr, cfg.max_steps, parts=SFT_PARTS, finalize_timeout_s=FINALIZE_TIMEOUT_S
@@ -71,7 +79,6 @@ def train(cfg: SFTConfig) -> int:
     )
     metrics = Metrics(paths, "trainer", enabled=rank == 0)
     params = LossParams(mode="sft")
-    stop = install_stop_handler()
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         batch = data.next_batch(rank, world, tr.device)
@@ -89,15 +96,16 @@ def train(cfg: SFTConfig) -> int:
         val_loss, t_val = maybe_validate(cfg, data, tr, step)
         # The val loss is all-reduced: every rank reaches the same decision.
         reached = cfg.val.stop_at_loss > 0 and val_loss is not None and val_loss <= cfg.val.stop_at_loss
-        t_ckpt = ckpt.maybe_save(step, progress, force=stop.is_set() or reached)
+        stopping = agreed_stop(stop)  # read once: the checkpoint and the exit must agree
+        t_ckpt = ckpt.maybe_save(step, progress, force=stopping or reached)
         ckpt.maybe_save_adapter(step)
         m = metrics.log(
             step,
             step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt, time.perf_counter() - t_step),
         )
         log_console(cfg, rank, step, m, val_loss)
-        if stop.is_set():
-            log.warning("stop requested: checkpointed step %d, exiting", step)
+        if stopping:
+            log.warning("stop requested: %s, exiting", ckpt.stop_summary(step))
             break
         if reached:
             log.info(

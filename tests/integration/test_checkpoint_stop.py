@@ -9,6 +9,7 @@ checkpoint takes longer than that.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -46,9 +47,14 @@ def _run(cfg: Path, out: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_cancel_checkpoint_stops_at_a_complete_checkpoint_and_resume_is_lossless(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_cancel_checkpoint_stops_at_a_complete_checkpoint_and_resume_is_lossless(
+    tmp_path: Path, ranks: int
+) -> None:
+    """With 2 trainer ranks the signal reaches them one after the other: they agree on the step to
+    stop after (a collective), or one would save while the other waits for a batch."""
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(CONFIG + f"[deployment]\nnum_trainer_ranks = {ranks}\n")
     ref = tmp_path / "reference"
     reference = _run(cfg, ref)
     text, _ = reference.communicate(timeout=600)
@@ -74,6 +80,11 @@ def test_cancel_checkpoint_stops_at_a_complete_checkpoint_and_resume_is_lossless
     assert STOP_AFTER <= c < MAX_STEPS, text[-3000:]  # the step in flight, not a periodic one
     assert checkpoint.latest_complete(paths) == c
     assert not any(_role_pids(out, r) for r in ROLES[:3]), "a process outlived the stopped run"
+    # The orchestrator left through its own exit path (the launcher's bus Shutdown), not the 9 s
+    # deadline after SIGTERM: its metrics and prompt log were closed.
+    orch_log = paths.log_file("orchestrator").read_text()
+    assert "shutdown requested" in orch_log or "stopped at a batch boundary" in orch_log, orch_log[-2000:]
+    assert "still running" not in orch_log
 
     resumed = resume_run(out)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
@@ -84,3 +95,43 @@ def test_cancel_checkpoint_stops_at_a_complete_checkpoint_and_resume_is_lossless
     assert all(weights[k] == ref_weights[k] for k in weights), (
         "final weights differ from the uninterrupted run"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_stop_during_start_up_ends_cleanly(tmp_path: Path) -> None:
+    """USR2 while the trainer is still importing (it starts with USR2 blocked, so the signal waits for
+    its handler instead of killing it): the run ends with exit 0 and says what it left."""
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(CONFIG)
+    out = tmp_path / "run"
+    launcher = _run(cfg, out)
+    paths = RunPaths(out)
+    deadline = time.monotonic() + 60
+    while not _role_pids(out, "trainer"):  # the trainer process exists, its imports have just begun
+        assert time.monotonic() < deadline and launcher.poll() is None, "no trainer process"
+        time.sleep(0.01)
+    launcher.send_signal(signal.SIGUSR2)
+    text, _ = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, text[-3000:]
+    assert "stopped on SIGUSR2" in text, text[-3000:]
+    assert "was killed by signal" not in text
+    assert not any(_role_pids(out, r) for r in ROLES[:3]), "a process outlived the stopped run"
+    assert checkpoint.latest_complete(paths) in (None, *range(1, MAX_STEPS))
+
+
+def test_cancel_checkpoint_refuses_a_run_without_checkpoints(tmp_path: Path) -> None:
+    """No [ckpt]: nothing resumable would be written, so `--checkpoint` is refused in one line (exit 2)
+    and the run is left alone."""
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(rl_toml(3))
+    out = tmp_path / "run"
+    r = subprocess.run(
+        _hpcrl("run", str(cfg), "--output-dir", str(out), "--dry-run"), env=_env(), capture_output=True
+    )
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(
+        _hpcrl("cancel", "--checkpoint", str(out)), env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr
+    assert "writes no resumable checkpoints" in r.stderr
