@@ -136,6 +136,11 @@ class Orchestrator:
                     w.cancel()
         except Stopping:
             await self.drain()
+        except ShutdownRequested:
+            # A trainer that announces its stop has begun its last checkpoint: it needs our part.
+            if self.sync is not None and self.state is not None:
+                self.checkpoints(forced=True)
+            raise
         finally:
             await self.close()
         return 0

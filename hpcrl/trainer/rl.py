@@ -74,9 +74,9 @@ def main(cfg: Config) -> int:
         if batch is None:  # stop requested while waiting: the last finished step is the checkpoint
             if step - 1 > start:
                 ckpt.maybe_save(step - 1, progress, force=True)
-            log.warning(
-                "stop requested while waiting for batch %d: %s, exiting", step, ckpt.stop_summary(step - 1)
-            )
+            summary = ckpt.stop_summary(step - 1)
+            log.warning("stop requested while waiting for batch %d: %s, exiting", step, summary)
+            announce_stop(bus, tr.dist.rank, summary)
             break
         out = train_step(
             tr,
@@ -109,6 +109,7 @@ def main(cfg: Config) -> int:
         watchdog.beat(f"trained and published step {step}")
         if stopping:
             log.warning("stop requested: %s, exiting", ckpt.stop_summary(step))
+            announce_stop(bus, tr.dist.rank, ckpt.stop_summary(step))
             break
     ckpt.close()
     bus.close()
@@ -157,6 +158,16 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str
         full_every=b.full_every,
         resume_lag=cfg.orchestrator.max_async_level,
     )
+
+
+def announce_stop(bus: Bus, rank: int, summary: str) -> None:
+    """Rank 0, stopping: tell the orchestrator on the bus that nothing more comes, so a drain that
+    waits for this trainer's checkpoint (after SIGUSR2 it has no deadline of its own) ends now. Its
+    checkpoint directory exists by now, so the orchestrator still writes its part first."""
+    from hpcrl.bus import Shutdown
+
+    if rank == 0:
+        bus.publish_control(Shutdown(reason=f"trainer stopped: {summary}", origin="trainer"))
 
 
 def wait_for_batch(
