@@ -72,6 +72,15 @@ def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
     """If the config asks to resume, validate the checkpoint, move newer bus files aside and return
     the flags that pin every role to that exact step; else []."""
     if cfg.ckpt is None or cfg.ckpt.resume_step is None:
+        if any(paths.bus_dir.glob("*/*")):
+            # A fresh run in a used directory (as `hpcrl prepare-resume` starts a fresh SLURM job):
+            # the old run's rollouts, policies and stop announcements are not this run's.
+            moved = move_bus_aside(paths, 0)
+            if moved:
+                print(
+                    f"hpcrl: starting fresh in a used directory: moved {len(moved)} old bus file(s) aside",
+                    flush=True,
+                )
         return []
     try:
         step = checkpoint.resolve_resume_step(paths, cfg.ckpt.resume_step)

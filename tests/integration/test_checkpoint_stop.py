@@ -135,3 +135,28 @@ def test_cancel_checkpoint_refuses_a_run_without_checkpoints(tmp_path: Path) -> 
     )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr
     assert "writes no resumable checkpoints" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_fresh_run_in_a_stopped_runs_directory_ignores_its_bus_files(tmp_path: Path) -> None:
+    """A stopped trainer leaves its stop announcement on the bus (and rollouts, policies): a fresh
+    `hpcrl run` into the same directory (no --clean-output-dir, no resume) moves them aside instead
+    of reading them, so it is not told to stop at its first step and trains on its own batches."""
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(CONFIG.replace(f"max_steps = {MAX_STEPS}", "max_steps = 6"))
+    out = tmp_path / "run"
+    paths = RunPaths(out)
+    first = _run(cfg, out)
+    deadline = time.monotonic() + 300
+    while max(RunPaths.steps_in(paths.policy_dir), default=-1) < 2 and first.poll() is None:
+        assert time.monotonic() < deadline, "the first run never reached policy 2"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=120)
+    assert list(paths.control_dir.glob("shutdown_*")), "the stopped trainer announced nothing"
+    second = _run(cfg, out)
+    text, _ = second.communicate(timeout=300)
+    assert second.returncode == 0 and "run finished" in text, text[-3000:]
+    assert "moved" in text and "old bus file(s) aside" in text
+    assert checkpoint.latest_complete(paths) == 6  # trained to the end, not stopped at step 1
