@@ -82,13 +82,7 @@ def announce_server(
     have no Bus of their own (a transient writer), and by Bus.announce_server."""
     path = paths.server_file(info.index)
     write_atomic(path, [encode_json(info)], durable=durable)
-    own = writer is None
-    w = DoorbellWriter(paths) if own else writer
-    try:
-        w.ring_all(Ring("servers", info.index), exclude=exclude)
-    finally:
-        if own:
-            w.close(linger_ms=1000)  # the rings were queued before the connections were up
+    _ring_waiters(paths, Ring("servers", info.index), writer, exclude)
     return path
 
 
@@ -108,14 +102,18 @@ def publish_control(
     origin = re.sub(r"[^A-Za-z0-9_.-]", "_", msg.origin)
     path = paths.control_file(f"shutdown_{origin}")
     renamed_at = write_message(path, msg, checksum=checksum, durable=durable)
-    own = writer is None
-    w = DoorbellWriter(paths) if own else writer
-    try:
-        w.ring_all(Ring("control"), exclude=exclude)
-    finally:
-        if own:
-            w.close(linger_ms=1000)
+    _ring_waiters(paths, Ring("control"), writer, exclude)
     return path, renamed_at
+
+
+def _ring_waiters(paths: RunPaths, ring: Ring, writer: DoorbellWriter | None, exclude: str | None) -> None:
+    """Ring every waiter through `writer`, or through a transient one (a process without a Bus)."""
+    w = writer if writer is not None else DoorbellWriter(paths)
+    try:
+        w.ring_all(ring, exclude=exclude)
+    finally:
+        if writer is None:
+            w.close(linger_ms=1000)  # the rings were queued before the connections were up
 
 
 def endpoint_name(role: str, rank: int = 0) -> str:
