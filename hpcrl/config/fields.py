@@ -108,6 +108,19 @@ def resolve(root: type[msgspec.Struct], parts: list[str]) -> Leaf:
     return Leaf(".".join(parts), kind, nullable and kind == "section", desc, type_repr(t))
 
 
+def is_section_list(root: type[msgspec.Struct], parts: list[str]) -> bool:
+    """Is the field at `parts` a list of sections (`[[orchestrator.train.env]]`)?"""
+    t: mi.Type = _type_info(root)
+    for part in parts:
+        inner, _, _ = _unwrap(t)
+        f = _struct_fields(inner).get(part) if isinstance(inner, mi.StructType) else None
+        if f is None:
+            return False
+        t = f.type
+    inner, _, _ = _unwrap(t)
+    return isinstance(inner, mi.ListType) and isinstance(_unwrap(inner.item_type)[0], mi.StructType)
+
+
 def field_names(root: type[msgspec.Struct], parts: list[str]) -> list[str]:
     """Field names of the section at `parts` (for suggestions)."""
     t: mi.Type = _type_info(root)

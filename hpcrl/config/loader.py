@@ -369,10 +369,12 @@ def load(
             notes.extend(file_notes)
             apply_aliases(data)  # per file: a later file or a flag overrides an alias like its field
         merged = deep_merge(merged, data)
+    sanity.check_shapes(merged, root)  # the files' own shapes: a flag like --slurm must not mask `slurm = 5`
     merged = deep_merge(merged, over)
     # `--no-x` on an optional section left None in the dict: that means "absent".
     _drop_nones(merged)
     try:
+        sanity.check_shapes(merged, root)  # before any default is derived from a section
         if root is Config:
             apply_aliases(merged)
             if any_hosted:

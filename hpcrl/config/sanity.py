@@ -82,3 +82,34 @@ def check_output_dir(raw: str, field: str = "output_dir") -> None:
                 return
         except OSError as e:
             raise ConfigError(field, f"'{raw}' cannot be inspected ({e.strerror})") from None
+
+
+def check_shapes(d: Any, root: type[msgspec.Struct], path: str = "") -> None:
+    """Every section the schema defines must be a table (and a list of sections a list of tables)
+    before anything is derived from the merged dict: `trainer = 5` next to `seq_len` must be a
+    one-line error naming `trainer`, not a TypeError in a default derived from `trainer`."""
+    from hpcrl.config import fields
+
+    if not isinstance(d, dict):
+        return
+    for key, value in d.items():
+        here = f"{path}.{key}" if path else str(key)
+        try:
+            leaf = fields.resolve(root, here.split("."))
+        except ConfigError:
+            continue  # unknown keys are named by the conversion (with a suggestion)
+        if leaf.kind == "section":
+            if not isinstance(value, dict):
+                raise ConfigError(here, f"must be a table ([{here}]), got {_shape(value)}")
+            check_shapes(value, root, here)
+        elif fields.is_section_list(root, here.split(".")):
+            if not isinstance(value, list):
+                raise ConfigError(here, f"must be a list of tables ([[{here}]]), got {_shape(value)}")
+            for i, v in enumerate(value):
+                if not isinstance(v, dict):
+                    raise ConfigError(f"{here}[{i}]", f"must be a table, got {_shape(v)}")
+
+
+def _shape(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}
+    return f"{kinds.get(type(value), type(value).__name__)} ({value!r})"[:120]
