@@ -94,8 +94,11 @@ def resolve(root: type[msgspec.Struct], parts: list[str]) -> Leaf:
             raise ConfigError(".".join(parts[:i]), f"is a {type_repr(t)}, it has no field '{part}'")
         fields = _struct_fields(inner)
         if part not in fields:
+            from hpcrl.config.sections.model import owner_hint
+
             where = ".".join(parts[:i]) or "top level"
-            raise ConfigError(".".join(parts[: i + 1]), f"unknown field in {where}{nearest(part, fields)}")
+            hint = owner_hint(where, part) or f"unknown field in {where}{nearest(part, fields)}"
+            raise ConfigError(".".join(parts[: i + 1]), hint)
         t = fields[part].type
         _, desc, nullable = _unwrap(t)
     inner, _, _ = _unwrap(t)

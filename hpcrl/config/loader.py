@@ -19,6 +19,7 @@ from hpcrl.config import fields, hosted, sanity
 from hpcrl.config.dicts import deep_merge, get_path, set_path
 from hpcrl.config.errors import ConfigError, nearest
 from hpcrl.config.schema import Config, SFTConfig, TrainerConfig
+from hpcrl.config.sections.model import owner_hint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -247,14 +248,28 @@ def check_shared(d: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
+def flow_models(merged: dict[str, Any]) -> None:
+    """Each role's model section = the fields of [model] that the role has, under the role's own
+    values (field by field): `[model] dtype` reaches every role, `[model] ep` only the trainer, and
+    `[inference.model] dtype` overrides [model]'s for the servers alone. Runs on the merged dict
+    (shapes already checked), so what a role reads is decided once, before conversion."""
+    from hpcrl.config.sections.model import ROLE_MODELS
+
+    top = merged.get("model")
+    top = top if isinstance(top, dict) else {}
+    for role, cls in ROLE_MODELS.items():
+        inherited = {k: v for k, v in top.items() if k in cls.__struct_fields__}
+        section = merged.setdefault(role, {})
+        own = section.get("model")
+        section["model"] = deep_merge(inherited, own if isinstance(own, dict) else {})
+
+
 def flow_shared(cfg: Config) -> None:
     """Copy the resolved shared values into every section, so each role reads its own section."""
-    name = cfg.model.name
-    for sec in (cfg.trainer, cfg.orchestrator, cfg.inference):
-        if sec.model is None:
-            sec.model = msgspec.structs.replace(cfg.model)
-        elif sec.model.name is None:
-            sec.model.name = name
+    inf_model = cfg.inference.model
+    lora = cfg.trainer.model.lora if cfg.trainer.model is not None else None
+    if inf_model is not None and inf_model.max_lora_rank is None and lora is not None:
+        inf_model.max_lora_rank = lora.rank  # servers load the adapters the trainer makes
     cfg.trainer.max_steps = cfg.max_steps
     cfg.orchestrator.max_steps = cfg.max_steps
     cfg.trainer.seq_len = cfg.seq_len
@@ -325,7 +340,8 @@ def _translate(msg: str, root: type[msgspec.Struct], d: dict[str, Any] | None = 
         options = fields.field_names(root, parts)
         full = f"{path}.{key}" if path else key
         where = path or "top level"
-        return ConfigError(full, f"unknown field in {where}{nearest(key, options)}")
+        owned = owner_hint(path, key)
+        return ConfigError(full, owned or f"unknown field in {where}{nearest(key, options)}")
     missing = re.match(r"Object missing required field `([^`]+)`", head)
     if missing:
         key = missing.group(1)
@@ -385,6 +401,7 @@ def load(
             for key in ("max_steps", "seq_len"):
                 if key in shared:
                     merged[key] = shared[key]
+            flow_models(merged)
             _micro_batch_default(merged)
             _role_log_extras(merged)
         cfg = convert(merged, root)

@@ -35,6 +35,13 @@ from hpcrl.config.sections.evaluation import (
     GepaRunConfig,
 )
 from hpcrl.config.sections.inference import InferenceConfig, InferenceParallelConfig, ServerConfig
+from hpcrl.config.sections.model import (
+    InferenceModelConfig,
+    LoraConfig,
+    ModelConfig,
+    OrchestratorModelConfig,
+    TrainerModelConfig,
+)
 from hpcrl.config.sections.orchestrator import (
     AdvantageConfig,
     BufferConfig,
@@ -48,14 +55,7 @@ from hpcrl.config.sections.orchestrator import (
     ValConfig,
 )
 from hpcrl.config.sections.sft import LossMaskConfig, SFTConfig, SFTDataConfig, SFTValConfig
-from hpcrl.config.sections.trainer import (
-    BroadcastConfig,
-    LoraConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainerConfig,
-)
+from hpcrl.config.sections.trainer import BroadcastConfig, LossConfig, OptimConfig, TrainerConfig
 
 __all__ = [
     "SHARED_FIELDS",
@@ -75,6 +75,7 @@ __all__ = [
     "GepaConfig",
     "GepaRunConfig",
     "InferenceConfig",
+    "InferenceModelConfig",
     "InferenceParallelConfig",
     "LogConfig",
     "LogExtrasConfig",
@@ -86,6 +87,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "OrchestratorConfig",
+    "OrchestratorModelConfig",
     "RendererConfig",
     "SFTConfig",
     "SFTDataConfig",
@@ -97,6 +99,7 @@ __all__ = [
     "TeacherConfig",
     "TrainEnvsConfig",
     "TrainerConfig",
+    "TrainerModelConfig",
     "ValConfig",
     "WandbConfig",
 ]
@@ -107,7 +110,13 @@ class Config(Section):
     type: Annotated[
         Literal["rl", "full_finetune"], D("Run type; full_finetune is the hosted native shape.")
     ] = "rl"
-    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    model: Annotated[
+        TrainerModelConfig,
+        D(
+            "The shared model table: each field flows into every role's [<role>.model] that has it "
+            "(name, dtype, trust_remote_code: all roles; the rest: the trainer); a role's own value wins."
+        ),
+    ] = msgspec.field(default_factory=TrainerModelConfig)
     max_steps: Annotated[
         int, D("Final training step (a resume runs up to it, not for that many more).", ge=0)
     ] = 20

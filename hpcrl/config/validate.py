@@ -69,12 +69,12 @@ def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
     """The trainer's precision (hpcrl/trainer/precision.py). Validation checks it as if on GPU (the
     permissive case: ``auto`` is bf16 there); the --dry-run summary and the trainer check it again for
     the devices the trainer really gets."""
-    model = cfg.model
-    field = "model"
-    own = getattr(getattr(cfg, "trainer", None), "model", None)
-    if own is not None and own != cfg.model:
-        model, field = own, "trainer.model"
-    return precision.of_model(model, on_gpu, field)
+    if isinstance(cfg, SFTConfig):
+        return precision.of_model(cfg.model, on_gpu, "model")
+    own = cfg.trainer.model or cfg.model  # the loader flows [model] into it; a Config built in code may lack it
+    keys = ("dtype", "optimization_dtype", "reduce_dtype")
+    flowed = all(getattr(own, k) == getattr(cfg.model, k) for k in keys)  # name the table the user wrote
+    return precision.of_model(own, on_gpu, "model" if flowed else "trainer.model")
 
 
 # Fields parsed for compatibility with prime-rl / hosted configs that nothing implements yet: a

@@ -24,6 +24,7 @@ log = logging.getLogger("hpcrl.inference.server")
 
 def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> int:
     """`hpcrl inference`: map the typed config onto ServeOptions and serve (blocks)."""
+    from hpcrl.config.schema import InferenceModelConfig
     from hpcrl.inference.guard import resolve_api_key
     from hpcrl.launch import placement
     from hpcrl.models.tiny import resolve_model
@@ -36,10 +37,9 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
     backend = inf.backend
     if backend == "auto":
         backend = "vllm" if _has_cuda_and_vllm() else "hf"
-    model = (inf.model.name if inf.model is not None and inf.model.name else None) or cfg.model.name
-    mcfg = (
-        inf.model or cfg.model
-    )  # the inference section's own dtype / trust_remote_code (flowed from [model])
+    # [model]'s name / dtype / trust_remote_code flowed in (hpcrl.config.loader.flow_models)
+    mcfg = inf.model or InferenceModelConfig(name=cfg.model.name)
+    model = mcfg.name or cfg.model.name
     opts = ServeOptions(
         model_name=resolve_model(model, field="inference.model.name"),
         served_model_name=model,
@@ -56,7 +56,7 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         run_dir=run_dir,
         server_index=server_index,
         tp=inf.parallel.tp,
-        lora_rank=cfg.model.lora.rank if cfg.model.lora is not None else None,
+        lora_rank=mcfg.max_lora_rank,
         gpu_memory_utilization=inf.gpu_memory_utilization,
         enforce_eager=inf.enforce_eager,
         api_key=resolve_api_key(cfg.server.api_key),
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm: tensor-parallel GPUs of this server",
     )
     p.add_argument(
-        "--model.lora.rank",
+        "--inference.model.max-lora-rank",
         dest="lora_rank",
         type=int,
         default=None,

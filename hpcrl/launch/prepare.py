@@ -8,7 +8,7 @@ from pathlib import Path
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
-from hpcrl.config.schema import CkptConfig, Config, ModelConfig, SFTConfig
+from hpcrl.config.schema import CkptConfig, Config, SFTConfig, TrainerModelConfig
 from hpcrl.config.validate import trainer_precision
 from hpcrl.launch.placement import Placement, local_placement, weight_transport
 from hpcrl.paths import RunPaths
@@ -63,7 +63,7 @@ def local_plan(loaded: Loaded) -> Placement:
     return local_placement(loaded.config, visible_gpus())
 
 
-def _model(model: ModelConfig) -> str:
+def _model(model: TrainerModelConfig) -> str:
     return f"{model.name}" + (" (LoRA)" if model.lora is not None else "")
 
 

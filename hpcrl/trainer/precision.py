@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from hpcrl.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hpcrl.config.schema import ModelConfig
+    from hpcrl.config.schema import TrainerModelConfig
 
 _BITS = {"float32": 32, "bfloat16": 16}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
@@ -87,6 +87,6 @@ def resolve(
     return Precision(compute=compute, master=optimization_dtype, reduce=reduce_dtype)
 
 
-def of_model(model_cfg: ModelConfig, on_gpu: bool, field: str = "trainer.model") -> Precision:
-    """``resolve`` from a ModelConfig."""
+def of_model(model_cfg: TrainerModelConfig, on_gpu: bool, field: str = "trainer.model") -> Precision:
+    """``resolve`` from a TrainerModelConfig."""
     return resolve(model_cfg.dtype, model_cfg.optimization_dtype, model_cfg.reduce_dtype, on_gpu, field)

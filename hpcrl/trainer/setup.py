@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.config.schema import LossConfig, ModelConfig, OptimConfig
+from hpcrl.config.schema import LossConfig, OptimConfig, TrainerModelConfig
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
 from hpcrl.trainer import parallel, precision
@@ -38,7 +38,7 @@ def seed_everything(seed: int, rank: int) -> None:
 
 
 def build_training(
-    model_cfg: ModelConfig,
+    model_cfg: TrainerModelConfig,
     optim_cfg: OptimConfig,
     total_steps: int,
     seed: int,
@@ -90,7 +90,7 @@ def build_training(
 
 def build_model(
     path: str,
-    model_cfg: ModelConfig,
+    model_cfg: TrainerModelConfig,
     prec: precision.Precision,
     device: torch.device,
     warm_start: str | None = None,

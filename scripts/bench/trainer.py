@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["MASTER_PORT"] = str(free_port())
     import torch
 
-    from hpcrl.config.schema import ModelConfig, OptimConfig
+    from hpcrl.config.schema import OptimConfig, TrainerModelConfig
     from hpcrl.trainer import sft_data as sd
     from hpcrl.trainer.core import step_micro_batches
     from hpcrl.trainer.layout import key_cost_of
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.trainer.sft import micro_batches_for
 
     optim = OptimConfig(lr=1e-4, max_norm=1.0)
-    tr = build_training(ModelConfig(name=f"hpcrl/{args.preset}-qwen3"), optim, 1000, seed=0)
+    tr = build_training(TrainerModelConfig(name=f"hpcrl/{args.preset}-qwen3"), optim, 1000, seed=0)
     vocab = tr.model.config.vocab_size
     rng = np.random.default_rng(args.seed)
     batch = make_batch(rng, args.samples, args.min_len, args.max_len, vocab)

@@ -55,7 +55,7 @@ def worker(model_dir: str, meta_init: bool, out: str) -> None:
     import transformers
 
     from hpcrl.bus import TrainBatch
-    from hpcrl.config.schema import ModelConfig, OptimConfig
+    from hpcrl.config.schema import OptimConfig, TrainerModelConfig
     from hpcrl.trainer import parallel
     from hpcrl.trainer.loss import LossParams
     from hpcrl.trainer.rl import train_step
@@ -68,7 +68,9 @@ def worker(model_dir: str, meta_init: bool, out: str) -> None:
     floor, imported = peak_rss_mib(), rss_mib()
     reset_peak()
     t0 = time.perf_counter()
-    tr = build_training(ModelConfig(name=model_dir), OptimConfig(lr=1e-5), 10, seed=0, meta_init=meta_init)
+    tr = build_training(
+        TrainerModelConfig(name=model_dir), OptimConfig(lr=1e-5), 10, seed=0, meta_init=meta_init
+    )
     t_load = time.perf_counter() - t0
     built_peak, built_now, built_anon = peak_rss_mib(), rss_mib(), rss_mib("RssAnon")
     rng = np.random.default_rng(tr.dist.rank)

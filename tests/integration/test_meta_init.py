@@ -77,7 +77,7 @@ def _whole_copies(shape: tuple[int, ...], nbytes: int) -> list[str]:
 def _worker(variant: str, model_dir: str, warm_dir: str, out: str) -> None:
     import torch
 
-    from hpcrl.config.schema import LoraConfig, ModelConfig
+    from hpcrl.config.schema import LoraConfig, TrainerModelConfig
     from hpcrl.trainer import optim, parallel, precision
     from hpcrl.trainer.loss import LossParams
     from hpcrl.trainer.model import is_peft_model
@@ -87,7 +87,7 @@ def _worker(variant: str, model_dir: str, warm_dir: str, out: str) -> None:
     device = torch.device("cpu")
     env = parallel.init_distributed(device)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    mc = ModelConfig(name=model_dir, lora=LoraConfig(rank=4, alpha=8.0) if variant == "lora" else None)
+    mc = TrainerModelConfig(name=model_dir, lora=LoraConfig(rank=4, alpha=8.0) if variant == "lora" else None)
     prec = precision.of_model(mc, on_gpu=False)
     warm = warm_dir if variant == "warm" else None
 

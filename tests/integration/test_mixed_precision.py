@@ -137,7 +137,7 @@ def _worker(model_dir: str, run_dir: str, out: str) -> None:
     import torch
 
     from hpcrl.bus import Bus
-    from hpcrl.config.schema import ModelConfig
+    from hpcrl.config.schema import TrainerModelConfig
     from hpcrl.paths import RunPaths
     from hpcrl.trainer import optim, parallel, precision
     from hpcrl.trainer.loss import LossParams
@@ -150,7 +150,7 @@ def _worker(model_dir: str, run_dir: str, out: str) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     res = {}
     for dtype in ("float32", "bfloat16"):
-        mc = ModelConfig(name=model_dir, dtype=dtype)
+        mc = TrainerModelConfig(name=model_dir, dtype=dtype)
         prec = precision.of_model(mc, on_gpu=False)
         model = build_model(model_dir, mc, prec, device)
         opt = optim.build_optimizer(model, "adamw", lr=1e-3)

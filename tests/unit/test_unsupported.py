@@ -15,7 +15,6 @@ BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = 
 REJECTED = [
     ("model.impl", "custom", "model.impl"),
     ("trainer.model.impl", "custom", "trainer.model.impl"),
-    ("inference.model.impl", "custom", "inference.model.impl"),
     ("model.ep", "2", "model.ep"),
     ("trainer.model.ep", "8", "trainer.model.ep"),
     ("inference.parallel.dp", "2", "inference.parallel.dp"),

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from hpcrl import checkpoint as ck
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.schema import CkptConfig, ModelConfig
+from hpcrl.config.schema import CkptConfig, TrainerModelConfig
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import optim, precision
 from hpcrl.trainer.checkpointer import Checkpointer
@@ -39,7 +39,7 @@ def _training(model_dir: Path, lr: float, lora: LoraParams | None = None) -> Tra
         torch.device("cpu"),
         str(model_dir),
         DistEnv(0, 1, 0, "127.0.0.1", 0),
-        precision.of_model(ModelConfig(), on_gpu=False),
+        precision.of_model(TrainerModelConfig(), on_gpu=False),
     )
 
 

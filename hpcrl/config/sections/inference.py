@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.trainer import ModelConfig
+from hpcrl.config.sections.model import InferenceModelConfig
 
 
 class InferenceParallelConfig(Section):
@@ -17,7 +17,10 @@ class InferenceParallelConfig(Section):
 
 
 class InferenceConfig(Section):
-    model: Annotated[ModelConfig | None, D("Inference-side model overrides (name must agree).")] = None
+    model: Annotated[
+        InferenceModelConfig | None,
+        D("The servers' model: [model]'s name, dtype, trust_remote_code, plus LoRA serving."),
+    ] = None
     seq_len: Annotated[
         Annotated[int, Meta(ge=8)] | None, D("Shared: max context (flows into max_model_len when unset).")
     ] = None

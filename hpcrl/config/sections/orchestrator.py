@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import LogConfig, RoleWandbConfig
-from hpcrl.config.sections.trainer import ModelConfig
+from hpcrl.config.sections.model import OrchestratorModelConfig
 
 
 class SamplingConfig(Section):
@@ -110,7 +110,10 @@ class RendererConfig(Section):
 
 
 class OrchestratorConfig(Section):
-    model: Annotated[ModelConfig | None, D("Orchestrator-side model overrides (name must agree).")] = None
+    model: Annotated[
+        OrchestratorModelConfig | None,
+        D("The orchestrator's model (its tokenizer): name, trust_remote_code."),
+    ] = None
     max_steps: Annotated[Annotated[int, Meta(ge=0)] | None, D("Shared: final training step.")] = None
     seq_len: Annotated[Annotated[int, Meta(ge=8)] | None, D("Shared: max tokens per sample.")] = None
     batch_size: Annotated[

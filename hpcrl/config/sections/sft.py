@@ -10,7 +10,8 @@ from msgspec import Meta
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import CkptConfig, LogConfig, WandbConfig
 from hpcrl.config.sections.deployment import DeploymentConfig
-from hpcrl.config.sections.trainer import ModelConfig, OptimConfig
+from hpcrl.config.sections.model import TrainerModelConfig
+from hpcrl.config.sections.trainer import OptimConfig
 
 
 class SFTDataConfig(Section):
@@ -57,7 +58,7 @@ class SFTValConfig(Section):
 
 class SFTConfig(Section):
     name: Annotated[str | None, D("Run name.")] = None
-    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    model: TrainerModelConfig = msgspec.field(default_factory=TrainerModelConfig)
     max_steps: Annotated[int, D("Final optimizer step.", ge=0)] = 100
     seq_len: Annotated[int, D("Max tokens per packed row.", ge=8)] = 512
     output_dir: Annotated[str, D("Run directory.")] = "outputs/sft"

@@ -1,4 +1,4 @@
-"""Model and trainer sections: [model] (also restated per role), [trainer] with optim / loss / broadcast."""
+"""[trainer] with optim / loss / broadcast (its model section: hpcrl.config.sections.model)."""
 
 from __future__ import annotations
 
@@ -9,49 +9,7 @@ from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import LogConfig, RoleWandbConfig
-
-
-class LoraConfig(Section):
-    rank: Annotated[int, D("LoRA rank r.", ge=1)] = 16
-    alpha: Annotated[float, D("LoRA alpha scaling factor.", gt=0)] = 16.0
-    dropout: Annotated[float, D("LoRA dropout probability.", ge=0, le=1)] = 0.0
-    target_modules: Annotated[list[str], D("Module names LoRA adapts.")] = msgspec.field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-
-
-class ModelConfig(Section):
-    name: Annotated[
-        str | None,
-        D("HF model id or local dir; built-ins hpcrl/tiny-qwen3 and hpcrl/small-qwen3 are made locally."),
-    ] = None
-    dtype: Annotated[
-        Literal["auto", "float32", "bfloat16", "float16"],
-        D(
-            "Weights dtype of inference; the trainer's compute dtype and the dtype of the policy it publishes "
-            "(auto: bf16 on GPU, fp32 on CPU)."
-        ),
-    ] = "auto"
-    optimization_dtype: Annotated[
-        Literal["float32", "bfloat16"],
-        D("Trainer: master weights and optimizer state (float32 under bf16 compute = bf16-mixed)."),
-    ] = "float32"
-    reduce_dtype: Annotated[
-        Literal["float32", "bfloat16"], D("Trainer: dtype gradients are reduced in across ranks.")
-    ] = "float32"
-    attn: Annotated[
-        Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"],
-        D("Attention implementation (auto: sdpa on CPU, flash-attn on GPU when installed)."),
-    ] = "auto"
-    impl: Annotated[
-        Literal["hf", "custom", "auto"], D("Model implementation (hf transformers; custom accepted as hf).")
-    ] = "auto"
-    ep: Annotated[int, D("Expert parallel degree for MoE models (trainer).", ge=1)] = 1
-    activation_checkpointing: Annotated[bool, D("Recompute activations in backward to save memory.")] = False
-    trust_remote_code: Annotated[bool, D("Allow model code from the model directory.")] = False
-    lora: Annotated[
-        LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")
-    ] = None
+from hpcrl.config.sections.model import TrainerModelConfig
 
 
 class OptimConfig(Section):
@@ -106,7 +64,8 @@ class BroadcastConfig(Section):
 
 class TrainerConfig(Section):
     model: Annotated[
-        ModelConfig | None, D("Trainer-side model overrides (name must agree with [model]).")
+        TrainerModelConfig | None,
+        D("The trainer's model: [model]'s fields plus its own (impl, attn, ep, LoRA, precision, memory)."),
     ] = None
     max_steps: Annotated[
         Annotated[int, Meta(ge=0)] | None, D("Shared: final training step (flows from top level).")

@@ -1,0 +1,113 @@
+"""Model sections, one per role: each role's `model` table holds only the fields that role reads.
+
+    ModelConfig              the common part: name, dtype, trust_remote_code
+    OrchestratorModelConfig  what the orchestrator reads (tokenizer): name, trust_remote_code
+    InferenceModelConfig     common part + what a server reads (LoRA serving)
+    TrainerModelConfig       common part + implementation, parallelism, memory, LoRA, precision
+
+The top-level [model] is the shared table: a field set there flows into every role's section that
+has it (a role's own value wins), so `[model] name = ...` reaches every role and `[model]
+activation_checkpointing = true` reaches the trainer only (hpcrl.config.loader.flow_models).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from hpcrl.config.sections.base import D, Section
+
+_NAME = D("HF model id or local dir; built-ins hpcrl/tiny-qwen3 and hpcrl/small-qwen3 are made locally.")
+_TRUST = D("Allow model code from the model directory.")
+
+
+class LoraConfig(Section):
+    rank: Annotated[int, D("LoRA rank r.", ge=1)] = 16
+    alpha: Annotated[float, D("LoRA alpha scaling factor.", gt=0)] = 16.0
+    dropout: Annotated[float, D("LoRA dropout probability.", ge=0, le=1)] = 0.0
+    target_modules: Annotated[list[str], D("Module names LoRA adapts.")] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+class OrchestratorModelConfig(Section):
+    name: Annotated[str | None, _NAME] = None
+    trust_remote_code: Annotated[bool, _TRUST] = False
+
+
+class ModelConfig(Section):
+    """The common part of every role's model section."""
+
+    name: Annotated[str | None, _NAME] = None
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        D(
+            "Weights dtype of inference; the trainer's compute dtype and the dtype of the policy it publishes "
+            "(auto: bf16 on GPU, fp32 on CPU)."
+        ),
+    ] = "auto"
+    trust_remote_code: Annotated[bool, _TRUST] = False
+
+
+class InferenceModelConfig(ModelConfig):
+    max_lora_rank: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        D(
+            "Serve LoRA adapters up to this rank (vLLM starts with LoRA enabled); default: the rank of "
+            "[trainer.model.lora] when the run trains LoRA."
+        ),
+    ] = None
+
+
+class TrainerModelConfig(ModelConfig):
+    optimization_dtype: Annotated[
+        Literal["float32", "bfloat16"],
+        D("Master weights and optimizer state (float32 under bf16 compute = bf16-mixed)."),
+    ] = "float32"
+    reduce_dtype: Annotated[
+        Literal["float32", "bfloat16"], D("Dtype gradients are reduced in across ranks.")
+    ] = "float32"
+    attn: Annotated[
+        Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"],
+        D("Attention implementation (auto: sdpa on CPU, flash-attn on GPU when installed)."),
+    ] = "auto"
+    impl: Annotated[
+        Literal["hf", "custom", "auto"],
+        D("Model implementation: hf (transformers); custom is refused until hpcrl ships its own; auto = hf."),
+    ] = "auto"
+    ep: Annotated[
+        int, D("Expert parallel degree for MoE models (refused above 1 until implemented).", ge=1)
+    ] = 1
+    activation_checkpointing: Annotated[bool, D("Recompute activations in backward to save memory.")] = False
+    lora: Annotated[
+        LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")
+    ] = None
+
+
+ROLE_MODELS: dict[str, type[Section]] = {
+    "trainer": TrainerModelConfig,
+    "orchestrator": OrchestratorModelConfig,
+    "inference": InferenceModelConfig,
+}
+"""Each role's model section type (the top-level [model] is a TrainerModelConfig: it holds every field)."""
+
+
+def owners(field: str) -> list[str]:
+    """The roles whose model section has `field` (for 'inference.model.ep: a trainer field')."""
+    return [role for role, cls in ROLE_MODELS.items() if field in cls.__struct_fields__]
+
+
+def owner_hint(path: str, key: str) -> str:
+    """For `inference.model.ep`: the message naming the role that reads the field ('' otherwise)."""
+    role, _, rest = path.partition(".")
+    if rest != "model" or role not in ROLE_MODELS:
+        return ""
+    others = [r for r in owners(key) if r != role]
+    if not others:
+        return ""
+    return (
+        f"the {role} role does not read it; it is a {' / '.join(others)} field "
+        f"(set it in [{others[0]}.model], or in [model] to reach every role that reads it)"
+    )
