@@ -75,11 +75,19 @@ def _int_flag(argv: list[str], name: str) -> int | None:
 
 
 def _config_help(command: str, root_name: str = "Config") -> str:
-    from hpcrl.config import fields, schema
+    from hpcrl.config import fields, roles, schema
 
     root = getattr(schema, root_name)
-    lines = [f"usage: hpcrl {command} [cfg.toml | @ a.toml @ b.toml] [flags]", "", "config flags:"]
+    view = command if command in roles.VIEWS else None
+    head = (
+        "config flags:"
+        if view is None
+        else f"config flags (what `hpcrl {command}` reads; `hpcrl run` takes all):"
+    )
+    lines = [f"usage: hpcrl {command} [cfg.toml | @ a.toml @ b.toml] [flags]", "", head]
     for path, typ, desc, default in fields.iter_leaves(root):
+        if view is not None and not roles.reads(view, path):
+            continue
         flag = "--" + path.replace("_", "-")
         if typ == "section":
             if fields.resolve(root, path.split(".")).optional_section:  # --x enables it, --no-x removes it
@@ -116,10 +124,10 @@ _COMMAND_FLAGS = {
 }
 
 
-def _load(argv: list[str], root_name: str = "Config", require_envs: bool = True):
+def _load(argv: list[str], root_name: str = "Config", require_envs: bool = True, role: str | None = None):
     from hpcrl.config import load, schema
 
-    return load(argv, getattr(schema, root_name), require_envs=require_envs)
+    return load(argv, getattr(schema, root_name), require_envs=require_envs, role=role)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +185,7 @@ def cmd_resume(argv: list[str]) -> int:
 
 
 def cmd_trainer(argv: list[str]) -> int:
-    loaded = _load(argv)
+    loaded = _load(argv, role="trainer")
     from hpcrl.trainer import parallel
     from hpcrl.trainer.rl import main
 
@@ -188,7 +196,7 @@ def cmd_trainer(argv: list[str]) -> int:
 
 
 def cmd_orchestrator(argv: list[str]) -> int:
-    loaded = _load(argv)
+    loaded = _load(argv, role="orchestrator")
     from hpcrl.orchestrator.loop import main
 
     return main(loaded.config)
@@ -198,7 +206,7 @@ def cmd_inference(argv: list[str]) -> int:
     run_dir = _pop_flag(argv, "--run-dir")
     index = _int_flag(argv, "--server-index") or 0
     # A bare `hpcrl inference --model.name DIR` needs no training environments.
-    loaded = _load(argv, require_envs=False)
+    loaded = _load(argv, require_envs=False, role="inference")
     from hpcrl.inference.server import serve_config
 
     return serve_config(loaded.config, run_dir=None if run_dir is None else str(run_dir), server_index=index)

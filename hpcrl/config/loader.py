@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from hpcrl.config import fields, hosted, sanity
+from hpcrl.config import fields, hosted, roles, sanity
 from hpcrl.config.dicts import deep_merge, get_path, set_path
 from hpcrl.config.errors import ConfigError, nearest
 from hpcrl.config.schema import Config, SFTConfig, TrainerConfig
@@ -79,8 +79,11 @@ def _parse_value(raw: str, leaf: fields.Leaf) -> Any:
     return value
 
 
-def parse_argv(argv: list[str], root: type[msgspec.Struct] = Config) -> tuple[list[str], dict[str, Any]]:
-    """Split argv into config files (in order) and a nested dict of flag overrides."""
+def parse_argv(
+    argv: list[str], root: type[msgspec.Struct] = Config, role: str | None = None
+) -> tuple[list[str], dict[str, Any]]:
+    """Split argv into config files (in order) and a nested dict of flag overrides. With a `role`
+    (hpcrl trainer / orchestrator / inference), a flag that role does not read is refused."""
     files: list[str] = []
     over: dict[str, Any] = {}
     i = 0
@@ -114,6 +117,11 @@ def parse_argv(argv: list[str], root: type[msgspec.Struct] = Config) -> tuple[li
         if root is Config:
             parts = canonical_path(parts)  # --orchestrator.group-size sets rollouts_per_example
         leaf = fields.resolve(root, parts)
+        if role is not None and not roles.reads(role, leaf.path):
+            others = ", ".join(f"hpcrl {r}" for r in roles.owner_commands(leaf.path)) or "no role alone"
+            raise ConfigError(
+                leaf.path, f"is not read by `hpcrl {role}` (read by {others}; `hpcrl run` takes every field)"
+            )
         if parts != typed:  # errors name the flag as given, and what it sets
             leaf = replace(leaf, path=f"{'.'.join(typed)} (= {leaf.path})")
         nxt = argv[i + 1] if i + 1 < len(argv) else None
@@ -369,10 +377,12 @@ def load(
     root: type[T] = Config,
     require_envs: bool = True,  # type: ignore[assignment]
     extra: dict[str, Any] | None = None,
+    role: str | None = None,
 ) -> Loaded:
     """Resolve a config from CLI arguments (files + flags) into typed Structs. `extra` (a nested
-    dict, e.g. from a command's positional arguments and short flags) applies after the flags."""
-    files, over = parse_argv(argv, root)
+    dict, e.g. from a command's positional arguments and short flags) applies after the flags.
+    `role`: a role command's view (hpcrl.config.roles): flags it does not read are refused."""
+    files, over = parse_argv(argv, root, role)
     over = deep_merge(over, extra or {})
     merged: dict[str, Any] = {}
     notes: list[str] = []

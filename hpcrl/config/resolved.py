@@ -36,9 +36,6 @@ def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
                 top = d.get("model", {})
                 for key in [k for k, v in model.items() if k == "name" or top.get(k) == v]:
                     del model[key]  # flowed from [model]: the reload flows it again
-                lora = d.get("trainer", {}).get("model", {}).get("lora") or top.get("lora")
-                if sec == "inference" and lora and model.get("max_lora_rank") == lora.get("rank"):
-                    del model["max_lora_rank"]  # derived from the trained adapter
                 if not model:
                     part.pop("model")
     return d

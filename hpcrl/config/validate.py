@@ -71,7 +71,9 @@ def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
     the devices the trainer really gets."""
     if isinstance(cfg, SFTConfig):
         return precision.of_model(cfg.model, on_gpu, "model")
-    own = cfg.trainer.model or cfg.model  # the loader flows [model] into it; a Config built in code may lack it
+    own = (
+        cfg.trainer.model or cfg.model
+    )  # the loader flows [model] into it; a Config built in code may lack it
     keys = ("dtype", "optimization_dtype", "reduce_dtype")
     flowed = all(getattr(own, k) == getattr(cfg.model, k) for k in keys)  # name the table the user wrote
     return precision.of_model(own, on_gpu, "model" if flowed else "trainer.model")
