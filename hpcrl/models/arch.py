@@ -169,26 +169,27 @@ def _builtin(name: str) -> Arch | None:
     return from_config(cfg, f"hpcrl preset '{preset}'")
 
 
-def _hf_cache(name: str) -> Arch | None:
+def _hf_cache(name: str, cache_dir: str | None) -> Arch | None:
     repo, _, revision = name.partition("@")
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
         return None
     try:
-        path = try_to_load_from_cache(repo, "config.json", revision=revision or None)
+        path = try_to_load_from_cache(repo, "config.json", cache_dir=cache_dir, revision=revision or None)
     except Exception:  # noqa: BLE001 - an id the cache cannot even name is simply not cached
         return None
     return _read(Path(path), f"config.json in the HF cache ({repo})") if isinstance(path, str) else None
 
 
-def find_arch(name: str | None) -> Arch | None:
-    """The architecture of model `name`, or None when nothing local or in the table describes it."""
+def find_arch(name: str | None, cache_dir: str | None = None) -> Arch | None:
+    """The architecture of model `name`, or None when nothing local or in the table describes it
+    (`cache_dir`: the HF cache to read, default the environment's)."""
     if not name:
         return None
     if os.path.isdir(name):
         return _read(Path(name) / "config.json", f"{name}/config.json")
-    arch = _builtin(name) or _hf_cache(name)
+    arch = _builtin(name) or _hf_cache(name, cache_dir)
     if arch is not None:
         return arch
     hit = known(name)
