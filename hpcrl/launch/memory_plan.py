@@ -339,8 +339,10 @@ def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
     ep, cp = int(getattr(model, "ep", 1) or 1), int(getattr(model, "cp", 1) or 1)
     ranks = placement.trainer_ranks
     ep_text = ep_lines(ranks, ep, placement.ranks_per_train_node, arch.num_experts)
-    ac, chunk = model.activation_checkpointing, chunk_tokens(cfg)
-    lora = lora_param_count(arch, model.lora.rank, model.lora.target_modules) if model.lora else 0
+    # getattr: [model] and the trainer's model section are being split per role; these are trainer fields
+    ac, chunk = bool(getattr(model, "activation_checkpointing", False)), chunk_tokens(cfg)
+    lora_cfg = getattr(model, "lora", None)
+    lora = lora_param_count(arch, lora_cfg.rank, lora_cfg.target_modules) if lora_cfg else 0
     kw = dict(
         ranks=ranks, ep=ep, cp=cp, tokens=max(cfg.trainer.micro_batch_tokens, cfg.seq_len),
         compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=cfg.trainer.optim.type,
@@ -349,8 +351,8 @@ def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
     trainer = trainer_items(arch, ac=ac, **kw)
     other = next(i.gib for i in trainer_items(arch, ac=not ac, **kw) if i.name == "activations")
     tp = cfg.inference.parallel.tp
-    imodel = cfg.inference.model or cfg.model
-    idtype = imodel.dtype if imodel.dtype in BYTES else "bfloat16"
+    idtype = getattr(cfg.inference.model, "dtype", None) or cfg.model.dtype
+    idtype = idtype if idtype in BYTES else "bfloat16"  # auto: bf16 on GPU
     util = cfg.inference.gpu_memory_utilization
     infer, kv_tokens = inference_items(
         arch, tp=tp, dtype=idtype, limit_gib=cfg.deployment.gpu_memory_gib, utilization=util

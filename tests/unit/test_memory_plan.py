@@ -147,3 +147,16 @@ def test_gpu_memory_gib_must_be_positive():
     with pytest.raises(ConfigError) as e:
         cfg_of("--deployment.gpu-memory-gib", "0")
     assert "deployment.gpu_memory_gib" in str(e.value)
+
+
+def test_lora_trains_only_the_adapter():
+    # r x (in + out) per projection, Qwen3-8B, r 16: q 16 x 8192, k and v 16 x 5120, o 16 x 8192,
+    # gate and up 16 x 16384, down 16 x 16384 -> 1,212,416 a layer, x 36
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    n = mp.lora_param_count(Q8B, 16, targets)
+    assert n == 36 * 1_212_416
+    got = items(Q8B, lora_params=n)
+    assert got["gradients"] * GIB == pytest.approx(n * 4 / 8) and got["optimizer"] * GIB == pytest.approx(
+        n * 8 / 8
+    )
+    assert got["parameters"] == pytest.approx(items(Q8B)["parameters"])  # the frozen base is still sharded
