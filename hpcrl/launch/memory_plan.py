@@ -85,6 +85,7 @@ class MemoryPlan:
     kv_tokens: int
     max_model_len: int
     ep_lines: list[str] = field(default_factory=list)
+    ranks_field: str = "deployment.num_train_nodes"  # the field that adds trainer ranks
 
     @property
     def trainer_gib(self) -> float:
@@ -134,7 +135,7 @@ class MemoryPlan:
 
     def _fixes(self, item: str) -> list[tuple[str, str]]:
         if item in ("parameters", "gradients", "optimizer"):
-            return [("deployment.num_train_nodes", "more trainer ranks (deployment.num_train_nodes)")]
+            return [(self.ranks_field, f"more trainer ranks ({self.ranks_field})")]
         if item == "gathered":
             return [("trainer.model.ep", "a larger trainer.model.ep")] if self.arch.moe else []
         if item == "activations":
@@ -371,6 +372,11 @@ def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
         kv_tokens=kv_tokens,
         max_model_len=cfg.inference.max_model_len or cfg.seq_len,
         ep_lines=ep_text,
+        ranks_field=(
+            "deployment.num_train_gpus"
+            if cfg.deployment.num_train_gpus is not None or placement.target == "local"
+            else "deployment.num_train_nodes"
+        ),
     )
 
 

@@ -110,9 +110,11 @@ def test_architecture_sources(tmp_path):
     assert arch.layers == 2 and "HF cache" in arch.source
 
 
-def cfg_of(*args):
+def cfg_of(*args, nodes=True):
     base = ["--model.name", "Qwen/Qwen3-8B", "--orchestrator.train.env", '[{id = "reverse-text"}]',
-            "--slurm.time", "01:00:00", "--deployment.num-train-nodes", "1", "--deployment.num-infer-nodes", "1"]  # fmt: skip
+            "--slurm.time", "01:00:00"]  # fmt: skip
+    if nodes:
+        base += ["--deployment.num-train-nodes", "1", "--deployment.num-infer-nodes", "1"]
     return load([*base, *args]).config
 
 
@@ -160,3 +162,20 @@ def test_lora_trains_only_the_adapter():
         n * 8 / 8
     )
     assert got["parameters"] == pytest.approx(items(Q8B)["parameters"])  # the frozen base is still sharded
+
+
+def test_one_machine_with_gpus_names_the_gpu_count_to_raise():
+    from hpcrl.launch.placement import local_placement
+
+    cfg = cfg_of(
+        "--deployment.num-train-gpus",
+        "1",
+        "--deployment.num-infer-gpus",
+        "1",
+        "--seq-len",
+        "2048",
+        nodes=False,
+    )
+    with pytest.raises(ConfigError) as e:  # 8.19 B x 16 bytes of master state on one GPU
+        mp.dry_run_lines(cfg, local_placement(cfg, gpus_available=2))
+    assert e.value.path == "deployment.num_train_gpus" and "a trainer rank needs 1" in str(e.value)
