@@ -45,6 +45,7 @@ class ComponentRequest:
     mem_mb: int | None  # None: not requested (SLURM's default), 0: all of the node's memory
     gpus_per_node: int
     tasks_field: str  # the field that sets tasks per node
+    mem_field: str = "slurm.mem"  # where the memory request comes from
 
 
 def gres_gpus(gres: str) -> int:
@@ -109,6 +110,16 @@ def component_requests(cfg: Config, placement: Placement) -> list[ComponentReque
     s, d = cfg.slurm, cfg.deployment
     assert s is not None
     mem = parse_mem_mb(s.mem) if s.mem is not None else None
+    mem_field = "slurm.mem"
+    from hpcrl.launch.slurm import split_extra_sbatch
+
+    for opt in split_extra_sbatch(s.extra_sbatch)[1]:  # a component's own --mem / --mem-per-cpu win
+        name, _, value = opt.partition("=")
+        if name in ("--mem", "--mem-per-cpu") and value:
+            mem = parse_mem_mb(value, "slurm.extra_sbatch") * (
+                s.cpus_per_task if name == "--mem-per-cpu" else 1
+            )
+            mem_field = f"slurm.extra_sbatch ({name})"
     out = []
     for role in ("trainer", "inference"):
         r = placement.resources(role)
@@ -121,7 +132,16 @@ def component_requests(cfg: Config, placement: Placement) -> list[ComponentReque
             tasks += " or inference.parallel.tp"
         gpus = r["gpus_per_node"] or 0
         out.append(
-            ComponentRequest(role, r["nodes"], r["ntasks_per_node"], s.cpus_per_task, mem, gpus, tasks)
+            ComponentRequest(
+                role,
+                r["nodes"],
+                r["ntasks_per_node"],
+                s.cpus_per_task,
+                mem * r["ntasks_per_node"] if mem and "mem-per-cpu" in mem_field else mem,
+                gpus,
+                tasks,
+                mem_field,
+            )
         )
     return out
 
@@ -158,10 +178,12 @@ def check_components(requests: list[ComponentRequest], nodes: list[NodeOffer], w
             )
         most_mem = max(n.mem_mb for n in nodes)
         if req.mem_mb and req.mem_mb > most_mem:
+            field = req.mem_field.split(" ")[0]
             raise ConfigError(
-                "slurm.mem",
+                field,
                 f"the {req.role} component asks {req.mem_mb} MB per node but nodes of {where} have at most "
-                f"{most_mem} MB (sinfo); lower slurm.mem (0 = all of a node's memory)",
+                f"{most_mem} MB (sinfo); lower {req.mem_field}"
+                + (" (0 = all of a node's memory)" if field == "slurm.mem" else ""),
             )
         free = [n for n in nodes if n.name not in used and _fits(req, n)]
         if len(free) < req.nodes:

@@ -126,3 +126,21 @@ def test_requests_follow_the_placement():
     assert trainer.tasks_field == "slurm.gpus_per_node"
     assert (inference.ntasks_per_node, inference.gpus_per_node) == (2, 4)
     assert inference.tasks_field == "slurm.gpus_per_node or inference.parallel.tp"
+
+
+def test_memory_from_extra_sbatch_and_cpu_nodes():
+    cfg = cfg_of(
+        "--deployment.num-train-nodes", "1", "--deployment.num-infer-nodes", "1",
+        "--slurm.gpus-per-node", "2", "--slurm.cpus-per-task", "2", "--slurm.mem", "1G",
+        "--slurm.extra-sbatch", '["--mem-per-cpu=600M", "--exclusive"]',
+    )  # fmt: skip
+    trainer, _ = component_requests(cfg, slurm_placement(cfg))
+    assert trainer.mem_mb == 600 * 2 * 2 and trainer.mem_field == "slurm.extra_sbatch (--mem-per-cpu)"
+    e = refused([trainer], [NodeOffer("n1", 4, 2048, 4)])
+    assert e.path == "slurm.extra_sbatch" and "asks 2400 MB per node" in e.message
+    cpu = cfg_of("--slurm.nodes", "2", "--slurm.gpus-per-node", "0", "--deployment.num-trainer-ranks", "3")
+    trainer, inference = component_requests(cpu, slurm_placement(cpu, nodes=2))
+    assert (trainer.ntasks_per_node, trainer.gpus_per_node, trainer.tasks_field) == (
+        3, 0, "deployment.num_trainer_ranks",
+    )  # fmt: skip
+    assert refused([trainer]).path == "deployment.num_trainer_ranks"
