@@ -127,7 +127,7 @@ class MemoryPlan:
         if kv.gib <= 0 or self.kv_tokens < self.max_model_len:
             raise ConfigError(
                 "deployment.gpu_memory_gib",
-                f"an inference server's KV cache holds {max(self.kv_tokens, 0)} tokens of "
+                f"an inference server's KV cache holds {max(self.kv_tokens, 0)} tokens on "
                 f"{limit_gib:g} GiB GPUs, less than one sequence of max_model_len {self.max_model_len}: "
                 "raise inference.parallel.tp or inference.gpu_memory_utilization, lower "
                 "inference.max_model_len, or raise deployment.gpu_memory_gib",
