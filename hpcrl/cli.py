@@ -139,10 +139,15 @@ def cmd_run(argv: list[str]) -> int:
     from hpcrl.launch import prepare
 
     placement = prepare.local_plan(loaded)
+    memory: list[str] = []
+    if placement.uses_gpus:  # on GPUs: the per-GPU memory plan, refused when it cannot fit
+        from hpcrl.launch.memory_plan import dry_run_lines
+
+        memory = dry_run_lines(loaded.config, placement)
     prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config, dry_run=dry)
     if dry:
-        prepare.print_summary(loaded, placement, "run (this machine)")
+        prepare.print_summary(loaded, placement, "run (this machine)", memory)
         return 0
     from hpcrl.launch.local import run_local
 

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
-import subprocess
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -288,28 +286,6 @@ def _cpu_slurm(cfg: Config, total: int | None) -> Placement:
     else:
         tn, inn = _node_split(d, total)
     return Placement("slurm", tn, inn, d.num_trainer_ranks or 1, 1, 0, 0, d.orchestrator_node)
-
-
-def partition_max_gpus(partition: str | None) -> int | None:
-    """The most GPUs one node of `partition` has, from `sinfo` (None: no sinfo or no answer)."""
-    cmd = ["sinfo", "-h", "-N", "-o", "%G"] + (["-p", partition] if partition else [])
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if p.returncode != 0 or not p.stdout.strip():
-        return None
-    return max((gres_gpus(line) for line in p.stdout.split()), default=0)
-
-
-def gres_gpus(gres: str) -> int:
-    """GPUs in a sinfo GRES string: 'gpu:4', 'gpu:a100:8(S:0-1)', 'gpu:2,shard:8' -> 4, 8, 2; '(null)' -> 0."""
-    total = 0
-    for item in gres.split(","):
-        m = re.match(r"gpu(?::[^:(]+)?:(\d+)", item.strip())
-        if m:
-            total += int(m.group(1))
-    return total
 
 
 # -- binding (each process, at start) ---------------------------------------------------------------

@@ -20,8 +20,9 @@ from hpcrl.config import secrets
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import secret_env, to_dict, write_resolved
 from hpcrl.config.schema import CkptConfig, Config
-from hpcrl.launch import prepare
-from hpcrl.launch.placement import partition_max_gpus, slurm_placement
+from hpcrl.launch import memory_plan, prepare
+from hpcrl.launch.partition import check_components, component_requests, partition_nodes
+from hpcrl.launch.placement import slurm_placement
 from hpcrl.models.hub import job_env as hub_job_env
 from hpcrl.paths import RunPaths
 
@@ -46,8 +47,13 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     secrets.check_secret_refs(to_dict(cfg), {**os.environ, **secret_env(cfg)})
     # What the partition's nodes offer (sinfo), so an impossible request fails here in one line
     # instead of pending forever in the queue.
-    offer = partition_max_gpus(cfg.slurm.partition) if cfg.slurm.gpus_per_node else None
-    placement = slurm_placement(cfg, nodes, partition_gpus=offer)
+    offer = partition_nodes(cfg.slurm.partition)
+    most_gpus = max(n.gpus for n in offer) if offer and cfg.slurm.gpus_per_node else None
+    placement = slurm_placement(cfg, nodes, partition_gpus=most_gpus)
+    if offer:
+        where = f"partition '{cfg.slurm.partition}'" if cfg.slurm.partition else "the default partition"
+        check_components(component_requests(cfg, placement), offer, where)
+    memory = memory_plan.dry_run_lines(cfg, placement)  # refuses a GPU plan that cannot fit
     prepare.apply_placement(cfg, placement)
     notes = []
     if cfg.slurm.requeue and cfg.ckpt is None:
@@ -73,7 +79,7 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     paths.slurm_dir.mkdir(parents=True, exist_ok=True)
     script_path = paths.slurm_dir / "hetjob.sbatch"
     script_path.write_text(script)
-    extra = [f"sbatch:       {script_path}"] + notes
+    extra = memory + [f"sbatch:       {script_path}"] + notes
     if dry_run:
         if shutil.which("sbatch"):
             ok, msg = sbatch_test_only(script)

@@ -6,8 +6,8 @@
 --mode wallclock (scripts/bench/e2e_wallclock.py): both systems start from the same SFT-warmed tiny
 model on the demo's task, batch and sampling, each for --budget-s seconds of wall clock from launch,
 over an lr sweep (--lr a,b,c; --repeats N). Prints reward per 20 s window, the reward at the budget,
-time to reward 0.6 / 0.7, plots reward vs seconds (docs/img/e2e_wallclock.png), and checks
-hpcrl >= TRL + 0.2 reward at the budget.
+time to reward 0.6 / 0.7, plots reward vs seconds (<out>/e2e_wallclock.png; --update-docs also copies it
+to the tracked docs/img/e2e_wallclock.png), and checks hpcrl >= TRL + 0.2 reward at the budget.
 
 Same tiny model (hpcrl/tiny-qwen3), same reverse-text tasks rendered through the same chat template,
 same reward (the environment's rubric), same batch (16 prompts x 8 completions x <=16 new tokens),
@@ -421,6 +421,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--lr", default="2e-3", help="wallclock mode: comma-separated lrs, both systems (default: the demo's)"
     )
     p.add_argument("--repeats", type=int, default=1, help="wallclock mode: runs per lr and system (medians)")
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="wallclock mode: also copy the plot to the tracked docs/img/e2e_wallclock.png (default: only --out)",
+    )
     args = p.parse_args(argv)
     if args.mode == "wallclock" and args.only:
         p.error("--only applies to --mode throughput; wallclock mode always runs both systems")

@@ -34,7 +34,8 @@ import e2e
 REPO = e2e.REPO
 WALLCLOCK_CONFIG = "configs/bench/e2e_wallclock.toml"
 REWARD_MARGIN = 0.2
-PLOT = REPO / "docs/img/e2e_wallclock.png"
+PLOT_NAME = "e2e_wallclock.png"  # under --out; --update-docs copies it to DOCS_PLOT
+DOCS_PLOT = REPO / "docs/img" / PLOT_NAME
 SYSTEMS = ("hpcrl", "trl")
 REACH = (0.6, 0.7)
 
@@ -247,12 +248,22 @@ def run_wallclock(args: argparse.Namespace, out_root: Path) -> int:
         f"threads per process: {args.threads}; 1-min load average {load_before:.1f} before, {load_after:.1f} after "
         f"on {os.cpu_count()} cores (runs one after the other; other work on the machine = noisy numbers)"
     )
-    plot_wallclock(first, lrs, PLOT, args.budget_s)
-    print(f"plot: {PLOT}")
+    plot, *copies = plot_paths(out_root, args.update_docs)
+    plot_wallclock(first, lrs, plot, args.budget_s)
+    print(f"plot: {plot}")
+    for copy in copies:
+        shutil.copyfile(plot, copy)
+        print(f"docs updated: {copy}")
     summary = {"args": vars(args), "weights": str(weights), "rows": rows, "runs": results, "failed": failed}
     summary["load"] = [load_before, load_after]
     (out_root / "summary_wallclock.json").write_text(json.dumps(summary, indent=2))
     return 1 if failed else 0
+
+
+def plot_paths(out_root: Path, update_docs: bool) -> list[Path]:
+    """Where the plot goes: under the run's output dir, and the tracked docs copy only when asked
+    (running a benchmark must not dirty the checkout)."""
+    return [out_root / PLOT_NAME] + ([DOCS_PLOT] if update_docs else [])
 
 
 def plot_wallclock(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch.placement import partition_max_gpus
+from hpcrl.launch.partition import partition_max_gpus
 from hpcrl.paths import RunPaths
 from tests.integration.test_slurm_cluster import cluster, ended, jobs, wait_for  # noqa: F401
 from tests.integration.tiny_run import TINY_RL
@@ -126,3 +126,41 @@ def test_hosted_single_node_dry_run_requests_one_gpu_each(gpu_cluster, tmp_path:
     assert r.returncode == 0, r.stdout + r.stderr
     script = (tmp_path / "run" / "slurm" / "hetjob.sbatch").read_text()
     assert script.count("#SBATCH --gpus-per-node=1") == 2 and script.count("#SBATCH --ntasks-per-node=1") == 2
+
+
+def _demo_dry_run(tmp: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "submit", str(REPO / "configs/demo/rl.toml"), "--nodes", "2",
+         "--dry-run", "--output-dir", str(tmp / "run"), *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_dry_run_refuses_more_cpus_or_memory_than_the_nodes_have(gpu_cluster, tmp_path: Path) -> None:
+    """sbatch --test-only only says "Requested node configuration is not available": the dry run
+    names the component, what it asks, what the nodes have and the field, in one line, exit 2."""
+    from hpcrl.launch.partition import partition_nodes
+
+    nodes = partition_nodes(None)
+    cpus, mem = max(n.cpus for n in nodes), max(n.mem_mb for n in nodes)
+    cases = [
+        (("--slurm.gpus-per-node", "1", "--slurm.cpus-per-task", str(cpus + 1)), "slurm.cpus_per_task",
+         f"asks 1 task(s) x {cpus + 1} CPU(s)"),
+        (("--slurm.gpus-per-node", "1", "--slurm.mem", f"{mem + 1}M"), "slurm.mem", f"asks {mem + 1} MB per node"),
+    ]  # fmt: skip
+    if cpus < 4:  # the issue's own example, on the default 2-CPU fake nodes
+        cases.append(
+            (("--slurm.gpus-per-node", "4"), "slurm.gpus_per_node", "asks 4 task(s) x 1 CPU(s) = 4 CPUs")
+        )
+    for flags, field, words in cases:
+        r = _demo_dry_run(tmp_path, *flags)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(err) == 1, r.stdout + r.stderr
+        assert f"the trainer component {words}" in err[0], err[0]
+        assert (
+            err[0].startswith(f"config error: {field}:")
+            and "(sinfo)" in err[0]
+            and "Traceback" not in r.stderr
+        )
+    ok = _demo_dry_run(tmp_path, "--slurm.gpus-per-node", "1", "--slurm.mem", f"{mem}M")
+    assert ok.returncode == 0 and "sbatch --test-only: OK" in ok.stdout, ok.stdout + ok.stderr

@@ -234,3 +234,12 @@ def test_a_run_that_stopped_before_the_budget_is_reported():
     assert wall.ended_early([], launched=1000.0, budget_s=120.0) == 0.0
     assert e2e.parse_args(["--mode", "wallclock"]).steps == 100_000
     assert e2e.parse_args([]).steps == 1000
+
+
+def test_the_plot_stays_under_the_output_dir_unless_docs_are_asked_for(tmp_path):
+    """Running a benchmark must not dirty the checkout: docs/img/ only with --update-docs."""
+    assert e2e.parse_args(["--mode", "wallclock"]).update_docs is False
+    assert e2e.parse_args(["--mode", "wallclock", "--update-docs"]).update_docs is True
+    assert wall.plot_paths(tmp_path, update_docs=False) == [tmp_path / "e2e_wallclock.png"]
+    plot, docs = wall.plot_paths(tmp_path, update_docs=True)
+    assert plot.parent == tmp_path and docs == wall.REPO / "docs" / "img" / "e2e_wallclock.png"

@@ -14,7 +14,6 @@ from hpcrl.config import load
 from hpcrl.config.errors import ConfigError
 from hpcrl.launch.placement import (
     bind_gpus,
-    gres_gpus,
     local_placement,
     placement_line,
     rank_env,
@@ -184,20 +183,6 @@ def test_more_gpus_per_node_than_the_partition_has():
         slurm_placement(cfg, partition_gpus=4)
     assert e.value.path == "slurm.gpus_per_node" and "at most 4 (sinfo)" in str(e.value)
     assert slurm_placement(cfg, partition_gpus=8).trainer_ranks == 8
-
-
-@pytest.mark.parametrize(
-    "gres, n",
-    [
-        ("gpu:4", 4),
-        ("gpu:a100:8(S:0-1)", 8),
-        ("gpu:2,shard:8", 2),
-        ("(null)", 0),
-        ("gpu:h100:4,gpu:a100:2", 6),
-    ],
-)
-def test_gres_parsing(gres, n):
-    assert gres_gpus(gres) == n
 
 
 @pytest.mark.parametrize(

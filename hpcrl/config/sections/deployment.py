@@ -35,6 +35,14 @@ class DeploymentConfig(Section):
             "(rehearse a GPU job on a fake-GPU SLURM); placement and GPU requests are unchanged."
         ),
     ] = "auto"
+    gpu_memory_gib: Annotated[
+        float,
+        D(
+            "Memory of one GPU in GiB: the --dry-run memory plan refuses a trainer rank or inference server "
+            "that cannot fit it (GPU compute only; with compute = cpu the plan is information).",
+            gt=0,
+        ),
+    ] = 80.0
     max_server_restarts: Annotated[
         int,
         D(

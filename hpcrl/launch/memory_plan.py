@@ -1,0 +1,401 @@
+"""The --dry-run memory plan: per-GPU memory of a trainer rank and of an inference server's GPU.
+
+    plan = plan_for(cfg, placement)        # MemoryPlan, or None when the architecture is unknown
+    plan.lines()                           # the table the dry-run summary prints
+    plan.check(cfg.deployment.gpu_memory_gib)   # ConfigError (one line) when it cannot fit
+
+Pure functions of the config, the placement and the model's architecture (hpcrl.models.arch: its
+config.json, locally or in the HF cache, else a built-in table; never a download).
+
+Trainer rank (N ranks, FSDP2 over all of them, experts split over `ep` ranks and FSDP-sharded over the
+N / ep ranks that hold the same experts, as torchtitan does; every rank then stores P / N):
+  parameters   P / N x master bytes           (model.optimization_dtype; fp32 by default)
+  gradients    P / N x master bytes           (FSDP2 keeps gradient shards in the parameters' dtype)
+  optimizer    P / N x master bytes x 2       (AdamW's two moments; SGD without momentum: 0)
+  gathered     (root + PREFETCH_LAYERS layers) x compute bytes + one layer x reduce bytes: the
+               unsharded parameters FSDP all-gathers (a layer's experts: E / ep of them) and one
+               layer's unsharded gradients before the reduce-scatter (model.reduce_dtype)
+  activations  T = micro_batch_tokens / cp tokens (a packed micro-batch; context parallelism splits
+               it) x layers x per-token-per-layer elements x compute bytes, where the elements are
+                 A = ACT_HIDDEN x hidden + ACT_ATTN x (q_dim + 2 kv_dim) + ACT_MLP x mlp_width
+                     + ACT_ROUTED x top_k x hidden   (MoE: the dispatched copies of each token)
+               (mlp_width = intermediate, or top_k x moe_intermediate). With activation checkpointing
+               each layer keeps only its input (ACT_CKPT x hidden) and one layer at a time is
+               recomputed in full: T x (layers x ACT_CKPT x hidden + A) x compute bytes.
+  logits       tokens x vocab x (compute bytes + LOGIT_FP32_COPIES x 4): the model's logits, their
+               fp32 upcast, the fp32 log-softmax kept for backward and its gradient. Tokens = T today
+               (an upper bound: logits are kept for loss tokens only), the chunk size when the trainer
+               computes logprobs in chunks.
+Inference server GPU (tp GPUs per server): weights P x dtype bytes / tp; the KV cache gets
+gpu_memory_utilization x GPU memory - weights - INFER_RESERVE_GIB, at 2 x layers x kv heads per GPU
+(kv_heads / tp, at least 1: vLLM replicates them when tp > kv_heads) x head_dim x dtype bytes a token.
+
+The ACT_* constants are estimates from counting what a Qwen3 layer saves for backward with flash
+attention (no [s, s] scores); measure and replace them here, in this one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hpcrl.config.errors import ConfigError
+from hpcrl.models.arch import Arch, find_arch
+
+if TYPE_CHECKING:
+    from hpcrl.config.schema import Config
+    from hpcrl.launch.placement import Placement
+
+GIB = 1024**3
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+# Activation model (elements per token per layer, in the compute dtype): see the module docstring.
+ACT_HIDDEN = 4  # the two RMSNorms' inputs and outputs
+ACT_ATTN = 3  # q and k raw, normed and rotated; v; the attention output (flash attention)
+ACT_MLP = 4  # gate, up, silu(gate), silu(gate) * up
+ACT_ROUTED = 2  # MoE: each token's top_k dispatched inputs and their combined outputs
+ACT_CKPT = 1  # activation checkpointing: each layer keeps its input
+PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and prefetches the next
+LOGIT_FP32_COPIES = 3  # fp32 upcast, log-softmax (kept for backward), its gradient
+INFER_RESERVE_GIB = 2.0  # inference activations, CUDA graphs, NCCL buffers outside the KV cache
+# trainer.model fields from the long-sequence work (chunked logprobs, context parallelism), read
+# with getattr so this module works before and after they exist.
+CHUNK_FIELD = "logprobs_chunk_tokens"  # positions per LM-head chunk; 0 / absent: all at once
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    dtype: str
+    gib: float
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    arch: Arch
+    trainer: list[Item]
+    trainer_head: str
+    ac: bool
+    ac_other_gib: float  # activations with the other activation-checkpointing setting
+    inference: list[Item]
+    inference_head: str
+    kv_tokens: int
+    max_model_len: int
+    ep_lines: list[str] = field(default_factory=list)
+    ranks_field: str = "deployment.num_train_nodes"  # the field that adds trainer ranks
+
+    @property
+    def trainer_gib(self) -> float:
+        return sum(i.gib for i in self.trainer)
+
+    @property
+    def inference_gib(self) -> float:
+        return sum(i.gib for i in self.inference)
+
+    def lines(self, limit_gib: float | None = None) -> list[str]:
+        a = self.arch
+        experts = f", {_count(a.expert_params)} in {a.num_experts} experts (top-{a.top_k})" if a.moe else ""
+        out = [f"memory plan:  {self.model}: {_count(a.params)} params{experts}; numbers from {a.source}"]
+        of = f" of {limit_gib:g} GiB" if limit_gib else ""
+        out.append(f"  trainer rank ({self.trainer_head}): {self.trainer_gib:.1f} GiB{of}")
+        out += [_row(i) for i in self.trainer]
+        out.append(f"  inference GPU ({self.inference_head}): {self.inference_gib:.1f} GiB{of}")
+        out += [_row(i) for i in self.inference]
+        out += self.ep_lines
+        return out
+
+    def check(self, limit_gib: float) -> None:
+        """One-line refusal when a trainer rank or an inference server's GPU cannot fit `limit_gib`."""
+        if self.trainer_gib > limit_gib:
+            fixes: list[tuple[str, str]] = []  # (field, what to do), biggest item first
+            for item in sorted(self.trainer, key=lambda i: -i.gib)[:3]:
+                for fix in self._fixes(item.name):
+                    if fix not in fixes:
+                        fixes.append(fix)
+            fixes.append(("deployment.gpu_memory_gib", "raise deployment.gpu_memory_gib"))
+            raise ConfigError(
+                fixes[0][0],
+                f"a trainer rank needs {self.trainer_gib:.1f} GiB of {limit_gib:g} GiB "
+                f"({_biggest(self.trainer)}): "
+                + ", ".join(f for _, f in fixes[:-1])
+                + f", or {fixes[-1][1]}",
+            )
+        kv = next(i for i in self.inference if i.name == "KV cache")
+        if kv.gib <= 0 or self.kv_tokens < self.max_model_len:
+            raise ConfigError(
+                "deployment.gpu_memory_gib",
+                f"an inference server's KV cache holds {max(self.kv_tokens, 0)} tokens on "
+                f"{limit_gib:g} GiB GPUs, less than one sequence of max_model_len {self.max_model_len}: "
+                "raise inference.parallel.tp or inference.gpu_memory_utilization, lower "
+                "inference.max_model_len, or raise deployment.gpu_memory_gib",
+            )
+
+    def _fixes(self, item: str) -> list[tuple[str, str]]:
+        if item in ("parameters", "gradients", "optimizer"):
+            return [(self.ranks_field, f"more trainer ranks ({self.ranks_field})")]
+        if item == "gathered":
+            return [("trainer.model.ep", "a larger trainer.model.ep")] if self.arch.moe else []
+        if item == "activations":
+            out = (
+                []
+                if self.ac
+                else [
+                    (
+                        "trainer.model.activation_checkpointing",
+                        f"trainer.model.activation_checkpointing = true ({self.ac_other_gib:.1f} GiB activations)",
+                    )
+                ]
+            )
+            return out + [("trainer.model.cp", "trainer.model.cp or a smaller trainer.micro_batch_tokens")]
+        if item == "logits":
+            return [(f"trainer.model.{CHUNK_FIELD}", f"chunked logprobs (trainer.model.{CHUNK_FIELD})")]
+        return []
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} K"
+
+
+def _row(i: Item) -> str:
+    return f"    {i.name:<12} {i.dtype:<5} {i.gib:8.2f} GiB" + (f"  {i.note}" if i.note else "")
+
+
+def _biggest(items: list[Item]) -> str:
+    top = sorted(items, key=lambda i: -i.gib)[:2]
+    return ", ".join(f"{i.name} {i.gib:.1f}" for i in top)
+
+
+# -- pieces (pure) --------------------------------------------------------------------------------
+def ep_groups(ranks: int, ep: int) -> list[list[int]]:
+    """Trainer ranks of each expert-parallel group: consecutive ranks (a node's GPUs first), so
+    the all-to-all stays inside a node whenever ep <= GPUs per node."""
+    if ep < 1 or ranks % ep:
+        raise ConfigError("trainer.model.ep", f"{ep} does not divide the {ranks} trainer ranks")
+    return [list(range(g * ep, (g + 1) * ep)) for g in range(ranks // ep)]
+
+
+def expert_shard_groups(ranks: int, ep: int) -> list[list[int]]:
+    """Ranks that hold the same experts (one from each ep group): FSDP shards those experts over them."""
+    return [list(range(i, ranks, ep)) for i in range(ep)]
+
+
+def _span(g: list[int]) -> str:
+    return (
+        f"{g[0]}"
+        if len(g) == 1
+        else f"{g[0]}-{g[-1]}"
+        if g == list(range(g[0], g[-1] + 1))
+        else ",".join(map(str, g))
+    )
+
+
+def ep_lines(ranks: int, ep: int, ranks_per_node: int, num_experts: int) -> list[str]:
+    """The dry-run's ep groups: which ranks exchange tokens, which shard the same experts."""
+    groups = ep_groups(ranks, ep)
+    if num_experts and num_experts % ep:
+        raise ConfigError("trainer.model.ep", f"{ep} does not divide the model's {num_experts} experts")
+    if ep == 1:
+        return []
+    shown = groups if len(groups) <= 8 else groups[:4] + groups[-1:]
+    lines = [
+        f"  ep groups:  {len(groups)} x {ep} ranks (all-to-all inside each; {num_experts // ep} experts per rank): "
+        + " ".join(f"[{_span(g)}]" for g in shown)
+        + (" ..." if len(shown) < len(groups) else ""),
+        "  expert FSDP: ranks holding the same experts: "
+        + " ".join(f"[{_span(g)}]" for g in expert_shard_groups(ranks, ep)[:8])
+        + (" ..." if ep > 8 else ""),
+    ]
+    if ranks_per_node and (ep > ranks_per_node or ranks_per_node % ep):
+        lines.append(
+            f"  note:       an ep group spans nodes ({ep} > {ranks_per_node} ranks per node or not aligned)"
+        )
+    return lines
+
+
+def activation_gib(a: Arch, tokens: int, compute_bytes: int, ac: bool) -> float:
+    per_layer = (
+        ACT_HIDDEN * a.hidden
+        + ACT_ATTN * (a.q_dim + 2 * a.kv_dim)
+        + ACT_MLP * a.mlp_width
+        + (ACT_ROUTED * a.top_k * a.hidden if a.moe else 0)
+    )
+    elems = a.layers * ACT_CKPT * a.hidden + per_layer if ac else a.layers * per_layer
+    return tokens * elems * compute_bytes / GIB
+
+
+def logits_gib(vocab: int, tokens: int, compute_bytes: int) -> float:
+    return tokens * vocab * (compute_bytes + LOGIT_FP32_COPIES * 4) / GIB
+
+
+def trainer_items(
+    a: Arch,
+    *,
+    ranks: int,
+    ep: int,
+    cp: int,
+    tokens: int,
+    compute: str,
+    master: str,
+    reduce: str,
+    optimizer: str,
+    ac: bool,
+    chunk: int | None,
+    lora_params: int = 0,
+) -> list[Item]:
+    """Per-GPU memory of one trainer rank (see the module docstring). `lora_params` > 0: only those
+    train (gradients and optimizer state), the base weights stay frozen."""
+    cb, mb, rb = BYTES[compute], BYTES[master], BYTES[reduce]
+    trained = lora_params or a.params
+    shard = a.params / ranks
+    moments = 2 if optimizer == "adamw" else 0
+    layer = a.dense_layer_params + a.expert_layer_params / ep
+    gathered = (a.embed_params + PREFETCH_LAYERS * layer) * cb + (layer * rb if not lora_params else 0)
+    t = -(-tokens // cp)
+    logit_tokens = min(t, chunk) if chunk else t
+    ac_note = f"{t} tokens x {a.layers} layers, checkpointing {'on' if ac else 'off'}"
+    return [
+        Item("parameters", SHORT[master], shard * mb / GIB, f"{_count(a.params)} / {ranks} ranks"),
+        Item("gradients", SHORT[master], trained / ranks * mb / GIB, "LoRA only" if lora_params else ""),
+        Item(
+            "optimizer",
+            SHORT[master],
+            trained / ranks * mb * moments / GIB,
+            f"{optimizer}: {moments} state(s)",
+        ),
+        Item(
+            "gathered",
+            SHORT[compute],
+            gathered / GIB,
+            f"root + {PREFETCH_LAYERS} layers" + (f" ({a.num_experts // ep} experts each)" if a.moe else ""),
+        ),
+        Item(
+            "activations",
+            SHORT[compute],
+            activation_gib(a, t, cb, ac),
+            ac_note + (f", cp {cp}" if cp > 1 else ""),
+        ),
+        Item(
+            "logits",
+            "fp32",
+            logits_gib(a.vocab, logit_tokens, cb),
+            f"{logit_tokens} x {a.vocab}" + (" (chunked)" if chunk else " (full; no chunked logprobs)"),
+        ),
+    ]
+
+
+def inference_items(
+    a: Arch, *, tp: int, dtype: str, limit_gib: float, utilization: float
+) -> tuple[list[Item], int]:
+    """(items, KV tokens) of one GPU of an inference server."""
+    b = BYTES[dtype]
+    weights = a.params * b / tp / GIB
+    kv_heads = max(1, a.kv_heads // tp)
+    per_token = 2 * a.layers * kv_heads * a.head_dim * b
+    kv = utilization * limit_gib - weights - INFER_RESERVE_GIB
+    tokens = int(kv * GIB // per_token) if kv > 0 else 0
+    return [
+        Item("weights", SHORT[dtype], weights, f"{_count(a.params)} / tp {tp}"),
+        Item("reserve", "", INFER_RESERVE_GIB, "activations, CUDA graphs (estimate)"),
+        Item(
+            "KV cache",
+            SHORT[dtype],
+            kv,
+            f"{tokens:,} tokens at {per_token / 1024:.1f} KiB/token ({kv_heads} kv head(s)/GPU)",
+        ),
+    ], tokens
+
+
+# -- from a config --------------------------------------------------------------------------------
+def chunk_tokens(cfg: Config) -> int | None:
+    """The trainer's logprob chunk size (None: the full [tokens, vocab] logits at once)."""
+    value = getattr(cfg.trainer.model or cfg.model, CHUNK_FIELD, None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def lora_param_count(a: Arch, rank: int, targets: list[str]) -> int:
+    """LoRA parameters r x (in + out) per adapted projection (experts are not adapted)."""
+    shapes = {
+        "q_proj": (a.hidden, a.q_dim), "k_proj": (a.hidden, a.kv_dim), "v_proj": (a.hidden, a.kv_dim),
+        "o_proj": (a.q_dim, a.hidden),
+    }  # fmt: skip
+    if not a.moe:
+        shapes.update(gate_proj=(a.hidden, a.intermediate), up_proj=(a.hidden, a.intermediate))
+        shapes["down_proj"] = (a.intermediate, a.hidden)
+    return a.layers * sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+
+
+def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
+    """The memory plan of `cfg` placed as `placement` (GPU dtypes: bf16 compute unless set), or None
+    when the model's architecture is unknown here."""
+    from hpcrl.config.validate import trainer_precision
+
+    model = cfg.trainer.model or cfg.model
+    arch = find_arch(model.name or cfg.model.name)
+    if arch is None:
+        return None
+    prec = trainer_precision(cfg, on_gpu=True)
+    ep, cp = int(getattr(model, "ep", 1) or 1), int(getattr(model, "cp", 1) or 1)
+    ranks = placement.trainer_ranks
+    ep_text = ep_lines(ranks, ep, placement.ranks_per_train_node, arch.num_experts)
+    # getattr: [model] and the trainer's model section are being split per role; these are trainer fields
+    ac, chunk = bool(getattr(model, "activation_checkpointing", False)), chunk_tokens(cfg)
+    lora_cfg = getattr(model, "lora", None)
+    lora = lora_param_count(arch, lora_cfg.rank, lora_cfg.target_modules) if lora_cfg else 0
+    kw = dict(
+        ranks=ranks, ep=ep, cp=cp, tokens=max(cfg.trainer.micro_batch_tokens, cfg.seq_len),
+        compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=cfg.trainer.optim.type,
+        chunk=chunk, lora_params=lora,
+    )  # fmt: skip
+    trainer = trainer_items(arch, ac=ac, **kw)
+    other = next(i.gib for i in trainer_items(arch, ac=not ac, **kw) if i.name == "activations")
+    tp = cfg.inference.parallel.tp
+    idtype = getattr(cfg.inference.model, "dtype", None) or cfg.model.dtype
+    idtype = idtype if idtype in BYTES else "bfloat16"  # auto: bf16 on GPU
+    util = cfg.inference.gpu_memory_utilization
+    infer, kv_tokens = inference_items(
+        arch, tp=tp, dtype=idtype, limit_gib=cfg.deployment.gpu_memory_gib, utilization=util
+    )
+    parallel = f"FSDP {ranks}" + (f", ep {ep}" if ep > 1 else "") + (f", cp {cp}" if cp > 1 else "")
+    head = f"{ranks} ranks, {parallel}; {SHORT[prec.compute]} compute, {SHORT[prec.master]} master"
+    return MemoryPlan(
+        model=model.name or cfg.model.name or "",
+        arch=arch,
+        trainer=trainer,
+        trainer_head=head,
+        ac=ac,
+        ac_other_gib=other,
+        inference=infer,
+        inference_head=f"tp {tp}, {SHORT[idtype]}, gpu_memory_utilization {util:g}",
+        kv_tokens=kv_tokens,
+        max_model_len=cfg.inference.max_model_len or cfg.seq_len,
+        ep_lines=ep_text,
+        ranks_field=(
+            "deployment.num_train_gpus"
+            if cfg.deployment.num_train_gpus is not None or placement.target == "local"
+            else "deployment.num_train_nodes"
+        ),
+    )
+
+
+def dry_run_lines(cfg: Config, placement: Placement) -> list[str]:
+    """The plan's lines for the submit summary. Refuses (ConfigError) what cannot fit
+    deployment.gpu_memory_gib when the job computes on GPUs; with compute = cpu it only informs."""
+    model = cfg.trainer.model or cfg.model
+    plan = plan_for(cfg, placement)
+    if plan is None:
+        name = model.name or cfg.model.name
+        return [
+            f"memory plan:  skipped: no architecture numbers for {name!r} (not a local directory, not in the "
+            "HF cache, not in hpcrl.models.arch.KNOWN)",
+            *ep_lines(
+                placement.trainer_ranks, int(getattr(model, "ep", 1) or 1), placement.ranks_per_train_node, 0
+            ),
+        ]
+    limit = cfg.deployment.gpu_memory_gib
+    if placement.uses_gpus and not placement.cpu_compute:
+        plan.check(limit)
+        return plan.lines(limit)
+    return plan.lines(limit) + ["  note:       CPU compute: the plan is information, not checked"]

@@ -1,0 +1,199 @@
+"""Architecture numbers of a causal LM (what the --dry-run memory plan needs), without loading it.
+
+    arch = find_arch("Qwen/Qwen3-30B-A3B")   # Arch or None; never downloads
+    arch.params, arch.expert_params, arch.source
+
+Where the numbers come from, first match wins: a local model directory's config.json; a built-in
+tiny model (its cached build, else its preset); the Hugging Face cache's config.json of a Hub id
+(read only, `try_to_load_from_cache`); the small table below of known Hub architectures (then
+`source` says so). Pure except for reading those files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP width (unused by MoE layers)
+    vocab: int
+    tied: bool = False  # lm_head shares the embedding
+    num_experts: int = 0  # 0: dense
+    top_k: int = 0
+    moe_intermediate: int = 0
+    source: str = ""
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def embed_params(self) -> int:
+        """Input embedding + lm_head (once when tied) + final norm: FSDP's root unit."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def attn_params(self) -> int:
+        """One layer's attention: q, k, v, o projections, q/k norms, the two RMSNorms."""
+        proj = self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+        return proj + 2 * self.head_dim + 2 * self.hidden
+
+    @property
+    def expert_layer_params(self) -> int:
+        """One MoE layer's experts (gate, up, down of each)."""
+        return self.num_experts * 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def dense_layer_params(self) -> int:
+        """One layer's parameters that are not experts (attention, router or dense MLP)."""
+        mlp = self.hidden * self.num_experts if self.moe else 3 * self.hidden * self.intermediate
+        return self.attn_params + mlp
+
+    @property
+    def expert_params(self) -> int:
+        return self.layers * self.expert_layer_params
+
+    @property
+    def params(self) -> int:
+        return self.embed_params + self.layers * (self.dense_layer_params + self.expert_layer_params)
+
+    @property
+    def mlp_width(self) -> int:
+        """MLP activations per token: the dense width, or top_k routed copies of an expert's width."""
+        return self.top_k * self.moe_intermediate if self.moe else self.intermediate
+
+
+def from_config(c: dict[str, Any], source: str) -> Arch:
+    """An Arch from a Hugging Face config.json dict (Qwen3 / Qwen3-MoE / Llama-style names; a
+    multimodal config's `text_config` is used when present)."""
+    c = c.get("text_config") or c
+    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
+    return Arch(
+        hidden=hidden,
+        layers=int(c["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or hidden // heads),
+        intermediate=int(c.get("intermediate_size") or 0),
+        vocab=int(c["vocab_size"]),
+        tied=bool(c.get("tie_word_embeddings", False)),
+        num_experts=experts,
+        top_k=int(c.get("num_experts_per_tok") or 0) if experts else 0,
+        moe_intermediate=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0)
+        if experts
+        else 0,
+        source=source,
+    )
+
+
+def _qwen3(hidden, layers, heads, kv, inter, tied=False, experts=0, moe_inter=0) -> dict[str, Any]:
+    d = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=128,
+        intermediate_size=inter,
+        vocab_size=151936,
+        tie_word_embeddings=tied,
+    )
+    if experts:
+        d.update(num_experts=experts, num_experts_per_tok=8, moe_intermediate_size=moe_inter)
+    return d
+
+
+# Known Hub architectures (the numbers of their config.json), for ids not in the local cache.
+KNOWN: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3-0.6B": _qwen3(1024, 28, 16, 8, 3072, tied=True),
+    "Qwen/Qwen3-1.7B": _qwen3(2048, 28, 16, 8, 6144, tied=True),
+    "Qwen/Qwen3-4B": _qwen3(2560, 36, 32, 8, 9728, tied=True),
+    "Qwen/Qwen3-8B": _qwen3(4096, 36, 32, 8, 12288),
+    "Qwen/Qwen3-14B": _qwen3(5120, 40, 40, 8, 17408),
+    "Qwen/Qwen3-32B": _qwen3(5120, 64, 64, 8, 25600),
+    "Qwen/Qwen3-30B-A3B": _qwen3(2048, 48, 32, 4, 6144, experts=128, moe_inter=768),
+    "Qwen/Qwen3-235B-A22B": _qwen3(4096, 94, 64, 4, 12288, experts=128, moe_inter=1536),
+}
+# Releases that keep their base model's architecture (Qwen3-30B-A3B-Thinking-2507 is Qwen3-30B-A3B).
+_VARIANTS = ("-Base", "-Instruct-2507", "-Thinking-2507")
+
+
+def known(name: str) -> tuple[str, dict[str, Any]] | None:
+    """(table key, config numbers) of a Hub id in the table, variants included."""
+    repo = name.partition("@")[0]
+    for suffix in _VARIANTS:
+        if repo.endswith(suffix):
+            repo = repo[: -len(suffix)]
+            break
+    return (repo, KNOWN[repo]) if repo in KNOWN else None
+
+
+def _read(path: Path, source: str) -> Arch | None:
+    try:
+        return from_config(json.loads(path.read_text()), source)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _builtin(name: str) -> Arch | None:
+    from hpcrl.models import tiny
+    from hpcrl.models.names import BUILTIN_MODELS
+
+    preset = BUILTIN_MODELS.get(name)
+    if preset is None:
+        return None
+    built = tiny._cache_root() / "models" / name / "config.json"
+    if built.exists():
+        arch = _read(built, f"config.json of the built {name}")
+        if arch is not None:
+            return arch
+    cfg = {"vocab_size": tiny.VOCAB_SIZE, "tie_word_embeddings": True, **tiny.PRESETS[preset]}
+    return from_config(cfg, f"hpcrl preset '{preset}'")
+
+
+def _hf_cache(name: str, cache_dir: str | None) -> Arch | None:
+    repo, _, revision = name.partition("@")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        return None
+    try:
+        path = try_to_load_from_cache(repo, "config.json", cache_dir=cache_dir, revision=revision or None)
+    except Exception:  # noqa: BLE001 - an id the cache cannot even name is simply not cached
+        return None
+    return _read(Path(path), f"config.json in the HF cache ({repo})") if isinstance(path, str) else None
+
+
+def find_arch(name: str | None, cache_dir: str | None = None) -> Arch | None:
+    """The architecture of model `name`, or None when nothing local or in the table describes it
+    (`cache_dir`: the HF cache to read, default the environment's)."""
+    if not name:
+        return None
+    if os.path.isdir(name):
+        return _read(Path(name) / "config.json", f"{name}/config.json")
+    arch = _builtin(name) or _hf_cache(name, cache_dir)
+    if arch is not None:
+        return arch
+    hit = known(name)
+    if hit is None:
+        return None
+    key, numbers = hit
+    return from_config(numbers, f"built-in table ({key}; not in the HF cache)")

@@ -1,0 +1,181 @@
+"""The --dry-run memory plan (hpcrl/launch/memory_plan.py) and architecture lookup (hpcrl/models/arch.py),
+against numbers worked out by hand here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpcrl.config import load
+from hpcrl.config.errors import ConfigError
+from hpcrl.launch import memory_plan as mp
+from hpcrl.launch.placement import slurm_placement
+from hpcrl.models.arch import KNOWN, find_arch, from_config
+from hpcrl.models.hub import seed_cache
+
+GIB = 1024**3
+Q8B = from_config(KNOWN["Qwen/Qwen3-8B"], "test")
+Q30B = from_config(KNOWN["Qwen/Qwen3-30B-A3B"], "test")
+
+
+def test_parameter_counts_by_hand():
+    # Qwen3-8B: embed + untied head 2 x 151936 x 4096 = 1,244,659,712 (+ final norm 4096); a layer:
+    # q,k,v 4096 x (4096 + 2 x 1024) + o 4096 x 4096 = 41,943,040, norms 2 x 128 + 2 x 4096 = 8,448,
+    # MLP 3 x 4096 x 12288 = 150,994,944 -> 192,946,432; x 36 layers. The published 8.2 B.
+    assert Q8B.dense_layer_params == 192_946_432
+    assert Q8B.params == 1_244_663_808 + 36 * 192_946_432 == 8_190_735_360
+    assert Q8B.params * 2 / 1e9 == pytest.approx(16.38, abs=0.01)  # 16.4 GB in bf16
+    # Qwen3-30B-A3B: 128 experts x 3 x 2048 x 768 = 603,979,776 per layer; the published 30.5 B.
+    assert Q30B.expert_layer_params == 603_979_776
+    assert Q30B.dense_layer_params == 2048 * 5120 + 4096 * 2048 + 256 + 4096 + 2048 * 128 == 19_140_864
+    assert Q30B.params / 1e9 == pytest.approx(30.53, abs=0.01)
+    assert from_config(KNOWN["Qwen/Qwen3-235B-A22B"], "t").params / 1e9 == pytest.approx(235.09, abs=0.01)
+
+
+def items(arch, **kw):
+    base = dict(ranks=8, ep=1, cp=1, tokens=4096, compute="bfloat16", master="float32", reduce="float32",
+                optimizer="adamw", ac=False, chunk=None)  # fmt: skip
+    return {i.name: i.gib for i in mp.trainer_items(arch, **{**base, **kw})}
+
+
+def test_dense_8b_on_8_fsdp_ranks():
+    got = items(Q8B)
+    shard = 8_190_735_360 * 4 / 8  # fp32 master shard: 4,095,367,680 B
+    assert got["parameters"] == pytest.approx(shard / GIB) == pytest.approx(3.814, abs=1e-3)
+    assert got["gradients"] == pytest.approx(shard / GIB)
+    assert got["optimizer"] == pytest.approx(2 * shard / GIB)
+    # root (1,244,663,808) + 2 layers in bf16, one layer's gradients in fp32
+    assert got["gathered"] * GIB == pytest.approx((1_244_663_808 + 2 * 192_946_432) * 2 + 192_946_432 * 4)
+    # per token per layer: 4 x 4096 + 3 x (4096 + 2 x 1024) + 4 x 12288 = 83,968 elements (bf16)
+    assert got["activations"] * GIB == pytest.approx(4096 * 36 * 83_968 * 2)  # 23.06 GiB
+    assert got["logits"] * GIB == pytest.approx(4096 * 151_936 * (2 + 12))  # 8.11 GiB
+    on = items(Q8B, ac=True, chunk=1024)
+    assert on["activations"] * GIB == pytest.approx(4096 * (36 * 4096 + 83_968) * 2)  # 1.77 GiB
+    assert on["logits"] * GIB == pytest.approx(1024 * 151_936 * 14)
+    assert items(Q8B, cp=2)["activations"] == pytest.approx(got["activations"] / 2)
+    assert items(Q8B, optimizer="sgd")["optimizer"] == 0
+
+
+def test_expert_parallelism_shrinks_the_gathered_layer_not_the_shards():
+    ep1, ep8 = items(Q30B, ranks=16), items(Q30B, ranks=16, ep=8)
+    assert ep8["parameters"] == ep1["parameters"] == pytest.approx(Q30B.params * 4 / 16 / GIB)
+    layer8 = 19_140_864 + 603_979_776 // 8
+    assert ep8["gathered"] * GIB == pytest.approx((Q30B.embed_params + 2 * layer8) * 2 + layer8 * 4)
+    assert ep8["gathered"] < ep1["gathered"] / 3  # the root (embeddings) stays
+    # MoE activations: the MLP term is top_k x moe_intermediate and each token is dispatched top_k times
+    per = 4 * 2048 + 3 * (4096 + 1024) + 4 * 8 * 768 + 2 * 8 * 2048
+    assert ep8["activations"] * GIB == pytest.approx(4096 * 48 * per * 2)
+
+
+def test_inference_gpu_weights_and_kv_budget():
+    rows, tokens = mp.inference_items(Q8B, tp=1, dtype="bfloat16", limit_gib=80, utilization=0.9)
+    got = {i.name: i.gib for i in rows}
+    assert got["weights"] * GIB == pytest.approx(8_190_735_360 * 2)  # 15.26 GiB
+    assert got["KV cache"] == pytest.approx(72 - got["weights"] - mp.INFER_RESERVE_GIB)
+    assert tokens == int(got["KV cache"] * GIB // (2 * 36 * 8 * 128 * 2))  # 144 KiB a token
+    # tp 8 over 4 kv heads: one (replicated) kv head per GPU
+    _, t30 = mp.inference_items(Q30B, tp=8, dtype="bfloat16", limit_gib=80, utilization=0.9)
+    kv = 72 - Q30B.params * 2 / 8 / GIB - 2
+    assert t30 == int(kv * GIB // (2 * 48 * 1 * 128 * 2))
+
+
+def test_ep_groups():
+    assert mp.ep_groups(16, 8) == [list(range(8)), list(range(8, 16))]
+    assert mp.expert_shard_groups(16, 8)[:2] == [[0, 8], [1, 9]]
+    assert mp.ep_groups(4, 1) == [[0], [1], [2], [3]] and mp.ep_lines(4, 1, 4, 8) == []
+    with pytest.raises(ConfigError) as e:
+        mp.ep_groups(12, 8)
+    assert e.value.path == "trainer.model.ep" and "12 trainer ranks" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        mp.ep_lines(6, 3, 6, 128)
+    assert "128 experts" in str(e.value)
+    lines = mp.ep_lines(16, 8, 8, 128)
+    assert "2 x 8 ranks" in lines[0] and "[0-7] [8-15]" in lines[0] and "16 experts per rank" in lines[0]
+    assert "[0,8] [1,9]" in lines[1] and not any("spans nodes" in x for x in lines)
+    assert "spans nodes" in mp.ep_lines(16, 16, 8, 128)[-1]
+
+
+def test_architecture_sources(tmp_path):
+    assert "built-in table (Qwen/Qwen3-30B-A3B" in find_arch("Qwen/Qwen3-30B-A3B-Thinking-2507").source
+    assert find_arch("someone/unknown-model") is None and find_arch(None) is None
+    cfg = dict(KNOWN["Qwen/Qwen3-8B"], num_hidden_layers=2)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": cfg}))
+    assert find_arch(str(model)).layers == 2
+    cache = tmp_path / "hub"
+    seed_cache(model, "someone/cached-model", cache)
+    arch = find_arch("someone/cached-model", cache_dir=str(cache))
+    assert arch.layers == 2 and "HF cache" in arch.source
+
+
+def cfg_of(*args, nodes=True):
+    base = ["--model.name", "Qwen/Qwen3-8B", "--orchestrator.train.env", '[{id = "reverse-text"}]',
+            "--slurm.time", "01:00:00"]  # fmt: skip
+    if nodes:
+        base += ["--deployment.num-train-nodes", "1", "--deployment.num-infer-nodes", "1"]
+    return load([*base, *args]).config
+
+
+def test_a_plan_that_cannot_fit_is_refused_in_one_line():
+    cfg = cfg_of("--seq-len", "32768")
+    placement = slurm_placement(cfg)
+    with pytest.raises(ConfigError) as e:
+        mp.dry_run_lines(cfg, placement)
+    msg = str(e.value)
+    assert e.value.path == "trainer.model.activation_checkpointing" and "\n" not in msg
+    assert "a trainer rank needs" in msg and "of 80 GiB" in msg and "deployment.gpu_memory_gib" in msg
+    # the same job computing on CPU: information only
+    cpu = cfg_of("--seq-len", "32768", "--deployment.compute", "cpu")
+    assert "not checked" in mp.dry_run_lines(cpu, slurm_placement(cpu))[-1]
+    fits = cfg_of("--seq-len", "4096", "--trainer.model.activation-checkpointing")
+    lines = mp.dry_run_lines(fits, slurm_placement(fits))
+    assert lines[0].startswith("memory plan:  Qwen/Qwen3-8B: 8.19 B params")
+    assert "trainer rank (8 ranks, FSDP 8; bf16 compute, fp32 master)" in lines[1] and "of 80 GiB" in lines[1]
+    small = cfg_of(
+        "--seq-len",
+        "4096",
+        "--trainer.model.activation-checkpointing",
+        "--inference.gpu-memory-utilization",
+        "0.2",
+    )
+    with pytest.raises(ConfigError) as e:
+        mp.dry_run_lines(small, slurm_placement(small))  # 15.3 GiB of bf16 weights in 16 GiB
+    assert "KV cache holds 0 tokens" in str(e.value) and "inference.parallel.tp" in str(e.value)
+
+
+def test_gpu_memory_gib_must_be_positive():
+    with pytest.raises(ConfigError) as e:
+        cfg_of("--deployment.gpu-memory-gib", "0")
+    assert "deployment.gpu_memory_gib" in str(e.value)
+
+
+def test_lora_trains_only_the_adapter():
+    # r x (in + out) per projection, Qwen3-8B, r 16: q 16 x 8192, k and v 16 x 5120, o 16 x 8192,
+    # gate and up 16 x 16384, down 16 x 16384 -> 1,212,416 a layer, x 36
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    n = mp.lora_param_count(Q8B, 16, targets)
+    assert n == 36 * 1_212_416
+    got = items(Q8B, lora_params=n)
+    assert got["gradients"] * GIB == pytest.approx(n * 4 / 8) and got["optimizer"] * GIB == pytest.approx(
+        n * 8 / 8
+    )
+    assert got["parameters"] == pytest.approx(items(Q8B)["parameters"])  # the frozen base is still sharded
+
+
+def test_one_machine_with_gpus_names_the_gpu_count_to_raise():
+    from hpcrl.launch.placement import local_placement
+
+    cfg = cfg_of(
+        "--deployment.num-train-gpus",
+        "1",
+        "--deployment.num-infer-gpus",
+        "1",
+        "--seq-len",
+        "2048",
+        nodes=False,
+    )
+    with pytest.raises(ConfigError) as e:  # 8.19 B x 16 bytes of master state on one GPU
+        mp.dry_run_lines(cfg, local_placement(cfg, gpus_available=2))
+    assert e.value.path == "deployment.num_train_gpus" and "a trainer rank needs 1" in str(e.value)
