@@ -88,8 +88,9 @@ DOC_KEY = re.compile(
 )
 
 
-# Backticked names in the docs that are code, not config keys (library calls, files).
-NOT_KEYS = {"wandb.init", "wandb.teardown", "model.generate", "trainer.py"}
+# Backticked names in the docs that are code, not config keys (library calls, files), or that the
+# docs quote as refused (an error message).
+NOT_KEYS = {"wandb.init", "wandb.teardown", "model.generate", "trainer.py", "inference.model.ep"}
 
 
 def _documented() -> list[str]:
