@@ -3,10 +3,10 @@
 Request (vLLM's `GenerateRequest`): `{model, token_ids, sampling_params}`; the prompt is the ids as
 given, never re-tokenized, so a multi-turn client that bridges its token stream (renderers'
 `bridge_to_next_turn`) gets exactly the continuation it asked for. Response (vLLM's
-`GenerateResponse`): `request_id`, `model`, `created`, `prompt_token_ids`, `usage`, and per choice
-`token_ids`, `logprobs` (chat shape, each token spelled `token_id:<id>` as vLLM's
-`--return-tokens-as-token-ids` does, which the renderers client checks), `finish_reason`,
-`stop_reason` and `routed_experts`.
+`GenerateTokensResponse`, output_mode "tokens"): `request_id`, `model`, `created`,
+`prompt_token_ids`, `usage`, and per choice `token_ids`, `logprobs`, `finish_reason`, `stop_reason`
+and `routed_experts`. Each logprob entry carries vLLM 0.33's `token_id`/`rank` and also
+`token: "token_id:<id>"` (the chat shape renderers 0.1.12's client checks).
 
 Every refusal is a 400 naming the field (`token_ids`, `sampling_params.<key>`); nothing reaches the
 engine before the whole request is valid, so a bad request changes nothing for the next one.
@@ -56,7 +56,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
     "flat_logprobs": (False,),
     "output_kind": (None, 0),
     "extra_args": (None, {}),
@@ -71,6 +70,14 @@ NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (None,),
     "request_id": (None,),
     "stream_options": (None,),
+    "output_mode": (None, "tokens"),  # "text"/"derender" need vLLM's parsers
+    "return_token_ids": (None, True, False),  # prompt_token_ids are always returned
+    "reasoning_ended": (None, True, False),  # only gates structured outputs, which the engine lacks
+    "reasoning_parser_kwargs": (None,),
+    "parse_context": (None,),
+    "content_parts": (None, []),
+    "token_offsets": (None,),
+    "ec_transfer_params": (None,),
 }
 
 
@@ -164,6 +171,19 @@ def routed_experts(out: SeqOutput) -> str | None:
     return None
 
 
+def _logprob(token_id: int, logprob: float) -> dict[str, Any]:
+    """One logprob entry in both shapes clients read: vLLM 0.33's tokens mode (`token_id`, `rank`) and
+    the chat shape with `--return-tokens-as-token-ids` (`token: "token_id:N"`), which renderers 0.1.12
+    checks token by token."""
+    return {
+        "token_id": token_id,
+        "token": f"token_id:{token_id}",
+        "logprob": logprob,
+        "rank": None,
+        "bytes": None,
+    }
+
+
 def response(model: str, prompt: list[int], outs: list[SeqOutput], params: SamplingParams) -> dict[str, Any]:
     """vLLM's GenerateResponse for `outs`, with the prompt ids (what renderers' client reads back)."""
     choices = []
@@ -173,13 +193,10 @@ def response(model: str, prompt: list[int], outs: list[SeqOutput], params: Sampl
             tops = o.top_logprobs or [[] for _ in o.token_ids]
             logprobs = {
                 "content": [
+                    # as vLLM 0.33: the sampled token first, then the top k (k or k + 1 entries)
                     {
-                        "token": f"token_id:{t}",
-                        "logprob": lp,
-                        "bytes": None,
-                        "top_logprobs": [
-                            {"token": f"token_id:{a}", "logprob": x, "bytes": None} for a, x in top
-                        ],
+                        **_logprob(t, lp),
+                        "top_logprobs": [_logprob(t, lp)] + [_logprob(a, x) for a, x in top if a != t],
                     }
                     for t, lp, top in zip(o.token_ids, o.logprobs, tops)
                 ]
@@ -198,6 +215,7 @@ def response(model: str, prompt: list[int], outs: list[SeqOutput], params: Sampl
     completion = sum(len(o.token_ids) for o in outs)
     return {
         "request_id": uuid.uuid4().hex,
+        "output_mode": "tokens",
         "model": model,
         "created": int(time.time()),
         "prompt_token_ids": prompt,
