@@ -22,6 +22,7 @@ from hpcrl.config.sections.common import (
     LogConfig,
     LogExtrasConfig,
     LogLevels,
+    RendererConfig,
     RoleWandbConfig,
     WandbConfig,
 )
@@ -41,7 +42,6 @@ from hpcrl.config.sections.orchestrator import (
     EnvConfig,
     EvalConfig,
     OrchestratorConfig,
-    RendererConfig,
     SamplingConfig,
     TeacherConfig,
     TrainEnvsConfig,
