@@ -16,6 +16,8 @@ Self-contained on purpose: api.py only registers it (`install`).
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,6 +29,9 @@ from fastapi.responses import Response
 from hpcrl.inference.protocol import MAX_TOP_LOGPROBS, APIError, SamplingParams, SeqOutput, parse_sampling
 
 ROUTE = "/inference/v1/generate"
+# Debugging and the token-exactness test: every answered request appended to this file as one JSON
+# line {"prompt_token_ids", "token_ids": [per choice], "logprobs": [per choice]} (what was sampled).
+LOG_ENV = "HPCRL_GENERATE_LOG"
 
 # vLLM SamplingParams fields the embedded engine honours (passed on to `parse_sampling`).
 SUPPORTED = (
@@ -231,6 +236,19 @@ def response(model: str, prompt: list[int], outs: list[SeqOutput], params: Sampl
     }
 
 
+def log_sample(path: str, prompt: list[int], outs: list[SeqOutput]) -> None:
+    line = {
+        "prompt_token_ids": prompt,
+        "token_ids": [o.token_ids for o in outs],
+        "logprobs": [o.logprobs for o in outs],
+    }
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(line, separators=(",", ":")) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def install(
     app: FastAPI,
     state: Any,
@@ -241,6 +259,7 @@ def install(
 ) -> None:
     """Register the route on the embedded server's app (auth comes from the app's middleware)."""
     engine = state.engine
+    log_path = os.environ.get(LOG_ENV)
 
     async def generate(request: Request) -> Response:
         body = await read_body(request)
@@ -249,6 +268,8 @@ def install(
         if state.sync_error:
             raise APIError(state.sync_error, status=503, type="WeightSyncError")
         outs = await asyncio.wrap_future(engine.submit(prompt, params))
+        if log_path:
+            log_sample(log_path, prompt, outs)
         return to_json(response(model, prompt, outs, params))
 
     app.add_api_route(ROUTE, generate, methods=["POST"])

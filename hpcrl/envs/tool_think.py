@@ -1,0 +1,126 @@
+"""tool-think: a multi-turn tool conversation with reasoning, the shape Qwen3-style templates get wrong
+when history is re-rendered.
+
+Every prompt holds a worked example first: a user question, an assistant turn with reasoning
+(`reasoning_content`, rendered as a <think> block) and a `calculate` tool call, the tool's answer,
+and the assistant's final answer with its own reasoning; then the real question. After each assistant
+turn the environment answers with tool messages: the results of the turn's tool calls (parsed from
+the completion ids by the renderer when one is configured), or, when the turn made none, the
+calculator's result for the question, as a hint. The rollout has exactly `turns` assistant turns
+(>= 3). Qwen3's template drops the worked example's <think> blocks and renders an empty one before
+the last assistant turn, so re-rendering never reproduces what was sampled; renderers'
+`bridge_to_next_turn` does (docs/renderers.md).
+
+Reward: the final answer is right (1), plus 0.1 x the fraction of the answer's digits that the last
+turn mentions, so even an untrained model's groups differ.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hpcrl.envs._common import GeneratedEnvironment, extract_number, last_assistant_text
+from hpcrl.envs.base import Message, Rubric, Task
+from hpcrl.envs.calculator import calculate
+from hpcrl.envs.tools import ToolEnvironment, parse_tool_calls
+
+SYSTEM_PROMPT = "Think in <think> blocks, use the calculate tool, end with '#### <number>'."
+
+
+def worked_example(rng: random.Random) -> list[Message]:
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    expr = f"{a} + {b}"
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "calculate", "arguments": {"expression": expr}},
+    }
+    return [
+        {"role": "user", "content": f"What is {expr}?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": f"I add {a} and {b}.",
+            "tool_calls": [call],
+        },
+        {"role": "tool", "tool_call_id": "call_0", "name": "calculate", "content": calculate(expr)},
+        {
+            "role": "assistant",
+            "content": f"#### {calculate(expr)}",
+            "reasoning_content": "The tool answered.",
+        },
+    ]
+
+
+def answer_correct(task: Task, completion: list[Message], state: dict[str, Any]) -> float:
+    return float(extract_number(last_assistant_text(completion)) == task.answer)
+
+
+def answer_digits(task: Task, completion: list[Message], state: dict[str, Any]) -> float:
+    text = last_assistant_text(completion)
+    digits = [d for d in task.answer if d.isdigit()]
+    return sum(d in text for d in digits) / max(len(digits), 1)
+
+
+def tool_calls_made(task: Task, completion: list[Message], state: dict[str, Any]) -> float:
+    return float(state.get("tool_calls", 0))
+
+
+class ToolThinkEnv(ToolEnvironment, GeneratedEnvironment):
+    name = "tool-think"
+
+    def __init__(self, *, turns: int, max_operand: int, **kw: Any):
+        rubric = Rubric([(answer_correct, 1.0), (answer_digits, 0.1), (tool_calls_made, 0.0)])
+        super().__init__(rubric, **kw)
+        self.set_tools([calculate], turns)
+        self.max_operand = max_operand
+
+    def make_task(self, rng: random.Random):
+        a, b, c = (rng.randint(2, self.max_operand) for _ in range(3))
+        expr = f"{a} * {b} - {c}"
+        prompt = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            *worked_example(rng),
+            {"role": "user", "content": f"What is {expr}?"},
+        ]
+        return expr, prompt, calculate(expr), {"expression": expr}
+
+    async def env_response(self, task: Task, messages: list[Message], state: dict[str, Any]):
+        state["turn"] += 1
+        if state["turn"] >= self.max_turns:
+            return [], True
+        calls = parse_tool_calls(messages[-1], state["turn"])
+        out: list[Message] = []
+        for call in calls:
+            result, ok = self.call_tool(call["name"], call["arguments"])
+            state["tool_calls"] += 1
+            state["tool_errors"] += 0 if ok else 1
+            out.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"], "content": result})
+        if not out:
+            hint = calculate(task.info["expression"])
+            out.append({"role": "tool", "tool_call_id": "hint", "name": "calculate", "content": hint})
+        return out, False
+
+
+def load_environment(
+    turns: int = 3,
+    max_operand: int = 20,
+    num_examples: int = 2000,
+    num_eval_examples: int = 64,
+    num_val_examples: int = 32,
+    seed: int = 0,
+    split: str | None = None,
+) -> ToolThinkEnv:
+    """`turns` (>= 3) assistant turns per rollout; questions `a * b - c` with operands up to max_operand."""
+    if turns < 3:
+        raise ValueError(f"turns must be >= 3 (a multi-turn tool conversation), got {turns}")
+    return ToolThinkEnv(
+        turns=turns,
+        max_operand=max_operand,
+        num_examples=num_examples,
+        num_eval_examples=num_eval_examples,
+        num_val_examples=num_val_examples,
+        seed=seed,
+        split=split,
+    )
