@@ -7,7 +7,7 @@ and the assistant's final answer with its own reasoning; then the real question.
 turn the environment answers with tool messages: the results of the turn's tool calls (parsed from
 the completion ids by the renderer when one is configured), or, when the turn made none, the
 calculator's result for the question, as a hint. The rollout has exactly `turns` assistant turns
-(>= 3). Qwen3's template drops the worked example's <think> blocks and renders an empty one before
+(>= 3), a turn cut at max_tokens included. Qwen3's template drops the worked example's <think> blocks and renders an empty one before
 the last assistant turn, so re-rendering never reproduces what was sampled; renderers'
 `bridge_to_next_turn` does (docs/renderers.md).
 
@@ -21,7 +21,7 @@ import random
 from typing import Any
 
 from hpcrl.envs._common import GeneratedEnvironment, extract_number, last_assistant_text
-from hpcrl.envs.base import Message, Rubric, Task
+from hpcrl.envs.base import Message, Rubric, Task, Trajectory
 from hpcrl.envs.calculator import calculate
 from hpcrl.envs.tools import ToolEnvironment, parse_tool_calls
 
@@ -86,6 +86,26 @@ class ToolThinkEnv(ToolEnvironment, GeneratedEnvironment):
         ]
         return expr, prompt, calculate(expr), {"expression": expr}
 
+    async def rollout(self, task: Task, client: Any, sampling: Any) -> Trajectory:
+        """The reference loop, except that a turn cut at max_tokens is answered too: every rollout
+        has exactly `turns` assistant turns, and the next prompt must close the cut turn (renderers'
+        bridge synthesizes the missing </think> and <|im_end|>)."""
+        state = self.initial_state(task)
+        messages = self.initial_messages(task)
+        num_prompt, turns = len(messages), []
+        for _ in range(self.max_turns):
+            turn = await client.chat(messages, self.tools, sampling)
+            turns.append(turn)
+            messages.append(turn.message())
+            new_messages, done = await self.env_response(task, messages, state)
+            messages.extend(new_messages)
+            if done:
+                break
+        reward, metrics = await self.score(task, messages[num_prompt:], state)
+        metrics.setdefault("num_turns", float(len(turns)))
+        truncated = any(t.finish_reason == "length" for t in turns)
+        return Trajectory(task, messages, num_prompt, turns, reward, metrics, state, truncated)
+
     async def env_response(self, task: Task, messages: list[Message], state: dict[str, Any]):
         state["turn"] += 1
         if state["turn"] >= self.max_turns:
@@ -101,6 +121,30 @@ class ToolThinkEnv(ToolEnvironment, GeneratedEnvironment):
             hint = calculate(task.info["expression"])
             out.append({"role": "tool", "tool_call_id": "hint", "name": "calculate", "content": hint})
         return out, False
+
+
+def sft_rows(env: ToolThinkEnv, n: int, split: str = "train") -> list[dict[str, Any]]:
+    """`n` ideal transcripts (`messages` + `tools` rows for `hpcrl sft`): reason, call the tool, check
+    with it again, answer. A warm start that teaches a tiny model the format (reasoning, tool calls,
+    ending its turn), so RL rollouts really have >= 3 turns of them."""
+    rows = []
+    for task in list(env.tasks(split))[:n]:
+        expr, answer = task.info["expression"], task.answer
+
+        def call(i: int, expr: str = expr) -> dict[str, Any]:
+            fn = {"name": "calculate", "arguments": {"expression": expr}}
+            return {"id": f"call_{i}", "type": "function", "function": fn}
+
+        msgs = [
+            *env.initial_messages(task),
+            {"role": "assistant", "content": "", "reasoning_content": "compute", "tool_calls": [call(1)]},
+            {"role": "tool", "tool_call_id": "call_1", "name": "calculate", "content": answer},
+            {"role": "assistant", "content": "", "reasoning_content": "check", "tool_calls": [call(2)]},
+            {"role": "tool", "tool_call_id": "call_2", "name": "calculate", "content": answer},
+            {"role": "assistant", "content": f"#### {answer}", "reasoning_content": "done"},
+        ]
+        rows.append({"messages": msgs, "tools": env.tools})
+    return rows
 
 
 def load_environment(
