@@ -20,7 +20,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.config.errors import ConfigError, nearest
 
 INSTALL = "pip install 'renderers>=0.1.12'"
 DEFAULT = "default"
@@ -68,7 +68,8 @@ def renderer_config(cfg: Any, model_name: str, field: str) -> tuple[Any, str | N
     if cfg.name not in known_names():
         raise ConfigError(
             f"{field}.name",
-            f"unknown renderer {cfg.name!r}; allowed: auto, default, custom or one the renderers package ships "
+            f"unknown renderer {cfg.name!r}{nearest(cfg.name, known_names())}; allowed: auto, default, custom "
+            "or one the renderers package ships "
             f"({', '.join(n for n in known_names() if n not in ('auto', 'default', 'custom'))})",
         )
     if (cfg.name == "custom") != (cfg.import_path is not None):
