@@ -10,13 +10,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
-from tests.integration.token_exactness import compare
+from tests.integration.token_exactness import capture_rollouts, compare
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("renderers")
@@ -39,19 +40,24 @@ id = "tool-think"
 """
 
 
-def _run(tmp: Path, renderer: str, steps: int, batch: int) -> tuple[Path, Path]:
+def _run(tmp: Path, renderer: str, steps: int, batch: int) -> tuple[Path, Path, Path]:
+    """(run dir, the server's sample log, every rollout file the trainer read, captured as it ran)."""
     cfg, out, log = tmp / f"{renderer}.toml", tmp / renderer, tmp / f"{renderer}.generate.jsonl"
+    captured = tmp / f"{renderer}.rollouts"
     cfg.write_text(CONFIG.format(steps=steps, batch=batch, renderer=renderer))
     env = dict(os.environ, HPCRL_GENERATE_LOG=str(log), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run(
-        [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=840,
-        env=env,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return out, log
+    cmd = [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)]
+    with open(tmp / f"{renderer}.out", "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 840
+        while proc.poll() is None and time.monotonic() < deadline:
+            capture_rollouts(RunPaths(out).rollouts_dir, captured)
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+    capture_rollouts(RunPaths(out).rollouts_dir, captured)
+    assert proc.wait() == 0, (tmp / f"{renderer}.out").read_text()[-3000:]
+    return out, log, captured
 
 
 def _metrics(out: Path, key: str) -> list[float]:
@@ -64,10 +70,11 @@ def _rollouts(out: Path) -> int:
 
 
 def test_qwen3_renderer_trains_exactly_the_sampled_tokens(tmp_path: Path) -> None:
-    out, log = _run(tmp_path, "qwen3", steps=8, batch=64)
+    out, log, captured = _run(tmp_path, "qwen3", steps=8, batch=64)
     assert _rollouts(out) >= 500
     assert _metrics(out, "num_turns/tool-think/mean") == [3.0] * 8
-    counts = compare(out, log)
+    counts = compare(captured, log)
+    assert counts["steps"] == 8 and counts["samples"] >= 500, counts
     assert counts["mismatches"] == 0, counts
     assert counts["spans"] >= 3 * 500 and counts["tokens"] > 0, counts
     assert "/inference/v1/generate" in (RunPaths(out).log_file("orchestrator").read_text())
@@ -78,11 +85,11 @@ def test_qwen3_renderer_trains_exactly_the_sampled_tokens(tmp_path: Path) -> Non
     rec = json.loads(lines[0])
     rec["token_ids"][0][0] = (rec["token_ids"][0][0] + 1) % 400
     log.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
-    assert compare(out, log)["mismatches"] >= 1
+    assert compare(captured, log)["mismatches"] >= 1
 
 
 def test_default_renderer_reports_its_bridge_breaks(tmp_path: Path) -> None:
-    out, _ = _run(tmp_path, "default", steps=2, batch=16)
+    out, _, _ = _run(tmp_path, "default", steps=2, batch=16)
     breaks = _metrics(out, "rollout/bridge_breaks/tool-think")
     assert len(breaks) == 2 and sum(breaks) > 0, breaks
-    print(f"default: bridge breaks per step {breaks} (of {2 * 16 * 2} later turns)")
+    print(f"default: bridge breaks per step {breaks} (of {16 * 2} later turns per step)")

@@ -35,10 +35,24 @@ def trainable_spans(batch: TrainBatch):
         start += n
 
 
-def compare(run_dir: Path, log: Path) -> dict[str, int]:
+def capture_rollouts(rollouts_dir: Path, into: Path) -> None:
+    """Copy every rollout file that appeared (the trainer deletes consumed steps behind it; a file is
+    renamed into place only once complete, so what is there is whole)."""
+    import shutil
+
+    for f in rollouts_dir.glob("step_*/rank_*.msgpack"):
+        dest = into / f.parent.name / f.name
+        if not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest)
+
+
+def compare(captured: Path, log: Path) -> dict[str, int]:
+    """`captured`: a directory of step_N/rank_R.msgpack files (capture_rollouts)."""
     sampled = server_samples(log)
-    counts = {"samples": 0, "spans": 0, "tokens": 0, "mismatches": 0}
-    for f in sorted(run_dir.glob("rollouts/step_*/rank_*.msgpack")):
+    counts = {"steps": 0, "samples": 0, "spans": 0, "tokens": 0, "mismatches": 0}
+    counts["steps"] = len({f.parent for f in captured.glob("step_*/rank_*.msgpack")})
+    for f in sorted(captured.glob("step_*/rank_*.msgpack")):
         batch = read_message(f, TrainBatch)
         counts["samples"] += len(batch.seq_lens)
         for context, span, lps in trainable_spans(batch):
