@@ -286,30 +286,10 @@ def open_env_logs(
 def load_renderers(cfg: Config, tokenizer: Any) -> Any:
     """The renderers of renderer-driven rollouts, or None when orchestrator.renderer resolves to the
     tokenizer's own template (then rollouts use hpcrl's exact stitching, see orchestrator/stitching.py)."""
-    import logging
+    from hpcrl.render.select import typed_renderers
 
-    from hpcrl.render import select
-
-    section, model = cfg.orchestrator.renderer, (cfg.orchestrator.model or cfg.model).name or ""
-    if section.name == select.DEFAULT:
-        return None
-    try:
-        import renderers  # noqa: F401
-    except ImportError:
-        if section.name == "auto":
-            return None
-        select.require_renderers("orchestrator.renderer.name")
-    renderer, note = select.create(tokenizer, section, model, "orchestrator.renderer")
-    if note:
-        logging.getLogger("hpcrl.orchestrator").info(note)
-    if select.is_default(renderer):
-        return None
-    from hpcrl.render.client import Renderers
-
-    logging.getLogger("hpcrl.orchestrator").info(
-        "renderer %s: rollouts bridge turns, sample via /inference/v1/generate", type(renderer).__name__
-    )
-    return Renderers(tokenizer, select.renderer_config(section, model, "orchestrator.renderer")[0])
+    model = (cfg.orchestrator.model or cfg.model).name or ""
+    return typed_renderers(tokenizer, cfg.orchestrator.renderer, model, "orchestrator.renderer")
 
 
 def load_tokenizer(cfg: Config) -> Any:

@@ -175,3 +175,30 @@ def dry_run_check(cfg: Any) -> list[str]:
         require_renderers(f"{field}.name")
     note = check(section, model, field, local_tokenizer_loader(model))
     return [note] if note else []
+
+
+def typed_renderers(tokenizer: Any, section: Any, model_name: str, field: str) -> Any:
+    """hpcrl.render.client.Renderers when `section` resolves to a typed renderer, else None: the
+    tokenizer's own template (also `auto` without the package installed). Logs auto's note."""
+    import logging
+
+    if section.name == DEFAULT:
+        return None
+    try:
+        import renderers  # noqa: F401
+    except ImportError:
+        if section.name == "auto":
+            return None
+        require_renderers(f"{field}.name")
+    renderer, note = create(tokenizer, section, model_name, field)
+    log = logging.getLogger("hpcrl.render")
+    if note:
+        log.info(note)
+    if is_default(renderer):
+        return None
+    from hpcrl.render.client import Renderers
+
+    log.info(
+        "renderer %s (%s): turns bridged, sampled via /inference/v1/generate", type(renderer).__name__, field
+    )
+    return Renderers(tokenizer, renderer_config(section, model_name, field)[0])

@@ -143,25 +143,9 @@ def start_rank(cfg: SFTConfig) -> tuple[RunPaths, Training, SFTData]:
 def sft_renderers(cfg: SFTConfig, tokenizer: Any) -> Any:
     """[renderer] -> the renderers the SFT samples are built with, or None for the tokenizer's own
     template (hpcrl's incremental rendering, which refuses templates that rewrite history)."""
-    from hpcrl.render import select
+    from hpcrl.render.select import typed_renderers
 
-    if cfg.renderer.name == select.DEFAULT:
-        return None
-    try:
-        import renderers  # noqa: F401
-    except ImportError:
-        if cfg.renderer.name == "auto":
-            return None
-        select.require_renderers("renderer.name")
-    renderer, note = select.create(tokenizer, cfg.renderer, cfg.model.name or "", "renderer")
-    if note:
-        log.info(note)
-    if select.is_default(renderer):
-        return None
-    from hpcrl.render.client import Renderers
-
-    log.info("renderer %s builds the SFT samples and their loss masks", type(renderer).__name__)
-    return Renderers(tokenizer, select.renderer_config(cfg.renderer, cfg.model.name or "", "renderer")[0])
+    return typed_renderers(tokenizer, cfg.renderer, cfg.model.name or "", "renderer")
 
 
 def log_console(cfg: SFTConfig, rank: int, step: int, m: dict[str, Any], val_loss: float | None) -> None:
