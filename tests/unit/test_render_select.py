@@ -100,3 +100,26 @@ def test_generate_sampling_keeps_vllm_names_and_sets_the_renderers_stops() -> No
         "logprobs": 0,
         "skip_special_tokens": False,
     }
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "rc", "words"),
+    [
+        ("hpcrl/tiny-qwen3", "qwen3", 2, "orchestrator.renderer.name: renderer 'qwen3' does not fit"),
+        ("hpcrl/tiny-qwen3", "qwen33", 2, "unknown renderer 'qwen33' (did you mean 'qwen3'?)"),
+        ("hpcrl/tiny-qwen3-think", "qwen3", 0, ""),
+        ("hpcrl/tiny-qwen3", "auto", 0, ""),
+    ],
+)
+def test_dry_run_refuses_in_one_line(tmp_path, capsys, model: str, name: str, rc: int, words: str) -> None:
+    from hpcrl.cli import main
+    from tests.conftest import rl_toml
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(rl_toml(model=model, tables=f'[orchestrator.renderer]\nname = "{name}"\n'))
+    assert main(["run", str(cfg), "--dry-run", "--output-dir", str(tmp_path / "out")]) == rc
+    out, err = capsys.readouterr()
+    if rc:
+        assert err.strip().count("\n") == 0 and words in err, err
+    elif name == "auto":
+        assert "using the tokenizer's own chat template (default)" in out
