@@ -70,11 +70,11 @@ def tool_calls_made(task: Task, completion: list[Message], state: dict[str, Any]
 class ToolThinkEnv(ToolEnvironment, GeneratedEnvironment):
     name = "tool-think"
 
-    def __init__(self, *, turns: int, max_operand: int, **kw: Any):
+    def __init__(self, *, turns: int, max_operand: int, follow_up: bool = False, **kw: Any):
         rubric = Rubric([(answer_correct, 1.0), (answer_digits, 0.1), (tool_calls_made, 0.0)])
         super().__init__(rubric, **kw)
         self.set_tools([calculate], turns)
-        self.max_operand = max_operand
+        self.max_operand, self.follow_up = max_operand, follow_up
 
     def make_task(self, rng: random.Random):
         a, b, c = (rng.randint(2, self.max_operand) for _ in range(3))
@@ -110,6 +110,8 @@ class ToolThinkEnv(ToolEnvironment, GeneratedEnvironment):
         state["turn"] += 1
         if state["turn"] >= self.max_turns:
             return [], True
+        if self.follow_up and state["turn"] == self.max_turns - 1:  # a new user query before the last turn
+            return [{"role": "user", "content": "Give only the final number."}], False
         calls = parse_tool_calls(messages[-1], state["turn"])
         out: list[Message] = []
         for call in calls:
@@ -150,18 +152,22 @@ def sft_rows(env: ToolThinkEnv, n: int, split: str = "train") -> list[dict[str, 
 def load_environment(
     turns: int = 3,
     max_operand: int = 20,
+    follow_up: bool = False,
     num_examples: int = 2000,
     num_eval_examples: int = 64,
     num_val_examples: int = 32,
     seed: int = 0,
     split: str | None = None,
 ) -> ToolThinkEnv:
-    """`turns` (>= 3) assistant turns per rollout; questions `a * b - c` with operands up to max_operand."""
+    """`turns` (>= 3) assistant turns per rollout; questions `a * b - c` with operands up to max_operand.
+    `follow_up`: the last turn answers a new user question instead of a tool result (under Qwen3's
+    default thinking retention the bridge declines there: the turn is re-rendered, a new sample)."""
     if turns < 3:
         raise ValueError(f"turns must be >= 3 (a multi-turn tool conversation), got {turns}")
     return ToolThinkEnv(
         turns=turns,
         max_operand=max_operand,
+        follow_up=follow_up,
         num_examples=num_examples,
         num_eval_examples=num_eval_examples,
         num_val_examples=num_val_examples,

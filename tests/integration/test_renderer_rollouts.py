@@ -37,14 +37,15 @@ zero_advantage = "keep"
 max_tokens = 16
 [[orchestrator.train.env]]
 id = "tool-think"
+{env}
 """
 
 
-def _run(tmp: Path, renderer: str, steps: int, batch: int) -> tuple[Path, Path, Path]:
+def _run(tmp: Path, renderer: str, steps: int, batch: int, env_args: str = "") -> tuple[Path, Path, Path]:
     """(run dir, the server's sample log, every rollout file the trainer read, captured as it ran)."""
     cfg, out, log = tmp / f"{renderer}.toml", tmp / renderer, tmp / f"{renderer}.generate.jsonl"
     captured = tmp / f"{renderer}.rollouts"
-    cfg.write_text(CONFIG.format(steps=steps, batch=batch, renderer=renderer))
+    cfg.write_text(CONFIG.format(steps=steps, batch=batch, renderer=renderer, env=env_args))
     env = dict(os.environ, HPCRL_GENERATE_LOG=str(log), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     cmd = [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)]
     with open(tmp / f"{renderer}.out", "w") as sink:
@@ -86,6 +87,16 @@ def test_qwen3_renderer_trains_exactly_the_sampled_tokens(tmp_path: Path) -> Non
     rec["token_ids"][0][0] = (rec["token_ids"][0][0] + 1) % 400
     log.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     assert compare(captured, log)["mismatches"] >= 1
+
+
+def test_exact_across_re_rendered_turns(tmp_path: Path) -> None:
+    """A user follow-up before the last turn: under Qwen3's default thinking retention (tool_cycle) the
+    bridge declines there, the turn is re-rendered and starts a new sample; still token-exact."""
+    out, log, captured = _run(tmp_path, "qwen3", steps=2, batch=32, env_args="args = {follow_up = true}")
+    breaks = _metrics(out, "rollout/bridge_breaks/tool-think")
+    assert breaks == [32.0, 32.0], breaks  # one re-rendered turn per rollout: the follow-up
+    counts = compare(captured, log)
+    assert counts["samples"] == 2 * 32 * 2 and counts["mismatches"] == 0, counts
 
 
 def test_default_renderer_reports_its_bridge_breaks(tmp_path: Path) -> None:
