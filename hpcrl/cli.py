@@ -147,7 +147,12 @@ def cmd_run(argv: list[str]) -> int:
     prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config, dry_run=dry)
     if dry:
+        from hpcrl.render.select import dry_run_check
+
+        notes = dry_run_check(loaded.config)
         prepare.print_summary(loaded, placement, "run (this machine)", memory)
+        for note in notes:
+            print(note)
         return 0
     from hpcrl.launch.local import run_local
 
@@ -222,9 +227,13 @@ def cmd_sft(argv: list[str]) -> int:
     loaded = _load(argv, "SFTConfig")
     if dry:
         from hpcrl.launch import prepare
+        from hpcrl.render.select import dry_run_check
 
         prepare.prepare_output_dir(loaded.config, dry_run=True)
+        notes = dry_run_check(loaded.config)
         prepare.print_sft_summary(loaded)
+        for note in notes:
+            print(note)
         return 0
     from hpcrl.trainer import parallel
     from hpcrl.trainer.sft import main

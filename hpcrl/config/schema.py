@@ -22,6 +22,7 @@ from hpcrl.config.sections.common import (
     LogConfig,
     LogExtrasConfig,
     LogLevels,
+    RendererConfig,
     RoleWandbConfig,
     WandbConfig,
 )
@@ -48,7 +49,6 @@ from hpcrl.config.sections.orchestrator import (
     EnvConfig,
     EvalConfig,
     OrchestratorConfig,
-    RendererConfig,
     SamplingConfig,
     TeacherConfig,
     TrainEnvsConfig,

@@ -6,7 +6,7 @@ import re
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.sanity import check_output_dir
-from hpcrl.config.schema import CkptConfig, Config, EnvConfig, SFTConfig
+from hpcrl.config.schema import CkptConfig, Config, EnvConfig, RendererConfig, SFTConfig
 from hpcrl.trainer import precision
 from hpcrl.trainer.precision import Precision
 
@@ -19,6 +19,7 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
     _unsupported(cfg)
     trainer_precision(cfg, on_gpu=True)
     _orchestrator(cfg)
+    _renderer(cfg.orchestrator.renderer, cfg.model.name, "orchestrator.renderer")
     _buffer(cfg)
     _envs(cfg, require_envs)
     _deployment(cfg)
@@ -37,6 +38,7 @@ def validate_sft(cfg: SFTConfig) -> None:
     if cfg.model.name is None or not cfg.model.name.strip():
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
     _unsupported(cfg)
+    _renderer(cfg.renderer, cfg.model.name, "renderer")
     trainer_precision(cfg, on_gpu=True)
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError(
@@ -91,7 +93,6 @@ UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
         "run more servers with deployment.num_inference_servers (CPU) or "
         "deployment.num_infer_gpus / num_infer_nodes",
     ),
-    ("orchestrator.renderer.name", ("default",), "the tokenizer's chat template renders every prompt"),
 )
 _MODEL_SECTIONS = ("model", "trainer.model", "orchestrator.model", "inference.model")
 
@@ -114,6 +115,20 @@ def _unsupported(cfg: Config | SFTConfig) -> None:
             if present and value not in allowed:
                 ok = ", ".join(repr(a) for a in allowed)
                 raise ConfigError(p, f"{value!r} is not supported yet (allowed: {ok}); {instead}")
+
+
+def _renderer(section: RendererConfig, model_name: str | None, field: str) -> None:
+    """Name, import_path and thinking_retention resolve (the package is imported only for a renderer
+    other than auto/default; the tokenizer check is --dry-run's, hpcrl.render.select.dry_run_check)."""
+    if (
+        section.name in ("auto", "default")
+        and section.import_path is None
+        and section.thinking_retention is None
+    ):
+        return
+    from hpcrl.render.select import renderer_config
+
+    renderer_config(section, model_name or "", field)
 
 
 def _betas(betas: list[float], path: str) -> None:

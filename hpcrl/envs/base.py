@@ -86,9 +86,15 @@ class Turn:
     policy_steps: list[int]
     finish_reason: str = "stop"
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI format: {"id", "type", "function": {...}}
+    reasoning: str | None = None  # the completion's reasoning, as the renderer parsed it
+    # A later turn whose prompt could not extend the previous turn's ids (the renderer's bridge or
+    # hpcrl's stitching declined): it was re-rendered and starts a new training sample.
+    rerendered: bool = False
 
     def message(self) -> Message:
         msg: Message = {"role": "assistant", "content": self.text}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
         if self.tool_calls:
             msg["tool_calls"] = copy.deepcopy(self.tool_calls)
         return msg

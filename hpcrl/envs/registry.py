@@ -38,6 +38,7 @@ BUILTINS: dict[str, str] = {
     "alphabet-sort": "hpcrl.envs.alphabet_sort",
     "arithmetic": "hpcrl.envs.arithmetic",
     "calculator": "hpcrl.envs.calculator",
+    "tool-think": "hpcrl.envs.tool_think",  # multi-turn tools + reasoning (renderer tests)
 }
 # Hub ids whose task a built-in implements (same prompts, parser and reward shape), used only when
 # the package is not installed. `primeintellect/gsm8k` is deliberately not one: the built-in

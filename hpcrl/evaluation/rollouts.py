@@ -41,8 +41,11 @@ def make_generator(cfg: Any, base_url: str, tokenizer: Any, api_key: str | None)
         max_concurrent=cfg.client.max_concurrent,
         api_key=api_key,
     )
+    from hpcrl.render.select import typed_renderers
+
+    renderers = typed_renderers(tokenizer, cfg.renderer, cfg.model or "", "renderer")
     # No training here: every token comes from "policy 0" (the model as it is).
-    return Generator(pool, tokenizer, cfg.seq_len, lambda: 0, sampling_seed(cfg))
+    return Generator(pool, tokenizer, cfg.seq_len, lambda: 0, sampling_seed(cfg), renderers=renderers)
 
 
 async def score_group(

@@ -147,6 +147,15 @@ class InferenceClient:
             body.update(logprobs=0, return_token_ids=True)
         return await self._request("POST", "/v1/completions", body)
 
+    async def generate(
+        self, token_ids: list[int], *, model: str | None = None, sampling_params: dict[str, Any]
+    ) -> dict[str, Any]:
+        """POST /inference/v1/generate (vLLM's token-in/token-out route): the prompt is these ids."""
+        body: dict[str, Any] = {"token_ids": token_ids, "sampling_params": sampling_params}
+        if model is not None:
+            body["model"] = model
+        return await self._request("POST", "/inference/v1/generate", body)
+
     async def tokenize(
         self,
         *,

@@ -154,6 +154,7 @@ def vllm_serve_argv(opts: "ServeOptions", model_path: str) -> list[str]:
         EXTENSION_CLS,
         "--logprobs-mode",
         "processed_logprobs",
+        "--enable-scale-out",  # vLLM 0.33 answers /inference/v1/generate with 403 without it
     ]
     if opts.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]

@@ -81,6 +81,9 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     script_path.write_text(script)
     extra = memory + [f"sbatch:       {script_path}"] + notes
     if dry_run:
+        from hpcrl.render.select import dry_run_check
+
+        extra += dry_run_check(cfg)  # a typed renderer must build on the model's tokenizer
         if shutil.which("sbatch"):
             ok, msg = sbatch_test_only(script)
             extra.append(f"sbatch --test-only: {'OK' if ok else 'REJECTED'}: {' '.join(msg.split())[:300]}")

@@ -4,4 +4,10 @@ Its own module because both the builder (tiny.resolve_model) and the Hub code (h
 names need a download) need the table, and the builder calls the Hub code.
 """
 
-BUILTIN_MODELS = {"hpcrl/tiny-qwen3": "tiny", "hpcrl/small-qwen3": "small"}
+# "preset" or "preset:template" (hpcrl.models.tiny.TEMPLATES; chatml when absent).
+BUILTIN_MODELS = {
+    "hpcrl/tiny-qwen3": "tiny",
+    "hpcrl/small-qwen3": "small",
+    "hpcrl/tiny-qwen3-think": "tiny:qwen3",
+    "hpcrl/small-qwen3-think": "small:qwen3",
+}

@@ -4,10 +4,12 @@ Tests and CPU demos must never touch the hub, so everything here is built from c
 generated corpus trains the tokenizer (deterministically), a seeded init builds the weights, and the
 result is saved as an ordinary Hugging Face directory that transformers and vLLM both load.
 
-    build_tiny_model(out_dir, preset="tiny", seed=0) -> Path
+    build_tiny_model(out_dir, preset="tiny", seed=0, template="chatml") -> Path
     resolve_model("hpcrl/tiny-qwen3") -> cached dir, built on first use (multi-process safe);
+    resolve_model("hpcrl/tiny-qwen3-think") -> the same model with Qwen3's chat template and added
+        tokens (<think>, <tool_call>, <tool_response>): the real `qwen3` renderer works with it
     resolve_model("org/name") -> its Hugging Face cache snapshot (hpcrl.models.hub)
-    hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N]    (main(argv))
+    hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N] [--template chatml|qwen3]  (main(argv))
 
 torch / transformers / tokenizers are imported inside the functions: `resolve_model` on a warm cache
 and the CLI's argument parsing stay light.
@@ -151,9 +153,14 @@ def _corpus(seed: int = 1234) -> list[str]:
     return lines
 
 
-def build_tokenizer() -> Any:
-    """Train the byte-level BPE tokenizer and wrap it in PreTrainedTokenizerFast (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+TEMPLATES = ("chatml", "qwen3")
+
+
+def build_tokenizer(template: str = "chatml") -> Any:
+    """Train the byte-level BPE tokenizer and wrap it in PreTrainedTokenizerFast (deterministic).
+
+    `template="qwen3"`: the same BPE plus Qwen3's added tokens and Qwen3's own chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -184,6 +191,13 @@ def build_tokenizer() -> Any:
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
+    if template == "qwen3":
+        from hpcrl.models.qwen3_template import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
+
+        fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED_TOKENS])
+        fast.chat_template = QWEN3_CHAT_TEMPLATE
+    elif template != "chatml":
+        raise ValueError(f"unknown tiny-model template {template!r}; allowed: {', '.join(TEMPLATES)}")
     return fast
 
 
@@ -205,17 +219,20 @@ def _model_config(preset: str, tokenizer: Any) -> Any:
     )
 
 
-def build_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, preset: str = "tiny", seed: int = 0, template: str = "chatml"
+) -> Path:
     """Build a tiny Qwen3 causal LM + tokenizer and save them as a Hugging Face directory.
 
-    Building twice with the same preset and seed gives bit-identical files' tensors.
+    Building twice with the same preset and seed gives bit-identical files' tensors. `template`:
+    "chatml" (hpcrl's prefix-stable ChatML) or "qwen3" (Qwen3's think-stripping template).
     """
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(template)
     config = _model_config(preset, tokenizer)
     # fork_rng keeps a caller's global RNG untouched while making the init depend only on `seed`.
     with torch.random.fork_rng(devices=[]):
@@ -233,7 +250,7 @@ def build_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "hpcrl_tiny.json").write_text(
-        json.dumps({"kit_version": KIT_VERSION, "preset": preset, "seed": seed})
+        json.dumps({"kit_version": KIT_VERSION, "preset": preset, "seed": seed, "template": template})
     )
     return out
 
@@ -256,8 +273,8 @@ def resolve_model(name: str, field: str = "model.name") -> str:
     An unusable name is a ConfigError naming ``field``."""
     if os.path.isdir(name):
         return name
-    preset = BUILTIN_MODELS.get(name)
-    if preset is None:
+    builtin = BUILTIN_MODELS.get(name)
+    if builtin is None:
         if not name:
             from hpcrl.config.errors import ConfigError
 
@@ -283,24 +300,32 @@ def resolve_model(name: str, field: str = "model.name") -> str:
             from hpcrl.fileio import atomic_dir
 
             with atomic_dir(target) as tmp:  # replaces a stale build from an older kit version
-                build_tiny_model(tmp, preset=preset, seed=0)
+                preset, _, template = builtin.partition(":")
+                build_tiny_model(tmp, preset=preset, seed=0, template=template or "chatml")
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(target)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N]`."""
+    """`hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N] [--template chatml|qwen3]`."""
     parser = argparse.ArgumentParser(
         prog="hpcrl make-tiny-model", description="Build a tiny Qwen3-style model + BPE tokenizer locally."
     )
     parser.add_argument("dir", help="output directory (a Hugging Face model dir)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
     parser.add_argument("--seed", type=int, default=0, help="weight init seed")
+    parser.add_argument(
+        "--template",
+        choices=TEMPLATES,
+        default="chatml",
+        help="chat template: chatml (prefix-stable) or qwen3 (Qwen3's template and special tokens: "
+        "<think> stripped from earlier turns, <tool_call>/<tool_response>; the qwen3 renderer accepts it)",
+    )
     args = parser.parse_args(argv)
-    out = build_tiny_model(args.dir, preset=args.preset, seed=args.seed)
+    out = build_tiny_model(args.dir, preset=args.preset, seed=args.seed, template=args.template)
     n_params = _count_params(out)
-    print(f"built {args.preset} model ({n_params / 1e6:.2f} M params) in {out}")
+    print(f"built {args.preset} model ({n_params / 1e6:.2f} M params, {args.template} template) in {out}")
     return 0
 
 

@@ -81,7 +81,8 @@ class RolloutClient:
             )
             if env_ids is not None:
                 ids = stitch_prompt(self.prev.prompt_token_ids, self.prev.completion_token_ids, env_ids)
-        if ids is None and self.turn > 0:
+        rerendered = ids is None and self.turn > 0
+        if rerendered:
             log.debug("turn %d re-rendered by the chat template (no exact stitching)", self.turn)
             ids = encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw))
         prompt_len = (
@@ -97,6 +98,7 @@ class RolloutClient:
             turn = await (
                 self._chat(messages, tools, body) if ids is None else self._complete(ids, tools, body)
             )
+        turn.rerendered = rerendered
         self.history = copy.deepcopy([*messages, turn.message()])
         self.prev = turn
         self.turn += 1

@@ -40,6 +40,7 @@ def rollout_metrics(groups: Sequence[GroupRecord], step: int) -> dict[str, float
         out[f"num_turns/{env}/mean"] = _mean([float(r.num_turns) for r in ok])
         out[f"empty_rollouts/{env}"] = float(sum(r.empty for r in rs))
         out[f"errored_rollouts/{env}"] = float(sum(r.errored for r in rs))
+        out[f"rollout/bridge_breaks/{env}"] = float(sum(r.bridge_breaks for r in ok))
     versions = [r.policy_version for g in groups for r in g.rollouts if not r.errored]
     # Lag behind the policy this batch updates (step-1): 0 = fully on-policy.
     out["off_policy/mean"] = (step - 1) - _mean(versions) if versions else float("nan")

@@ -235,8 +235,12 @@ class Generator:
         default_policy: Callable[[], int],
         seed: int | None,
         strategy: str = "interleaved",
+        renderers: Any = None,
     ):
         assert strategy in ("interleaved", "branching"), strategy
+        # hpcrl.render.client.Renderers: renderer-driven rollouts (/inference/v1/generate, bridged
+        # turns); None: the tokenizer's chat template with hpcrl's exact stitching.
+        self.renderers = renderers
         self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
         self.default_policy, self.seed, self.strategy = default_policy, seed, strategy
         self.branching = strategy == "branching"  # also: one training sample per assistant turn
@@ -245,6 +249,12 @@ class Generator:
     def client_factory(self, *key: object) -> Callable[[int], RolloutClient]:
         def make(i: int) -> RolloutClient:
             seed = None if self.seed is None else derive_seed(self.seed, *key, i)
+            if self.renderers is not None:
+                from hpcrl.render.client import RendererClient
+
+                return RendererClient(  # type: ignore[return-value]  (the same ChatClient protocol)
+                    self.pool, self.renderers, self.seq_len, seed, self.default_policy
+                )
             return RolloutClient(self.pool, self.tokenizer, self.seq_len, seed, self.default_policy)
 
         return make

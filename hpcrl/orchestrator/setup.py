@@ -76,6 +76,7 @@ class Setup:
     eval_envs: list[EvalEnv]
     train_sampling: dict[str, Any]
     eval_sampling: dict[str, Any]
+    renderers: Any = None  # hpcrl.render.client.Renderers, or None for the default renderer
     pools: list[ServerPool] = field(default_factory=list)
     teacher: ServerPool | None = None
     train_gen: Generator | None = None
@@ -124,10 +125,10 @@ class Setup:
         # Same strategy for eval and training, each with its own one-example-at-a-time lock under
         # branching, so eval never waits behind training groups.
         self.eval_gen = Generator(
-            student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy
+            student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy, self.renderers
         )
         self.train_gen = Generator(
-            student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy
+            student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy, self.renderers
         )
         if o.teacher is not None:
             self.teacher = ServerPool(
@@ -230,9 +231,11 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
             "max_async_level > 0 (a collective broadcast cannot be loaded later)",
         )
     eval_sampling = eval_sampling_of(o)
+    tokenizer = load_tokenizer(cfg)
     return Setup(
         cfg=cfg,
-        tokenizer=load_tokenizer(cfg),
+        tokenizer=tokenizer,
+        renderers=load_renderers(cfg, tokenizer),
         envs=envs,
         tasks=tasks,
         buffer=buffer,
@@ -278,6 +281,15 @@ def open_env_logs(
         if isinstance(env, VerifiersEnvironment)
     )
     attach_env_logs(files, cfg.log.vf_level, vf)
+
+
+def load_renderers(cfg: Config, tokenizer: Any) -> Any:
+    """The renderers of renderer-driven rollouts, or None when orchestrator.renderer resolves to the
+    tokenizer's own template (then rollouts use hpcrl's exact stitching, see orchestrator/stitching.py)."""
+    from hpcrl.render.select import typed_renderers
+
+    model = (cfg.orchestrator.model or cfg.model).name or ""
+    return typed_renderers(tokenizer, cfg.orchestrator.renderer, model, "orchestrator.renderer")
 
 
 def load_tokenizer(cfg: Config) -> Any:

@@ -54,6 +54,7 @@ class RolloutRecord(msgspec.Struct, kw_only=True):
     truncated: bool = False
     error: str | None = None
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    bridge_breaks: int = 0  # later turns re-rendered (rollout/bridge_breaks): each starts a new sample
 
     @property
     def errored(self) -> bool:

@@ -82,25 +82,27 @@ def stitch_prompt(
 
 
 def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Piece]:
-    """One Piece for a rollout whose turns stitch exactly, else one Piece per turn (always one per
-    turn with ``branching``: orchestrator.trajectory_strategy = "branching")."""
-    whole = None if branching else stitch_turns(turns)
-    if whole is not None:
-        return [
+    """Consecutive turns whose prompt ids extend the previous turn's prompt + completion ids are one
+    Piece; a turn that does not (re-rendered: the bridge or the stitching declined) starts a new one.
+    Always one Piece per turn with ``branching`` (orchestrator.trajectory_strategy = "branching")."""
+    segments: list[list[Turn]] = []
+    for t in turns:
+        if segments and not branching and stitch_turns([*segments[-1], t]) is not None:
+            segments[-1].append(t)
+        else:
+            segments.append([t])
+    pieces = []
+    for seg in segments:
+        whole = stitch_turns(seg)
+        assert whole is not None
+        pieces.append(
             Piece(
                 input_ids=whole.input_ids.tolist(),
                 loss_mask=whole.loss_mask.tolist(),
                 logprobs=whole.logprobs.tolist(),
             )
-        ]
-    return [
-        Piece(
-            input_ids=[*t.prompt_token_ids, *t.completion_token_ids],
-            loss_mask=[False] * len(t.prompt_token_ids) + [True] * len(t.completion_token_ids),
-            logprobs=[0.0] * len(t.prompt_token_ids) + [float(x) for x in t.completion_logprobs],
         )
-        for t in turns
-    ]
+    return pieces
 
 
 def to_record(index: int, traj: Trajectory, branching: bool = False) -> RolloutRecord:
@@ -115,4 +117,5 @@ def to_record(index: int, traj: Trajectory, branching: bool = False) -> RolloutR
         truncated=traj.truncated,
         error=traj.error,
         metrics={k: float(v) for k, v in traj.metrics.items()},
+        bridge_breaks=sum(t.rerendered for t in traj.turns),
     )

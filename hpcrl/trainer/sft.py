@@ -136,7 +136,16 @@ def start_rank(cfg: SFTConfig) -> tuple[RunPaths, Training, SFTData]:
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
     tr = build_training(cfg.model, cfg.optim, cfg.max_steps, cfg.seed, warm_start=warm)
     data.tokenizer = tr.tokenizer
+    data.renderer = sft_renderers(cfg, tr.tokenizer)
     return paths, tr, data
+
+
+def sft_renderers(cfg: SFTConfig, tokenizer: Any) -> Any:
+    """[renderer] -> the renderers the SFT samples are built with, or None for the tokenizer's own
+    template (hpcrl's incremental rendering, which refuses templates that rewrite history)."""
+    from hpcrl.render.select import typed_renderers
+
+    return typed_renderers(tokenizer, cfg.renderer, cfg.model.name or "", "renderer")
 
 
 def log_console(cfg: SFTConfig, rank: int, step: int, m: dict[str, Any], val_loss: float | None) -> None:
@@ -180,6 +189,7 @@ class SFTData:
     batch_size: int
     template_defaults: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
+    renderer: Any = None  # hpcrl.render.client.Renderers for a typed [renderer]; None: the template
     _val_cache: list[sd.TokenizedSample] | None = field(default=None, repr=False)
 
     @classmethod
@@ -220,6 +230,11 @@ class SFTData:
 
     def sample(self, rows: sd.Rows, i: int, where: str) -> sd.TokenizedSample:
         conv = sd.row_to_conversation(rows[i], where, self.template_defaults)
+        if self.renderer is not None:  # a typed renderer: its training-sample builder (hpcrl.render.sft)
+            from hpcrl.render.sft import tokenize_with_renderer
+
+            renderer = self.renderer.get(conv.template_kwargs)
+            return sd.truncate(tokenize_with_renderer(renderer, conv, self.role_mask), self.seq_len)
         return sd.truncate(
             sd.tokenize_conversation(self.tokenizer, conv, self.role_mask, where), self.seq_len
         )

@@ -43,6 +43,7 @@ def test_argv_parses_and_validates(name, tmp_path):
     assert (args.max_model_len, args.max_num_seqs, args.seed) == (512, 8, 7)
     assert args.worker_extension_cls == vb.EXTENSION_CLS
     assert args.logprobs_mode == "processed_logprobs"
+    assert args.enable_scale_out is True  # serves /inference/v1/generate (test_generate_route.py)
     assert bool(args.enable_lora) is (opts.lora_rank is not None)  # None (unset) when off
     if opts.lora_rank is not None:
         assert args.max_lora_rank == vb.vllm_lora_rank(opts.lora_rank) >= opts.lora_rank

@@ -1,4 +1,5 @@
-"""Sections every root shares: [ckpt], [wandb] and [log] (also restated by trainer and orchestrator)."""
+"""Sections every root shares: [ckpt], [wandb] and [log] (also restated by trainer and orchestrator), and
+the renderer section ([orchestrator.renderer] for RL / eval / GEPA, [renderer] for SFT)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,26 @@ class LogLevels(Section):
 
 class LogConfig(LogLevels):
     console_interval: Annotated[int, D("Print one console line every N steps.", ge=1)] = 1
+
+
+class RendererConfig(Section):
+    """prime-rl's renderer section (hpcrl.render.select; docs/renderers.md)."""
+
+    name: Annotated[
+        str,
+        D(
+            "Tokenization: auto (the renderers package's renderer for model.name, else default), default "
+            "(the tokenizer's chat template), a renderer the package ships (qwen3, qwen3.5, glm-5, gpt-oss, "
+            "...), or custom (import_path)."
+        ),
+    ] = "auto"
+    import_path: Annotated[
+        str | None, D("name = custom: the renderer class, 'module.Class' or 'path/file.py:Class'.")
+    ] = None
+    thinking_retention: Annotated[
+        Literal["tool_cycle", "all"] | None,
+        D(
+            "Keep earlier turns' reasoning when bridging: tool_cycle (within a tool cycle; a new user "
+            "query re-renders) or all; unset = what the renderer's template does."
+        ),
+    ] = None

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.common import LogLevels
+from hpcrl.config.sections.common import LogLevels, RendererConfig
 from hpcrl.config.sections.orchestrator import EnvConfig, SamplingConfig
 
 
@@ -69,6 +69,14 @@ class _PromptRunConfig(Section):
         msgspec.field(default_factory=list)
     )
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    renderer: Annotated[
+        RendererConfig,
+        D(
+            "Tokenization (docs/renderers.md). Default: the endpoint's chat template, which any OpenAI "
+            "server has; a typed renderer samples through /inference/v1/generate (hpcrl inference, vLLM "
+            "with --enable-scale-out)."
+        ),
+    ] = msgspec.field(default_factory=lambda: RendererConfig(name="default"))
     client: ClientConfig = msgspec.field(default_factory=ClientConfig)
     inference: Annotated[
         EvalInferenceConfig, D("The self-started inference server (client.base_url unset).")

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.common import LogConfig, RoleWandbConfig
+from hpcrl.config.sections.common import LogConfig, RendererConfig, RoleWandbConfig
 from hpcrl.config.sections.model import OrchestratorModelConfig
 
 
@@ -103,10 +103,6 @@ class TeacherConfig(Section):
     base_url: Annotated[str, D("OpenAI-compatible endpoint of the teacher (opd / sft modes).")]
     model: Annotated[str | None, D("Teacher model name at that endpoint.")] = None
     api_key_var: Annotated[str, D("Environment variable holding the teacher's API key.")] = "OPENAI_API_KEY"
-
-
-class RendererConfig(Section):
-    name: Annotated[str, D("Chat renderer: default (the tokenizer's chat template).")] = "default"
 
 
 class OrchestratorConfig(Section):

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.common import CkptConfig, LogConfig, WandbConfig
+from hpcrl.config.sections.common import CkptConfig, LogConfig, RendererConfig, WandbConfig
 from hpcrl.config.sections.deployment import DeploymentConfig
 from hpcrl.config.sections.model import TrainerModelConfig
 from hpcrl.config.sections.trainer import OptimConfig
@@ -66,6 +66,14 @@ class SFTConfig(Section):
     seed: Annotated[int, D("Global seed.")] = 0
     data: SFTDataConfig = msgspec.field(default_factory=SFTDataConfig)
     loss_mask: LossMaskConfig = msgspec.field(default_factory=LossMaskConfig)
+    renderer: Annotated[
+        RendererConfig,
+        D(
+            "Tokenization and loss masks: a typed renderer builds each sample with the renderers package's "
+            "training-sample builder (think-stripping templates included); default keeps hpcrl's "
+            "incremental chat-template rendering (docs/renderers.md)."
+        ),
+    ] = msgspec.field(default_factory=RendererConfig)
     val: SFTValConfig = msgspec.field(default_factory=SFTValConfig)
     optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-3))
     micro_batch_tokens: Annotated[int, D("Tokens per micro-batch.", ge=8)] = 4096
