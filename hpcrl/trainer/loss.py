@@ -306,8 +306,11 @@ def add_stats(total: dict[str, Tensor] | None, new: dict[str, Tensor]) -> dict[s
     return {k: total[k] + new[k].detach() for k in total}
 
 
-def stack_stats(stats: dict[str, Tensor]) -> Tensor:
-    """Stats as one float64 vector in ``STAT_KEYS`` order: one all-reduce for all of them."""
+def stack_stats(stats: dict[str, Tensor] | None) -> Tensor:
+    """Stats as one float64 vector in ``STAT_KEYS`` order: one all-reduce for all of them. A step
+    with no micro-batch anywhere (every sample filtered out) contributes zeros, not a crash."""
+    if stats is None:
+        return torch.zeros(len(STAT_KEYS), dtype=torch.float64)
     return torch.stack([stats[k].detach().double().reshape(()) for k in STAT_KEYS])
 
 

@@ -314,3 +314,9 @@ def test_finite_checks():
     assert grads_are_finite(lin)
     lin.weight.grad[0, 0] = float("inf")
     assert not grads_are_finite(lin)
+
+
+def test_a_step_without_micro_batches_sums_to_zero():
+    """Every sample of a step filtered out: the stats all-reduce gets zeros, not a TypeError."""
+    stats = summarize(unstack_stats(stack_stats(None)))
+    assert stats["loss"] == 0.0
