@@ -119,6 +119,7 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
 
     from hpcrl.inference.api import ServerState, build_app
     from hpcrl.inference.engine import HFEngine
+    from hpcrl.inference.http_protocol import HalfCloseProtocol
 
     sock = bind_server_socket(opts.host, opts.port)  # fail fast on a taken port, before loading the model
     engine = HFEngine(
@@ -144,6 +145,7 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
     app = build_app(state)
     config = uvicorn.Config(
         app,
+        http=HalfCloseProtocol,  # answers a client that half-closed after its request
         log_level=opts.log_level,
         access_log=False,
         timeout_keep_alive=30,
