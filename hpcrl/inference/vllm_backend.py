@@ -231,10 +231,9 @@ class HpcrlWorkerExtension:
         return self._hpcrl_checksum  # type: ignore[attr-defined]
 
     def hpcrl_update_from_path(self, path: str) -> str:
-        from hpcrl.inference.loading import load_safetensors_dir
-        from hpcrl.weights.delta import read_delta_dir
+        from hpcrl.inference.loading import load_safetensors_dir, read_delta
 
-        delta = read_delta_dir(path)
+        delta = read_delta(path)
         if delta is not None:  # applied where the base lives (apply_delta moves the few changed values)
             return self._hpcrl_apply_delta(delta)
         return self._hpcrl_load(load_safetensors_dir(path))
