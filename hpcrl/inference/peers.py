@@ -43,7 +43,7 @@ async def wait_for_listener(host: str, port: int, start: float, deadline: float)
             raise _error(
                 502,
                 f"nothing accepted a TCP connection at {host}:{port} within the join deadline "
-                f"(tried for {time.monotonic() - start:.1f} s; last: {last}): is the trainer's weight "
+                f"(tried for {time.monotonic() - start:.1f} s; last: {last}): is the trainer's weight broadcast "
                 "group up there?",
             )
         try:
@@ -103,7 +103,9 @@ async def join_weight_group(
     start = time.monotonic()
     deadline = start + join_timeout_s
     await wait_for_listener(host, port, start, deadline)
-    what = f"the weight-group rendezvous (TCPStore at {host}:{port}, rank {rank} of {world})"
+    what = (
+        f"joining the weight broadcast group (TCPStore rendezvous at {host}:{port}, rank {rank} of {world})"
+    )
     fut = in_daemon_thread(
         lambda: init_group(
             host, port, world, rank, backend=backend, timeout_s=timeout_s, join_timeout_s=join_timeout_s
