@@ -17,6 +17,8 @@ import pytest
 
 from hpcrl.weights.collective import destroy_group, init_group
 
+pytestmark = pytest.mark.slow  # two joins wait out the 8 s default bound on purpose
+
 
 def _free_port() -> int:
     with socket.socket() as s:
