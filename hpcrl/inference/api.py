@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpcrl.bus.messages import ADAPTER_NAME
-from hpcrl.inference import guard
+from hpcrl.inference import guard, peers
 from hpcrl.inference.engine import HFEngine
 from hpcrl.inference.errors import EngineError, EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
 from hpcrl.inference.protocol import (
@@ -57,8 +57,10 @@ class ServerState:
         api_key: str | None = None,
         run_dir: str | None = None,
         allow_any_weights_path: bool = False,
+        control_timeout_s: float = peers.DEFAULT_CONTROL_TIMEOUT_S,
     ):
         self.engine = engine
+        self.control_timeout_s = control_timeout_s  # how long a control route may wait on a peer
         self.api_key, self.run_dir, self.allow_any_weights_path = api_key, run_dir, allow_any_weights_path
         self.served_name = served_name
         self.model_path = model_path
@@ -326,7 +328,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/init_broadcaster")
     async def init_broadcaster(request: Request) -> dict[str, Any]:
-        from hpcrl.weights.collective import destroy_group, init_group
+        from hpcrl.weights.collective import destroy_group
 
         body = await _body(request)
         host = guard.check_host(body.get("host"))
@@ -345,7 +347,10 @@ def build_app(state: ServerState) -> FastAPI:
                 param="receivers",
                 type="BroadcastError",
             )
-        timeout = protocol_float(body, "timeout", 300.0, 0.0, 3600.0, lo_open=True)
+        timeout = protocol_float(body, "timeout", 300.0, 0.0, 3600.0, lo_open=True)  # each collective
+        join_timeout = protocol_float(
+            body, "join_timeout", state.control_timeout_s, 0.0, 3600.0, lo_open=True
+        )
         backend = body.get("backend")
         if backend not in (None, "gloo", "nccl"):
             raise APIError(f"`backend` must be gloo or nccl, got {backend!r}", param="backend")
@@ -353,28 +358,16 @@ def build_app(state: ServerState) -> FastAPI:
             if state.group is not None:
                 destroy_group(state.group)
                 state.group = None
-            try:
-                # init_group honours the timeout itself; the outer bound is for a join stuck elsewhere.
-                state.group = await asyncio.wait_for(
-                    asyncio.to_thread(
-                        init_group, host, port, world, rank, backend=backend, timeout_s=timeout
-                    ),
-                    timeout + 5,
-                )
-            except asyncio.TimeoutError:
-                raise APIError(
-                    f"joining the weight broadcast group at {host}:{port} did not complete within "
-                    f"{timeout:g} s",
-                    status=504,
-                    type="BroadcastError",
-                    param="timeout",
-                ) from None
-            except Exception as e:
-                raise APIError(
-                    f"cannot join the weight broadcast group at {host}:{port}: {e}",
-                    status=502,
-                    type="BroadcastError",
-                ) from e
+            # Bounded by join_timeout whatever the peer does; 502/504 naming it (hpcrl.inference.peers).
+            state.group = await peers.join_weight_group(
+                host,
+                port,
+                world,
+                rank,
+                backend=backend,
+                timeout_s=timeout,
+                join_timeout_s=min(join_timeout, timeout),
+            )
         return {"status": "ok", "rank": rank, "world_size": world, "backend": state.group.backend}
 
     @app.post("/update_weights")

@@ -188,12 +188,14 @@ class InferenceClient:
         rank: int,
         timeout: float = 300.0,
         receivers: int | None = None,
+        join_timeout: float | None = None,
     ) -> dict[str, Any]:
         """Join the trainer's weight-broadcast group (returns once every rank joined).
 
         `rank` is this server's rank offset: its workers join as rank, rank + 1, ... `receivers`
         (what the server announced) lets the server refuse at once if it runs another number of
-        receiving workers, instead of the group timing out."""
+        receiving workers, instead of the group timing out. `join_timeout` bounds the join (default:
+        the server's server.control_timeout_s; 502/504 naming the address when it does not complete)."""
         body: dict[str, Any] = {
             "host": host,
             "port": port,
@@ -203,6 +205,8 @@ class InferenceClient:
         }
         if receivers is not None:
             body["receivers"] = receivers
+        if join_timeout is not None:
+            body["join_timeout"] = join_timeout
         return await self._request("POST", "/init_broadcaster", body)
 
     async def update_weights(

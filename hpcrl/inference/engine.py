@@ -25,12 +25,18 @@ import torch
 from hpcrl.config.errors import ConfigError
 from hpcrl.inference.batch import DecodeBatch
 from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
-from hpcrl.inference.loading import check_compatible, load_safetensors_dir, lora_deltas, read_adapter
+from hpcrl.inference.loading import (
+    check_compatible,
+    load_safetensors_dir,
+    lora_deltas,
+    read_adapter,
+    read_delta,
+)
 from hpcrl.inference.protocol import SamplingParams, SeqOutput
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.inference.tokens import Tokens
 from hpcrl.weights.checksum import state_dict_checksum
-from hpcrl.weights.delta import Delta, apply_delta, read_delta_dir
+from hpcrl.weights.delta import Delta, apply_delta
 
 log = logging.getLogger("hpcrl.inference.engine")
 
@@ -446,10 +452,7 @@ class HFEngine:
             return self.checksum
 
     def update_weights_from_path(self, path: str, step: int) -> str:
-        try:
-            delta = read_delta_dir(path)
-        except ValueError as e:
-            raise InvalidRequest(f"bad weight delta under {path!r}: {e}", param="path") from e
+        delta = read_delta(path)  # resolves `path`: a bad one is a 400 before anything is read
         if delta is not None:
             return self.apply_delta(delta, step)
         return self.update_weights(load_safetensors_dir(path), step)

@@ -150,8 +150,10 @@ def check_weights_path(raw: str, run_dir: str | None, allow_any: bool, param: st
             type="PermissionError",
             param=param,
         )
-    root = Path(run_dir).resolve()
-    target = Path(raw).resolve()
+    # Non-strict: a loop, a name too long or a missing file is the loader's 400 (hpcrl.inference.files);
+    # here only containment is decided, and Path.resolve would raise on a loop (RuntimeError).
+    root = Path(os.path.realpath(run_dir))
+    target = Path(os.path.realpath(raw))
     if target != root and root not in target.parents:
         raise APIError(
             f"`{param}` {raw!r} is outside the run directory {str(root)!r}; refused "

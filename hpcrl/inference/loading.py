@@ -2,35 +2,46 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import os
 from typing import TYPE_CHECKING
 
+from hpcrl.inference import files
 from hpcrl.inference.protocol import APIError
 
 if TYPE_CHECKING:
     import torch
 
+    from hpcrl.weights.delta import Delta
 
-def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of a HF directory (`*.safetensors`) or of one `.safetensors` file, on CPU."""
+
+def load_safetensors_dir(path: str, param: str = "path") -> dict[str, torch.Tensor]:
+    """All tensors of a HF directory (`*.safetensors`) or of one `.safetensors` file, on CPU. Every
+    file is checked to be a regular file first (a FIFO would block the reader), and any failure to
+    resolve or read is a 400 naming `param` (hpcrl.inference.files)."""
     from safetensors.torch import load_file
 
-    p = Path(path)
-    if not p.exists():
-        raise APIError(f"weights path {path!r} does not exist", param="path")
-    files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
-    if not files:
-        raise APIError(f"weights path {path!r} holds no .safetensors file", param="path")
+    p = files.resolve(path, param)
+    if p.is_dir():
+        try:
+            found = sorted(p.glob("*.safetensors"))
+        except OSError as e:
+            raise files.fail(param, path, f"cannot be listed: {e.strerror}") from None
+    else:
+        found = [p]
+    if not found:
+        raise APIError(f"weights path {files.show(path)} holds no .safetensors file", param=param)
     out: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in found:
+        files.regular_file(f, param)
         try:
             tensors = load_file(str(f))
-        except Exception as e:  # corrupt / truncated file: a client error, not a crash
-            raise APIError(f"cannot read {f}: {e}", param="path") from e
+        except Exception as e:  # corrupt / truncated / unreadable file: a client error, not a crash
+            raise APIError(f"cannot read {files.show(f)}: {e}", param=param) from e
         for k, v in tensors.items():
             if k in out:
-                raise APIError(f"tensor {k!r} appears in more than one file under {path!r}", param="path")
+                raise APIError(
+                    f"tensor {k!r} appears in more than one file under {files.show(path)}", param=param
+                )
             out[k] = v
     return out
 
@@ -67,18 +78,28 @@ def check_finite(tensors: dict[str, torch.Tensor], param: str) -> None:
 
 def read_adapter(path: str) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """A PEFT LoRA adapter dir: (adapter_config.json as a dict, the adapter's tensors), refused with a
-    client error when either is missing or unreadable. Both LoRA routes read adapters through here."""
-    p = Path(path)
-    cfg_file = p / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise APIError(f"LoRA path {path!r} has no adapter_config.json", param="lora_path")
+    client error when either is missing, unreadable or holds a bad number. Both LoRA routes (both
+    backends) read adapters through here."""
+    p = files.directory(path, "lora_path")
+    cfg = files.read_json_object(p / "adapter_config.json", "lora_path")
+    files.adapter_numbers(cfg, files.show(p / "adapter_config.json"))
+    return cfg, load_safetensors_dir(str(p / "adapter_model.safetensors"), param="lora_path")
+
+
+def read_delta(path: str) -> Delta | None:
+    """The weight delta under a /update_weights `path`, or None for full weights; every failure to
+    read it (unreadable file, corrupt header, a manifest number out of range) is a 400."""
+    from hpcrl.weights.delta import DELTA_FILE, read_delta_dir
+
+    p = files.resolve(path, "path")
+    if p.is_dir() and os.path.lexists(p / DELTA_FILE):
+        files.regular_file(p / DELTA_FILE, "path")
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except (ValueError, RecursionError) as e:
-        raise APIError(f"bad adapter_config.json under {path!r}: {e}", param="lora_path") from e
-    if not isinstance(cfg, dict):
-        raise APIError(f"bad adapter_config.json under {path!r}: not a JSON object", param="lora_path")
-    return cfg, load_safetensors_dir(str(p / "adapter_model.safetensors"))
+        return read_delta_dir(str(p))
+    except (OSError, ValueError, OverflowError) as e:
+        raise APIError(f"bad weight delta under {files.show(path)}: {e}", param="path") from e
+    except Exception as e:  # safetensors' own error type: a corrupt or truncated header
+        raise APIError(f"cannot read the weight delta under {files.show(path)}: {e}", param="path") from e
 
 
 def load_lora_delta(
@@ -100,15 +121,9 @@ def lora_deltas(
 
     The server merges base + delta (never cumulative), so loading adapter k replaces adapter k-1.
     """
-    try:
-        r = int(cfg["r"])  # type: ignore[call-overload]
-        alpha = float(cfg.get("lora_alpha", r))  # type: ignore[arg-type]
-        if r < 1 or alpha != alpha or abs(alpha) == float("inf"):
-            raise ValueError(f"r = {r}, lora_alpha = {alpha}: need r >= 1 and a finite alpha")
-    except (ValueError, KeyError, TypeError) as e:
-        raise APIError(f"bad adapter config of {where}: {e}", param="lora_path") from e
+    r, alpha, rslora = files.adapter_numbers(cfg, f"the adapter config of {where}")
     check_finite(raw, "lora_path")
-    scale = alpha / (r**0.5 if cfg.get("use_rslora") else r)
+    scale = alpha / (r**0.5 if rslora else r)
     deltas: dict[str, torch.Tensor] = {}
     for key, a in raw.items():
         if ".lora_A." not in key:
@@ -137,4 +152,5 @@ def lora_deltas(
         deltas[name] = (b.float() @ a.float()) * scale
     if not deltas:
         raise APIError(f"LoRA adapter {where} holds no lora_A/lora_B pairs", param="lora_path")
+    check_finite(deltas, "lora_path")  # finite factors can still overflow once scaled and multiplied
     return deltas

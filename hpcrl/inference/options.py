@@ -44,6 +44,7 @@ class ServeOptions:
     api_key: str | None = None  # bearer token for every route but /health (guard.py); None: $HPCRL_API_KEY
     allow_open: bool = False  # serve a non-loopback address without a key
     allow_any_weights_path: bool = False  # weight/LoRA loads outside run_dir
+    control_timeout_s: float = 8.0  # how long /init_broadcaster waits on its peer (server.control_timeout_s)
     watchdog_s: float = 0.0  # hf backend: an engine loop without progress this long ends the server (0 = off)
 
     def validate(self) -> None:
@@ -61,6 +62,10 @@ class ServeOptions:
             raise ConfigError("model.lora.rank", f"must be >= 1, got {self.lora_rank}")
         if self.backend == "vllm" and self.lora_rank is not None:
             vllm_lora_rank(self.lora_rank)
+        if not 0 < self.control_timeout_s <= 3600:
+            raise ConfigError(
+                "server.control_timeout_s", f"must be in (0, 3600], got {self.control_timeout_s}"
+            )
         if self.api_key is not None and (not self.api_key.strip() or any(c.isspace() for c in self.api_key)):
             raise ConfigError("server.api_key", "must be a non-empty token without spaces")
         from hpcrl.inference.guard import check_exposure

@@ -62,6 +62,7 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         api_key=resolve_api_key(cfg.server.api_key),
         allow_open=cfg.server.allow_open,
         allow_any_weights_path=cfg.server.allow_any_weights_path,
+        control_timeout_s=cfg.server.control_timeout_s,
         watchdog_s=cfg.watchdog_s,
     )
     opts.validate()  # a bad value is a ConfigError naming its field
@@ -119,6 +120,7 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
 
     from hpcrl.inference.api import ServerState, build_app
     from hpcrl.inference.engine import HFEngine
+    from hpcrl.inference.http_protocol import HalfCloseProtocol
 
     sock = bind_server_socket(opts.host, opts.port)  # fail fast on a taken port, before loading the model
     engine = HFEngine(
@@ -140,10 +142,12 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
         api_key=opts.api_key,
         run_dir=opts.run_dir,
         allow_any_weights_path=opts.allow_any_weights_path,
+        control_timeout_s=opts.control_timeout_s,
     )
     app = build_app(state)
     config = uvicorn.Config(
         app,
+        http=HalfCloseProtocol,  # answers a client that half-closed after its request
         log_level=opts.log_level,
         access_log=False,
         timeout_keep_alive=30,
@@ -255,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
         dest="allow_any_weights_path",
         action="store_true",
         help="let /update_weights and /load_lora_adapter read outside --run-dir",
+    )
+    p.add_argument(
+        "--server.control-timeout-s",
+        dest="control_timeout_s",
+        type=float,
+        default=8.0,
+        help="longest /init_broadcaster waits on its peer before answering 502/504",
     )
     return p
 

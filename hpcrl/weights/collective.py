@@ -73,8 +73,12 @@ def init_group(
     *,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    join_timeout_s: float | None = None,
 ) -> WeightGroup:
-    """Join (rank 0: host) the weight-broadcast group. Blocks until all `world_size` ranks joined."""
+    """Join (rank 0: host) the weight-broadcast group. Blocks until all `world_size` ranks joined.
+
+    `timeout_s` bounds each collective; `join_timeout_s` (default: the same) the store rendezvous,
+    after which the store keeps `timeout_s` (NCCL reads it again at the first collective)."""
     import torch
     import torch.distributed as dist
 
@@ -85,9 +89,8 @@ def init_group(
 
         backend = "nccl" if use_cuda() else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
-    )
+    join = timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=join, wait_for_workers=False)
     prefixed = dist.PrefixStore(_PREFIX, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -108,6 +111,7 @@ def init_group(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         raise ValueError(f"unknown weight broadcast backend {backend!r}; allowed: gloo, nccl")
+    store.set_timeout(timeout)
     return WeightGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, device=device, store=store)
 
 

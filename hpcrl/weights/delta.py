@@ -32,6 +32,8 @@ SEP = "/"  # never part of a Hugging Face parameter name
 KINDS = ("same", "sparse", "dense")
 DELTA_FILE = "delta.safetensors"
 META_KEY = "hpcrl_delta"
+MAX_STEP = 2**62  # a policy step (as the servers' /update_weights bounds it)
+MAX_DIM = 2**40  # one tensor dimension; larger is a corrupt manifest, not a model
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,12 @@ class Delta:
                 str(n): (str(d), tuple(int(x) for x in s), str(k)) for n, (d, s, k) in m["layout"].items()
             }
             delta = cls(int(m["base_step"]), str(m["base_checksum"]), layout, tensors)
-        except (KeyError, TypeError, ValueError) as e:
+            if not 0 <= delta.base_step <= MAX_STEP:
+                raise ValueError(f"base_step must be in [0, {MAX_STEP}], got {m['base_step']!r}")
+            bad = next((n for n, (_, s, _) in layout.items() if any(not 0 <= d <= MAX_DIM for d in s)), None)
+            if bad is not None:
+                raise ValueError(f"layout[{bad!r}] has a dimension outside [0, {MAX_DIM}]: {layout[bad][1]}")
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:  # inf -> int: Overflow
             raise ValueError(f"malformed weight delta manifest: {e}") from e
         delta.check()
         return delta

@@ -90,14 +90,14 @@ class StandInEngine:
 
 
 class TPServer:
-    """hpcrl's real vLLM admin router (vllm_backend._router) over real HTTP, on `tp` worker processes,
+    """hpcrl's real vLLM admin router (vllm_routes.router) over real HTTP, on `tp` worker processes,
     announced with the real write_server_info of a vllm backend started with --tensor-parallel-size."""
 
     def __init__(self, run_dir: Path, index: int, tp: int, corrupt_rank: int | None = None):
         import uvicorn
         from fastapi import FastAPI
 
-        from hpcrl.inference.vllm_backend import _router
+        from hpcrl.inference.vllm_routes import router as _router
 
         self.workers = [WorkerProcess(r, corrupt=r == corrupt_rank) for r in range(tp)]
         app = FastAPI()

@@ -41,7 +41,7 @@ class StandInModel:
 def worker_main(rank: int, corrupt: bool) -> int:
     import torch
 
-    from hpcrl.inference.vllm_backend import HpcrlWorkerExtension
+    from hpcrl.inference.vllm_worker import HpcrlWorkerExtension
     from hpcrl.weights.checksum import state_dict_checksum
 
     class StandInWorker(HpcrlWorkerExtension):

@@ -10,7 +10,7 @@ import pytest
 
 from hpcrl.bus import Bus, PolicyReady
 from hpcrl.bus.messages import ADAPTER_NAME
-from hpcrl.inference import vllm_backend as vb
+from hpcrl.inference import vllm_routes as vr
 from hpcrl.orchestrator.policy import PolicySync
 from hpcrl.orchestrator.rollout import ServerPool
 from hpcrl.paths import RunPaths
@@ -53,22 +53,22 @@ def test_requests_name_the_adapter_only_while_it_is_the_policy(tmp_path) -> None
 
 def test_vllm_lora_body_keeps_hpcrl_fields_out_of_vllms_request() -> None:
     body = {"lora_name": ADAPTER_NAME, "lora_path": "/run/broadcasts/step_4", "step": 4}
-    assert vb.lora_request_body(body) == {
+    assert vr.lora_request_body(body) == {
         "lora_name": ADAPTER_NAME,
         "lora_path": "/run/broadcasts/step_4",
         "load_inplace": True,
     }
-    assert vb.lora_step(body) == 4 and vb.lora_step({}) is None
+    assert vr.lora_step(body) == 4 and vr.lora_step({}) is None
     for bad in ("4", -1, True, 4.0):
         with pytest.raises(ValueError, match="step"):
-            vb.lora_step({"step": bad})
+            vr.lora_step({"step": bad})
 
 
 def test_vllm_tags_requests_with_the_policy_that_served_them() -> None:
-    status = vb.initial_status()
-    assert vb.policy_step_for(status, "base") == 0
+    status = vr.initial_status()
+    assert vr.policy_step_for(status, "base") == 0
     status.update(step=5, base_step=5)  # full weights of policy 5
-    assert vb.policy_step_for(status, "base") == vb.policy_step_for(status, ADAPTER_NAME) == 5
+    assert vr.policy_step_for(status, "base") == vr.policy_step_for(status, ADAPTER_NAME) == 5
     status.update(step=6, lora_adapters={ADAPTER_NAME: "/p"})  # adapter of policy 6 on base 5
-    assert vb.policy_step_for(status, ADAPTER_NAME) == 6
-    assert vb.policy_step_for(status, "base") == 5  # vLLM ran this request without the adapter
+    assert vr.policy_step_for(status, ADAPTER_NAME) == 6
+    assert vr.policy_step_for(status, "base") == 5  # vLLM ran this request without the adapter

@@ -95,3 +95,15 @@ def test_installed_vllm_with_a_broken_dependency_names_it(fake_vllm):
         "failed: No module named 'no_such_dependency_xyz'",
     ):
         vb.vllm_symbol("make_arg_parser")
+
+
+def test_init_broadcaster_rpc_bounds_the_join():
+    from hpcrl.inference.vllm_routes import init_broadcaster_rpc
+
+    body = {"host": "h", "port": 5, "world_size": 3, "rank": 1}
+    assert init_broadcaster_rpc(body) == ("hpcrl_init_broadcaster", ("h", 5, 3, 1, 300.0, 8.0))
+    assert init_broadcaster_rpc(body, 4.0)[1][5] == 4.0  # the server's control_timeout_s
+    assert init_broadcaster_rpc({**body, "join_timeout": 60})[1][5] == 60.0  # the request's own
+    assert init_broadcaster_rpc({**body, "timeout": 2})[1][4:] == (2.0, 2.0)  # never above `timeout`
+    with pytest.raises(ValueError, match="join_timeout"):
+        init_broadcaster_rpc({**body, "join_timeout": 0})

@@ -12,7 +12,7 @@ from hpcrl.bus import Bus, CorruptMessageError, ServerInfo, WeightGroupAddress
 from hpcrl.bus.files import write_atomic
 from hpcrl.bus.messages import decode_json, encode_json
 from hpcrl.inference.options import weight_receivers
-from hpcrl.inference.vllm_backend import collective_result
+from hpcrl.inference.vllm_routes import collective_result
 from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync
 from hpcrl.paths import RunPaths
 from hpcrl.weights.rendezvous import (

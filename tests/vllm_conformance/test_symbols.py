@@ -15,6 +15,8 @@ vllm = require_vllm()
 
 from hpcrl.config.errors import ConfigError  # noqa: E402
 from hpcrl.inference import vllm_backend as vb  # noqa: E402
+from hpcrl.inference import vllm_routes as vr  # noqa: E402
+from hpcrl.inference import vllm_symbols as vs  # noqa: E402
 
 
 def test_vllm_is_the_supported_release():
@@ -41,7 +43,7 @@ def test_a_missing_symbol_names_itself_and_the_installed_version(monkeypatch):
     assert "not installed" not in msg
 
 
-@pytest.mark.parametrize("method", sorted(vb.ENGINE_CLIENT_METHODS))
+@pytest.mark.parametrize("method", sorted(vs.ENGINE_CLIENT_METHODS))
 def test_engine_client_methods_accept_what_the_routes_pass(method):
     from vllm.engine.protocol import EngineClient
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -50,7 +52,7 @@ def test_engine_client_methods_accept_what_the_routes_pass(method):
         fn = getattr(cls, method)
         assert inspect.iscoroutinefunction(fn), f"{cls.__name__}.{method} is not async"
         params = inspect.signature(fn).parameters
-        for kw in vb.ENGINE_CLIENT_METHODS[method]:
+        for kw in vs.ENGINE_CLIENT_METHODS[method]:
             assert kw in params, f"{cls.__name__}.{method} has no keyword {kw}"
 
 
@@ -65,7 +67,7 @@ def test_pause_mode_keep_exists():
 def test_app_state_has_what_the_routes_read():
     entry = sys.modules[vb.vllm_symbol("run_server_worker").__module__]
     source = inspect.getsource(entry.init_app_state)
-    for name in vb.APP_STATE:
+    for name in vs.APP_STATE:
         assert f"state.{name} =" in source, f"init_app_state no longer sets app.state.{name}"
 
 
@@ -87,7 +89,7 @@ def test_worker_has_the_attributes_the_extension_reads():
     from vllm.v1.worker.worker_base import WorkerBase
 
     worker = WorkerBase(VllmConfig(), local_rank=0, rank=1, distributed_init_method="tcp://127.0.0.1:1")
-    for name in vb.WORKER_ATTRS:
+    for name in vs.WORKER_ATTRS:
         assert hasattr(worker, name), f"vLLM's WorkerBase no longer has .{name}"
     assert worker.rank == 1
     # The GPU worker sets the device and the model runner the extension loads weights into.
@@ -106,7 +108,7 @@ def test_lora_request_accepts_the_body_hpcrl_sends():
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     request = vb.vllm_symbol("LoadLoRAAdapterRequest")(
-        **vb.lora_request_body(
+        **vr.lora_request_body(
             {"lora_name": "policy-lora", "lora_path": "/runs/x/broadcasts/step_3", "step": 3}
         )
     )

@@ -29,6 +29,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from hpcrl.inference import vllm_backend as vb  # noqa: E402
+from hpcrl.inference import vllm_routes as vr  # noqa: E402
+from hpcrl.inference import vllm_worker as vw  # noqa: E402
 from hpcrl.inference.client import InferenceClient, WeightSyncError  # noqa: E402
 from hpcrl.inference.options import ServeOptions  # noqa: E402
 from hpcrl.weights.checksum import state_dict_checksum  # noqa: E402
@@ -160,7 +162,7 @@ def server(wrapper, vllm_config, model_dir, tmp_path_factory):
     sock, opts, args = vb.prepare(opts, str(model_dir))
     entry = sys.modules[vb.vllm_symbol("run_server_worker").__module__]
     original = entry.build_app
-    status = vb.initial_status()
+    status = vr.initial_status()
     vb._install_routes(vb.vllm_symbol("run_server_worker"), status)
     try:
         app = entry.build_app(args, ("generate",), vllm_config.model_config)
@@ -206,8 +208,8 @@ def _assert_loaded(wrapper, tensors: dict[str, torch.Tensor]) -> None:
 def test_vllm_mixes_the_extension_into_its_gpu_worker(wrapper):
     from vllm.v1.worker.gpu_worker import Worker
 
-    assert isinstance(wrapper.worker, Worker) and isinstance(wrapper.worker, vb.HpcrlWorkerExtension)
-    assert wrapper._worker_extension_cls is vb.HpcrlWorkerExtension
+    assert isinstance(wrapper.worker, Worker) and isinstance(wrapper.worker, vw.HpcrlWorkerExtension)
+    assert wrapper._worker_extension_cls is vw.HpcrlWorkerExtension
 
 
 def test_vllm_rejects_an_extension_that_shadows_the_worker(vllm_config):
@@ -374,8 +376,8 @@ def test_load_lora_adapter_twice_under_one_name_as_the_orchestrator_does(server,
     assert second.lora_path == adapters[12][0]
     assert first.lora_int_id == second.lora_int_id  # same adapter slot, new weights
     # Requests naming the adapter are tagged with its policy, the others with the base weights' step.
-    assert vb.policy_step_for(status, ADAPTER_NAME) == 12
-    assert vb.policy_step_for(status, "policy-base") == status["base_step"] != 12
+    assert vr.policy_step_for(status, ADAPTER_NAME) == 12
+    assert vr.policy_step_for(status, "policy-base") == status["base_step"] != 12
 
 
 def test_load_lora_adapter_refusals_change_nothing(server, tmp_path):
@@ -389,7 +391,7 @@ def test_load_lora_adapter_refusals_change_nothing(server, tmp_path):
     assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
     assert status == before
     # hpcrl's `step` is not a field of vLLM's request; load_inplace is hpcrl's default
-    fields = vb.lora_request_body({"lora_name": "x", "lora_path": path, "step": 3})
+    fields = vr.lora_request_body({"lora_name": "x", "lora_path": path, "step": 3})
     assert fields == {"lora_name": "x", "lora_path": path, "load_inplace": True}
     vb.vllm_symbol("LoadLoRAAdapterRequest")(**fields)
     # Without hpcrl's load_inplace default vLLM refuses the second policy's adapter:

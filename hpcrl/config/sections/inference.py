@@ -53,3 +53,13 @@ class ServerConfig(Section):
     allow_any_weights_path: Annotated[
         bool, D("Let /update_weights and /load_lora_adapter read outside the run directory.")
     ] = False
+    control_timeout_s: Annotated[
+        float,
+        D(
+            "Longest a control route waits on a peer before answering (/init_broadcaster's join of the "
+            "trainer's weight group: 502 when nothing accepts at its address, 504 when it accepts but "
+            "does not complete); a request's `join_timeout` overrides it.",
+            gt=0,
+            le=3600,
+        ),
+    ] = 8.0
