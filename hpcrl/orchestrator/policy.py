@@ -148,6 +148,10 @@ class PolicySync:
                     slot[s.index][0],
                     receivers=slot[s.index][1],
                     timeout=self.timeout,
+                    # The group forms only once every server and the trainer joined: on a big job
+                    # that can outlast a server's short control default, so the run's own bound
+                    # (trainer.broadcast.timeout_s) is asked for explicitly.
+                    join_timeout=self.timeout,
                 )
                 for c, s in zip(self.clients, servers)
             )
