@@ -288,7 +288,15 @@ def status_file(log_dir: str | Path) -> Path:
 
 
 def server_spec(
-    env_id: str, args: Mapping[str, Any], name: str, kind: str, workers: int, timeout_s: float, log_dir: Path
+    env_id: str,
+    args: Mapping[str, Any],
+    name: str,
+    kind: str,
+    workers: int,
+    timeout_s: float,
+    log_dir: Path,
+    run_dir: str = "",
+    index: int = 0,
 ) -> wire.ServerSpec:
     return wire.ServerSpec(
         env_id=env_id,
@@ -300,4 +308,6 @@ def server_spec(
         connect="",
         log_dir=str(log_dir),
         status_file=str(status_file(log_dir)),
+        run_dir=run_dir,
+        index=index,
     )

@@ -104,6 +104,7 @@ class EnvServer:
             self.start(w)
         hello.workers = [w.proc.pid for w in self.workers if w.proc is not None]
         self.up.send(wire.encode(hello))
+        self.record_placement()
         self.write_status()
         poller = self.zmq.Poller()
         poller.register(self.up, self.zmq.POLLIN)
@@ -247,6 +248,16 @@ class EnvServer:
         w.restarts += 1
         self.start(w)
         self.write_status()
+
+    def record_placement(self) -> None:
+        """logs/placement.jsonl: role env-server-<kind>, rank = the env's index, the env named."""
+        if not self.spec.run_dir:
+            return
+        from hpcrl.launch.placement import record
+        from hpcrl.paths import RunPaths
+
+        extra = {"env": self.spec.name, "workers": [w.proc.pid for w in self.workers if w.proc is not None]}
+        record(RunPaths(self.spec.run_dir), f"env-server-{self.spec.kind}", self.spec.index, extra=extra)
 
     def write_status(self) -> None:
         if not self.spec.status_file:

@@ -122,6 +122,8 @@ class ServerSpec(msgspec.Struct, kw_only=True):
     log_dir: str  # logs/envs/<kind>/<name>/
     restarts: int = 0  # how often the orchestrator restarted this server before
     status_file: str = ""  # components.json of this server (written by the server)
+    run_dir: str = ""  # the training run it serves: it records itself in logs/placement.jsonl
+    index: int = 0  # its place in orchestrator.{train,eval}.env (its placement rank)
 
 
 Msg = Hello | LoadFailed | Run | Chat | ChatReply | Done | Stop | Ready

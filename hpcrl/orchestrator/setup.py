@@ -43,6 +43,7 @@ def load_envs(
     *,
     kind: str = "train",
     server_dir: Callable[[str, str], Path] | None = None,
+    run_dir: str = "",
     default_workers: int = 1,
     max_restarts: int = 3,
 ) -> dict[str, Environment]:
@@ -63,8 +64,9 @@ def load_envs(
                 else:
                     from hpcrl.envs.remote import RemoteEnvironment, server_spec
 
+                    where_logs = server_dir(kind, name)
                     spec = server_spec(
-                        e.id, e.args, name, kind, workers, e.rollout_timeout_s, server_dir(kind, name)
+                        e.id, e.args, name, kind, workers, e.rollout_timeout_s, where_logs, run_dir, i
                     )
                     env = RemoteEnvironment(spec, max_restarts)
             except ValueError as err:  # bad environment arguments (ConfigError included): name the entry
@@ -223,6 +225,7 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     o = cfg.orchestrator
     served = {
         "server_dir": paths.env_server_dir,
+        "run_dir": str(paths.root),
         "default_workers": o.env_workers,
         "max_restarts": o.env_server_max_restarts,
     }
