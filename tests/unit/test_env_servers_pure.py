@@ -1,0 +1,79 @@
+"""Pure pieces of the env servers (issue 29): routing, timeouts, the wire format, log filters."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from hpcrl.envs import wire
+from hpcrl.envs.base import Task, Trajectory, Turn
+from hpcrl.envs.server import Rollout, Worker, overdue, pick_worker
+from hpcrl.launch.logview import make_filter, parse_since, records
+
+
+def test_pick_worker_takes_the_least_loaded_ready_one() -> None:
+    ws = [Worker(0, ready=True, rids={1, 2}), Worker(1, ready=False), Worker(2, ready=True, rids={3})]
+    assert pick_worker(ws).index == 2
+    ws[2].rids |= {4}
+    assert pick_worker(ws).index == 0  # tie on 2 in flight: the lower index
+    assert pick_worker([Worker(0), Worker(1)]) is None  # none ready: the run is queued
+
+
+def test_only_time_in_env_code_counts_towards_the_timeout() -> None:
+    rs = {1: Rollout(0, 100.0), 2: Rollout(0, None), 3: Rollout(1, 109.5)}
+    assert overdue(rs, 110.0, 5.0) == [1]  # 2 waits for a model turn: never overdue
+    assert overdue(rs, 200.0, 5.0) == [1, 3]
+
+
+def test_a_trajectory_crosses_the_wire_unchanged() -> None:
+    task = Task(7, [{"role": "user", "content": "hi"}], "ih", {"k": [1, 2]})
+    turn = Turn("ih", [1, 2], [3, 4], [-0.25, -1.5], [5, 6], "stop", [{"id": "c", "type": "function"}])
+    traj = Trajectory(task, [*task.prompt, turn.message()], 1, [turn], 0.5, {"m": 1.0}, {"obj": object()})
+    msg = wire.decode(wire.encode(wire.Done(3, [wire.to_wtraj(traj)])))
+    assert isinstance(msg, wire.Done) and msg.rid == 3
+    back = wire.from_wtraj(task, msg.trajectories[0])
+    assert back.turns[0] == turn and back.messages == traj.messages and back.reward == 0.5
+    assert back.state["obj"].startswith("<object object")  # non-msgpack state travels as text
+    run = wire.decode(wire.encode(wire.Run(1, wire.to_wtask(task), {"max_tokens": 4}, 2, True, "sys")))
+    assert wire.from_wtask(run.task) == task and run.system_prompt == "sys"
+
+
+def test_log_records_keep_their_tracebacks_and_filter_whole() -> None:
+    lines = [
+        "10:00:01 INFO    [a] started",
+        "10:00:02 ERROR   [a] rollout 3 errored",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1',
+        "10:05:00 WARNING [a] slow worker",
+    ]
+    recs = list(records(lines))
+    assert [len(r.lines) for r in recs] == [1, 3, 1]
+    keep = make_filter("warning", None, None, None)
+    assert [r.lines[0][:8] for r in recs if keep(r)] == ["10:00:02", "10:05:00"]
+    assert [r.level for r in recs if make_filter(None, "LINE 1", None, None)(r)] == [40]  # in the traceback
+    assert len([r for r in recs if make_filter(None, None, r"slow \w+", None)(r)]) == 1
+    since = parse_since("10:01", datetime(2026, 1, 1, 12))
+    assert [r.lines[0][:8] for r in recs if make_filter(None, None, None, since)(r)] == ["10:05:00"]
+
+
+def test_since_durations_and_errors() -> None:
+    now = datetime(2026, 1, 1, 12, 30, 0)
+    assert parse_since("10m", now) == 12 * 3600 + 20 * 60
+    assert parse_since("2h", now) == 10 * 3600 + 30 * 60
+    assert parse_since("1d", now) == 0.0  # yesterday: every record of today's file
+    with pytest.raises(ValueError, match="--since 'soon'"):
+        parse_since("soon", now)
+
+
+def test_hosted_compute_size_sets_env_workers() -> None:
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.config.hosted import to_native
+
+    hosted = {"model": "m", "batch_size": 8, "env": [{"id": "reverse-text"}]}
+    for size, n in (("S", 1), ("M", 2), ("L", 4)):
+        out, notes = to_native({**hosted, "infrastructure": {"compute_size": size}}, "c.toml")
+        assert out["orchestrator"]["env_workers"] == n and "infrastructure" not in out
+        assert any("compute_size" in note for note in notes)
+    with pytest.raises(ConfigError, match="expected S, M or L, got 'XL'"):
+        to_native({**hosted, "infrastructure": {"compute_size": "XL"}}, "c.toml")
