@@ -447,6 +447,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_api_route("/load_lora_adapter", load_lora, methods=["POST"])
     app.add_api_route("/v1/load_lora_adapter", load_lora, methods=["POST"])
+    from hpcrl.inference import generate as token_route  # POST /inference/v1/generate
+
+    token_route.install(app, state, read_body=_body, check_model=_check_model, to_json=_json)
     return app
 
 
