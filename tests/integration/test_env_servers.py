@@ -98,7 +98,7 @@ def test_a_killed_server_errors_what_it_held_and_comes_back(tmp_path: Path) -> N
 def test_an_env_that_fails_to_load_is_a_one_line_error(tmp_path: Path) -> None:
     from hpcrl.envs.registry import EnvSpecError
 
-    spec = server_spec(ENV, {"nope": 1}, "faulty", "train", 1, 5.0, tmp_path / "faulty")
+    spec = server_spec("reverse-text", {"nope": 1}, "rt", "train", 1, 5.0, tmp_path / "rt")
     with pytest.raises(EnvSpecError, match="unknown argument 'nope'"):
         RemoteEnvironment(spec)
 
