@@ -77,3 +77,32 @@ def test_hosted_compute_size_sets_env_workers() -> None:
         assert any("compute_size" in note for note in notes)
     with pytest.raises(ConfigError, match="expected S, M or L, got 'XL'"):
         to_native({**hosted, "infrastructure": {"compute_size": "XL"}}, "c.toml")
+
+
+def test_components_reads_every_env_server_and_worker(tmp_path) -> None:
+    import json
+    import os
+
+    from hpcrl.envs.components import env_rows
+    from hpcrl.launch.logview import table
+
+    d = tmp_path / "envs" / "train" / "faulty"
+    d.mkdir(parents=True)
+    doc = {
+        "env": "faulty",
+        "kind": "train",
+        "server": {"pid": os.getpid(), "node": None, "restarts": 1},
+        "workers": [
+            {"index": 0, "pid": os.getpid(), "node": None, "ready": True, "restarts": 2},
+            {"index": 1, "pid": 2**22 + 12345, "node": None, "ready": True, "restarts": 0},  # no such pid
+        ],
+    }
+    (d / "components.json").write_text(json.dumps(doc))
+    rows = env_rows(tmp_path / "envs")
+    assert [(r["role"], r["state"], r["restarts"]) for r in rows] == [
+        ("env-server", "running", 1),
+        ("env-worker 0", "running", 2),
+        ("env-worker 1", "exited", 0),
+    ]
+    assert all(r["env"] == "train/faulty" for r in rows)
+    assert table(rows)[0].split() == ["role", "env", "pid", "node", "state", "restarts"]
