@@ -26,7 +26,6 @@ def server_status(spec: Any, pid: int, workers: list[Any]) -> dict[str, Any]:
                 "index": w.index,
                 "pid": None if w.proc is None else w.proc.pid,
                 "node": node,
-                "ready": w.ready,
                 "restarts": w.restarts,
             }
             for w in workers
@@ -75,8 +74,6 @@ def env_rows(envs_dir: Path) -> list[dict[str, Any]]:
         )
         for w in doc.get("workers") or []:
             state = alive(w.get("pid"), w.get("node"))
-            if state == "running" and not w.get("ready"):
-                state = "starting"
             rows.append(
                 {
                     "role": f"env-worker {w.get('index')}",

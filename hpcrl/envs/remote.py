@@ -1,13 +1,16 @@
 """The orchestrator's side of an env server: an Environment whose rollouts run in other processes.
 
 `RemoteEnvironment` starts `python -m hpcrl.envs.server` (one per train/eval env), learns the env's
-tasks, tools and turn limit from its `Hello`, and then answers each rollout with one `Run` message.
-While a rollout runs, the workers ask for model turns (`Chat`); those are answered here with the very
+tasks, tools and turn limit from its `Hello`, and then sends each rollout as one `Run` message to a
+worker (hpcrl.envs.routing picks it; workers connect to this process's socket directly). While a
+rollout runs, its worker asks for model turns (`Chat`); those are answered here with the very
 ChatClient the rollout driver handed in (RolloutClient, a shared first turn, a group's client), so
 stitching, policy versions and retries are the same as in-process. No env code runs in this process.
 
-If the server process dies, every rollout it held is errored, and it is started again (at most
-`max_restarts` times in a run, then EnvServerFailed ends the run naming the env).
+A worker that dies (the server says `WorkerDied`) or overruns `rollout_timeout_s` in env code (this
+side sees it and sends `Kill`) errors the rollouts it held. If the server process dies, every
+rollout is errored and the server is started again (at most `max_restarts` times in a run, then
+EnvServerFailed ends the run naming the env).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import msgspec
 from hpcrl.envs import wire
 from hpcrl.envs.base import ChatClient, Environment, Task, Trajectory
 from hpcrl.envs.errors import EnvServerFailed
+from hpcrl.envs.routing import Router
+from hpcrl.envs.server import server_ident, server_log
 
 log = logging.getLogger("hpcrl.envs.remote")
 HELLO_TIMEOUT_S = 300.0  # loading an env may download/prepare data: generous, but not forever
@@ -49,13 +54,15 @@ class RemoteEnvironment(Environment):
         self.restarts = 0
         self.zmq = zmq
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.spec = msgspec.structs.replace(spec, connect=f"tcp://127.0.0.1:{port}")
         self.proc: subprocess.Popen | None = None
         self.calls: dict[int, tuple[asyncio.Future, Any, set[asyncio.Task]]] = {}
         self.next_rid = 0
+        self.router = Router()
+        self.checked = 0.0
         self.fatal: EnvServerFailed | None = None
         self.reader: asyncio.Task | None = None
         self.ready: asyncio.Event | None = None
@@ -67,8 +74,6 @@ class RemoteEnvironment(Environment):
     # -- start / hello ----------------------------------------------------------------------------
     def _start(self) -> None:
         spec = msgspec.structs.replace(self.spec, restarts=self.restarts)
-        from hpcrl.envs.server import server_log
-
         path = server_log(spec.log_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "ab") as out:
@@ -88,12 +93,21 @@ class RemoteEnvironment(Environment):
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while time.monotonic() < deadline:
             if sync.poll(200):
-                return self._check_hello(wire.decode(sync.recv()))
+                ident, data = sync.recv_multipart()
+                if ident == server_ident(self.restarts):
+                    return self._check_hello(wire.decode(data))
+                self._early_ready(ident, wire.decode(data))
+                continue
             assert self.proc is not None
             if self.proc.poll() is not None:
                 break
         self.close_now()
         raise EnvServerFailed(self._gone_msg("did not start"))
+
+    def _early_ready(self, ident: bytes, msg: wire.Msg) -> None:
+        """A worker can be ready before its server's Hello arrives."""
+        if isinstance(msg, wire.Ready) and ident.startswith(f"w{self.restarts}.".encode()):
+            self.router.ready(ident)
 
     def _check_hello(self, msg: wire.Msg) -> wire.Hello:
         if isinstance(msg, wire.LoadFailed):
@@ -114,8 +128,6 @@ class RemoteEnvironment(Environment):
 
     def _gone_msg(self, what: str) -> str:
         code = None if self.proc is None else self.proc.poll()
-        from hpcrl.envs.server import server_log
-
         return (
             f"env server for {self.spec.kind} env {self.spec.name!r} {what}"
             f"{'' if code is None else f' (exit code {code})'}; see {server_log(self.spec.log_dir)}"
@@ -165,7 +177,9 @@ class RemoteEnvironment(Environment):
         self.calls[rid] = (fut, client, set())
         run = wire.Run(rid, wire.to_wtask(task), dict(sampling), n, group, self.system_prompt_override)
         try:
-            await self._send(run)
+            ident = self.router.assign(rid, run, time.monotonic())
+            if ident is not None:
+                await self._send(ident, run)
             done: wire.Done = await fut
         finally:
             _, _, chats = self.calls.pop(rid, (None, None, set()))
@@ -175,10 +189,10 @@ class RemoteEnvironment(Environment):
             raise EnvRolloutError(done.error)
         return [wire.from_wtraj(task, t) for t in done.trajectories]
 
-    async def _send(self, msg: wire.Msg) -> None:
+    async def _send(self, ident: bytes, msg: wire.Msg) -> None:
         assert self.send_lock is not None
         async with self.send_lock:
-            await self.sock.send(wire.encode(msg))
+            await self.sock.send_multipart([ident, wire.encode(msg)])
 
     def _ensure_reader(self) -> None:
         if self.reader is None:
@@ -190,23 +204,52 @@ class RemoteEnvironment(Environment):
     async def _read(self) -> None:
         while True:
             if await self.sock.poll(int(WATCH_S * 1000)):
-                self._on(wire.decode(await self.sock.recv()))
+                ident, data = await self.sock.recv_multipart()
+                await self._on(ident, wire.decode(data))
+            now = time.monotonic()
+            if now - self.checked < WATCH_S:
                 continue
+            self.checked = now
             assert self.proc is not None
             if self.proc.poll() is not None:
                 await self._restart()
+            for ident in self.router.overdue(now, self.spec.rollout_timeout_s):
+                why = (
+                    f"env worker {ident.decode()} killed: a rollout spent more than "
+                    f"rollout_timeout_s={self.spec.rollout_timeout_s:g} s in env code"
+                )
+                self._fail(self.router.gone(ident), why)
+                await self._send(server_ident(self.restarts), wire.Kill(ident.decode(), why))
 
-    def _on(self, msg: wire.Msg) -> None:
+    async def _on(self, ident: bytes, msg: wire.Msg) -> None:
         if isinstance(msg, wire.Chat):
             call = self.calls.get(msg.rid)
             if call is not None:
+                self.router.asked_model(msg.rid)
                 t = asyncio.ensure_future(self._answer(call[1], msg))
                 call[2].add(t)
                 t.add_done_callback(call[2].discard)
         elif isinstance(msg, wire.Done):
+            self.router.done(msg.rid)
             call = self.calls.get(msg.rid)
             if call is not None and not call[0].done():
                 call[0].set_result(msg)
+        elif isinstance(msg, wire.Ready):
+            if ident.startswith(f"w{self.restarts}.".encode()):  # not a worker of a dead server
+                for run in self.router.ready(ident):
+                    if run.rid in self.calls:
+                        held = self.router.assign(run.rid, run, time.monotonic())
+                        assert held is not None
+                        await self._send(held, run)
+        elif isinstance(msg, wire.WorkerDied):
+            self._fail(self.router.gone(msg.ident.encode()), msg.why)
+            log.error("env %s/%s: %s", self.spec.kind, self.name, msg.why)
+
+    def _fail(self, rids: list[int], why: str) -> None:
+        for rid in rids:
+            call = self.calls.get(rid)
+            if call is not None and not call[0].done():
+                call[0].set_exception(EnvRolloutError(why))
 
     async def _answer(self, client: ChatClient, msg: wire.Chat) -> None:
         from hpcrl.orchestrator.servers import InferenceUnavailable
@@ -221,7 +264,9 @@ class RemoteEnvironment(Environment):
             return
         except Exception as e:  # noqa: BLE001 - a failed request errors the rollout in the env
             reply = wire.ChatReply(msg.rid, msg.seq, error=f"{type(e).__name__}: {e}"[:500])
-        await self._send(reply)
+        ident = self.router.answered(msg.rid, time.monotonic())
+        if ident is not None:  # else its worker is gone and the rollout already errored
+            await self._send(ident, reply)
 
     async def _restart(self) -> None:
         """The server died: error what it held, start it again (or give up past max_restarts)."""
@@ -229,6 +274,7 @@ class RemoteEnvironment(Environment):
         self.ready.clear()
         why = self._gone_msg("died")
         log.error("%s; %d rollout(s) errored", why, len(self.calls))
+        self.router.clear()
         for fut, _, _ in self.calls.values():
             if not fut.done():
                 fut.set_exception(EnvRolloutError(why))
@@ -244,8 +290,11 @@ class RemoteEnvironment(Environment):
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while time.monotonic() < deadline:
             if await self.sock.poll(int(WATCH_S * 1000)):
-                msg = wire.decode(await self.sock.recv())
-                if isinstance(msg, (wire.Hello, wire.LoadFailed)):
+                ident, data = await self.sock.recv_multipart()
+                msg = wire.decode(data)
+                if ident != server_ident(self.restarts):
+                    self._early_ready(ident, msg)
+                elif isinstance(msg, (wire.Hello, wire.LoadFailed)):
                     self._apply(self._check_hello(msg))
                     self.ready.set()
                     log.info(
@@ -268,8 +317,10 @@ class RemoteEnvironment(Environment):
 
     def close_now(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.zmq.Socket.shadow(self.sock.underlying).send(wire.encode(wire.Stop()), self.zmq.NOBLOCK)
+            sync = self.zmq.Socket.shadow(self.sock.underlying)
+            for ident in [*self.router.workers, server_ident(self.restarts)]:
+                with contextlib.suppress(Exception):
+                    sync.send_multipart([ident, wire.encode(wire.Stop())], self.zmq.NOBLOCK)
             try:
                 self.proc.wait(timeout=3)
             except subprocess.TimeoutExpired:

@@ -1,15 +1,16 @@
 """An env server: one process per train/eval environment, owning N worker processes.
 
-    orchestrator (DEALER, binds) ◀──▶ server (DEALER up; ROUTER down, 127.0.0.1) ◀──▶ workers × N
+    orchestrator (ROUTER, binds 127.0.0.1) ◀──▶ workers × N     Run / Chat / ChatReply / Done
+                                           ◀──▶ env server      Hello / WorkerDied / Kill / Stop
 
 The server loads the environment once to answer `Hello` (tasks of every split, tools, turn limit),
-then only routes: a `Run` goes to the ready worker with the fewest rollouts in flight, `Chat` goes
-up, `ChatReply` down, `Done` up. It never runs rollout code, so it notices at once when a worker:
-- exits (segfault, os._exit, a raise at import): its rollouts are answered `Done(error=...)`;
-- keeps a rollout in env code (not waiting for a model turn) past `rollout_timeout_s`: it is killed
-  and its rollouts errored;
-and either way a fresh worker takes its place (`restarts` counts them). The orchestrator restarts a
-whole server that dies (hpcrl.envs.remote). `status_file` always says who is running (hpcrl components).
+starts the workers (each connects to the orchestrator itself, so a rollout's messages take one hop),
+and then only watches them. It never runs rollout code, so it notices at once when a worker exits
+(segfault, os._exit, a raise at import) and says so (`WorkerDied`: the orchestrator errors that
+worker's rollouts); when the orchestrator sees a rollout overrun `rollout_timeout_s` in env code it
+asks for the worker to be killed (`Kill`). Either way a fresh worker, with a new identity, takes its
+place (`restarts` counts them). The orchestrator restarts a whole server that dies
+(hpcrl.envs.remote). `status_file` always says who is running (hpcrl components).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -39,16 +40,8 @@ class Worker:
     index: int
     proc: subprocess.Popen | None = None
     ident: bytes = b""
-    ready: bool = False
     restarts: int = 0
     started: float = 0.0
-    rids: set[int] = field(default_factory=set)
-
-
-@dataclass
-class Rollout:
-    worker: int
-    in_env_since: float | None  # None while it waits for a model turn
 
 
 def worker_log(spec: wire.ServerSpec, index: int) -> Path:
@@ -59,20 +52,16 @@ def server_log(log_dir: str | Path) -> Path:
     return Path(log_dir) / "server.log"
 
 
-def pick_worker(workers: list[Worker]) -> Worker | None:
-    """The ready worker with the fewest rollouts in flight (lowest index on a tie), or None."""
-    ready = [w for w in workers if w.ready]
-    return min(ready, key=lambda w: (len(w.rids), w.index)) if ready else None
+def server_ident(restarts: int) -> bytes:
+    return f"server-{restarts}".encode()
 
 
-def overdue(rollouts: dict[int, Rollout], now: float, timeout_s: float) -> list[int]:
-    """Rollouts that have been in env code (not waiting on a model turn) longer than `timeout_s`."""
-    return [
-        rid for rid, r in rollouts.items() if r.in_env_since is not None and now - r.in_env_since > timeout_s
-    ]
+def worker_ident(server_restarts: int, index: int, restarts: int) -> bytes:
+    """Unique over the run: a message from a replaced worker can never reach its successor's rollouts."""
+    return f"w{server_restarts}.{index}.{restarts}".encode()
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     return f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
 
 
@@ -84,15 +73,12 @@ class EnvServer:
         self.zmq = zmq
         self.ctx = zmq.Context()
         self.up = self.ctx.socket(zmq.DEALER)
-        self.up.setsockopt(zmq.LINGER, 0)
+        self.up.setsockopt(
+            zmq.LINGER, 1000
+        )  # a LoadFailed / WorkerDied sent just before exiting still arrives
+        self.up.setsockopt(zmq.IDENTITY, server_ident(spec.restarts))
         self.up.connect(spec.connect)
-        self.down = self.ctx.socket(zmq.ROUTER)
-        self.down.setsockopt(zmq.LINGER, 0)
-        port = self.down.bind_to_random_port("tcp://127.0.0.1")
-        self.down_addr = f"tcp://127.0.0.1:{port}"
         self.workers = [Worker(i) for i in range(spec.workers)]
-        self.rollouts: dict[int, Rollout] = {}
-        self.backlog: list[wire.Run] = []
         self.parent = os.getppid()
 
     # -- main loop ------------------------------------------------------------------------------
@@ -106,16 +92,9 @@ class EnvServer:
         self.up.send(wire.encode(hello))
         self.record_placement()
         self.write_status()
-        poller = self.zmq.Poller()
-        poller.register(self.up, self.zmq.POLLIN)
-        poller.register(self.down, self.zmq.POLLIN)
         while True:
-            events = dict(poller.poll(POLL_MS))
-            if self.up in events and not self.from_orchestrator(wire.decode(self.up.recv())):
+            if self.up.poll(POLL_MS) and not self.from_orchestrator(wire.decode(self.up.recv())):
                 break
-            if self.down in events:
-                ident, data = self.down.recv_multipart()
-                self.from_worker(ident, wire.decode(data))
             self.supervise()
             if os.getppid() != self.parent:
                 log.warning("orchestrator (pid %d) is gone: stopping", self.parent)
@@ -154,49 +133,18 @@ class EnvServer:
 
     # -- messages -------------------------------------------------------------------------------
     def from_orchestrator(self, msg: wire.Msg) -> bool:
-        if isinstance(msg, wire.Run):
-            self.dispatch(msg)
-        elif isinstance(msg, wire.ChatReply):
-            r = self.rollouts.get(msg.rid)
-            if r is not None:  # else: its worker died meanwhile; the rollout was already errored
-                r.in_env_since = time.monotonic()
-                self.down.send_multipart([self.workers[r.worker].ident, wire.encode(msg)])
-        elif isinstance(msg, wire.Stop):
-            return False
-        return True
-
-    def dispatch(self, msg: wire.Run) -> None:
-        w = pick_worker(self.workers)
-        if w is None:  # every worker is (re)starting: send when one says Ready
-            self.backlog.append(msg)
-            return
-        w.rids.add(msg.rid)
-        self.rollouts[msg.rid] = Rollout(w.index, time.monotonic())
-        self.down.send_multipart([w.ident, wire.encode(msg)])
-
-    def from_worker(self, ident: bytes, msg: wire.Msg) -> None:
-        w = next((w for w in self.workers if w.ident == ident), None)
-        if w is None:  # a message from a worker we already replaced
-            return
-        if isinstance(msg, wire.Ready):
-            w.ready = True
-            self.write_status()
-            backlog, self.backlog = self.backlog, []
-            for run in backlog:
-                self.dispatch(run)
-        elif isinstance(msg, wire.Chat):
-            r = self.rollouts.get(msg.rid)
-            if r is not None:
-                r.in_env_since = None
-                self.up.send(wire.encode(msg))
-        elif isinstance(msg, wire.Done) and self.rollouts.pop(msg.rid, None) is not None:
-            w.rids.discard(msg.rid)
-            self.up.send(wire.encode(msg))
+        if isinstance(msg, wire.Kill):
+            w = next((w for w in self.workers if w.ident.decode() == msg.ident), None)
+            if w is not None and w.proc is not None:  # else: already replaced
+                w.proc.kill()
+                w.proc.wait()
+                self.replace(w, msg.why)
+        return not isinstance(msg, wire.Stop)
 
     # -- workers --------------------------------------------------------------------------------
     def start(self, w: Worker) -> None:
-        w.ident = f"w{w.index}-{w.restarts}".encode()
-        w.ready, w.started = False, time.monotonic()
+        w.ident = worker_ident(self.spec.restarts, w.index, w.restarts)
+        w.started = time.monotonic()
         path = worker_log(self.spec, w.index)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "ab") as out:
@@ -206,13 +154,13 @@ class EnvServer:
                     "-m",
                     "hpcrl.envs.worker",
                     msgspec.json.encode(self.spec).decode(),
-                    self.down_addr,
+                    self.spec.connect,
                     str(w.index),
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                # the ROUTER knows a worker by the identity it connects with
+                # the orchestrator's ROUTER knows a worker by the identity it connects with
                 env={**os.environ, WORKER_ID_VAR: w.ident.decode()},
             )
         log.info("worker %d started (pid %d, restart %d)", w.index, w.proc.pid, w.restarts)
@@ -223,28 +171,12 @@ class EnvServer:
             assert w.proc is not None
             code = w.proc.poll()
             if code is not None and now - w.started >= RESTART_GAP_S:
-                self.replace(w, f"env worker {w.index} (pid {w.proc.pid}) died: {_describe_exit(code)}")
-        for rid in overdue(self.rollouts, now, self.spec.rollout_timeout_s):
-            r = self.rollouts.get(rid)
-            if r is None:
-                continue
-            w = self.workers[r.worker]
-            assert w.proc is not None
-            w.proc.kill()
-            w.proc.wait()
-            self.replace(
-                w,
-                f"env worker {w.index} (pid {w.proc.pid}) killed: a rollout spent more than "
-                f"rollout_timeout_s={self.spec.rollout_timeout_s:g} s in env code",
-            )
+                self.replace(w, f"env worker {w.index} (pid {w.proc.pid}) died: {describe_exit(code)}")
 
     def replace(self, w: Worker, why: str) -> None:
-        """Error every rollout the worker held, then start its successor."""
-        log.error("%s; %d rollout(s) errored; restarting it", why, len(w.rids))
-        for rid in sorted(w.rids):
-            self.rollouts.pop(rid, None)
-            self.up.send(wire.encode(wire.Done(rid, error=why)))
-        w.rids.clear()
+        """Tell the orchestrator (it errors the worker's rollouts), then start its successor."""
+        log.error("%s; restarting it", why)
+        self.up.send(wire.encode(wire.WorkerDied(w.ident.decode(), why)))
         w.restarts += 1
         self.start(w)
         self.write_status()
@@ -269,9 +201,9 @@ class EnvServer:
         write_atomic(Path(self.spec.status_file), [json.dumps(data).encode()], durable=False)
 
     def shutdown(self) -> None:
-        for w in self.workers:
-            if w.ident:
-                self.down.send_multipart([w.ident, wire.encode(wire.Stop())])
+        for w in self.workers:  # they get Stop from the orchestrator; SIGTERM for the rest
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.terminate()
         deadline = time.monotonic() + 2.0
         for w in self.workers:
             if w.proc is None:
@@ -282,7 +214,6 @@ class EnvServer:
                 w.proc.kill()
                 w.proc.wait()
         self.up.close()
-        self.down.close()
         self.ctx.term()
 
 

@@ -1,9 +1,11 @@
 """Every message between the orchestrator, an env server and its workers: msgspec Structs as msgpack.
 
-    orchestrator ──Run──▶ env server ──Run──▶ worker (runs the env's rollout code)
-                 ◀─Chat─            ◀─Chat─        (one model turn wanted: the orchestrator owns
-                 ──ChatReply──▶     ──ChatReply──▶   inference, token ids and policy versions)
-                 ◀─Done─            ◀─Done─        (trajectories, or the error that ended them)
+    orchestrator ──Run──────▶ worker (runs the env's rollout code)
+                 ◀─Chat──────        (one model turn wanted: the orchestrator owns inference,
+                 ──ChatReply─▶        token ids and policy versions)
+                 ◀─Done──────        (trajectories, or the error that ended them)
+    orchestrator ◀─Hello / WorkerDied── env server (starts, watches, replaces workers)
+                 ──Kill / Stop────────▶
 
 A frame is one msgpack-encoded `Msg` (a tagged union); no pickle crosses a socket. Tasks, turns and
 trajectories travel as plain msgspec Structs mirroring hpcrl.envs.base's dataclasses; `to_*` / `from_*`
@@ -109,6 +111,20 @@ class Ready(msgspec.Struct, tag=True):
     pid: int
 
 
+class WorkerDied(msgspec.Struct, tag=True):
+    """Server -> orchestrator: a worker exited or was killed; its rollouts are errored with `why`."""
+
+    ident: str
+    why: str
+
+
+class Kill(msgspec.Struct, tag=True):
+    """Orchestrator -> server: a rollout of this worker overran rollout_timeout_s in env code."""
+
+    ident: str
+    why: str
+
+
 class ServerSpec(msgspec.Struct, kw_only=True):
     """What an env server (and each of its workers) is started with: JSON on its command line."""
 
@@ -118,7 +134,7 @@ class ServerSpec(msgspec.Struct, kw_only=True):
     kind: str  # train | eval
     workers: int
     rollout_timeout_s: float
-    connect: str  # the orchestrator's socket (tcp://host:port)
+    connect: str  # the orchestrator's socket (tcp://host:port): the server and every worker connect
     log_dir: str  # logs/envs/<kind>/<name>/
     restarts: int = 0  # how often the orchestrator restarted this server before
     status_file: str = ""  # components.json of this server (written by the server)
@@ -126,7 +142,7 @@ class ServerSpec(msgspec.Struct, kw_only=True):
     index: int = 0  # its place in orchestrator.{train,eval}.env (its placement rank)
 
 
-Msg = Hello | LoadFailed | Run | Chat | ChatReply | Done | Stop | Ready
+Msg = Hello | LoadFailed | Run | Chat | ChatReply | Done | Stop | Ready | WorkerDied | Kill
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)  # non-msgpack values in env state travel as text
 _DECODER = msgspec.msgpack.Decoder(Msg)

@@ -8,22 +8,35 @@ import pytest
 
 from hpcrl.envs import wire
 from hpcrl.envs.base import Task, Trajectory, Turn
-from hpcrl.envs.server import Rollout, Worker, overdue, pick_worker
+from hpcrl.envs.routing import Router
 from hpcrl.launch.logview import make_filter, parse_since, records
 
 
-def test_pick_worker_takes_the_least_loaded_ready_one() -> None:
-    ws = [Worker(0, ready=True, rids={1, 2}), Worker(1, ready=False), Worker(2, ready=True, rids={3})]
-    assert pick_worker(ws).index == 2
-    ws[2].rids |= {4}
-    assert pick_worker(ws).index == 0  # tie on 2 in flight: the lower index
-    assert pick_worker([Worker(0), Worker(1)]) is None  # none ready: the run is queued
+def test_runs_go_to_the_least_loaded_ready_worker_or_wait() -> None:
+    r = Router()
+    assert r.assign(1, "run1", 0.0) is None and r.backlog == ["run1"]  # nobody ready yet
+    assert r.ready(b"a") == ["run1"] and r.backlog == []
+    r.ready(b"b")
+    assert r.assign(1, "run1", 0.0) == b"a"  # a tie: the first ready
+    assert r.assign(2, "run2", 0.0) == b"b"
+    assert r.assign(3, "run3", 0.0) == b"a"
+    r.done(1)
+    assert r.assign(4, "run4", 0.0) == b"a"  # after done(1) a holds {3}, b {2}: a tie again
+    assert r.gone(b"a") == [3, 4] and r.assign(5, "run5", 0.0) == b"b"
+    assert r.answered(3, 1.0) is None  # its worker is gone: nothing to send
+    assert r.clear() == [2, 5] and not r.workers
 
 
 def test_only_time_in_env_code_counts_towards_the_timeout() -> None:
-    rs = {1: Rollout(0, 100.0), 2: Rollout(0, None), 3: Rollout(1, 109.5)}
-    assert overdue(rs, 110.0, 5.0) == [1]  # 2 waits for a model turn: never overdue
-    assert overdue(rs, 200.0, 5.0) == [1, 3]
+    r = Router()
+    r.ready(b"a")
+    r.ready(b"b")
+    r.assign(1, "run1", 100.0)  # a
+    r.assign(2, "run2", 100.0)  # b
+    r.asked_model(2)  # waits for a model turn: never overdue
+    assert r.overdue(110.0, 5.0) == [b"a"]
+    assert r.answered(2, 109.5) == b"b"  # back in env code from 109.5
+    assert r.overdue(114.0, 5.0) == [b"a"] and r.overdue(115.0, 5.0) == [b"a", b"b"]
 
 
 def test_a_trajectory_crosses_the_wire_unchanged() -> None:
