@@ -178,15 +178,7 @@ def to_wturn(t: Turn) -> WTurn:
 
 
 def from_wturn(t: WTurn) -> Turn:
-    return Turn(
-        text=t.text,
-        prompt_token_ids=t.prompt_token_ids,
-        completion_token_ids=t.completion_token_ids,
-        completion_logprobs=t.completion_logprobs,
-        policy_steps=t.policy_steps,
-        finish_reason=t.finish_reason,
-        tool_calls=t.tool_calls,
-    )
+    return Turn(*msgspec.structs.astuple(t))  # WTurn lists Turn's fields in Turn's order
 
 
 def _plain_state(state: dict[str, Any]) -> dict[str, Any]:
