@@ -176,3 +176,14 @@ def test_kill_9_of_a_worker_and_of_the_server_mid_run(tmp_path: Path) -> None:
     assert "env worker 0" in (RunPaths(out).env_server_dir("train", "faulty") / "server.log").read_text()
     placed = [json.loads(x) for x in RunPaths(out).placement_log.read_text().splitlines()]
     assert sum(p["role"] == "env-server-train" and p["env"] == "faulty" for p in placed) == 2
+    cli = [sys.executable, "-m", "hpcrl.cli"]
+    logs = subprocess.run(
+        [*cli, "logs", str(out), "--env", "faulty", "--level", "error", "--search", "DIED", "-n", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert logs.returncode == 0 and "[envs/train/faulty/server.log]" in logs.stdout, logs.stdout + logs.stderr
+    assert "env worker 0" in logs.stdout and " INFO " not in logs.stdout
+    status = subprocess.run([*cli, "status", str(out)], capture_output=True, text=True, timeout=60)
+    assert "env servers:" in status.stdout and "env-server-train" in status.stdout

@@ -119,3 +119,22 @@ def test_components_reads_every_env_server_and_worker(tmp_path) -> None:
     ]
     assert all(r["env"] == "train/faulty" for r in rows)
     assert table(rows)[0].split() == ["role", "env", "pid", "node", "state", "restarts"]
+
+
+def test_errored_rollouts_per_env_count_what_was_generated() -> None:
+    from hpcrl.orchestrator.batch import StepCounts
+    from hpcrl.orchestrator.metrics import step_metrics
+    from hpcrl.orchestrator.state import GroupRecord, RolloutRecord
+
+    def group(env: str, errors: list[bool]) -> GroupRecord:
+        rs = [
+            RolloutRecord(index=i, pieces=[], error="worker died" if e else None)
+            for i, e in enumerate(errors)
+        ]
+        return GroupRecord(env=env, example_id=0, task_index=0, task_epoch=0, rollouts=rs)
+
+    kept = group("a", [False, True])
+    dropped = [group("a", [True, True]), group("b", [True, True])]  # all errored: never trained
+    m = step_metrics([kept], [kept, *dropped], 1, StepCounts(), 0.0, 1.0, 1, 1, {})
+    assert m["errored_rollouts/all"] == 5.0
+    assert (m["errored_rollouts/a"], m["errored_rollouts/b"]) == (3.0, 2.0)
