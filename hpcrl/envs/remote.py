@@ -43,7 +43,9 @@ class EnvRolloutError(RuntimeError):
 
 
 class RemoteEnvironment(Environment):
-    def __init__(self, spec: wire.ServerSpec, max_restarts: int = 3):
+    def __init__(self, spec: wire.ServerSpec, max_restarts: int = 3, wait: bool = True):
+        """Starts the env server; `wait=False` leaves waiting for its Hello to `wait_ready()`
+        (several servers then load their envs at the same time)."""
         import zmq
         import zmq.asyncio
 
@@ -68,8 +70,11 @@ class RemoteEnvironment(Environment):
         self.ready: asyncio.Event | None = None
         self.send_lock: asyncio.Lock | None = None
         self._start()
-        hello = self._hello_blocking()
-        self._apply(hello)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        self._apply(self._hello_blocking())
 
     # -- start / hello ----------------------------------------------------------------------------
     def _start(self) -> None:
@@ -316,6 +321,8 @@ class RemoteEnvironment(Environment):
         self.close_now()
 
     def close_now(self) -> None:
+        if self.sock.closed:
+            return
         if self.proc is not None and self.proc.poll() is None:
             sync = self.zmq.Socket.shadow(self.sock.underlying)
             for ident in [*self.router.workers, server_ident(self.restarts)]:

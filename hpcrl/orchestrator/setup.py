@@ -51,6 +51,7 @@ def load_envs(
     `workers` (or `default_workers`) worker processes; in this process when workers = 0 or no
     `server_dir` is given (data-only uses such as SFT task lists)."""
     out: dict[str, Environment] = {}
+    starting: list[tuple[int, Any]] = []
     try:
         for i, e in enumerate(envs):
             name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
@@ -68,11 +69,17 @@ def load_envs(
                     spec = server_spec(
                         e.id, e.args, name, kind, workers, e.rollout_timeout_s, where_logs, run_dir, i
                     )
-                    env = RemoteEnvironment(spec, max_restarts)
+                    env = RemoteEnvironment(spec, max_restarts, wait=False)
+                    starting.append((i, env))
             except ValueError as err:  # bad environment arguments (ConfigError included): name the entry
                 raise ConfigError(f"{where}[{i}]", str(err)) from None
             env.name = name
             out[env.name] = env
+        for i, env in starting:  # every server loads its env at once; wait for each in turn
+            try:
+                env.wait_ready()
+            except ValueError as err:
+                raise ConfigError(f"{where}[{i}]", str(err)) from None
     except BaseException:
         close_envs(out.values())
         raise

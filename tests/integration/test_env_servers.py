@@ -187,3 +187,27 @@ def test_kill_9_of_a_worker_and_of_the_server_mid_run(tmp_path: Path) -> None:
     assert "env worker 0" in logs.stdout and " INFO " not in logs.stdout
     status = subprocess.run([*cli, "status", str(out)], capture_output=True, text=True, timeout=60)
     assert "env servers:" in status.stdout and "env-server-train" in status.stdout
+
+
+def test_servers_start_together_and_a_bad_entry_is_named(tmp_path: Path) -> None:
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.config.schema import EnvConfig
+    from hpcrl.orchestrator.setup import close_envs, load_envs
+
+    good = EnvConfig(id="reverse-text")
+    envs = load_envs(
+        [good, EnvConfig(id=ENV, name="f")],
+        "orchestrator.train.env",
+        server_dir=lambda k, n: tmp_path / k / n,
+    )
+    try:
+        assert [type(e).__name__ for e in envs.values()] == ["RemoteEnvironment"] * 2
+        assert len(envs["f"].tasks("train")) == 8 and envs["reverse-text"].max_turns == 1
+    finally:
+        close_envs(envs.values())
+    bad = EnvConfig(id="reverse-text", name="bad", args={"min_len": 9, "max_len": 2})
+    with pytest.raises(ConfigError) as e:
+        load_envs([good, bad], "orchestrator.train.env", server_dir=lambda k, n: tmp_path / k / n)
+    assert e.value.path == "orchestrator.train.env[1]"
+    in_process = load_envs([EnvConfig(id="reverse-text", workers=0)], "x", server_dir=lambda k, n: tmp_path)
+    assert type(in_process["reverse-text"]).__name__ == "ReverseTextEnv"
