@@ -189,6 +189,7 @@ def test_kill_9_of_a_worker_and_of_the_server_mid_run(tmp_path: Path) -> None:
     assert "env servers:" in status.stdout and "env-server-train" in status.stdout
 
 
+@pytest.mark.slow
 def test_servers_start_together_and_a_bad_entry_is_named(tmp_path: Path) -> None:
     from hpcrl.config.errors import ConfigError
     from hpcrl.config.schema import EnvConfig

@@ -32,6 +32,7 @@ def test_explain_recognises_the_other_api() -> None:
     assert vf_versions.explain("e", AttributeError("'NoneType' object has no attribute 'x'")) is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAVE is None, reason="verifiers not installed")
 def test_a_v1_taskset_is_refused_in_one_line() -> None:
     with pytest.raises(EnvSpecError) as e:
