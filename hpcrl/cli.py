@@ -23,7 +23,9 @@ commands:
   trainer          one trainer rank (started by run/submit; RANK/WORLD_SIZE from the environment)
   orchestrator     the rollout orchestrator (started by run/submit)
   status           state of a run directory: steps, checkpoints, job
-  logs             print / follow a component's log (-c trainer|orchestrator|inference|env:NAME, -f)
+  logs             print / follow logs (-c trainer|orchestrator|inference, --env NAME, -f, --search,
+                   --regex, --level, --since)
+  components       every process of a run: role, env, pid, node, state, restarts
   cancel           stop the job that owns a run directory
   checkpoints      list a run directory's checkpoints and their ids (for checkpoint_id / ckpt.warm_start)
   plot             write PNG plots from a run's metrics.jsonl
@@ -251,9 +253,15 @@ def cmd_status(argv: list[str]) -> int:
 
 
 def cmd_logs(argv: list[str]) -> int:
-    from hpcrl.launch.manage import logs
+    from hpcrl.launch.logview import logs
 
     return logs(argv)
+
+
+def cmd_components(argv: list[str]) -> int:
+    from hpcrl.launch.logview import components
+
+    return components(argv)
 
 
 def cmd_cancel(argv: list[str]) -> int:
@@ -312,6 +320,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
     "sft": (cmd_sft, "SFTConfig"),
     "status": (cmd_status, None),
     "logs": (cmd_logs, None),
+    "components": (cmd_components, None),
     "cancel": (cmd_cancel, None),
     "checkpoints": (cmd_checkpoints, None),
     "plot": (cmd_plot, None),

@@ -199,6 +199,10 @@ class RunPaths:
         """logs/envs/{train,eval}/<env>.log."""
         return self.logs_dir / "envs" / kind / f"{env_name}.log"
 
+    def env_server_dir(self, kind: str, env_name: str) -> Path:
+        """logs/envs/{train,eval}/<env>/: server.log, worker_<i>.log, components.json."""
+        return self.logs_dir / "envs" / kind / env_name
+
     @property
     def slurm_logs_dir(self) -> Path:
         return self.logs_dir / "slurm"
@@ -323,6 +327,10 @@ class EvalPaths:
 
     def log_file(self, role: str) -> Path:
         return self.root / "logs" / f"{role}.log"
+
+    def env_server_dir(self, kind: str, env_name: str) -> Path:
+        """logs/envs/<kind>/<env>/ of an eval or GEPA run's env servers."""
+        return self.root / "logs" / "envs" / kind / env_name
 
     @property
     def gepa_state_dir(self) -> Path:

@@ -104,6 +104,38 @@ def to_native(d: dict[str, Any], source: str = "") -> tuple[dict[str, Any], list
     """Return (native dict, notes). Native configs pass through (platform-only keys still reported)."""
     notes: list[str] = []
     d = dict(d)
+    workers = _compute_size(d, source, notes)
+    out, notes = _to_native(d, source, notes)
+    if workers is not None:
+        orch = out.setdefault("orchestrator", {})
+        if isinstance(orch, dict):
+            orch.setdefault("env_workers", workers)
+    return out, notes
+
+
+# [infrastructure] compute_size: the CPU given to the user's environments -> env worker processes.
+COMPUTE_SIZE_WORKERS = {"S": 1, "M": 2, "L": 4}
+
+
+def _compute_size(d: dict[str, Any], source: str, notes: list[str]) -> int | None:
+    infra = d.get("infrastructure")
+    if not isinstance(infra, dict) or "compute_size" not in infra:
+        return None
+    infra = dict(infra)
+    size = infra.pop("compute_size")
+    if size not in COMPUTE_SIZE_WORKERS:
+        raise ConfigError("infrastructure.compute_size", f"expected S, M or L, got {size!r}")
+    d["infrastructure"] = infra
+    if not infra:
+        del d["infrastructure"]
+    notes.append(
+        f"{source}: infrastructure.compute_size = {size!r}: {COMPUTE_SIZE_WORKERS[size]} env worker "
+        "process(es) per environment (orchestrator.env_workers)"
+    )
+    return COMPUTE_SIZE_WORKERS[size]
+
+
+def _to_native(d: dict[str, Any], source: str, notes: list[str]) -> tuple[dict[str, Any], list[str]]:
     for key in PLATFORM_ONLY:
         if key in d:
             shown = f"[{key}]" if isinstance(d.pop(key), dict) else key

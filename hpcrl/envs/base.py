@@ -187,6 +187,17 @@ class Environment:
     def __init__(self, rubric: Rubric | None = None) -> None:
         self.rubric = rubric or Rubric()
 
+    @property
+    def group_scored(self) -> bool:
+        """The env runs (and scores) a whole group itself: rollout_group is overridden."""
+        return type(self).rollout_group is not Environment.rollout_group
+
+    @property
+    def shares_first_turn(self) -> bool:
+        """Every rollout makes exactly one chat call (the reference driver, one turn, no tools), so a
+        group's n calls can be one request with n choices."""
+        return self.max_turns <= 1 and not self.tools and type(self).rollout is Environment.rollout
+
     # -- data -------------------------------------------------------------------------------
     def tasks(self, split: str = "train", seed: int | None = None) -> Sequence[Task]:
         """All tasks of a split, in a fixed order (samplers shuffle). Deterministic in `seed`

@@ -110,8 +110,11 @@ def _import(module_name: str, env_id: str) -> Any | None:
     try:
         return importlib.import_module(module_name)
     except Exception as e:
+        from hpcrl.envs.vf_versions import explain
+
         raise EnvSpecError(
-            f"environment {env_id!r}: importing {module_name} failed: {type(e).__name__}: {e}"
+            explain(env_id, e)
+            or f"environment {env_id!r}: importing {module_name} failed: {type(e).__name__}: {e}"
         ) from e
 
 
@@ -151,6 +154,11 @@ def _installed(env_id: str) -> Factory | None:
         module = _import(mod_name, env_id)
         if module is not None and callable(getattr(module, "load_environment", None)):
             return module.load_environment
+        if module is not None:
+            from hpcrl.envs.vf_versions import v1_exports, v1_refusal
+
+            if v1_exports(module):  # a verifiers 0.4 taskset package (exports its Taskset via __all__)
+                raise EnvSpecError(v1_refusal(env_id))
     wanted = {env_id, name, name.replace("-", "_"), name.replace("_", "-")}
     for group in ENTRY_POINT_GROUPS:
         for ep in importlib.metadata.entry_points(group=group):
@@ -227,6 +235,13 @@ def _build(env_id: str, factory: Factory, args: Mapping[str, Any]) -> Any:
         return factory(**args)
     except (TypeError, ValueError) as e:
         raise EnvSpecError(f"environment {env_id!r}: {e}") from e
+    except (AttributeError, ImportError) as e:  # the other verifiers API?
+        from hpcrl.envs.vf_versions import explain
+
+        why = explain(env_id, e)
+        if why is None:
+            raise
+        raise EnvSpecError(why) from e
 
 
 def load_environment(env_id: str, **args: Any) -> Environment:
@@ -244,6 +259,10 @@ def load_environment(env_id: str, **args: Any) -> Environment:
     env = _build(env_id, factory, args)
     if not isinstance(env, Environment):
         from hpcrl.envs.verifiers_adapter import is_verifiers_env, wrap_verifiers_env
+        from hpcrl.envs.vf_versions import is_v1_object, v1_refusal
+
+        if is_v1_object(env):
+            raise EnvSpecError(v1_refusal(env_id))
 
         if not is_verifiers_env(env):
             raise _wrong_type(env_id, env)

@@ -41,7 +41,12 @@ def is_verifiers_env(obj: Any) -> bool:
 
 
 def wrap_verifiers_env(vf_env: Any, name: str) -> VerifiersEnvironment:
-    _vf()
+    try:
+        _vf()
+    except ValueError:
+        from hpcrl.envs.vf_versions import installed, needs
+
+        raise ValueError(needs(name, "0.3", installed())) from None
     return VerifiersEnvironment(vf_env, name=name)
 
 

@@ -44,11 +44,15 @@ def write_json(path: Any, obj: Any) -> None:
     write_atomic(path, [(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode()])
 
 
-def plan(cfg: EvalRunConfig) -> tuple[dict[str, Environment], list[tuple[str, Environment, Task, int]]]:
-    """Load the environments and list every (env, task, k) to score."""
+def plan(
+    cfg: EvalRunConfig, paths: EvalPaths | None = None
+) -> tuple[dict[str, Environment], list[tuple[str, Environment, Task, int]]]:
+    """Load the environments (each in its env server when `paths` is given) and list every
+    (env, task, k) to score."""
     from hpcrl.orchestrator.setup import env_name, load_envs
 
-    envs = load_envs(cfg.env, "env")
+    server_dir = None if paths is None else paths.env_server_dir
+    envs = load_envs(cfg.env, "env", kind="eval", server_dir=server_dir)
     jobs = []
     for e in cfg.env:
         name = env_name(e)
@@ -133,12 +137,17 @@ def main(cfg: EvalRunConfig) -> int:
     paths = EvalPaths(cfg.output_dir)
     setup_logging("eval", cfg.log.level, log_file=paths.log_file("eval"))
     write_json(paths.config_file, msgspec.to_builtins(cfg))
-    envs, jobs = plan(cfg)
+    from hpcrl.orchestrator.setup import close_envs
+
+    envs, jobs = plan(cfg, paths)
     t0 = time.monotonic()
-    with Endpoints(paths, cfg.client, cfg.inference, cfg.seq_len, cfg.log.level) as ep:
-        url = ep.url(cfg.model)
-        tokenizer = load_tokenizer(cfg.model, cfg.client, cfg.inference.trust_remote_code)
-        groups = asyncio.run(_generate(cfg, url, ep.api_key(), tokenizer, jobs))
+    try:
+        with Endpoints(paths, cfg.client, cfg.inference, cfg.seq_len, cfg.log.level) as ep:
+            url = ep.url(cfg.model)
+            tokenizer = load_tokenizer(cfg.model, cfg.client, cfg.inference.trust_remote_code)
+            groups = asyncio.run(_generate(cfg, url, ep.api_key(), tokenizer, jobs))
+    finally:
+        close_envs(envs.values())
     rows = [row for g in groups for row in result_rows(g, envs[g.env])]
     write_jsonl(paths.results_file, rows)
     summary = summarize(cfg, groups)

@@ -1,17 +1,17 @@
-"""`hpcrl status`, `hpcrl logs`, `hpcrl cancel` for a run directory (local or SLURM)."""
+"""`hpcrl status`, `hpcrl cancel` for a run directory (local or SLURM); `hpcrl logs` and
+`hpcrl components` live in hpcrl.launch.logview."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from hpcrl.launch.rundir_args import _parse, _parser, _run_dir
 from hpcrl.paths import RunPaths
 
 
@@ -26,29 +26,6 @@ def write_job(paths: RunPaths, info: dict[str, Any]) -> None:
     from hpcrl.fileio import write_text
 
     write_text(paths.job_file, json.dumps(info, indent=2))
-
-
-def _run_dir(args: argparse.Namespace) -> RunPaths:
-    d = Path(args.output_dir)
-    if not (d / "configs").is_dir():
-        print(f"hpcrl: error: {d} is not an hpcrl run directory (no configs/)", file=sys.stderr)
-        raise SystemExit(2)
-    return RunPaths(d)
-
-
-def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"hpcrl {prog}")
-    p.add_argument("output_dir", nargs="?", default=None, help="run directory")
-    p.add_argument("--output-dir", dest="output_dir_flag", default=None, help="run directory")
-    return p
-
-
-def _parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    args = p.parse_args(argv)
-    args.output_dir = args.output_dir_flag or args.output_dir
-    if args.output_dir is None:
-        p.error("give the run directory (positional or --output-dir)")
-    return args
 
 
 def job_state(job: dict[str, Any]) -> str:
@@ -95,7 +72,11 @@ def status(argv: list[str]) -> int:
         f"weights:      {', '.join(f'step_{s}' for s in RunPaths.steps_in(paths.weights_root)) or 'none'}",
         f"logs:         {paths.logs_dir}/",
     ]
-    print("\n".join(lines + placement_table(paths)))
+    from hpcrl.launch.logview import component_rows, table
+
+    envs = [r for r in component_rows(paths) if r["env"] != "-"]
+    env_lines = ["env servers:", *("  " + line for line in table(envs))] if envs else []
+    print("\n".join(lines + placement_table(paths) + env_lines))
     return 0
 
 
@@ -121,51 +102,6 @@ def placement_table(paths: RunPaths) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     return ["placement:", *table]
-
-
-def component_log(paths: RunPaths, component: str) -> Path:
-    if component.startswith("env:"):
-        name = component[4:]
-        for kind in ("train", "eval"):
-            p = paths.env_log_file(kind, name)
-            if p.exists():
-                return p
-        return paths.env_log_file("train", name)
-    if component not in ("trainer", "orchestrator", "inference", "launcher"):
-        raise SystemExit(
-            f"hpcrl: error: -c {component}: expected trainer, orchestrator, inference or env:NAME"
-        )
-    return paths.log_file(component)
-
-
-def logs(argv: list[str]) -> int:
-    p = _parser("logs")
-    p.add_argument(
-        "-c", "--component", default="orchestrator", help="trainer|orchestrator|inference|env:NAME"
-    )
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    p.add_argument("-n", "--lines", type=int, default=50, help="last N lines (0 = all)")
-    args = _parse(p, argv)
-    paths = _run_dir(args)
-    path = component_log(paths, args.component)
-    if not path.exists() and not args.follow:
-        print(f"hpcrl: error: no log yet at {path}", file=sys.stderr)
-        return 2
-    pos = 0
-    if path.exists():
-        lines = path.read_text(errors="replace").splitlines()
-        for line in lines[-args.lines :] if args.lines else lines:
-            print(line)
-        pos = path.stat().st_size
-    while args.follow:
-        time.sleep(0.5)
-        if path.exists() and path.stat().st_size > pos:
-            with open(path, errors="replace") as f:
-                f.seek(pos)
-                sys.stdout.write(f.read())
-                sys.stdout.flush()
-                pos = f.tell()
-    return 0
 
 
 def _writes_checkpoints(paths: RunPaths) -> bool:

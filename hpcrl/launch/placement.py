@@ -414,13 +414,15 @@ def placement_line(
     }
 
 
-def record(paths: RunPaths, role: str, rank: int, port: int | None = None) -> dict:
+def record(
+    paths: RunPaths, role: str, rank: int, port: int | None = None, extra: Mapping[str, object] | None = None
+) -> dict:
     """Append this process's placement to logs/placement.jsonl (one O_APPEND write of one line,
     which local filesystems and Lustre keep whole) and keep it in logs/placement/<role>_<rank>.json
     (atomic replace: what `hpcrl status` shows even where appends from many nodes are not atomic)."""
     from hpcrl.fileio import write_atomic
 
-    line = placement_line(role, rank, port)
+    line = {**placement_line(role, rank, port), **(extra or {})}
     data = json.dumps(line, sort_keys=False)
     paths.logs_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(paths.placement_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -78,6 +78,10 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
     o = cfg.orchestrator
     paths = RunPaths(cfg.output_dir)
     envs = ", ".join(e.name or e.id.rsplit("/", 1)[-1] for e in o.train.env) or "-"
+    workers = [e.workers if e.workers is not None else o.env_workers for e in o.train.env]
+    if workers:  # docs/envs.md: one env server per env, beside the orchestrator
+        where = "in the orchestrator" if not any(workers) else "one env server each"
+        envs += f"  ({where}; worker processes: {', '.join(map(str, workers))})"
     lines = [
         f"hpcrl {target}: dry run OK",
         f"model:        {_model(cfg.model)}",

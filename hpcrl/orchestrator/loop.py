@@ -27,6 +27,7 @@ import msgspec
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
+from hpcrl.envs.errors import EnvServerFailed
 from hpcrl.errors import UserError
 from hpcrl.launch import placement
 from hpcrl.monitor import watchdog
@@ -82,6 +83,7 @@ def main(cfg: Config) -> int:
     except (
         PolicyMismatch,
         InferenceUnavailable,
+        EnvServerFailed,
         BusTimeout,
         TimeoutError,
     ) as e:  # the run failed, not the code

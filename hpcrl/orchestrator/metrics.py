@@ -60,9 +60,11 @@ def step_metrics(
 ) -> dict[str, Any]:
     m: dict[str, Any] = rollout_metrics(trained, step)
     gen = rollout_metrics(generated, step)
-    # Failures are counted over everything generated for the step, filtered groups included.
-    for k in ("empty_rollouts/all", "errored_rollouts/all"):
-        m[k] = gen[k]
+    # Failures are counted over everything generated for the step, filtered groups included, for
+    # "all" and per env alike (an env whose every group errored is dropped from `trained`).
+    for k, v in gen.items():
+        if k.startswith(("empty_rollouts/", "errored_rollouts/")):
+            m[k] = v
     m.update(
         {
             "off_policy/dropped": counts.stale_dropped,

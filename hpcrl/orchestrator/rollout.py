@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hpcrl.envs.base import Environment, Message, Task, Trajectory, Turn
+from hpcrl.envs.errors import EnvServerFailed
 from hpcrl.orchestrator.chat import GroupClient, RolloutClient, derive_seed, openai_sampling
 from hpcrl.orchestrator.pool import (
     BACKOFF_S,
@@ -77,7 +78,7 @@ async def run_group(
 ) -> list[RolloutRecord]:
     """`n` scored rollouts of `task`. An env or request failure errors that rollout (or the whole
     group for group-run environments); InferenceUnavailable propagates and ends the run."""
-    if type(env).rollout_group is Environment.rollout_group:
+    if not env.group_scored:
         if n > 1 and single_turn(env):
             shared = SharedFirstTurn(make_client(0), n)
             return list(
@@ -92,7 +93,7 @@ async def run_group(
         )
     try:
         trajs = await env.rollout_group(task, GroupClient(make_client), sampling, n)
-    except InferenceUnavailable:
+    except (InferenceUnavailable, EnvServerFailed):
         raise
     except Exception as e:  # noqa: BLE001 - any env bug must cost only its rollouts
         return [_errored(i, e, env.name) for i in range(n)]
@@ -116,7 +117,7 @@ async def _one(
 ) -> RolloutRecord:
     try:
         return _record(task, index, await env.rollout(task, client, sampling), branching, sink)
-    except InferenceUnavailable:
+    except (InferenceUnavailable, EnvServerFailed):
         raise
     except Exception as e:  # noqa: BLE001 - an env that raises errors its rollout, the run goes on
         return _errored(index, e, env.name)
@@ -128,7 +129,7 @@ async def _one(
 def single_turn(env: Environment) -> bool:
     """Rollouts of this env make exactly one chat call (the reference driver, one turn, no tools), so
     a group's n calls can be one request with n choices."""
-    return env.max_turns <= 1 and not env.tools and type(env).rollout is Environment.rollout
+    return env.shares_first_turn
 
 
 class SharedFirstTurn:

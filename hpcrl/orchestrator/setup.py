@@ -37,19 +37,61 @@ def env_name(e: EnvConfig) -> str:
     return e.name or e.id.rsplit("/", 1)[-1]
 
 
-def load_envs(envs: Sequence[EnvConfig], where: str) -> dict[str, Environment]:
-    out = {}
-    for i, e in enumerate(envs):
-        try:
-            env = load_environment(e.id, **e.args)
-        except ValueError as err:  # bad environment arguments (ConfigError included): name the entry
-            raise ConfigError(f"{where}[{i}]", str(err)) from None
-        env.name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
-        note = alias_note(e.id)
-        if note:
-            log.warning(note)
-        out[env.name] = env
+def load_envs(
+    envs: Sequence[EnvConfig],
+    where: str,
+    *,
+    kind: str = "train",
+    server_dir: Callable[[str, str], Path] | None = None,
+    run_dir: str = "",
+    default_workers: int = 1,
+    max_restarts: int = 3,
+) -> dict[str, Environment]:
+    """Every env of a list, each in its own env server (`server_dir(kind, name)` holds its logs) with
+    `workers` (or `default_workers`) worker processes; in this process when workers = 0 or no
+    `server_dir` is given (data-only uses such as SFT task lists)."""
+    out: dict[str, Environment] = {}
+    starting: list[tuple[int, Any]] = []
+    try:
+        for i, e in enumerate(envs):
+            name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
+            workers = e.workers if e.workers is not None else default_workers
+            try:
+                if server_dir is None or workers == 0:
+                    env = load_environment(e.id, **e.args)
+                    note = alias_note(e.id)
+                    if note:
+                        log.warning(note)
+                else:
+                    from hpcrl.envs.remote import RemoteEnvironment, server_spec
+
+                    where_logs = server_dir(kind, name)
+                    spec = server_spec(
+                        e.id, e.args, name, kind, workers, e.rollout_timeout_s, where_logs, run_dir, i
+                    )
+                    env = RemoteEnvironment(spec, max_restarts, wait=False)
+                    starting.append((i, env))
+            except ValueError as err:  # bad environment arguments (ConfigError included): name the entry
+                raise ConfigError(f"{where}[{i}]", str(err)) from None
+            env.name = name
+            out[env.name] = env
+        for i, env in starting:  # every server loads its env at once; wait for each in turn
+            try:
+                env.wait_ready()
+            except ValueError as err:
+                raise ConfigError(f"{where}[{i}]", str(err)) from None
+    except BaseException:
+        close_envs(out.values())
+        raise
     return out
+
+
+def close_envs(envs: Any) -> None:
+    """Stop the env servers among `envs` (in-process envs need nothing)."""
+    for env in envs:
+        close = getattr(env, "close_now", None)
+        if close is not None:
+            close()
 
 
 def deployment(cfg: Config) -> tuple[int, int, str]:
@@ -181,11 +223,21 @@ class Setup:
     async def aclose(self) -> None:
         for p in self.pools:
             await p.aclose()
+        for env in [*self.envs.values(), *(e.env for e in self.eval_envs)]:
+            close = getattr(env, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def build(cfg: Config, paths: RunPaths) -> Setup:
     o = cfg.orchestrator
-    envs = load_envs(o.train.env, "orchestrator.train.env")
+    served = {
+        "server_dir": paths.env_server_dir,
+        "run_dir": str(paths.root),
+        "default_workers": o.env_workers,
+        "max_restarts": o.env_server_max_restarts,
+    }
+    envs = load_envs(o.train.env, "orchestrator.train.env", kind="train", **served)
     if not envs:
         raise ConfigError("orchestrator.train.env", "at least one training environment is required")
     tasks: dict[str, Sequence[Task]] = {}
@@ -214,7 +266,7 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     )
     eval_envs = []
     if o.eval is not None:
-        loaded = load_envs(o.eval.env, "orchestrator.eval.env")
+        loaded = load_envs(o.eval.env, "orchestrator.eval.env", kind="eval", **served)
         for e in o.eval.env:
             n = e.num_examples if e.num_examples is not None else o.eval.num_examples
             eval_envs.append(

@@ -441,7 +441,8 @@ def test_summary_reports_platform_only_fields(tmp_path: Path, capsys: pytest.Cap
         for line in out.splitlines()
         if line.startswith("note:")
     )
-    for ignored in ("[infrastructure]", "checkpoints.keep_cloud", "adapters.keep_last"):
+    assert any("compute_size" in line and "env_workers" in line for line in out.splitlines())
+    for ignored in ("checkpoints.keep_cloud", "adapters.keep_last"):
         assert any(
             ignored in line and "ignored" in line for line in out.splitlines() if line.startswith("note:")
         )

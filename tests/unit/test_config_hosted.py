@@ -170,8 +170,9 @@ def test_checkpoints_adapters_wandb(full: tuple[Config, list[str]]) -> None:
 def test_platform_only_fields_are_reported(full: tuple[Config, list[str]]) -> None:
     _, notes = full
     text = "\n".join(notes)
+    # compute_size is no longer ignored: it sizes the env servers (issue 29)
+    assert any("compute_size = 'L'" in n and "orchestrator.env_workers" in n for n in notes), text
     for ignored in (
-        "[infrastructure]",
         "[tailscale]",
         "image_tag",
         "checkpoints.keep_cloud",

@@ -45,6 +45,17 @@ class EnvConfig(Section):
     rollouts_per_example: Annotated[
         Annotated[int, Meta(ge=1)] | None, D("Eval only: rollouts per example for this env.")
     ] = None
+    workers: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        D(
+            "Worker processes of this env's server (unset: orchestrator.env_workers; 0 = run the env "
+            "inside the orchestrator, the old in-process path)."
+        ),
+    ] = None
+    rollout_timeout_s: Annotated[
+        float,
+        D("A rollout spending longer than this in env code (not waiting for the model) is killed.", gt=0),
+    ] = 600.0
 
 
 class TrainEnvsConfig(Section):
@@ -142,6 +153,13 @@ class OrchestratorConfig(Section):
     teacher: Annotated[TeacherConfig | None, D("Teacher endpoint for opd / sft modes.")] = None
     renderer: RendererConfig = msgspec.field(default_factory=RendererConfig)
     request_timeout_s: Annotated[float, D("Timeout of one inference request.", gt=0)] = 600.0
+    env_workers: Annotated[
+        int,
+        D("Worker processes per env server (hosted [infrastructure] compute_size S/M/L = 1/2/4).", ge=0),
+    ] = 1
+    env_server_max_restarts: Annotated[
+        int, D("Restarts of a dead env server in one run before the run ends naming the env.", ge=0)
+    ] = 3
     policy_timeout_s: Annotated[float, D("Seconds to wait for a policy before failing.", gt=0)] = 1800.0
     server_down_timeout_s: Annotated[
         float,

@@ -1,0 +1,371 @@
+"""The orchestrator's side of an env server: an Environment whose rollouts run in other processes.
+
+`RemoteEnvironment` starts `python -m hpcrl.envs.server` (one per train/eval env), learns the env's
+tasks, tools and turn limit from its `Hello`, and then sends each rollout as one `Run` message to a
+worker (hpcrl.envs.routing picks it; workers connect to this process's socket directly). While a
+rollout runs, its worker asks for model turns (`Chat`); those are answered here with the very
+ChatClient the rollout driver handed in (RolloutClient, a shared first turn, a group's client), so
+stitching, policy versions and retries are the same as in-process. No env code runs in this process.
+
+A worker that dies (the server says `WorkerDied`) or overruns `rollout_timeout_s` in env code (this
+side sees it and sends `Kill`) errors the rollouts it held. If the server process dies, every
+rollout is errored and the server is started again (at most `max_restarts` times in a run, then
+EnvServerFailed ends the run naming the env).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from hpcrl.envs import wire
+from hpcrl.envs.base import ChatClient, Environment, Task, Trajectory
+from hpcrl.envs.errors import EnvServerFailed
+from hpcrl.envs.routing import Router
+from hpcrl.envs.server import server_ident, server_log
+
+log = logging.getLogger("hpcrl.envs.remote")
+HELLO_TIMEOUT_S = 300.0  # loading an env may download/prepare data: generous, but not forever
+WATCH_S = 0.2
+
+
+class EnvRolloutError(RuntimeError):
+    """A rollout the env server answered with an error (the env raised, a worker died or hung)."""
+
+
+class RemoteEnvironment(Environment):
+    def __init__(self, spec: wire.ServerSpec, max_restarts: int = 3, wait: bool = True):
+        """Starts the env server; `wait=False` leaves waiting for its Hello to `wait_ready()`
+        (several servers then load their envs at the same time)."""
+        import zmq
+        import zmq.asyncio
+
+        super().__init__()
+        self.spec = spec
+        self.name = spec.name
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.zmq = zmq
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.spec = msgspec.structs.replace(spec, connect=f"tcp://127.0.0.1:{port}")
+        self.proc: subprocess.Popen | None = None
+        self.calls: dict[int, tuple[asyncio.Future, Any, set[asyncio.Task]]] = {}
+        self.next_rid = 0
+        self.router = Router()
+        self.checked = 0.0
+        self.fatal: EnvServerFailed | None = None
+        self.reader: asyncio.Task | None = None
+        self.ready: asyncio.Event | None = None
+        self.send_lock: asyncio.Lock | None = None
+        self._start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        self._apply(self._hello_blocking())
+
+    # -- start / hello ----------------------------------------------------------------------------
+    def _start(self) -> None:
+        spec = msgspec.structs.replace(self.spec, restarts=self.restarts)
+        path = server_log(spec.log_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hpcrl.envs.server", msgspec.json.encode(spec).decode()],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        log.info(
+            "env server %s/%s started (pid %d, %d workers)", spec.kind, spec.name, self.proc.pid, spec.workers
+        )
+
+    def _hello_blocking(self) -> wire.Hello:
+        """Wait for the first Hello before any event loop runs (setup is synchronous)."""
+        sync = self.zmq.Socket.shadow(self.sock.underlying)
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sync.poll(200):
+                ident, data = sync.recv_multipart()
+                if ident == server_ident(self.restarts):
+                    return self._check_hello(wire.decode(data))
+                self._early_ready(ident, wire.decode(data))
+                continue
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                break
+        self.close_now()
+        raise EnvServerFailed(self._gone_msg("did not start"))
+
+    def _early_ready(self, ident: bytes, msg: wire.Msg) -> None:
+        """A worker can be ready before its server's Hello arrives."""
+        if isinstance(msg, wire.Ready) and ident.startswith(f"w{self.restarts}.".encode()):
+            self.router.ready(ident)
+
+    def _check_hello(self, msg: wire.Msg) -> wire.Hello:
+        if isinstance(msg, wire.LoadFailed):
+            self.close_now()
+            from hpcrl.envs.registry import EnvSpecError
+
+            raise EnvSpecError(msg.error)
+        assert isinstance(msg, wire.Hello), msg
+        return msg
+
+    def _apply(self, hello: wire.Hello) -> None:
+        self.max_turns = hello.max_turns
+        self.tools = hello.tools
+        self._group_scored = hello.group_scored
+        self._shares_first_turn = hello.shares_first_turn
+        self._tasks = {s: [wire.from_wtask(t) for t in ts] for s, ts in hello.tasks.items()}
+        self._task_errors = dict(hello.task_errors)
+
+    def _gone_msg(self, what: str) -> str:
+        code = None if self.proc is None else self.proc.poll()
+        return (
+            f"env server for {self.spec.kind} env {self.spec.name!r} {what}"
+            f"{'' if code is None else f' (exit code {code})'}; see {server_log(self.spec.log_dir)}"
+        )
+
+    # -- Environment ------------------------------------------------------------------------------
+    @property
+    def group_scored(self) -> bool:
+        return self._group_scored
+
+    @property
+    def shares_first_turn(self) -> bool:
+        return self._shares_first_turn
+
+    def tasks(self, split: str = "train", seed: int | None = None) -> Sequence[Task]:
+        from hpcrl.envs.base import normalize_split
+
+        split = normalize_split(split)
+        if seed is not None:
+            raise NotImplementedError(
+                f"env {self.name!r} runs in an env server: it serves its own seed's tasks"
+            )
+        if split in self._task_errors:
+            raise ValueError(self._task_errors[split])
+        return self._tasks.get(split, [])
+
+    async def rollout(self, task: Task, client: ChatClient, sampling: Mapping[str, Any]) -> Trajectory:
+        return (await self._call(task, client, sampling, 1, group=False))[0]
+
+    async def rollout_group(
+        self, task: Task, client: ChatClient, sampling: Mapping[str, Any], n: int
+    ) -> list[Trajectory]:
+        return await self._call(task, client, sampling, n, group=True)
+
+    # -- the wire ---------------------------------------------------------------------------------
+    async def _call(
+        self, task: Task, client: ChatClient, sampling: Mapping[str, Any], n: int, group: bool
+    ) -> list[Trajectory]:
+        self._ensure_reader()
+        assert self.ready is not None
+        await self.ready.wait()
+        if self.fatal is not None:
+            raise self.fatal
+        self.next_rid += 1
+        rid = self.next_rid
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.calls[rid] = (fut, client, set())
+        run = wire.Run(rid, wire.to_wtask(task), dict(sampling), n, group, self.system_prompt_override)
+        try:
+            ident = self.router.assign(rid, run, time.monotonic())
+            if ident is not None:
+                await self._send(ident, run)
+            done: wire.Done = await fut
+        finally:
+            _, _, chats = self.calls.pop(rid, (None, None, set()))
+            for t in chats:
+                t.cancel()
+        if done.error is not None:
+            raise EnvRolloutError(done.error)
+        return [wire.from_wtraj(task, t) for t in done.trajectories]
+
+    async def _send(self, ident: bytes, msg: wire.Msg) -> None:
+        assert self.send_lock is not None
+        async with self.send_lock:
+            await self.sock.send_multipart([ident, wire.encode(msg)])
+
+    def _ensure_reader(self) -> None:
+        if self.reader is None:
+            self.ready = asyncio.Event()
+            self.ready.set()
+            self.send_lock = asyncio.Lock()
+            self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            if await self.sock.poll(int(WATCH_S * 1000)):
+                ident, data = await self.sock.recv_multipart()
+                await self._on(ident, wire.decode(data))
+            now = time.monotonic()
+            if now - self.checked < WATCH_S:
+                continue
+            self.checked = now
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                await self._restart()
+            for ident in self.router.overdue(now, self.spec.rollout_timeout_s):
+                why = (
+                    f"env worker {ident.decode()} killed: a rollout spent more than "
+                    f"rollout_timeout_s={self.spec.rollout_timeout_s:g} s in env code"
+                )
+                self._fail(self.router.gone(ident), why)
+                await self._send(server_ident(self.restarts), wire.Kill(ident.decode(), why))
+
+    async def _on(self, ident: bytes, msg: wire.Msg) -> None:
+        if isinstance(msg, wire.Chat):
+            call = self.calls.get(msg.rid)
+            if call is not None:
+                self.router.asked_model(msg.rid)
+                t = asyncio.ensure_future(self._answer(call[1], msg))
+                call[2].add(t)
+                t.add_done_callback(call[2].discard)
+        elif isinstance(msg, wire.Done):
+            self.router.done(msg.rid)
+            call = self.calls.get(msg.rid)
+            if call is not None and not call[0].done():
+                call[0].set_result(msg)
+        elif isinstance(msg, wire.Ready):
+            if ident.startswith(f"w{self.restarts}.".encode()):  # not a worker of a dead server
+                for run in self.router.ready(ident):
+                    if run.rid in self.calls:
+                        held = self.router.assign(run.rid, run, time.monotonic())
+                        assert held is not None
+                        await self._send(held, run)
+        elif isinstance(msg, wire.WorkerDied):
+            self._fail(self.router.gone(msg.ident.encode()), msg.why)
+            log.error("env %s/%s: %s", self.spec.kind, self.name, msg.why)
+
+    def _fail(self, rids: list[int], why: str) -> None:
+        for rid in rids:
+            call = self.calls.get(rid)
+            if call is not None and not call[0].done():
+                call[0].set_exception(EnvRolloutError(why))
+
+    async def _answer(self, client: ChatClient, msg: wire.Chat) -> None:
+        from hpcrl.orchestrator.servers import InferenceUnavailable
+
+        try:
+            turn = await client.chat(msg.messages, msg.tools, msg.sampling)
+            reply = wire.ChatReply(msg.rid, msg.seq, turn=wire.to_wturn(turn))
+        except InferenceUnavailable as e:  # ends the run: the rollout's own await sees it
+            call = self.calls.get(msg.rid)
+            if call is not None and not call[0].done():
+                call[0].set_exception(e)
+            return
+        except Exception as e:  # noqa: BLE001 - a failed request errors the rollout in the env
+            reply = wire.ChatReply(msg.rid, msg.seq, error=f"{type(e).__name__}: {e}"[:500])
+        ident = self.router.answered(msg.rid, time.monotonic())
+        if ident is not None:  # else its worker is gone and the rollout already errored
+            await self._send(ident, reply)
+
+    async def _restart(self) -> None:
+        """The server died: error what it held, start it again (or give up past max_restarts)."""
+        assert self.ready is not None
+        self.ready.clear()
+        why = self._gone_msg("died")
+        log.error("%s; %d rollout(s) errored", why, len(self.calls))
+        self.router.clear()
+        for fut, _, _ in self.calls.values():
+            if not fut.done():
+                fut.set_exception(EnvRolloutError(why))
+        if self.restarts >= self.max_restarts:
+            self.fatal = EnvServerFailed(
+                f"{why}; restarted {self.restarts} time(s), the limit "
+                f"(orchestrator.env_server_max_restarts) is reached"
+            )
+            self.ready.set()
+            raise self.fatal
+        self.restarts += 1
+        self._start()
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if await self.sock.poll(int(WATCH_S * 1000)):
+                ident, data = await self.sock.recv_multipart()
+                msg = wire.decode(data)
+                if ident != server_ident(self.restarts):
+                    self._early_ready(ident, msg)
+                elif isinstance(msg, (wire.Hello, wire.LoadFailed)):
+                    self._apply(self._check_hello(msg))
+                    self.ready.set()
+                    log.info(
+                        "env server %s/%s restarted (restart %d)", self.spec.kind, self.name, self.restarts
+                    )
+                    return
+            elif self.proc is not None and self.proc.poll() is not None:
+                break
+        self.fatal = EnvServerFailed(self._gone_msg("could not be restarted"))
+        self.ready.set()
+        raise self.fatal
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.reader
+        self.close_now()
+
+    def close_now(self) -> None:
+        if self.sock.closed:
+            return
+        if self.proc is not None and self.proc.poll() is None:
+            sync = self.zmq.Socket.shadow(self.sock.underlying)
+            for ident in [*self.router.workers, server_ident(self.restarts)]:
+                with contextlib.suppress(Exception):
+                    sync.send_multipart([ident, wire.encode(wire.Stop())], self.zmq.NOBLOCK)
+            try:
+                self.proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.sock.close()
+        self.ctx.term()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+
+def status_file(log_dir: str | Path) -> Path:
+    return Path(log_dir) / "components.json"
+
+
+def server_spec(
+    env_id: str,
+    args: Mapping[str, Any],
+    name: str,
+    kind: str,
+    workers: int,
+    timeout_s: float,
+    log_dir: Path,
+    run_dir: str = "",
+    index: int = 0,
+) -> wire.ServerSpec:
+    return wire.ServerSpec(
+        env_id=env_id,
+        args=dict(args),
+        name=name,
+        kind=kind,
+        workers=workers,
+        rollout_timeout_s=timeout_s,
+        connect="",
+        log_dir=str(log_dir),
+        status_file=str(status_file(log_dir)),
+        run_dir=run_dir,
+        index=index,
+    )

@@ -1,0 +1,216 @@
+"""Every message between the orchestrator, an env server and its workers: msgspec Structs as msgpack.
+
+    orchestrator ──Run──────▶ worker (runs the env's rollout code)
+                 ◀─Chat──────        (one model turn wanted: the orchestrator owns inference,
+                 ──ChatReply─▶        token ids and policy versions)
+                 ◀─Done──────        (trajectories, or the error that ended them)
+    orchestrator ◀─Hello / WorkerDied── env server (starts, watches, replaces workers)
+                 ──Kill / Stop────────▶
+
+A frame is one msgpack-encoded `Msg` (a tagged union); no pickle crosses a socket. Tasks, turns and
+trajectories travel as plain msgspec Structs mirroring hpcrl.envs.base's dataclasses; `to_*` / `from_*`
+convert at the edges so env code and the orchestrator keep their own types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from hpcrl.envs.base import Task, Trajectory, Turn
+
+
+class WTask(msgspec.Struct, array_like=True):
+    example_id: int
+    prompt: list[dict[str, Any]]
+    answer: str
+    info: dict[str, Any]
+
+
+class WTurn(msgspec.Struct, array_like=True):
+    text: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    policy_steps: list[int]
+    finish_reason: str
+    tool_calls: list[dict[str, Any]] | None
+
+
+class WTrajectory(msgspec.Struct, array_like=True):
+    messages: list[dict[str, Any]]
+    num_prompt_messages: int
+    turns: list[WTurn]
+    reward: float
+    metrics: dict[str, float]
+    state: dict[str, Any]
+    truncated: bool
+    error: str | None
+
+
+class Hello(msgspec.Struct, tag=True):
+    """Server -> orchestrator once the env is loaded: what the orchestrator needs to schedule it."""
+
+    name: str
+    max_turns: int
+    tools: list[dict[str, Any]] | None
+    group_scored: bool  # the env scores a whole group (runs rollout_group itself)
+    shares_first_turn: bool  # single chat call per rollout: a group's calls can be one n-choice request
+    tasks: dict[str, list[WTask]]  # split -> tasks (the env's own seed)
+    task_errors: dict[str, str]  # split -> why it has no tasks
+    pid: int
+    workers: list[int]  # worker pids
+
+
+class LoadFailed(msgspec.Struct, tag=True):
+    """Server -> orchestrator: the env could not be loaded (a user error, one line)."""
+
+    error: str
+
+
+class Run(msgspec.Struct, tag=True):
+    """Run `n` rollouts of `task` (group=True: one rollout_group call, else n=1 rollout)."""
+
+    rid: int
+    task: WTask
+    sampling: dict[str, Any]
+    n: int
+    group: bool
+    system_prompt: str | None = None  # GEPA's candidate prompt (None: the env's own)
+
+
+class Chat(msgspec.Struct, tag=True):
+    rid: int
+    seq: int
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+
+
+class ChatReply(msgspec.Struct, tag=True):
+    rid: int
+    seq: int
+    turn: WTurn | None = None
+    error: str | None = None  # the request failed: the env sees an exception
+
+
+class Done(msgspec.Struct, tag=True):
+    rid: int
+    trajectories: list[WTrajectory] = []
+    error: str | None = None
+
+
+class Stop(msgspec.Struct, tag=True):
+    """Orchestrator -> server, server -> worker: exit now."""
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Worker -> server: the env is loaded; route rollouts here."""
+
+    pid: int
+
+
+class WorkerDied(msgspec.Struct, tag=True):
+    """Server -> orchestrator: a worker exited or was killed; its rollouts are errored with `why`."""
+
+    ident: str
+    why: str
+
+
+class Kill(msgspec.Struct, tag=True):
+    """Orchestrator -> server: a rollout of this worker overran rollout_timeout_s in env code."""
+
+    ident: str
+    why: str
+
+
+class ServerSpec(msgspec.Struct, kw_only=True):
+    """What an env server (and each of its workers) is started with: JSON on its command line."""
+
+    env_id: str
+    args: dict[str, Any]
+    name: str
+    kind: str  # train | eval
+    workers: int
+    rollout_timeout_s: float
+    connect: str  # the orchestrator's socket (tcp://host:port): the server and every worker connect
+    log_dir: str  # logs/envs/<kind>/<name>/
+    restarts: int = 0  # how often the orchestrator restarted this server before
+    status_file: str = ""  # components.json of this server (written by the server)
+    run_dir: str = ""  # the training run it serves: it records itself in logs/placement.jsonl
+    index: int = 0  # its place in orchestrator.{train,eval}.env (its placement rank)
+
+
+Msg = Hello | LoadFailed | Run | Chat | ChatReply | Done | Stop | Ready | WorkerDied | Kill
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)  # non-msgpack values in env state travel as text
+_DECODER = msgspec.msgpack.Decoder(Msg)
+
+
+def encode(msg: Msg) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode(data: bytes) -> Msg:
+    return _DECODER.decode(data)
+
+
+# -- conversions --------------------------------------------------------------------------------
+def to_wtask(t: Task) -> WTask:
+    return WTask(t.example_id, t.prompt, t.answer, t.info)
+
+
+def from_wtask(t: WTask) -> Task:
+    return Task(example_id=t.example_id, prompt=t.prompt, answer=t.answer, info=t.info)
+
+
+def to_wturn(t: Turn) -> WTurn:
+    return WTurn(
+        t.text,
+        list(t.prompt_token_ids),
+        list(t.completion_token_ids),
+        [float(x) for x in t.completion_logprobs],
+        list(t.policy_steps),
+        t.finish_reason,
+        t.tool_calls,
+    )
+
+
+def from_wturn(t: WTurn) -> Turn:
+    return Turn(*msgspec.structs.astuple(t))  # WTurn lists Turn's fields in Turn's order
+
+
+def _plain_state(state: dict[str, Any]) -> dict[str, Any]:
+    """Env scratch state that msgpack can carry (round-tripped so a bad value fails here, not later)."""
+    try:
+        return msgspec.msgpack.decode(_ENCODER.encode(state))
+    except (TypeError, msgspec.ValidationError, msgspec.EncodeError):
+        return {k: repr(v) for k, v in state.items()}
+
+
+def to_wtraj(t: Trajectory) -> WTrajectory:
+    return WTrajectory(
+        t.messages,
+        t.num_prompt_messages,
+        [to_wturn(x) for x in t.turns],
+        float(t.reward),
+        {k: float(v) for k, v in t.metrics.items()},
+        _plain_state(t.state),
+        bool(t.truncated),
+        t.error,
+    )
+
+
+def from_wtraj(task: Task, t: WTrajectory) -> Trajectory:
+    return Trajectory(
+        task=task,
+        messages=t.messages,
+        num_prompt_messages=t.num_prompt_messages,
+        turns=[from_wturn(x) for x in t.turns],
+        reward=t.reward,
+        metrics=t.metrics,
+        state=t.state,
+        truncated=t.truncated,
+        error=t.error,
+    )

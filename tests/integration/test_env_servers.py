@@ -1,0 +1,214 @@
+"""Env servers (issue 29): rollouts in worker processes; faults cost only their rollouts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.envs.base import Turn
+from hpcrl.envs.errors import EnvServerFailed
+from hpcrl.envs.remote import EnvRolloutError, RemoteEnvironment, server_spec, status_file
+from hpcrl.paths import RunPaths
+from tests.conftest import rl_toml
+
+ENV = "tests.integration.faulty_env"
+DOS = ["ok", "raise", "exit", "segv", "hang", "ok"]
+
+
+class SaysOk:
+    """A ChatClient with no model: every turn answers 'ok'."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def chat(self, messages, tools, sampling) -> Turn:
+        self.calls += 1
+        return Turn("ok", [1, 2], [3], [-0.5], [7])
+
+
+def _remote(tmp_path: Path, workers: int = 1, timeout: float = 2.0, restarts: int = 3) -> RemoteEnvironment:
+    spec = server_spec(ENV, {"dos": DOS}, "faulty", "train", workers, timeout, tmp_path / "faulty")
+    return RemoteEnvironment(spec, max_restarts=restarts)
+
+
+async def _one(env: RemoteEnvironment, i: int) -> str:
+    try:
+        traj = await env.rollout(env.tasks("train")[i], SaysOk(), {})
+    except EnvRolloutError as e:
+        return f"error: {e}"
+    return f"reward {traj.reward}"
+
+
+def _status(tmp_path: Path) -> dict:
+    return json.loads(status_file(tmp_path / "faulty").read_text())
+
+
+@pytest.mark.slow
+def test_each_fault_errors_its_rollout_and_the_worker_is_replaced(tmp_path: Path) -> None:
+    env = _remote(tmp_path)
+    assert env.tasks("train")[1].info == {"do": "raise"}
+
+    async def main() -> list[str]:
+        out = [await _one(env, i) for i in range(len(DOS))]
+        await env.aclose()
+        return out
+
+    out = asyncio.run(main())
+    assert out[0] == "reward 1.0" and out[5] == "reward 1.0", out
+    assert "raised on purpose" in out[1]
+    assert "died: exit code 3" in out[2]
+    assert "killed by signal 11 (SIGSEGV)" in out[3]
+    assert "rollout_timeout_s=2" in out[4]
+    assert _status(tmp_path)["workers"][0]["restarts"] == 3  # exit, segv, hang; a raise keeps it
+    assert "Segmentation fault" in (tmp_path / "faulty" / "worker_0.log").read_text()  # faulthandler
+
+
+@pytest.mark.slow
+def test_a_killed_server_errors_what_it_held_and_comes_back(tmp_path: Path) -> None:
+    env = _remote(tmp_path, workers=2, restarts=1)
+
+    async def main() -> tuple[str, str, str]:
+        first = await _one(env, 0)
+        hang = asyncio.ensure_future(_one(env, 4))  # held by the server when it dies
+        await asyncio.sleep(0.5)
+        os.kill(env.pid, signal.SIGKILL)
+        held = await hang
+        again = await _one(env, 0)  # the restarted server answers
+        os.kill(env.pid, signal.SIGKILL)  # past the limit: the run must end, naming the env
+        await asyncio.sleep(1.0)
+        with pytest.raises(EnvServerFailed, match="'faulty'.*env_server_max_restarts"):
+            await env.rollout(env.tasks("train")[0], SaysOk(), {})
+        await env.aclose()
+        return first, held, again
+
+    first, held, again = asyncio.run(main())
+    assert first == again == "reward 1.0"
+    assert "env server for train env 'faulty' died" in held
+    assert _status(tmp_path)["server"]["restarts"] == 1
+
+
+def test_an_env_that_fails_to_load_is_a_one_line_error(tmp_path: Path) -> None:
+    from hpcrl.envs.registry import EnvSpecError
+
+    spec = server_spec("reverse-text", {"nope": 1}, "rt", "train", 1, 5.0, tmp_path / "rt")
+    with pytest.raises(EnvSpecError, match="unknown argument 'nope'"):
+        RemoteEnvironment(spec)
+
+
+RUN = rl_toml(
+    6,
+    seq_len=64,
+    max_tokens=8,
+    batch_size=8,
+    rollouts_per_example=4,
+    orchestrator="env_workers = 2\n",
+    tables='[orchestrator.advantage]\nzero_advantage = "keep"\n',
+).replace(
+    'id = "reverse-text"\n',
+    'id = "tests.integration.faulty_env"\nname = "faulty"\nargs = {do = "sleep", sleep_s = 0.15, num_examples = 16}\n',
+)
+
+
+def _components(out: Path) -> list[dict]:
+    r = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "components", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def _wait_step(out: Path, step: int, launcher: subprocess.Popen, timeout: float = 300) -> None:
+    from hpcrl.monitor.metrics import read_metrics
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, "the run ended early"
+        recs = read_metrics(RunPaths(out).metrics_file) if RunPaths(out).metrics_file.exists() else []
+        if any(r.get("role") == "orchestrator" and r.get("step", 0) >= step for r in recs):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never came")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_9_of_a_worker_and_of_the_server_mid_run(tmp_path: Path) -> None:
+    from hpcrl.monitor.metrics import read_metrics
+
+    cfg, out = tmp_path / "cfg.toml", tmp_path / "run"
+    cfg.write_text(RUN)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _wait_step(out, 1, launcher)
+        worker = next(r for r in _components(out) if r["role"] == "env-worker 0")
+        os.kill(worker["pid"], signal.SIGKILL)
+        _wait_step(out, 3, launcher)
+        server = next(r for r in _components(out) if r["role"] == "env-server")
+        os.kill(server["pid"], signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=400)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output[-3000:]
+    recs = [r for r in read_metrics(RunPaths(out).metrics_file) if r.get("role") == "orchestrator"]
+    assert max(r["step"] for r in recs) == 6
+    errored = sum(r.get("errored_rollouts/all", 0) for r in recs)
+    assert errored > 0 and errored == sum(r.get("errored_rollouts/faulty", 0) for r in recs)
+    rows = {r["role"]: r for r in _components(out)}
+    assert rows["env-server"]["restarts"] == 1 and rows["env-server"]["env"] == "train/faulty"
+    # the restarted server's workers start from 0 restarts; the first server's worker 0 restart is logged
+    assert "env worker 0" in (RunPaths(out).env_server_dir("train", "faulty") / "server.log").read_text()
+    placed = [json.loads(x) for x in RunPaths(out).placement_log.read_text().splitlines()]
+    assert sum(p["role"] == "env-server-train" and p["env"] == "faulty" for p in placed) == 2
+    cli = [sys.executable, "-m", "hpcrl.cli"]
+    logs = subprocess.run(
+        [*cli, "logs", str(out), "--env", "faulty", "--level", "error", "--search", "DIED", "-n", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert logs.returncode == 0 and "[envs/train/faulty/server.log]" in logs.stdout, logs.stdout + logs.stderr
+    assert "env worker 0" in logs.stdout and " INFO " not in logs.stdout
+    status = subprocess.run([*cli, "status", str(out)], capture_output=True, text=True, timeout=60)
+    assert "env servers:" in status.stdout and "env-server-train" in status.stdout
+
+
+@pytest.mark.slow
+def test_servers_start_together_and_a_bad_entry_is_named(tmp_path: Path) -> None:
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.config.schema import EnvConfig
+    from hpcrl.orchestrator.setup import close_envs, load_envs
+
+    good = EnvConfig(id="reverse-text")
+    envs = load_envs(
+        [good, EnvConfig(id=ENV, name="f")],
+        "orchestrator.train.env",
+        server_dir=lambda k, n: tmp_path / k / n,
+    )
+    try:
+        assert [type(e).__name__ for e in envs.values()] == ["RemoteEnvironment"] * 2
+        assert len(envs["f"].tasks("train")) == 8 and envs["reverse-text"].max_turns == 1
+    finally:
+        close_envs(envs.values())
+    bad = EnvConfig(id="reverse-text", name="bad", args={"min_len": 9, "max_len": 2})
+    with pytest.raises(ConfigError) as e:
+        load_envs([good, bad], "orchestrator.train.env", server_dir=lambda k, n: tmp_path / k / n)
+    assert e.value.path == "orchestrator.train.env[1]"
+    in_process = load_envs([EnvConfig(id="reverse-text", workers=0)], "x", server_dir=lambda k, n: tmp_path)
+    assert type(in_process["reverse-text"]).__name__ == "ReverseTextEnv"

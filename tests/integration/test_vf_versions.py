@@ -1,0 +1,55 @@
+"""verifiers 0.3 (classic) and 0.4 (v1) cannot share a venv: an env written for the other one is
+refused in one line naming the env and the version it needs (issue 29). Runs in whichever venv
+pytest runs in: the main venv (0.3.1) and the 0.4 venv of scripts/verifiers04_check.sh."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl.envs import vf_versions
+from hpcrl.envs.registry import EnvSpecError, load_environment
+
+HAVE = vf_versions.major_minor(vf_versions.installed())
+V1 = "tests.integration.vf1_taskset_fixture"
+CLASSIC = "tests.integration.vf_env_fixture:load_environment"
+
+
+def test_the_line_names_env_version_and_fix() -> None:
+    line = vf_versions.needs("my-env", "0.3", "0.4.0")
+    assert line.startswith("environment 'my-env' is written for verifiers 0.3")
+    assert "this venv has verifiers 0.4.0" in line and "'verifiers>=0.3.1,<0.4'" in line
+    assert "'verifiers==0.4.0'" in vf_versions.needs(
+        "e", "0.4", None
+    ) and "no verifiers" in vf_versions.needs("e", "0.4", None)
+
+
+def test_explain_recognises_the_other_api() -> None:
+    missing_v1 = ModuleNotFoundError("No module named 'verifiers.v1'", name="verifiers.v1")
+    assert "written for verifiers 0.4" in vf_versions.explain("e", missing_v1)
+    gone = AttributeError("module 'verifiers' has no attribute 'SingleTurnEnv'")
+    if HAVE is not None and HAVE >= (0, 4):
+        assert "written for verifiers 0.3" in vf_versions.explain("e", gone)
+    assert vf_versions.explain("e", AttributeError("'NoneType' object has no attribute 'x'")) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAVE is None, reason="verifiers not installed")
+def test_a_v1_taskset_is_refused_in_one_line() -> None:
+    with pytest.raises(EnvSpecError) as e:
+        load_environment(V1)
+    msg = str(e.value)
+    assert "\n" not in msg and V1 in msg
+    if HAVE < (0, 4):
+        assert "written for verifiers 0.4" in msg and "'verifiers==0.4.0'" in msg
+    else:
+        assert "verifiers.v1 taskset" in msg
+
+
+@pytest.mark.skipif(
+    HAVE is None or HAVE < (0, 4), reason="needs verifiers 0.4 (scripts/verifiers04_check.sh)"
+)
+def test_a_classic_env_under_0_4_is_refused_in_one_line() -> None:
+    with pytest.raises(EnvSpecError) as e:
+        load_environment(CLASSIC)
+    msg = str(e.value)
+    assert "\n" not in msg and "written for verifiers 0.3" in msg and "'verifiers>=0.3.1,<0.4'" in msg
