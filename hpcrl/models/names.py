@@ -4,4 +4,9 @@ Its own module because both the builder (tiny.resolve_model) and the Hub code (h
 names need a download) need the table, and the builder calls the Hub code.
 """
 
-BUILTIN_MODELS = {"hpcrl/tiny-qwen3": "tiny", "hpcrl/small-qwen3": "small"}
+BUILTIN_MODELS = {
+    "hpcrl/tiny-qwen3": "tiny",
+    "hpcrl/small-qwen3": "small",
+    "hpcrl/tiny-qwen3-moe": "tiny-moe",
+    "hpcrl/small-qwen3-moe": "small-moe",
+}

@@ -117,6 +117,7 @@ def build_model(
         lora=None if warm_start else lora,
         trust_remote_code=model_cfg.trust_remote_code,
         meta=on_meta,
+        impl=model_cfg.impl,
     )
     if warm_start:
         # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
@@ -152,6 +153,12 @@ def load_warm_start(model: torch.nn.Module, path: str) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    if getattr(model, "hpcrl_family", None) is not None:
+        from hpcrl.models.custom import load_hf_into
+
+        load_hf_into(model, state, "ckpt.warm_start")
+        log.info("warm start from %s", path)
+        return
     missing, unexpected = model.load_state_dict(state, strict=False)
     real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
     if real_missing or unexpected:

@@ -44,9 +44,20 @@ class ModelConfig(Section):
         D("Attention implementation (auto: sdpa on CPU, flash-attn on GPU when installed)."),
     ] = "auto"
     impl: Annotated[
-        Literal["hf", "custom", "auto"], D("Model implementation (hf transformers; custom accepted as hf).")
+        Literal["hf", "custom", "auto"],
+        D(
+            "Trainer model implementation: hf (transformers), custom (hpcrl's own Qwen3 / Qwen3-MoE: stacked "
+            "experts, grouped matmul, expert parallelism), auto (custom where one exists and no LoRA)."
+        ),
     ] = "auto"
-    ep: Annotated[int, D("Expert parallel degree for MoE models (trainer).", ge=1)] = 1
+    ep: Annotated[
+        int,
+        D(
+            "Expert parallel degree (trainer, impl custom, MoE): experts sharded over groups of ep ranks, tokens "
+            "dispatched with all-to-all; must divide the trainer ranks and the expert count.",
+            ge=1,
+        ),
+    ] = 1
     activation_checkpointing: Annotated[bool, D("Recompute activations in backward to save memory.")] = False
     trust_remote_code: Annotated[bool, D("Allow model code from the model directory.")] = False
     lora: Annotated[
