@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import torch
 
+from hpcrl.models.qwen3.parallelize import sync_expert_grads
 from hpcrl.trainer import parallel
 from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
 from hpcrl.trainer.optim import clip_grad_norm, current_lr
@@ -142,6 +143,7 @@ def optimizer_step(
 ) -> tuple[float, dict[str, Any], float, bool]:
     """Clip, all-reduce the loss stats, step (only when finite), zero grads, advance the schedule.
     Returns (grad norm, summed stats, lr used, stepped)."""
+    sync_expert_grads(tr.model)  # expert parallelism with dp_ep > 1: replicas' expert grads summed
     grad_norm = clip_grad_norm(tr.model.parameters(), max_norm if max_norm > 0 else None)
     summed = unstack_stats(parallel.all_reduce(stack_stats(stats)))
     ok = math.isfinite(grad_norm) and math.isfinite(float(summed["loss"]))
@@ -183,7 +185,8 @@ def install_stop_handler() -> threading.Event:
 def agreed_stop(stop: threading.Event) -> bool:
     """Whether any rank was asked to stop, the same answer on every rank (a collective): ranks get
     the signal one after another, and one rank saving while another waits for a batch would hang."""
-    from hpcrl.trainer import parallel
+    from hpcrl.models.qwen3.parallelize import sync_expert_grads
+from hpcrl.trainer import parallel
 
     return parallel.all_reduce(float(stop.is_set()), op="max") > 0
 

@@ -127,17 +127,34 @@ def build_model(
         if lora is not None:
             model = model_lib.apply_lora(model, lora)
     whole = parallel.local_tensors(model) if from_rank0 and not on_meta else {}
+    experts = apply_moe_options(model, model_cfg, device)
     model = parallel.apply_fsdp(
         model,
         param_dtype=model_lib.parse_dtype(prec.compute),
         reduce_dtype=model_lib.parse_dtype(prec.reduce),
-        force=prec.mixed,
+        force=prec.mixed or bool(experts),
+        ignored_params=experts or None,
     )
     if from_rank0:
         if on_meta:
             model.to_empty(device=device)
         parallel.fill_from_rank0(model, whole)  # consumes rank 0's whole copy, tensor by tensor
     return model
+
+
+def apply_moe_options(model: torch.nn.Module, model_cfg: ModelConfig, device: torch.device) -> set:
+    """Expert parallelism (trainer.model.ep) on the custom implementation; returns the expert
+    parameters FSDP must leave alone (empty without EP)."""
+    if model_cfg.ep == 1:
+        return set()
+    if getattr(model, "hpcrl_family", None) is None:
+        raise ValueError(
+            f"trainer.model.ep: {model_cfg.ep} needs the custom implementation of a MoE model "
+            f"(impl = 'custom' or 'auto'; this run uses transformers')"
+        )
+    from hpcrl.models.qwen3.parallelize import apply_ep
+
+    return apply_ep(model, model_cfg.ep, device)
 
 
 def load_warm_start(model: torch.nn.Module, path: str) -> None:

@@ -13,8 +13,7 @@ Attention: SDPA with the packing's mask (CPU, tests), or flash-attention 3's var
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,12 @@ from torch import Tensor, nn
 
 from hpcrl.models.qwen3.args import Qwen3Args
 from hpcrl.models.qwen3.moe import MoE
+
+
+class CausalLMOutput(NamedTuple):
+    """A pytree node (FSDP2 finds the logits in it to hook its pre-backward unshard)."""
+
+    logits: Tensor
 
 
 class RMSNorm(nn.Module):
@@ -182,7 +187,7 @@ class Qwen3ForTraining(nn.Module):
         routed_experts: Tensor | None = None,
         use_cache: bool = False,
         **_: Any,
-    ) -> SimpleNamespace:
+    ) -> CausalLMOutput:
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -205,4 +210,4 @@ class Qwen3ForTraining(nn.Module):
             h = h[logits_to_keep]
         elif isinstance(logits_to_keep, int) and logits_to_keep > 0:
             h = h[:, -logits_to_keep:]
-        return SimpleNamespace(logits=self.lm_head(h))
+        return CausalLMOutput(self.lm_head(h))
