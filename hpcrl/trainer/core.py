@@ -185,8 +185,7 @@ def install_stop_handler() -> threading.Event:
 def agreed_stop(stop: threading.Event) -> bool:
     """Whether any rank was asked to stop, the same answer on every rank (a collective): ranks get
     the signal one after another, and one rank saving while another waits for a batch would hang."""
-    from hpcrl.models.qwen3.parallelize import sync_expert_grads
-from hpcrl.trainer import parallel
+    from hpcrl.trainer import parallel
 
     return parallel.all_reduce(float(stop.is_set()), op="max") > 0
 
