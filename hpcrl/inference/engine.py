@@ -29,6 +29,7 @@ from hpcrl.inference.loading import check_compatible, load_safetensors_dir, lora
 from hpcrl.inference.protocol import SamplingParams, SeqOutput
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.inference.tokens import Tokens
+from hpcrl.models.qwen3.state_dict_adapter import hf_views
 from hpcrl.weights.checksum import state_dict_checksum
 from hpcrl.weights.delta import Delta, apply_delta, read_delta_dir
 
@@ -137,7 +138,8 @@ class HFEngine:
         self._stopping = False
         self.policy_step = 0
         # Parameters by name, tied aliases included, so an update may name either alias.
-        self._params = dict(self.model.state_dict(keep_vars=False))
+        # MoE: fused experts appear as per-expert views under the checkpoint names the trainer publishes.
+        self._params = hf_views(dict(self.model.state_dict(keep_vars=False)))
         self._weight_names = self._unique_param_names()
         self.checksum = state_dict_checksum({n: self._params[n] for n in self._weight_names})
         self._lora_base: dict[str, torch.Tensor] = {}

@@ -127,7 +127,9 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return 0.0
-    if any(hasattr(p, "_hpcrl_replica_group") for p in params):
+    from hpcrl.models.qwen3.parallelize import is_expert_sharded
+
+    if any(is_expert_sharded(p) for p in params):
         return _clip_mixed_meshes(params, max_norm)
     if max_norm is not None and max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)

@@ -48,11 +48,13 @@ def expert_ffn(x: Tensor, counts: Tensor, gate: Tensor, up: Tensor, down: Tensor
         g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=offs)
         u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
-    outs = []
-    for e, part in enumerate(torch.split(x, counts.tolist())):
-        if part.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(part, gate[e])) * F.linear(part, up[e]), down[e]))
-    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+    # Empty groups run too: under expert parallelism the output must stay connected to ``x`` even
+    # when no row arrived, or this rank would skip the dispatch's backward all-to-all and hang the others.
+    outs = [
+        F.linear(F.silu(F.linear(part, gate[e])) * F.linear(part, up[e]), down[e])
+        for e, part in enumerate(torch.split(x, counts.tolist()))
+    ]
+    return torch.cat(outs)
 
 
 class Router(nn.Module):
@@ -90,6 +92,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, hidden, inter)
         self.ep_group = None  # set by parallelize.apply_ep
         self.ep_size = 1
+        self.ep_replica_group = None  # the dp_ep group expert grads are summed over (world > ep)
         self.replay: Tensor | None = None  # [N, k] long, set per forward by the model
         self.stats = RoutingStats()
         self.aux_coef = 0.0  # > 0: keep a load-balancing loss term per forward

@@ -20,8 +20,10 @@ from torch import nn
 from hpcrl.models.qwen3.moe import MoE
 
 
-def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
+def is_expert_sharded(t: torch.Tensor) -> bool:
+    """A DTensor on the ep mesh (an expert parameter or its gradient under expert parallelism)."""
+    mesh = getattr(t, "device_mesh", None)
+    return mesh is not None and mesh.mesh_dim_names == ("ep",)
 
 
 def apply_ep(model: nn.Module, ep: int, device: torch.device) -> set[nn.Parameter]:
@@ -45,10 +47,10 @@ def apply_ep(model: nn.Module, ep: int, device: torch.device) -> set[nn.Paramete
     out: set[nn.Parameter] = set()
     for m in moes:
         m.ep_group, m.ep_size = ep_mesh.get_group(), ep
+        m.ep_replica_group = mesh["dp_ep"].get_group() if world > ep else None
         for name, p in list(m.experts.named_parameters(recurse=False)):
             local = p.detach().narrow(0, pos * n_local, n_local).clone()
             new = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
-            new._hpcrl_replica_group = mesh["dp_ep"].get_group() if world > ep else None
             setattr(m.experts, name, new)
             out.add(new)
     return out
@@ -56,8 +58,8 @@ def apply_ep(model: nn.Module, ep: int, device: torch.device) -> set[nn.Paramete
 
 def sync_expert_grads(model: nn.Module) -> None:
     """Sum expert gradients over the dp_ep replicas (no-op when W == ep or without EP)."""
-    for p in expert_params(model):
-        group = getattr(p, "_hpcrl_replica_group", None)
-        if group is not None and p.grad is not None:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            dist.all_reduce(g, group=group)
+    for m in model.modules():
+        group = getattr(m, "ep_replica_group", None) if isinstance(m, MoE) else None
+        for p in m.experts.parameters() if group is not None else ():
+            if p.grad is not None:
+                dist.all_reduce(p.grad.to_local(), group=group)
