@@ -86,6 +86,8 @@ class Turn:
     policy_steps: list[int]
     finish_reason: str = "stop"
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI format: {"id", "type", "function": {...}}
+    # MoE router replay: experts the server routed each completion token to, [tokens][layers][k]
+    routed_experts: list[list[list[int]]] | None = None
 
     def message(self) -> Message:
         msg: Message = {"role": "assistant", "content": self.text}

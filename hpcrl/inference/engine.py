@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.inference import routing
 from hpcrl.inference.batch import DecodeBatch
 from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
 from hpcrl.inference.loading import check_compatible, load_safetensors_dir, lora_deltas, read_adapter
 from hpcrl.inference.protocol import SamplingParams, SeqOutput
+from hpcrl.inference.routing import RoutingRecorder
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.inference.tokens import Tokens
 from hpcrl.models.qwen3.state_dict_adapter import hf_views
@@ -64,6 +66,7 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [layers, k] per fed-back sampled token
     logits_step: int = 0  # policy step of the forward that produced this row's pending logits
     finish: str | None = None
     stop_reason: str | int | None = None
@@ -132,6 +135,7 @@ class HFEngine:
         self._waiting: collections.deque[_Seq] = collections.deque()
         _check_cache_layers(self.model.config)
         self._batch = DecodeBatch(self.model, self.max_batch_size, self.device)
+        self._routing = RoutingRecorder(self.model)  # MoE: experts each sampled token was routed to
         self._bparams: BatchParams | None = None  # the running rows' sampling tensors
         self._cancelled = False  # a future was cancelled: look for its rows at the next iteration
         self._paused = False
@@ -326,6 +330,10 @@ class HFEngine:
             tokens = tokens[torch.tensor(order, device=tokens.device)] if order else tokens[:0]
         if batch.rows:
             batch.step(tokens)
+            routed = self._routing.take(len(batch.rows))
+            if routed is not None:
+                for s, r in zip(batch.rows, routed):
+                    s.routed.append(r)
             self.stats["forward_steps"] += 1
             for s in batch.rows:
                 s.logits_step = self.policy_step
@@ -368,6 +376,7 @@ class HFEngine:
                     finish_reason=s.finish or "stop",
                     stop_reason=s.stop_reason,
                     policy_steps=sorted(set(s.steps)),
+                    routed_experts=routing.finish(s.routed, len(s.out)) if self._routing.enabled else None,
                 )
             )
         req.future.set_result(outs)

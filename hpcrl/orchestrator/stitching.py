@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpcrl.envs.base import Message, Trajectory, Turn, stitch_turns
+from hpcrl.orchestrator import routes
 from hpcrl.orchestrator.state import Piece, RolloutRecord
 
 
@@ -85,12 +86,14 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
     """One Piece for a rollout whose turns stitch exactly, else one Piece per turn (always one per
     turn with ``branching``: orchestrator.trajectory_strategy = "branching")."""
     whole = None if branching else stitch_turns(turns)
+    w = routes.width(turns)
     if whole is not None:
         return [
             Piece(
                 input_ids=whole.input_ids.tolist(),
                 loss_mask=whole.loss_mask.tolist(),
                 logprobs=whole.logprobs.tolist(),
+                routed_experts=None if w is None else routes.stitched_routes(turns, w, len(whole.input_ids)),
             )
         ]
     return [
@@ -98,6 +101,7 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
             input_ids=[*t.prompt_token_ids, *t.completion_token_ids],
             loss_mask=[False] * len(t.prompt_token_ids) + [True] * len(t.completion_token_ids),
             logprobs=[0.0] * len(t.prompt_token_ids) + [float(x) for x in t.completion_logprobs],
+            routed_experts=None if w is None else routes.turn_routes(t, w),
         )
         for t in turns
     ]

@@ -192,7 +192,9 @@ def wait_for_batch(
                 raise
 
 
-def to_packed(batch: TrainBatch, device: torch.device) -> PackedBatch:
+def to_packed(batch: TrainBatch, device: torch.device, replay: bool = False) -> PackedBatch:
+    """``replay``: carry the batch's routed experts (MoE router replay on a custom model)."""
+
     def t(a: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
         return None if a is None else torch.as_tensor(np.asarray(a)).to(device=device, dtype=dtype)
 
@@ -206,6 +208,9 @@ def to_packed(batch: TrainBatch, device: torch.device) -> PackedBatch:
         temperatures=t(batch.temperatures, torch.float32),
         teacher_logprobs=t(batch.teacher_logprobs, torch.float32),
         ref_logprobs=t(batch.reference_logprobs, torch.float32),
+        routed_experts=t(batch.route_ids(), torch.long)
+        if replay and batch.routed_experts is not None
+        else None,
     )
 
 
@@ -220,7 +225,7 @@ def train_step(
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches, then one (finite-checked) optimizer step."""
     t0 = time.perf_counter()
-    packed = to_packed(batch, tr.device)
+    packed = to_packed(batch, tr.device, replay=tr.router_replay)
     packed.validate()
     if attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
         if share_prefix:
@@ -256,6 +261,7 @@ def step_metrics(out: StepResult, progress: Progress, times: dict[str, float]) -
             "progress/total_tokens": progress.total_tokens,
             "progress/total_samples": progress.total_samples,
             "loss_tokens": s["loss_tokens"],
+            **out.moe,
             "perf/slots_per_token": out.slots_per_token,
         }
     )

@@ -30,6 +30,7 @@ class Training:
     model_path: str
     dist: parallel.DistEnv
     precision: precision.Precision  # compute / master / reduce dtypes; the published policy is in compute
+    router_replay: bool = False  # MoE on the custom implementation with trainer.model.router_replay
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -85,7 +86,15 @@ def build_training(
         env.world_size,
         prec.describe(),
     )
-    return Training(model, tokenizer, optimizer, scheduler, device, path, env, prec)
+    from hpcrl.trainer import moe_metrics
+
+    is_moe = bool(moe_metrics.moe_layers(model))
+    moe_metrics.set_aux_coef(model, model_cfg.moe_aux_loss_coef)
+    replay = is_moe and model_cfg.router_replay
+    if is_moe:
+        log.info("MoE: router replay %s, ep %d, load-balancing loss coef %g",
+                 "on" if replay else "off", model_cfg.ep, model_cfg.moe_aux_loss_coef)  # fmt: skip
+    return Training(model, tokenizer, optimizer, scheduler, device, path, env, prec, router_replay=replay)
 
 
 def build_model(

@@ -58,6 +58,22 @@ class ModelConfig(Section):
             ge=1,
         ),
     ] = 1
+    # --- moe fields ---
+    router_replay: Annotated[
+        bool,
+        D(
+            "MoE RL, impl custom: route each sampled token to the experts the inference server routed it to "
+            "(gate weights recomputed by the trainer, so its router still learns); off: the trainer routes freely."
+        ),
+    ] = True
+    moe_aux_loss_coef: Annotated[
+        float,
+        D(
+            "MoE: coefficient of the load-balancing loss (E * sum_e f_e * P_e, mean over layers; 0 = off).",
+            ge=0,
+        ),
+    ] = 0.0
+    # --- end moe fields ---
     activation_checkpointing: Annotated[bool, D("Recompute activations in backward to save memory.")] = False
     trust_remote_code: Annotated[bool, D("Allow model code from the model directory.")] = False
     lora: Annotated[

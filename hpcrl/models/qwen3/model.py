@@ -5,7 +5,7 @@ Every parameter keeps its Hugging Face name except the experts, which are stacke
 forward takes what ``hpcrl.trainer.packing`` passes a transformers model (``input_ids``,
 ``position_ids``, ``attention_mask`` bool/additive/None, ``logits_to_keep``) and returns an object
 with ``.logits``, so the trainer runs either implementation unchanged. ``routed_experts``
-([B, L, moe layers, k], -1 = route freely) replays an inference engine's routing.
+([B, L, moe layers, k] or flat [B, L, moe layers * k], -1 = route freely) replays an inference engine's routing.
 
 Attention: SDPA with the packing's mask (CPU, tests), or flash-attention 3's varlen kernel on CUDA
 (``config._attn_implementation == "flash_attention_3"``; sequences split where positions restart).
@@ -21,6 +21,13 @@ from torch import Tensor, nn
 
 from hpcrl.models.qwen3.args import Qwen3Args
 from hpcrl.models.qwen3.moe import MoE
+
+
+def _layer_routes(routed: Tensor, j: int, k: int) -> Tensor:
+    """MoE layer j's [tokens, k] expert ids from [B, L, layers, k] or flat [B, L, layers*k]."""
+    if routed.dim() == 4:
+        return routed[:, :, j, :].reshape(-1, k).long()
+    return routed[:, :, j * k : (j + 1) * k].reshape(-1, k).long()
 
 
 class CausalLMOutput(NamedTuple):
@@ -193,7 +200,7 @@ class Qwen3ForTraining(nn.Module):
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
         moes = self.moe_layers()
         for j, m in enumerate(moes):
-            m.replay = None if routed_experts is None else routed_experts[:, :, j, :].reshape(-1, m.top_k)
+            m.replay = None if routed_experts is None else _layer_routes(routed_experts, j, m.top_k)
         h = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(h, position_ids)
         for layer in self.model.layers:
