@@ -179,17 +179,22 @@ def wait_for_batch(
 
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout
+    batch: TrainBatch | None = None
     while True:
         stopping = parallel.all_reduce(float(stop.is_set()), op="max") > 0
         watchdog.beat(f"waiting for batch {step}")  # waiting on the orchestrator is not a stall of ours
         if stopping:
             return None, time.perf_counter() - t0
-        try:
-            batch = bus.wait_batch(step, rank, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+        if batch is None:
+            try:
+                batch = bus.wait_batch(step, rank, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+            except BusTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+        # Every rank leaves together: a rank that returned while another's wait slice timed out would
+        # start the step's collectives (FSDP all-gathers) against that rank's next all-reduce here.
+        if parallel.all_reduce(float(batch is None), op="max") == 0:
             return batch, time.perf_counter() - t0
-        except BusTimeout:
-            if time.monotonic() >= deadline:
-                raise
 
 
 def to_packed(batch: TrainBatch, device: torch.device, replay: bool = False) -> PackedBatch:
