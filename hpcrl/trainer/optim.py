@@ -151,8 +151,6 @@ def _clip_mixed_meshes(params: list[torch.Tensor], max_norm: float | None) -> fl
     its local squares, each divided by how many ranks hold the same values, and one all-reduce adds."""
     import torch.distributed as dist
 
-    from hpcrl.trainer.parallel import all_reduce_sum
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
@@ -160,7 +158,11 @@ def _clip_mixed_meshes(params: list[torch.Tensor], max_norm: float | None) -> fl
         local = g.to_local() if hasattr(g, "to_local") else g
         holders = world // g.device_mesh.size() if hasattr(g, "device_mesh") else world
         total += local.detach().double().pow(2).sum().cpu() / holders
-    norm = float(all_reduce_sum(total).sqrt())
+    if world > 1:  # gloo or nccl: the sum travels on the backend's device
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        total = total.to(dev)
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
     if max_norm is not None and max_norm > 0 and norm == norm:
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
