@@ -115,6 +115,10 @@ def build_model(
         lora = model_lib.LoraParams(
             rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules)
         )
+    if lora is not None and model_cfg.impl == "custom":
+        raise ValueError(
+            "trainer.model.impl: LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'"
+        )
     from_rank0 = meta_init and parallel.get_world_size() > 1
     on_meta = from_rank0 and not parallel.is_rank0()
     model = model_lib.load_model(
@@ -126,7 +130,8 @@ def build_model(
         lora=None if warm_start else lora,
         trust_remote_code=model_cfg.trust_remote_code,
         meta=on_meta,
-        impl=model_cfg.impl,
+        # LoRA (also when a warm start applies it after loading) runs on transformers' model (peft)
+        impl=model_cfg.impl if lora is None or model_cfg.impl == "custom" else "hf",
     )
     if warm_start:
         # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
