@@ -12,7 +12,9 @@ router replay. One run of each; printed tables.
    routing: tokens x k x (ep-1)/ep x hidden x 4 bytes, twice (dispatch + combine).
 3. replay: two `hpcrl run`s of the tiny MoE (1 trainer rank, same seed and length) with
    trainer.model.router_replay on and off: mean mismatch KL and last-3-steps reward. Target: replay's
-   mismatch KL <= 0.1x the run without.
+   mismatch KL <= 0.1x the run without. Synchronous (max_async_level = 0: no policy lag in the KL) with
+   inference in bf16 and the trainer in fp32, so the two route some tokens differently, as a GPU
+   inference engine's kernels and a trainer's do.
 """
 
 from __future__ import annotations
@@ -165,38 +167,53 @@ def part_ep() -> None:
         )
 
 
+SETTINGS = {
+    # policy lag: batch N may come from policy N-2 (the default async level), fp32 everywhere
+    "async fp32": ("max_async_level = 1\n", ""),
+    # no lag (the KL is only engine vs trainer), both in bf16 (different kernels on the same weights)
+    "sync bf16": ("max_async_level = 0\n", 'dtype = "bfloat16"\n'),
+}
+
+
 def part_replay(steps: int) -> None:
     from tests.conftest import rl_toml
 
     print(f"\n3. router replay on vs off: tiny MoE, {steps} steps, 1 trainer rank, same seed")
     print(
-        f"{'replay':<8} {'mismatch KL (mean)':>20} {'reward first 3':>15} {'reward last 3':>14} {'hit rate':>9}"
+        f"{'setting':<11} {'replay':<7} {'mismatch KL':>12} {'reward 1-3':>11} {'reward last 3':>14} {'hit rate':>9}"
     )
-    results = {}
-    for replay in (True, False):
-        with tempfile.TemporaryDirectory() as d:
-            cfg = Path(d) / "cfg.toml"
-            cfg.write_text(
-                rl_toml(steps, seq_len=64, model="hpcrl/tiny-qwen3-moe", max_tokens=8, top="seed = 3\n",
-                        tables="[trainer.optim]\nlr = 1e-2\n").replace('id = "reverse-text"', 'id = "tests.integration.short_env"')
-            )  # fmt: skip
-            out = Path(d) / "run"
-            flag = "--trainer.model.router-replay" if replay else "--no-trainer.model.router-replay"
-            subprocess.run(
-                [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out), flag],
-                check=True, capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-            )  # fmt: skip
-            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        kl = [r["mismatch_kl/mean"] for r in rows if "mismatch_kl/mean" in r]
-        rew = {r["step"]: r["reward/all/mean"] for r in rows if "reward/all/mean" in r}
-        hit = [r["moe/replay_hit_rate"] for r in rows if "moe/replay_hit_rate" in r]
-        results[replay] = statistics.mean(kl)
-        first = statistics.mean(rew[s] for s in (1, 2, 3))
-        last = statistics.mean(rew[s] for s in range(steps - 2, steps + 1))
-        h = f"{statistics.mean(hit):.3f}" if hit else "-"
-        print(f"{'on' if replay else 'off':<8} {results[replay]:>20.5f} {first:>15.3f} {last:>14.3f} {h:>9}")
-    ratio = results[True] / results[False] if results[False] else float("nan")
-    print(f"replay / no replay mismatch KL: {ratio:.3f} (target <= 0.1)")
+    for name, (orch, model) in SETTINGS.items():
+        kls = {}
+        for replay in (True, False):
+            with tempfile.TemporaryDirectory() as d:
+                cfg = Path(d) / "cfg.toml"
+                text = rl_toml(steps, seq_len=64, model="hpcrl/tiny-qwen3-moe", max_tokens=8, top="seed = 3\n",
+                               orchestrator=orch, tables="[trainer.optim]\nlr = 1e-2\n")  # fmt: skip
+                text = text.replace('id = "reverse-text"', 'id = "tests.integration.short_env"')
+                # [trainer.model] restates the dtype: a role's own model section does not inherit it
+                text += f"[trainer.model]\nrouter_replay = {str(replay).lower()}\n{model}"
+                cfg.write_text(text.replace("[orchestrator]\n", model + "[orchestrator]\n", 1))
+                out = Path(d) / "run"
+                done = subprocess.run(
+                    [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
+                    check=False, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                )  # fmt: skip
+                if done.returncode:
+                    raise SystemExit(
+                        f"run failed ({name}, replay {replay}): {done.stdout[-1500:]}{done.stderr[-1500:]}"
+                    )
+                rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            kl = [r["mismatch_kl/mean"] for r in rows if "mismatch_kl/mean" in r]
+            rew = {r["step"]: r["reward/all/mean"] for r in rows if "reward/all/mean" in r}
+            hit = [r["moe/replay_hit_rate"] for r in rows if "moe/replay_hit_rate" in r]
+            kls[replay] = statistics.mean(kl)
+            first = statistics.mean(rew[s] for s in (1, 2, 3))
+            last = statistics.mean(rew[s] for s in range(steps - 2, steps + 1))
+            h = f"{statistics.mean(hit):.3f}" if hit else "-"
+            on = "on" if replay else "off"
+            print(f"{name:<11} {on:<7} {kls[replay]:>12.3g} {first:>11.3f} {last:>14.3f} {h:>9}")
+        ratio = kls[True] / kls[False] if kls[False] else float("nan")
+        print(f"{name:<11} replay / no replay mismatch KL: {ratio:.3f} (target <= 0.1)")
 
 
 def main() -> None:
