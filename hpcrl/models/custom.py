@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.models import registry
 
 log = logging.getLogger("hpcrl.trainer")
@@ -23,9 +24,10 @@ def custom_attention(attn: str, device: torch.device | str) -> str:
     if attn == "flash_attention_3":
         if on_cuda:
             if importlib.util.find_spec("flash_attn_interface") is None:
-                raise ValueError(
-                    "trainer.model.attn: 'flash_attention_3' needs flash-attention 3 (the flash_attn_interface "
-                    "module) on this node; install it or set attn = 'sdpa'"
+                raise ConfigError(
+                    "trainer.model.attn",
+                    "'flash_attention_3' needs flash-attention 3 (the flash_attn_interface "
+                    "module) on this node; install it or set attn = 'sdpa'",
                 )
             return "flash_attention_3"
         if "fa3" not in _NOTED:
@@ -39,9 +41,10 @@ def custom_attention(attn: str, device: torch.device | str) -> str:
         return "flash_attention_3" if fa3 else "sdpa"
     if attn in ("sdpa", "eager"):
         return "sdpa"
-    raise ValueError(
-        f"trainer.model.attn: {attn!r} is not available with impl = 'custom' "
-        "(allowed: auto, sdpa, eager, flash_attention_3); use impl = 'hf' for it"
+    raise ConfigError(
+        "trainer.model.attn",
+        f"{attn!r} is not available with impl = 'custom' "
+        "(allowed: auto, sdpa, eager, flash_attention_3); use impl = 'hf' for it",
     )
 
 

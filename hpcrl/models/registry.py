@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 
+from hpcrl.config.errors import ConfigError
+
 FAMILIES = {"qwen3": "hpcrl.models.qwen3", "qwen3_moe": "hpcrl.models.qwen3"}
 
 
@@ -31,13 +33,15 @@ def pick_impl(impl: str, model_type: str, *, lora: bool = False) -> str:
     """'hf' or 'custom' for a model: auto picks custom where hpcrl has one (and no LoRA asks for peft)."""
     if impl == "custom":
         if model_type not in FAMILIES:
-            raise ValueError(
-                f"trainer.model.impl: no custom implementation for model_type {model_type!r} "
-                f"(custom: {sorted(FAMILIES)}); use impl = 'hf' or 'auto'"
+            raise ConfigError(
+                "trainer.model.impl",
+                f"no custom implementation for model_type {model_type!r} "
+                f"(custom: {sorted(FAMILIES)}); use impl = 'hf' or 'auto'",
             )
         if lora:
-            raise ValueError(
-                "trainer.model.impl: LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'"
+            raise ConfigError(
+                "trainer.model.impl",
+                "LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'",
             )
         return "custom"
     if impl == "auto":

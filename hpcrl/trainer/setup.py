@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import LossConfig, ModelConfig, OptimConfig
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
@@ -116,8 +117,9 @@ def build_model(
             rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules)
         )
     if lora is not None and model_cfg.impl == "custom":
-        raise ValueError(
-            "trainer.model.impl: LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'"
+        raise ConfigError(
+            "trainer.model.impl",
+            "LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'",
         )
     from_rank0 = meta_init and parallel.get_world_size() > 1
     on_meta = from_rank0 and not parallel.is_rank0()
@@ -162,9 +164,10 @@ def apply_moe_options(model: torch.nn.Module, model_cfg: ModelConfig, device: to
     if model_cfg.ep == 1:
         return set()
     if getattr(model, "hpcrl_family", None) is None:
-        raise ValueError(
-            f"trainer.model.ep: {model_cfg.ep} needs the custom implementation of a MoE model "
-            f"(impl = 'custom' or 'auto'; this run uses transformers')"
+        raise ConfigError(
+            "trainer.model.ep",
+            f"{model_cfg.ep} needs the custom implementation of a MoE model "
+            f"(impl = 'custom' or 'auto'; this run uses transformers')",
         )
     from hpcrl.models.qwen3.parallelize import apply_ep
 

@@ -60,3 +60,24 @@ def test_compact_dtype_and_bus_round_trip() -> None:
     ids = back.route_ids()
     assert ids.shape == (5, 2) and (ids == -1).sum() == 6
     assert sorted(map(tuple, ids[ids[:, 0] >= 0].tolist())) == [(1, 2), (3, 4)]
+
+
+def test_max_vio_and_metrics_by_hand() -> None:
+    import torch
+
+    from hpcrl.models.qwen3.moe import MoE
+    from hpcrl.trainer.moe_metrics import collect, max_vio
+
+    assert max_vio(torch.tensor([2, 2, 2, 2])) == 0.0
+    assert max_vio(torch.tensor([8, 0, 0, 0])) == 3.0  # (8 - 2) / 2
+    model = torch.nn.Sequential(MoE(4, 2, num_experts=4, top_k=2, norm_topk_prob=True))
+    m = model[0]
+    m.stats.load = torch.tensor([3, 1, 0, 0])
+    m.stats.confidence, m.stats.tokens = 1.5, 2
+    m.stats.replay_slots, m.stats.replay_hits = 4, 3
+    out = collect(model)
+    assert out["moe/max_vio/layer_0"] == 2.0  # (3 - 1) / 1
+    assert out["moe/routing_confidence/layer_0"] == 0.75
+    assert out["moe/load_max/layer_0"] == 0.75 and out["moe/load_min/layer_0"] == 0.0
+    assert out["moe/replay_hit_rate"] == 0.75
+    assert m.stats.tokens == 0  # reset for the next step

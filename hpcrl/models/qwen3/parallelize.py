@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.models.qwen3.moe import MoE
 
 
@@ -35,12 +36,12 @@ def apply_ep(model: nn.Module, ep: int, device: torch.device) -> set[nn.Paramete
     world = dist.get_world_size() if dist.is_initialized() else 1
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
-        raise ValueError("trainer.model.ep: the model has no MoE layers; set ep = 1")
+        raise ConfigError("trainer.model.ep", "the model has no MoE layers; set ep = 1")
     if world % ep:
-        raise ValueError(f"trainer.model.ep: {ep} does not divide the {world} trainer ranks")
+        raise ConfigError("trainer.model.ep", f"{ep} does not divide the {world} trainer ranks")
     experts = moes[0].num_experts
     if experts % ep:
-        raise ValueError(f"trainer.model.ep: {ep} does not divide the model's {experts} experts")
+        raise ConfigError("trainer.model.ep", f"{ep} does not divide the model's {experts} experts")
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_ep", "ep"))
     ep_mesh = mesh["ep"]
     pos, n_local = ep_mesh.get_local_rank(), experts // ep
