@@ -19,12 +19,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hpcrl.launch.placement import rank_env
 from hpcrl.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LENS = [9, 5, 12, 3, 7, 8]
-RANK_SAMPLES = {1: [(0, 6)], 2: [(0, 4), (4, 6)]}  # [start, end) sample range per rank
+RANK_SAMPLES = {
+    1: [(0, 6)],
+    2: [(0, 4), (4, 6)],
+    4: [(0, 2), (2, 3), (3, 5), (5, 6)],
+}  # [start, end) sample range per rank
 MICRO_BATCH_TOKENS = 16  # rank 0 of 2: [9+5], [12+3]; rank 1: [7+8]; 1 rank: three micro-batches
 STEPS = 2
 ATOL = 1e-5
@@ -71,22 +77,33 @@ def test_expert_parallel_two_ranks_equals_one_rank(tmp_path: Path) -> None:
     _check_equivalence(moe, tmp_path, "custom", 2)
 
 
-def _check_equivalence(model_dir: Path, tmp_path: Path, impl: str, ep: int) -> None:
+@pytest.mark.slow
+def test_expert_parallel_with_replicas_equals_one_rank(tmp_path: Path) -> None:
+    """4 ranks, ep = 2: two ep groups (dp_ep = 2) hold each expert shard twice; their expert
+    gradients are summed across the groups (sync_expert_grads) and the result equals one rank."""
+    from hpcrl.models.tiny import build_tiny_model
+
+    moe = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=0)
+    _check_equivalence(moe, tmp_path, "custom", 2, world=4)
+
+
+def _check_equivalence(model_dir: Path, tmp_path: Path, impl: str, ep: int, world: int = 2) -> None:
     from safetensors.torch import load_file
     from torch.testing import assert_close
 
     tiny_model_dir = model_dir
     one, two = tmp_path / "one", tmp_path / "two"
-    procs = _launch(1, tiny_model_dir, one, impl) + _launch(2, tiny_model_dir, two, impl, ep)
+    procs = _launch(1, tiny_model_dir, one, impl) + _launch(world, tiny_model_dir, two, impl, ep)
     for p in procs:
         p.wait(timeout=300)
-    for p, name in zip(procs, ["one.rank0", "two.rank0", "two.rank1"], strict=True):
+    names = ["one.rank0", *(f"two.rank{r}" for r in range(world))]
+    for p, name in zip(procs, names, strict=True):
         assert p.returncode == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
 
     m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
     assert len(m1) == len(m2) == STEPS
     for a, b in zip(m1, m2, strict=True):
-        assert a["micro_batches"] == 3 and b["micro_batches"] == 2  # max over ranks; rank 1 ran a dummy
+        assert a["micro_batches"] == 3 and b["micro_batches"] == (2 if world == 2 else 1)  # max over ranks
         for key in ("loss", "entropy", "mismatch_kl", "ratio_mean", "masked_advantage_positive",
                     "masked_advantage_negative", "loss_tokens", "grad_norm"):  # fmt: skip
             assert abs(a[key] - b[key]) <= ATOL, (key, a[key], b[key])
