@@ -29,8 +29,9 @@ def family(model_type: str) -> ModuleType | None:
     return None if mod is None else importlib.import_module(mod)
 
 
-def pick_impl(impl: str, model_type: str, *, lora: bool = False) -> str:
-    """'hf' or 'custom' for a model: auto picks custom where hpcrl has one (and no LoRA asks for peft)."""
+def pick_impl(impl: str, model_type: str, *, lora: bool = False, attn: str | None = None) -> str:
+    """'hf' or 'custom' for a model: auto picks custom where hpcrl has one, unless LoRA asks for peft
+    or the attention asked for is one only transformers runs (flash_attention_2)."""
     if impl == "custom":
         if model_type not in FAMILIES:
             raise ConfigError(
@@ -45,5 +46,5 @@ def pick_impl(impl: str, model_type: str, *, lora: bool = False) -> str:
             )
         return "custom"
     if impl == "auto":
-        return "custom" if model_type in FAMILIES and not lora else "hf"
+        return "custom" if model_type in FAMILIES and not lora and attn != "flash_attention_2" else "hf"
     return "hf"

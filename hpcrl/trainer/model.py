@@ -103,7 +103,10 @@ def load_model(
         raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
     from hpcrl.models import registry
 
-    if registry.pick_impl(impl, registry.model_type_of(path), lora=lora is not None) == "custom":
+    if (
+        registry.pick_impl(impl, registry.model_type_of(path), lora=lora is not None, attn=attn_impl)
+        == "custom"
+    ):
         from hpcrl.models.custom import load_custom
 
         return load_custom(

@@ -5,7 +5,7 @@ router replay. One run of each; printed tables.
 
 1. step: one training step (forward + backward + AdamW over 8 x 128 tokens, fp32 on CPU / bf16 on
    CUDA) of the tiny (8 experts) and small (16 experts) MoE, custom vs transformers: tokens/s (median
-   of 5 after 2 warmups) and peak memory (CUDA: max allocated; CPU: the process's peak RSS, each case
+   of 5 after 2 warmups; on CPU one thread's process CPU time) and peak memory (CUDA: max allocated; CPU: the process's peak RSS, each case
    in its own process).
 2. ep: the custom model's train step on 2 gloo ranks with ep = 2 against 1 rank with ep = 1 (same
    global batch), step time and the all-to-all bytes each rank sent, against the ideal for uniform
@@ -49,6 +49,9 @@ def one_step(impl: str, preset: str) -> dict:
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if dev == "cuda" else "float32"
+    if dev == "cpu":
+        torch.set_num_threads(1)  # CPU time of one thread: wall time on a shared machine measures neighbours
+    clock = time.perf_counter if dev == "cuda" else time.process_time
     model = load_model(_model_dir(preset), dtype, dev, attn_impl="sdpa", impl=impl)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
@@ -57,7 +60,7 @@ def one_step(impl: str, preset: str) -> dict:
     for i in range(7):
         if dev == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         logits = model(input_ids=ids).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
@@ -66,7 +69,7 @@ def one_step(impl: str, preset: str) -> dict:
         if dev == "cuda":
             torch.cuda.synchronize()
         if i >= 2:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     peak = (
         torch.cuda.max_memory_allocated() / 2**20
         if dev == "cuda"

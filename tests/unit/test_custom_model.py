@@ -89,3 +89,18 @@ def test_hf_views_write_fused_experts_in_place(moe_dir: Path) -> None:
     fused = hf.model.layers[0].mlp.experts.gate_up_proj
     inter = fused.shape[1] // 2
     assert bool((fused[3, inter:] == 1).all()) and not bool((fused[3, :inter] == 1).all())
+
+
+def test_pick_impl() -> None:
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.models.registry import pick_impl
+
+    assert pick_impl("auto", "qwen3_moe") == "custom"
+    assert pick_impl("auto", "qwen3", lora=True) == "hf"
+    assert pick_impl("auto", "qwen3", attn="flash_attention_2") == "hf"
+    assert pick_impl("auto", "llama") == "hf"
+    assert pick_impl("hf", "qwen3") == "hf"
+    with pytest.raises(ConfigError, match="trainer.model.impl"):
+        pick_impl("custom", "llama")
+    with pytest.raises(ConfigError, match="LoRA"):
+        pick_impl("custom", "qwen3", lora=True)
