@@ -29,7 +29,7 @@ commands:
   cancel           stop the job that owns a run directory
   checkpoints      list a run directory's checkpoints and their ids (for checkpoint_id / ckpt.warm_start)
   plot             write PNG plots from a run's metrics.jsonl
-  make-tiny-model  build a tiny Qwen3-style model + tokenizer locally (no hub)
+  make-tiny-model  build a tiny Qwen3-style model (--preset tiny-moe: Qwen3-MoE) + tokenizer locally
   eval             score a model on environments: results.jsonl, avg@k / pass@k (ENV_ID -m MODEL -n N -r K)
   gepa             optimise an environment's system prompt with GEPA (run ENV_ID -m MODEL -B CALLS)
   prepare-resume   pin a run's configs to its newest complete checkpoint (run by SLURM jobs on requeue)

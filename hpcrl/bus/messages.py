@@ -77,6 +77,9 @@ class TrainBatch(msgspec.Struct, kw_only=True, eq=False):
     total_loss_tokens: int  # loss tokens across ALL ranks of this step (global normalisation)
     teacher_logprobs: np.ndarray | None = None  # float32 [T]
     reference_logprobs: np.ndarray | None = None  # float32 [T]
+    # MoE router replay: [T, layers*k] expert ids per token, uint8 (255 = none) when every id fits,
+    # else int16 (-1 = none); none on prompt tokens. route_ids() reads either as int64 with -1.
+    routed_experts: np.ndarray | None = None
     created_at: float = msgspec.field(default_factory=_now)
 
     def __post_init__(self) -> None:
@@ -92,6 +95,13 @@ class TrainBatch(msgspec.Struct, kw_only=True, eq=False):
             setattr(self, name, arr)
         num_tokens = len(self.input_ids)
         num_samples = len(self.seq_lens)
+        if self.routed_experts is not None:
+            self.routed_experts = compact_routes(self.routed_experts)
+            if self.routed_experts.ndim != 2 or len(self.routed_experts) != len(self.input_ids):
+                raise ValueError(
+                    f"TrainBatch.routed_experts must be [tokens, layers*k] for {len(self.input_ids)} tokens, "
+                    f"got shape {self.routed_experts.shape}"
+                )
         for name, _ in _TOKEN_FIELDS:
             arr = getattr(self, name)
             if arr is not None and len(arr) != num_tokens:
@@ -127,11 +137,31 @@ class TrainBatch(msgspec.Struct, kw_only=True, eq=False):
         """Loss tokens of this rank (compare `total_loss_tokens`, which spans every rank)."""
         return int(np.count_nonzero(self.loss_mask))
 
+    def route_ids(self) -> np.ndarray:
+        """routed_experts as int64 with -1 where a token has no route."""
+        assert self.routed_experts is not None
+        r = self.routed_experts.astype(np.int64)
+        if self.routed_experts.dtype == np.uint8:
+            r[r == 255] = -1
+        return r
+
     def sample_offsets(self) -> np.ndarray:
         """int64 [S+1]: sample i occupies tokens offsets[i]:offsets[i+1]."""
         out = np.zeros(len(self.seq_lens) + 1, dtype=np.int64)
         np.cumsum(self.seq_lens, out=out[1:])
         return out
+
+
+def compact_routes(routes: Any) -> np.ndarray:
+    """Expert ids (-1 = none) in the smallest wire dtype: uint8 with 255 = none when every id < 255
+    (up to 254 experts), else int16. Arrays already uint8 (decoded from the wire) stay as they are."""
+    arr = np.asarray(routes)
+    if arr.dtype == np.uint8:
+        return arr
+    arr = arr.astype(np.int16, copy=False)
+    if arr.size == 0 or int(arr.max()) < 255:
+        return np.where(arr < 0, 255, arr).astype(np.uint8)
+    return arr
 
 
 _TOKEN_FIELDS: tuple[tuple[str, Any], ...] = (

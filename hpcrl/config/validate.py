@@ -85,8 +85,6 @@ def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
 # non-default value is an error, never silently ignored. (path, allowed values or None for the
 # default only, what to do instead). Paths are relative to the root; model sections are expanded.
 UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
-    ("model.impl", ("auto", "hf"), "only Hugging Face transformers models are implemented"),
-    ("model.ep", (1,), "expert parallelism is not implemented; MoE models train with FSDP only"),
     (
         "inference.parallel.dp",
         (1,),

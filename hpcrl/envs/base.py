@@ -90,6 +90,8 @@ class Turn:
     # A later turn whose prompt could not extend the previous turn's ids (the renderer's bridge or
     # hpcrl's stitching declined): it was re-rendered and starts a new training sample.
     rerendered: bool = False
+    # MoE router replay: experts the server routed each completion token to, [tokens][layers][k]
+    routed_experts: list[list[list[int]]] | None = None
 
     def message(self) -> Message:
         msg: Message = {"role": "assistant", "content": self.text}

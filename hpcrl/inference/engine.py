@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.inference import routing
 from hpcrl.inference.batch import DecodeBatch
 from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
 from hpcrl.inference.loading import (
@@ -33,8 +34,10 @@ from hpcrl.inference.loading import (
     read_delta,
 )
 from hpcrl.inference.protocol import SamplingParams, SeqOutput
+from hpcrl.inference.routing import RoutingRecorder
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.inference.tokens import Tokens
+from hpcrl.models.qwen3.state_dict_adapter import hf_views
 from hpcrl.weights.checksum import state_dict_checksum
 from hpcrl.weights.delta import Delta, apply_delta
 
@@ -69,6 +72,7 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [layers, k] per fed-back sampled token
     logits_step: int = 0  # policy step of the forward that produced this row's pending logits
     finish: str | None = None
     stop_reason: str | int | None = None
@@ -137,13 +141,15 @@ class HFEngine:
         self._waiting: collections.deque[_Seq] = collections.deque()
         _check_cache_layers(self.model.config)
         self._batch = DecodeBatch(self.model, self.max_batch_size, self.device)
+        self._routing = RoutingRecorder(self.model)  # MoE: experts each sampled token was routed to
         self._bparams: BatchParams | None = None  # the running rows' sampling tensors
         self._cancelled = False  # a future was cancelled: look for its rows at the next iteration
         self._paused = False
         self._stopping = False
         self.policy_step = 0
         # Parameters by name, tied aliases included, so an update may name either alias.
-        self._params = dict(self.model.state_dict(keep_vars=False))
+        # MoE: fused experts appear as per-expert views under the checkpoint names the trainer publishes.
+        self._params = hf_views(dict(self.model.state_dict(keep_vars=False)))
         self._weight_names = self._unique_param_names()
         self.checksum = state_dict_checksum({n: self._params[n] for n in self._weight_names})
         self._lora_base: dict[str, torch.Tensor] = {}
@@ -330,6 +336,10 @@ class HFEngine:
             tokens = tokens[torch.tensor(order, device=tokens.device)] if order else tokens[:0]
         if batch.rows:
             batch.step(tokens)
+            routed = self._routing.take(len(batch.rows))
+            if routed is not None:
+                for s, r in zip(batch.rows, routed):
+                    s.routed.append(r)
             self.stats["forward_steps"] += 1
             for s in batch.rows:
                 s.logits_step = self.policy_step
@@ -372,6 +382,7 @@ class HFEngine:
                     finish_reason=s.finish or "stop",
                     stop_reason=s.stop_reason,
                     policy_steps=sorted(set(s.steps)),
+                    routed_experts=routing.finish(s.routed, len(s.out)) if self._routing.enabled else None,
                 )
             )
         req.future.set_result(outs)

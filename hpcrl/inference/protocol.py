@@ -291,6 +291,7 @@ class SeqOutput:
     finish_reason: str
     stop_reason: str | int | None
     policy_steps: list[int]
+    routed_experts: list[list[list[int]]] | None = None  # MoE: per completion token [layers][k], -1 unknown
 
 
 def _usage(prompt_tokens: int, outs: list[SeqOutput]) -> dict[str, int]:
@@ -347,6 +348,8 @@ def chat_response(
         }
         if params.return_token_ids:
             choice["token_ids"] = o.token_ids
+            if o.routed_experts is not None:
+                choice["routed_experts"] = o.routed_experts
         choices.append(choice)
     resp: dict[str, Any] = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -388,6 +391,8 @@ def completion_response(
             if params.return_token_ids:
                 choice["token_ids"] = o.token_ids
                 choice["prompt_token_ids"] = prompt_ids
+                if o.routed_experts is not None:
+                    choice["routed_experts"] = o.routed_experts
             choices.append(choice)
     flat = [o for g in outs for o in g]
     resp: dict[str, Any] = {

@@ -10,4 +10,6 @@ BUILTIN_MODELS = {
     "hpcrl/small-qwen3": "small",
     "hpcrl/tiny-qwen3-think": "tiny:qwen3",
     "hpcrl/small-qwen3-think": "small:qwen3",
+    "hpcrl/tiny-qwen3-moe": "tiny-moe",
+    "hpcrl/small-qwen3-moe": "small-moe",
 }

@@ -201,11 +201,61 @@ def build_tokenizer(template: str = "chatml") -> Any:
     return fast
 
 
+# Qwen3-MoE presets (every layer sparse, 8 experts, top-2): the seeds' MoE family at CPU size.
+MOE_PRESETS: dict[str, dict[str, int]] = {
+    # ~0.6 M parameters
+    "tiny-moe": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+    # ~5 M parameters: the benchmark's "small MoE"
+    "small-moe": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+}
+
+
+def _moe_model_config(preset: str, tokenizer: Any) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        dtype="float32",
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        **MOE_PRESETS[preset],
+    )
+
+
 def _model_config(preset: str, tokenizer: Any) -> Any:
     from transformers import Qwen3Config
 
+    if preset in MOE_PRESETS:
+        return _moe_model_config(preset, tokenizer)
     if preset not in PRESETS:
-        raise ValueError(f"unknown tiny-model preset {preset!r}; allowed: {sorted(PRESETS)}")
+        raise ValueError(f"unknown tiny-model preset {preset!r}; allowed: {sorted(PRESETS | MOE_PRESETS)}")
     return Qwen3Config(
         vocab_size=len(tokenizer),
         max_position_embeddings=2048,
@@ -222,13 +272,13 @@ def _model_config(preset: str, tokenizer: Any) -> Any:
 def build_tiny_model(
     out_dir: str | Path, preset: str = "tiny", seed: int = 0, template: str = "chatml"
 ) -> Path:
-    """Build a tiny Qwen3 causal LM + tokenizer and save them as a Hugging Face directory.
+    """Build a tiny Qwen3 (or Qwen3-MoE: MOE_PRESETS) causal LM + tokenizer as a Hugging Face directory.
 
     Building twice with the same preset and seed gives bit-identical files' tensors. `template`:
     "chatml" (hpcrl's prefix-stable ChatML) or "qwen3" (Qwen3's think-stripping template).
     """
     import torch
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,7 +287,7 @@ def build_tiny_model(
     # fork_rng keeps a caller's global RNG untouched while making the init depend only on `seed`.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.eval()
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
@@ -313,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="hpcrl make-tiny-model", description="Build a tiny Qwen3-style model + BPE tokenizer locally."
     )
     parser.add_argument("dir", help="output directory (a Hugging Face model dir)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS | MOE_PRESETS),
+        default="tiny",
+        help="model size; tiny-moe / small-moe build a Qwen3-MoE (8 / 16 experts, top-2)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weight init seed")
     parser.add_argument(
         "--template",

@@ -131,6 +131,7 @@ def to_samples(
                 teacher_logprobs=None
                 if p.teacher_logprobs is None
                 else np.asarray(p.teacher_logprobs, dtype=np.float32),
+                routed_experts=None if p.routed_experts is None else np.asarray(p.routed_experts, np.int16),
             )
             samples.append(((g.env, g.example_id, r.index, p_i), s))
     samples.sort(key=lambda kv: kv[0])
@@ -168,6 +169,9 @@ def unpack_samples(batch: TrainBatch) -> list[Sample]:
                 temperature=float(batch.temperatures[i]),
                 reward=float(batch.rewards[i]),
                 teacher_logprobs=None if batch.teacher_logprobs is None else batch.teacher_logprobs[a:b],
+                routed_experts=None
+                if batch.routed_experts is None
+                else batch.route_ids()[a:b].astype(np.int16),
             )
         )
     return out

@@ -160,6 +160,7 @@ class RolloutClient:
             policy_steps=self._steps(choice, resp),
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=msg.get("tool_calls") or None,
+            routed_experts=choice.get("routed_experts"),
         )
 
     async def _complete(self, ids: list[int], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
@@ -187,6 +188,7 @@ class RolloutClient:
             policy_steps=self._steps(choice, resp),
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=tool_calls,
+            routed_experts=choice.get("routed_experts"),
         )
 
     def _steps(self, choice: dict[str, Any], resp: dict[str, Any]) -> list[int]:

@@ -32,6 +32,7 @@ BATCH_KEYS = (
     "example_ids",
     "rewards",
     "teacher_logprobs",
+    "routed_experts",
 )
 
 
@@ -49,6 +50,7 @@ class Sample:
     temperature: float
     reward: float
     teacher_logprobs: np.ndarray | None = None  # float[L]
+    routed_experts: np.ndarray | None = None  # int16[L, layers*k]: MoE router replay, -1 = none
 
     def __len__(self) -> int:
         return int(len(self.input_ids))
@@ -105,6 +107,7 @@ def _fit(samples: Sequence[Sample], seq_len: int, overlong: Overlong, stats: Pac
             stats.num_truncated += 1
             adv = s.advantage[:seq_len] if np.ndim(s.advantage) == 1 else s.advantage  # type: ignore[index]
             tlp = None if s.teacher_logprobs is None else s.teacher_logprobs[:seq_len]
+            routed = None if s.routed_experts is None else s.routed_experts[:seq_len]
             s = Sample(
                 s.input_ids[:seq_len],
                 s.loss_mask[:seq_len],
@@ -116,6 +119,7 @@ def _fit(samples: Sequence[Sample], seq_len: int, overlong: Overlong, stats: Pac
                 s.temperature,
                 s.reward,
                 tlp,
+                routed,
             )
         if len(s) == 0 or not np.any(s.loss_mask):
             stats.num_dropped += 1
@@ -148,7 +152,23 @@ def _rank_batch(samples: list[Sample], with_teacher: bool) -> dict[str, Any]:
         "teacher_logprobs": _concat([np.asarray(s.teacher_logprobs) for s in samples], np.float32)
         if with_teacher
         else None,
+        "routed_experts": _routes(samples),
     }
+
+
+def _routes(samples: list[Sample]) -> np.ndarray | None:
+    """[T, layers*k] expert ids of the rank's tokens (-1 rows for samples without), None if none has any."""
+    widths = {s.routed_experts.shape[1] for s in samples if s.routed_experts is not None}
+    if len(widths) != 1:
+        return None  # no MoE routes (or servers that disagree on the shape: no replay this step)
+    (w,) = widths
+    parts = [
+        np.asarray(s.routed_experts, np.int16)
+        if s.routed_experts is not None
+        else np.full((len(s), w), -1, np.int16)
+        for s in samples
+    ]
+    return np.concatenate(parts)
 
 
 def pack_for_ranks(

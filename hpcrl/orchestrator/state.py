@@ -40,6 +40,7 @@ class Piece(msgspec.Struct, kw_only=True):
     loss_mask: list[bool]
     logprobs: list[float]
     teacher_logprobs: list[float] | None = None
+    routed_experts: list[list[int]] | None = None  # MoE router replay: [T][layers*k], -1 = none
 
 
 class RolloutRecord(msgspec.Struct, kw_only=True):

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpcrl.envs.base import Message, Trajectory, Turn, stitch_turns
+from hpcrl.orchestrator import routes
 from hpcrl.orchestrator.state import Piece, RolloutRecord
 
 
@@ -84,13 +85,15 @@ def stitch_prompt(
 def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Piece]:
     """Consecutive turns whose prompt ids extend the previous turn's prompt + completion ids are one
     Piece; a turn that does not (re-rendered: the bridge or the stitching declined) starts a new one.
-    Always one Piece per turn with ``branching`` (orchestrator.trajectory_strategy = "branching")."""
+    Always one Piece per turn with ``branching`` (orchestrator.trajectory_strategy = "branching").
+    Router replay rows (routed_experts) follow each Piece's tokens."""
     segments: list[list[Turn]] = []
     for t in turns:
         if segments and not branching and stitch_turns([*segments[-1], t]) is not None:
             segments[-1].append(t)
         else:
             segments.append([t])
+    w = routes.width(turns)
     pieces = []
     for seg in segments:
         whole = stitch_turns(seg)
@@ -100,6 +103,7 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
                 input_ids=whole.input_ids.tolist(),
                 loss_mask=whole.loss_mask.tolist(),
                 logprobs=whole.logprobs.tolist(),
+                routed_experts=None if w is None else routes.stitched_routes(seg, w, len(whole.input_ids)),
             )
         )
     return pieces

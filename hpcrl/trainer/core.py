@@ -18,8 +18,11 @@ from typing import Any
 import msgspec
 import torch
 
+from hpcrl.models.qwen3.parallelize import sync_expert_grads
 from hpcrl.trainer import parallel
 from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
+from hpcrl.trainer.moe_metrics import collect as collect_moe_metrics
+from hpcrl.trainer.moe_metrics import take_aux_loss
 from hpcrl.trainer.optim import clip_grad_norm, current_lr
 from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed
 from hpcrl.trainer.setup import Training
@@ -78,6 +81,7 @@ class StepResult:
     padding: float  # padded share of the forwarded slots
     slots_per_token: float
     entropies: torch.Tensor = field(repr=False)  # per loss token, for the entropy distribution
+    moe: dict[str, float] = field(default_factory=dict)  # hpcrl.trainer.moe_metrics (MoE models)
     tokens: int = 0  # tokens and samples of the whole step (every rank), set by the caller
     samples: int = 0
 
@@ -120,10 +124,15 @@ def step_micro_batches(
             ref_logprobs=mb.ref_logprobs,
             seq_lens=mb.seq_lens,
         )
-        out.loss.backward()
+        loss = out.loss
+        aux = take_aux_loss(tr.model)  # MoE load balancing (trainer.model.moe_aux_loss_coef > 0)
+        if aux is not None:  # weighted by this micro-batch's share of the step's loss tokens
+            loss = loss + aux * (float(mb.loss_mask.sum()) / max(float(num_loss_tokens), 1.0))
+        loss.backward()
         stats = add_stats(stats, out.stats)
     t_fb = time.perf_counter() - t0
     grad_norm, summed, lr, ok = optimizer_step(tr, stats, max_norm, step)
+    moe = collect_moe_metrics(tr.model)  # collective; {} without MoE layers
     return StepResult(
         stats=summarize(summed),
         grad_norm=grad_norm,
@@ -134,6 +143,7 @@ def step_micro_batches(
         padding=padding / max(slots, 1),
         slots_per_token=slots / max(tokens, 1),
         entropies=torch.cat(entropies) if entropies else torch.zeros(0),
+        moe=moe,
     )
 
 
@@ -142,6 +152,7 @@ def optimizer_step(
 ) -> tuple[float, dict[str, Any], float, bool]:
     """Clip, all-reduce the loss stats, step (only when finite), zero grads, advance the schedule.
     Returns (grad norm, summed stats, lr used, stepped)."""
+    sync_expert_grads(tr.model)  # expert parallelism with dp_ep > 1: replicas' expert grads summed
     grad_norm = clip_grad_norm(tr.model.parameters(), max_norm if max_norm > 0 else None)
     summed = unstack_stats(parallel.all_reduce(stack_stats(stats)))
     ok = math.isfinite(grad_norm) and math.isfinite(float(summed["loss"]))

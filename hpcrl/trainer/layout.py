@@ -162,9 +162,10 @@ class RowLayout:
         return int((self.unit < 0).sum())
 
     def grid(self, values: Tensor, fill: int | bool = 0) -> Tensor:
-        out = values.new_full((self.rows * self.width,), fill)
+        extra = tuple(values.shape[1:])  # per-token rows (router replay's expert ids) keep their width
+        out = values.new_full((self.rows * self.width, *extra), fill)
         out[self.index] = values  # shared slots are written once per member, with equal values
-        return out.view(self.rows, self.width)
+        return out.view(self.rows, self.width, *extra)
 
     def mask(self, dtype: torch.dtype = torch.bool) -> Tensor:
         """``[rows, 1, width, width]``: key k is visible to query q iff same unit, k <= q, and k is

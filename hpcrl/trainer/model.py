@@ -88,8 +88,12 @@ def load_model(
     lora: LoraParams | None = None,
     trust_remote_code: bool = False,
     meta: bool = False,
+    impl: str = "hf",
 ) -> nn.Module:
     """Load a causal LM from a local Hugging Face directory, ready to train (``train()`` mode).
+
+    ``impl``: 'hf' (transformers), 'custom' (hpcrl.models.registry's own implementation; no LoRA) or
+    'auto' (custom where one exists and no LoRA is asked for).
 
     ``meta``: build the same architecture (and LoRA adapter) on the meta device without reading any
     weight: it costs no memory, and ``parallel.fill_from_rank0`` fills it after sharding."""
@@ -97,6 +101,17 @@ def load_model(
 
     if not Path(path, "config.json").is_file():
         raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    from hpcrl.models import registry
+
+    if (
+        registry.pick_impl(impl, registry.model_type_of(path), lora=lora is not None, attn=attn_impl)
+        == "custom"
+    ):
+        from hpcrl.models.custom import load_custom
+
+        return load_custom(
+            path, parse_dtype(dtype), device, attn_impl or "auto", activation_checkpointing, meta
+        )
     kwargs = {
         "dtype": parse_dtype(dtype),
         "attn_implementation": attn_impl or default_attn_impl(device),
@@ -202,8 +217,13 @@ def hf_named_tensors(
         return t.to(device)
 
     if not is_peft_model(model):
-        for name, t in sd.items():
-            full = _full(t).detach()
+        named = ((name, _full(t).detach()) for name, t in sd.items())
+        family = getattr(model, "hpcrl_family", None)
+        if family is not None:  # the custom implementation: stacked experts -> per-expert HF names
+            from hpcrl.models import registry
+
+            named = registry.family(family).to_hf(named)
+        for name, full in named:
             if name not in skip:
                 yield name, out(full)
         return

@@ -127,6 +127,10 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return 0.0
+    from hpcrl.models.qwen3.parallelize import is_expert_sharded
+
+    if any(is_expert_sharded(p) for p in params):
+        return _clip_mixed_meshes(params, max_norm)
     if max_norm is not None and max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
     else:
@@ -139,3 +143,29 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -
 
 def current_lr(optimizer: Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
+
+
+def _clip_mixed_meshes(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """The global norm when gradients live on different meshes (expert parallelism: experts sharded
+    over the ep mesh, the rest FSDP over all ranks), which torch's clip cannot stack: every rank sums
+    its local squares, each divided by how many ranks hold the same values, and one all-reduce adds."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        local = g.to_local() if hasattr(g, "to_local") else g
+        holders = world // g.device_mesh.size() if hasattr(g, "device_mesh") else world
+        total += local.detach().double().pow(2).sum().cpu() / holders
+    if world > 1:  # gloo or nccl: the sum travels on the backend's device
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        total = total.to(dev)
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    if max_norm is not None and max_norm > 0 and norm == norm:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
+    return norm

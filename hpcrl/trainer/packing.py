@@ -64,6 +64,9 @@ class PackedBatch:
     # Masked kernels: the row width row_micro_batches packed this micro-batch's units at (so its
     # layout reproduces those rows); None: layout.row_layout decides. Not a tensor: never sliced.
     row_width: int | None = None
+    # [T, layers*k] expert ids the inference engine routed each token to (MoE router replay; -1 = route
+    # freely). Only the custom implementation takes it (transformers' models route on their own).
+    routed_experts: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +86,10 @@ class PackedBatch:
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None or f.name in _PER_SAMPLE or f.name in _HINTS:
+                continue
+            if f.name == "routed_experts":
+                if v.dim() != 2 or v.shape[0] != t:
+                    raise ValueError(f"routed_experts has shape {tuple(v.shape)}, expected ({t}, layers*k)")
                 continue
             if v.shape != (t,):
                 raise ValueError(f"{f.name} has shape {tuple(v.shape)}, expected ({t},)")
@@ -315,12 +322,16 @@ def model_inputs(
     for masked kernels (sdpa/eager: no varlen attention on CPU); one packed row for varlen kernels
     (flash-attention), which cannot express a shared prefix and run every sample in full."""
     impl = attention_kernel(model)
+    routed = mb.routed_experts
     if impl not in MASKED_KERNELS:
-        return {
+        inputs = {
             "input_ids": mb.input_ids[None],
             "position_ids": mb.position_ids[None],
             "attention_mask": attention_mask_for(model, mb),
-        }, None
+        }
+        if routed is not None:
+            inputs["routed_experts"] = routed[None]
+        return inputs, None
     dev = mb.input_ids.device
     layout = row_layout(
         mb.seq_lens.to(dev),
@@ -329,11 +340,14 @@ def model_inputs(
         width=mb.row_width,
     )
     dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
-    return {
+    inputs = {
         "input_ids": layout.grid(mb.input_ids),
         "position_ids": layout.grid(mb.position_ids),
         "attention_mask": layout.mask(dtype),
-    }, layout
+    }
+    if routed is not None:
+        inputs["routed_experts"] = layout.grid(routed, -1)
+    return inputs, layout
 
 
 def forward_packed(

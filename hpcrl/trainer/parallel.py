@@ -199,20 +199,26 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     force: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm,
     lm_head, and tied weights stay together in the root group). A world of 1 is returned as is
     unless ``force`` (sharding over one rank costs time and buys nothing).
 
-    ``param_dtype`` enables mixed precision (e.g. bf16 compute over fp32 master weights)."""
+    ``param_dtype`` enables mixed precision (e.g. bf16 compute over fp32 master weights).
+    ``ignored_params``: left alone (expert-parallel experts, sharded over their own mesh)."""
     if get_world_size() == 1 and not force:
         return model
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            layer, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params
+        )
+    fully_shard(
+        model, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params
+    )
     for mod in model.modules():
         if isinstance(mod, FSDPModule):
             # Sum, not mean: see the module docstring. A divide factor alone would use NCCL's

@@ -179,20 +179,27 @@ def wait_for_batch(
 
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout
+    batch: TrainBatch | None = None
     while True:
         stopping = parallel.all_reduce(float(stop.is_set()), op="max") > 0
         watchdog.beat(f"waiting for batch {step}")  # waiting on the orchestrator is not a stall of ours
         if stopping:
             return None, time.perf_counter() - t0
-        try:
-            batch = bus.wait_batch(step, rank, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+        if batch is None:
+            try:
+                batch = bus.wait_batch(step, rank, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+            except BusTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+        # Every rank leaves together: a rank that returned while another's wait slice timed out would
+        # start the step's collectives (FSDP all-gathers) against that rank's next all-reduce here.
+        if parallel.all_reduce(float(batch is None), op="max") == 0:
             return batch, time.perf_counter() - t0
-        except BusTimeout:
-            if time.monotonic() >= deadline:
-                raise
 
 
-def to_packed(batch: TrainBatch, device: torch.device) -> PackedBatch:
+def to_packed(batch: TrainBatch, device: torch.device, replay: bool = False) -> PackedBatch:
+    """``replay``: carry the batch's routed experts (MoE router replay on a custom model)."""
+
     def t(a: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
         return None if a is None else torch.as_tensor(np.asarray(a)).to(device=device, dtype=dtype)
 
@@ -206,6 +213,9 @@ def to_packed(batch: TrainBatch, device: torch.device) -> PackedBatch:
         temperatures=t(batch.temperatures, torch.float32),
         teacher_logprobs=t(batch.teacher_logprobs, torch.float32),
         ref_logprobs=t(batch.reference_logprobs, torch.float32),
+        routed_experts=t(batch.route_ids(), torch.long)
+        if replay and batch.routed_experts is not None
+        else None,
     )
 
 
@@ -220,7 +230,7 @@ def train_step(
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches, then one (finite-checked) optimizer step."""
     t0 = time.perf_counter()
-    packed = to_packed(batch, tr.device)
+    packed = to_packed(batch, tr.device, replay=tr.router_replay)
     packed.validate()
     if attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
         if share_prefix:
@@ -256,6 +266,7 @@ def step_metrics(out: StepResult, progress: Progress, times: dict[str, float]) -
             "progress/total_tokens": progress.total_tokens,
             "progress/total_samples": progress.total_samples,
             "loss_tokens": s["loss_tokens"],
+            **out.moe,
             "perf/slots_per_token": out.slots_per_token,
         }
     )

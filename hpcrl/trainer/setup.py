@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import LossConfig, OptimConfig, TrainerModelConfig
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
@@ -30,6 +31,7 @@ class Training:
     model_path: str
     dist: parallel.DistEnv
     precision: precision.Precision  # compute / master / reduce dtypes; the published policy is in compute
+    router_replay: bool = False  # MoE on the custom implementation with trainer.model.router_replay
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -85,7 +87,15 @@ def build_training(
         env.world_size,
         prec.describe(),
     )
-    return Training(model, tokenizer, optimizer, scheduler, device, path, env, prec)
+    from hpcrl.trainer import moe_metrics
+
+    is_moe = bool(moe_metrics.moe_layers(model))
+    moe_metrics.set_aux_coef(model, model_cfg.moe_aux_loss_coef)
+    replay = is_moe and model_cfg.router_replay
+    if is_moe:
+        log.info("MoE: router replay %s, ep %d, load-balancing loss coef %g",
+                 "on" if replay else "off", model_cfg.ep, model_cfg.moe_aux_loss_coef)  # fmt: skip
+    return Training(model, tokenizer, optimizer, scheduler, device, path, env, prec, router_replay=replay)
 
 
 def build_model(
@@ -106,6 +116,11 @@ def build_model(
         lora = model_lib.LoraParams(
             rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules)
         )
+    if lora is not None and model_cfg.impl == "custom":
+        raise ConfigError(
+            "trainer.model.impl",
+            "LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'",
+        )
     from_rank0 = meta_init and parallel.get_world_size() > 1
     on_meta = from_rank0 and not parallel.is_rank0()
     model = model_lib.load_model(
@@ -117,6 +132,8 @@ def build_model(
         lora=None if warm_start else lora,
         trust_remote_code=model_cfg.trust_remote_code,
         meta=on_meta,
+        # LoRA (also when a warm start applies it after loading) runs on transformers' model (peft)
+        impl=model_cfg.impl if lora is None or model_cfg.impl == "custom" else "hf",
     )
     if warm_start:
         # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
@@ -126,17 +143,35 @@ def build_model(
         if lora is not None:
             model = model_lib.apply_lora(model, lora)
     whole = parallel.local_tensors(model) if from_rank0 and not on_meta else {}
+    experts = apply_moe_options(model, model_cfg, device)
     model = parallel.apply_fsdp(
         model,
         param_dtype=model_lib.parse_dtype(prec.compute),
         reduce_dtype=model_lib.parse_dtype(prec.reduce),
-        force=prec.mixed,
+        force=prec.mixed or bool(experts),
+        ignored_params=experts or None,
     )
     if from_rank0:
         if on_meta:
             model.to_empty(device=device)
         parallel.fill_from_rank0(model, whole)  # consumes rank 0's whole copy, tensor by tensor
     return model
+
+
+def apply_moe_options(model: torch.nn.Module, model_cfg: TrainerModelConfig, device: torch.device) -> set:
+    """Expert parallelism (trainer.model.ep) on the custom implementation; returns the expert
+    parameters FSDP must leave alone (empty without EP)."""
+    if model_cfg.ep == 1:
+        return set()
+    if getattr(model, "hpcrl_family", None) is None:
+        raise ConfigError(
+            "trainer.model.ep",
+            f"{model_cfg.ep} needs the custom implementation of a MoE model "
+            f"(impl = 'custom' or 'auto'; this run uses transformers')",
+        )
+    from hpcrl.models.qwen3.parallelize import apply_ep
+
+    return apply_ep(model, model_cfg.ep, device)
 
 
 def load_warm_start(model: torch.nn.Module, path: str) -> None:
@@ -152,6 +187,12 @@ def load_warm_start(model: torch.nn.Module, path: str) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    if getattr(model, "hpcrl_family", None) is not None:
+        from hpcrl.models.custom import load_hf_into
+
+        load_hf_into(model, state, "ckpt.warm_start")
+        log.info("warm start from %s", path)
+        return
     missing, unexpected = model.load_state_dict(state, strict=False)
     real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
     if real_missing or unexpected:

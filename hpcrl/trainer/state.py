@@ -154,10 +154,13 @@ class _Saved:
     def rows(self, part: str, key: str, first: int, count: int) -> torch.Tensor:
         """Rows [first, first+count) of the whole saved tensor ``key``, from every shard overlapping them."""
         pieces: list[torch.Tensor] = []
+        taken: set[int] = set()  # expert-parallel replicas (dp_ep > 1) save the same rows: read them once
         for r, shards in self.layouts:
             if key not in shards[part]:
                 raise ValueError(f"checkpoint rank {r} lacks {part} tensor {key}")
             shape, start = shards[part][key]
+            if shape and start in taken:
+                continue
             f = self._file(part, r)
             if not shape:  # a scalar (AdamW's step) is the same on every rank
                 return f.get_tensor(key)
@@ -165,6 +168,7 @@ class _Saved:
             lo, hi = max(first, start), min(first + count, start + sl.get_shape()[0])
             if lo < hi:
                 pieces.append(sl[lo - start : hi - start])
+                taken.add(start)
         if not pieces:
             return self._file(part, self.layouts[0][0]).get_slice(key)[0:0]
         out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -75,11 +75,33 @@ class TrainerModelConfig(ModelConfig):
     ] = "auto"
     impl: Annotated[
         Literal["hf", "custom", "auto"],
-        D("Model implementation: hf (transformers); custom is refused until hpcrl ships its own; auto = hf."),
+        D(
+            "Trainer model implementation: hf (transformers), custom (hpcrl's own Qwen3 / Qwen3-MoE: stacked "
+            "experts, grouped matmul, expert parallelism), auto (custom where one exists and no LoRA)."
+        ),
     ] = "auto"
     ep: Annotated[
-        int, D("Expert parallel degree for MoE models (refused above 1 until implemented).", ge=1)
+        int,
+        D(
+            "Expert parallel degree (trainer, impl custom, MoE): experts sharded over groups of ep ranks, tokens "
+            "dispatched with all-to-all; must divide the trainer ranks and the expert count.",
+            ge=1,
+        ),
     ] = 1
+    router_replay: Annotated[
+        bool,
+        D(
+            "MoE RL, impl custom: route each sampled token to the experts the inference server routed it to "
+            "(gate weights recomputed by the trainer, so its router still learns); off: the trainer routes freely."
+        ),
+    ] = True
+    moe_aux_loss_coef: Annotated[
+        float,
+        D(
+            "MoE: coefficient of the load-balancing loss (E * sum_e f_e * P_e, mean over layers; 0 = off).",
+            ge=0,
+        ),
+    ] = 0.0
     activation_checkpointing: Annotated[bool, D("Recompute activations in backward to save memory.")] = False
     lora: Annotated[
         LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")

@@ -1,0 +1,220 @@
+"""hpcrl's own Qwen3 / Qwen3-MoE causal LM for training (torchtitan's shape, HF's parameter names).
+
+Every parameter keeps its Hugging Face name except the experts, which are stacked per layer
+(``model.layers.L.mlp.experts.{gate,up,down}_proj`` [E, ...]; ``state_dict_adapter`` converts). The
+forward takes what ``hpcrl.trainer.packing`` passes a transformers model (``input_ids``,
+``position_ids``, ``attention_mask`` bool/additive/None, ``logits_to_keep``) and returns an object
+with ``.logits``, so the trainer runs either implementation unchanged. ``routed_experts``
+([B, L, moe layers, k] or flat [B, L, moe layers * k], -1 = route freely) replays an inference engine's routing.
+
+Attention: SDPA with the packing's mask (CPU, tests), or flash-attention 3's varlen kernel on CUDA
+(``config._attn_implementation == "flash_attention_3"``; sequences split where positions restart).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hpcrl.models.qwen3.args import Qwen3Args
+from hpcrl.models.qwen3.moe import MoE
+
+
+def _layer_routes(routed: Tensor, j: int, k: int) -> Tensor:
+    """MoE layer j's [tokens, k] expert ids from [B, L, layers, k] or flat [B, L, layers*k]."""
+    if routed.dim() == 4:
+        return routed[:, :, j, :].reshape(-1, k).long()
+    return routed[:, :, j * k : (j + 1) * k].reshape(-1, k).long()
+
+
+class CausalLMOutput(NamedTuple):
+    """A pytree node (FSDP2 finds the logits in it to hook its pre-backward unshard)."""
+
+    logits: Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def flash_attention_3(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
+    """Varlen FA3 over one packed row ([1, heads, T, d]); samples start where positions restart at 0."""
+    try:
+        from flash_attn_interface import flash_attn_varlen_func
+    except ImportError as e:
+        raise ValueError(
+            "trainer.model.attn: 'flash_attention_3' needs flash-attention 3 (flash_attn_interface, built "
+            "from flash-attention's hopper/ directory); install it or set attn = 'sdpa'"
+        ) from e
+    assert q.shape[0] == 1, "flash_attention_3 runs one packed row"
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == 0).reshape(-1)
+    cu = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device)]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    qt, kt, vt = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, heads, d]
+    out = flash_attn_varlen_func(qt, kt, vt, cu, cu, max_len, max_len, causal=True)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.transpose(0, 1)[None]
+
+
+class Attention(nn.Module):
+    def __init__(self, a: Qwen3Args):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.kernel = "sdpa"
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, pos: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.kernel == "flash_attention_3":
+            out = flash_attention_3(q, k, v, pos)
+        else:
+            if mask is not None and mask.dtype != torch.bool:
+                mask = mask.to(q.dtype)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and t > 1,
+                enable_gqa=self.kv_heads != self.heads,
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: Qwen3Args, layer: int):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp: nn.Module
+        if layer in a.moe_layers:
+            self.mlp = MoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.top_k, a.norm_topk_prob)
+        else:
+            self.mlp = MLP(a.hidden_size, a.intermediate_size)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, pos: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Body(nn.Module):
+    def __init__(self, a: Qwen3Args):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.rotary_emb = Rotary(a.head_dim, a.rope_theta)
+
+
+class Qwen3ForTraining(nn.Module):
+    """The causal LM. ``config`` is the HF config (exported unchanged)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.args = Qwen3Args.from_hf(config)
+        self.model = Qwen3Body(self.args)
+        self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.generation_config = None
+        self.activation_checkpointing = False
+        self.set_attention(getattr(config, "_attn_implementation", None) or "sdpa")
+
+    def set_attention(self, kernel: str) -> None:
+        assert kernel in ("sdpa", "flash_attention_3"), kernel
+        self.config._attn_implementation = kernel
+        for layer in self.model.layers:
+            layer.self_attn.kernel = kernel
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        logits_to_keep: Tensor | int | None = None,
+        routed_experts: Tensor | None = None,
+        use_cache: bool = False,
+        **_: Any,
+    ) -> CausalLMOutput:
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+        moes = self.moe_layers()
+        for j, m in enumerate(moes):
+            m.replay = None if routed_experts is None else _layer_routes(routed_experts, j, m.top_k)
+        h = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(h, position_ids)
+        for layer in self.model.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                h = checkpoint(layer, h, rope, attention_mask, position_ids, use_reentrant=False)
+            else:
+                h = layer(h, rope, attention_mask, position_ids)
+        for m in moes:
+            m.replay = None
+        h = self.model.norm(h)
+        if isinstance(logits_to_keep, Tensor) and logits_to_keep.dtype == torch.bool:
+            h = h[logits_to_keep]
+        elif isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            h = h[:, -logits_to_keep:]
+        return CausalLMOutput(self.lm_head(h))

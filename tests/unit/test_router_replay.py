@@ -1,0 +1,83 @@
+"""Router replay plumbing: routes laid out along sequences, packed, carried on the bus compactly."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcrl.bus.messages import TrainBatch, compact_routes, decode, encode
+from hpcrl.envs.base import Turn
+from hpcrl.orchestrator import routes
+from hpcrl.orchestrator.packing import Sample, pack_for_ranks
+
+
+def _turn(prompt: list[int], comp: list[int], routed) -> Turn:
+    return Turn(
+        text="",
+        prompt_token_ids=prompt,
+        completion_token_ids=comp,
+        completion_logprobs=[0.0] * len(comp),
+        policy_steps=[0],
+        routed_experts=routed,
+    )
+
+
+def test_stitched_routes_put_each_turn_at_its_completion_tokens() -> None:
+    t1 = _turn([1, 2], [3, 4], [[[0, 1]], [[2, 3]]])  # 1 layer, top-2
+    t2 = _turn([1, 2, 3, 4, 5], [6], [[[7, 6]]])  # env token 5 between the turns
+    w = routes.width([t1, t2])
+    assert w == 2
+    rows = routes.stitched_routes([t1, t2], w, 6)
+    assert rows == [[-1, -1], [-1, -1], [0, 1], [2, 3], [-1, -1], [7, 6]]
+    assert routes.turn_routes(t2, w) == [[-1, -1]] * 5 + [[7, 6]]
+    assert routes.width([_turn([1], [2], None)]) is None
+    assert routes.width([_turn([1], [2], [[[0, 1]], [[1, 2]]])]) is None  # wrong length: ignored
+
+
+def test_compact_dtype_and_bus_round_trip() -> None:
+    r = compact_routes(np.array([[0, 7], [-1, -1]]))
+    assert r.dtype == np.uint8 and r.tolist() == [[0, 7], [255, 255]]
+    assert compact_routes(np.array([[300, -1]])).dtype == np.int16
+
+    def sample(n: int, routed) -> Sample:
+        return Sample(
+            input_ids=np.arange(n),
+            loss_mask=np.arange(n) >= 1,
+            inference_logprobs=np.zeros(n, np.float32),
+            advantage=1.0,
+            policy_version=0,
+            example_id=n,
+            env_name="e",
+            temperature=1.0,
+            reward=0.0,
+            routed_experts=routed,
+        )
+
+    batches, _ = pack_for_ranks([sample(3, np.array([[-1, -1], [1, 2], [3, 4]])), sample(2, None)], 1, 16)
+    b = batches[0]
+    tb = TrainBatch(step=1, rank=0, world_size=1, total_loss_tokens=3, **b)
+    back = decode(encode(tb), TrainBatch)
+    assert back.routed_experts.dtype == np.uint8
+    ids = back.route_ids()
+    assert ids.shape == (5, 2) and (ids == -1).sum() == 6
+    assert sorted(map(tuple, ids[ids[:, 0] >= 0].tolist())) == [(1, 2), (3, 4)]
+
+
+def test_max_vio_and_metrics_by_hand() -> None:
+    import torch
+
+    from hpcrl.models.qwen3.moe import MoE
+    from hpcrl.trainer.moe_metrics import collect, max_vio
+
+    assert max_vio(torch.tensor([2, 2, 2, 2])) == 0.0
+    assert max_vio(torch.tensor([8, 0, 0, 0])) == 3.0  # (8 - 2) / 2
+    model = torch.nn.Sequential(MoE(4, 2, num_experts=4, top_k=2, norm_topk_prob=True))
+    m = model[0]
+    m.stats.load = torch.tensor([3, 1, 0, 0])
+    m.stats.confidence, m.stats.tokens = 1.5, 2
+    m.stats.replay_slots, m.stats.replay_hits = 4, 3
+    out = collect(model)
+    assert out["moe/max_vio/layer_0"] == 2.0  # (3 - 1) / 1
+    assert out["moe/routing_confidence/layer_0"] == 0.75
+    assert out["moe/load_max/layer_0"] == 0.75 and out["moe/load_min/layer_0"] == 0.0
+    assert out["moe/replay_hit_rate"] == 0.75
+    assert m.stats.tokens == 0  # reset for the next step
