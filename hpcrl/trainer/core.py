@@ -104,7 +104,7 @@ def step_micro_batches(
     entropies: list[torch.Tensor] = []
     tokens = slots = padding = 0
     for mb in mbs:
-        fwd = forward_packed(tr.model, mb, wanted=mb.loss_mask)
+        fwd = forward_packed(tr.model, mb, wanted=mb.loss_mask, chunk_tokens=tr.logprobs_chunk)
         tokens, slots, padding = tokens + mb.num_tokens, slots + fwd.slots, padding + fwd.padding
         if fwd.entropy is not None:
             entropies.append(fwd.entropy.detach()[mb.loss_mask.bool()].float().cpu())

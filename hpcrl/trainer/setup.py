@@ -30,6 +30,7 @@ class Training:
     model_path: str
     dist: parallel.DistEnv
     precision: precision.Precision  # compute / master / reduce dtypes; the published policy is in compute
+    logprobs_chunk: int = 0  # positions per LM-head chunk (trainer.model.logprobs_chunk_tokens; 0 = off)
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -85,7 +86,9 @@ def build_training(
         env.world_size,
         prec.describe(),
     )
-    return Training(model, tokenizer, optimizer, scheduler, device, path, env, prec)
+    return Training(
+        model, tokenizer, optimizer, scheduler, device, path, env, prec, model_cfg.logprobs_chunk_tokens
+    )
 
 
 def build_model(

@@ -52,6 +52,19 @@ class ModelConfig(Section):
     lora: Annotated[
         LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")
     ] = None
+    # --- long fields ---
+    logprobs_chunk_tokens: Annotated[
+        int,
+        D(
+            "Trainer: positions per chunk of the LM head + log-softmax (logprobs, entropy, loss and backward "
+            "chunk by chunk, no [tokens, vocab] tensor); 0 = all kept positions at once.",
+            ge=0,
+        ),
+    ] = 1024
+    cp: Annotated[
+        int, D("Trainer: context-parallel degree (a packed sequence split along time over cp ranks).", ge=1)
+    ] = 1
+    # --- end long fields ---
 
 
 class OptimConfig(Section):

@@ -1,0 +1,156 @@
+"""Token logprobs (and entropy) through the LM head in chunks of positions: no ``[tokens, vocab]``
+tensor ever exists.
+
+At Qwen3's vocabulary (151,936) one position's fp32 logits are 594 KiB: 32k positions are 19.9 GB,
+and a ``log_softmax`` with autograd keeps as much again. :class:`ChunkedLogprobs` is a custom
+autograd Function: its forward runs the LM head, the log-softmax and the pick chunk by chunk and
+keeps only the hidden states (``[K, H]``) and the labels; its backward
+recomputes each chunk's logits and writes the gradient analytically
+(``d logp[y] / d z = onehot(y) - softmax(z)``), so one chunk's ``[C, V]`` buffer is the whole
+vocabulary-sized memory of the step, forward and backward. We chose the custom Function over a
+checkpointed per-chunk closure because the closure's backward goes through autograd's
+``log_softmax`` backward, which holds the logits, the log-softmax and its gradient per chunk (three
+``[C, V]`` buffers instead of one) and recomputes the forward a second time for nothing; the
+Function also accumulates the LM-head gradient in one buffer instead of one autograd node per chunk.
+
+Numerics match the unchunked path: logits are computed in the weight's dtype and upcast to fp32
+(what ``lm_head(h).float()`` does), divided by the sampling temperature, then log-softmaxed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Positions per chunk where no config reaches (the inference engine's prompt logprobs). At vocab
+# 151,936 a 1024-position chunk's fp32 logits are 594 MiB; scripts/bench/long_seq.py measured the
+# step time flat from 512 to 4096 on CPU.
+DEFAULT_CHUNK = 1024
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, temp: Tensor | None) -> Tensor:
+    z = (h @ weight.t()).float()
+    return z if temp is None else z / temp.unsqueeze(-1)
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temp: Tensor | None, chunk: int, entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        k = hidden.shape[0]
+        picked = torch.empty(k, dtype=torch.float32, device=hidden.device)
+        ent = torch.zeros(k if entropy else 0, dtype=torch.float32, device=hidden.device)
+        for a in range(0, k, chunk):
+            b = min(a + chunk, k)
+            logp = torch.log_softmax(
+                _chunk_logits(hidden[a:b], weight, None if temp is None else temp[a:b]), -1
+            )
+            picked[a:b] = logp.gather(-1, labels[a:b, None])[:, 0]
+            if entropy:
+                ent[a:b] = -(logp.exp() * logp).sum(-1)
+            del logp
+        ctx.save_for_backward(hidden, weight, labels, temp)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(ent)
+        return picked, ent
+
+    @staticmethod
+    def backward(ctx, grad_picked: Tensor, _grad_ent: Tensor):  # type: ignore[override]
+        hidden, weight, labels, temp = ctx.saved_tensors
+        chunk = ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        rows = torch.arange(min(chunk, hidden.shape[0]), device=hidden.device)
+        for a in range(0, hidden.shape[0], chunk):
+            b = min(a + chunk, hidden.shape[0])
+            t = None if temp is None else temp[a:b]
+            # d picked / d z = onehot(label) - softmax(z), times the incoming gradient; softmax as
+            # exp(log_softmax) is what autograd's LogSoftmaxBackward uses, so the two agree to rounding
+            g = torch.log_softmax(_chunk_logits(hidden[a:b], weight, t), -1).exp_()
+            g.mul_(-grad_picked[a:b, None].float())
+            g[rows[: b - a], labels[a:b]] += grad_picked[a:b].float()
+            if t is not None:
+                g /= t.unsqueeze(-1)  # z = raw / temperature
+            g = g.to(weight.dtype)
+            if need_h:
+                grad_h[a:b] = g @ weight  # type: ignore[index]
+            if need_w:
+                grad_w.addmm_(g.t().float(), hidden[a:b].float())  # type: ignore[union-attr]
+            del g
+        gw = None if grad_w is None else grad_w.to(weight.dtype)
+        return grad_h, gw, None, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: Tensor | float = 1.0,
+    *,
+    chunk: int,
+    entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``log softmax((hidden @ weight.T) / temperature)[labels]`` per row (fp32, differentiable in
+    ``hidden`` and ``weight``) and, if asked, the entropy of each row's distribution (no grad),
+    ``chunk`` rows at a time. ``temperature``: a float or one value per row."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    temp: Tensor | None
+    if isinstance(temperature, Tensor):
+        temp = temperature.float().to(hidden.device)
+    else:
+        temp = (
+            None
+            if temperature == 1.0
+            else torch.full((hidden.shape[0],), float(temperature), device=hidden.device)
+        )
+    picked, ent = ChunkedLogprobs.apply(hidden, weight, labels, temp, chunk, entropy)
+    return picked, (ent if entropy else None)
+
+
+def lm_head_weight(model: torch.nn.Module) -> Tensor | None:
+    """The LM head's weight when the head is a plain bias-free ``nn.Linear`` (what the chunked path
+    can replace); None otherwise (a LoRA-wrapped or biased head: callers fall back to full logits)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    return head.weight
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder()
+
+
+def final_hidden(model: torch.nn.Module, inputs: dict, keep: Tensor) -> tuple[Tensor, Tensor]:
+    """Run ``model`` and return (the final hidden states at the ``keep`` positions ``[K, H]``,
+    a zero scalar tied to the model's output). The LM head sees no position
+    (``logits_to_keep`` all False): the caller applies it in chunks. The zero is added to the
+    caller's result so the root module's output stays in the graph (FSDP2 hooks its backward there)."""
+    seen: list[Tensor] = []
+
+    def grab(_mod: torch.nn.Module, _args: object, out: object) -> None:
+        seen.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])  # type: ignore[index, attr-defined]
+
+    handle = decoder_of(model).register_forward_hook(grab)
+    try:
+        out = model(**inputs, use_cache=False, logits_to_keep=torch.zeros_like(keep))
+    finally:
+        handle.remove()
+    return seen[-1][keep], out.logits.sum() * 0.0
+
+
+def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CHUNK) -> Tensor:
+    """``[L-1]`` fp32 logprob of each token of ``ids`` (``[1, L]``) given its prefix, temperature 1:
+    vLLM's ``prompt_logprobs``, chunked when the head is a plain Linear (no ``[L, vocab]`` tensor)."""
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[:, -1] = False  # the last position predicts nothing in the prompt
+    weight = lm_head_weight(model)
+    if weight is None:
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    hidden, _ = final_hidden(model, {"input_ids": ids}, keep)
+    return chunked_token_logprobs(hidden, weight, ids[0, 1:], chunk=chunk)[0]
