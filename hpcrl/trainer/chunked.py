@@ -110,37 +110,49 @@ def chunked_token_logprobs(
     return picked, (ent if entropy else None)
 
 
-def lm_head_weight(model: torch.nn.Module) -> Tensor | None:
-    """The LM head's weight when the head is a plain bias-free ``nn.Linear`` (what the chunked path
-    can replace); None otherwise (a LoRA-wrapped or biased head: callers fall back to full logits)."""
+def can_chunk(model: torch.nn.Module) -> bool:
+    """Whether the LM head is a plain bias-free ``nn.Linear`` (what the chunked path replaces); a
+    LoRA-wrapped or biased head falls back to full logits."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head.bias is not None:
-        return None
-    return head.weight
+    return type(head) is torch.nn.Linear and head.bias is None
 
 
-def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+def head_logprobs(
+    model: torch.nn.Module,
+    inputs: dict,
+    keep: Tensor,
+    labels: Tensor,
+    temperature: Tensor | float = 1.0,
+    *,
+    chunk: int,
+    entropy: bool = False,
+    index: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Run ``model`` on ``inputs`` with its LM head replaced, for this call, by
+    :func:`chunked_token_logprobs` over the ``keep`` positions (``logits_to_keep``, row-major;
+    ``index`` reorders/repeats them first). Returns (logprobs [K], entropy [K] or None).
+
+    The head runs INSIDE the model's forward on purpose: FSDP2 gathers the root's parameters (the
+    LM head, tied embeddings) for the forward and again before the backward of the root's output;
+    outside the forward the weight is a sharded DTensor. The model's ``logits`` output is then the
+    ``[K, 1]`` logprobs, so FSDP's backward hooks sit on what the loss uses."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder()
+    head = base.get_output_embeddings()
+    ent: list[Tensor | None] = []
 
+    def forward(h: Tensor) -> Tensor:
+        h = h if index is None else h[index]
+        lp, e = chunked_token_logprobs(h, head.weight, labels, temperature, chunk=chunk, entropy=entropy)
+        ent.append(e)
+        return lp[:, None]
 
-def final_hidden(model: torch.nn.Module, inputs: dict, keep: Tensor) -> tuple[Tensor, Tensor]:
-    """Run ``model`` and return (the final hidden states at the ``keep`` positions ``[K, H]``,
-    a zero scalar tied to the model's output). The LM head sees no position
-    (``logits_to_keep`` all False): the caller applies it in chunks. The zero is added to the
-    caller's result so the root module's output stays in the graph (FSDP2 hooks its backward there)."""
-    seen: list[Tensor] = []
-
-    def grab(_mod: torch.nn.Module, _args: object, out: object) -> None:
-        seen.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])  # type: ignore[index, attr-defined]
-
-    handle = decoder_of(model).register_forward_hook(grab)
+    head.forward = forward
     try:
-        out = model(**inputs, use_cache=False, logits_to_keep=torch.zeros_like(keep))
+        out = model(**inputs, use_cache=False, logits_to_keep=keep)
     finally:
-        handle.remove()
-    return seen[-1][keep], out.logits.sum() * 0.0
+        del head.forward  # back to the class's forward
+    return out.logits[:, 0], ent[-1]
 
 
 def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CHUNK) -> Tensor:
@@ -148,9 +160,7 @@ def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CH
     vLLM's ``prompt_logprobs``, chunked when the head is a plain Linear (no ``[L, vocab]`` tensor)."""
     keep = torch.ones_like(ids, dtype=torch.bool)
     keep[:, -1] = False  # the last position predicts nothing in the prompt
-    weight = lm_head_weight(model)
-    if weight is None:
+    if not can_chunk(model):
         logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    hidden, _ = final_hidden(model, {"input_ids": ids}, keep)
-    return chunked_token_logprobs(hidden, weight, ids[0, 1:], chunk=chunk)[0]
+    return head_logprobs(model, {"input_ids": ids}, keep, ids[0, 1:], chunk=chunk)[0]

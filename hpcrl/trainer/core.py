@@ -19,9 +19,10 @@ import msgspec
 import torch
 
 from hpcrl.trainer import parallel
+from hpcrl.trainer.context_parallel import forward_cp, restrict
 from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
 from hpcrl.trainer.optim import clip_grad_norm, current_lr
-from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed
+from hpcrl.trainer.packing import ForwardOutput, PackedBatch, dummy_micro_batch, forward_packed
 from hpcrl.trainer.setup import Training
 
 log = logging.getLogger("hpcrl.trainer")
@@ -104,7 +105,9 @@ def step_micro_batches(
     entropies: list[torch.Tensor] = []
     tokens = slots = padding = 0
     for mb in mbs:
-        fwd = forward_packed(tr.model, mb, wanted=mb.loss_mask, chunk_tokens=tr.logprobs_chunk)
+        if tr.cp is not None:
+            mb = restrict(mb, tr.cp)  # noqa: PLW2901 - the loss counts only the tokens this rank predicts
+        fwd = forward_for(tr, mb, wanted=mb.loss_mask)
         tokens, slots, padding = tokens + mb.num_tokens, slots + fwd.slots, padding + fwd.padding
         if fwd.entropy is not None:
             entropies.append(fwd.entropy.detach()[mb.loss_mask.bool()].float().cpu())
@@ -135,6 +138,13 @@ def step_micro_batches(
         slots_per_token=slots / max(tokens, 1),
         entropies=torch.cat(entropies) if entropies else torch.zeros(0),
     )
+
+
+def forward_for(tr: Training, mb: PackedBatch, **kw: Any) -> ForwardOutput:
+    """The packed forward of this trainer: this rank's time slice under cp, else the whole batch."""
+    if tr.cp is not None:
+        return forward_cp(tr.model, mb, tr.cp, chunk_tokens=tr.logprobs_chunk, **kw)
+    return forward_packed(tr.model, mb, chunk_tokens=tr.logprobs_chunk, **kw)
 
 
 def optimizer_step(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from hpcrl.trainer.chunked import chunked_token_logprobs, final_hidden, lm_head_weight
+from hpcrl.trainer.chunked import can_chunk, head_logprobs
 from hpcrl.trainer.layout import (
     RowLayout,
     choose_width,
@@ -375,15 +375,17 @@ def forward_packed(
         temp = mb.temperatures.to(dev)[sample[pos]]
     repeats = slots.numel() > 1 and not bool((slots[1:] > slots[:-1]).all())
     labels = mb.input_ids[pos + 1]
-    weight = lm_head_weight(model) if chunk_tokens > 0 and _takes_logits_to_keep(model) else None
-    if weight is not None:
-        hidden, zero = final_hidden(model, inputs, keep_2d)  # [kept, H], row-major
-        if repeats:
-            hidden = hidden[rank[slots]]  # a shared position predicts a token of every member
-        picked, ent_p = chunked_token_logprobs(
-            hidden, weight, labels, temp, chunk=chunk_tokens, entropy=compute_entropy
+    if chunk_tokens > 0 and _takes_logits_to_keep(model) and can_chunk(model):
+        picked, ent_p = head_logprobs(
+            model,
+            inputs,
+            keep_2d,
+            labels,
+            temp,
+            chunk=chunk_tokens,
+            entropy=compute_entropy,
+            index=rank[slots] if repeats else None,  # a shared position predicts a token of every member
         )
-        picked = picked + zero
     else:
         if _takes_logits_to_keep(model):
             logits = model(**inputs, use_cache=False, logits_to_keep=keep_2d).logits  # [kept, V], row-major

@@ -24,6 +24,7 @@ from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer.checkpointer import Checkpointer
+from hpcrl.trainer.context_parallel import merge_batches
 from hpcrl.trainer.core import (
     Progress,
     StepResult,
@@ -70,7 +71,7 @@ def main(cfg: Config) -> int:
     params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
-        batch, t_wait = wait_for_batch(bus, step, tr.dist.rank, cfg.trainer.batch_timeout_s, stop)
+        batch, t_wait = wait_for_batch(bus, step, tr, cfg.trainer.batch_timeout_s, stop)
         if batch is None:  # stop requested while waiting: the last finished step is the checkpoint
             if step - 1 > start:
                 ckpt.maybe_save(step - 1, progress, force=True)
@@ -171,10 +172,13 @@ def announce_stop(bus: Bus, rank: int, summary: str) -> None:
 
 
 def wait_for_batch(
-    bus: Bus, step: int, rank: int, timeout: float, stop: threading.Event
+    bus: Bus, step: int, tr: Training, timeout: float, stop: threading.Event
 ) -> tuple[TrainBatch | None, float]:
     """Wait in short slices so a stop signal (preemption) is honoured while idle; None if stopped.
-    Collective over ranks: they agree on stopping, so none is left alone in a collective."""
+    Collective over ranks: they agree on stopping, so none is left alone in a collective. Under cp
+    a rank reads every shard of its cp group and trains their union (context_parallel)."""
+    ranks = tr.cp.members if tr.cp is not None else (tr.dist.rank,)
+    got: dict[int, TrainBatch] = {}
     from hpcrl.bus import BusTimeout
 
     t0 = time.perf_counter()
@@ -185,8 +189,12 @@ def wait_for_batch(
         if stopping:
             return None, time.perf_counter() - t0
         try:
-            batch = bus.wait_batch(step, rank, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
-            return batch, time.perf_counter() - t0
+            for rank in ranks:
+                if rank not in got:
+                    got[rank] = bus.wait_batch(
+                        step, rank, timeout=min(2.0, max(0.01, deadline - time.monotonic()))
+                    )
+            return merge_batches([got[r] for r in ranks]), time.perf_counter() - t0
         except BusTimeout:
             if time.monotonic() >= deadline:
                 raise
@@ -222,7 +230,9 @@ def train_step(
     t0 = time.perf_counter()
     packed = to_packed(batch, tr.device)
     packed.validate()
-    if attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
+    if tr.cp is not None:  # context parallel: one packed row per micro-batch, split along time
+        mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
+    elif attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
         if share_prefix:
             packed = with_shared_prefixes(packed, micro_tokens, key_cost_of(tr.model.config))
         mbs = row_micro_batches(packed, micro_tokens, key_cost_of(tr.model.config))

@@ -13,6 +13,7 @@ from hpcrl.config.schema import LossConfig, ModelConfig, OptimConfig
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
 from hpcrl.trainer import parallel, precision
+from hpcrl.trainer.context_parallel import CPGroup, make_cp_group
 from hpcrl.trainer.loss import LossParams
 
 log = logging.getLogger("hpcrl.trainer")
@@ -31,6 +32,7 @@ class Training:
     dist: parallel.DistEnv
     precision: precision.Precision  # compute / master / reduce dtypes; the published policy is in compute
     logprobs_chunk: int = 0  # positions per LM-head chunk (trainer.model.logprobs_chunk_tokens; 0 = off)
+    cp: CPGroup | None = None  # context-parallel group (trainer.model.cp > 1)
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -57,6 +59,7 @@ def build_training(
     if device.type == "cpu":
         # Same numerics on every run of the same config: needed for bitwise-identical resumes.
         torch.use_deterministic_algorithms(True, warn_only=True)
+    cp = make_cp_group(model_cfg.cp) if model_cfg.cp > 1 else None
     seed_everything(seed, env.rank)
     prec = precision.of_model(model_cfg, on_gpu=device.type == "cuda")
     path = resolve_model(model_cfg.name or "", field="trainer.model.name")
@@ -87,7 +90,7 @@ def build_training(
         prec.describe(),
     )
     return Training(
-        model, tokenizer, optimizer, scheduler, device, path, env, prec, model_cfg.logprobs_chunk_tokens
+        model, tokenizer, optimizer, scheduler, device, path, env, prec, model_cfg.logprobs_chunk_tokens, cp
     )
 
 
@@ -115,7 +118,7 @@ def build_model(
         path,
         dtype=prec.master,
         device="cpu" if from_rank0 else device,
-        attn_impl=None if model_cfg.attn == "auto" else model_cfg.attn,
+        attn_impl=attn_impl_for(model_cfg),
         activation_checkpointing=model_cfg.activation_checkpointing,
         lora=None if warm_start else lora,
         trust_remote_code=model_cfg.trust_remote_code,
@@ -140,6 +143,15 @@ def build_model(
             model.to_empty(device=device)
         parallel.fill_from_rank0(model, whole)  # consumes rank 0's whole copy, tensor by tensor
     return model
+
+
+def attn_impl_for(model_cfg: ModelConfig) -> str | None:
+    """The attention implementation to load the model with: ring attention under cp."""
+    if model_cfg.cp > 1:
+        from hpcrl.models.ring_attention import register_hf
+
+        return register_hf()
+    return None if model_cfg.attn == "auto" else model_cfg.attn
 
 
 def load_warm_start(model: torch.nn.Module, path: str) -> None:
