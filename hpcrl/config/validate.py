@@ -6,7 +6,7 @@ import re
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.sanity import check_output_dir
-from hpcrl.config.schema import CkptConfig, Config, EnvConfig, SFTConfig
+from hpcrl.config.schema import CkptConfig, Config, EnvConfig, ModelConfig, SFTConfig
 from hpcrl.trainer import precision
 from hpcrl.trainer.precision import Precision
 
@@ -38,6 +38,10 @@ def validate_sft(cfg: SFTConfig) -> None:
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
     _unsupported(cfg)
     trainer_precision(cfg, on_gpu=True)
+    if cfg.model.cp > 1:
+        raise ConfigError(
+            "model.cp", f"{cfg.model.cp}: context parallelism is implemented for the RL trainer only"
+        )
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError(
             "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"
@@ -65,15 +69,38 @@ def validate_sft(cfg: SFTConfig) -> None:
     _ckpt_fields(cfg.ckpt, cfg.max_steps)
 
 
+def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
+    """``trainer.model.cp`` against the placement (run, submit, resume and their --dry-run): it must
+    divide the trainer ranks (ranks = dp x cp), and on GPU it needs a flash-attention kernel. A
+    micro-batch whose length cp does not divide is padded (a padding sample of its own), so seq_len
+    needs no check. There is no Ulysses mode, hence no heads-divisible-by-cp check."""
+    import importlib.util
+
+    model, field = _trainer_model(cfg)
+    cp = model.cp
+    if cp == 1:
+        return
+    if trainer_ranks % cp:
+        raise ConfigError(f"{field}.cp", f"{cp} must divide the number of trainer ranks ({trainer_ranks})")
+    if on_gpu and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            f"{field}.cp",
+            f"{cp} on GPU needs a flash-attention kernel (pip install flash-attn), which is not installed",
+        )
+
+
+def _trainer_model(cfg: Config | SFTConfig) -> tuple[ModelConfig, str]:
+    own = getattr(getattr(cfg, "trainer", None), "model", None)
+    if own is not None and own != cfg.model:
+        return own, "trainer.model"
+    return cfg.model, "model"
+
+
 def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
     """The trainer's precision (hpcrl/trainer/precision.py). Validation checks it as if on GPU (the
     permissive case: ``auto`` is bf16 there); the --dry-run summary and the trainer check it again for
     the devices the trainer really gets."""
-    model = cfg.model
-    field = "model"
-    own = getattr(getattr(cfg, "trainer", None), "model", None)
-    if own is not None and own != cfg.model:
-        model, field = own, "trainer.model"
+    model, field = _trainer_model(cfg)
     return precision.of_model(model, on_gpu, field)
 
 
