@@ -4,4 +4,8 @@ Its own module because both the builder (tiny.resolve_model) and the Hub code (h
 names need a download) need the table, and the builder calls the Hub code.
 """
 
-BUILTIN_MODELS = {"hpcrl/tiny-qwen3": "tiny", "hpcrl/small-qwen3": "small"}
+BUILTIN_MODELS = {
+    "hpcrl/tiny-qwen3": "tiny",
+    "hpcrl/small-qwen3": "small",
+    "hpcrl/tiny-qwen3-151k": "tiny-151k",  # Qwen3's vocabulary size, for long-sequence memory tests
+}

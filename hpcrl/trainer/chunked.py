@@ -47,8 +47,8 @@ class ChunkedLogprobs(torch.autograd.Function):
                 _chunk_logits(hidden[a:b], weight, None if temp is None else temp[a:b]), -1
             )
             picked[a:b] = logp.gather(-1, labels[a:b, None])[:, 0]
-            if entropy:
-                ent[a:b] = -(logp.exp() * logp).sum(-1)
+            if entropy:  # -sum p log p as a batched dot product: one [C, V] temporary (p), not two
+                ent[a:b] = -(logp.exp()[:, None, :] @ logp[:, :, None])[:, 0, 0]
             del logp
         ctx.save_for_backward(hidden, weight, labels, temp)
         ctx.chunk = chunk

@@ -89,6 +89,14 @@ def build_training(
         env.world_size,
         prec.describe(),
     )
+    if cp is not None:
+        log.info(
+            "context parallel: cp %d, this rank is %d of cp group %s (ring attention; one packed row per "
+            "micro-batch, trainer.share_prefix does not apply)",
+            cp.size,
+            cp.rank,
+            list(cp.members),
+        )
     return Training(
         model, tokenizer, optimizer, scheduler, device, path, env, prec, model_cfg.logprobs_chunk_tokens, cp
     )
