@@ -145,7 +145,7 @@ def head_logprobs(
         h = h if index is None else h[index]
         lp, e = chunked_token_logprobs(h, head.weight, labels, temperature, chunk=chunk, entropy=entropy)
         ent.append(e)
-        return lp[:, None]
+        return lp[:, None].clone()  # not a view: FSDP2 hooks its pre-backward on this output
 
     head.forward = forward
     try:

@@ -330,10 +330,14 @@ def model_inputs(
         width=mb.row_width,
     )
     dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
+    # One sample alone in one unpadded row (a long sample in its own micro-batch) is plain causal
+    # attention: no mask lets the kernel use is_causal instead of a [T, T] mask (at 16k tokens the
+    # bool mask is 256 MiB and sdpa's CPU kernel keeps a float copy, 1 GiB, for the backward).
+    alone = layout.rows == 1 and mb.num_samples == 1 and layout.padding == 0
     return {
         "input_ids": layout.grid(mb.input_ids),
         "position_ids": layout.grid(mb.position_ids),
-        "attention_mask": layout.mask(dtype),
+        "attention_mask": None if alone else layout.mask(dtype),
     }, layout
 
 

@@ -239,8 +239,10 @@ def train_step(
     else:  # varlen kernels: one packed row per micro-batch, in order
         mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
     out = step_micro_batches(tr, mbs, params, batch.total_loss_tokens, max_norm, batch.step, t0)
-    tokens = int(parallel.all_reduce(float(len(batch.input_ids))))
-    samples = int(parallel.all_reduce(float(len(batch.seq_lens))))
+    # Under cp every rank of a group holds the group's union of shards: count it once per group.
+    cp = 1 if tr.cp is None else tr.cp.size
+    tokens = int(parallel.all_reduce(float(len(batch.input_ids)))) // cp
+    samples = int(parallel.all_reduce(float(len(batch.seq_lens)))) // cp
     return out.counted(tokens, samples)
 
 
