@@ -27,6 +27,7 @@ tensors and the group, so hpcrl's own models and the Hugging Face ones (:func:`r
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 HF_NAME = "hpcrl_ring"
-TILE = 1024  # query rows per tile of a block's scores
+TILE = 256  # query rows per tile of a block's scores (and of its mask: never a [S, S] tensor)
 
 
 def _gather(x: Tensor, group: Any, n: int) -> list[Tensor]:
@@ -61,12 +62,20 @@ def _reduce_to_owner(blocks: list[Tensor], group: Any, n: int) -> Tensor:
     return recv.sum(0)
 
 
-def _allowed(seg_q: Tensor, pos_q: Tensor, seg_k: Tensor, pos_k: Tensor) -> Tensor:
-    return (seg_q[:, None] == seg_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+Mask = Callable[[int, int], Tensor]  # query rows [a, e) -> their [e - a, S_k] bool mask
+
+
+def _allowed(seg_q: Tensor, pos_q: Tensor, seg_k: Tensor, pos_k: Tensor) -> Mask:
+    """Same sample and key not after query, built one query tile at a time."""
+
+    def rows(a: int, e: int) -> Tensor:
+        return (seg_q[a:e, None] == seg_k[None, :]) & (pos_k[None, :] <= pos_q[a:e, None])
+
+    return rows
 
 
 def _block_forward(
-    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, tile: int
+    q: Tensor, k: Tensor, v: Tensor, allowed: Mask, scale: float, tile: int
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` [B,H,Sq,D] to one key block: (out fp32 [B,H,Sq,D], lse fp32 [B,H,Sq]);
     rows with no allowed key get out 0, lse -inf."""
@@ -76,7 +85,7 @@ def _block_forward(
     kf, vf = k.float(), v.float()
     for a in range(0, sq, tile):
         e = min(a + tile, sq)
-        m = allowed[a:e]
+        m = allowed(a, e)
         if not bool(m.any()):
             continue
         s = (q[:, :, a:e].float() @ kf.transpose(-1, -2)) * scale
@@ -96,7 +105,7 @@ def _block_backward(
     k: Tensor,
     v: Tensor,
     lse: Tensor,
-    allowed: Tensor,
+    allowed: Mask,
     scale: float,
     tile: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,7 +116,7 @@ def _block_backward(
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     for a in range(0, q.shape[2], tile):
         e = min(a + tile, q.shape[2])
-        m = allowed[a:e]
+        m = allowed(a, e)
         if not bool(m.any()):
             continue
         qt, dot = q[:, :, a:e].float(), dout[:, :, a:e]
