@@ -22,10 +22,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Positions per chunk where no config reaches (the inference engine's prompt logprobs). At vocab
-# 151,936 a 1024-position chunk's fp32 logits are 594 MiB; scripts/bench/long_seq.py measured the
-# step time flat from 512 to 4096 on CPU.
-DEFAULT_CHUNK = 1024
+# Positions per chunk where no config reaches (the inference engine's prompt logprobs), and the
+# default of trainer.model.logprobs_chunk_tokens. Measured at vocab 151,936 on CPU
+# (scripts/bench/long_seq.py, 4096 tokens): chunks of 128, 256 and 1024 positions took 25.7, 30.0 and
+# 37.6 s per step (noise on a shared machine: no trend), and 1024 added 870 MiB to the peak
+# (two [chunk, vocab] fp32 buffers: 1.2 GB at 1024, 0.3 GB at 256).
+DEFAULT_CHUNK = 256
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, temp: Tensor | None) -> Tensor:

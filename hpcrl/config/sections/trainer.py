@@ -60,7 +60,7 @@ class ModelConfig(Section):
             "chunk by chunk, no [tokens, vocab] tensor); 0 = all kept positions at once.",
             ge=0,
         ),
-    ] = 1024
+    ] = 256
     cp: Annotated[
         int, D("Trainer: context-parallel degree (a packed sequence split along time over cp ranks).", ge=1)
     ] = 1
