@@ -6,7 +6,7 @@ import re
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.sanity import check_output_dir
-from hpcrl.config.schema import CkptConfig, Config, EnvConfig, RendererConfig, SFTConfig
+from hpcrl.config.schema import CkptConfig, Config, EnvConfig, RendererConfig, SFTConfig, TrainerModelConfig
 from hpcrl.trainer import precision
 from hpcrl.trainer.precision import Precision
 
@@ -40,6 +40,10 @@ def validate_sft(cfg: SFTConfig) -> None:
     _unsupported(cfg)
     _renderer(cfg.renderer, cfg.model.name, "renderer")
     trainer_precision(cfg, on_gpu=True)
+    if cfg.model.cp > 1:
+        raise ConfigError(
+            "model.cp", f"{cfg.model.cp}: context parallelism is implemented for the RL trainer only"
+        )
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError(
             "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"
@@ -67,18 +71,43 @@ def validate_sft(cfg: SFTConfig) -> None:
     _ckpt_fields(cfg.ckpt, cfg.max_steps)
 
 
+def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
+    """``trainer.model.cp`` against the placement (run, submit, resume and their --dry-run): it must
+    divide the trainer ranks (ranks = dp x cp), and on GPU it needs a flash-attention kernel. A
+    micro-batch whose length cp does not divide is padded (a padding sample of its own), so seq_len
+    needs no check. There is no Ulysses mode, hence no heads-divisible-by-cp check."""
+    import importlib.util
+
+    model, field = _trainer_model(cfg)
+    cp = model.cp
+    if cp == 1:
+        return
+    if trainer_ranks % cp:
+        raise ConfigError(f"{field}.cp", f"{cp} must divide the number of trainer ranks ({trainer_ranks})")
+    if on_gpu and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            f"{field}.cp",
+            f"{cp} on GPU needs a flash-attention kernel (pip install flash-attn), which is not installed",
+        )
+
+
+def _trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
+    """The trainer's model section and the name of the table the user wrote its fields in: the
+    loader flows [model] into [trainer.model] (a Config built in code may lack it)."""
+    if isinstance(cfg, SFTConfig):
+        return cfg.model, "model"
+    own = cfg.trainer.model or cfg.model
+    keys = ("dtype", "optimization_dtype", "reduce_dtype", "cp", "ep")
+    flowed = all(getattr(own, k) == getattr(cfg.model, k) for k in keys)
+    return own, "model" if flowed else "trainer.model"
+
+
 def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
     """The trainer's precision (hpcrl/trainer/precision.py). Validation checks it as if on GPU (the
     permissive case: ``auto`` is bf16 there); the --dry-run summary and the trainer check it again for
     the devices the trainer really gets."""
-    if isinstance(cfg, SFTConfig):
-        return precision.of_model(cfg.model, on_gpu, "model")
-    own = (
-        cfg.trainer.model or cfg.model
-    )  # the loader flows [model] into it; a Config built in code may lack it
-    keys = ("dtype", "optimization_dtype", "reduce_dtype")
-    flowed = all(getattr(own, k) == getattr(cfg.model, k) for k in keys)  # name the table the user wrote
-    return precision.of_model(own, on_gpu, "model" if flowed else "trainer.model")
+    model, field = _trainer_model(cfg)
+    return precision.of_model(model, on_gpu, field)
 
 
 # Fields parsed for compatibility with prime-rl / hosted configs that nothing implements yet: a

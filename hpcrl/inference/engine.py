@@ -38,6 +38,7 @@ from hpcrl.inference.routing import RoutingRecorder
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.inference.tokens import Tokens
 from hpcrl.models.qwen3.state_dict_adapter import hf_views
+from hpcrl.trainer.chunked import prompt_logprobs
 from hpcrl.weights.checksum import state_dict_checksum
 from hpcrl.weights.delta import Delta, apply_delta
 
@@ -537,8 +538,7 @@ class HFEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         x = torch.tensor([ids], device=self.device)
         with self._weights_lock, torch.inference_mode():
-            logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
-        lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:, None])[:, 0]
+            lp = prompt_logprobs(self.model, x)
         return [None, *lp.tolist()]
 
     def weights_info(self) -> dict[str, Any]:

@@ -21,6 +21,10 @@ _NOTED: set[str] = set()
 def custom_attention(attn: str, device: torch.device | str) -> str:
     """The kernel the custom model runs: flash_attention_3 on CUDA (auto: when installed), else SDPA."""
     on_cuda = torch.device(device).type == "cuda"
+    from hpcrl.models.ring_attention import HF_NAME
+
+    if attn == HF_NAME:  # context parallelism (trainer.model.cp): ring attention over the cp group
+        return HF_NAME
     if attn == "flash_attention_3":
         if on_cuda:
             if importlib.util.find_spec("flash_attn_interface") is None:

@@ -12,4 +12,5 @@ BUILTIN_MODELS = {
     "hpcrl/small-qwen3-think": "small:qwen3",
     "hpcrl/tiny-qwen3-moe": "tiny-moe",
     "hpcrl/small-qwen3-moe": "small-moe",
+    "hpcrl/tiny-qwen3-151k": "tiny-151k",  # Qwen3's vocabulary size, for long-sequence memory tests
 }

@@ -55,6 +55,19 @@ PRESETS: dict[str, dict[str, int]] = {
         num_key_value_heads=2,
         head_dim=64,
     ),
+    # The tiny model at Qwen3's vocabulary (151,936; ids past the tokenizer's 400 decode to nothing)
+    # and 40,960 positions: the LM head dominates memory as in a real model (19.4 M parameters, all
+    # but 0.3 M of them the tied embedding), for long-sequence tests and scripts/bench/long_seq.py.
+    "tiny-151k": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=151_936,
+        max_position_embeddings=40_960,
+    ),
     # ~53 M parameters (212 MB in fp32): big enough that the trainer benchmark's memory table shows
     # what meta-device init saves; not a built-in name, only `build_tiny_model(..., preset="medium")`.
     "medium": dict(
@@ -256,7 +269,7 @@ def _model_config(preset: str, tokenizer: Any) -> Any:
         return _moe_model_config(preset, tokenizer)
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny-model preset {preset!r}; allowed: {sorted(PRESETS | MOE_PRESETS)}")
-    return Qwen3Config(
+    kwargs: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -265,8 +278,8 @@ def _model_config(preset: str, tokenizer: Any) -> Any:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         dtype="float32",
-        **PRESETS[preset],
     )
+    return Qwen3Config(**{**kwargs, **PRESETS[preset]})
 
 
 def build_tiny_model(

@@ -20,11 +20,12 @@ import torch
 
 from hpcrl.models.qwen3.parallelize import sync_expert_grads
 from hpcrl.trainer import parallel
+from hpcrl.trainer.context_parallel import forward_cp, restrict
 from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
 from hpcrl.trainer.moe_metrics import collect as collect_moe_metrics
 from hpcrl.trainer.moe_metrics import take_aux_loss
 from hpcrl.trainer.optim import clip_grad_norm, current_lr
-from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed
+from hpcrl.trainer.packing import ForwardOutput, PackedBatch, dummy_micro_batch, forward_packed
 from hpcrl.trainer.setup import Training
 
 log = logging.getLogger("hpcrl.trainer")
@@ -108,7 +109,9 @@ def step_micro_batches(
     entropies: list[torch.Tensor] = []
     tokens = slots = padding = 0
     for mb in mbs:
-        fwd = forward_packed(tr.model, mb, wanted=mb.loss_mask)
+        if tr.cp is not None:
+            mb = restrict(mb, tr.cp)  # noqa: PLW2901 - the loss counts only the tokens this rank predicts
+        fwd = forward_for(tr, mb, wanted=mb.loss_mask)
         tokens, slots, padding = tokens + mb.num_tokens, slots + fwd.slots, padding + fwd.padding
         if fwd.entropy is not None:
             entropies.append(fwd.entropy.detach()[mb.loss_mask.bool()].float().cpu())
@@ -145,6 +148,13 @@ def step_micro_batches(
         entropies=torch.cat(entropies) if entropies else torch.zeros(0),
         moe=moe,
     )
+
+
+def forward_for(tr: Training, mb: PackedBatch, **kw: Any) -> ForwardOutput:
+    """The packed forward of this trainer: this rank's time slice under cp, else the whole batch."""
+    if tr.cp is not None:
+        return forward_cp(tr.model, mb, tr.cp, chunk_tokens=tr.logprobs_chunk, **kw)
+    return forward_packed(tr.model, mb, chunk_tokens=tr.logprobs_chunk, **kw)
 
 
 def optimizer_step(

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+from hpcrl.trainer.chunked import can_chunk, head_logprobs
 from hpcrl.trainer.layout import (
     RowLayout,
     choose_width,
@@ -340,10 +341,14 @@ def model_inputs(
         width=mb.row_width,
     )
     dtype = torch.bool if impl == "sdpa" else _param_dtype(model)
+    # One sample alone in one unpadded row (a long sample in its own micro-batch) is plain causal
+    # attention: no mask lets the kernel use is_causal instead of a [T, T] mask (at 16k tokens the
+    # bool mask is 256 MiB and sdpa's CPU kernel keeps a float copy, 1 GiB, for the backward).
+    alone = layout.rows == 1 and mb.num_samples == 1 and layout.padding == 0
     inputs = {
         "input_ids": layout.grid(mb.input_ids),
         "position_ids": layout.grid(mb.position_ids),
-        "attention_mask": layout.mask(dtype),
+        "attention_mask": None if alone else layout.mask(dtype),
     }
     if routed is not None:
         inputs["routed_experts"] = layout.grid(routed, -1)
@@ -351,13 +356,20 @@ def model_inputs(
 
 
 def forward_packed(
-    model: torch.nn.Module, mb: PackedBatch, *, compute_entropy: bool = True, wanted: Tensor | None = None
+    model: torch.nn.Module,
+    mb: PackedBatch,
+    *,
+    compute_entropy: bool = True,
+    wanted: Tensor | None = None,
+    chunk_tokens: int = 0,
 ) -> ForwardOutput:
     """Run ``model`` over one micro-batch; logprobs keep the graph.
 
     ``wanted`` ([T] bool, e.g. the loss mask) names the tokens whose logprob the caller uses: logits
     (the LM head and the log-softmax) are computed only at the positions that predict them, and the
-    other entries are 0. None: every token but each sample's first."""
+    other entries are 0. None: every token but each sample's first. ``chunk_tokens > 0``: the LM head
+    and log-softmax run that many positions at a time (:mod:`hpcrl.trainer.chunked`), so no
+    ``[kept, vocab]`` tensor exists; 0 (or a head that is not a plain Linear): all kept positions at once."""
     dev = mb.input_ids.device
     seq_lens = mb.seq_lens.to(dev)
     t = mb.num_tokens
@@ -373,19 +385,33 @@ def forward_packed(
     keep[slots] = True
     rank = torch.cumsum(keep, 0) - 1  # row of each kept slot in the model's [kept, V] output
     keep_2d = keep[None] if layout is None else keep.view(layout.rows, layout.width)
-    if _takes_logits_to_keep(model):
-        logits = model(**inputs, use_cache=False, logits_to_keep=keep_2d).logits  # [kept, V], row-major
-    else:
-        logits = model(**inputs, use_cache=False).logits[keep_2d]
-    if slots.numel() > 1 and not bool((slots[1:] > slots[:-1]).all()):
-        logits = logits[rank[slots]]  # a shared position predicts a token of every member
     if mb.temperatures is None:
         temp: Tensor | float = 1.0
     else:
         # The temperature that sampled token p+1 is its sample's, i.e. the same as token p's.
         sample = torch.repeat_interleave(torch.arange(mb.num_samples, device=dev), seq_lens)
         temp = mb.temperatures.to(dev)[sample[pos]]
-    picked, ent_p = next_token_logprobs(logits, mb.input_ids[pos + 1], temp, entropy=compute_entropy)
+    repeats = slots.numel() > 1 and not bool((slots[1:] > slots[:-1]).all())
+    labels = mb.input_ids[pos + 1]
+    if chunk_tokens > 0 and _takes_logits_to_keep(model) and can_chunk(model):
+        picked, ent_p = head_logprobs(
+            model,
+            inputs,
+            keep_2d,
+            labels,
+            temp,
+            chunk=chunk_tokens,
+            entropy=compute_entropy,
+            index=rank[slots] if repeats else None,  # a shared position predicts a token of every member
+        )
+    else:
+        if _takes_logits_to_keep(model):
+            logits = model(**inputs, use_cache=False, logits_to_keep=keep_2d).logits  # [kept, V], row-major
+        else:
+            logits = model(**inputs, use_cache=False).logits[keep_2d]
+        if repeats:
+            logits = logits[rank[slots]]  # a shared position predicts a token of every member
+        picked, ent_p = next_token_logprobs(logits, labels, temp, entropy=compute_entropy)
     lp = torch.zeros(t, dtype=picked.dtype, device=dev).index_copy(0, pos + 1, picked)
     ent = (
         None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, pos + 1, ent_p)

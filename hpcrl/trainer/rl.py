@@ -24,6 +24,7 @@ from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer.checkpointer import Checkpointer
+from hpcrl.trainer.context_parallel import merge_batches
 from hpcrl.trainer.core import (
     Progress,
     StepResult,
@@ -70,7 +71,7 @@ def main(cfg: Config) -> int:
     params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
-        batch, t_wait = wait_for_batch(bus, step, tr.dist.rank, cfg.trainer.batch_timeout_s, stop)
+        batch, t_wait = wait_for_batch(bus, step, tr, cfg.trainer.batch_timeout_s, stop)
         if batch is None:  # stop requested while waiting: the last finished step is the checkpoint
             if step - 1 > start:
                 ckpt.maybe_save(step - 1, progress, force=True)
@@ -171,30 +172,33 @@ def announce_stop(bus: Bus, rank: int, summary: str) -> None:
 
 
 def wait_for_batch(
-    bus: Bus, step: int, rank: int, timeout: float, stop: threading.Event
+    bus: Bus, step: int, tr: Training, timeout: float, stop: threading.Event
 ) -> tuple[TrainBatch | None, float]:
     """Wait in short slices so a stop signal (preemption) is honoured while idle; None if stopped.
-    Collective over ranks: they agree on stopping, so none is left alone in a collective."""
+    Collective over ranks: they agree on stopping, so none is left alone in a collective. Under cp
+    a rank reads every shard of its cp group and trains their union (context_parallel)."""
+    ranks = tr.cp.members if tr.cp is not None else (tr.dist.rank,)
+    got: dict[int, TrainBatch] = {}
     from hpcrl.bus import BusTimeout
 
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout
-    batch: TrainBatch | None = None
     while True:
         stopping = parallel.all_reduce(float(stop.is_set()), op="max") > 0
         watchdog.beat(f"waiting for batch {step}")  # waiting on the orchestrator is not a stall of ours
         if stopping:
             return None, time.perf_counter() - t0
-        if batch is None:
-            try:
-                batch = bus.wait_batch(step, rank, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
-            except BusTimeout:
-                if time.monotonic() >= deadline:
-                    raise
+        try:
+            for r in ranks:
+                if r not in got:
+                    got[r] = bus.wait_batch(step, r, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+        except BusTimeout:
+            if time.monotonic() >= deadline:
+                raise
         # Every rank leaves together: a rank that returned while another's wait slice timed out would
         # start the step's collectives (FSDP all-gathers) against that rank's next all-reduce here.
-        if parallel.all_reduce(float(batch is None), op="max") == 0:
-            return batch, time.perf_counter() - t0
+        if parallel.all_reduce(float(len(got) < len(ranks)), op="max") == 0:
+            return merge_batches([got[r] for r in ranks]), time.perf_counter() - t0
 
 
 def to_packed(batch: TrainBatch, device: torch.device, replay: bool = False) -> PackedBatch:
@@ -232,15 +236,19 @@ def train_step(
     t0 = time.perf_counter()
     packed = to_packed(batch, tr.device, replay=tr.router_replay)
     packed.validate()
-    if attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
+    if tr.cp is not None:  # context parallel: one packed row per micro-batch, split along time
+        mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
+    elif attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
         if share_prefix:
             packed = with_shared_prefixes(packed, micro_tokens, key_cost_of(tr.model.config))
         mbs = row_micro_batches(packed, micro_tokens, key_cost_of(tr.model.config))
     else:  # varlen kernels: one packed row per micro-batch, in order
         mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
     out = step_micro_batches(tr, mbs, params, batch.total_loss_tokens, max_norm, batch.step, t0)
-    tokens = int(parallel.all_reduce(float(len(batch.input_ids))))
-    samples = int(parallel.all_reduce(float(len(batch.seq_lens))))
+    # Under cp every rank of a group holds the group's union of shards: count it once per group.
+    cp = 1 if tr.cp is None else tr.cp.size
+    tokens = int(parallel.all_reduce(float(len(batch.input_ids)))) // cp
+    samples = int(parallel.all_reduce(float(len(batch.seq_lens)))) // cp
     return out.counted(tokens, samples)
 
 

@@ -14,6 +14,7 @@ from hpcrl.config.schema import LossConfig, OptimConfig, TrainerModelConfig
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
 from hpcrl.trainer import parallel, precision
+from hpcrl.trainer.context_parallel import CPGroup, make_cp_group
 from hpcrl.trainer.loss import LossParams
 
 log = logging.getLogger("hpcrl.trainer")
@@ -32,6 +33,8 @@ class Training:
     dist: parallel.DistEnv
     precision: precision.Precision  # compute / master / reduce dtypes; the published policy is in compute
     router_replay: bool = False  # MoE on the custom implementation with trainer.model.router_replay
+    logprobs_chunk: int = 0  # positions per LM-head chunk (trainer.model.logprobs_chunk_tokens; 0 = off)
+    cp: CPGroup | None = None  # context-parallel group (trainer.model.cp > 1)
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -58,6 +61,7 @@ def build_training(
     if device.type == "cpu":
         # Same numerics on every run of the same config: needed for bitwise-identical resumes.
         torch.use_deterministic_algorithms(True, warn_only=True)
+    cp = make_cp_group(model_cfg.cp) if model_cfg.cp > 1 else None
     seed_everything(seed, env.rank)
     prec = precision.of_model(model_cfg, on_gpu=device.type == "cuda")
     path = resolve_model(model_cfg.name or "", field="trainer.model.name")
@@ -95,7 +99,27 @@ def build_training(
     if is_moe:
         log.info("MoE: router replay %s, ep %d, load-balancing loss coef %g",
                  "on" if replay else "off", model_cfg.ep, model_cfg.moe_aux_loss_coef)  # fmt: skip
-    return Training(model, tokenizer, optimizer, scheduler, device, path, env, prec, router_replay=replay)
+    if cp is not None:
+        log.info(
+            "context parallel: cp %d, this rank is %d of cp group %s (ring attention; one packed row per "
+            "micro-batch, trainer.share_prefix does not apply)",
+            cp.size,
+            cp.rank,
+            list(cp.members),
+        )
+    return Training(
+        model,
+        tokenizer,
+        optimizer,
+        scheduler,
+        device,
+        path,
+        env,
+        prec,
+        router_replay=replay,
+        logprobs_chunk=model_cfg.logprobs_chunk_tokens,
+        cp=cp,
+    )
 
 
 def build_model(
@@ -127,7 +151,7 @@ def build_model(
         path,
         dtype=prec.master,
         device="cpu" if from_rank0 else device,
-        attn_impl=None if model_cfg.attn == "auto" else model_cfg.attn,
+        attn_impl=attn_impl_for(model_cfg),
         activation_checkpointing=model_cfg.activation_checkpointing,
         lora=None if warm_start else lora,
         trust_remote_code=model_cfg.trust_remote_code,
@@ -172,6 +196,15 @@ def apply_moe_options(model: torch.nn.Module, model_cfg: TrainerModelConfig, dev
     from hpcrl.models.qwen3.parallelize import apply_ep
 
     return apply_ep(model, model_cfg.ep, device)
+
+
+def attn_impl_for(model_cfg: TrainerModelConfig) -> str | None:
+    """The attention implementation to load the model with: ring attention under cp."""
+    if model_cfg.cp > 1:
+        from hpcrl.models.ring_attention import register_hf
+
+        return register_hf()
+    return None if model_cfg.attn == "auto" else model_cfg.attn
 
 
 def load_warm_start(model: torch.nn.Module, path: str) -> None:

@@ -318,7 +318,9 @@ def validation_loss(tr: Training, data: SFTData) -> float:
     tr.model.eval()
     try:
         for mb in mbs:
-            lp = forward_packed(tr.model, mb, compute_entropy=False, wanted=mb.loss_mask).logprobs
+            lp = forward_packed(
+                tr.model, mb, compute_entropy=False, wanted=mb.loss_mask, chunk_tokens=tr.logprobs_chunk
+            ).logprobs
             total += -torch.where(mb.loss_mask, lp, torch.zeros_like(lp)).sum().double().cpu()
     finally:
         tr.model.train()

@@ -103,6 +103,21 @@ class TrainerModelConfig(ModelConfig):
         ),
     ] = 0.0
     activation_checkpointing: Annotated[bool, D("Recompute activations in backward to save memory.")] = False
+    logprobs_chunk_tokens: Annotated[
+        int,
+        D(
+            "Positions per chunk of the LM head + log-softmax (logprobs, entropy, loss and backward chunk by "
+            "chunk, no [tokens, vocab] tensor); 0 = all kept positions at once.",
+            ge=0,
+        ),
+    ] = 256
+    cp: Annotated[
+        int,
+        D(
+            "Context-parallel degree: a packed sequence split along time over cp ranks (ring attention).",
+            ge=1,
+        ),
+    ] = 1
     lora: Annotated[
         LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")
     ] = None

@@ -107,6 +107,11 @@ class Attention(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if self.kernel == "flash_attention_3":
             out = flash_attention_3(q, k, v, pos)
+        elif self.kernel == "hpcrl_ring":  # cp: this rank's time slice attends over the whole row
+            from hpcrl.models.ring_attention import current_context, ring_attention
+
+            ctx = current_context()
+            out = ring_attention(q, k, v, segments=ctx.segments, positions=ctx.positions, group=ctx.group)
         else:
             if mask is not None and mask.dtype != torch.bool:
                 mask = mask.to(q.dtype)
@@ -174,7 +179,7 @@ class Qwen3ForTraining(nn.Module):
         self.set_attention(getattr(config, "_attn_implementation", None) or "sdpa")
 
     def set_attention(self, kernel: str) -> None:
-        assert kernel in ("sdpa", "flash_attention_3"), kernel
+        assert kernel in ("sdpa", "flash_attention_3", "hpcrl_ring"), kernel
         self.config._attn_implementation = kernel
         for layer in self.model.layers:
             layer.self_attn.kernel = kernel

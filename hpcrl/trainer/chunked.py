@@ -1,0 +1,168 @@
+"""Token logprobs (and entropy) through the LM head in chunks of positions: no ``[tokens, vocab]``
+tensor ever exists.
+
+At Qwen3's vocabulary (151,936) one position's fp32 logits are 594 KiB: 32k positions are 19.9 GB,
+and a ``log_softmax`` with autograd keeps as much again. :class:`ChunkedLogprobs` is a custom
+autograd Function: its forward runs the LM head, the log-softmax and the pick chunk by chunk and
+keeps only the hidden states (``[K, H]``) and the labels; its backward
+recomputes each chunk's logits and writes the gradient analytically
+(``d logp[y] / d z = onehot(y) - softmax(z)``), so one chunk's ``[C, V]`` buffer is the whole
+vocabulary-sized memory of the step, forward and backward. We chose the custom Function over a
+checkpointed per-chunk closure because the closure's backward goes through autograd's
+``log_softmax`` backward, which holds the logits, the log-softmax and its gradient per chunk (three
+``[C, V]`` buffers instead of one) and recomputes the forward a second time for nothing; the
+Function also accumulates the LM-head gradient in one buffer instead of one autograd node per chunk.
+
+Numerics match the unchunked path: logits are computed in the weight's dtype and upcast to fp32
+(what ``lm_head(h).float()`` does), divided by the sampling temperature, then log-softmaxed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Positions per chunk where no config reaches (the inference engine's prompt logprobs), and the
+# default of trainer.model.logprobs_chunk_tokens. Measured at vocab 151,936 on CPU
+# (scripts/bench/long_seq.py, 4096 tokens): chunks of 128, 256 and 1024 positions took 25.7, 30.0 and
+# 37.6 s per step (noise on a shared machine: no trend), and 1024 added 870 MiB to the peak
+# (two [chunk, vocab] fp32 buffers: 1.2 GB at 1024, 0.3 GB at 256).
+DEFAULT_CHUNK = 256
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, temp: Tensor | None) -> Tensor:
+    z = (h @ weight.t()).float()
+    return z if temp is None else z / temp.unsqueeze(-1)
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temp: Tensor | None, chunk: int, entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        k = hidden.shape[0]
+        picked = torch.empty(k, dtype=torch.float32, device=hidden.device)
+        ent = torch.zeros(k if entropy else 0, dtype=torch.float32, device=hidden.device)
+        for a in range(0, k, chunk):
+            b = min(a + chunk, k)
+            logp = torch.log_softmax(
+                _chunk_logits(hidden[a:b], weight, None if temp is None else temp[a:b]), -1
+            )
+            picked[a:b] = logp.gather(-1, labels[a:b, None])[:, 0]
+            if entropy:  # -sum p log p as a batched dot product: one [C, V] temporary (p), not two
+                ent[a:b] = -(logp.exp()[:, None, :] @ logp[:, :, None])[:, 0, 0]
+            del logp
+        ctx.save_for_backward(hidden, weight, labels, temp)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(ent)
+        return picked, ent
+
+    @staticmethod
+    def backward(ctx, grad_picked: Tensor, _grad_ent: Tensor):  # type: ignore[override]
+        hidden, weight, labels, temp = ctx.saved_tensors
+        chunk = ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        rows = torch.arange(min(chunk, hidden.shape[0]), device=hidden.device)
+        for a in range(0, hidden.shape[0], chunk):
+            b = min(a + chunk, hidden.shape[0])
+            t = None if temp is None else temp[a:b]
+            # d picked / d z = onehot(label) - softmax(z), times the incoming gradient; softmax as
+            # exp(log_softmax) is what autograd's LogSoftmaxBackward uses, so the two agree to rounding
+            g = torch.log_softmax(_chunk_logits(hidden[a:b], weight, t), -1).exp_()
+            g.mul_(-grad_picked[a:b, None].float())
+            g[rows[: b - a], labels[a:b]] += grad_picked[a:b].float()
+            if t is not None:
+                g /= t.unsqueeze(-1)  # z = raw / temperature
+            g = g.to(weight.dtype)
+            if need_h:
+                grad_h[a:b] = g @ weight  # type: ignore[index]
+            if need_w:
+                grad_w.addmm_(g.t().float(), hidden[a:b].float())  # type: ignore[union-attr]
+            del g
+        gw = None if grad_w is None else grad_w.to(weight.dtype)
+        return grad_h, gw, None, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: Tensor | float = 1.0,
+    *,
+    chunk: int,
+    entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``log softmax((hidden @ weight.T) / temperature)[labels]`` per row (fp32, differentiable in
+    ``hidden`` and ``weight``) and, if asked, the entropy of each row's distribution (no grad),
+    ``chunk`` rows at a time. ``temperature``: a float or one value per row."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    temp: Tensor | None
+    if isinstance(temperature, Tensor):
+        temp = temperature.float().to(hidden.device)
+    else:
+        temp = (
+            None
+            if temperature == 1.0
+            else torch.full((hidden.shape[0],), float(temperature), device=hidden.device)
+        )
+    picked, ent = ChunkedLogprobs.apply(hidden, weight, labels, temp, chunk, entropy)
+    return picked, (ent if entropy else None)
+
+
+def can_chunk(model: torch.nn.Module) -> bool:
+    """Whether the LM head is a plain bias-free ``nn.Linear`` (what the chunked path replaces); a
+    LoRA-wrapped or biased head falls back to full logits."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    return type(head) is torch.nn.Linear and head.bias is None
+
+
+def head_logprobs(
+    model: torch.nn.Module,
+    inputs: dict,
+    keep: Tensor,
+    labels: Tensor,
+    temperature: Tensor | float = 1.0,
+    *,
+    chunk: int,
+    entropy: bool = False,
+    index: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Run ``model`` on ``inputs`` with its LM head replaced, for this call, by
+    :func:`chunked_token_logprobs` over the ``keep`` positions (``logits_to_keep``, row-major;
+    ``index`` reorders/repeats them first). Returns (logprobs [K], entropy [K] or None).
+
+    The head runs INSIDE the model's forward on purpose: FSDP2 gathers the root's parameters (the
+    LM head, tied embeddings) for the forward and again before the backward of the root's output;
+    outside the forward the weight is a sharded DTensor. The model's ``logits`` output is then the
+    ``[K, 1]`` logprobs, so FSDP's backward hooks sit on what the loss uses."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    ent: list[Tensor | None] = []
+
+    def forward(h: Tensor) -> Tensor:
+        h = h if index is None else h[index]
+        lp, e = chunked_token_logprobs(h, head.weight, labels, temperature, chunk=chunk, entropy=entropy)
+        ent.append(e)
+        return lp[:, None].clone()  # not a view: FSDP2 hooks its pre-backward on this output
+
+    head.forward = forward
+    try:
+        out = model(**inputs, use_cache=False, logits_to_keep=keep)
+    finally:
+        del head.forward  # back to the class's forward
+    return out.logits[:, 0], ent[-1]
+
+
+def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CHUNK) -> Tensor:
+    """``[L-1]`` fp32 logprob of each token of ``ids`` (``[1, L]``) given its prefix, temperature 1:
+    vLLM's ``prompt_logprobs``, chunked when the head is a plain Linear (no ``[L, vocab]`` tensor)."""
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[:, -1] = False  # the last position predicts nothing in the prompt
+    if not can_chunk(model):
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    return head_logprobs(model, {"input_ids": ids}, keep, ids[0, 1:], chunk=chunk)[0]

@@ -1,0 +1,123 @@
+"""Context parallelism: cp = 2 over 2 gloo ranks (FSDP2 sharding both) equals cp = 1 on one model.
+
+Both compute the default RL loss over the same 5 packed samples (two micro-batches of one packed
+row each; 37 and 16 tokens, so the split point falls inside samples and one micro-batch needs a pad
+token), with chunked logprobs. cp = 2 runs ring attention: each rank holds half of every row, the
+K/V blocks are gathered, and the loss counts only the tokens a rank predicts. We compare the summed
+loss and every parameter's full gradient (FSDP's summed, gathered gradient) with the cp = 1 run on
+rank 0: fp32, atol 1e-5 (float reordering in the merge and the reductions; measured max differences
+are printed by the test).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.ranks import run_ranks
+
+LENS = [9, 11, 17, 7, 9]  # micro-batches of <= 40 tokens: [9 + 11 + 17] = 37, [7 + 9] = 16
+ATOL = 1e-5
+
+
+def _batch(vocab: int):
+    import torch
+
+    from hpcrl.trainer.packing import PackedBatch
+
+    g = torch.Generator().manual_seed(1)
+    t = sum(LENS)
+    seq_lens = torch.tensor(LENS)
+    mask = torch.cat([torch.arange(n) >= n // 3 for n in LENS])
+    return PackedBatch(
+        input_ids=torch.randint(3, vocab, (t,), generator=g),
+        position_ids=torch.cat([torch.arange(n) for n in LENS]),
+        seq_lens=seq_lens,
+        loss_mask=mask,
+        advantages=torch.randn(t, generator=g),
+        inference_logprobs=-4.0 + 0.3 * torch.randn(t, generator=g),
+        temperatures=torch.tensor([1.0, 0.8, 1.2, 1.0, 0.9]),
+    )
+
+
+def _loss_and_grads(model, mbs, fwd, n_tokens: int):
+    from hpcrl.trainer.loss import LossParams, compute_loss
+
+    total = 0.0
+    for m in mbs:
+        out = compute_loss(
+            LossParams(),
+            trainer_logprobs=fwd(m).logprobs,
+            loss_mask=m.loss_mask,
+            num_loss_tokens=n_tokens,
+            inference_logprobs=m.inference_logprobs,
+            advantages=m.advantages,
+        )
+        out.loss.backward()
+        total += float(out.loss)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = g.detach().clone()
+    return total, grads
+
+
+def worker(model_dir: str, out: str) -> None:
+    import torch
+
+    from hpcrl.models.ring_attention import register_hf
+    from hpcrl.trainer import parallel
+    from hpcrl.trainer.context_parallel import forward_cp, make_cp_group, restrict
+    from hpcrl.trainer.model import load_model
+    from hpcrl.trainer.packing import forward_packed, micro_batches
+
+    parallel.init_distributed(torch.device("cpu"))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    rank = parallel.get_rank()
+    cp = make_cp_group(2)
+    model = parallel.apply_fsdp(load_model(model_dir, attn_impl=register_hf()))
+    batch = _batch(model.config.vocab_size)
+    n_tokens = int(batch.loss_mask.sum())
+    mbs = micro_batches(batch, 40)
+    assert [m.num_tokens for m in mbs] == [37, 16]
+    loss, grads = _loss_and_grads(
+        model,
+        [restrict(m, cp) for m in mbs],
+        lambda m: forward_cp(model, m, cp, chunk_tokens=8),
+        n_tokens,
+    )
+    loss = float(parallel.all_reduce(torch.tensor(loss, dtype=torch.float64)))
+    if rank != 0:
+        return
+    ref_model = load_model(model_dir)  # sdpa, one rank, whole rows
+    ref_loss, ref_grads = _loss_and_grads(
+        ref_model, mbs, lambda m: forward_packed(ref_model, m, wanted=m.loss_mask), n_tokens
+    )
+    diffs = {n: float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads}
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    Path(out).write_text(
+        json.dumps(
+            {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": max(diffs.values()), "grad_scale": scale}
+        )
+    )
+
+
+@pytest.mark.slow
+def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cp.json"
+    run_ranks(__file__, 2, str(tiny_model_dir), str(out), timeout=300)
+    r = json.loads(out.read_text())
+    print(
+        f"cp=2 vs cp=1: loss {r['loss']:.9f} vs {r['ref_loss']:.9f}, max |grad diff| {r['max_grad_diff']:.2e} "
+        f"(largest gradient entry {r['grad_scale']:.2e})"
+    )
+    assert abs(r["loss"] - r["ref_loss"]) <= ATOL
+    assert r["max_grad_diff"] <= ATOL
+    assert r["grad_scale"] > 1e-3
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])

@@ -1,0 +1,52 @@
+"""Dry-run checks of trainer.model.cp (hpcrl.config.validate.context_parallel), the cp rank helpers
+of hpcrl/trainer/context_parallel.py, and SFT refusing cp."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from hpcrl.config import ConfigError, load
+from hpcrl.config.validate import context_parallel
+from hpcrl.trainer.context_parallel import local_range, owned_tokens
+
+BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']
+
+
+def test_cp_must_divide_trainer_ranks() -> None:
+    cfg = load([*BASE, "--trainer.model.cp", "2"]).config
+    context_parallel(cfg, trainer_ranks=4, on_gpu=False)
+    with pytest.raises(ConfigError) as e:
+        context_parallel(cfg, trainer_ranks=3, on_gpu=False)
+    assert (
+        e.value.one_line() == "config error: trainer.model.cp: 2 must divide the number of trainer ranks (3)"
+    )
+    context_parallel(load(BASE).config, trainer_ranks=3, on_gpu=True)  # cp = 1: nothing to check
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_cp_on_gpu_needs_flash_attention() -> None:
+    cfg = load([*BASE, "--model.cp", "2"]).config
+    with pytest.raises(ConfigError, match=r"^model\.cp: 2 on GPU needs a flash-attention kernel"):
+        context_parallel(cfg, trainer_ranks=2, on_gpu=True)
+
+
+def test_sft_refuses_cp() -> None:
+    from hpcrl.config.schema import SFTConfig
+
+    with pytest.raises(ConfigError, match=r"^model\.cp: 2: context parallelism is implemented for the RL"):
+        load(
+            ["--model.name", "hpcrl/tiny-qwen3", "--data.name", "x.jsonl", "--model.cp", "2"], root=SFTConfig
+        )
+
+
+def test_slices_and_owned_tokens_by_hand() -> None:
+    # 7 tokens over 2 ranks: padded to 8, rank 0 holds positions 0-3, rank 1 holds 4-7 (7 is padding)
+    assert local_range(7, 2, 0) == (8, 0, 4) and local_range(7, 2, 1) == (8, 4, 8)
+    # token t is predicted by position t - 1: rank 0 predicts tokens 1-4, rank 1 tokens 5-6
+    assert owned_tokens(7, 2, 0).tolist() == [False, True, True, True, True, False, False]
+    assert owned_tokens(7, 2, 1).tolist() == [False] * 5 + [True, True]
+    assert bool((owned_tokens(7, 2, 0) ^ owned_tokens(7, 2, 1)).sum() == 6)
+    assert torch.equal(owned_tokens(4, 1, 0), torch.tensor([False, True, True, True]))
