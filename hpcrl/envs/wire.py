@@ -36,6 +36,9 @@ class WTurn(msgspec.Struct, array_like=True):
     policy_steps: list[int]
     finish_reason: str
     tool_calls: list[dict[str, Any]] | None
+    reasoning: str | None
+    rerendered: bool
+    routed_experts: list[list[list[int]]] | None  # MoE router replay: [tokens][layers][k]
 
 
 class WTrajectory(msgspec.Struct, array_like=True):
@@ -174,6 +177,9 @@ def to_wturn(t: Turn) -> WTurn:
         list(t.policy_steps),
         t.finish_reason,
         t.tool_calls,
+        t.reasoning,
+        t.rerendered,
+        t.routed_experts,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from datetime import datetime
 
 import pytest
@@ -41,7 +43,20 @@ def test_only_time_in_env_code_counts_towards_the_timeout() -> None:
 
 def test_a_trajectory_crosses_the_wire_unchanged() -> None:
     task = Task(7, [{"role": "user", "content": "hi"}], "ih", {"k": [1, 2]})
-    turn = Turn("ih", [1, 2], [3, 4], [-0.25, -1.5], [5, 6], "stop", [{"id": "c", "type": "function"}])
+    turn = Turn(
+        "ih",
+        [1, 2],
+        [3, 4],
+        [-0.25, -1.5],
+        [5, 6],
+        "stop",
+        [{"id": "c", "type": "function"}],
+        reasoning="because",
+        rerendered=True,
+        routed_experts=[[[0, 3]], [[1, 2]]],
+    )
+    # every field of Turn crosses (a field added to Turn and not to the wire was silently dropped)
+    assert [f.name for f in dataclasses.fields(Turn)] == list(wire.WTurn.__struct_fields__)
     traj = Trajectory(task, [*task.prompt, turn.message()], 1, [turn], 0.5, {"m": 1.0}, {"obj": object()})
     msg = wire.decode(wire.encode(wire.Done(3, [wire.to_wtraj(traj)])))
     assert isinstance(msg, wire.Done) and msg.rid == 3
