@@ -330,7 +330,7 @@ class RemoteEnvironment(Environment):
             for ident in [*self.router.workers, server_ident(self.restarts)]:
                 with contextlib.suppress(Exception):
                     sync.send_multipart([ident, wire.encode(wire.Stop())], self.zmq.NOBLOCK)
-            self.server.stop(timeout=3)
+        self.server.stop(timeout=3)  # also withdraws an env node's order
         self.sock.close()
         self.ctx.term()
 
