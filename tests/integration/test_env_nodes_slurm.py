@@ -101,6 +101,24 @@ def test_env_servers_on_their_own_node_survive_a_kill_and_the_run_completes(clus
     orch = paths.log_file("orchestrator").read_text()
     assert "env server for train env 'reverse-text' died (exit code -9)" in orch
     assert "env server train/reverse-text restarted (restart 1)" in orch
+    comps = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "components", str(paths.root), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rows = {(r["role"], r["env"]): r for r in map(json.loads, comps.stdout.splitlines())}
+    assert rows[("env-host 0", "-")]["node"] == node["env-host"]
+    assert rows[("env-server", "train/reverse-text")]["node"] == node["env-host"]
+    assert rows[("env-server", "train/reverse-text")]["restarts"] == 1
+    assert rows[("env-worker 0", "train/reverse-text")]["node"] == node["env-host"]
+    status = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "status", str(paths.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "env-host" in status and "env-server-train" in status and "train/reverse-text" in status
     host = (paths.logs_dir / "envs" / "host_0.log").read_text()
     assert host.count("env server train/reverse-text started") == 2
     assert "restart 0) exited: killed by signal 9 (SIGKILL)" in host
