@@ -20,15 +20,16 @@ from pathlib import Path
 import pytest
 
 from hpcrl import checkpoint
+from hpcrl.launch.hetjob import release_now
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
-from tests.integration.test_slurm_cluster import cluster, ended, jobs, wait_for  # noqa: F401
+from tests.integration.test_slurm_cluster import cluster, ended, jobs, restarts, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 ENV_LOGS = ("train", "reverse-text")
 
 
-def _submit(tmp: Path, steps: int, limit: int) -> tuple[RunPaths, str]:
+def _submit(tmp: Path, steps: int, limit: int, ckpt: str = "") -> tuple[RunPaths, str]:
     cfg = tmp / "cfg.toml"
     cfg.write_text(
         rl_toml(
@@ -36,7 +37,7 @@ def _submit(tmp: Path, steps: int, limit: int) -> tuple[RunPaths, str]:
             seq_len=64,
             max_tokens=8,
             orchestrator=f"env_server_max_restarts = {limit}\n",
-            tables='[deployment]\nenv_nodes = 1\n[slurm]\ngpus_per_node = 0\ntime = "00:20:00"\n',
+            tables='[deployment]\nenv_nodes = 1\n[slurm]\ngpus_per_node = 0\ntime = "00:20:00"\n' + ckpt,
         )
     )
     out = tmp / "run"
@@ -135,3 +136,27 @@ def test_past_env_server_max_restarts_the_job_ends_naming_the_env(cluster, jobs,
     assert "restarted 0 time(s), the limit (orchestrator.env_server_max_restarts) is reached" in orch
     job_log = "".join(p.read_text(errors="replace") for p in paths.slurm_logs_dir.glob("hetjob_*.log"))
     assert "step 'orchestrator' FAILED" in job_log
+
+
+def test_a_requeued_job_starts_fresh_env_servers_and_never_a_stale_order(cluster, jobs, tmp_path):  # noqa: F811
+    """The orders of the first run of the job stay in bus/envs/ (their orchestrator is gone): the env
+    host of the requeued job takes only its own job's orders (job tag <id>.<requeue count>)."""
+    paths, job_id = _submit(tmp_path, 10, limit=3, ckpt="[ckpt]\ninterval = 2\n")
+    jobs.append(job_id)
+    wait_for(lambda: checkpoint.latest_complete(paths) is not None, 400, "a first checkpoint", every=0.5)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True)
+    wait_for(lambda: restarts(job_id) >= 1, 330, "the job to requeue itself", every=1)
+    assert release_now(job_id, wait_s=60)
+    state = wait_for(lambda: ended(job_id), 600, "the requeued job to finish", every=2)
+    assert state == "COMPLETED"
+    assert checkpoint.latest_complete(paths) == 10
+    servers = [r for r in _records(paths) if r["role"] == "env-server-train"]
+    hosts = [r for r in _records(paths) if r["role"] == "env-host"]
+    assert [r["restart"] for r in servers] == [0, 1] and [r["restart"] for r in hosts] == [0, 1]
+    assert all(s["node"] == h["node"] for s, h in zip(servers, hosts))
+    host = (paths.logs_dir / "envs" / "host_0.log").read_text()
+    assert host.count("env server train/reverse-text started") == 2, host  # one per run, no stale one
+    # the job may end (the trainer's step finishing first) before the orchestrator withdraws its
+    # order; what is left is the requeued run's own, which no later run of the job would take
+    order = json.loads(paths.env_spec_file(*ENV_LOGS).read_text())
+    assert order["job"] == f"{job_id}.1" and order["node"] == 0
