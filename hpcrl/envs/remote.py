@@ -1,6 +1,7 @@
 """The orchestrator's side of an env server: an Environment whose rollouts run in other processes.
 
-`RemoteEnvironment` starts `python -m hpcrl.envs.server` (one per train/eval env), learns the env's
+`RemoteEnvironment` starts `python -m hpcrl.envs.server` (one per train/eval env; as its child, or
+on an env node through that node's env host: hpcrl.envs.hosting), learns the env's
 tasks, tools and turn limit from its `Hello`, and then sends each rollout as one `Run` message to a
 worker (hpcrl.envs.routing picks it; workers connect to this process's socket directly). While a
 rollout runs, its worker asks for model turns (`Chat`); those are answered here with the very

@@ -156,7 +156,8 @@ def test_a_requeued_job_starts_fresh_env_servers_and_never_a_stale_order(cluster
     assert all(s["node"] == h["node"] for s, h in zip(servers, hosts))
     host = (paths.logs_dir / "envs" / "host_0.log").read_text()
     assert host.count("env server train/reverse-text started") == 2, host  # one per run, no stale one
-    # the job may end (the trainer's step finishing first) before the orchestrator withdraws its
-    # order; what is left is the requeued run's own, which no later run of the job would take
-    order = json.loads(paths.env_spec_file(*ENV_LOGS).read_text())
-    assert order["job"] == f"{job_id}.1" and order["node"] == 0
+    # the orchestrator withdraws its order when it closes its envs, unless the job ends first (the
+    # trainer's step finishing): then what is left is the requeued run's own, which no later run takes
+    left = paths.env_spec_file(*ENV_LOGS)
+    if left.exists():
+        assert json.loads(left.read_text())["job"] == f"{job_id}.1"
