@@ -93,6 +93,19 @@ class RunPaths:
         return self.bus_dir / "servers"
 
     @property
+    def env_specs_dir(self) -> Path:
+        """bus/envs/: what the env nodes' hosts start (deployment.env_nodes > 0, hpcrl.envs.host)."""
+        return self.bus_dir / "envs"
+
+    def env_spec_file(self, kind: str, env_name: str) -> Path:
+        """The orchestrator's order for one env server: which env node, and its ServerSpec."""
+        return self.env_specs_dir / f"{kind}--{env_name}.json"
+
+    def env_exit_file(self, kind: str, env_name: str) -> Path:
+        """Written by the env node's host when that env server exited (its connect, restarts, code)."""
+        return self.env_specs_dir / f"{kind}--{env_name}.exit"
+
+    @property
     def weights_fallback_file(self) -> Path:
         """Written by the orchestrator when a server of a collective-transport run died: the trainer
         publishes policies as files from then on (the weight group cannot take a new member)."""

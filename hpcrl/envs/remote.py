@@ -1,6 +1,7 @@
 """The orchestrator's side of an env server: an Environment whose rollouts run in other processes.
 
-`RemoteEnvironment` starts `python -m hpcrl.envs.server` (one per train/eval env), learns the env's
+`RemoteEnvironment` starts `python -m hpcrl.envs.server` (one per train/eval env; as its child, or
+on an env node through that node's env host: hpcrl.envs.hosting), learns the env's
 tasks, tools and turn limit from its `Hello`, and then sends each rollout as one `Run` message to a
 worker (hpcrl.envs.routing picks it; workers connect to this process's socket directly). While a
 rollout runs, its worker asks for model turns (`Chat`); those are answered here with the very
@@ -18,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ import msgspec
 from hpcrl.envs import wire
 from hpcrl.envs.base import ChatClient, Environment, Task, Trajectory
 from hpcrl.envs.errors import EnvServerFailed
+from hpcrl.envs.hosting import HostedServer, LocalServer
 from hpcrl.envs.routing import Router
 from hpcrl.envs.server import server_ident, server_log
 
@@ -43,9 +43,18 @@ class EnvRolloutError(RuntimeError):
 
 
 class RemoteEnvironment(Environment):
-    def __init__(self, spec: wire.ServerSpec, max_restarts: int = 3, wait: bool = True):
+    def __init__(
+        self,
+        spec: wire.ServerSpec,
+        max_restarts: int = 3,
+        wait: bool = True,
+        server: LocalServer | HostedServer | None = None,
+        bind_host: str = "127.0.0.1",
+    ):
         """Starts the env server; `wait=False` leaves waiting for its Hello to `wait_ready()`
-        (several servers then load their envs at the same time)."""
+        (several servers then load their envs at the same time). `server`: who starts it
+        (hpcrl.envs.hosting; default this process's child); `bind_host`: the address its workers
+        and server dial (this node's address when they run on env nodes)."""
         import zmq
         import zmq.asyncio
 
@@ -58,9 +67,9 @@ class RemoteEnvironment(Environment):
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.spec = msgspec.structs.replace(spec, connect=f"tcp://127.0.0.1:{port}")
-        self.proc: subprocess.Popen | None = None
+        port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.spec = msgspec.structs.replace(spec, connect=f"tcp://{bind_host}:{port}")
+        self.server = server if server is not None else LocalServer()
         self.calls: dict[int, tuple[asyncio.Future, Any, set[asyncio.Task]]] = {}
         self.next_rid = 0
         self.router = Router()
@@ -79,17 +88,13 @@ class RemoteEnvironment(Environment):
     # -- start / hello ----------------------------------------------------------------------------
     def _start(self) -> None:
         spec = msgspec.structs.replace(self.spec, restarts=self.restarts)
-        path = server_log(spec.log_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hpcrl.envs.server", msgspec.json.encode(spec).decode()],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        self.server.start(spec)
         log.info(
-            "env server %s/%s started (pid %d, %d workers)", spec.kind, spec.name, self.proc.pid, spec.workers
+            "env server %s/%s started (%s, %d workers)",
+            spec.kind,
+            spec.name,
+            self.server.where(),
+            spec.workers,
         )
 
     def _hello_blocking(self) -> wire.Hello:
@@ -103,8 +108,7 @@ class RemoteEnvironment(Environment):
                     return self._check_hello(wire.decode(data))
                 self._early_ready(ident, wire.decode(data))
                 continue
-            assert self.proc is not None
-            if self.proc.poll() is not None:
+            if self.server.exit_code() is not None:
                 break
         self.close_now()
         raise EnvServerFailed(self._gone_msg("did not start"))
@@ -132,7 +136,7 @@ class RemoteEnvironment(Environment):
         self._task_errors = dict(hello.task_errors)
 
     def _gone_msg(self, what: str) -> str:
-        code = None if self.proc is None else self.proc.poll()
+        code = self.server.exit_code()
         return (
             f"env server for {self.spec.kind} env {self.spec.name!r} {what}"
             f"{'' if code is None else f' (exit code {code})'}; see {server_log(self.spec.log_dir)}"
@@ -215,8 +219,7 @@ class RemoteEnvironment(Environment):
             if now - self.checked < WATCH_S:
                 continue
             self.checked = now
-            assert self.proc is not None
-            if self.proc.poll() is not None:
+            if self.server.exit_code() is not None:
                 await self._restart()
             for ident in self.router.overdue(now, self.spec.rollout_timeout_s):
                 why = (
@@ -306,7 +309,7 @@ class RemoteEnvironment(Environment):
                         "env server %s/%s restarted (restart %d)", self.spec.kind, self.name, self.restarts
                     )
                     return
-            elif self.proc is not None and self.proc.poll() is not None:
+            elif self.server.exit_code() is not None:
                 break
         self.fatal = EnvServerFailed(self._gone_msg("could not be restarted"))
         self.ready.set()
@@ -323,22 +326,18 @@ class RemoteEnvironment(Environment):
     def close_now(self) -> None:
         if self.sock.closed:
             return
-        if self.proc is not None and self.proc.poll() is None:
+        if self.server.exit_code() is None:
             sync = self.zmq.Socket.shadow(self.sock.underlying)
             for ident in [*self.router.workers, server_ident(self.restarts)]:
                 with contextlib.suppress(Exception):
                     sync.send_multipart([ident, wire.encode(wire.Stop())], self.zmq.NOBLOCK)
-            try:
-                self.proc.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.server.stop(timeout=3)  # also withdraws an env node's order
         self.sock.close()
         self.ctx.term()
 
     @property
     def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
+        return self.server.pid
 
 
 def status_file(log_dir: str | Path) -> Path:

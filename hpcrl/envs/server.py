@@ -1,7 +1,10 @@
 """An env server: one process per train/eval environment, owning N worker processes.
 
-    orchestrator (ROUTER, binds 127.0.0.1) ◀──▶ workers × N     Run / Chat / ChatReply / Done
-                                           ◀──▶ env server      Hello / WorkerDied / Kill / Stop
+    orchestrator (ROUTER) ◀──▶ workers × N     Run / Chat / ChatReply / Done
+                          ◀──▶ env server      Hello / WorkerDied / Kill / Stop
+
+The ROUTER binds 127.0.0.1, or the orchestrator node's address when the servers run on env nodes
+of their own (deployment.env_nodes, hpcrl.envs.host).
 
 The server loads the environment once to answer `Hello` (tasks of every split, tools, turn limit),
 starts the workers (each connects to the orchestrator itself, so a rollout's messages take one hop),

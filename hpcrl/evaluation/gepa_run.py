@@ -124,13 +124,15 @@ def main(cfg: GepaRunConfig) -> int:
     cfg_dict = msgspec.to_builtins(cfg)
     resumed = check_resume(paths, cfg_dict)
     name = env_name(cfg.env[0])
-    env = load_envs(cfg.env, "env")[name]
-    train, val = split_tasks(cfg, env)
-    check_budget(cfg, len(val))
-    write_json(paths.config_file, cfg_dict)
-    seed_prompt = base_prompt(cfg, env, val)
+    # the env runs in its own env server (logs/envs/eval/<env>/), as in training and `hpcrl eval`;
+    # each candidate prompt travels with every rollout (wire.Run.system_prompt)
+    env = load_envs(cfg.env, "env", kind="eval", server_dir=paths.env_server_dir)[name]
     loop = asyncio.new_event_loop()
     try:
+        train, val = split_tasks(cfg, env)
+        check_budget(cfg, len(val))
+        write_json(paths.config_file, cfg_dict)
+        seed_prompt = base_prompt(cfg, env, val)
         with Endpoints(paths, cfg.client, cfg.inference, cfg.seq_len, cfg.log.level) as ep:
             result, adapter, reflection = _search(
                 gepa, cfg, paths, ep, loop, name, env, train, val, seed_prompt, resumed
@@ -139,6 +141,9 @@ def main(cfg: GepaRunConfig) -> int:
             reflection.close()
             loop.run_until_complete(adapter.gen.pool.aclose())
     finally:
+        close = getattr(env, "aclose", None)  # the env server (a workers = 0 env needs nothing)
+        if close is not None:
+            loop.run_until_complete(close())
         loop.close()
     meta = write_outputs(paths, cfg_dict, result, val, rows, resumed, adapter.rollouts, reflection.calls)
     print(

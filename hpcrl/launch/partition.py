@@ -121,9 +121,13 @@ def component_requests(cfg: Config, placement: Placement) -> list[ComponentReque
             )
             mem_field = f"slurm.extra_sbatch ({name})"
     out = []
-    for role in ("trainer", "inference"):
+    # env nodes on a partition of their own (deployment.env_partition) are not counted against this one
+    envs = ("envs",) if placement.env_nodes and not d.env_partition else ()
+    for role in ("trainer", "inference", *envs):
         r = placement.resources(role)
-        if not placement.uses_gpus:
+        if role == "envs":
+            tasks = "deployment.env_nodes"
+        elif not placement.uses_gpus:
             tasks = "deployment.num_trainer_ranks" if role == "trainer" else "--nodes"
         elif role == "trainer":
             tasks = "deployment.num_train_gpus" if d.num_train_gpus is not None else "slurm.gpus_per_node"
@@ -188,7 +192,7 @@ def check_components(requests: list[ComponentRequest], nodes: list[NodeOffer], w
         free = [n for n in nodes if n.name not in used and _fits(req, n)]
         if len(free) < req.nodes:
             raise ConfigError(
-                "--nodes",
+                "deployment.env_nodes" if req.role == "envs" else "--nodes",
                 f"the {req.role} component needs {req.nodes} node(s) with {cpus} CPUs"
                 + (f", {req.mem_mb} MB" if req.mem_mb else "")
                 + (f", {req.gpus_per_node} GPUs" if req.gpus_per_node else "")

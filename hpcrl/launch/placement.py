@@ -31,7 +31,7 @@ import os
 import socket
 import time
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from hpcrl.config.errors import ConfigError
@@ -67,6 +67,7 @@ class Placement:
     orchestrator_on: str = "trainer"
     infer_gpu_offset: int = 0  # one machine: the servers' GPUs come after the trainer's
     cpu_compute: bool = False  # deployment.compute = "cpu": GPUs placed, CPU computes
+    env_nodes: int = 0  # SLURM: CPU nodes of the env servers' own component (deployment.env_nodes)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -99,6 +100,8 @@ class Placement:
 
     def resources(self, role: str) -> dict[str, int | None]:
         """What one SLURM component asks for: tasks per node and its GPU request."""
+        if role == "envs":  # one env host per node; it starts that node's env servers
+            return {"nodes": self.env_nodes, "ntasks_per_node": 1, "gpus_per_node": None}
         if role == "trainer":
             g = self.gpus_per_trainer_rank * self.ranks_per_train_node
             return {
@@ -130,6 +133,8 @@ class Placement:
             f"orchestrator: 1 process beside "
             f"{'trainer rank 0' if self.orchestrator_on == 'trainer' else 'inference server 0'}",
         ]
+        if self.env_nodes:
+            lines.append(f"env servers:  on {self.env_nodes} CPU node(s) of their own (component envs)")
         if self.target == "local":
             lines.append(f"target:       this machine ({'GPU' if self.uses_gpus else 'CPU'})")
         return lines + list(self.notes)
@@ -180,6 +185,12 @@ def _cpu(cfg: Config) -> bool:
 def local_placement(cfg: Config, gpus_available: int = 0) -> Placement:
     """One machine: GPU counts from [deployment] when GPUs exist, else CPU ranks/servers."""
     d = cfg.deployment
+    if d.env_nodes:
+        raise ConfigError(
+            "deployment.env_nodes",
+            f"{d.env_nodes}: env nodes of their own exist only in a SLURM job (hpcrl submit); "
+            "use 0 with hpcrl run (env servers run beside the orchestrator)",
+        )
     tp = _tp(cfg)
     if gpus_available > 0 and d.num_train_gpus is not None:
         tg, ig = d.num_train_gpus, d.num_infer_gpus or tp
@@ -226,6 +237,21 @@ def slurm_placement(cfg: Config, nodes: int | None = None, partition_gpus: int |
     gpn = s.gpus_per_node if s is not None else d.gpus_per_node
     gpn_field = "slurm.gpus_per_node" if s is not None else "deployment.gpus_per_node"
     total = nodes if nodes is not None else (s.nodes if s is not None else None)
+    if total is not None and d.env_nodes:  # --nodes counts the env nodes too
+        if total - d.env_nodes < 2:
+            raise ConfigError(
+                "--nodes",
+                f"{total}: {d.env_nodes} env node(s) (deployment.env_nodes) leave fewer than 2 nodes "
+                "for 1 trainer + 1 inference",
+            )
+        total -= d.env_nodes
+    p = _slurm_roles(cfg, d, s, gpn, gpn_field, total, partition_gpus)
+    return replace(p, env_nodes=d.env_nodes)
+
+
+def _slurm_roles(
+    cfg, d, s, gpn: int, gpn_field: str, total: int | None, partition_gpus: int | None
+) -> Placement:
     tp = _tp(cfg)
     if gpn == 0:
         return _cpu_slurm(cfg, total)

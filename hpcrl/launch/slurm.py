@@ -5,8 +5,10 @@
     job_id = submit(spec, paths)          # sbatch; the id also goes to paths.job_file (caller)
 
 Component 0 = trainer nodes (one srun task per torch.distributed rank, `sbatch/trainer.sh`),
-component 1 = inference nodes (one task per server, `sbatch/inference.sh`); the orchestrator is an
-extra one-task step on the first node of the component `deployment.orchestrator_node` names.
+component 1 = inference nodes (one task per server, `sbatch/inference.sh`), component 2 (only with
+deployment.env_nodes > 0) = CPU nodes for the env servers (one env host per node, `sbatch/envs.sh`);
+the orchestrator is an extra one-task step on the first node of the component
+`deployment.orchestrator_node` names.
 Every role reads its resolved config from `<run>/configs/<role>.toml` (sbatch/common.sh) and its
 run directory from HPCRL_RUN_DIR; nothing is pickled (see hpcrl.launch.hetjob).
 """
@@ -17,6 +19,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from hpcrl.config import secrets
@@ -112,9 +115,15 @@ def build_spec(
         forward_signal=True,  # it checkpoints its part too
         env={GPUS_PER_TASK_ENV: "0"} if placement.uses_gpus else {},  # it computes nothing on GPUs
     )
+    components = [trainer, inference]
+    if placement.env_nodes:  # deployment.env_nodes: the env servers' own CPU nodes
+        envs = component("envs", (), forward_signal=False)  # env servers hold no state
+        if cfg.deployment.env_partition:
+            envs = replace(envs, partition=cfg.deployment.env_partition, constraint=None)
+        components.append(envs)
     return HetJobSpec(
         job_name=s.job_name or cfg.name or paths.root.name,
-        components=[trainer, inference],
+        components=components,
         steps=[orchestrator],
         time=s.time,
         env={"HPCRL_RUN_DIR": str(paths.root), "HPCRL_PYTHON": python or sys.executable},

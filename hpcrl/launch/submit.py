@@ -115,7 +115,8 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     )
     print(
         f"hpcrl: submitted SLURM job {job_id} ({placement.train_nodes} trainer + {placement.infer_nodes} inference "
-        f"node(s)); logs: {paths.logs_dir}/  follow: bash tmux.sh {job_id} {paths.root}",
+        + (f"+ {placement.env_nodes} env " if placement.env_nodes else "")
+        + f"node(s)); logs: {paths.logs_dir}/  follow: bash tmux.sh {job_id} {paths.root}",
         flush=True,
     )
     return 0

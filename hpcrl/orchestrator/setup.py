@@ -46,10 +46,14 @@ def load_envs(
     run_dir: str = "",
     default_workers: int = 1,
     max_restarts: int = 3,
+    env_nodes: int = 0,
+    first: int = 0,
 ) -> dict[str, Environment]:
     """Every env of a list, each in its own env server (`server_dir(kind, name)` holds its logs) with
     `workers` (or `default_workers`) worker processes; in this process when workers = 0 or no
-    `server_dir` is given (data-only uses such as SFT task lists)."""
+    `server_dir` is given (data-only uses such as SFT task lists). `env_nodes` > 0: the servers run
+    on the SLURM job's env nodes (env `first + i` on node `(first + i) % env_nodes`), ordered
+    through the run directory (hpcrl.envs.hosting) instead of started here."""
     out: dict[str, Environment] = {}
     starting: list[tuple[int, Any]] = []
     try:
@@ -69,7 +73,9 @@ def load_envs(
                     spec = server_spec(
                         e.id, e.args, name, kind, workers, e.rollout_timeout_s, where_logs, run_dir, i
                     )
-                    env = RemoteEnvironment(spec, max_restarts, wait=False)
+                    env = RemoteEnvironment(
+                        spec, max_restarts, wait=False, **hosted(run_dir, kind, name, first + i, env_nodes)
+                    )
                     starting.append((i, env))
             except ValueError as err:  # bad environment arguments (ConfigError included): name the entry
                 raise ConfigError(f"{where}[{i}]", str(err)) from None
@@ -84,6 +90,19 @@ def load_envs(
         close_envs(out.values())
         raise
     return out
+
+
+def hosted(run_dir: str, kind: str, name: str, index: int, env_nodes: int) -> dict[str, Any]:
+    """RemoteEnvironment's `server` / `bind_host` for an env server on env node `index % env_nodes`
+    (none: the orchestrator's own child on 127.0.0.1)."""
+    if env_nodes <= 0:
+        return {}
+    from hpcrl.bus.doorbell import resolve_host
+    from hpcrl.envs.hosting import HostedServer
+
+    paths = RunPaths(run_dir)
+    server = HostedServer(paths.env_spec_file(kind, name), paths.env_exit_file(kind, name), index % env_nodes)
+    return {"server": server, "bind_host": resolve_host(os.environ.get("HPCRL_BUS_HOST") or "auto")}
 
 
 def close_envs(envs: Any) -> None:
@@ -236,6 +255,7 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
         "run_dir": str(paths.root),
         "default_workers": o.env_workers,
         "max_restarts": o.env_server_max_restarts,
+        "env_nodes": cfg.deployment.env_nodes,
     }
     envs = load_envs(o.train.env, "orchestrator.train.env", kind="train", **served)
     if not envs:
@@ -266,7 +286,7 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     )
     eval_envs = []
     if o.eval is not None:
-        loaded = load_envs(o.eval.env, "orchestrator.eval.env", kind="eval", **served)
+        loaded = load_envs(o.eval.env, "orchestrator.eval.env", kind="eval", first=len(o.train.env), **served)
         for e in o.eval.env:
             n = e.num_examples if e.num_examples is not None else o.eval.num_examples
             eval_envs.append(

@@ -86,7 +86,13 @@ def test_gepa_writes_its_files_keeps_the_budget_and_resumes(tiny_model_dir: Path
     assert len(frontier) == 6 and all(
         f["candidates"] and len(f["prompts"]) == len(f["candidates"]) for f in frontier
     )
-    assert len(read_jsonl(out / "results.jsonl")) == 6
+    results = read_jsonl(out / "results.jsonl")
+    assert len(results) == 6
+    assert {r["prompt"][0]["content"] for r in results} == {best.strip()}  # the best candidate's rollouts
+    # the env ran in its own env server, as in training and `hpcrl eval` (docs/envs.md)
+    served = out / "logs" / "envs" / "eval" / VF_ENV
+    status = json.loads((served / "components.json").read_text())
+    assert status["env"] == VF_ENV and status["workers"] and (served / "worker_0.log").exists()
 
     # A second invocation with a larger budget continues the same search.
     hpcrl(*args, "-B", "42")

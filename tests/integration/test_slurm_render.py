@@ -158,3 +158,41 @@ def test_spec_from_multi_node_config(tmp_path):
     assert f"#SBATCH --output={paths.slurm_logs_dir}/hetjob_%j.log" in text
     assert "/opt/hpcrl/sbatch/trainer.sh &" in text
     assert split_extra_sbatch(["--mail-type=END", "--gres=gpu:8"]) == (["--mail-type=END"], ["--gres=gpu:8"])
+
+
+def _env_nodes_spec(tmp_path):
+    """A CPU job with deployment.env_nodes = 2 on a partition of their own (fixed paths)."""
+    from hpcrl.config.loader import load
+    from hpcrl.launch.placement import slurm_placement
+    from hpcrl.launch.slurm import build_spec
+    from hpcrl.paths import RunPaths
+    from tests.conftest import rl_toml
+
+    f = tmp_path / "c.toml"
+    f.write_text(
+        rl_toml(
+            tables='[deployment]\nenv_nodes = 2\nenv_partition = "cpu"\n'
+            '[slurm]\ngpus_per_node = 0\npartition = "gpu"\nconstraint = "h100"\njob_name = "envs-demo"\n'
+        )
+    )
+    cfg = load([str(f), "--output-dir", f"{RUN}-envs"]).config
+    placement = slurm_placement(cfg, nodes=4)
+    return build_spec(cfg, placement, RunPaths(f"{RUN}-envs"), python="/py", scripts=Path(f"{REPO}/sbatch"))
+
+
+def test_env_nodes_component_matches_golden(tmp_path):
+    """deployment.env_nodes: a third component, one env host task per CPU node, no GPU, no USR2."""
+    from hpcrl.launch.slurm import render
+    from hpcrl.paths import RunPaths
+
+    spec = _env_nodes_spec(tmp_path)
+    assert [c.name for c in spec.components] == ["trainer", "inference", "envs"]
+    envs = spec.components[2]
+    assert (envs.nodes, envs.ntasks_per_node, envs.gpus_per_node) == (2, 1, None)
+    assert (envs.partition, envs.constraint, envs.forward_signal) == ("cpu", None, False)
+    assert envs.command == [f"{REPO}/sbatch/envs.sh"]
+    text = render(spec, RunPaths(f"{RUN}-envs"))
+    check_golden("hetjob_env_nodes.sbatch", text)
+    assert text.count("#SBATCH hetjob") == 2
+    assert "track_step $! envs 0 1" in text
+    assert "srun --het-group=2 " in text and "HPCRL_STEP=envs,HPCRL_COMPONENT_INDEX=2" in text

@@ -93,6 +93,13 @@ def test_tmux_follows_logs_created_later(tmp_path, tmux_env):
     (logs / "envs" / "eval").mkdir()
     (logs / "envs" / "eval" / "sort.log").write_text("env sort eval\n")
     wait_for_panes(socket, "job1", {"trainer": "step 2 loss 0.4", "envs": "env sort eval"})
+    # env servers on env nodes of their own (deployment.env_nodes): the env host's log and the
+    # server's own log are under logs/envs/ too, on the shared filesystem
+    (logs / "envs" / "host_0.log").write_text("env host 0 watching\n")
+    (logs / "envs" / "train" / "reverse").mkdir()
+    (logs / "envs" / "train" / "reverse" / "server.log").write_text("worker 0 started\n")
+    wait_for_panes(socket, "job1", {"envs": "env host 0 watching"})
+    wait_for_panes(socket, "job1", {"envs": "worker 0 started"})
 
 
 @pytest.mark.timeout(60)

@@ -144,3 +144,20 @@ def test_memory_from_extra_sbatch_and_cpu_nodes():
         3, 0, "deployment.num_trainer_ranks",
     )  # fmt: skip
     assert refused([trainer]).path == "deployment.num_trainer_ranks"
+
+
+def test_env_nodes_count_against_the_partition_unless_they_have_their_own():
+    cfg = cfg_of("--slurm.gpus-per-node", "0", "--deployment.env-nodes", "3")
+    reqs = component_requests(cfg, slurm_placement(cfg, nodes=5))
+    assert [(r.role, r.nodes, r.ntasks_per_node, r.gpus_per_node) for r in reqs] == [
+        ("trainer", 1, 1, 0), ("inference", 1, 1, 0), ("envs", 3, 1, 0),
+    ]  # fmt: skip
+    e = refused(reqs)  # 4 fake nodes: the envs component gets the 2 left
+    assert e.path == "deployment.env_nodes" and "envs component needs 3 node(s)" in e.message
+    own = cfg_of(
+        "--slurm.gpus-per-node", "0", "--deployment.env-nodes", "3", "--deployment.env-partition", "cpu"
+    )
+    assert [r.role for r in component_requests(own, slurm_placement(own, nodes=5))] == [
+        "trainer",
+        "inference",
+    ]

@@ -28,6 +28,18 @@ class DeploymentConfig(Section):
     orchestrator_node: Annotated[
         Literal["trainer", "inference"], D("Where the orchestrator runs on SLURM.")
     ] = "trainer"
+    env_nodes: Annotated[
+        int,
+        D(
+            "SLURM: CPU nodes of their own for the env servers, one more hetjob component (envs); env "
+            "servers are spread over them and reach the orchestrator through the run directory. "
+            "0 = env servers run beside the orchestrator, which starts them (hpcrl run: must be 0).",
+            ge=0,
+        ),
+    ] = 0
+    env_partition: Annotated[
+        str | None, D("SLURM partition of the env nodes (default: slurm.partition); env_nodes > 0 only.")
+    ] = None
     compute: Annotated[
         Literal["auto", "cpu"],
         D(
