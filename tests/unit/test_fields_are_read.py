@@ -108,8 +108,15 @@ def _documented() -> list[str]:
 def test_documented_keys_exist_and_are_read(key):
     from hpcrl.config.loader import canonical_path
 
+    from hpcrl.config import ConfigError
+
     parts = canonical_path(key.split("."))  # prime-rl's names (aliases) are documented too
-    leaf = fields.resolve(schema.Config, parts)  # a documented key that is not a field fails here
+    try:
+        leaf = fields.resolve(schema.Config, parts)  # a documented key that is not a field fails here
+    except ConfigError:
+        if parts[-1] in ("log", "py", "md", "json", "jsonl", "toml", "sh"):
+            pytest.skip(f"{key} is a file name (`server.log`), not a config key")
+        raise
     key = ".".join(parts)
     if leaf.kind == "section" or any(key.startswith(w + ".") for w in WHOLE):
         return
