@@ -142,10 +142,30 @@ def _to_native(d: dict[str, Any], source: str, notes: list[str]) -> tuple[dict[s
             notes.append(f"{source}: {shown} is a hosted-platform setting; ignored here")
     if d.get("type") == "full_finetune":
         notes.append(f'{source}: type = "full_finetune" (native shape): trains all weights')
+        _full_finetune_checkpointing(d, source, notes)
     if not is_hosted(d):
         return d, notes
     notes.append(f"{source}: hosted (flat) config shape detected; translated to the native shape")
     return _translate(d, source, notes), notes
+
+
+def _full_finetune_checkpointing(d: dict[str, Any], source: str, notes: list[str]) -> None:
+    """The full_finetune shape checkpoints activations unless it says otherwise: its sizes (a 30B MoE
+    at 32k tokens) do not fit a GPU without it (docs/memory.md: 332 vs 43 GiB per trainer rank), and
+    the shape's docs leave memory to the platform. A later file or flag still turns it off."""
+    trainer, model = d.get("trainer"), d.get("model")
+    own = trainer.get("model") if isinstance(trainer, dict) else None
+    if any(isinstance(t, dict) and "activation_checkpointing" in t for t in (own, model)):
+        return
+    if (trainer is not None and not isinstance(trainer, dict)) or (
+        own is not None and not isinstance(own, dict)
+    ):
+        return  # a scalar where a table belongs: the shape check names it
+    d.setdefault("trainer", {}).setdefault("model", {})["activation_checkpointing"] = True
+    notes.append(
+        f"{source}: full_finetune: activation checkpointing on (trainer.model.activation_checkpointing = false "
+        "turns it off)"
+    )
 
 
 def _take(d: dict[str, Any], key: str, default: Any = None) -> Any:

@@ -32,6 +32,7 @@ class NodeOffer:
     cpus: int
     mem_mb: int
     gpus: int
+    gpu_types: tuple[str, ...] = ()  # GRES types ('gpu:h100:8' -> 'h100'); empty when untyped
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,15 @@ def gres_gpus(gres: str) -> int:
     return total
 
 
+def gres_gpu_types(gres: str) -> tuple[str, ...]:
+    """GPU types in a sinfo GRES string: 'gpu:h100:8(S:0-1)' -> ('h100',); 'gpu:4' -> ()."""
+    return tuple(
+        m.group(1).lower()
+        for item in gres.split(",")
+        if (m := re.match(r"gpu:([^:(\d][^:(]*):\d+", item.strip()))
+    )
+
+
 def parse_sinfo(text: str) -> list[NodeOffer]:
     """Nodes of `sinfo -h -N -o '%N|%c|%m|%G'` output, each once (sinfo -N repeats a node per
     partition). Lines that do not parse are skipped."""
@@ -68,7 +78,9 @@ def parse_sinfo(text: str) -> list[NodeOffer]:
             continue
         name, cpus, mem, gres = parts
         try:
-            offer = NodeOffer(name, int(cpus.rstrip("+")), int(mem.rstrip("+")), gres_gpus(gres))
+            offer = NodeOffer(
+                name, int(cpus.rstrip("+")), int(mem.rstrip("+")), gres_gpus(gres), gres_gpu_types(gres)
+            )
         except ValueError:
             continue
         out.setdefault(name, offer)

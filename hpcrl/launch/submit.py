@@ -54,6 +54,7 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
         where = f"partition '{cfg.slurm.partition}'" if cfg.slurm.partition else "the default partition"
         check_components(component_requests(cfg, placement), offer, where)
     memory = memory_plan.dry_run_lines(cfg, placement)  # refuses a GPU plan that cannot fit
+    memory += memory_plan.attention_lines(cfg, placement, {t for n in offer or [] for t in n.gpu_types})
     prepare.apply_placement(cfg, placement)
     notes = []
     if cfg.slurm.requeue and cfg.ckpt is None:

@@ -3,11 +3,9 @@ flash_attention_3, tp 8) through `hpcrl submit --dry-run` on the GPU-shaped SLUR
 (`sudo bash scripts/slurm/up.sh --gpus 8 --cpus 16`): the placement plan, the memory plan and the
 ep groups print, and sbatch --test-only accepts the job.
 
-configs/hosted/full_ft_multi_node.toml is that example with impl / ep left out (refused until the
-custom implementation and expert parallelism exist); this test adds them back as flags.
-Beyond impl / ep, the memory plan refuses the example as written: at seq_len 32768 with neither
-activation checkpointing nor chunked logprobs a trainer rank needs ~332 GiB of 80 (activations
-237, logits 65); with trainer.model.activation_checkpointing and 1024-token logprob chunks, 43 GiB.
+configs/hosted/full_ft_multi_node.toml is that example (impl custom, ep 8, flash_attention_3, tp 8).
+The full_finetune shape turns activation checkpointing on unless told otherwise, and the trainer
+computes logprobs in chunks: at seq_len 32768 a trainer rank would need ~332 GiB without either.
 """
 
 from __future__ import annotations
@@ -23,14 +21,7 @@ from tests.integration.test_slurm_cluster import cluster  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
-SEED = [
-    "--trainer.model.impl",
-    "custom",
-    "--trainer.model.ep",
-    "8",
-    "--trainer.model.attn",
-    "flash_attention_3",
-]
+SEED: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +33,6 @@ def seed_cluster(cluster):  # noqa: F811
         )
 
 
-@pytest.mark.xfail(strict=False, reason="needs impl=custom and ep from the moe branch")
 def test_seed000_multi_node_dry_run_prints_plan_memory_and_ep_groups(seed_cluster, tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", "submit", str(REPO / "configs/hosted/full_ft_multi_node.toml"),

@@ -101,9 +101,10 @@ def test_full_ft_seed_configs_translate(tmp_path: Path) -> None:
     multi = cfg_of(REPO / "configs/hosted/full_ft_multi_node.toml")
     assert (multi.deployment.num_train_nodes, multi.deployment.num_infer_nodes) == (2, 2)
     tm = multi.trainer.model
-    # The docs' impl = "custom" / ep = 8 are not implemented, so the shipped copy leaves them out
-    # (tests/unit/test_unsupported.py: setting them is an error, not a silent no-op).
-    assert tm is not None and (tm.impl, tm.attn, tm.ep) == ("auto", "flash_attention_3", 1)
+    # the docs' trainer model: hpcrl's own Qwen3-MoE, FA3, expert parallel over 8 ranks; the
+    # full_finetune shape checkpoints activations unless told otherwise (docs/memory.md)
+    assert tm is not None and (tm.impl, tm.attn, tm.ep) == ("custom", "flash_attention_3", 8)
+    assert tm.activation_checkpointing
     assert tm.name == "Qwen/Qwen3-30B-A3B-Thinking-2507"  # shared model.name flowed in
     assert multi.inference.parallel.tp == 8
     assert multi.orchestrator.oversampling_factor == 2.0 and multi.orchestrator.max_off_policy_steps == 8

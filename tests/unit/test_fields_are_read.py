@@ -106,9 +106,8 @@ def _documented() -> list[str]:
 
 @pytest.mark.parametrize("key", _documented())
 def test_documented_keys_exist_and_are_read(key):
-    from hpcrl.config.loader import canonical_path
-
     from hpcrl.config import ConfigError
+    from hpcrl.config.loader import canonical_path
 
     parts = canonical_path(key.split("."))  # prime-rl's names (aliases) are documented too
     try:

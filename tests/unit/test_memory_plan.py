@@ -179,3 +179,23 @@ def test_one_machine_with_gpus_names_the_gpu_count_to_raise():
     with pytest.raises(ConfigError) as e:  # 8.19 B x 16 bytes of master state on one GPU
         mp.dry_run_lines(cfg, local_placement(cfg, gpus_available=2))
     assert e.value.path == "deployment.num_train_gpus" and "a trainer rank needs 1" in str(e.value)
+
+
+def test_flash_attention_3_against_the_nodes_gpu_types():
+    """FA3 needs Hopper or newer: refused on a100 nodes, a note where the GPU type is unknown."""
+    from types import SimpleNamespace
+
+    from hpcrl.config import ConfigError
+    from hpcrl.launch.memory_plan import attention_lines
+
+    model = SimpleNamespace(attn="flash_attention_3")
+    cfg = SimpleNamespace(trainer=SimpleNamespace(model=model), model=model)
+    gpu = SimpleNamespace(uses_gpus=True, cpu_compute=False)
+    with pytest.raises(ConfigError, match=r"^trainer\.model\.attn: flash_attention_3 needs Hopper.*a100"):
+        attention_lines(cfg, gpu, {"a100"})
+    assert not any("Hopper" in line for line in attention_lines(cfg, gpu, {"h100"}))
+    assert any("no GPU type" in line for line in attention_lines(cfg, gpu, set()))
+    cpu = SimpleNamespace(uses_gpus=True, cpu_compute=True)
+    assert "SDPA" in attention_lines(cfg, cpu, {"a100"})[0]
+    model.attn = "sdpa"
+    assert attention_lines(cfg, gpu, {"a100"}) == []

@@ -42,8 +42,15 @@ def test_sinfo_nodes_once_each():
     assert parse_sinfo(SINFO) == [
         NodeOffer("n1", 2, 2048, 4),
         NodeOffer("n2", 2, 2048, 4),
-        NodeOffer("n3", 16, 64000, 8),
+        NodeOffer("n3", 16, 64000, 8, ("a100",)),
     ]
+
+
+def test_gres_gpu_types():
+    from hpcrl.launch.partition import gres_gpu_types
+
+    assert gres_gpu_types("gpu:h100:8(S:0-1),shard:4") == ("h100",)
+    assert gres_gpu_types("gpu:4") == () and gres_gpu_types("(null)") == ()
 
 
 @pytest.mark.parametrize(
