@@ -243,10 +243,9 @@ MOE_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def _moe_model_config(preset: str, tokenizer: Any) -> Any:
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
+def _common_config(tokenizer: Any) -> dict[str, Any]:
+    """What every tiny preset, dense or MoE, shares: the tokenizer's ids, tied embeddings, fp32."""
+    return dict(
         vocab_size=len(tokenizer),
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -255,31 +254,18 @@ def _moe_model_config(preset: str, tokenizer: Any) -> Any:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         dtype="float32",
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        **MOE_PRESETS[preset],
     )
 
 
 def _model_config(preset: str, tokenizer: Any) -> Any:
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    if preset in MOE_PRESETS:
-        return _moe_model_config(preset, tokenizer)
+    if preset in MOE_PRESETS:  # every layer sparse
+        moe = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        return Qwen3MoeConfig(**{**_common_config(tokenizer), **moe, **MOE_PRESETS[preset]})
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny-model preset {preset!r}; allowed: {sorted(PRESETS | MOE_PRESETS)}")
-    kwargs: dict[str, Any] = dict(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        dtype="float32",
-    )
-    return Qwen3Config(**{**kwargs, **PRESETS[preset]})
+    return Qwen3Config(**{**_common_config(tokenizer), **PRESETS[preset]})
 
 
 def build_tiny_model(

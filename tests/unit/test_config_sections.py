@@ -20,6 +20,7 @@ import tomli_w
 
 from hpcrl.cli import COMMANDS, main
 from hpcrl.config import schema
+from tests.unit.test_config_fuzz import _unwrap
 
 RL_BASE: dict[str, Any] = {
     "max_steps": 2,
@@ -34,16 +35,6 @@ BASES: dict[str, dict[str, Any]] = {
     "GepaRunConfig": {"model": "hpcrl/tiny-qwen3", "env": [{"id": "reverse-text"}]},
 }
 CONFIG_COMMANDS = sorted(name for name, (_, root) in COMMANDS.items() if root and name != "resume")
-
-
-def _unwrap(t: mi.Type) -> mi.Type:
-    while True:
-        if isinstance(t, mi.Metadata):
-            t = t.type
-        elif isinstance(t, mi.UnionType) and len([u for u in t.types if not isinstance(u, mi.NoneType)]) == 1:
-            t = next(u for u in t.types if not isinstance(u, mi.NoneType))
-        else:
-            return t
 
 
 def _sections(t: mi.StructType, path: tuple[str, ...] = ()):
