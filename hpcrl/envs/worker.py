@@ -62,12 +62,28 @@ async def run_one(env: Any, base_prompt: str | None, msg: wire.Run, client: Work
         return wire.Done(msg.rid, error=f"{type(e).__name__}: {e}"[:500])
 
 
-async def exit_when_orphaned(parent: int) -> None:
-    """A worker whose server died (kill -9) must not linger: its parent pid changes, it exits."""
-    while os.getppid() == parent:
-        await asyncio.sleep(0.5)
-    log.warning("env server (pid %d) is gone: exiting", parent)
-    os._exit(0)
+def die_with_parent(parent: int) -> None:
+    """A worker whose server died (kill -9) must not linger, even while env code blocks its event
+    loop (a hung rollout: an asyncio watcher never ran, and such workers outlived their runs). The
+    kernel kills it with its parent (PR_SET_PDEATHSIG); a watcher thread catches a parent that
+    died before the prctl, or a platform without it."""
+    import ctypes
+    import signal
+    import threading
+    import time
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        log.warning("env server (pid %d) is gone: exiting", parent)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
 async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
@@ -96,8 +112,7 @@ async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
     async def run(msg: wire.Run) -> None:
         await send(await run_one(env, base_prompt, msg, WorkerChat(msg.rid, send, pending)))
 
-    parent = os.getppid()
-    orphan = asyncio.ensure_future(exit_when_orphaned(parent))
+    die_with_parent(os.getppid())
     await send(wire.Ready(os.getpid()))
     log.info("worker %d (pid %d) serving %s", index, os.getpid(), spec.name)
     while True:
@@ -112,7 +127,6 @@ async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
                 fut.set_result(msg)
         elif isinstance(msg, wire.Stop):
             break
-    orphan.cancel()
     for t in running:
         t.cancel()
     sock.close()

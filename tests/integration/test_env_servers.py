@@ -47,6 +47,15 @@ async def _one(env: RemoteEnvironment, i: int) -> str:
     return f"reward {traj.reward}"
 
 
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def _status(tmp_path: Path) -> dict:
     return json.loads(status_file(tmp_path / "faulty").read_text())
 
@@ -79,8 +88,14 @@ def test_a_killed_server_errors_what_it_held_and_comes_back(tmp_path: Path) -> N
         first = await _one(env, 0)
         hang = asyncio.ensure_future(_one(env, 4))  # held by the server when it dies
         await asyncio.sleep(0.5)
+        workers = [w["pid"] for w in _status(tmp_path)["workers"]]
         os.kill(env.pid, signal.SIGKILL)
         held = await hang
+        # its workers die with it, the one stuck in hung env code too (its event loop never runs)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not any(_alive(p) for p in workers), workers
         again = await _one(env, 0)  # the restarted server answers
         os.kill(env.pid, signal.SIGKILL)  # past the limit: the run must end, naming the env
         await asyncio.sleep(1.0)
