@@ -217,8 +217,12 @@ def _envs(cfg: Config, require_envs: bool) -> None:
         lists.append(("orchestrator.eval.env", o.eval.env))
     from hpcrl.config.secrets import resolve_refs
 
+    from hpcrl.envs.v1_runtime import check_name
+
     for path, envs in lists:
         for i, e in enumerate(envs):
+            if e.runtime is not None and (bad := check_name(e.runtime)):
+                raise ConfigError(f"{path}[{i}].runtime", bad)
             args = resolve_refs(e.args, f"{path}[{i}].args")  # only checked here, never stored
             try:
                 validate_env_spec(e.id, args)
