@@ -97,7 +97,10 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
     for trace in traces:
         for branch in trace.branches:
             if branch.trainable:
-                turns += branch_turns(branch.token_ids, branch.sampled_mask, branch.logprobs, policy)
+                more = branch_turns(branch.token_ids, branch.sampled_mask, branch.logprobs, policy)
+                if turns and more:  # a forked branch (the renderer could not bridge): its own sample
+                    more[0].rerendered = True
+                turns += more
             truncated |= any(c.finish_reason == "length" for c in branch.calls)
         for k, v in trace.metrics.items():
             if v is not None:
@@ -110,10 +113,13 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
     if error is None and not traces:
         error = "the episode has no trained trace"
     metrics["num_traces"] = float(len(traces))
+    last = traces[-1].branches[-1].messages if traces and traces[-1].branches else []
+    messages = [m.model_dump(mode="json", exclude_none=True) for m in last]  # for eval's results
+    num_prompt = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
     return Trajectory(
         task=task,
-        messages=[],
-        num_prompt_messages=0,
+        messages=messages,
+        num_prompt_messages=num_prompt,
         turns=turns,
         reward=sum(t.reward for t in traces) / len(traces) if traces else 0.0,
         metrics=metrics,
