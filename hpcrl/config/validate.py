@@ -228,6 +228,14 @@ def _envs(cfg: Config, require_envs: bool) -> None:
                 validate_env_spec(e.id, args)
             except ValueError as err:
                 raise ConfigError(f"{path}[{i}]", str(err)) from None
+            if e.runtime is not None:
+                from hpcrl.envs.registry import v1_module
+
+                if v1_module(e.id) is None:
+                    raise ConfigError(
+                        f"{path}[{i}].runtime",
+                        f"env {e.id!r} is not a verifiers 0.4 (v1) environment; only those run in a runtime",
+                    )
 
 
 def _unique_names(envs: list[EnvConfig], path: str) -> None:

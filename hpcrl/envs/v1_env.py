@@ -63,7 +63,9 @@ def env_config(env_id: str, args: Mapping[str, Any], runtime: str | None) -> tup
         raise ValueError(f"environment {env_id!r}: {' '.join(str(e).split())[:400]}") from None
 
 
-def branch_turns(ids: Sequence[int], mask: Sequence[bool], logprobs: Sequence[float], policy: int) -> list[Turn]:
+def branch_turns(
+    ids: Sequence[int], mask: Sequence[bool], logprobs: Sequence[float], policy: int
+) -> list[Turn]:
     """A branch as turns: one per run of sampled tokens, its prompt everything before the run, so
     stitch_turns gives back `ids` (up to the last sampled token) with `mask` as the loss mask."""
     turns, i, n = [], 0, len(ids)
@@ -235,9 +237,7 @@ class V1Environment(Environment):
                 renderer_model_name=str(tokenizer.name_or_path),
             )
             policy = int(c.default_policy())  # the live policy at dispatch (PolicySpan.start)
-            episode = await env_client.run(
-                train, c.pool.model, v1_sampling(sampling), dict(task.info[_DATA])
-            )
+            episode = await env_client.run(train, c.pool.model, v1_sampling(sampling), dict(task.info[_DATA]))
             return episode_trajectory(task, episode, policy)
 
         return list(await asyncio.gather(*(one(c) for c in convs)))

@@ -13,7 +13,11 @@ from collections.abc import Callable, Mapping
 
 LOCAL = ("subprocess",)
 CONTAINER = {"docker": "docker", "podman": "podman", "apptainer": "apptainer"}  # runtime -> binary
-HOSTED = {"prime": ("PRIME_API_KEY",), "modal": ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"), "e2b": ("E2B_API_KEY",)}
+HOSTED = {
+    "prime": ("PRIME_API_KEY",),
+    "modal": ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"),
+    "e2b": ("E2B_API_KEY",),
+}
 RUNTIMES = (*LOCAL, *CONTAINER, *HOSTED)
 
 

@@ -8,6 +8,7 @@ the harness program runs in verifiers' `subprocess` runtime, offline. Runs in th
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -82,3 +83,43 @@ def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
     assert all(r["num_turns"] == 3 and r["completion_tokens"] > 0 for r in results)
     assert all({"correct", "digits", "turns"} <= set(r["metrics"]) for r in results)
     assert all(r["completion"] and r["completion"][0]["role"] == "assistant" for r in results)
+
+
+@pytest.mark.parametrize(
+    ("env_lines", "refusal"),
+    [
+        ('runtime = "subprocess"', None),
+        (
+            'runtime = "apptainer"',
+            "orchestrator.train.env[0].runtime: env 'vf1_tool_env': runtime 'apptainer' needs `apptainer` on PATH",
+        ),
+        (
+            'runtime = "e2b"',
+            "orchestrator.train.env[0].runtime: env 'vf1_tool_env': hosted runtime 'e2b' needs",
+        ),
+        ('runtime = "lxc"', "orchestrator.train.env[0].runtime: 'lxc' is not a verifiers runtime; allowed:"),
+    ],
+)
+def test_dry_run_checks_the_runtime_can_start(tmp_path: Path, env_lines: str, refusal: str | None) -> None:
+    assert shutil.which("apptainer") is None and not os.environ.get("E2B_API_KEY")
+    cfg = tmp_path / "vf1.toml"
+    cfg.write_text(CONFIG + env_lines + "\n")
+    proc = _hpcrl("run", str(cfg), "--dry-run", "--output-dir", str(tmp_path / "run"))
+    if refusal is None:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and refusal in lines[0], proc.stderr
+
+
+def test_runtime_on_an_env_that_is_not_v1_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "builtin.toml"
+    cfg.write_text(CONFIG.replace('id = "vf1_tool_env"', 'id = "reverse-text"').replace("args = { num_tasks = 4 }", "")
+                   + 'runtime = "subprocess"\n')  # fmt: skip
+    proc = _hpcrl("run", str(cfg), "--dry-run", "--output-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "config error: orchestrator.train.env[0].runtime: env 'reverse-text' is not a verifiers 0.4 (v1) "
+        "environment; only those run in a runtime"
+    )

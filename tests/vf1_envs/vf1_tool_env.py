@@ -19,7 +19,7 @@ import verifiers.v1 as vf
 
 # The agent program: a chat loop with one tool (`add`). A tool call is executed and answered; a
 # plain reply gets one nudge; it stops after `--max-turns` model turns or on a final answer.
-PROGRAM = r'''
+PROGRAM = r"""
 import argparse, json, sys, urllib.request
 p = argparse.ArgumentParser()
 p.add_argument("--base-url"); p.add_argument("--api-key"); p.add_argument("--model")
@@ -50,7 +50,7 @@ for turn in range(a.max_turns):
     elif turn + 1 < a.max_turns:
         messages.append({"role": "user", "content": "Answer with just the number."})
 print(json.dumps({"turns": turn + 1}))
-'''
+"""
 
 
 class AddData(vf.TaskData):
@@ -81,7 +81,10 @@ class AddConfig(vf.TasksetConfig):
 class AddTaskset(vf.Taskset[AddTask, AddConfig]):
     def load(self) -> list[AddTask]:
         return [
-            AddTask(AddData(idx=i, prompt=f"What is {i} + {2 * i}? Use the add tool.", a=i, b=2 * i), self.config.task)
+            AddTask(
+                AddData(idx=i, prompt=f"What is {i} + {2 * i}? Use the add tool.", a=i, b=2 * i),
+                self.config.task,
+            )
             for i in range(self.config.num_tasks)
         ]
 
@@ -97,7 +100,13 @@ class AddToolHarness(vf.Harness[AddToolHarnessConfig]):
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **_) -> vf.ProgramResult:
         _, prompt = self.resolve_text_prompt(data)
         await runtime.write("agent.py", PROGRAM.encode())
-        argv = ["python3", "agent.py", f"--base-url={endpoint}", f"--api-key={secret}", f"--model={ctx.model}"]
+        argv = [
+            "python3",
+            "agent.py",
+            f"--base-url={endpoint}",
+            f"--api-key={secret}",
+            f"--model={ctx.model}",
+        ]
         argv += [f"--prompt={prompt}", f"--max-turns={self.config.max_turns}"]
         result = await runtime.run_program(argv, {})
         await self._check_result(trace, runtime, result)
