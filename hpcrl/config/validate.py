@@ -216,7 +216,6 @@ def _envs(cfg: Config, require_envs: bool) -> None:
     if o.eval is not None:
         lists.append(("orchestrator.eval.env", o.eval.env))
     from hpcrl.config.secrets import resolve_refs
-
     from hpcrl.envs.v1_runtime import check_name
 
     for path, envs in lists:

@@ -155,7 +155,7 @@ def _installed(env_id: str) -> Factory | None:
         if module is not None and callable(getattr(module, "load_environment", None)):
             return module.load_environment
         if module is not None:
-            from hpcrl.envs.vf_versions import v1_exports, v1_refusal
+            from hpcrl.envs.vf_versions import v1_exports
 
             if v1_exports(module):  # a verifiers 0.4 taskset package (exports its Taskset via __all__)
                 return _v1_factory(mod_name, env_id)
@@ -173,7 +173,7 @@ def _installed(env_id: str) -> Factory | None:
 def _v1_factory(mod_name: str, env_id: str) -> Factory:
     """A v1 taskset module: run it through verifiers' own env server (hpcrl.envs.v1_env) where this
     venv has verifiers 0.4, else the one-line version refusal."""
-    from hpcrl.envs.vf_versions import major_minor, installed, v1_refusal
+    from hpcrl.envs.vf_versions import installed, major_minor, v1_refusal
 
     mm = major_minor(installed())
     if mm is None or mm < (0, 4):

@@ -8,8 +8,8 @@ the harness program runs in verifiers' `subprocess` runtime, offline. Runs in th
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
