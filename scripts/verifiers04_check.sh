@@ -41,4 +41,5 @@ fi
 echo "verifiers 0.4 venv ready in $(( $(date +%s) - start )) s"
 exec "$vpy" -m pytest -q -p no:cacheprovider \
   tests/integration/test_vf_versions.py tests/unit/test_env_servers_pure.py \
-  tests/integration/test_env_servers.py tests/integration/test_generate_route.py "$@"
+  tests/integration/test_env_servers.py tests/integration/test_generate_route.py \
+  tests/integration/test_vf1_train.py tests/unit/test_v1_runtime.py "$@"

@@ -178,6 +178,11 @@ def _v1_factory(mod_name: str, env_id: str) -> Factory:
     mm = major_minor(installed())
     if mm is None or mm < (0, 4):
         raise EnvSpecError(v1_refusal(env_id))
+    if "." in mod_name:  # verifiers imports a taskset by its top-level module name only
+        raise EnvSpecError(
+            f"environment {env_id!r}: verifiers loads a v1 taskset by its top-level module name; install "
+            f"it as a package (or put its folder on PYTHONPATH) and use id = {mod_name.rpartition('.')[2]!r}"
+        )
 
     def build(**args: Any) -> Environment:
         from hpcrl.envs.v1_env import V1Environment
