@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.envs.base import ChatClient, Environment, Task, Trajectory, Turn, normalize_split
+from hpcrl.envs.errors import EnvServerFailed
 from hpcrl.envs.v1_runtime import effective
 
 log = logging.getLogger("hpcrl.envs")
@@ -141,12 +142,21 @@ class V1Environment(Environment):
     """hpcrl's Environment over a verifiers v1 env served by verifiers' own env server."""
 
     def __init__(
-        self, env_id: str, args: Mapping[str, Any], *, runtime: str | None = None, workers: int = 1
+        self,
+        env_id: str,
+        args: Mapping[str, Any],
+        *,
+        runtime: str | None = None,
+        workers: int = 1,
+        rollout_timeout_s: float = 600.0,
+        max_restarts: int = 3,
     ) -> None:
         super().__init__()
         from verifiers.v1.utils.loaders import load_taskset
 
         self.env_id, self.workers = env_id, max(1, workers)
+        self.rollout_timeout_s, self.max_restarts, self.restarts = rollout_timeout_s, max_restarts, 0
+        self.log_dir: Path | None = None
         self.name = env_id
         self.config, self.notes = env_config(env_id, args, runtime)
         for note in self.notes:
@@ -177,6 +187,7 @@ class V1Environment(Environment):
         """Spawn verifiers' serve_env and wait for its address."""
         from verifiers.v1.serve import env_config_data, serve_env
 
+        self.log_dir = log_dir
         ctx = mp.get_context("spawn")
         queue, (parent, child) = ctx.Queue(), ctx.Pipe()
         log_setup = None
@@ -203,6 +214,8 @@ class V1Environment(Environment):
 
         try:
             self.address = queue.get(timeout=START_TIMEOUT_S)
+            if log_dir is not None:  # which process serves the env (hpcrl logs / fault tests)
+                (log_dir / "server.pid").write_text(f"{self.proc.pid}\n")
         except queue_mod.Empty:
             self.close_now()
             raise ValueError(f"environment {self.env_id!r}: verifiers' env server did not start") from None
@@ -237,10 +250,48 @@ class V1Environment(Environment):
                 renderer_model_name=str(tokenizer.name_or_path),
             )
             policy = int(c.default_policy())  # the live policy at dispatch (PolicySpan.start)
-            episode = await env_client.run(train, c.pool.model, v1_sampling(sampling), dict(task.info[_DATA]))
-            return episode_trajectory(task, episode, policy)
+            run = env_client.run(train, c.pool.model, v1_sampling(sampling), dict(task.info[_DATA]))
+            return episode_trajectory(task, await self._guarded(run), policy)
 
         return list(await asyncio.gather(*(one(c) for c in convs)))
+
+    async def _guarded(self, run: Any) -> Any:
+        """`run` (an EnvClient.run), errored when it passes rollout_timeout_s (verifiers runs rollouts
+        untimed; cancelling sends the server its cancel) or when the server process dies: then the
+        server is started again, up to max_restarts times, after which the run ends (EnvServerFailed)."""
+        loop, proc = asyncio.get_running_loop(), self.proc
+        task = asyncio.ensure_future(run)
+        deadline = loop.time() + self.rollout_timeout_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    return task.result()
+                if proc is not None and not proc.is_alive():
+                    self._server_died(proc)
+                    raise RuntimeError(
+                        f"verifiers' env server of {self.env_id!r} died (exit code {proc.exitcode})"
+                    )
+                if loop.time() > deadline:
+                    raise TimeoutError(f"the episode ran past rollout_timeout_s = {self.rollout_timeout_s:g}")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _server_died(self, proc: Any) -> None:
+        if proc is not self.proc:  # another rollout already restarted it
+            return
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise EnvServerFailed(
+                f"verifiers' env server of {self.env_id!r} died (exit code {proc.exitcode}); restarted "
+                f"{self.restarts - 1} time(s), the limit (orchestrator.env_server_max_restarts) is reached"
+            )
+        log.warning(
+            "verifiers' env server of %r died (exit code %s): starting it again", self.env_id, proc.exitcode
+        )
+        self.close_now()
+        self.start(self.log_dir)
 
     async def rollout(self, task: Task, client: ChatClient, sampling: Mapping[str, Any]) -> Trajectory:
         raise NotImplementedError("a v1 env runs groups (rollout_group)")
@@ -248,6 +299,8 @@ class V1Environment(Environment):
     def close_now(self) -> None:
         if self._client is not None:
             try:
+                if self._client._receiver is not None:
+                    self._client._receiver.cancel()
                 self._client.socket.close(linger=0)
                 self._client.ctx.term()
             except Exception:  # noqa: BLE001 - best effort at shutdown

@@ -66,7 +66,14 @@ def load_envs(
                 if v1 is not None:  # verifiers' own env server runs its episodes (hpcrl.envs.v1_env)
                     from hpcrl.envs.v1_env import V1Environment
 
-                    env = V1Environment(v1, e.args, runtime=e.runtime, workers=workers)
+                    env = V1Environment(
+                        v1,
+                        e.args,
+                        runtime=e.runtime,
+                        workers=workers,
+                        rollout_timeout_s=e.rollout_timeout_s,
+                        max_restarts=max_restarts,
+                    )
                     env.start(server_dir(kind, name) if server_dir is not None else None)
                 elif server_dir is None or workers == 0:
                     env = load_environment(e.id, **e.args)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,33 @@ def test_runtime_on_an_env_that_is_not_v1_is_refused(tmp_path: Path) -> None:
         "config error: orchestrator.train.env[0].runtime: env 'reverse-text' is not a verifiers 0.4 (v1) "
         "environment; only those run in a runtime"
     )
+
+
+def test_kill_9_of_the_verifiers_env_server_mid_run(tmp_path: Path) -> None:
+    """The server is started again, the rollouts it held are errored and counted, the run ends 0."""
+    cfg, out = tmp_path / "vf1.toml", tmp_path / "run"
+    cfg.write_text(CONFIG.replace("max_steps = 3", "max_steps = 5").replace("workers = 2", "workers = 1"))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'vf1_envs'}")
+    log = (tmp_path / "run.out").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    pid_file = out / "logs" / "envs" / "train" / ENV_ID / "server.pid"
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        metrics = RunPaths(out).metrics_file
+        if metrics.exists() and any(m.get("step") == 1 for m in read_metrics(metrics)):
+            break
+        time.sleep(0.2)
+    first = int(pid_file.read_text())
+    os.kill(first, signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, (tmp_path / "run.out").read_text()[-3000:]
+    assert int(pid_file.read_text()) != first  # a new server
+    orch_log = (out / "logs" / "orchestrator.log").read_text()
+    assert "verifiers' env server of 'vf1_tool_env' died (exit code -9): starting it again" in orch_log
+    orch = [m for m in read_metrics(RunPaths(out).metrics_file) if m.get("role") == "orchestrator"]
+    assert [m["step"] for m in orch if "reward/vf1_tool_env/mean" in m] == [1, 2, 3, 4, 5]
+    errored = sum(m.get("errored_rollouts/vf1_tool_env", 0.0) for m in orch)
+    dropped = sum(m.get("filter/all_errored_dropped", 0) for m in orch)
+    assert errored + dropped >= 1, orch
