@@ -131,11 +131,16 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
     )
 
 
-def v1_sampling(sampling: Mapping[str, Any]) -> Any:
+def v1_sampling(sampling: Mapping[str, Any], seed: int | None = None) -> Any:
+    """The orchestrator's request fields as verifiers' SamplingConfig. Keys it does not name (top_k,
+    min_p, repetition_penalty, the rollout's seed) pass through to /inference/v1/generate's
+    sampling_params (extra="allow"); chat_template_kwargs goes to the renderer."""
     from verifiers.v1.types import SamplingConfig
 
-    keys = set(SamplingConfig.model_fields)
-    return SamplingConfig.model_validate({k: v for k, v in sampling.items() if k in keys and v is not None})
+    fields = {k: v for k, v in sampling.items() if v is not None}
+    if seed is not None:
+        fields["seed"] = seed
+    return SamplingConfig.model_validate(fields)
 
 
 class V1Environment(Environment):
@@ -250,7 +255,7 @@ class V1Environment(Environment):
                 renderer_model_name=str(tokenizer.name_or_path),
             )
             policy = int(c.default_policy())  # the live policy at dispatch (PolicySpan.start)
-            run = env_client.run(train, c.pool.model, v1_sampling(sampling), dict(task.info[_DATA]))
+            run = env_client.run(train, c.pool.model, v1_sampling(sampling, c.seed), dict(task.info[_DATA]))
             return episode_trajectory(task, await self._guarded(run), policy)
 
         return list(await asyncio.gather(*(one(c) for c in convs)))

@@ -81,3 +81,11 @@ def test_branch_turns_stitch_back_to_the_branch_exactly() -> None:
     assert piece.input_ids == ids[:10] and piece.loss_mask == mask[:10]
     assert piece.logprobs == pytest.approx(lps[:10])
     assert branch_turns([1, 2], [False, False], [0.0, 0.0], 0) == []
+
+
+def test_sampling_passes_every_field_and_the_rollout_seed() -> None:
+    pytest.importorskip("verifiers.v1")
+    from hpcrl.envs.v1_env import v1_sampling
+
+    s = v1_sampling({"max_tokens": 16, "temperature": 0.7, "top_k": 5, "top_p": None}, seed=11)
+    assert s.model_dump(exclude_none=True) == {"max_tokens": 16, "temperature": 0.7, "top_k": 5, "seed": 11}
