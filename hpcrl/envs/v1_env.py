@@ -219,11 +219,37 @@ class V1Environment(Environment):
 
         try:
             self.address = queue.get(timeout=START_TIMEOUT_S)
-            if log_dir is not None:  # which process serves the env (hpcrl logs / fault tests)
+            if log_dir is not None:  # which process serves the env (hpcrl components, fault tests)
                 (log_dir / "server.pid").write_text(f"{self.proc.pid}\n")
+                self._write_components(log_dir)
         except queue_mod.Empty:
             self.close_now()
             raise ValueError(f"environment {self.env_id!r}: verifiers' env server did not start") from None
+
+    def _write_components(self, log_dir: Path) -> None:
+        """components.json as hpcrl's own env servers write it (hpcrl components / status); the pool's
+        workers are the server's children (verifiers does not report them)."""
+        import json
+        import os
+
+        from hpcrl.envs.components import _node
+
+        pid = self.proc.pid
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            children = []
+        doc = {
+            "env": log_dir.name,
+            "kind": log_dir.parent.name,
+            "server": {"pid": pid, "node": _node(), "restarts": self.restarts, "impl": "verifiers.v1.serve"},
+            "workers": [
+                {"index": i, "pid": int(c), "node": _node(), "restarts": 0} for i, c in enumerate(children)
+            ],
+        }
+        tmp = log_dir / f"components.json.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(log_dir / "components.json")
 
     def _env_client(self) -> Any:
         from verifiers.v1.serve import EnvClient
@@ -233,6 +259,8 @@ class V1Environment(Environment):
             if self.proc is None:
                 self.start()
             self._client, self._loop = EnvClient(self.address), loop
+            if self.log_dir is not None:  # the pool has spawned its workers by now: list them
+                self._write_components(self.log_dir)
         return self._client
 
     async def rollout_group(

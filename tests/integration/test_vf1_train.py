@@ -73,6 +73,8 @@ def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
     assert len(trainer) == 3 and all(abs(m["mismatch_kl/mean"]) < 1e-3 for m in trainer), trainer
     server_log = (out / "logs" / "envs" / "train" / ENV_ID / "server.log").read_text()
     assert "EnvServerPool up" in server_log and "workers=2/2" in server_log
+    doc = json.loads((out / "logs" / "envs" / "train" / ENV_ID / "components.json").read_text())
+    assert doc["server"]["restarts"] == 0 and len(doc["workers"]) == 2, doc
     orch_log = (out / "logs" / "orchestrator.log").read_text()
     assert orch_log.count("running it in the local 'subprocess' runtime") == 1
 
@@ -148,6 +150,10 @@ def test_kill_9_of_the_verifiers_env_server_mid_run(tmp_path: Path) -> None:
     os.kill(first, signal.SIGKILL)
     assert proc.wait(timeout=600) == 0, (tmp_path / "run.out").read_text()[-3000:]
     assert int(pid_file.read_text()) != first  # a new server
+    doc = json.loads((pid_file.parent / "components.json").read_text())
+    assert doc["server"]["pid"] == int(pid_file.read_text()) and doc["server"]["restarts"] == 1
+    listed = _hpcrl("components", str(out))
+    assert listed.returncode == 0 and "env-server" in listed.stdout and "train/vf1_tool_env" in listed.stdout
     orch_log = (out / "logs" / "orchestrator.log").read_text()
     assert "verifiers' env server of 'vf1_tool_env' died (exit code -9): starting it again" in orch_log
     orch = [m for m in read_metrics(RunPaths(out).metrics_file) if m.get("role") == "orchestrator"]
