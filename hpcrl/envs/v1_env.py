@@ -220,7 +220,9 @@ class V1Environment(Environment):
         try:
             self.address = queue.get(timeout=START_TIMEOUT_S)
             if log_dir is not None:  # which process serves the env (hpcrl components, fault tests)
-                (log_dir / "server.pid").write_text(f"{self.proc.pid}\n")
+                from hpcrl.fileio import write_text
+
+                write_text(log_dir / "server.pid", f"{self.proc.pid}\n", durable=False)
                 self._write_components(log_dir)
         except queue_mod.Empty:
             self.close_now()
@@ -230,9 +232,9 @@ class V1Environment(Environment):
         """components.json as hpcrl's own env servers write it (hpcrl components / status); the pool's
         workers are the server's children (verifiers does not report them)."""
         import json
-        import os
 
         from hpcrl.envs.components import _node
+        from hpcrl.fileio import write_text
 
         pid = self.proc.pid
         try:
@@ -247,9 +249,7 @@ class V1Environment(Environment):
                 {"index": i, "pid": int(c), "node": _node(), "restarts": 0} for i, c in enumerate(children)
             ],
         }
-        tmp = log_dir / f"components.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(log_dir / "components.json")
+        write_text(log_dir / "components.json", json.dumps(doc), durable=False)
 
     def _env_client(self) -> Any:
         from verifiers.v1.serve import EnvClient
