@@ -149,8 +149,10 @@ def cmd_run(argv: list[str]) -> int:
     prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config, dry_run=dry)
     if dry:
+        from hpcrl.envs.v1_runtime import dry_run_check as runtimes_can_start
         from hpcrl.render.select import dry_run_check
 
+        runtimes_can_start(loaded.config)
         notes = dry_run_check(loaded.config)
         prepare.print_summary(loaded, placement, "run (this machine)", memory)
         for note in notes:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtualenv in .venv on a fresh machine: CPU torch first (an
 # unpinned torch would pull a multi-GB CUDA build), then hpcrl with its dev + verifiers extras.
+# The verifiers extra is 0.4 (verifiers.v1); the classic 0.3 API gets its own venv in CI
+# (scripts/verifiers03_check.sh). An older venv with 0.3 is upgraded when pyproject.toml changes.
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

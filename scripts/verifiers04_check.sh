@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# verifiers 0.4 (only `verifiers.v1`) in its own venv, .venv-vf04: the main venv keeps verifiers 0.3
-# (the classic API the `verifiers` extra pins), and the two cannot share a venv. Built the way
+# verifiers 0.4 (only `verifiers.v1`) in a venv of its own, .venv-vf04, with nothing else in it: the
+# main venv's `verifiers` extra is 0.4 too, so scripts/test.sh already runs these tests; this script
+# reruns the v1 and version tests alone (a quick check while working on them). Built the way
 # ENVIRONMENT.md says (CPU torch first, then hpcrl editable with its dev extra, verifiers 0.4.0 and
-# renderers 0.1.12); runs the tests that must hold under either version: the one-line refusals of an
-# env written for the other API, env servers, and the /inference/v1/generate route verifiers 0.4's
-# training client calls. Idempotent (a stamp); extra args go to pytest; exit code is pytest's.
+# renderers 0.1.12). Runs the one-line refusals of an env written for the other API, env servers, the
+# /inference/v1/generate route verifiers 0.4's training client calls, and a v1 env outside hpcrl
+# trained through `hpcrl run` and `hpcrl eval` (tests/integration/test_vf1_train.py). Idempotent
+# (a stamp); extra args go to pytest; exit code is pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HPCRL_VF04_VENV:-.venv-vf04}
@@ -41,4 +43,5 @@ fi
 echo "verifiers 0.4 venv ready in $(( $(date +%s) - start )) s"
 exec "$vpy" -m pytest -q -p no:cacheprovider \
   tests/integration/test_vf_versions.py tests/unit/test_env_servers_pure.py \
-  tests/integration/test_env_servers.py tests/integration/test_generate_route.py "$@"
+  tests/integration/test_env_servers.py tests/integration/test_generate_route.py \
+  tests/integration/test_vf1_train.py tests/unit/test_v1_runtime.py "$@"

@@ -243,14 +243,25 @@ def _envs(cfg: Config, require_envs: bool) -> None:
     if o.eval is not None:
         lists.append(("orchestrator.eval.env", o.eval.env))
     from hpcrl.config.secrets import resolve_refs
+    from hpcrl.envs.v1_runtime import check_name
 
     for path, envs in lists:
         for i, e in enumerate(envs):
+            if e.runtime is not None and (bad := check_name(e.runtime)):
+                raise ConfigError(f"{path}[{i}].runtime", bad)
             args = resolve_refs(e.args, f"{path}[{i}].args")  # only checked here, never stored
             try:
                 validate_env_spec(e.id, args)
             except ValueError as err:
                 raise ConfigError(f"{path}[{i}]", str(err)) from None
+            if e.runtime is not None:
+                from hpcrl.envs.registry import v1_module
+
+                if v1_module(e.id) is None:
+                    raise ConfigError(
+                        f"{path}[{i}].runtime",
+                        f"env {e.id!r} is not a verifiers 0.4 (v1) environment; only those run in a runtime",
+                    )
 
 
 def _unique_names(envs: list[EnvConfig], path: str) -> None:

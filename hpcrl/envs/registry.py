@@ -155,10 +155,10 @@ def _installed(env_id: str) -> Factory | None:
         if module is not None and callable(getattr(module, "load_environment", None)):
             return module.load_environment
         if module is not None:
-            from hpcrl.envs.vf_versions import v1_exports, v1_refusal
+            from hpcrl.envs.vf_versions import v1_exports
 
             if v1_exports(module):  # a verifiers 0.4 taskset package (exports its Taskset via __all__)
-                raise EnvSpecError(v1_refusal(env_id))
+                return _v1_factory(mod_name, env_id)
     wanted = {env_id, name, name.replace("-", "_"), name.replace("_", "-")}
     for group in ENTRY_POINT_GROUPS:
         for ep in importlib.metadata.entry_points(group=group):
@@ -168,6 +168,38 @@ def _installed(env_id: str) -> Factory | None:
                 if callable(fn):
                     return fn
     return None
+
+
+def _v1_factory(mod_name: str, env_id: str) -> Factory:
+    """A v1 taskset module: run it through verifiers' own env server (hpcrl.envs.v1_env) where this
+    venv has verifiers 0.4, else the one-line version refusal."""
+    from hpcrl.envs.vf_versions import installed, major_minor, v1_refusal
+
+    mm = major_minor(installed())
+    if mm is None or mm < (0, 4):
+        raise EnvSpecError(v1_refusal(env_id))
+    if "." in mod_name:  # verifiers imports a taskset by its top-level module name only
+        raise EnvSpecError(
+            f"environment {env_id!r}: verifiers loads a v1 taskset by its top-level module name; install "
+            f"it as a package (or put its folder on PYTHONPATH) and use id = {mod_name.rpartition('.')[2]!r}"
+        )
+
+    def build(**args: Any) -> Environment:
+        from hpcrl.envs.v1_env import V1Environment
+
+        return V1Environment(mod_name, args)
+
+    build.v1_module = mod_name  # type: ignore[attr-defined]  (load_envs starts its server)
+    return build
+
+
+def v1_module(env_id: str) -> str | None:
+    """The taskset module of a verifiers v1 env id (this venv has 0.4), else None."""
+    try:
+        factory = resolve_factory(env_id)
+    except EnvSpecError:
+        return None
+    return getattr(factory, "v1_module", None)
 
 
 def alias_note(env_id: str) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 from hpcrl.envs.base import ChatClient, Environment, Message, Task, Trajectory, Turn, normalize_split
 
 _EXTRA_KEY = "_vf_extra"  # dataset columns beyond prompt/answer/info/example_id, kept for the rollout input
-_INSTALL_HINT = "install the extra: pip install 'hpcrl[verifiers]' (verifiers>=0.3.1,<0.4)"
+_INSTALL_HINT = "install the extra: pip install 'hpcrl[verifiers03]' (verifiers>=0.3.1,<0.4)"
 
 
 def _vf() -> Any:

@@ -19,7 +19,7 @@ import msgspec
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config, EnvConfig, OrchestratorConfig, SamplingConfig
 from hpcrl.envs import Environment, Task, load_environment
-from hpcrl.envs.registry import alias_note
+from hpcrl.envs.registry import alias_note, v1_module
 from hpcrl.orchestrator.advantages import AdvantageConfig
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
 from hpcrl.orchestrator.chat import openai_sampling
@@ -60,8 +60,26 @@ def load_envs(
         for i, e in enumerate(envs):
             name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
             workers = e.workers if e.workers is not None else default_workers
+            v1 = v1_module(e.id)
+            if e.runtime is not None and v1 is None:
+                raise ConfigError(
+                    f"{where}[{i}].runtime",
+                    f"env {e.id!r} is not a verifiers 0.4 (v1) environment; only those run in a runtime",
+                )
             try:
-                if server_dir is None or workers == 0:
+                if v1 is not None:  # verifiers' own env server runs its episodes (hpcrl.envs.v1_env)
+                    from hpcrl.envs.v1_env import V1Environment
+
+                    env = V1Environment(
+                        v1,
+                        e.args,
+                        runtime=e.runtime,
+                        workers=workers,
+                        rollout_timeout_s=e.rollout_timeout_s,
+                        max_restarts=max_restarts,
+                    )
+                    env.start(server_dir(kind, name) if server_dir is not None else None)
+                elif server_dir is None or workers == 0:
                     env = load_environment(e.id, **e.args)
                     note = alias_note(e.id)
                     if note:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verifiers")
+from tests.vf_classic import classic_verifiers
+
+classic_verifiers()
 pytest.importorskip("gepa")
 pytestmark = pytest.mark.timeout(420)
 

@@ -20,6 +20,7 @@ from hpcrl.bus import Bus, PolicyReady, TrainBatch
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
 from tests.conftest import InferenceServer, rl_toml
+from tests.vf_classic import classic_verifiers
 
 CONFIG = rl_toml(
     "{max_steps}",
@@ -236,7 +237,7 @@ def test_verifiers_env_runs_against_our_server(
     tiny_model_dir: Path, run_dir: Path, server: InferenceServer
 ) -> None:
     """A classic verifiers environment, unchanged, through the adapter against the real server."""
-    pytest.importorskip("verifiers")
+    classic_verifiers()
     env = '[{id = "tests.integration.vf_env_fixture:load_environment", name = "vf-reverse"}]'
     batch = run_one_step(tiny_model_dir, run_dir, server, "--orchestrator.train.env", env)
     assert set(batch.env_names) == {"vf-reverse"} and batch.num_samples == 8

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import tomllib
 
-pytest.importorskip("verifiers")
+from tests.vf_classic import classic_verifiers
+
+classic_verifiers()
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-argsecretvalue0123456789abcdef"

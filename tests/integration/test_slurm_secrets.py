@@ -18,6 +18,7 @@ import pytest
 
 from tests.integration.test_slurm_cluster import cluster, jobs  # noqa: F401
 from tests.integration.test_slurm_render import check_golden
+from tests.vf_classic import classic_verifiers
 
 REPO = Path(__file__).resolve().parents[2]
 JUDGE_KEY = "sk-judgekeyfromenvfile0123456789ab"  # only in the env_file
@@ -114,7 +115,7 @@ def test_secret_setup_and_env_files_render_by_reference(tmp_path: Path, monkeypa
     cfg_file.write_text(
         CONFIG.format(steps=2, env_file=env_file, probe="", hf_token=HF_TOKEN, site="/opt/site")
     )
-    pytest.importorskip("verifiers")
+    classic_verifiers()
     (tmp_path / "judge_reverse.py").write_text(PACKAGE)  # the env id must name an installed package
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load([str(cfg_file), "--output-dir", "/scratch/runs/secrets"], require_envs=False).config
@@ -153,7 +154,7 @@ def test_submit_with_secrets_completes_leaves_none_and_resumes(cluster, jobs, tm
     from hpcrl.paths import RunPaths
     from tests.integration.test_slurm_cluster import ended, wait_for
 
-    pytest.importorskip("verifiers")
+    classic_verifiers()
     cfg = _write(tmp_path)
     out = tmp_path / "run"
     env = _clean_env(tmp_path)

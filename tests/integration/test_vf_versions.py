@@ -41,8 +41,22 @@ def test_a_v1_taskset_is_refused_in_one_line() -> None:
     assert "\n" not in msg and V1 in msg
     if HAVE < (0, 4):
         assert "written for verifiers 0.4" in msg and "'verifiers==0.4.0'" in msg
-    else:
-        assert "verifiers.v1 taskset" in msg
+    else:  # under 0.4 a v1 taskset runs, but verifiers imports it by its top-level module name only
+        assert "top-level module name" in msg and "id = 'vf1_taskset_fixture'" in msg
+
+
+@pytest.mark.skipif(HAVE is None or HAVE < (0, 4), reason="needs verifiers 0.4")
+def test_a_v1_taskset_loads_under_0_4(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from hpcrl.envs.v1_env import V1Environment
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "vf1_envs"))
+    env = load_environment("vf1_tool_env", num_tasks=5)
+    assert isinstance(env, V1Environment) and env.proc is None  # its server starts in load_envs
+    assert [t.example_id for t in env.tasks("train")] == [0, 1, 2, 3, 4]
+    assert env.tasks("eval")[2].info["_vf_task_data"]["a"] == 2
+    assert env.config.agent.runtime.type == "subprocess"  # the hosted default, run locally
 
 
 @pytest.mark.skipif(

@@ -8,8 +8,9 @@ import pytest
 
 from hpcrl.envs import Turn
 from hpcrl.envs.verifiers_adapter import VerifiersEnvironment, is_verifiers_env, wrap_verifiers_env
+from tests.vf_classic import classic_verifiers
 
-vf = pytest.importorskip("verifiers")
+vf = classic_verifiers()
 datasets = pytest.importorskip("datasets")
 
 

@@ -16,6 +16,7 @@ from hpcrl.evaluation import summary as S
 from hpcrl.evaluation.args import EVAL_FLAGS, GEPA_FLAGS, load_run, split_argv
 from hpcrl.evaluation.gepa_adapter import BudgetStopper, feedback
 from hpcrl.orchestrator.state import RolloutRecord
+from tests.vf_classic import classic_verifiers
 
 
 def group(*rewards: float | None) -> list[RolloutRecord]:
@@ -170,7 +171,7 @@ def test_system_prompt_override_and_file(tmp_path: Path) -> None:
 
 
 def test_verifiers_env_takes_a_system_prompt_it_has_no_argument_for(tmp_path: Path) -> None:
-    pytest.importorskip("verifiers")
+    classic_verifiers()
     f = tmp_path / "p.txt"
     f.write_text("Spell it backwards.")
     env = load_environment(

@@ -56,6 +56,14 @@ class EnvConfig(Section):
         float,
         D("A rollout spending longer than this in env code (not waiting for the model) is killed.", gt=0),
     ] = 600.0
+    runtime: Annotated[
+        str | None,
+        D(
+            "verifiers 0.4 (v1) envs: the runtime every seat's harness runs in, by verifiers' name: "
+            "subprocess, docker, podman, apptainer, or hosted prime, modal, e2b (unset: the env's own "
+            "default; a hosted default runs in subprocess on hpcrl's nodes, with a note)."
+        ),
+    ] = None
 
 
 class TrainEnvsConfig(Section):

@@ -1,0 +1,347 @@
+"""verifiers 0.4 (v1) environments, run unchanged through verifiers' own env server and client.
+
+This process loads the env's Taskset (its tasks become hpcrl Tasks carrying the dumped TaskData) and
+spawns `verifiers.v1.serve.serve_env`: an EnvServer, or an EnvServerPool broker over `workers`
+worker processes, which runs the episodes: env, harness and runtime code never run here. Each
+rollout is `EnvClient.run(TrainClientConfig, model, sampling, task_data)`; verifiers' TrainClient
+renders with `renderers` and calls hpcrl's `/inference/v1/generate`. The returned WireEpisode's
+trained traces become training samples: each branch's `token_ids` / `sampled_mask` / `logprobs` is
+cut into turns at its sampled spans, so hpcrl's stitching rebuilds exactly that sequence and mask
+(one sample per trained branch of every trained trace).
+
+Policy versions: the generate route reports `policy_steps`, but verifiers' client does not carry it
+into the trace. We do what verifiers' PolicySpan records: the live policy when the episode is
+dispatched (the step every server had loaded) is its `start`; servers only move forward, so every
+token of the episode came from that policy or a newer one. Tokens are tagged with it, so
+max_off_policy_steps judges an episode by its dispatch step (strict, never too lenient).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import multiprocessing as mp
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpcrl.envs.base import ChatClient, Environment, Task, Trajectory, Turn, normalize_split
+from hpcrl.envs.errors import EnvServerFailed
+from hpcrl.envs.v1_runtime import effective
+
+log = logging.getLogger("hpcrl.envs")
+_DATA = "_vf_task_data"
+START_TIMEOUT_S = 300.0
+
+
+def _log_to(path: str) -> None:
+    """log_setup for serve_env (module level: spawned processes unpickle it)."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def env_config(env_id: str, args: Mapping[str, Any], runtime: str | None) -> tuple[Any, list[str]]:
+    """verifiers' EnvConfig for a taskset module with `args` as taskset fields, every seat in
+    `runtime` (see hpcrl.envs.v1_runtime.effective), plus the notes to log."""
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    data: dict[str, Any] = {"taskset": {"id": env_id, **dict(args)}}
+    try:
+        seats = agent_config_fields(resolve_env_config(data))
+        notes = []
+        for role, agent in seats.items():
+            chosen, note = effective(runtime, agent.runtime.type)
+            data[role] = {"runtime": {"type": chosen}}
+            if note:
+                notes.append(f"env {env_id!r} seat {role!r} {note}")
+        return resolve_env_config(data), notes
+    except Exception as e:  # pydantic ValidationError: an unknown taskset field, a bad value
+        raise ValueError(f"environment {env_id!r}: {' '.join(str(e).split())[:400]}") from None
+
+
+def branch_turns(
+    ids: Sequence[int], mask: Sequence[bool], logprobs: Sequence[float], policy: int
+) -> list[Turn]:
+    """A branch as turns: one per run of sampled tokens, its prompt everything before the run, so
+    stitch_turns gives back `ids` (up to the last sampled token) with `mask` as the loss mask."""
+    turns, i, n = [], 0, len(ids)
+    while i < n:
+        if not mask[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and mask[j]:
+            j += 1
+        turns.append(
+            Turn(
+                text="",
+                prompt_token_ids=list(ids[:i]),
+                completion_token_ids=list(ids[i:j]),
+                completion_logprobs=[float(x) for x in logprobs[i:j]],
+                policy_steps=[policy] * (j - i),
+            )
+        )
+        i = j
+    return turns
+
+
+def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
+    """A WireEpisode -> one Trajectory whose turns cover every trained branch of every trained
+    trace (the record's pieces: one sample each); reward = mean reward of the trained traces."""
+    traces = [t for t in episode.traces if t.agent.trainable]
+    turns: list[Turn] = []
+    metrics: dict[str, float] = {}
+    truncated = False
+    for trace in traces:
+        for branch in trace.branches:
+            if branch.trainable:
+                more = branch_turns(branch.token_ids, branch.sampled_mask, branch.logprobs, policy)
+                if turns and more:  # a forked branch (the renderer could not bridge): its own sample
+                    more[0].rerendered = True
+                turns += more
+            truncated |= any(c.finish_reason == "length" for c in branch.calls)
+        for k, v in trace.metrics.items():
+            if v is not None:
+                metrics[k] = metrics.get(k, 0.0) + float(v) / len(traces)
+        for k, r in trace.rewards.items():
+            if r is not None:
+                metrics[k] = metrics.get(k, 0.0) + float(r.score) / len(traces)
+    errors = [*episode.errors, *(e for t in traces for e in t.errors)]
+    error = None if episode.ok and not errors else "; ".join(f"{e.type}: {e.message}" for e in errors)[:500]
+    if error is None and not traces:
+        error = "the episode has no trained trace"
+    metrics["num_traces"] = float(len(traces))
+    last = traces[-1].branches[-1].messages if traces and traces[-1].branches else []
+    messages = [m.model_dump(mode="json", exclude_none=True) for m in last]  # for eval's results
+    num_prompt = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return Trajectory(
+        task=task,
+        messages=messages,
+        num_prompt_messages=num_prompt,
+        turns=turns,
+        reward=sum(t.reward for t in traces) / len(traces) if traces else 0.0,
+        metrics=metrics,
+        truncated=truncated,
+        error=error or None,
+    )
+
+
+def v1_sampling(sampling: Mapping[str, Any], seed: int | None = None) -> Any:
+    """The orchestrator's request fields as verifiers' SamplingConfig. Keys it does not name (top_k,
+    min_p, repetition_penalty, the rollout's seed) pass through to /inference/v1/generate's
+    sampling_params (extra="allow"); chat_template_kwargs goes to the renderer."""
+    from verifiers.v1.types import SamplingConfig
+
+    fields = {k: v for k, v in sampling.items() if v is not None}
+    if seed is not None:
+        fields["seed"] = seed
+    return SamplingConfig.model_validate(fields)
+
+
+class V1Environment(Environment):
+    """hpcrl's Environment over a verifiers v1 env served by verifiers' own env server."""
+
+    def __init__(
+        self,
+        env_id: str,
+        args: Mapping[str, Any],
+        *,
+        runtime: str | None = None,
+        workers: int = 1,
+        rollout_timeout_s: float = 600.0,
+        max_restarts: int = 3,
+    ) -> None:
+        super().__init__()
+        from verifiers.v1.utils.loaders import load_taskset
+
+        self.env_id, self.workers = env_id, max(1, workers)
+        self.rollout_timeout_s, self.max_restarts, self.restarts = rollout_timeout_s, max_restarts, 0
+        self.log_dir: Path | None = None
+        self.name = env_id
+        self.config, self.notes = env_config(env_id, args, runtime)
+        for note in self.notes:
+            log.warning(note)
+        self.max_turns = 1
+        self._tasks = [
+            Task(
+                example_id=int(t.data.idx),
+                prompt=[{"role": "user", "content": t.data.prompt if isinstance(t.data.prompt, str) else ""}],
+                info={_DATA: t.data.model_dump(mode="json")},
+            )
+            for t in load_taskset(self.config.taskset)
+        ]
+        self.proc: Any = None
+        self.address: str | None = None
+        self._client: Any = None
+        self._loop: Any = None
+
+    @property
+    def group_scored(self) -> bool:
+        return True
+
+    def tasks(self, split: str = "train", seed: int | None = None) -> Sequence[Task]:
+        normalize_split(split)  # a v1 taskset has one set of tasks: every split reads it
+        return self._tasks
+
+    def start(self, log_dir: Path | None = None) -> None:
+        """Spawn verifiers' serve_env and wait for its address."""
+        from verifiers.v1.serve import env_config_data, serve_env
+
+        self.log_dir = log_dir
+        ctx = mp.get_context("spawn")
+        queue, (parent, child) = ctx.Queue(), ctx.Pipe()
+        log_setup = None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log_setup = functools.partial(_log_to, str(log_dir / "server.log"))
+        self.proc = ctx.Process(
+            target=serve_env,
+            kwargs=dict(
+                max_workers=self.workers,
+                address="tcp://127.0.0.1:0",
+                address_queue=queue,
+                death_pipe=child,
+                log_setup=log_setup,
+                elastic=False,
+                config_data=env_config_data(self.config),
+            ),
+            daemon=False,
+        )
+        self.proc.start()
+        child.close()
+        self._death = parent  # closing it (or our death) stops the server
+        import queue as queue_mod
+
+        try:
+            self.address = queue.get(timeout=START_TIMEOUT_S)
+            if log_dir is not None:  # which process serves the env (hpcrl components, fault tests)
+                from hpcrl.fileio import write_text
+
+                write_text(log_dir / "server.pid", f"{self.proc.pid}\n", durable=False)
+                self._write_components(log_dir)
+        except queue_mod.Empty:
+            self.close_now()
+            raise ValueError(f"environment {self.env_id!r}: verifiers' env server did not start") from None
+
+    def _write_components(self, log_dir: Path) -> None:
+        """components.json as hpcrl's own env servers write it (hpcrl components / status); the pool's
+        workers are the server's children (verifiers does not report them)."""
+        import json
+
+        from hpcrl.envs.components import _node
+        from hpcrl.fileio import write_text
+
+        pid = self.proc.pid
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            children = []
+        doc = {
+            "env": log_dir.name,
+            "kind": log_dir.parent.name,
+            "server": {"pid": pid, "node": _node(), "restarts": self.restarts, "impl": "verifiers.v1.serve"},
+            "workers": [
+                {"index": i, "pid": int(c), "node": _node(), "restarts": 0} for i, c in enumerate(children)
+            ],
+        }
+        write_text(log_dir / "components.json", json.dumps(doc), durable=False)
+
+    def _env_client(self) -> Any:
+        from verifiers.v1.serve import EnvClient
+
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            if self.proc is None:
+                self.start()
+            self._client, self._loop = EnvClient(self.address), loop
+            if self.log_dir is not None:  # the pool has spawned its workers by now: list them
+                self._write_components(self.log_dir)
+        return self._client
+
+    async def rollout_group(
+        self, task: Task, client: ChatClient, sampling: Mapping[str, Any], n: int
+    ) -> list[Trajectory]:
+        from verifiers.v1.configs.client import TrainClientConfig
+
+        from hpcrl.inference.guard import API_KEY_ENV
+
+        convs = [client.make(i) for i in range(n)]  # type: ignore[attr-defined]  (a GroupClient)
+        env_client = self._env_client()
+
+        async def one(c: Any) -> Trajectory:
+            renderers = getattr(c, "renderers", None)
+            tokenizer = renderers.tokenizer if renderers is not None else c.tokenizer
+            train = TrainClientConfig(
+                base_url=c.pool.base_urls[c.server].rstrip("/") + "/v1",
+                api_key_var=API_KEY_ENV,  # the run's key: the server inherited it from this process
+                renderer=renderers.config if renderers is not None else None,
+                renderer_model_name=str(tokenizer.name_or_path),
+            )
+            policy = int(c.default_policy())  # the live policy at dispatch (PolicySpan.start)
+            run = env_client.run(train, c.pool.model, v1_sampling(sampling, c.seed), dict(task.info[_DATA]))
+            return episode_trajectory(task, await self._guarded(run), policy)
+
+        return list(await asyncio.gather(*(one(c) for c in convs)))
+
+    async def _guarded(self, run: Any) -> Any:
+        """`run` (an EnvClient.run), errored when it passes rollout_timeout_s (verifiers runs rollouts
+        untimed; cancelling sends the server its cancel) or when the server process dies: then the
+        server is started again, up to max_restarts times, after which the run ends (EnvServerFailed)."""
+        loop, proc = asyncio.get_running_loop(), self.proc
+        task = asyncio.ensure_future(run)
+        deadline = loop.time() + self.rollout_timeout_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    return task.result()
+                if proc is not None and not proc.is_alive():
+                    self._server_died(proc)
+                    raise RuntimeError(
+                        f"verifiers' env server of {self.env_id!r} died (exit code {proc.exitcode})"
+                    )
+                if loop.time() > deadline:
+                    raise TimeoutError(f"the episode ran past rollout_timeout_s = {self.rollout_timeout_s:g}")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _server_died(self, proc: Any) -> None:
+        if proc is not self.proc:  # another rollout already restarted it
+            return
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise EnvServerFailed(
+                f"verifiers' env server of {self.env_id!r} died (exit code {proc.exitcode}); restarted "
+                f"{self.restarts - 1} time(s), the limit (orchestrator.env_server_max_restarts) is reached"
+            )
+        log.warning(
+            "verifiers' env server of %r died (exit code %s): starting it again", self.env_id, proc.exitcode
+        )
+        self.close_now()
+        self.start(self.log_dir)
+
+    async def rollout(self, task: Task, client: ChatClient, sampling: Mapping[str, Any]) -> Trajectory:
+        raise NotImplementedError("a v1 env runs groups (rollout_group)")
+
+    def close_now(self) -> None:
+        if self._client is not None:
+            try:
+                if self._client._receiver is not None:
+                    self._client._receiver.cancel()
+                self._client.socket.close(linger=0)
+                self._client.ctx.term()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+            self._client = None
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc = None
