@@ -7,14 +7,16 @@
 Pure functions of the config, the placement and the model's architecture (hpcrl.models.arch: its
 config.json, locally or in the HF cache, else a built-in table; never a download).
 
-Trainer rank (N ranks, FSDP2 over all of them, experts split over `ep` ranks and FSDP-sharded over the
-N / ep ranks that hold the same experts, as torchtitan does; every rank then stores P / N):
-  parameters   P / N x master bytes           (model.optimization_dtype; fp32 by default)
-  gradients    P / N x master bytes           (FSDP2 keeps gradient shards in the parameters' dtype)
-  optimizer    P / N x master bytes x 2       (AdamW's two moments; SGD without momentum: 0)
+Trainer rank, as hpcrl's expert parallelism lays it out (hpcrl/models/qwen3/parallelize.py): the
+non-expert parameters D are FSDP2-sharded over all N ranks; each rank holds E / ep experts whole
+(X / ep of the expert parameters X), replicated over the N / ep ranks that hold the same experts
+(their gradients all-reduced). Every rank stores S = D / N + X / ep (a dense model: P / N):
+  parameters   S x master bytes               (model.optimization_dtype; fp32 by default)
+  gradients    S x master bytes               (FSDP2 keeps gradient shards in the parameters' dtype)
+  optimizer    S x master bytes x 2           (AdamW's two moments; SGD without momentum: 0)
   gathered     (root + PREFETCH_LAYERS layers) x compute bytes + one layer x reduce bytes: the
-               unsharded parameters FSDP all-gathers (a layer's experts: E / ep of them) and one
-               layer's unsharded gradients before the reduce-scatter (model.reduce_dtype)
+               unsharded non-expert parameters FSDP all-gathers and one layer's unsharded gradients
+               before the reduce-scatter (model.reduce_dtype); a rank's experts are never gathered
   activations  T = micro_batch_tokens / cp tokens (a packed micro-batch; context parallelism splits
                it) x layers x per-token-per-layer elements x compute bytes, where the elements are
                  A = ACT_HIDDEN x hidden + ACT_ATTN x (q_dim + 2 kv_dim) + ACT_MLP x mlp_width
@@ -178,7 +180,8 @@ def ep_groups(ranks: int, ep: int) -> list[list[int]]:
 
 
 def expert_shard_groups(ranks: int, ep: int) -> list[list[int]]:
-    """Ranks that hold the same experts (one from each ep group): FSDP shards those experts over them."""
+    """Ranks that hold the same experts (one from each ep group): replicas whose expert gradients are
+    all-reduced."""
     return [list(range(i, ranks, ep)) for i in range(ep)]
 
 
@@ -204,7 +207,7 @@ def ep_lines(ranks: int, ep: int, ranks_per_node: int, num_experts: int) -> list
         f"  ep groups:  {len(groups)} x {ep} ranks (all-to-all inside each; {num_experts // ep} experts per rank): "
         + " ".join(f"[{_span(g)}]" for g in shown)
         + (" ..." if len(shown) < len(groups) else ""),
-        "  expert FSDP: ranks holding the same experts: "
+        "  expert replicas (gradients all-reduced): "
         + " ".join(f"[{_span(g)}]" for g in expert_shard_groups(ranks, ep)[:8])
         + (" ..." if ep > 8 else ""),
     ]
@@ -248,28 +251,34 @@ def trainer_items(
     """Per-GPU memory of one trainer rank (see the module docstring). `lora_params` > 0: only those
     train (gradients and optimizer state), the base weights stay frozen."""
     cb, mb, rb = BYTES[compute], BYTES[master], BYTES[reduce]
-    trained = lora_params or a.params
-    shard = a.params / ranks
+    if ep > 1:  # experts whole, E / ep of them per rank; the rest FSDP over every rank
+        stored = (a.params - a.expert_params) / ranks + a.expert_params / ep
+        layer = a.dense_layer_params
+    else:  # no expert parallelism: experts are FSDP-sharded (and gathered) like any parameter
+        stored = a.params / ranks
+        layer = a.dense_layer_params + a.expert_layer_params
+    trained = lora_params / ranks if lora_params else stored
     moments = 2 if optimizer == "adamw" else 0
-    layer = a.dense_layer_params + a.expert_layer_params / ep
     gathered = (a.embed_params + PREFETCH_LAYERS * layer) * cb + (layer * rb if not lora_params else 0)
     t = -(-tokens // cp)
     logit_tokens = min(t, chunk) if chunk else t
     ac_note = f"{t} tokens x {a.layers} layers, checkpointing {'on' if ac else 'off'}"
     return [
-        Item("parameters", SHORT[master], shard * mb / GIB, f"{_count(a.params)} / {ranks} ranks"),
-        Item("gradients", SHORT[master], trained / ranks * mb / GIB, "LoRA only" if lora_params else ""),
         Item(
-            "optimizer",
+            "parameters",
             SHORT[master],
-            trained / ranks * mb * moments / GIB,
-            f"{optimizer}: {moments} state(s)",
+            stored * mb / GIB,
+            f"{_count(a.params - a.expert_params)} / {ranks} ranks + experts {_count(a.expert_params)} / ep {ep}"
+            if a.moe and ep > 1
+            else f"{_count(a.params)} / {ranks} ranks",
         ),
+        Item("gradients", SHORT[master], trained * mb / GIB, "LoRA only" if lora_params else ""),
+        Item("optimizer", SHORT[master], trained * mb * moments / GIB, f"{optimizer}: {moments} state(s)"),
         Item(
             "gathered",
             SHORT[compute],
             gathered / GIB,
-            f"root + {PREFETCH_LAYERS} layers" + (f" ({a.num_experts // ep} experts each)" if a.moe else ""),
+            f"root + {PREFETCH_LAYERS} layers" + (" (experts stay local)" if a.moe and ep > 1 else ""),
         ),
         Item(
             "activations",

@@ -57,10 +57,17 @@ def test_dense_8b_on_8_fsdp_ranks():
     assert items(Q8B, optimizer="sgd")["optimizer"] == 0
 
 
-def test_expert_parallelism_shrinks_the_gathered_layer_not_the_shards():
+def test_expert_parallelism_keeps_experts_whole_and_gathers_only_the_rest():
+    """hpcrl's EP: a rank holds E / ep experts whole (replicated over the N / ep ranks with the same
+    experts); the non-expert parameters stay FSDP-sharded over all N ranks and are all that is gathered."""
     ep1, ep8 = items(Q30B, ranks=16), items(Q30B, ranks=16, ep=8)
-    assert ep8["parameters"] == ep1["parameters"] == pytest.approx(Q30B.params * 4 / 16 / GIB)
-    layer8 = 19_140_864 + 603_979_776 // 8
+    assert ep1["parameters"] == pytest.approx(Q30B.params * 4 / 16 / GIB)  # 7.11 GiB
+    experts = 48 * 603_979_776  # 128 experts x 3 x 2048 x 768 per layer
+    assert Q30B.expert_params == experts
+    stored = (Q30B.params - experts) / 16 + experts / 8
+    assert ep8["parameters"] * GIB == pytest.approx(stored * 4)  # 13.86 GiB: experts are not sharded over 16
+    assert ep8["optimizer"] == pytest.approx(2 * ep8["parameters"])
+    layer8 = 19_140_864  # attention + router: the experts stay local
     assert ep8["gathered"] * GIB == pytest.approx((Q30B.embed_params + 2 * layer8) * 2 + layer8 * 4)
     assert ep8["gathered"] < ep1["gathered"] / 3  # the root (embeddings) stays
     # MoE activations: the MLP term is top_k x moe_intermediate and each token is dispatched top_k times
