@@ -35,6 +35,7 @@ from hpcrl.envs import wire
 log = logging.getLogger("hpcrl.envs.server")
 POLL_MS = 100
 WORKER_ID_VAR = "HPCRL_ENV_WORKER_ID"
+PARENT_VAR = "HPCRL_ENV_SERVER_PID"  # a worker dies with this process (hpcrl.envs.worker.die_with_parent)
 RESTART_GAP_S = 0.5  # a worker that dies at start-up is restarted at most this often
 
 
@@ -164,7 +165,7 @@ class EnvServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 # the orchestrator's ROUTER knows a worker by the identity it connects with
-                env={**os.environ, WORKER_ID_VAR: w.ident.decode()},
+                env={**os.environ, WORKER_ID_VAR: w.ident.decode(), PARENT_VAR: str(os.getpid())},
             )
         log.info("worker %d started (pid %d, restart %d)", w.index, w.proc.pid, w.restarts)
 

@@ -76,6 +76,8 @@ def die_with_parent(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:  # the server died before the prctl: the kernel will not tell us
+        os._exit(0)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -112,7 +114,6 @@ async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
     async def run(msg: wire.Run) -> None:
         await send(await run_one(env, base_prompt, msg, WorkerChat(msg.rid, send, pending)))
 
-    die_with_parent(os.getppid())
     await send(wire.Ready(os.getpid()))
     log.info("worker %d (pid %d) serving %s", index, os.getpid(), spec.name)
     while True:
@@ -139,6 +140,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s", datefmt="%H:%M:%S"
     )
+    from hpcrl.envs.server import PARENT_VAR
+
+    # first, before the env loads: a server killed while its worker starts must not leave it behind
+    die_with_parent(int(os.environ.get(PARENT_VAR) or os.getppid()))
     spec = msgspec.json.decode(argv[0].encode(), type=wire.ServerSpec)
     return asyncio.run(serve(spec, argv[1], int(argv[2])))
 
