@@ -66,7 +66,9 @@ def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
     assert [m["step"] for m in orch] == [1, 2, 3]
     for m in orch:
         assert m["errored_rollouts/vf1_tool_env"] == 0.0
-        assert m["num_turns/vf1_tool_env/mean"] == 3.0  # the harness's 3 model turns, each trained
+        # the harness's 3 model turns, each trained; a turn verifiers re-rendered (its renderer's bridge
+        # declined on random completions) starts a new branch, whose turns count too
+        assert m["num_turns/vf1_tool_env/mean"] >= 3.0
         assert 0.0 <= m["reward/vf1_tool_env/mean"] <= 1.5
     # Trainer logprobs of the tokens verifiers recorded equal the sampler's: ids and logprobs are exact.
     trainer = [m for m in rows if m.get("role") == "trainer" and "mismatch_kl/mean" in m]
