@@ -3,7 +3,7 @@ taskset + a multi-turn tool harness, played by verifiers' SingleAgentEnv) trains
 on the Qwen3-template tiny model with the typed qwen3 renderer, and `hpcrl eval` runs on it. The
 episodes run in verifiers' own env server (serve_env / EnvServerPool, 2 workers) and its EnvClient;
 the harness program runs in verifiers' `subprocess` runtime, offline. Runs in the 0.4 venv
-(scripts/verifiers04_check.sh); skipped where verifiers 0.4 is not installed."""
+(the main venv, `verifiers` extra); skipped where verifiers 0.4 is not installed."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """verifiers 0.3 (classic) and 0.4 (v1) cannot share a venv: an env written for the other one is
 refused in one line naming the env and the version it needs (issue 29). Runs in whichever venv
-pytest runs in: the main venv (0.3.1) and the 0.4 venv of scripts/verifiers04_check.sh."""
+pytest runs in: the main venv (verifiers 0.4) and the 0.3 venv of scripts/verifiers03_check.sh."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_a_v1_taskset_loads_under_0_4(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(
-    HAVE is None or HAVE < (0, 4), reason="needs verifiers 0.4 (scripts/verifiers04_check.sh)"
+    HAVE is None or HAVE < (0, 4), reason="needs verifiers 0.4 (the main venv: scripts/setup.sh)"
 )
 def test_a_classic_env_under_0_4_is_refused_in_one_line() -> None:
     with pytest.raises(EnvSpecError) as e:
