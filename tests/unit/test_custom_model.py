@@ -104,3 +104,31 @@ def test_pick_impl() -> None:
         pick_impl("custom", "llama")
     with pytest.raises(ConfigError, match="LoRA"):
         pick_impl("custom", "qwen3", lora=True)
+
+
+@pytest.mark.parametrize("replay, aux", [(True, 0.0), (False, 0.01)])
+def test_moe_activation_checkpointing_matches_plain(moe_dir: Path, replay: bool, aux: float) -> None:
+    """The backward's recompute of a checkpointed layer must route the replayed tokens as the forward
+    did (replay routes every token to experts the trainer's router would not all pick, so a recompute
+    that routed freely would differ) and save the same tensors (routing statistics, aux loss):
+    gradients with checkpointing equal those without."""
+    from hpcrl.trainer.model import load_model
+
+    ids = _ids(256)
+    grads = []
+    for ckpt in (False, True):
+        model = load_model(moe_dir, impl="custom")
+        model.activation_checkpointing = ckpt
+        moes = model.moe_layers()
+        forced = torch.zeros(2, 24, len(moes), moes[0].top_k, dtype=torch.long)
+        forced[..., 1] = 5
+        forced[1, :3] = -1
+        for m in moes:
+            m.aux_coef = aux
+        loss = model(input_ids=ids, routed_experts=forced if replay else None).logits.pow(2).mean()
+        (loss + sum(a for m in moes for a in m.stats.aux)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    plain, ckpt = grads
+    assert plain.keys() == ckpt.keys()
+    for n in plain:
+        assert torch.allclose(plain[n], ckpt[n], atol=1e-6, rtol=1e-5), n

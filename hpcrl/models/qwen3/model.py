@@ -149,9 +149,18 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(a.hidden_size, a.intermediate_size)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, pos: Tensor) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        pos: Tensor,
+        replay: Tensor | None = None,
+    ) -> Tensor:
+        """``replay``: [tokens, k] expert ids for this layer's MoE (router replay), -1 = route freely."""
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, pos)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, replay) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Qwen3Body(nn.Module):
@@ -203,20 +212,20 @@ class Qwen3ForTraining(nn.Module):
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        moes = self.moe_layers()
-        for j, m in enumerate(moes):
-            m.replay = None if routed_experts is None else _layer_routes(routed_experts, j, m.top_k)
         h = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(h, position_ids)
+        j = 0  # MoE layers seen: routed_experts holds one block of k ids per MoE layer
         for layer in self.model.layers:
+            replay = None
+            if routed_experts is not None and isinstance(layer.mlp, MoE):
+                replay, j = _layer_routes(routed_experts, j, layer.mlp.top_k), j + 1
+            # The routes are an argument, so a checkpointed layer's backward recompute replays them too.
             if self.activation_checkpointing and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
 
-                h = checkpoint(layer, h, rope, attention_mask, position_ids, use_reentrant=False)
+                h = checkpoint(layer, h, rope, attention_mask, position_ids, replay, use_reentrant=False)
             else:
-                h = layer(h, rope, attention_mask, position_ids)
-        for m in moes:
-            m.replay = None
+                h = layer(h, rope, attention_mask, position_ids, replay)
         h = self.model.norm(h)
         if isinstance(logits_to_keep, Tensor) and logits_to_keep.dtype == torch.bool:
             h = h[logits_to_keep]

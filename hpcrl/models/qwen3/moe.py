@@ -11,7 +11,8 @@ uneven ``all_to_all_single`` calls (autograd-aware, so expert gradients land on 
 
 Router replay: ``replay`` ([N, k] expert ids, -1 = not replayed) overrides the router's top-k for
 those tokens; the gate weights are still the trainer's own softmax at those experts, so the router
-keeps learning. Statistics for the MoE metrics are accumulated on the module (``stats``).
+keeps learning. It is an argument of ``forward``, not state on the module: an activation-checkpoint
+recompute then replays the same routes (torch.utils.checkpoint keeps the layer's arguments). Statistics for the MoE metrics are accumulated on the module (``stats``).
 """
 
 from __future__ import annotations
@@ -93,18 +94,18 @@ class MoE(nn.Module):
         self.ep_group = None  # set by parallelize.apply_ep
         self.ep_size = 1
         self.ep_replica_group = None  # the dp_ep group expert grads are summed over (world > ep)
-        self.replay: Tensor | None = None  # [N, k] long, set per forward by the model
         self.stats = RoutingStats()
         self.aux_coef = 0.0  # > 0: keep a load-balancing loss term per forward
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(expert ids [N, k], gate weights [N, k]) for tokens ``x`` [N, H]."""
+    def route(self, x: Tensor, replay: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(expert ids [N, k], gate weights [N, k]) for tokens ``x`` [N, H]; ``replay`` [N, k] long
+        (-1 = route freely) forces experts."""
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         idx = top_i
-        if self.replay is not None:
-            rep = self.replay.to(x.device)
+        if replay is not None:
+            rep = replay.to(x.device)
             assert rep.shape == top_i.shape, (rep.shape, top_i.shape)
             use = rep >= 0
             idx = torch.where(use, rep, top_i)
@@ -113,22 +114,29 @@ class MoE(nn.Module):
                 hit = (rep.unsqueeze(-1) == top_i.unsqueeze(1)).any(-1) & use
                 self.stats.replay_slots += int(use.sum())
                 self.stats.replay_hits += int(hit.sum())
-        if not _in_backward():
-            load = torch.bincount(idx.reshape(-1), minlength=self.num_experts).detach().cpu()
-            self.stats.load = load if self.stats.load is None else self.stats.load + load
-            self.stats.confidence += float(probs.gather(1, idx).sum().detach())
-            self.stats.tokens += x.shape[0]
-            if self.aux_coef > 0 and x.shape[0]:
-                frac = load.to(probs.device, torch.float32) / max(1, idx.numel())
-                self.stats.aux.append(self.num_experts * (frac * probs.mean(0)).sum())
+        # An activation-checkpoint recompute must save exactly the tensors the forward saved: the
+        # statistics run without autograd, and the aux term (which needs it) is built in both passes.
+        recompute = _in_backward()
+        if not recompute:
+            with torch.no_grad():
+                load = torch.bincount(idx.reshape(-1), minlength=self.num_experts).cpu()
+                self.stats.load = load if self.stats.load is None else self.stats.load + load
+                self.stats.confidence += float(probs.gather(1, idx).sum())
+                self.stats.tokens += x.shape[0]
+        if self.aux_coef > 0 and x.shape[0]:
+            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+            frac = counts.to(torch.float32) / max(1, idx.numel())
+            aux = self.num_experts * (frac * probs.mean(0)).sum()
+            if not recompute:
+                self.stats.aux.append(aux)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return idx, top_w.to(x.dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, replay: Tensor | None = None) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        idx, w = self.route(x)
+        idx, w = self.route(x, replay)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k
