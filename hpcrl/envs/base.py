@@ -92,6 +92,8 @@ class Turn:
     rerendered: bool = False
     # MoE router replay: experts the server routed each completion token to, [tokens][layers][k]
     routed_experts: list[list[list[int]]] | None = None
+    # ... and each prompt token to (the prefill; hpcrl's engine), [prompt tokens][layers][k]
+    prompt_routed_experts: list[list[list[int]]] | None = None
 
     def message(self) -> Message:
         msg: Message = {"role": "assistant", "content": self.text}

@@ -39,6 +39,7 @@ class WTurn(msgspec.Struct, array_like=True):
     reasoning: str | None
     rerendered: bool
     routed_experts: list[list[list[int]]] | None  # MoE router replay: [tokens][layers][k]
+    prompt_routed_experts: list[list[list[int]]] | None = None  # ... of the prompt tokens
 
 
 class WTrajectory(msgspec.Struct, array_like=True):
@@ -180,6 +181,7 @@ def to_wturn(t: Turn) -> WTurn:
         t.reasoning,
         t.rerendered,
         t.routed_experts,
+        t.prompt_routed_experts,
     )
 
 

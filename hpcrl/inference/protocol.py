@@ -292,6 +292,7 @@ class SeqOutput:
     stop_reason: str | int | None
     policy_steps: list[int]
     routed_experts: list[list[list[int]]] | None = None  # MoE: per completion token [layers][k], -1 unknown
+    prompt_routed_experts: list[list[list[int]]] | None = None  # MoE: per prompt token [layers][k] (prefill)
 
 
 def _usage(prompt_tokens: int, outs: list[SeqOutput]) -> dict[str, int]:
@@ -350,6 +351,8 @@ def chat_response(
             choice["token_ids"] = o.token_ids
             if o.routed_experts is not None:
                 choice["routed_experts"] = o.routed_experts
+            if o.prompt_routed_experts is not None:  # hpcrl's own: the prompt's routes (prefill)
+                choice["prompt_routed_experts"] = o.prompt_routed_experts
         choices.append(choice)
     resp: dict[str, Any] = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -393,6 +396,8 @@ def completion_response(
                 choice["prompt_token_ids"] = prompt_ids
                 if o.routed_experts is not None:
                     choice["routed_experts"] = o.routed_experts
+                if o.prompt_routed_experts is not None:  # hpcrl's own: the prompt's routes (prefill)
+                    choice["prompt_routed_experts"] = o.prompt_routed_experts
             choices.append(choice)
     flat = [o for g in outs for o in g]
     resp: dict[str, Any] = {

@@ -161,6 +161,7 @@ class RolloutClient:
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=msg.get("tool_calls") or None,
             routed_experts=choice.get("routed_experts"),
+            prompt_routed_experts=choice.get("prompt_routed_experts"),
         )
 
     async def _complete(self, ids: list[int], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
@@ -189,6 +190,7 @@ class RolloutClient:
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=tool_calls,
             routed_experts=choice.get("routed_experts"),
+            prompt_routed_experts=choice.get("prompt_routed_experts"),
         )
 
     def _steps(self, choice: dict[str, Any], resp: dict[str, Any]) -> list[int]:

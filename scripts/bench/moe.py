@@ -219,9 +219,18 @@ def part_replay(steps: int) -> None:
         print(f"{name:<11} replay / no replay mismatch KL: {ratio:.3f} (target <= 0.1)")
 
 
+def part_decompose() -> None:
+    from scripts.bench.moe_decompose import decompose, print_table
+
+    for preset in ("tiny-moe", "small-moe"):
+        print_table(preset, decompose(str(_model_dir(preset))))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="all", choices=["all", "step", "ep", "replay", "_one", "_ep"])
+    ap.add_argument(
+        "--part", default="all", choices=["all", "step", "ep", "replay", "decompose", "_one", "_ep"]
+    )
     ap.add_argument("--impl", default="custom")
     ap.add_argument("--preset", default="tiny-moe")
     ap.add_argument("--out", default="")
@@ -241,6 +250,8 @@ def main() -> None:
         part_ep()
     if a.part in ("all", "replay"):
         part_replay(a.steps)
+    if a.part in ("all", "decompose"):
+        part_decompose()
 
 
 if __name__ == "__main__":

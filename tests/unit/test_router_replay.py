@@ -81,3 +81,25 @@ def test_max_vio_and_metrics_by_hand() -> None:
     assert out["moe/load_max/layer_0"] == 0.75 and out["moe/load_min/layer_0"] == 0.0
     assert out["moe/replay_hit_rate"] == 0.75
     assert m.stats.tokens == 0  # reset for the next step
+
+
+def test_prompt_routes_fill_prompt_and_environment_tokens_earliest_turn_first() -> None:
+    t1 = _turn(
+        [1, 2],
+        [3, 4],
+        [
+            [[0, 1]],
+            [[2, 3]],
+        ],
+    )
+    t1.prompt_routed_experts = [[[5, 6]], [[6, 7]]]
+    # turn 2's prefill re-routed token 3 (position 2) differently: turn 1's decode route stays, its
+    # last token (position 3, -1 from the decode) and the env token 5 take turn 2's prefill routes
+    t2 = _turn([1, 2, 3, 4, 5], [6], [[[7, 6]]])
+    t2.prompt_routed_experts = [[[5, 6]], [[6, 7]], [[1, 1]], [[4, 0]], [[3, 2]]]
+    t1.routed_experts = [[[0, 1]], [[-1, -1]]]  # the engine's shape: the last token was never fed back
+    rows = routes.stitched_routes([t1, t2], 2, 6)
+    assert rows == [[5, 6], [6, 7], [0, 1], [4, 0], [3, 2], [7, 6]]
+    assert routes.turn_routes(t1, 2) == [[5, 6], [6, 7], [0, 1], [-1, -1]]
+    t2.prompt_routed_experts = [[[5, 6]]]  # wrong length: ignored
+    assert routes.stitched_routes([t2], 2, 6) == [[-1, -1]] * 5 + [[7, 6]]

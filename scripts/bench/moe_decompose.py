@@ -1,0 +1,156 @@
+"""Where the MoE mismatch KL comes from: one batch sampled by the embedded engine (bf16, as the
+replay runs' inference), then the trainer's logprobs of exactly those tokens, on the same weights,
+under each combination of trainer dtype and routing. Deterministic (seeded engine, seeded prompts).
+
+    python scripts/bench/moe.py --part decompose
+
+Rows: trainer fp32 / bf16 x routing free (no replay) / replay of the completion tokens' routes (what
+the orchestrator carried before prompt routes existed) / replay of every token's route (prompt from
+the engine's prefill, completion from its decode steps). ``KL`` is the runs' mismatch KL (mean over
+completion tokens of exp(d) - 1 - d, d = trainer - engine logprob). ``routes differ``: share of
+(token, layer) pairs whose top-k set the trainer's own router picks differently from the engine's,
+on prompt and on completion tokens. What replay cannot remove is the last row of each dtype: the
+engine and the trainer then compute every token with the same experts, so the rest is numerics
+(bf16 rounding, transformers' kernels vs hpcrl's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ROUTINGS = ("free", "completion", "all")
+
+
+def sample_batch(model_dir: str, prompts: int, n: int, max_tokens: int) -> list[dict[str, Any]]:
+    """``prompts`` x ``n`` completions of random prompts (8-24 tokens) from a bf16 engine, with routes."""
+    from hpcrl.inference.engine import HFEngine
+    from hpcrl.inference.protocol import SamplingParams
+
+    engine = HFEngine(model_dir, dtype="bfloat16", device="cpu", seed=0, max_batch_size=prompts * n)
+    g = torch.Generator().manual_seed(1)
+    try:
+        engine.pause()  # admit every request in one prefill, as a rollout batch arrives
+        futs = []
+        for _ in range(prompts):
+            length = int(torch.randint(8, 25, (1,), generator=g))
+            prompt = torch.randint(3, engine.vocab_size, (length,), generator=g).tolist()
+            params = SamplingParams(n=n, max_tokens=max_tokens, logprobs=True, ignore_eos=True)
+            futs.append((prompt, engine.submit(prompt, params)))
+        engine.resume()
+        out = []
+        for prompt, fut in futs:
+            for o in fut.result(timeout=600):
+                out.append({"prompt": prompt, "out": o})
+        return out
+    finally:
+        engine.shutdown()
+
+
+def packed(samples: list[dict[str, Any]], routing: str):
+    from hpcrl.trainer.packing import PackedBatch
+
+    ids, lps, mask, routes, lens = [], [], [], [], []
+    for s in samples:
+        p, o = s["prompt"], s["out"]
+        comp = torch.tensor(o.routed_experts, dtype=torch.long).flatten(1)
+        prompt = torch.tensor(o.prompt_routed_experts, dtype=torch.long).flatten(1)
+        if routing == "completion":
+            prompt = torch.full_like(prompt, -1)
+        ids += p + o.token_ids
+        lps += [0.0] * len(p) + o.logprobs
+        mask += [False] * len(p) + [True] * len(o.token_ids)
+        routes.append(torch.cat([prompt, comp]))
+        lens.append(len(p) + len(o.token_ids))
+    return PackedBatch(
+        input_ids=torch.tensor(ids),
+        position_ids=torch.cat([torch.arange(x) for x in lens]),
+        seq_lens=torch.tensor(lens),
+        loss_mask=torch.tensor(mask),
+        inference_logprobs=torch.tensor(lps),
+        routed_experts=None if routing == "free" else torch.cat(routes),
+    )
+
+
+def free_routes(model: torch.nn.Module, mb) -> torch.Tensor:
+    """[T, layers, k] experts the trainer's own routers pick (no replay), in token order."""
+    from hpcrl.trainer.packing import forward_packed, model_inputs
+
+    got: list[torch.Tensor] = []
+
+    def recording(f):
+        def route(x):
+            idx, w = f(x)
+            got.append(idx)
+            return idx, w
+
+        return route
+
+    moes = model.moe_layers()
+    for m in moes:
+        m.route = recording(m.route)  # an instance attribute over the method; deleted below
+    try:
+        with torch.no_grad():
+            forward_packed(model, mb, compute_entropy=False)
+    finally:
+        for m in moes:
+            del m.route
+    _, layout = model_inputs(model, mb)  # the grid the forward ran: its slots back to token order
+    return torch.stack([g[layout.index] for g in got], dim=1)
+
+
+def differ(mine: torch.Tensor, engine: torch.Tensor) -> torch.Tensor:
+    """[T] share of layers whose top-k set differs between the trainer's and the engine's routes
+    ([T, layers, k]); NaN where the engine has none (a completion's last token, never fed back)."""
+    a, b = mine.sort(-1).values, engine.sort(-1).values
+    out = (a != b).any(-1).float().mean(-1)
+    return out.masked_fill((engine < 0).all(-1).all(-1), float("nan"))
+
+
+def decompose(preset_dir: str, prompts: int = 16, n: int = 4, max_tokens: int = 16) -> list[dict[str, Any]]:
+    from hpcrl.trainer.model import load_model
+    from hpcrl.trainer.packing import forward_packed
+
+    torch.manual_seed(0)
+    samples = sample_batch(preset_dir, prompts, n, max_tokens)
+    rows = []
+    engine_routes = packed(samples, "all").routed_experts
+    for dtype in ("float32", "bfloat16"):
+        model = load_model(preset_dir, dtype, "cpu", attn_impl="sdpa", impl="custom").eval()
+        k = model.moe_layers()[0].top_k
+        for routing in ROUTINGS:
+            mb = packed(samples, routing)
+            with torch.no_grad():
+                lp = forward_packed(model, mb, compute_entropy=False).logprobs.float()
+            d = (lp - mb.inference_logprobs)[mb.loss_mask]
+            row = {"dtype": dtype, "routing": routing, "kl": float((torch.expm1(d) - d).mean()),
+                   "abs_d": float(d.abs().mean())}  # fmt: skip
+            if routing == "free":
+                mine = free_routes(model, mb)
+                theirs = engine_routes.view(len(engine_routes), -1, k)
+                dif = differ(mine, theirs)
+                row["differ_prompt"] = float(dif[~mb.loss_mask].nanmean())
+                row["differ_completion"] = float(dif[mb.loss_mask].nanmean())
+            rows.append(row)
+    return rows
+
+
+def print_table(preset: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n4. mismatch KL decomposition, {preset} (engine bf16; same weights, same sampled tokens)")
+    print(
+        f"{'trainer':<9} {'replay':<11} {'mismatch KL':>12} {'mean |d|':>9} {'routes differ (prompt / completion)':>37}"
+    )
+    free = {r["dtype"]: r["kl"] for r in rows if r["routing"] == "free"}
+    for r in rows:
+        dif = f"{r['differ_prompt']:.3f} / {r['differ_completion']:.3f}" if "differ_prompt" in r else ""
+        name = {"free": "off", "completion": "completion", "all": "all tokens"}[r["routing"]]
+        print(f"{r['dtype']:<9} {name:<11} {r['kl']:>12.3g} {r['abs_d']:>9.4f} {dif:>37}")
+    for dtype, kl_free in free.items():
+        floor = next(r["kl"] for r in rows if r["dtype"] == dtype and r["routing"] == "all")
+        comp = next(r["kl"] for r in rows if r["dtype"] == dtype and r["routing"] == "completion")
+        print(
+            f"{dtype}: routing share of the KL {(kl_free - floor) / kl_free:.0%}; "
+            f"replay/off {floor / kl_free:.3f} (all tokens), {comp / kl_free:.3f} (completion only); "
+            f"above the numerics floor: {(comp - floor) / max(kl_free - floor, 1e-12):.3f} (completion only), 0 (all)"
+        )
