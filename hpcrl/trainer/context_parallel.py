@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hpcrl.bus.messages import compact_routes
 from hpcrl.models.ring_attention import CPContext, cp_context
 from hpcrl.trainer.chunked import can_chunk, head_logprobs
 from hpcrl.trainer.packing import ForwardOutput, PackedBatch, next_token_logprobs, sample_starts
@@ -80,7 +81,23 @@ def merge_batches(batches: list[Any]) -> Any:
         "reference_logprobs",
     )
     env_names = [n for b in batches for n in b.env_names]
-    return msgspec.structs.replace(first, env_names=env_names, **{n: cat(n) for n in arrays})
+    return msgspec.structs.replace(
+        first, env_names=env_names, routed_experts=_merged_routes(batches), **{n: cat(n) for n in arrays}
+    )
+
+
+def _merged_routes(batches: list[Any]) -> np.ndarray | None:
+    """The shards' router-replay rows in rank order (-1 rows for a shard without, None if none has
+    any). Through ``route_ids``: one shard may travel as uint8 (255 = none), another as int16."""
+    widths = {b.routed_experts.shape[1] for b in batches if b.routed_experts is not None}
+    if len(widths) != 1:
+        return None
+    (w,) = widths
+    parts = [
+        b.route_ids() if b.routed_experts is not None else np.full((len(b.input_ids), w), -1, np.int64)
+        for b in batches
+    ]
+    return compact_routes(np.concatenate(parts))
 
 
 def local_range(num_tokens: int, cp: int, rank: int) -> tuple[int, int, int]:
@@ -88,6 +105,14 @@ def local_range(num_tokens: int, cp: int, rank: int) -> tuple[int, int, int]:
     padded = -(-num_tokens // cp) * cp
     width = padded // cp
     return padded, rank * width, (rank + 1) * width
+
+
+def local_routes(routed: Tensor, pad: int, lo: int, hi: int) -> Tensor:
+    """``[1, hi - lo, layers*k]``: the routes of tokens ``[lo, hi)`` of the row padded by ``pad``
+    tokens (-1: route freely)."""
+    if pad:
+        routed = torch.cat([routed, routed.new_full((pad, routed.shape[1]), -1)])
+    return routed[None, lo:hi]
 
 
 def owned_tokens(num_tokens: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
@@ -133,6 +158,8 @@ def forward_cp(
     keep = torch.zeros(1, hi - lo, dtype=torch.bool, device=dev)
     keep[0, pred - lo] = True
     inputs = {"input_ids": ids[None, lo:hi], "position_ids": pos[None, lo:hi]}
+    if mb.routed_experts is not None:  # router replay: this rank's tokens' routes (padding routes freely)
+        inputs["routed_experts"] = local_routes(mb.routed_experts, pad, lo, hi)
     if mb.temperatures is None:
         temp: Tensor | float = 1.0
     else:

@@ -6,7 +6,8 @@ token), with chunked logprobs. cp = 2 runs ring attention: each rank holds half 
 K/V blocks are gathered, and the loss counts only the tokens a rank predicts. We compare the summed
 loss and every parameter's full gradient (FSDP's summed, gathered gradient) with the cp = 1 run on
 rank 0: fp32, atol 1e-5 (float reordering in the merge and the reductions; measured max differences
-are printed by the test).
+are printed by the test). The MoE case runs hpcrl's own Qwen3-MoE with router replay: each cp rank
+must replay the routes of its own slice of the row (replayed experts no router would all pick).
 """
 
 from __future__ import annotations
@@ -65,7 +66,21 @@ def _loss_and_grads(model, mbs, fwd, n_tokens: int):
     return total, grads
 
 
-def worker(model_dir: str, out: str) -> None:
+def _routes(model, t: int):
+    """Replayed routes: experts 0 and 5 everywhere (no router picks them for every token), a few free."""
+    import torch
+
+    moes = model.moe_layers()
+    k = moes[0].top_k
+    routes = torch.zeros(t, len(moes) * k, dtype=torch.long)
+    routes[:, 1::k] = 5
+    routes[::7] = -1
+    return routes
+
+
+def worker(model_dir: str, out: str, moe: str = "") -> None:
+    import dataclasses
+
     import torch
 
     from hpcrl.models.ring_attention import register_hf
@@ -78,8 +93,11 @@ def worker(model_dir: str, out: str) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     rank = parallel.get_rank()
     cp = make_cp_group(2)
-    model = parallel.apply_fsdp(load_model(model_dir, attn_impl=register_hf()))
+    impl = "custom" if moe else "hf"
+    model = parallel.apply_fsdp(load_model(model_dir, attn_impl=register_hf(), impl=impl))
     batch = _batch(model.config.vocab_size)
+    if moe:
+        batch = dataclasses.replace(batch, routed_experts=_routes(model, batch.num_tokens))
     n_tokens = int(batch.loss_mask.sum())
     mbs = micro_batches(batch, 40)
     assert [m.num_tokens for m in mbs] == [37, 16]
@@ -92,7 +110,7 @@ def worker(model_dir: str, out: str) -> None:
     loss = float(parallel.all_reduce(torch.tensor(loss, dtype=torch.float64)))
     if rank != 0:
         return
-    ref_model = load_model(model_dir)  # sdpa, one rank, whole rows
+    ref_model = load_model(model_dir, impl=impl)  # sdpa, one rank, whole rows
     ref_loss, ref_grads = _loss_and_grads(
         ref_model, mbs, lambda m: forward_packed(ref_model, m, wanted=m.loss_mask), n_tokens
     )
@@ -106,9 +124,16 @@ def worker(model_dir: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe-replay"])
+def test_cp2_equals_cp1(moe: bool, tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "cp.json"
-    run_ranks(__file__, 2, str(tiny_model_dir), str(out), timeout=300)
+    if moe:
+        from hpcrl.models.tiny import build_tiny_model
+
+        model_dir = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=3)
+        run_ranks(__file__, 2, str(model_dir), str(out), "moe", timeout=300)
+    else:
+        run_ranks(__file__, 2, str(tiny_model_dir), str(out), timeout=300)
     r = json.loads(out.read_text())
     print(
         f"cp=2 vs cp=1: loss {r['loss']:.9f} vs {r['ref_loss']:.9f}, max |grad diff| {r['max_grad_diff']:.2e} "
@@ -120,4 +145,4 @@ def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    worker(*sys.argv[1:])

@@ -21,6 +21,21 @@ def _turn(prompt: list[int], comp: list[int], routed) -> Turn:
     )
 
 
+def _sample(n: int, routed) -> Sample:
+    return Sample(
+        input_ids=np.arange(n),
+        loss_mask=np.arange(n) >= 1,
+        inference_logprobs=np.zeros(n, np.float32),
+        advantage=1.0,
+        policy_version=0,
+        example_id=n,
+        env_name="e",
+        temperature=1.0,
+        reward=0.0,
+        routed_experts=routed,
+    )
+
+
 def test_stitched_routes_put_each_turn_at_its_completion_tokens() -> None:
     t1 = _turn([1, 2], [3, 4], [[[0, 1]], [[2, 3]]])  # 1 layer, top-2
     t2 = _turn([1, 2, 3, 4, 5], [6], [[[7, 6]]])  # env token 5 between the turns
@@ -38,21 +53,7 @@ def test_compact_dtype_and_bus_round_trip() -> None:
     assert r.dtype == np.uint8 and r.tolist() == [[0, 7], [255, 255]]
     assert compact_routes(np.array([[300, -1]])).dtype == np.int16
 
-    def sample(n: int, routed) -> Sample:
-        return Sample(
-            input_ids=np.arange(n),
-            loss_mask=np.arange(n) >= 1,
-            inference_logprobs=np.zeros(n, np.float32),
-            advantage=1.0,
-            policy_version=0,
-            example_id=n,
-            env_name="e",
-            temperature=1.0,
-            reward=0.0,
-            routed_experts=routed,
-        )
-
-    batches, _ = pack_for_ranks([sample(3, np.array([[-1, -1], [1, 2], [3, 4]])), sample(2, None)], 1, 16)
+    batches, _ = pack_for_ranks([_sample(3, np.array([[-1, -1], [1, 2], [3, 4]])), _sample(2, None)], 1, 16)
     b = batches[0]
     tb = TrainBatch(step=1, rank=0, world_size=1, total_loss_tokens=3, **b)
     back = decode(encode(tb), TrainBatch)
@@ -103,3 +104,27 @@ def test_prompt_routes_fill_prompt_and_environment_tokens_earliest_turn_first() 
     assert routes.turn_routes(t1, 2) == [[5, 6], [6, 7], [0, 1], [-1, -1]]
     t2.prompt_routed_experts = [[[5, 6]]]  # wrong length: ignored
     assert routes.stitched_routes([t2], 2, 6) == [[-1, -1]] * 5 + [[7, 6]]
+
+
+def test_cp_group_merges_routes_and_slices_them_per_rank() -> None:
+    """Context parallelism: a cp group trains the union of its ranks' shards, routes included (one shard
+    uint8 on the wire, one int16, one without), and each rank replays the routes of its own slice."""
+    import torch
+
+    from hpcrl.trainer.context_parallel import local_range, local_routes, merge_batches
+
+    def shard(routed, n: int) -> TrainBatch:
+        b, _ = pack_for_ranks([_sample(n, routed)], 1, 16)
+        return decode(
+            encode(TrainBatch(step=1, rank=0, world_size=1, total_loss_tokens=n - 1, **b[0])), TrainBatch
+        )
+
+    a = shard(np.array([[0, 1], [-1, -1]]), 2)  # uint8 on the wire: 255 = none
+    b = shard(None, 3)
+    c = shard(np.array([[300, -1], [2, 3]]), 2)  # int16: an id >= 255
+    merged = merge_batches([a, b, c])
+    assert merged.route_ids().tolist() == [[0, 1], [-1, -1], [-1, -1], [-1, -1], [-1, -1], [300, -1], [2, 3]]
+    assert merge_batches([b, b]).routed_experts is None
+    routed = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    padded, lo, hi = local_range(3, 2, 1)  # 3 tokens over cp = 2: one pad token, rank 1 holds [2, 4)
+    assert local_routes(routed, padded - 3, lo, hi).tolist() == [[[5, 6], [-1, -1]]]
