@@ -29,12 +29,23 @@ import torch
 from torch import Tensor
 
 
-def common_prefix(ids: np.ndarray, pos: np.ndarray, a: tuple[int, int], b: tuple[int, int]) -> int:
+def common_prefix(
+    ids: np.ndarray,
+    pos: np.ndarray,
+    a: tuple[int, int],
+    b: tuple[int, int],
+    routes: np.ndarray | None = None,
+) -> int:
     """Length of the longest common prefix of samples ``a`` and ``b`` (``(start, length)`` in the flat
-    arrays), counting a token as shared only if its id AND position id agree."""
+    arrays), counting a token as shared only if its id AND position id agree, and, with MoE router
+    replay (``routes`` [T, layers*k]), its replayed experts too: a shared slot is computed once, with
+    one route, so siblings the engine routed differently there keep their own copies."""
     n = min(a[1], b[1])
     sa, sb = slice(a[0], a[0] + n), slice(b[0], b[0] + n)
-    diff = np.flatnonzero((ids[sa] != ids[sb]) | (pos[sa] != pos[sb]))
+    same = (ids[sa] == ids[sb]) & (pos[sa] == pos[sb])
+    if routes is not None:
+        same &= (routes[sa] == routes[sb]).all(axis=1)
+    diff = np.flatnonzero(~same)
     return int(diff[0]) if diff.size else n
 
 
@@ -44,6 +55,7 @@ def shared_prefixes(
     seq_lens: Sequence[int],
     max_unit_tokens: int,
     key_cost: float = 512.0,
+    routes: np.ndarray | None = None,
 ) -> np.ndarray:
     """``prefix_lens [S]``: 0 for a sample that starts a unit; ``p > 0`` for a sample that joins the
     previous sample's unit, sharing its first ``p`` tokens (the same ``p`` for the whole unit).
@@ -66,7 +78,7 @@ def shared_prefixes(
         head = (int(starts[i]), lens[i])
         p, slots, j = 0, lens[i], i + 1
         while j < len(lens):
-            lcp = common_prefix(input_ids, position_ids, head, (int(starts[j]), lens[j]))
+            lcp = common_prefix(input_ids, position_ids, head, (int(starts[j]), lens[j]), routes)
             q = lcp if j == i + 1 else min(p, lcp)
             joined = q + sum(n - q for n in lens[i : j + 1])
             if q < 1 or joined > max_unit_tokens or cost(joined) > cost(slots) + cost(lens[j]):

@@ -217,6 +217,7 @@ def with_shared_prefixes(batch: PackedBatch, micro_batch_tokens: int, key_cost: 
         batch.seq_lens.tolist(),
         micro_batch_tokens,
         key_cost,
+        None if batch.routed_experts is None else batch.routed_experts.cpu().numpy(),
     )
     return replace(batch, prefix_lens=torch.from_numpy(pl).to(batch.seq_lens.device))
 

@@ -132,3 +132,34 @@ def test_moe_activation_checkpointing_matches_plain(moe_dir: Path, replay: bool,
     assert plain.keys() == ckpt.keys()
     for n in plain:
         assert torch.allclose(plain[n], ckpt[n], atol=1e-6, rtol=1e-5), n
+
+
+def test_shared_prefix_stops_where_replayed_routes_differ(moe_dir: Path) -> None:
+    """Two samples with the same first 6 tokens, replayed with the same routes except at position 3:
+    they share 3 tokens, not 6, and every logprob equals the unshared forward's."""
+    from hpcrl.trainer.layout import common_prefix
+    from hpcrl.trainer.model import load_model
+    from hpcrl.trainer.packing import PackedBatch, forward_packed, with_shared_prefixes
+
+    ids = torch.tensor([7, 8, 9, 10, 11, 12, 20, 21, 7, 8, 9, 10, 11, 12, 30, 31, 32])
+    lens = [8, 9]
+    routes = torch.zeros(17, 4, dtype=torch.long)  # 2 layers x top-2
+    routes[:, 1::2] = 5
+    routes[8 + 3] = torch.tensor([1, 2, 3, 4])  # the second sample's 4th token went elsewhere
+    mb = PackedBatch(
+        input_ids=ids,
+        position_ids=torch.cat([torch.arange(n) for n in lens]),
+        seq_lens=torch.tensor(lens),
+        loss_mask=torch.cat([torch.arange(n) >= 6 for n in lens]),
+        routed_experts=routes,
+    )
+    np_ids, np_pos = mb.input_ids.numpy(), mb.position_ids.numpy()
+    assert common_prefix(np_ids, np_pos, (0, 8), (8, 9)) == 6
+    assert common_prefix(np_ids, np_pos, (0, 8), (8, 9), routes.numpy()) == 3
+    shared = with_shared_prefixes(mb, 64)
+    assert shared.prefix_lens.tolist() == [0, 3]
+    model = load_model(moe_dir, impl="custom").eval()
+    with torch.no_grad():
+        alone = forward_packed(model, mb).logprobs
+        together = forward_packed(model, shared).logprobs
+    assert torch.allclose(alone, together, atol=1e-6)
