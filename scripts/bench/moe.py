@@ -1,7 +1,7 @@
 """MoE benchmark: hpcrl's own Qwen3-MoE (impl custom) against transformers', expert parallelism, and
 router replay. One run of each; printed tables.
 
-    python scripts/bench/moe.py [--part step|ep|replay|all] [--steps 12]
+    python scripts/bench/moe.py [--part step|ep|replay|decompose|all] [--steps 12]
 
 1. step: one training step (forward + backward + AdamW over 8 x 128 tokens, fp32 on CPU / bf16 on
    CUDA) of the tiny (8 experts) and small (16 experts) MoE, custom vs transformers: tokens/s (median
@@ -11,10 +11,14 @@ router replay. One run of each; printed tables.
    global batch), step time and the all-to-all bytes each rank sent, against the ideal for uniform
    routing: tokens x k x (ep-1)/ep x hidden x 4 bytes, twice (dispatch + combine).
 3. replay: two `hpcrl run`s of the tiny MoE (1 trainer rank, same seed and length) with
-   trainer.model.router_replay on and off: mean mismatch KL and last-3-steps reward. Target: replay's
-   mismatch KL <= 0.1x the run without. Synchronous (max_async_level = 0: no policy lag in the KL) with
-   inference in bf16 and the trainer in fp32, so the two route some tokens differently, as a GPU
-   inference engine's kernels and a trainer's do.
+   trainer.model.router_replay on and off: mean mismatch KL, rewards, replay hit rate. Synchronous
+   (max_async_level = 0: policy lag, which replay cannot remove, stays out of the KL), inference and
+   trainer both in bf16 (as GPU RL runs). Target: replay's mismatch KL <= 0.1x the run without. Two
+   runs diverge, so their KLs differ by more than routing: then (3b) the same-weights decomposition
+   (part 4) at the off run's final weights, which separates the routing part from the numerics floor.
+4. decompose: one batch sampled by the embedded engine (bf16) from the tiny and small MoE, and the
+   trainer's logprobs of those tokens on the same weights, fp32 and bf16, with routing free, the
+   completion's routes replayed, and every token's (scripts/bench/moe_decompose.py).
 """
 
 from __future__ import annotations
@@ -171,59 +175,78 @@ def part_ep() -> None:
 
 
 SETTINGS = {
-    # policy lag: batch N may come from policy N-2 (the default async level), fp32 everywhere
-    "async fp32": ("max_async_level = 1\n", ""),
-    # no lag (the KL is only engine vs trainer), both in bf16 (different kernels on the same weights)
-    "sync bf16": ("max_async_level = 0\n", 'dtype = "bfloat16"\n'),
+    # [orchestrator] lines, [model] lines (inference), [trainer.model] lines. Synchronous: the KL is only
+    # engine vs trainer, no policy lag (which replay cannot remove: routes of an older policy).
+    # Both in bf16, as GPU RL runs (vLLM bf16, trainer bf16 compute): different kernels, same weights.
+    "sync bf16": ("max_async_level = 0\n", 'dtype = "bfloat16"\n', 'dtype = "bfloat16"\n'),
+    # (An fp32 trainer beside a bf16 engine is no run setting: the policy is published in the trainer's
+    # compute dtype and the server's checksum of it in bf16 would not match; part 4 measures that pair.)
 }
 
 
-def part_replay(steps: int) -> None:
+def _run(steps: int, d: Path, orch: str, model: str, trainer_model: str, replay: bool) -> Path:
     from tests.conftest import rl_toml
+
+    cfg = d / "cfg.toml"
+    text = rl_toml(steps, seq_len=64, model="hpcrl/tiny-qwen3-moe", max_tokens=8, top="seed = 3\n",
+                   orchestrator=orch, tables="[trainer.optim]\nlr = 1e-2\n[ckpt]\nweights_only = true\n")  # fmt: skip
+    text = text.replace('id = "reverse-text"', 'id = "tests.integration.short_env"')
+    # [trainer.model] states its dtype: a role's own model section does not inherit [model]'s
+    text += f"[trainer.model]\nrouter_replay = {str(replay).lower()}\n{trainer_model}"
+    cfg.write_text(text.replace("[orchestrator]\n", model + "[orchestrator]\n", 1))
+    out = d / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
+        check=False, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    if done.returncode:
+        raise SystemExit(f"run failed (replay {replay}): {done.stdout[-1500:]}{done.stderr[-1500:]}")
+    return out
+
+
+def part_replay(steps: int) -> None:
+    from scripts.bench.moe_decompose import decompose, print_table
 
     print(f"\n3. router replay on vs off: tiny MoE, {steps} steps, 1 trainer rank, same seed")
     print(
-        f"{'setting':<11} {'replay':<7} {'mismatch KL':>12} {'reward 1-3':>11} {'reward last 3':>14} {'hit rate':>9}"
+        f"{'setting':<15} {'replay':<7} {'mismatch KL':>12} {'reward 1-3':>11} {'reward last 3':>14} {'hit rate':>9}"
     )
-    for name, (orch, model) in SETTINGS.items():
+    floors = []
+    for name, (orch, model, trainer_model) in SETTINGS.items():
         kls = {}
         for replay in (True, False):
             with tempfile.TemporaryDirectory() as d:
-                cfg = Path(d) / "cfg.toml"
-                text = rl_toml(steps, seq_len=64, model="hpcrl/tiny-qwen3-moe", max_tokens=8, top="seed = 3\n",
-                               orchestrator=orch, tables="[trainer.optim]\nlr = 1e-2\n")  # fmt: skip
-                text = text.replace('id = "reverse-text"', 'id = "tests.integration.short_env"')
-                # [trainer.model] restates the dtype: a role's own model section does not inherit it
-                text += f"[trainer.model]\nrouter_replay = {str(replay).lower()}\n{model}"
-                cfg.write_text(text.replace("[orchestrator]\n", model + "[orchestrator]\n", 1))
-                out = Path(d) / "run"
-                done = subprocess.run(
-                    [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
-                    check=False, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                )  # fmt: skip
-                if done.returncode:
-                    raise SystemExit(
-                        f"run failed ({name}, replay {replay}): {done.stdout[-1500:]}{done.stderr[-1500:]}"
-                    )
+                out = _run(steps, Path(d), orch, model, trainer_model, replay)
                 rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+                if not replay:  # the off run's last weights: the same-weights decomposition below
+                    last = max((out / "weights").glob("step_*"), key=lambda p: int(p.name[5:]))
+                    dtype = "bfloat16" if "bfloat16" in trainer_model else "float32"
+                    floors.append((name, last.name, decompose(str(last), dtypes=(dtype,))))
             kl = [r["mismatch_kl/mean"] for r in rows if "mismatch_kl/mean" in r]
             rew = {r["step"]: r["reward/all/mean"] for r in rows if "reward/all/mean" in r}
             hit = [r["moe/replay_hit_rate"] for r in rows if "moe/replay_hit_rate" in r]
             kls[replay] = statistics.mean(kl)
             first = statistics.mean(rew[s] for s in (1, 2, 3))
-            last = statistics.mean(rew[s] for s in range(steps - 2, steps + 1))
+            last3 = statistics.mean(rew[s] for s in range(steps - 2, steps + 1))
             h = f"{statistics.mean(hit):.3f}" if hit else "-"
             on = "on" if replay else "off"
-            print(f"{name:<11} {on:<7} {kls[replay]:>12.3g} {first:>11.3f} {last:>14.3f} {h:>9}")
+            print(f"{name:<15} {on:<7} {kls[replay]:>12.3g} {first:>11.3f} {last3:>14.3f} {h:>9}")
         ratio = kls[True] / kls[False] if kls[False] else float("nan")
-        print(f"{name:<11} replay / no replay mismatch KL: {ratio:.3f} (target <= 0.1)")
+        print(f"{name:<15} replay / no replay mismatch KL (raw, two runs): {ratio:.3f} (target <= 0.1)")
+    # Two runs diverge (different updates), so their KLs differ by more than routing. The routing
+    # part is measured on one batch at the off run's final weights: trainer logprobs with free routes,
+    # with the completion's routes replayed, and with every token's (the numerics floor: what is left
+    # when the trainer computes every token with the engine's experts).
+    for name, step, rows in floors:
+        print_table(f"3b. {name}: the off run's weights/{step}, one batch, routing free vs replayed", rows)
 
 
 def part_decompose() -> None:
     from scripts.bench.moe_decompose import decompose, print_table
 
     for preset in ("tiny-moe", "small-moe"):
-        print_table(preset, decompose(str(_model_dir(preset))))
+        title = f"4. mismatch KL decomposition, {preset} (engine bf16; same weights, same sampled tokens)"
+        print_table(title, decompose(str(_model_dir(preset))))
 
 
 def main() -> None:

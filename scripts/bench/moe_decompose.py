@@ -80,8 +80,8 @@ def free_routes(model: torch.nn.Module, mb) -> torch.Tensor:
     got: list[torch.Tensor] = []
 
     def recording(f):
-        def route(x):
-            idx, w = f(x)
+        def route(x, replay=None):
+            idx, w = f(x, replay)
             got.append(idx)
             return idx, w
 
@@ -108,7 +108,13 @@ def differ(mine: torch.Tensor, engine: torch.Tensor) -> torch.Tensor:
     return out.masked_fill((engine < 0).all(-1).all(-1), float("nan"))
 
 
-def decompose(preset_dir: str, prompts: int = 16, n: int = 4, max_tokens: int = 16) -> list[dict[str, Any]]:
+def decompose(
+    preset_dir: str,
+    prompts: int = 16,
+    n: int = 4,
+    max_tokens: int = 16,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+) -> list[dict[str, Any]]:
     from hpcrl.trainer.model import load_model
     from hpcrl.trainer.packing import forward_packed
 
@@ -116,7 +122,7 @@ def decompose(preset_dir: str, prompts: int = 16, n: int = 4, max_tokens: int = 
     samples = sample_batch(preset_dir, prompts, n, max_tokens)
     rows = []
     engine_routes = packed(samples, "all").routed_experts
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         model = load_model(preset_dir, dtype, "cpu", attn_impl="sdpa", impl="custom").eval()
         k = model.moe_layers()[0].top_k
         for routing in ROUTINGS:
@@ -125,7 +131,7 @@ def decompose(preset_dir: str, prompts: int = 16, n: int = 4, max_tokens: int = 
                 lp = forward_packed(model, mb, compute_entropy=False).logprobs.float()
             d = (lp - mb.inference_logprobs)[mb.loss_mask]
             row = {"dtype": dtype, "routing": routing, "kl": float((torch.expm1(d) - d).mean()),
-                   "abs_d": float(d.abs().mean())}  # fmt: skip
+                   "abs_d": float(d.abs().mean()), "lp": lp[mb.loss_mask]}  # fmt: skip
             if routing == "free":
                 mine = free_routes(model, mb)
                 theirs = engine_routes.view(len(engine_routes), -1, k)
@@ -136,21 +142,32 @@ def decompose(preset_dir: str, prompts: int = 16, n: int = 4, max_tokens: int = 
     return rows
 
 
-def print_table(preset: str, rows: list[dict[str, Any]]) -> None:
-    print(f"\n4. mismatch KL decomposition, {preset} (engine bf16; same weights, same sampled tokens)")
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    """``above floor``: the KL minus the all-tokens row's (every token computed with the engine's
+    experts: what is left is numerics), the routing part; ``max |lp - off|``: how far replay moved
+    any logprob from the free-routing run."""
+    print(f"\n{title}")
     print(
-        f"{'trainer':<9} {'replay':<11} {'mismatch KL':>12} {'mean |d|':>9} {'routes differ (prompt / completion)':>37}"
+        f"{'trainer':<9} {'replay':<11} {'mismatch KL':>12} {'above floor':>12} {'mean |d|':>9} "
+        f"{'max |lp - off|':>15} {'routes differ (prompt / completion)':>36}"
     )
-    free = {r["dtype"]: r["kl"] for r in rows if r["routing"] == "free"}
     for r in rows:
-        dif = f"{r['differ_prompt']:.3f} / {r['differ_completion']:.3f}" if "differ_prompt" in r else ""
+        same = [x for x in rows if x["dtype"] == r["dtype"]]
+        floor = next(x["kl"] for x in same if x["routing"] == "all")
+        free = next(x for x in same if x["routing"] == "free")
+        moved = float((r["lp"] - free["lp"]).abs().max())
+        dif = f"{r['differ_prompt']:.4f} / {r['differ_completion']:.4f}" if "differ_prompt" in r else ""
         name = {"free": "off", "completion": "completion", "all": "all tokens"}[r["routing"]]
-        print(f"{r['dtype']:<9} {name:<11} {r['kl']:>12.3g} {r['abs_d']:>9.4f} {dif:>37}")
-    for dtype, kl_free in free.items():
-        floor = next(r["kl"] for r in rows if r["dtype"] == dtype and r["routing"] == "all")
-        comp = next(r["kl"] for r in rows if r["dtype"] == dtype and r["routing"] == "completion")
         print(
-            f"{dtype}: routing share of the KL {(kl_free - floor) / kl_free:.0%}; "
-            f"replay/off {floor / kl_free:.3f} (all tokens), {comp / kl_free:.3f} (completion only); "
-            f"above the numerics floor: {(comp - floor) / max(kl_free - floor, 1e-12):.3f} (completion only), 0 (all)"
+            f"{r['dtype']:<9} {name:<11} {r['kl']:>12.4g} {r['kl'] - floor:>12.3g} {r['abs_d']:>9.5f} "
+            f"{moved:>15.3g} {dif:>36}"
+        )
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        kl = {r["routing"]: r["kl"] for r in rows if r["dtype"] == dtype}
+        part = kl["free"] - kl["all"]
+        comp = (kl["completion"] - kl["all"]) / part if part > 0 else float("nan")
+        print(
+            f"{dtype}: replay / off, raw: {kl['all'] / kl['free']:.3f} (all tokens), "
+            f"{kl['completion'] / kl['free']:.3f} (completion only); routing part (above the floor) "
+            f"{part / kl['free']:.0%} of the off KL, of which replay leaves 0 (all tokens), {comp:.3f} (completion only)"
         )
