@@ -242,11 +242,14 @@ def part_replay(steps: int) -> None:
 
 
 def part_decompose() -> None:
+    import torch
+
     from scripts.bench.moe_decompose import decompose, print_table
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # both roles on it: the device's own kernels
     for preset in ("tiny-moe", "small-moe"):
-        title = f"4. mismatch KL decomposition, {preset} (engine bf16; same weights, same sampled tokens)"
-        print_table(title, decompose(str(_model_dir(preset))))
+        title = f"4. mismatch KL decomposition, {preset} on {dev} (engine bf16; same weights, same sampled tokens)"
+        print_table(title, decompose(str(_model_dir(preset)), device=dev))
 
 
 def main() -> None:

@@ -23,12 +23,12 @@ import torch
 ROUTINGS = ("free", "completion", "all")
 
 
-def sample_batch(model_dir: str, prompts: int, n: int, max_tokens: int) -> list[dict[str, Any]]:
+def sample_batch(model_dir: str, prompts: int, n: int, max_tokens: int, device: str) -> list[dict[str, Any]]:
     """``prompts`` x ``n`` completions of random prompts (8-24 tokens) from a bf16 engine, with routes."""
     from hpcrl.inference.engine import HFEngine
     from hpcrl.inference.protocol import SamplingParams
 
-    engine = HFEngine(model_dir, dtype="bfloat16", device="cpu", seed=0, max_batch_size=prompts * n)
+    engine = HFEngine(model_dir, dtype="bfloat16", device=device, seed=0, max_batch_size=prompts * n)
     g = torch.Generator().manual_seed(1)
     try:
         engine.pause()  # admit every request in one prefill, as a rollout batch arrives
@@ -114,24 +114,25 @@ def decompose(
     n: int = 4,
     max_tokens: int = 16,
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     from hpcrl.trainer.model import load_model
     from hpcrl.trainer.packing import forward_packed
 
     torch.manual_seed(0)
-    samples = sample_batch(preset_dir, prompts, n, max_tokens)
+    samples = sample_batch(preset_dir, prompts, n, max_tokens, device)
     rows = []
-    engine_routes = packed(samples, "all").routed_experts
+    engine_routes = packed(samples, "all").routed_experts.to(device)
     for dtype in dtypes:
-        model = load_model(preset_dir, dtype, "cpu", attn_impl="sdpa", impl="custom").eval()
+        model = load_model(preset_dir, dtype, device, attn_impl="sdpa", impl="custom").eval()
         k = model.moe_layers()[0].top_k
         for routing in ROUTINGS:
-            mb = packed(samples, routing)
+            mb = packed(samples, routing).to(device)
             with torch.no_grad():
                 lp = forward_packed(model, mb, compute_entropy=False).logprobs.float()
             d = (lp - mb.inference_logprobs)[mb.loss_mask]
             row = {"dtype": dtype, "routing": routing, "kl": float((torch.expm1(d) - d).mean()),
-                   "abs_d": float(d.abs().mean()), "lp": lp[mb.loss_mask]}  # fmt: skip
+                   "abs_d": float(d.abs().mean()), "lp": lp[mb.loss_mask].cpu()}  # fmt: skip
             if routing == "free":
                 mine = free_routes(model, mb)
                 theirs = engine_routes.view(len(engine_routes), -1, k)
