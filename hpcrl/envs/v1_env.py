@@ -65,10 +65,18 @@ def env_config(env_id: str, args: Mapping[str, Any], runtime: str | None) -> tup
 
 
 def branch_turns(
-    ids: Sequence[int], mask: Sequence[bool], logprobs: Sequence[float], policy: int
+    ids: Sequence[int],
+    mask: Sequence[bool],
+    logprobs: Sequence[float],
+    policy: int,
+    routes: Any = None,
 ) -> list[Turn]:
     """A branch as turns: one per run of sampled tokens, its prompt everything before the run, so
-    stitch_turns gives back `ids` (up to the last sampled token) with `mask` as the loss mask."""
+    stitch_turns gives back `ids` (up to the last sampled token) with `mask` as the loss mask.
+    `routes` (MoE router replay: the branch's `routed_experts`, [len(ids), layers, k]) are cut the
+    same way into each turn's prompt and completion rows."""
+    if routes is not None and len(routes) != len(ids):
+        routes = None  # partial routing: verifiers reports none either
     turns, i, n = [], 0, len(ids)
     while i < n:
         if not mask[i]:
@@ -84,6 +92,8 @@ def branch_turns(
                 completion_token_ids=list(ids[i:j]),
                 completion_logprobs=[float(x) for x in logprobs[i:j]],
                 policy_steps=[policy] * (j - i),
+                routed_experts=None if routes is None else routes[i:j].tolist(),
+                prompt_routed_experts=None if routes is None else routes[:i].tolist(),
             )
         )
         i = j
@@ -100,7 +110,9 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
     for trace in traces:
         for branch in trace.branches:
             if branch.trainable:
-                more = branch_turns(branch.token_ids, branch.sampled_mask, branch.logprobs, policy)
+                more = branch_turns(
+                    branch.token_ids, branch.sampled_mask, branch.logprobs, policy, branch.routed_experts
+                )
                 if turns and more:  # a forked branch (the renderer could not bridge): its own sample
                     more[0].rerendered = True
                 turns += more

@@ -5,7 +5,8 @@ given, never re-tokenized, so a multi-turn client that bridges its token stream 
 `bridge_to_next_turn`) gets exactly the continuation it asked for. Response (vLLM's
 `GenerateTokensResponse`, output_mode "tokens"): `request_id`, `model`, `created`,
 `prompt_token_ids`, `usage`, and per choice `token_ids`, `logprobs`, `finish_reason`, `stop_reason`
-and `routed_experts`. Each logprob entry carries vLLM 0.33's `token_id`/`rank` and also
+and `routed_experts` (MoE: vLLM's `{data, shape, start}`, see `routed_experts`; a multi-turn client
+that bridged its prompt asks for the rows from `sampling_params.routed_experts_prompt_start` on). Each logprob entry carries vLLM 0.33's `token_id`/`rank` and also
 `token: "token_id:<id>"` (the chat shape renderers 0.1.12's client checks).
 
 Every refusal is a 400 naming the field (`token_ids`, `sampling_params.<key>`); nothing reaches the
@@ -16,6 +17,7 @@ Self-contained on purpose: api.py only registers it (`install`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import time
@@ -23,12 +25,14 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from hpcrl.inference.protocol import MAX_TOP_LOGPROBS, APIError, SamplingParams, SeqOutput, parse_sampling
 
 ROUTE = "/inference/v1/generate"
+ROUTES_START = "routed_experts_prompt_start"
 # Debugging and the token-exactness test: every answered request appended to this file as one JSON
 # line {"prompt_token_ids", "token_ids": [per choice], "logprobs": [per choice]} (what was sampled).
 LOG_ENV = "HPCRL_GENERATE_LOG"
@@ -120,13 +124,28 @@ def parse_request(
     return list(ids), params
 
 
+def routes_start(body: dict[str, Any]) -> int:
+    """`sampling_params.routed_experts_prompt_start` (verifiers' client sends it on a bridged turn): the
+    first sequence position whose expert routing the answer carries; 0 when absent."""
+    sp = body.get("sampling_params") or {}
+    start = sp.get(ROUTES_START, 0) if isinstance(sp, dict) else 0
+    n = len(body.get("token_ids") or [])
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < max(n, 1):
+        raise APIError(
+            f"`sampling_params.{ROUTES_START}` must be an integer in [0, {max(n - 1, 0)}] (a prompt "
+            f"position), got {start!r}",
+            param=f"sampling_params.{ROUTES_START}",
+        )
+    return start
+
+
 def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
         raise APIError("`sampling_params` must be an object", param="sampling_params")
     for key, value in sp.items():
-        if key in SUPPORTED:
+        if key in SUPPORTED or key == ROUTES_START:  # the latter shapes the answer: see routes_start
             continue
         if key in NEUTRAL:
             if not _neutral(value, NEUTRAL[key]):
@@ -169,11 +188,23 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed)
 
 
-def routed_experts(out: SeqOutput) -> str | None:
-    """The one place a choice's expert routing is filled: vLLM sends base64 `.npy` bytes of shape
-    (tokens - 1, layers, experts_per_token) when the model is MoE and routing capture is on. The
-    embedded engine does not report routing (yet), so this is None for every model."""
-    return None
+def routed_experts(out: SeqOutput, start: int = 0) -> dict[str, Any] | None:
+    """The one place a choice's expert routing is filled, in vLLM's shape (what verifiers' client
+    reads): `{data: base64 of the raw [rows, layers, k] ids, shape, start, dtype}` for sequence
+    positions `start ..` prompt + completion - 2 (no forward runs on the last sampled token). uint8
+    where every id fits (verifiers' default), else int16. None without MoE routes (a dense model, as
+    vLLM sends null)."""
+    if out.routed_experts is None or out.prompt_routed_experts is None or not out.token_ids:
+        return None
+    rows = np.asarray(out.prompt_routed_experts[start:] + out.routed_experts[:-1], dtype=np.int16)
+    dtype = np.uint8 if rows.size == 0 or int(rows.max()) < 256 else np.int16
+    data = np.ascontiguousarray(rows.astype(dtype))
+    return {
+        "data": base64.b64encode(data.tobytes()).decode("ascii"),
+        "shape": list(data.shape),
+        "start": start,
+        "dtype": np.dtype(dtype).name,
+    }
 
 
 def _logprob(token_id: int, logprob: float) -> dict[str, Any]:
@@ -189,8 +220,11 @@ def _logprob(token_id: int, logprob: float) -> dict[str, Any]:
     }
 
 
-def response(model: str, prompt: list[int], outs: list[SeqOutput], params: SamplingParams) -> dict[str, Any]:
-    """vLLM's GenerateResponse for `outs`, with the prompt ids (what renderers' client reads back)."""
+def response(
+    model: str, prompt: list[int], outs: list[SeqOutput], params: SamplingParams, routes_from: int = 0
+) -> dict[str, Any]:
+    """vLLM's GenerateResponse for `outs`, with the prompt ids (what renderers' client reads back);
+    `routes_from`: the first position of each choice's `routed_experts`."""
     choices = []
     for i, o in enumerate(outs):
         logprobs = None
@@ -213,7 +247,7 @@ def response(model: str, prompt: list[int], outs: list[SeqOutput], params: Sampl
                 "logprobs": logprobs,
                 "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason,
-                "routed_experts": routed_experts(o),
+                "routed_experts": routed_experts(o, routes_from),
                 "policy_steps": o.policy_steps,
             }
         )
@@ -265,11 +299,12 @@ def install(
         body = await read_body(request)
         model = check_model(state, body)
         prompt, params = parse_request(body, engine.vocab_size, engine.max_model_len)
+        start = routes_start(body)
         if state.sync_error:
             raise APIError(state.sync_error, status=503, type="WeightSyncError")
         outs = await asyncio.wrap_future(engine.submit(prompt, params))
         if log_path:
             log_sample(log_path, prompt, outs)
-        return to_json(response(model, prompt, outs, params))
+        return to_json(response(model, prompt, outs, params, start))
 
     app.add_api_route(ROUTE, generate, methods=["POST"])

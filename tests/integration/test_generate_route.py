@@ -191,3 +191,36 @@ def test_renderers_client_generate(server, tiny_model_dir: Path) -> None:
         },
     ).json()["choices"][0]
     assert raw["token_ids"] == out["completion_ids"]
+
+
+def test_moe_routes_in_vllms_shape_as_verifiers_reads_them(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny Qwen3-MoE answers `routed_experts` from `routed_experts_prompt_start` on (what verifiers'
+    client sends on a bridged turn), decoded as verifiers decodes it: the rows are the experts an
+    independent full forward over prompt + completion picks at those positions."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    from hpcrl.models.tiny import build_tiny_model
+    from tests.unit.test_engine_routes import _full_forward_routes
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("moe"), preset="tiny-moe", seed=3)
+    srv = CliServer(model_dir, tmp_path_factory.mktemp("moe_run"))
+    try:
+        prompt = [5, 17, 42, 7, 9]
+        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 6, "seed": 3, "logprobs": 1,
+                                                         "ignore_eos": True, "routed_experts_prompt_start": 2}}  # fmt: skip
+        r = post(srv, body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+    finally:
+        srv.stop()
+    re = choice["routed_experts"]
+    comp = choice["token_ids"]
+    arr = np.frombuffer(base64.b64decode(re["data"]), dtype=np.dtype(re.get("dtype", "uint8"))).reshape(
+        re["shape"]
+    )
+    assert re["start"] == 2 and arr.shape == (len(prompt) + len(comp) - 1 - 2, 2, 2)
+    want = _full_forward_routes(model_dir, prompt + comp)[2:-1].sort(-1).values
+    assert torch.equal(torch.from_numpy(arr.astype(np.int64)).sort(-1).values, want)
