@@ -313,16 +313,27 @@ def step_row(kind: str, impl: str, cfg: Any, dev: torch.device, tokens: int, war
 VOCAB = 151_936
 
 
-def long_cell(path: str, dev: torch.device, seq_len: int, column: str, chunk: int = 1024) -> dict[str, float]:
-    """Two training steps of one seq_len-token sample; memory of the first, time of the second."""
-    from hpcrl.trainer.loss import LossParams, compute_loss
+def make_model(source: str, dev: torch.device, ac: bool) -> torch.nn.Module:
+    """``source``: a model directory (loaded as the trainer does) or 'qwen3-1.7b' (random weights)."""
+    if source == "qwen3-1.7b":
+        model = build("custom", make_config("dense", False), dev)
+        model.activation_checkpointing = ac
+        return model
     from hpcrl.trainer.model import load_model
-    from hpcrl.trainer.packing import PackedBatch, forward_packed
 
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    model = load_model(
-        path, dtype, dev, attn_impl="sdpa", impl="custom", activation_checkpointing=column == "chunked_ac"
-    )
+    return load_model(source, dtype, dev, attn_impl="sdpa", impl="custom", activation_checkpointing=ac)
+
+
+def long_cell(
+    source: str, dev: torch.device, seq_len: int, column: str, chunk: int = 1024
+) -> dict[str, float]:
+    """Two training steps of one seq_len-token sample; memory of the first, time of the second.
+    ``column``: today | chunked | chunked_ac | today_ac."""
+    from hpcrl.trainer.loss import LossParams, compute_loss
+    from hpcrl.trainer.packing import PackedBatch, forward_packed
+
+    model = make_model(source, dev, ac=column.endswith("_ac"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     g = torch.Generator().manual_seed(1)
     mask = torch.arange(seq_len) >= seq_len // 2
@@ -334,10 +345,14 @@ def long_cell(path: str, dev: torch.device, seq_len: int, column: str, chunk: in
         advantages=torch.randn(seq_len, generator=g),
         inference_logprobs=torch.full((seq_len,), -12.0),
     ).to(dev)
-    chunk_tokens = 0 if column == "today" else chunk
+    chunk_tokens = 0 if column.startswith("today") else chunk
+
+    saved: list[float] = []
 
     def step() -> None:
         fwd = forward_packed(model, batch, wanted=batch.loss_mask, chunk_tokens=chunk_tokens)
+        if dev.type == "cuda" and not saved:  # what the forward keeps for the backward
+            saved.append((torch.cuda.memory_allocated(dev) - before) / GIB)
         out = compute_loss(
             LossParams(),
             trainer_logprobs=fwd.logprobs,
@@ -359,12 +374,13 @@ def long_cell(path: str, dev: torch.device, seq_len: int, column: str, chunk: in
     step()
     peak = torch.cuda.max_memory_allocated(dev) if cuda else 0
     t = timed(step, dev, 0, 1)
-    return {"peak_gib": peak / GIB, "step_gib": (peak - before) / GIB, "step_s": t}
+    kept = saved[0] if saved else 0.0
+    return {"peak_gib": peak / GIB, "step_gib": (peak - before) / GIB, "saved_gib": kept, "step_s": t}
 
 
-def fits(path: str, dev: torch.device, seq_len: int, column: str) -> bool:
+def fits(source: str, dev: torch.device, seq_len: int, column: str) -> bool:
     try:
-        long_cell(path, dev, seq_len, column)
+        long_cell(source, dev, seq_len, column)
         ok = True
     except torch.OutOfMemoryError:
         ok = False
@@ -374,11 +390,11 @@ def fits(path: str, dev: torch.device, seq_len: int, column: str) -> bool:
     return ok
 
 
-def largest(path: str, dev: torch.device, column: str, start: int, cap: int, rounds: int = 3) -> str:
+def largest(source: str, dev: torch.device, column: str, start: int, cap: int, rounds: int = 3) -> str:
     lo, hi = 0, None
     n = start
     while n <= cap:
-        if not fits(path, dev, n, column):
+        if not fits(source, dev, n, column):
             hi = n
             break
         lo, n = n, n * 2
@@ -388,7 +404,7 @@ def largest(path: str, dev: torch.device, column: str, start: int, cap: int, rou
         mid = (lo + hi) // 2 // 1024 * 1024
         if mid in (lo, hi):
             break
-        lo, hi = (mid, hi) if fits(path, dev, mid, column) else (lo, mid)
+        lo, hi = (mid, hi) if fits(source, dev, mid, column) else (lo, mid)
     return f"{lo} (fails at {hi})"
 
 
@@ -419,7 +435,75 @@ def part_long(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-PARTS = {"grouped": part_grouped, "step": part_step, "long": part_long}
+def part_chunks(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
+    """Step time and peak memory by logprobs_chunk_tokens (0 = today's unchunked head)."""
+    from hpcrl.models.tiny import resolve_model
+
+    path = resolve_model("hpcrl/tiny-qwen3-151k")
+    rows = []
+    for n in [2048] if quick else [16384, 65536]:
+        for chunk in (0, 256, 1024, 4096, 16384):
+            col = "today" if chunk == 0 else "chunked"
+            r = long_cell(path, dev, n, col, chunk=chunk or 1)
+            rows.append(
+                {"seq_len": n, "chunk": chunk or "none", "peak GiB": r["peak_gib"], "step s": r["step_s"]}
+            )
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def part_long_dense(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
+    """Qwen3-1.7B (random weights, custom, bf16): memory and time by seq_len, what the forward keeps
+    against the dry-run plan's activation estimate, and the largest seq_len that fits."""
+    from hpcrl.launch.memory_plan import activation_gib
+    from hpcrl.models.arch import Arch
+
+    if quick or dev.type != "cuda":
+        return [{"seq_len": "skipped (CUDA only)"}]
+    c = make_config("dense", False)
+    arch = Arch(
+        hidden=c.hidden_size,
+        layers=c.num_hidden_layers,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        intermediate=c.intermediate_size,
+        vocab=c.vocab_size,
+        tied=True,
+    )
+    rows = []
+    for n in (8192, 16384, 32768):
+        for col in ("chunked", "chunked_ac", "today_ac"):
+            row: dict[str, Any] = {"seq_len": n, "column": col}
+            try:
+                r = long_cell("qwen3-1.7b", dev, n, col)
+                row.update({k: r[k] for k in ("peak_gib", "saved_gib", "step_s")})
+            except torch.OutOfMemoryError:
+                row["peak_gib"] = "OOM"
+            row["plan activations GiB"] = activation_gib(arch, n, 2, col.endswith("_ac"))
+            rows.append(row)
+            gc.collect()
+            torch.cuda.empty_cache()
+    for col in ("today_ac", "chunked_ac"):
+        rows.append(
+            {
+                "seq_len": "largest that fits",
+                "column": col,
+                "peak_gib": largest("qwen3-1.7b", dev, col, 65536, 1 << 17, rounds=2),
+            }
+        )
+    return rows
+
+
+PARTS = {
+    "grouped": part_grouped,
+    "step": part_step,
+    "long": part_long,
+    "chunks": part_chunks,
+    "long_dense": part_long_dense,
+}
 
 
 def main() -> int:
