@@ -64,11 +64,32 @@ def env_config(env_id: str, args: Mapping[str, Any], runtime: str | None) -> tup
         raise ValueError(f"environment {env_id!r}: {' '.join(str(e).split())[:400]}") from None
 
 
+def branch_routes(nodes: Sequence[Any]) -> Any:
+    """A branch's MoE routing ``[tokens, layers, k]`` (int16, -1 where a node has none), or None when
+    no node has any. verifiers' own ``Branch.routed_experts`` is None unless every node has rows."""
+    import numpy as np
+
+    widths = [n.routed_experts.shape[1:] for n in nodes if n.token_ids and n.routed_experts is not None]
+    if not widths:
+        return None
+    parts = []
+    for n in nodes:
+        r = n.routed_experts
+        ok = r is not None and r.shape[0] == len(n.token_ids) and r.shape[1:] == widths[0]
+        parts.append(r.astype(np.int16) if ok else np.full((len(n.token_ids), *widths[0]), -1, np.int16))
+    return np.concatenate(parts)
+
+
 def branch_turns(
-    ids: Sequence[int], mask: Sequence[bool], logprobs: Sequence[float], policy: int
+    ids: Sequence[int],
+    mask: Sequence[bool],
+    logprobs: Sequence[float],
+    policy: int,
+    routes: Any = None,
 ) -> list[Turn]:
     """A branch as turns: one per run of sampled tokens, its prompt everything before the run, so
-    stitch_turns gives back `ids` (up to the last sampled token) with `mask` as the loss mask."""
+    stitch_turns gives back `ids` (up to the last sampled token) with `mask` as the loss mask.
+    ``routes`` ([len(ids), layers, k] or None): each turn carries its sampled tokens' rows."""
     turns, i, n = [], 0, len(ids)
     while i < n:
         if not mask[i]:
@@ -84,6 +105,7 @@ def branch_turns(
                 completion_token_ids=list(ids[i:j]),
                 completion_logprobs=[float(x) for x in logprobs[i:j]],
                 policy_steps=[policy] * (j - i),
+                routed_experts=None if routes is None else routes[i:j].tolist(),
             )
         )
         i = j
@@ -100,7 +122,13 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
     for trace in traces:
         for branch in trace.branches:
             if branch.trainable:
-                more = branch_turns(branch.token_ids, branch.sampled_mask, branch.logprobs, policy)
+                more = branch_turns(
+                    branch.token_ids,
+                    branch.sampled_mask,
+                    branch.logprobs,
+                    policy,
+                    branch_routes(branch.nodes),
+                )
                 if turns and more:  # a forked branch (the renderer could not bridge): its own sample
                     more[0].rerendered = True
                 turns += more

@@ -63,6 +63,7 @@ class _Request:
     future: Future
     seqs: list[_Seq] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
+    prompt_routed: torch.Tensor | None = None  # MoE: [prompt tokens, layers, k] from the prefill
 
 
 @dataclass(eq=False)
@@ -384,6 +385,7 @@ class HFEngine:
                     stop_reason=s.stop_reason,
                     policy_steps=sorted(set(s.steps)),
                     routed_experts=routing.finish(s.routed, len(s.out)) if self._routing.enabled else None,
+                    prompt_routed_experts=None if req.prompt_routed is None else req.prompt_routed.tolist(),
                 )
             )
         req.future.set_result(outs)
@@ -415,6 +417,12 @@ class HFEngine:
         reqs = list(dict.fromkeys(s.req for s in new))
         where = {id(r): j for j, r in enumerate(reqs)}
         kv, mask, pos, logits = self._prefill([r.prompt for r in reqs])
+        width = mask.shape[1]
+        prompt_routed = self._routing.take(len(reqs) * width)  # left-padded rows: keep each prompt's
+        if prompt_routed is not None:
+            prompt_routed = prompt_routed.view(len(reqs), width, *prompt_routed.shape[1:])
+            for j, r in enumerate(reqs):
+                r.prompt_routed = prompt_routed[j, width - len(r.prompt) :].clone()
         idx = torch.tensor([where[id(s.req)] for s in new], device=self.device)
         for s in new:
             s.logits_step = self.policy_step

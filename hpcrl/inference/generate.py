@@ -50,6 +50,9 @@ SUPPORTED = (
     "skip_special_tokens",
     "include_stop_str_in_output",
 )
+# vLLM's "skip this many prompt positions in routed_experts" (verifiers sends it on bridged turns):
+# validated as vLLM does; the answer's `start` says where its rows begin.
+PROMPT_START = "routed_experts_prompt_start"
 # vLLM fields accepted only at the value that changes nothing here (a client may send vLLM's defaults).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0),
@@ -88,8 +91,9 @@ NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
 
 def parse_request(
     body: dict[str, Any], vocab_size: int, max_model_len: int
-) -> tuple[list[int], SamplingParams]:
-    """Validate a generate request; returns (prompt ids, sampling params) or raises APIError (400)."""
+) -> tuple[list[int], SamplingParams, int]:
+    """Validate a generate request; returns (prompt ids, sampling params, routed_experts_prompt_start)
+    or raises APIError (400)."""
     for key, ok in NEUTRAL_TOP.items():
         if key in body and not _neutral(body[key], ok):
             raise APIError(f"`{key}` is not supported by the hf backend", param=key)
@@ -113,11 +117,22 @@ def parse_request(
             "(prompt plus at least one generated token)",
             param="token_ids",
         )
+    start = (
+        (body.get("sampling_params") or {}).get(PROMPT_START, 0)
+        if isinstance(body.get("sampling_params"), dict)
+        else 0
+    )
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(ids):
+        raise APIError(
+            f"`sampling_params.{PROMPT_START}` must be an integer in [0, {len(ids)}) (the prompt's length), "
+            f"got {start!r}",
+            param=f"sampling_params.{PROMPT_START}",
+        )
     params = parse_sampling_params(body.get("sampling_params"), vocab_size)
     room = max_model_len - len(ids)
     if params.max_tokens is None or params.max_tokens > room:
         params.max_tokens = room  # vLLM's engine too stops at the context end (finish_reason "length")
-    return list(ids), params
+    return list(ids), params, start
 
 
 def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
@@ -126,7 +141,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     if not isinstance(sp, dict):
         raise APIError("`sampling_params` must be an object", param="sampling_params")
     for key, value in sp.items():
-        if key in SUPPORTED:
+        if key in SUPPORTED or key == PROMPT_START:
             continue
         if key in NEUTRAL:
             if not _neutral(value, NEUTRAL[key]):
@@ -169,11 +184,23 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed)
 
 
-def routed_experts(out: SeqOutput) -> str | None:
-    """The one place a choice's expert routing is filled: vLLM sends base64 `.npy` bytes of shape
-    (tokens - 1, layers, experts_per_token) when the model is MoE and routing capture is on. The
-    embedded engine does not report routing (yet), so this is None for every model."""
-    return None
+def routed_experts(out: SeqOutput, prompt_len: int, start: int) -> dict[str, Any] | None:
+    """A choice's expert routing in the shape renderers' and verifiers 0.4's clients read
+    (``hpcrl.inference.routed``): one row per position from ``start`` (the request's
+    ``routed_experts_prompt_start``): the prompt's from the prefill, then one per completion token,
+    -1 for the last (never fed back; vLLM leaves that row out). None for a dense model. Without the
+    prefill's rows (not recorded), rows start at the completion and ``start`` says so."""
+    if out.routed_experts is None:
+        return None
+    import numpy as np
+
+    from hpcrl.inference.routed import encode
+
+    done = np.asarray(out.routed_experts, dtype=np.int16)
+    if out.prompt_routed_experts is None or len(out.prompt_routed_experts) != prompt_len:
+        return encode(done, start=prompt_len)
+    prompt = np.asarray(out.prompt_routed_experts, dtype=np.int16)[start:]
+    return encode(np.concatenate([prompt, done.reshape(-1, *prompt.shape[1:])]), start=start)
 
 
 def _logprob(token_id: int, logprob: float) -> dict[str, Any]:
@@ -189,7 +216,9 @@ def _logprob(token_id: int, logprob: float) -> dict[str, Any]:
     }
 
 
-def response(model: str, prompt: list[int], outs: list[SeqOutput], params: SamplingParams) -> dict[str, Any]:
+def response(
+    model: str, prompt: list[int], outs: list[SeqOutput], params: SamplingParams, start: int = 0
+) -> dict[str, Any]:
     """vLLM's GenerateResponse for `outs`, with the prompt ids (what renderers' client reads back)."""
     choices = []
     for i, o in enumerate(outs):
@@ -213,7 +242,7 @@ def response(model: str, prompt: list[int], outs: list[SeqOutput], params: Sampl
                 "logprobs": logprobs,
                 "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason,
-                "routed_experts": routed_experts(o),
+                "routed_experts": routed_experts(o, len(prompt), start),
                 "policy_steps": o.policy_steps,
             }
         )
@@ -264,12 +293,12 @@ def install(
     async def generate(request: Request) -> Response:
         body = await read_body(request)
         model = check_model(state, body)
-        prompt, params = parse_request(body, engine.vocab_size, engine.max_model_len)
+        prompt, params, start = parse_request(body, engine.vocab_size, engine.max_model_len)
         if state.sync_error:
             raise APIError(state.sync_error, status=503, type="WeightSyncError")
         outs = await asyncio.wrap_future(engine.submit(prompt, params))
         if log_path:
             log_sample(log_path, prompt, outs)
-        return to_json(response(model, prompt, outs, params))
+        return to_json(response(model, prompt, outs, params, start))
 
     app.add_api_route(ROUTE, generate, methods=["POST"])

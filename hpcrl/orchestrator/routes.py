@@ -2,7 +2,9 @@
 token to (``routed_experts`` of a completion: [tokens][layers][k]) laid out along a training
 sequence, one flat row of layers*k ids per token, -1 on tokens nobody sampled (prompt, environment
 turns) and where the server did not know (a turn's last token). Multi-turn rollouts carry them per
-turn: a stitched sequence takes each turn's rows at that turn's completion tokens."""
+turn: a stitched sequence takes each turn's rows at that turn's completion tokens.
+
+A server's wire shapes of a choice's routing are read by :mod:`hpcrl.inference.routed`."""
 
 from __future__ import annotations
 

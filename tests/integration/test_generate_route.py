@@ -113,6 +113,18 @@ def test_auth_like_every_route(server) -> None:
         ({"token_ids": [1, 2], "sampling_params": {"best_of": 3}}, "sampling_params.best_of"),
         ({"token_ids": [1, 2], "stream": True}, "stream"),
         ({"token_ids": [1, 2], "model": "nope"}, "model"),
+        (
+            {"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 2}},
+            "sampling_params.routed_experts_prompt_start",
+        ),
+        (
+            {"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": -1}},
+            "sampling_params.routed_experts_prompt_start",
+        ),
+        (
+            {"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": True}},
+            "sampling_params.routed_experts_prompt_start",
+        ),
     ],
 )
 def test_bad_input_is_a_4xx_naming_the_field_and_changes_nothing(server, body, param) -> None:
@@ -191,3 +203,35 @@ def test_renderers_client_generate(server, tiny_model_dir: Path) -> None:
         },
     ).json()["choices"][0]
     assert raw["token_ids"] == out["completion_ids"]
+
+
+def test_moe_choices_carry_routing_in_the_shape_verifiers_reads(tmp_path_factory) -> None:
+    """A tiny Qwen3-MoE: every choice's `routed_experts` is the dict renderers / verifiers 0.4 decode,
+    one row per position from `routed_experts_prompt_start` (the prefill's rows, then one per
+    completion token; experts in range; -1 only on the last token, never fed back)."""
+    import base64
+
+    import numpy as np
+
+    from hpcrl.inference.routed import completion_rows
+    from hpcrl.models.tiny import resolve_model
+
+    srv = CliServer(Path(resolve_model("hpcrl/tiny-qwen3-moe")), tmp_path_factory.mktemp("generate_moe"))
+    try:
+        prompt = [5, 17, 42, 7, 9]
+        sp = {"max_tokens": 6, "seed": 1, "ignore_eos": True, "n": 2}
+        whole = post(srv, {"token_ids": prompt, "sampling_params": sp}).json()["choices"]
+        r = post(srv, {"token_ids": prompt, "sampling_params": {**sp, "routed_experts_prompt_start": 3}})
+        assert r.status_code == 200, r.text
+        for choice, full in zip(r.json()["choices"], whole):
+            payload, n = choice["routed_experts"], len(choice["token_ids"])
+            assert payload["start"] == 3 and payload["shape"] == [2 + n, 2, 2], payload
+            arr = np.frombuffer(base64.b64decode(payload["data"]), np.int16).reshape(payload["shape"])
+            assert ((arr[:-1] >= 0) & (arr[:-1] < 8)).all() and (arr[-1] == -1).all()
+            assert completion_rows(payload, len(prompt), n) == arr[2:].tolist()
+            f = full["routed_experts"]
+            assert f["start"] == 0 and f["shape"][0] == len(prompt) + n
+            ref = np.frombuffer(base64.b64decode(f["data"]), np.int16).reshape(f["shape"])
+            assert (ref[3:] == arr).all()  # same prompt, same seed: the same routing from position 3
+    finally:
+        srv.stop()
