@@ -91,6 +91,28 @@ def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
         )
 
 
+def expert_parallel(cfg: Config, trainer_ranks: int) -> None:
+    """``trainer.model.ep`` against the placement (run, submit, resume and their --dry-run): it must
+    divide the trainer ranks, and the model's experts where its architecture is known locally."""
+    from hpcrl.launch.memory_plan import ep_lines
+    from hpcrl.models.arch import find_arch
+
+    model, field = _trainer_model(cfg)
+    if model.ep == 1:
+        return
+    if trainer_ranks % model.ep:
+        raise ConfigError(
+            f"{field}.ep", f"{model.ep} must divide the number of trainer ranks ({trainer_ranks})"
+        )
+    arch = find_arch(model.name)
+    if arch is not None and not arch.moe:
+        raise ConfigError(f"{field}.ep", f"{model.ep} needs an MoE model; {model.name!r} has no experts")
+    try:
+        ep_lines(trainer_ranks, model.ep, trainer_ranks, arch.num_experts if arch else 0)
+    except ConfigError as e:
+        raise ConfigError(f"{field}.ep", e.message) from None
+
+
 def _trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
     """The trainer's model section and the name of the table the user wrote its fields in: the
     loader flows [model] into [trainer.model] (a Config built in code may lack it)."""
