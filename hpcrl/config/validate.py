@@ -94,7 +94,6 @@ def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
 def expert_parallel(cfg: Config, trainer_ranks: int) -> None:
     """``trainer.model.ep`` against the placement (run, submit, resume and their --dry-run): it must
     divide the trainer ranks, and the model's experts where its architecture is known locally."""
-    from hpcrl.launch.memory_plan import ep_lines
     from hpcrl.models.arch import find_arch
 
     model, field = _trainer_model(cfg)
@@ -107,10 +106,8 @@ def expert_parallel(cfg: Config, trainer_ranks: int) -> None:
     arch = find_arch(model.name)
     if arch is not None and not arch.moe:
         raise ConfigError(f"{field}.ep", f"{model.ep} needs an MoE model; {model.name!r} has no experts")
-    try:
-        ep_lines(trainer_ranks, model.ep, trainer_ranks, arch.num_experts if arch else 0)
-    except ConfigError as e:
-        raise ConfigError(f"{field}.ep", e.message) from None
+    if arch is not None and arch.num_experts % model.ep:
+        raise ConfigError(f"{field}.ep", f"{model.ep} does not divide the model's {arch.num_experts} experts")
 
 
 def _trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:

@@ -114,12 +114,15 @@ def branch_turns(
 
 def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
     """A WireEpisode -> one Trajectory whose turns cover every trained branch of every trained
-    trace (the record's pieces: one sample each); reward = mean reward of the trained traces."""
+    trace (the record's pieces: one sample each). reward = mean reward of the trained traces (what
+    the metrics and the difficulty filter see); with several trained traces (multi-agent) each
+    turn carries its trace's index and `trace_rewards` its own reward, so every trace is scored as
+    itself against the same trace of the group's other rollouts."""
     traces = [t for t in episode.traces if t.agent.trainable]
     turns: list[Turn] = []
     metrics: dict[str, float] = {}
     truncated = False
-    for trace in traces:
+    for j, trace in enumerate(traces):
         for branch in trace.branches:
             if branch.trainable:
                 more = branch_turns(
@@ -131,6 +134,8 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
                 )
                 if turns and more:  # a forked branch (the renderer could not bridge): its own sample
                     more[0].rerendered = True
+                for t in more:
+                    t.trace = j
                 turns += more
             truncated |= any(c.finish_reason == "length" for c in branch.calls)
         for k, v in trace.metrics.items():
@@ -156,6 +161,7 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
         metrics=metrics,
         truncated=truncated,
         error=error or None,
+        trace_rewards=[float(t.reward) for t in traces] if len(traces) > 1 else None,
     )
 
 

@@ -39,6 +39,7 @@ class WTurn(msgspec.Struct, array_like=True):
     reasoning: str | None
     rerendered: bool
     routed_experts: list[list[list[int]]] | None  # MoE router replay: [tokens][layers][k]
+    trace: int = 0  # multi-agent: the trained trace this turn belongs to
 
 
 class WTrajectory(msgspec.Struct, array_like=True):
@@ -50,6 +51,7 @@ class WTrajectory(msgspec.Struct, array_like=True):
     state: dict[str, Any]
     truncated: bool
     error: str | None
+    trace_rewards: list[float] | None = None
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -180,6 +182,7 @@ def to_wturn(t: Turn) -> WTurn:
         t.reasoning,
         t.rerendered,
         t.routed_experts,
+        t.trace,
     )
 
 
@@ -205,6 +208,7 @@ def to_wtraj(t: Trajectory) -> WTrajectory:
         _plain_state(t.state),
         bool(t.truncated),
         t.error,
+        None if t.trace_rewards is None else [float(r) for r in t.trace_rewards],
     )
 
 
@@ -219,4 +223,5 @@ def from_wtraj(task: Task, t: WTrajectory) -> Trajectory:
         state=t.state,
         truncated=t.truncated,
         error=t.error,
+        trace_rewards=t.trace_rewards,
     )
