@@ -73,9 +73,10 @@ def validate_sft(cfg: SFTConfig) -> None:
 
 def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
     """``trainer.model.cp`` against the placement (run, submit, resume and their --dry-run): it must
-    divide the trainer ranks (ranks = dp x cp), and on GPU it needs a flash-attention kernel. A
-    micro-batch whose length cp does not divide is padded (a padding sample of its own), so seq_len
-    needs no check. There is no Ulysses mode, hence no heads-divisible-by-cp check."""
+    divide the trainer ranks (ranks = dp x cp); ring attention on GPU needs a flash-attention kernel;
+    ulysses needs cp to divide the attention heads (where the model's architecture is known locally).
+    A micro-batch whose length cp does not divide is padded (a padding sample of its own), so
+    seq_len needs no check."""
     import importlib.util
 
     model, field = _trainer_model(cfg)
@@ -84,6 +85,17 @@ def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
         return
     if trainer_ranks % cp:
         raise ConfigError(f"{field}.cp", f"{cp} must divide the number of trainer ranks ({trainer_ranks})")
+    if model.cp_mode == "ulysses":
+        from hpcrl.models.arch import find_arch
+
+        arch = find_arch(model.name)
+        if arch is not None and arch.heads % cp:
+            raise ConfigError(
+                f"{field}.cp",
+                f"{cp} with cp_mode 'ulysses' must divide the model's {arch.heads} attention heads "
+                "(use a cp that does, or cp_mode = 'ring')",
+            )
+        return
     if on_gpu and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(
             f"{field}.cp",

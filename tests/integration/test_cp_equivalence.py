@@ -5,7 +5,7 @@ row each; 37 and 16 tokens, so the split point falls inside samples and one micr
 token), with chunked logprobs. cp = 2 runs ring attention: each rank holds half of every row, the
 K/V blocks are gathered, and the loss counts only the tokens a rank predicts. We compare the summed
 loss and every parameter's full gradient (FSDP's summed, gathered gradient) with the cp = 1 run on
-rank 0: fp32, atol 1e-5 (float reordering in the merge and the reductions; measured max differences
+rank 0: fp32, atol 1e-5 (both cp modes: ring attention, and Ulysses' all-to-all over heads) (float reordering in the merge and the reductions; measured max differences
 are printed by the test).
 """
 
@@ -65,9 +65,10 @@ def _loss_and_grads(model, mbs, fwd, n_tokens: int):
     return total, grads
 
 
-def worker(model_dir: str, out: str) -> None:
+def worker(model_dir: str, out: str, mode: str = "ring") -> None:
     import torch
 
+    from hpcrl.models import ulysses
     from hpcrl.models.ring_attention import register_hf
     from hpcrl.trainer import parallel
     from hpcrl.trainer.context_parallel import forward_cp, make_cp_group, restrict
@@ -78,7 +79,9 @@ def worker(model_dir: str, out: str) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     rank = parallel.get_rank()
     cp = make_cp_group(2)
-    model = parallel.apply_fsdp(load_model(model_dir, attn_impl=register_hf()))
+    mode, _, impl = mode.partition(":")
+    attn = ulysses.register_hf() if mode == "ulysses" else register_hf()
+    model = parallel.apply_fsdp(load_model(model_dir, attn_impl=attn, impl=impl or "hf"))
     batch = _batch(model.config.vocab_size)
     n_tokens = int(batch.loss_mask.sum())
     mbs = micro_batches(batch, 40)
@@ -106,12 +109,13 @@ def worker(model_dir: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["ring", "ulysses", "ring:custom", "ulysses:custom"])
+def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path, mode: str) -> None:
     out = tmp_path / "cp.json"
-    run_ranks(__file__, 2, str(tiny_model_dir), str(out), timeout=300)
+    run_ranks(__file__, 2, str(tiny_model_dir), str(out), mode, timeout=300)
     r = json.loads(out.read_text())
     print(
-        f"cp=2 vs cp=1: loss {r['loss']:.9f} vs {r['ref_loss']:.9f}, max |grad diff| {r['max_grad_diff']:.2e} "
+        f"cp=2 ({mode}) vs cp=1: loss {r['loss']:.9f} vs {r['ref_loss']:.9f}, max |grad diff| {r['max_grad_diff']:.2e} "
         f"(largest gradient entry {r['grad_scale']:.2e})"
     )
     assert abs(r["loss"] - r["ref_loss"]) <= ATOL
@@ -120,4 +124,4 @@ def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    worker(*sys.argv[1:])
