@@ -3,9 +3,11 @@
     python scripts/bench/envs.py [--rollouts 96] [--steps 10] [--skip-e2e]
 
 1. Throughput, one run: an env whose reward burns 50 ms of CPU per rollout (scripts/bench/burn_env.py),
-   `--rollouts` concurrent rollouts answered by an instant model (no inference: only the env path is
-   timed), rollouts/s for the in-process path (what every env did before: the orchestrator's event
-   loop runs the reward) and for env servers with 1 and 2 worker processes.
+   `--rollouts` rollouts answered by an instant model (no inference: only the env path is timed),
+   rollouts/s for the in-process path (what every env did before: the orchestrator's event loop
+   runs the reward) and for env servers with 1 and 2 worker processes, measured in alternating
+   rounds, with the cores our processes got meanwhile (`cores`: the machine is shared, and a
+   speedup can be no larger than the cores the workers were given allow).
 2. IPC overhead on a trivial env: two real `hpcrl run`s of the tiny reverse-text config (CPU,
    embedded inference), `orchestrator.env_workers = 0` (in-process) vs 1 (env server), the mean
    orchestrator step time (time/generate, steps 2..N) and the whole run's wall time.
@@ -49,26 +51,82 @@ async def _drive(env, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def throughput(n: int, workers: int, log_dir: Path, burn_s: float = 0.05) -> float:
-    """rollouts/s: workers = 0 runs the env on this event loop (the in-process path)."""
+def _ticks(path: str) -> int:
+    """utime + stime of one process, in clock ticks (0 when it is gone)."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _cpu_snapshot() -> tuple[float, float]:
+    """(CPU seconds used so far by this process and every live descendant: env servers, workers;
+    CPU seconds the whole machine has been idle). Linux /proc; the two cores are shared, so what
+    the other engineers' processes leave idle is as telling as what ours use."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    ours, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        ours += _ticks(f"/proc/{pid}/stat")
+        todo += children.get(pid, [])
+    with open("/proc/stat") as f:
+        cpu = f.readline().split()[1:]
+    return ours / tick, (int(cpu[3]) + int(cpu[4])) / tick
+
+
+def throughput(
+    n: int, configs: tuple[int, ...], log_dir: Path, burn_s: float = 0.05, rounds: int = 4
+) -> dict[int, dict[str, float]]:
+    """Per worker count (0: the env runs on this event loop, the in-process path): rollouts/s, and
+    how many cores our processes used and how many stood idle meanwhile. Every configuration is
+    started and warmed up first (worker start-up is not timed); then `rounds` rounds each drive
+    n / rounds rollouts through every configuration in turn, so that the other engineers' load,
+    which changes from second to second, falls on all of them alike."""
     from hpcrl.envs.registry import load_environment
     from hpcrl.envs.remote import RemoteEnvironment, server_spec
 
     args = {"burn_s": burn_s}
-    if workers == 0:
-        env = load_environment(ENV_ID, **args)
-        asyncio.run(_drive(env, 4))  # warm-up
-        return n / asyncio.run(_drive(env, n))
-    where = log_dir / f"w{workers}-{burn_s}"
-    env = RemoteEnvironment(server_spec(ENV_ID, args, "burn", "train", workers, 60.0, where))
-
-    async def main() -> float:
-        await _drive(env, 4 * workers)  # warm-up: every worker has loaded and answered once
-        dt = await _drive(env, n)
-        await env.aclose()
-        return dt
-
-    return n / asyncio.run(main())
+    envs = {
+        w: load_environment(ENV_ID, **args)
+        if w == 0
+        else RemoteEnvironment(
+            server_spec(ENV_ID, args, "burn", "train", w, 60.0, log_dir / f"w{w}-{burn_s}")
+        )
+        for w in configs
+    }
+    loop = asyncio.new_event_loop()
+    acc = {w: [0.0, 0.0, 0.0] for w in configs}  # seconds, our CPU seconds, idle CPU seconds
+    try:
+        for w, env in envs.items():
+            loop.run_until_complete(_drive(env, 4 * max(1, w)))  # every worker has loaded and answered
+        for _ in range(rounds):
+            for w, env in envs.items():
+                c0, i0 = _cpu_snapshot()
+                dt = loop.run_until_complete(_drive(env, n // rounds))
+                c1, i1 = _cpu_snapshot()
+                for k, v in enumerate((dt, c1 - c0, i1 - i0)):
+                    acc[w][k] += v
+    finally:
+        for env in envs.values():
+            if isinstance(env, RemoteEnvironment):
+                loop.run_until_complete(env.aclose())
+        loop.close()
+    done = rounds * (n // rounds)
+    return {
+        w: {"rollouts_per_s": done / dt, "cores_ours": cpu / dt, "cores_idle": idle / dt}
+        for w, (dt, cpu, idle) in acc.items()
+    }
 
 
 E2E = """max_steps = {steps}
@@ -96,10 +154,13 @@ def e2e(steps: int, workers: int, tmp: Path) -> dict[str, float]:
     cfg, out = tmp / f"e2e_{workers}.toml", tmp / f"run_{workers}"
     cfg.write_text(E2E.format(steps=steps, workers=workers))
     t0 = time.perf_counter()
+    # the run needs only the repository on its path: this folder's renderers.py would shadow the package
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out)],
         capture_output=True,
         text=True,
+        env=env,
     )
     wall = time.perf_counter() - t0
     if r.returncode != 0:
@@ -122,14 +183,35 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, object] = {"cpus": os.cpu_count(), "load_avg_before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        rates = {w: throughput(args.rollouts, w, tmp) for w in (0, 1, 2)}
+        runs = throughput(args.rollouts, (0, 1, 2), tmp)
+        rates = {w: r["rollouts_per_s"] for w, r in runs.items()}
         out["rollouts_per_s"] = {"in_process": rates[0], "workers_1": rates[1], "workers_2": rates[2]}
         out["speedup_2_workers_vs_in_process"] = rates[2] / rates[0]
         out["speedup_1_worker_vs_in_process"] = rates[1] / rates[0]
+        # cores_ours: CPU of this process + env server + workers per second of the timed part;
+        # cores_idle: what nobody used meanwhile (2 shared cores: the rest went to other processes)
+        out["cores"] = {
+            name: {
+                "ours": runs[w]["cores_ours"],
+                "idle": runs[w]["cores_idle"],
+                # 20 is the ideal (1 / 50 ms): below it, CPU went to something else than the reward
+                "rollouts_per_cpu_s": runs[w]["rollouts_per_s"] / runs[w]["cores_ours"],
+            }
+            for name, w in (("in_process", 0), ("workers_1", 1), ("workers_2", 2))
+        }
         # the same with a reward that costs nothing: what one rollout's trip through the server costs
-        trivial = {w: throughput(args.rollouts * 4, w, tmp, 0.0) for w in (0, 1)}
-        out["trivial_rollouts_per_s"] = {"in_process": trivial[0], "workers_1": trivial[1]}
-        out["ipc_ms_per_rollout"] = 1000 * (1 / trivial[1] - 1 / trivial[0])
+        trivial = throughput(args.rollouts * 4, (0, 1), tmp, 0.0)
+        out["trivial_rollouts_per_s"] = {
+            k: trivial[w]["rollouts_per_s"] for k, w in (("in_process", 0), ("workers_1", 1))
+        }
+        out["ipc_ms_per_rollout"] = 1000 * (
+            1 / trivial[1]["rollouts_per_s"] - 1 / trivial[0]["rollouts_per_s"]
+        )
+        # CPU (all our processes) per rollout through a worker, beyond the in-process path's
+        out["ipc_cpu_ms_per_rollout"] = 1000 * (
+            trivial[1]["cores_ours"] / trivial[1]["rollouts_per_s"]
+            - trivial[0]["cores_ours"] / trivial[0]["rollouts_per_s"]
+        )
         if not args.skip_e2e:
             base, served = e2e(args.steps, 0, tmp), e2e(args.steps, 1, tmp)
             out["e2e_in_process"], out["e2e_env_server"] = base, served
