@@ -7,7 +7,9 @@
     orchestrator ◀─Hello / WorkerDied── env server (starts, watches, replaces workers)
                  ──Kill / Stop────────▶
 
-A frame is one msgpack-encoded `Msg` (a tagged union); no pickle crosses a socket. Tasks, turns and
+A frame is a msgpack-encoded list of `Msg` (a tagged union): what one side queued for one peer in one
+event-loop iteration leaves as one frame (hpcrl.envs.frames), so a group's 4 model turns or a step's
+32 Runs cost one socket send, not 32. No pickle crosses a socket. Tasks, turns and
 trajectories travel as plain msgspec Structs mirroring hpcrl.envs.base's dataclasses; `to_*` / `from_*`
 convert at the edges so env code and the orchestrator keep their own types.
 """
@@ -150,14 +152,15 @@ class ServerSpec(msgspec.Struct, kw_only=True):
 Msg = Hello | LoadFailed | Run | Chat | ChatReply | Done | Stop | Ready | WorkerDied | Kill
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)  # non-msgpack values in env state travel as text
-_DECODER = msgspec.msgpack.Decoder(Msg)
+_DECODER = msgspec.msgpack.Decoder(list[Msg])
 
 
-def encode(msg: Msg) -> bytes:
-    return _ENCODER.encode(msg)
+def encode(*msgs: Msg) -> bytes:
+    """One frame holding `msgs`, in order."""
+    return _ENCODER.encode(msgs)
 
 
-def decode(data: bytes) -> Msg:
+def decode(data: bytes) -> list[Msg]:
     return _DECODER.decode(data)
 
 
