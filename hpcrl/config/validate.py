@@ -73,9 +73,10 @@ def validate_sft(cfg: SFTConfig) -> None:
 
 def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
     """``trainer.model.cp`` against the placement (run, submit, resume and their --dry-run): it must
-    divide the trainer ranks (ranks = dp x cp), and on GPU it needs a flash-attention kernel. A
-    micro-batch whose length cp does not divide is padded (a padding sample of its own), so seq_len
-    needs no check. There is no Ulysses mode, hence no heads-divisible-by-cp check."""
+    divide the trainer ranks (ranks = dp x cp); ring attention on GPU needs a flash-attention kernel;
+    ulysses needs cp to divide the attention heads (where the model's architecture is known locally).
+    A micro-batch whose length cp does not divide is padded (a padding sample of its own), so
+    seq_len needs no check."""
     import importlib.util
 
     model, field = _trainer_model(cfg)
@@ -84,11 +85,41 @@ def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
         return
     if trainer_ranks % cp:
         raise ConfigError(f"{field}.cp", f"{cp} must divide the number of trainer ranks ({trainer_ranks})")
+    if model.cp_mode == "ulysses":
+        from hpcrl.models.arch import find_arch
+
+        arch = find_arch(model.name)
+        if arch is not None and arch.heads % cp:
+            raise ConfigError(
+                f"{field}.cp",
+                f"{cp} with cp_mode 'ulysses' must divide the model's {arch.heads} attention heads "
+                "(use a cp that does, or cp_mode = 'ring')",
+            )
+        return
     if on_gpu and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(
             f"{field}.cp",
             f"{cp} on GPU needs a flash-attention kernel (pip install flash-attn), which is not installed",
         )
+
+
+def expert_parallel(cfg: Config, trainer_ranks: int) -> None:
+    """``trainer.model.ep`` against the placement (run, submit, resume and their --dry-run): it must
+    divide the trainer ranks, and the model's experts where its architecture is known locally."""
+    from hpcrl.models.arch import find_arch
+
+    model, field = _trainer_model(cfg)
+    if model.ep == 1:
+        return
+    if trainer_ranks % model.ep:
+        raise ConfigError(
+            f"{field}.ep", f"{model.ep} must divide the number of trainer ranks ({trainer_ranks})"
+        )
+    arch = find_arch(model.name)
+    if arch is not None and not arch.moe:
+        raise ConfigError(f"{field}.ep", f"{model.ep} needs an MoE model; {model.name!r} has no experts")
+    if arch is not None and arch.num_experts % model.ep:
+        raise ConfigError(f"{field}.ep", f"{model.ep} does not divide the model's {arch.num_experts} experts")
 
 
 def _trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:

@@ -92,6 +92,9 @@ class Turn:
     rerendered: bool = False
     # MoE router replay: experts the server routed each completion token to, [tokens][layers][k]
     routed_experts: list[list[list[int]]] | None = None
+    # Multi-agent episodes: which trained trace (agent) of the rollout this turn belongs to; each
+    # trace is its own sample, scored with Trajectory.trace_rewards[trace].
+    trace: int = 0
     # ... and each prompt token to (the prefill; hpcrl's engine), [prompt tokens][layers][k]
     prompt_routed_experts: list[list[list[int]]] | None = None
 
@@ -167,6 +170,9 @@ class Trajectory:
     state: dict[str, Any] = field(default_factory=dict)
     truncated: bool = False
     error: str | None = None
+    # One reward per trained trace (multi-agent); None: every turn takes `reward`. A trace's samples
+    # get advantages against the same trace of the group's other rollouts.
+    trace_rewards: list[float] | None = None
 
     @property
     def completion(self) -> list[Message]:

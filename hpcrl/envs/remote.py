@@ -29,6 +29,7 @@ import msgspec
 from hpcrl.envs import wire
 from hpcrl.envs.base import ChatClient, Environment, Task, Trajectory
 from hpcrl.envs.errors import EnvServerFailed
+from hpcrl.envs.frames import Outbox, drain
 from hpcrl.envs.hosting import HostedServer, LocalServer
 from hpcrl.envs.routing import Router
 from hpcrl.envs.server import server_ident, server_log
@@ -77,7 +78,7 @@ class RemoteEnvironment(Environment):
         self.fatal: EnvServerFailed | None = None
         self.reader: asyncio.Task | None = None
         self.ready: asyncio.Event | None = None
-        self.send_lock: asyncio.Lock | None = None
+        self.outbox = Outbox(self.sock, routed=True)
         self._start()
         if wait:
             self.wait_ready()
@@ -104,9 +105,10 @@ class RemoteEnvironment(Environment):
         while time.monotonic() < deadline:
             if sync.poll(200):
                 ident, data = sync.recv_multipart()
-                if ident == server_ident(self.restarts):
-                    return self._check_hello(wire.decode(data))
-                self._early_ready(ident, wire.decode(data))
+                for msg in wire.decode(data):
+                    if ident == server_ident(self.restarts):
+                        return self._check_hello(msg)
+                    self._early_ready(ident, msg)
                 continue
             if self.server.exit_code() is not None:
                 break
@@ -188,7 +190,7 @@ class RemoteEnvironment(Environment):
         try:
             ident = self.router.assign(rid, run, time.monotonic())
             if ident is not None:
-                await self._send(ident, run)
+                self._send(ident, run)
             done: wire.Done = await fut
         finally:
             _, _, chats = self.calls.pop(rid, (None, None, set()))
@@ -198,23 +200,21 @@ class RemoteEnvironment(Environment):
             raise EnvRolloutError(done.error)
         return [wire.from_wtraj(task, t) for t in done.trajectories]
 
-    async def _send(self, ident: bytes, msg: wire.Msg) -> None:
-        assert self.send_lock is not None
-        async with self.send_lock:
-            await self.sock.send_multipart([ident, wire.encode(msg)])
+    def _send(self, ident: bytes, msg: wire.Msg) -> None:
+        self.outbox.put(msg, ident)  # leaves at the end of this loop iteration, with its neighbours
 
     def _ensure_reader(self) -> None:
         if self.reader is None:
             self.ready = asyncio.Event()
             self.ready.set()
-            self.send_lock = asyncio.Lock()
             self.reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
         while True:
             if await self.sock.poll(int(WATCH_S * 1000)):
-                ident, data = await self.sock.recv_multipart()
-                await self._on(ident, wire.decode(data))
+                for ident, data in drain(self.sock, await self.sock.recv_multipart()):
+                    for msg in wire.decode(data):
+                        self._on(ident, msg)
             now = time.monotonic()
             if now - self.checked < WATCH_S:
                 continue
@@ -227,9 +227,9 @@ class RemoteEnvironment(Environment):
                     f"rollout_timeout_s={self.spec.rollout_timeout_s:g} s in env code"
                 )
                 self._fail(self.router.gone(ident), why)
-                await self._send(server_ident(self.restarts), wire.Kill(ident.decode(), why))
+                self._send(server_ident(self.restarts), wire.Kill(ident.decode(), why))
 
-    async def _on(self, ident: bytes, msg: wire.Msg) -> None:
+    def _on(self, ident: bytes, msg: wire.Msg) -> None:
         if isinstance(msg, wire.Chat):
             call = self.calls.get(msg.rid)
             if call is not None:
@@ -248,7 +248,7 @@ class RemoteEnvironment(Environment):
                     if run.rid in self.calls:
                         held = self.router.assign(run.rid, run, time.monotonic())
                         assert held is not None
-                        await self._send(held, run)
+                        self._send(held, run)
         elif isinstance(msg, wire.WorkerDied):
             self._fail(self.router.gone(msg.ident.encode()), msg.why)
             log.error("env %s/%s: %s", self.spec.kind, self.name, msg.why)
@@ -274,7 +274,7 @@ class RemoteEnvironment(Environment):
             reply = wire.ChatReply(msg.rid, msg.seq, error=f"{type(e).__name__}: {e}"[:500])
         ident = self.router.answered(msg.rid, time.monotonic())
         if ident is not None:  # else its worker is gone and the rollout already errored
-            await self._send(ident, reply)
+            self._send(ident, reply)
 
     async def _restart(self) -> None:
         """The server died: error what it held, start it again (or give up past max_restarts)."""
@@ -299,16 +299,19 @@ class RemoteEnvironment(Environment):
         while time.monotonic() < deadline:
             if await self.sock.poll(int(WATCH_S * 1000)):
                 ident, data = await self.sock.recv_multipart()
-                msg = wire.decode(data)
-                if ident != server_ident(self.restarts):
-                    self._early_ready(ident, msg)
-                elif isinstance(msg, (wire.Hello, wire.LoadFailed)):
-                    self._apply(self._check_hello(msg))
-                    self.ready.set()
-                    log.info(
-                        "env server %s/%s restarted (restart %d)", self.spec.kind, self.name, self.restarts
-                    )
-                    return
+                for msg in wire.decode(data):
+                    if ident != server_ident(self.restarts):
+                        self._early_ready(ident, msg)
+                    elif isinstance(msg, (wire.Hello, wire.LoadFailed)):
+                        self._apply(self._check_hello(msg))
+                        self.ready.set()
+                        log.info(
+                            "env server %s/%s restarted (restart %d)",
+                            self.spec.kind,
+                            self.name,
+                            self.restarts,
+                        )
+                        return
             elif self.server.exit_code() is not None:
                 break
         self.fatal = EnvServerFailed(self._gone_msg("could not be restarted"))

@@ -97,7 +97,7 @@ class EnvServer:
         self.record_placement()
         self.write_status()
         while True:
-            if self.up.poll(POLL_MS) and not self.from_orchestrator(wire.decode(self.up.recv())):
+            if self.up.poll(POLL_MS) and not all(map(self.from_orchestrator, wire.decode(self.up.recv()))):
                 break
             self.supervise()
             if os.getppid() != self.parent:

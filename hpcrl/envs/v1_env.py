@@ -64,6 +64,22 @@ def env_config(env_id: str, args: Mapping[str, Any], runtime: str | None) -> tup
         raise ValueError(f"environment {env_id!r}: {' '.join(str(e).split())[:400]}") from None
 
 
+def branch_routes(nodes: Sequence[Any]) -> Any:
+    """A branch's MoE routing ``[tokens, layers, k]`` (int16, -1 where a node has none), or None when
+    no node has any. verifiers' own ``Branch.routed_experts`` is None unless every node has rows."""
+    import numpy as np
+
+    widths = [n.routed_experts.shape[1:] for n in nodes if n.token_ids and n.routed_experts is not None]
+    if not widths:
+        return None
+    parts = []
+    for n in nodes:
+        r = n.routed_experts
+        ok = r is not None and r.shape[0] == len(n.token_ids) and r.shape[1:] == widths[0]
+        parts.append(r.astype(np.int16) if ok else np.full((len(n.token_ids), *widths[0]), -1, np.int16))
+    return np.concatenate(parts)
+
+
 def branch_turns(
     ids: Sequence[int],
     mask: Sequence[bool],
@@ -73,10 +89,8 @@ def branch_turns(
 ) -> list[Turn]:
     """A branch as turns: one per run of sampled tokens, its prompt everything before the run, so
     stitch_turns gives back `ids` (up to the last sampled token) with `mask` as the loss mask.
-    `routes` (MoE router replay: the branch's `routed_experts`, [len(ids), layers, k]) are cut the
-    same way into each turn's prompt and completion rows."""
-    if routes is not None and len(routes) != len(ids):
-        routes = None  # partial routing: verifiers reports none either
+    ``routes`` ([len(ids), layers, k] or None, see branch_routes): each turn carries its prompt's
+    and its sampled tokens' rows."""
     turns, i, n = [], 0, len(ids)
     while i < n:
         if not mask[i]:
@@ -102,19 +116,28 @@ def branch_turns(
 
 def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
     """A WireEpisode -> one Trajectory whose turns cover every trained branch of every trained
-    trace (the record's pieces: one sample each); reward = mean reward of the trained traces."""
+    trace (the record's pieces: one sample each). reward = mean reward of the trained traces (what
+    the metrics and the difficulty filter see); with several trained traces (multi-agent) each
+    turn carries its trace's index and `trace_rewards` its own reward, so every trace is scored as
+    itself against the same trace of the group's other rollouts."""
     traces = [t for t in episode.traces if t.agent.trainable]
     turns: list[Turn] = []
     metrics: dict[str, float] = {}
     truncated = False
-    for trace in traces:
+    for j, trace in enumerate(traces):
         for branch in trace.branches:
             if branch.trainable:
                 more = branch_turns(
-                    branch.token_ids, branch.sampled_mask, branch.logprobs, policy, branch.routed_experts
+                    branch.token_ids,
+                    branch.sampled_mask,
+                    branch.logprobs,
+                    policy,
+                    branch_routes(branch.nodes),
                 )
                 if turns and more:  # a forked branch (the renderer could not bridge): its own sample
                     more[0].rerendered = True
+                for t in more:
+                    t.trace = j
                 turns += more
             truncated |= any(c.finish_reason == "length" for c in branch.calls)
         for k, v in trace.metrics.items():
@@ -140,6 +163,7 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
         metrics=metrics,
         truncated=truncated,
         error=error or None,
+        trace_rewards=[float(t.reward) for t in traces] if len(traces) > 1 else None,
     )
 
 

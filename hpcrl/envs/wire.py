@@ -7,7 +7,9 @@
     orchestrator ◀─Hello / WorkerDied── env server (starts, watches, replaces workers)
                  ──Kill / Stop────────▶
 
-A frame is one msgpack-encoded `Msg` (a tagged union); no pickle crosses a socket. Tasks, turns and
+A frame is a msgpack-encoded list of `Msg` (a tagged union): what one side queued for one peer in one
+event-loop iteration leaves as one frame (hpcrl.envs.frames), so a group's 4 model turns or a step's
+32 Runs cost one socket send, not 32. No pickle crosses a socket. Tasks, turns and
 trajectories travel as plain msgspec Structs mirroring hpcrl.envs.base's dataclasses; `to_*` / `from_*`
 convert at the edges so env code and the orchestrator keep their own types.
 """
@@ -39,6 +41,7 @@ class WTurn(msgspec.Struct, array_like=True):
     reasoning: str | None
     rerendered: bool
     routed_experts: list[list[list[int]]] | None  # MoE router replay: [tokens][layers][k]
+    trace: int = 0  # multi-agent: the trained trace this turn belongs to
     prompt_routed_experts: list[list[list[int]]] | None = None  # ... of the prompt tokens
 
 
@@ -51,6 +54,7 @@ class WTrajectory(msgspec.Struct, array_like=True):
     state: dict[str, Any]
     truncated: bool
     error: str | None
+    trace_rewards: list[float] | None = None
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -149,14 +153,15 @@ class ServerSpec(msgspec.Struct, kw_only=True):
 Msg = Hello | LoadFailed | Run | Chat | ChatReply | Done | Stop | Ready | WorkerDied | Kill
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)  # non-msgpack values in env state travel as text
-_DECODER = msgspec.msgpack.Decoder(Msg)
+_DECODER = msgspec.msgpack.Decoder(list[Msg])
 
 
-def encode(msg: Msg) -> bytes:
-    return _ENCODER.encode(msg)
+def encode(*msgs: Msg) -> bytes:
+    """One frame holding `msgs`, in order."""
+    return _ENCODER.encode(msgs)
 
 
-def decode(data: bytes) -> Msg:
+def decode(data: bytes) -> list[Msg]:
     return _DECODER.decode(data)
 
 
@@ -181,6 +186,7 @@ def to_wturn(t: Turn) -> WTurn:
         t.reasoning,
         t.rerendered,
         t.routed_experts,
+        t.trace,
         t.prompt_routed_experts,
     )
 
@@ -207,6 +213,7 @@ def to_wtraj(t: Trajectory) -> WTrajectory:
         _plain_state(t.state),
         bool(t.truncated),
         t.error,
+        None if t.trace_rewards is None else [float(r) for r in t.trace_rewards],
     )
 
 
@@ -221,4 +228,5 @@ def from_wtraj(task: Task, t: WTrajectory) -> Trajectory:
         state=t.state,
         truncated=t.truncated,
         error=t.error,
+        trace_rewards=t.trace_rewards,
     )

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from hpcrl.envs import wire
+from hpcrl.envs.frames import Outbox, drain
 
 log = logging.getLogger("hpcrl.envs.worker")
 
@@ -28,6 +29,7 @@ class WorkerChat:
     """The ChatClient an env sees inside a worker: each call is one Chat/ChatReply round trip."""
 
     def __init__(self, rid: int, send: Any, pending: dict[tuple[int, int], asyncio.Future]):
+        # send: puts one message in the worker's outbox (hpcrl.envs.frames), it never blocks
         self.rid, self.send, self.pending, self.seq = rid, send, pending, 0
 
     async def chat(
@@ -38,7 +40,7 @@ class WorkerChat:
         fut = asyncio.get_running_loop().create_future()
         self.pending[key] = fut
         try:
-            await self.send(wire.Chat(self.rid, self.seq, messages, tools, dict(sampling)))
+            self.send(wire.Chat(self.rid, self.seq, messages, tools, dict(sampling)))
             reply: wire.ChatReply = await fut
         finally:
             self.pending.pop(key, None)
@@ -102,22 +104,15 @@ async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, os.environ["HPCRL_ENV_WORKER_ID"].encode())  # set by the server
     sock.connect(addr)
-    lock = asyncio.Lock()
-
-    async def send(msg: wire.Msg) -> None:
-        async with lock:
-            await sock.send(wire.encode(msg))
-
+    send = Outbox(sock, routed=False).put
     pending: dict[tuple[int, int], asyncio.Future] = {}
     running: set[asyncio.Task] = set()
 
     async def run(msg: wire.Run) -> None:
-        await send(await run_one(env, base_prompt, msg, WorkerChat(msg.rid, send, pending)))
+        send(await run_one(env, base_prompt, msg, WorkerChat(msg.rid, send, pending)))
 
-    await send(wire.Ready(os.getpid()))
-    log.info("worker %d (pid %d) serving %s", index, os.getpid(), spec.name)
-    while True:
-        msg = wire.decode(await sock.recv())
+    def on(msg: wire.Msg) -> bool:
+        """False: stop."""
         if isinstance(msg, wire.Run):
             t = asyncio.ensure_future(run(msg))
             running.add(t)
@@ -126,8 +121,14 @@ async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
             fut = pending.get((msg.rid, msg.seq))
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-        elif isinstance(msg, wire.Stop):
-            break
+        return not isinstance(msg, wire.Stop)
+
+    send(wire.Ready(os.getpid()))
+    log.info("worker %d (pid %d) serving %s", index, os.getpid(), spec.name)
+    serving = True
+    while serving:
+        for (data,) in drain(sock, await sock.recv_multipart()):
+            serving = serving and all(on(m) for m in wire.decode(data))
     for t in running:
         t.cancel()
     sock.close()

@@ -63,6 +63,7 @@ class _Request:
     future: Future
     seqs: list[_Seq] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
+    prompt_routed: torch.Tensor | None = None  # MoE: [prompt tokens, layers, k] from the prefill
 
 
 @dataclass(eq=False)
@@ -74,7 +75,6 @@ class _Seq:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [layers, k] per fed-back sampled token
-    prompt_routed: torch.Tensor | None = None  # MoE: [prompt tokens, layers, k] from the prefill
     logits_step: int = 0  # policy step of the forward that produced this row's pending logits
     finish: str | None = None
     stop_reason: str | int | None = None
@@ -385,7 +385,7 @@ class HFEngine:
                     stop_reason=s.stop_reason,
                     policy_steps=sorted(set(s.steps)),
                     routed_experts=routing.finish(s.routed, len(s.out)) if self._routing.enabled else None,
-                    prompt_routed_experts=None if s.prompt_routed is None else s.prompt_routed.tolist(),
+                    prompt_routed_experts=None if req.prompt_routed is None else req.prompt_routed.tolist(),
                 )
             )
         req.future.set_result(outs)
@@ -417,12 +417,15 @@ class HFEngine:
         reqs = list(dict.fromkeys(s.req for s in new))
         where = {id(r): j for j, r in enumerate(reqs)}
         kv, mask, pos, logits = self._prefill([r.prompt for r in reqs])
-        prompt_routes = self._routing.take_prompts([len(r.prompt) for r in reqs])
+        width = mask.shape[1]
+        prompt_routed = self._routing.take(len(reqs) * width)  # left-padded rows: keep each prompt's
+        if prompt_routed is not None:
+            prompt_routed = prompt_routed.view(len(reqs), width, *prompt_routed.shape[1:])
+            for j, r in enumerate(reqs):
+                r.prompt_routed = prompt_routed[j, width - len(r.prompt) :].clone()
         idx = torch.tensor([where[id(s.req)] for s in new], device=self.device)
         for s in new:
             s.logits_step = self.policy_step
-            if prompt_routes is not None:
-                s.prompt_routed = prompt_routes[where[id(s.req)]]
         self._bparams = None
         self._batch.add(new, kv, idx, mask, pos, logits)
 

@@ -5,8 +5,7 @@ given, never re-tokenized, so a multi-turn client that bridges its token stream 
 `bridge_to_next_turn`) gets exactly the continuation it asked for. Response (vLLM's
 `GenerateTokensResponse`, output_mode "tokens"): `request_id`, `model`, `created`,
 `prompt_token_ids`, `usage`, and per choice `token_ids`, `logprobs`, `finish_reason`, `stop_reason`
-and `routed_experts` (MoE: vLLM's `{data, shape, start}`, see `routed_experts`; a multi-turn client
-that bridged its prompt asks for the rows from `sampling_params.routed_experts_prompt_start` on). Each logprob entry carries vLLM 0.33's `token_id`/`rank` and also
+and `routed_experts`. Each logprob entry carries vLLM 0.33's `token_id`/`rank` and also
 `token: "token_id:<id>"` (the chat shape renderers 0.1.12's client checks).
 
 Every refusal is a 400 naming the field (`token_ids`, `sampling_params.<key>`); nothing reaches the
@@ -17,7 +16,6 @@ Self-contained on purpose: api.py only registers it (`install`).
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import time
@@ -25,14 +23,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from hpcrl.inference.protocol import MAX_TOP_LOGPROBS, APIError, SamplingParams, SeqOutput, parse_sampling
 
 ROUTE = "/inference/v1/generate"
-ROUTES_START = "routed_experts_prompt_start"
 # Debugging and the token-exactness test: every answered request appended to this file as one JSON
 # line {"prompt_token_ids", "token_ids": [per choice], "logprobs": [per choice]} (what was sampled).
 LOG_ENV = "HPCRL_GENERATE_LOG"
@@ -54,6 +50,9 @@ SUPPORTED = (
     "skip_special_tokens",
     "include_stop_str_in_output",
 )
+# vLLM's "skip this many prompt positions in routed_experts" (verifiers sends it on bridged turns):
+# validated as vLLM does; the answer's `start` says where its rows begin.
+PROMPT_START = "routed_experts_prompt_start"
 # vLLM fields accepted only at the value that changes nothing here (a client may send vLLM's defaults).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0),
@@ -92,8 +91,9 @@ NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
 
 def parse_request(
     body: dict[str, Any], vocab_size: int, max_model_len: int
-) -> tuple[list[int], SamplingParams]:
-    """Validate a generate request; returns (prompt ids, sampling params) or raises APIError (400)."""
+) -> tuple[list[int], SamplingParams, int]:
+    """Validate a generate request; returns (prompt ids, sampling params, routed_experts_prompt_start)
+    or raises APIError (400)."""
     for key, ok in NEUTRAL_TOP.items():
         if key in body and not _neutral(body[key], ok):
             raise APIError(f"`{key}` is not supported by the hf backend", param=key)
@@ -117,26 +117,22 @@ def parse_request(
             "(prompt plus at least one generated token)",
             param="token_ids",
         )
+    start = (
+        (body.get("sampling_params") or {}).get(PROMPT_START, 0)
+        if isinstance(body.get("sampling_params"), dict)
+        else 0
+    )
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(ids):
+        raise APIError(
+            f"`sampling_params.{PROMPT_START}` must be an integer in [0, {len(ids)}) (the prompt's length), "
+            f"got {start!r}",
+            param=f"sampling_params.{PROMPT_START}",
+        )
     params = parse_sampling_params(body.get("sampling_params"), vocab_size)
     room = max_model_len - len(ids)
     if params.max_tokens is None or params.max_tokens > room:
         params.max_tokens = room  # vLLM's engine too stops at the context end (finish_reason "length")
-    return list(ids), params
-
-
-def routes_start(body: dict[str, Any]) -> int:
-    """`sampling_params.routed_experts_prompt_start` (verifiers' client sends it on a bridged turn): the
-    first sequence position whose expert routing the answer carries; 0 when absent."""
-    sp = body.get("sampling_params") or {}
-    start = sp.get(ROUTES_START, 0) if isinstance(sp, dict) else 0
-    n = len(body.get("token_ids") or [])
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < max(n, 1):
-        raise APIError(
-            f"`sampling_params.{ROUTES_START}` must be an integer in [0, {max(n - 1, 0)}] (a prompt "
-            f"position), got {start!r}",
-            param=f"sampling_params.{ROUTES_START}",
-        )
-    return start
+    return list(ids), params, start
 
 
 def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
@@ -145,7 +141,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     if not isinstance(sp, dict):
         raise APIError("`sampling_params` must be an object", param="sampling_params")
     for key, value in sp.items():
-        if key in SUPPORTED or key == ROUTES_START:  # the latter shapes the answer: see routes_start
+        if key in SUPPORTED or key == PROMPT_START:
             continue
         if key in NEUTRAL:
             if not _neutral(value, NEUTRAL[key]):
@@ -188,23 +184,23 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed)
 
 
-def routed_experts(out: SeqOutput, start: int = 0) -> dict[str, Any] | None:
-    """The one place a choice's expert routing is filled, in vLLM's shape (what verifiers' client
-    reads): `{data: base64 of the raw [rows, layers, k] ids, shape, start, dtype}` for sequence
-    positions `start ..` prompt + completion - 2 (no forward runs on the last sampled token). uint8
-    where every id fits (verifiers' default), else int16. None without MoE routes (a dense model, as
-    vLLM sends null)."""
-    if out.routed_experts is None or out.prompt_routed_experts is None or not out.token_ids:
+def routed_experts(out: SeqOutput, prompt_len: int, start: int) -> dict[str, Any] | None:
+    """A choice's expert routing in the shape renderers' and verifiers 0.4's clients read
+    (``hpcrl.inference.routed``): one row per position from ``start`` (the request's
+    ``routed_experts_prompt_start``): the prompt's from the prefill, then one per completion token,
+    -1 for the last (never fed back; vLLM leaves that row out). None for a dense model. Without the
+    prefill's rows (not recorded), rows start at the completion and ``start`` says so."""
+    if out.routed_experts is None:
         return None
-    rows = np.asarray(out.prompt_routed_experts[start:] + out.routed_experts[:-1], dtype=np.int16)
-    dtype = np.uint8 if rows.size == 0 or int(rows.max()) < 256 else np.int16
-    data = np.ascontiguousarray(rows.astype(dtype))
-    return {
-        "data": base64.b64encode(data.tobytes()).decode("ascii"),
-        "shape": list(data.shape),
-        "start": start,
-        "dtype": np.dtype(dtype).name,
-    }
+    import numpy as np
+
+    from hpcrl.inference.routed import encode
+
+    done = np.asarray(out.routed_experts, dtype=np.int16)
+    if out.prompt_routed_experts is None or len(out.prompt_routed_experts) != prompt_len:
+        return encode(done, start=prompt_len)
+    prompt = np.asarray(out.prompt_routed_experts, dtype=np.int16)[start:]
+    return encode(np.concatenate([prompt, done.reshape(-1, *prompt.shape[1:])]), start=start)
 
 
 def _logprob(token_id: int, logprob: float) -> dict[str, Any]:
@@ -221,10 +217,9 @@ def _logprob(token_id: int, logprob: float) -> dict[str, Any]:
 
 
 def response(
-    model: str, prompt: list[int], outs: list[SeqOutput], params: SamplingParams, routes_from: int = 0
+    model: str, prompt: list[int], outs: list[SeqOutput], params: SamplingParams, start: int = 0
 ) -> dict[str, Any]:
-    """vLLM's GenerateResponse for `outs`, with the prompt ids (what renderers' client reads back);
-    `routes_from`: the first position of each choice's `routed_experts`."""
+    """vLLM's GenerateResponse for `outs`, with the prompt ids (what renderers' client reads back)."""
     choices = []
     for i, o in enumerate(outs):
         logprobs = None
@@ -247,7 +242,7 @@ def response(
                 "logprobs": logprobs,
                 "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason,
-                "routed_experts": routed_experts(o, routes_from),
+                "routed_experts": routed_experts(o, len(prompt), start),
                 "policy_steps": o.policy_steps,
             }
         )
@@ -298,8 +293,7 @@ def install(
     async def generate(request: Request) -> Response:
         body = await read_body(request)
         model = check_model(state, body)
-        prompt, params = parse_request(body, engine.vocab_size, engine.max_model_len)
-        start = routes_start(body)
+        prompt, params, start = parse_request(body, engine.vocab_size, engine.max_model_len)
         if state.sync_error:
             raise APIError(state.sync_error, status=503, type="WeightSyncError")
         outs = await asyncio.wrap_future(engine.submit(prompt, params))

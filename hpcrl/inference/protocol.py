@@ -292,7 +292,7 @@ class SeqOutput:
     stop_reason: str | int | None
     policy_steps: list[int]
     routed_experts: list[list[list[int]]] | None = None  # MoE: per completion token [layers][k], -1 unknown
-    prompt_routed_experts: list[list[list[int]]] | None = None  # MoE: per prompt token [layers][k] (prefill)
+    prompt_routed_experts: list[list[list[int]]] | None = None  # MoE: per prompt token (the prefill's)
 
 
 def _usage(prompt_tokens: int, outs: list[SeqOutput]) -> dict[str, int]:

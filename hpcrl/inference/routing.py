@@ -5,9 +5,7 @@ Forward hooks on the model's router modules (transformers' ``Qwen3MoeTopKRouter`
 works) keep the top-k expert ids of the last forward, one [rows, k] tensor per MoE layer. After a
 decode step the engine takes them: row i is the routing of the token row i was fed, i.e. of the
 sequence's newest sampled token. A sequence's routing is thus known for every sampled token but the
-last (never fed back); that one is reported as -1, and the trainer routes it freely. After a prefill
-the engine takes the prompt's routes too (``take_prompts``): a prompt token the trainer routed freely
-would change the hidden states, hence the logprobs, of every token after it.
+last (never fed back); that one is reported as -1, and the trainer routes it freely.
 """
 
 from __future__ import annotations
@@ -52,17 +50,6 @@ class RoutingRecorder:
         out = torch.stack([self._last[i].reshape(rows, -1) for i in range(len(self.layers))], dim=1)
         self._last.clear()
         return out.to(torch.int16).cpu()
-
-    def take_prompts(self, lens: list[int]) -> list[torch.Tensor] | None:
-        """int16 [len, layers, k] per prompt of the last forward, a left-padded prefill of
-        ``len(lens)`` rows as wide as the longest prompt (None without MoE layers)."""
-        if not self.layers or len(self._last) != len(self.layers):
-            return None
-        rows, width = len(lens), max(lens)
-        out = torch.stack([self._last[i].reshape(rows, width, -1) for i in range(len(self.layers))], dim=2)
-        self._last.clear()
-        out = out.to(torch.int16).cpu()
-        return [out[j, width - n :] for j, n in enumerate(lens)]
 
 
 def finish(routed: list[torch.Tensor], n_tokens: int) -> list[list[list[int]]] | None:

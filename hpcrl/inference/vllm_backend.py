@@ -85,7 +85,16 @@ def vllm_serve_argv(opts: "ServeOptions", model_path: str) -> list[str]:
         argv.append("--trust-remote-code")
     if opts.lora_rank is not None:  # /load_lora_adapter needs the engine's LoRA slots
         argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(opts.lora_rank))]
+    if _is_moe(model_path):  # router replay: every choice carries the experts its tokens went to
+        argv.append("--enable-return-routed-experts")
     return argv + list(opts.vllm_args)
+
+
+def _is_moe(model_path: str) -> bool:
+    from hpcrl.models.arch import find_arch
+
+    arch = find_arch(model_path)
+    return arch is not None and arch.moe
 
 
 def _install_routes(run_server_worker: Any, status: dict[str, Any], control_timeout_s: float = 8.0) -> None:

@@ -9,7 +9,7 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import CkptConfig, Config, SFTConfig, TrainerModelConfig
-from hpcrl.config.validate import context_parallel, trainer_precision
+from hpcrl.config.validate import context_parallel, expert_parallel, trainer_precision
 from hpcrl.launch.placement import Placement, local_placement, weight_transport
 from hpcrl.paths import RunPaths
 
@@ -54,6 +54,7 @@ def visible_gpus() -> int:
 def apply_placement(cfg: Config, placement: Placement) -> None:
     """Record the process counts in the config, so every role knows how many peers it has."""
     context_parallel(cfg, placement.trainer_ranks, on_gpu=placement.uses_gpus and not placement.cpu_compute)
+    expert_parallel(cfg, placement.trainer_ranks)
     cfg.deployment.num_trainer_ranks = placement.trainer_ranks
     cfg.deployment.num_inference_servers = placement.inference_servers
     # Decided once here so trainer and orchestrator agree (NCCL on GPUs, files on CPU).

@@ -157,15 +157,17 @@ def _builtin(name: str) -> Arch | None:
     from hpcrl.models import tiny
     from hpcrl.models.names import BUILTIN_MODELS
 
-    preset = BUILTIN_MODELS.get(name)
-    if preset is None:
+    builtin = BUILTIN_MODELS.get(name)
+    if builtin is None:
         return None
+    preset = builtin.partition(":")[0]  # "preset:template"
     built = tiny._cache_root() / "models" / name / "config.json"
     if built.exists():
         arch = _read(built, f"config.json of the built {name}")
         if arch is not None:
             return arch
-    cfg = {"vocab_size": tiny.VOCAB_SIZE, "tie_word_embeddings": True, **tiny.PRESETS[preset]}
+    shape = tiny.MOE_PRESETS[preset] if preset in tiny.MOE_PRESETS else tiny.PRESETS[preset]
+    cfg = {"vocab_size": tiny.VOCAB_SIZE, "tie_word_embeddings": True, **shape}
     return from_config(cfg, f"hpcrl preset '{preset}'")
 
 

@@ -23,8 +23,8 @@ def custom_attention(attn: str, device: torch.device | str) -> str:
     on_cuda = torch.device(device).type == "cuda"
     from hpcrl.models.ring_attention import HF_NAME
 
-    if attn == HF_NAME:  # context parallelism (trainer.model.cp): ring attention over the cp group
-        return HF_NAME
+    if attn in (HF_NAME, "hpcrl_ulysses"):  # context parallelism (trainer.model.cp) over the cp group
+        return attn
     if attn == "flash_attention_3":
         if on_cuda:
             if importlib.util.find_spec("flash_attn_interface") is None:

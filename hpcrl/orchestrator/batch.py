@@ -21,7 +21,7 @@ from hpcrl.bus import TrainBatch
 from hpcrl.orchestrator.advantages import AdvantageConfig, compute_advantages
 from hpcrl.orchestrator.buffer import Buffer
 from hpcrl.orchestrator.packing import PackStats, Sample, pack_for_ranks
-from hpcrl.orchestrator.state import GroupRecord
+from hpcrl.orchestrator.state import GroupRecord, RolloutRecord
 
 # A policy that reached this reward solved the example (pass@k; rewards of the built-in envs are
 # similarities in [0, 1], so only an exact/near-exact answer passes).
@@ -60,6 +60,10 @@ def judge_group(
     if mode == "opd":
         adv = AdvantageConfig(adv.std_normalize, adv.length_penalty, "keep", adv.eps)
     advs, keep = compute_advantages([rewards], [[r.completion_tokens for r in ok]], adv)
+    traces = trace_advantages(group.rollouts, ok, adv) if any(r.trace_rewards for r in ok) else None
+    if traces is not None and any(a != 0.0 for t in traces for a in t):
+        keep[0] = True  # equal mean rewards, but some trace (agent) did better than its peers
+    group.trace_advantages = traces
     if not keep[0]:
         counts.filtered["zero_advantage"] += 1
         group.advantages = [0.0] * len(group.rollouts)  # usable as a last-resort filler (see collect)
@@ -67,6 +71,25 @@ def judge_group(
     by_index = {r.index: float(a) for r, a in zip(ok, advs[0])}
     group.advantages = [by_index.get(r.index, 0.0) for r in group.rollouts]
     return True
+
+
+def trace_advantages(
+    rollouts: Sequence[RolloutRecord], ok: Sequence[RolloutRecord], adv: AdvantageConfig
+) -> list[list[float]]:
+    """Multi-agent groups: per rollout (by index) one advantage per trained trace, trace j's against
+    trace j of the group's other usable rollouts (a rollout with fewer traces takes no part in the
+    baselines of the ones it lacks; one without trace_rewards counts as one trace of its reward)."""
+    own = {r.index: list(r.trace_rewards or [r.reward]) for r in ok}
+    out = [[0.0] * len(own.get(r.index, [])) for r in rollouts]
+    keep_all = AdvantageConfig(adv.std_normalize, adv.length_penalty, "keep", adv.eps)
+    for j in range(max(len(v) for v in own.values())):
+        members = [r for r in ok if j < len(own[r.index])]
+        advs, _ = compute_advantages(
+            [[own[r.index][j] for r in members]], [[r.completion_tokens for r in members]], keep_all
+        )
+        for r, a in zip(members, advs[0]):
+            out[r.index][j] = float(a)
+    return out
 
 
 def num_rollouts(groups: Sequence[GroupRecord]) -> int:
@@ -116,18 +139,17 @@ def to_samples(
     for (g, r), k in zip(rows, keep):
         if not k:
             continue
-        assert g.advantages is not None, "judge_group sets advantages before a group is used"
         for p_i, p in enumerate(r.pieces):
             s = Sample(
                 input_ids=np.asarray(p.input_ids, dtype=np.int32),
                 loss_mask=np.asarray(p.loss_mask, bool),
                 inference_logprobs=np.asarray(p.logprobs, dtype=np.float32),
-                advantage=g.advantages[r.index],
+                advantage=g.piece_advantage(r, p),
                 policy_version=r.policy_version,
                 example_id=g.example_id,
                 env_name=g.env,
                 temperature=temperature,
-                reward=r.reward,
+                reward=r.piece_reward(p),
                 teacher_logprobs=None
                 if p.teacher_logprobs is None
                 else np.asarray(p.teacher_logprobs, dtype=np.float32),

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpcrl.envs.base import Message, Turn
+from hpcrl.inference.routed import completion_rows, prompt_rows
 from hpcrl.orchestrator.pool import RequestFailed, ServerPool
 from hpcrl.orchestrator.stitching import encode, env_response_ids, render, stitch_prompt, template_kwargs
 
@@ -160,8 +161,8 @@ class RolloutClient:
             policy_steps=self._steps(choice, resp),
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=msg.get("tool_calls") or None,
-            routed_experts=choice.get("routed_experts"),
-            prompt_routed_experts=choice.get("prompt_routed_experts"),
+            routed_experts=completion_rows(choice.get("routed_experts"), len(prompt_ids), len(ids)),
+            prompt_routed_experts=prompt_rows(choice, len(prompt_ids)),
         )
 
     async def _complete(self, ids: list[int], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
@@ -189,8 +190,8 @@ class RolloutClient:
             policy_steps=self._steps(choice, resp),
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=tool_calls,
-            routed_experts=choice.get("routed_experts"),
-            prompt_routed_experts=choice.get("prompt_routed_experts"),
+            routed_experts=completion_rows(choice.get("routed_experts"), len(ids), len(out)),
+            prompt_routed_experts=prompt_rows(choice, len(ids)),
         )
 
     def _steps(self, choice: dict[str, Any], resp: dict[str, Any]) -> list[int]:

@@ -8,7 +8,9 @@ a prompt token the trainer routed differently would change the hidden states of 
 Multi-turn rollouts carry them per turn. A stitched sequence takes each turn's completion rows at
 that turn's completion tokens and its prompt rows where no earlier turn set one (environment tokens,
 the previous turn's last token): the routes the engine computed a token with first are those the
-logprobs of that turn's tokens came from."""
+logprobs of that turn's tokens came from.
+
+A server's wire shapes of a choice's routing are read by :mod:`hpcrl.inference.routed`."""
 
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ class Piece(msgspec.Struct, kw_only=True):
     logprobs: list[float]
     teacher_logprobs: list[float] | None = None
     routed_experts: list[list[int]] | None = None  # MoE router replay: [T][layers*k], -1 = none
+    trace: int = 0  # multi-agent: the rollout's trained trace this sequence belongs to
 
 
 class RolloutRecord(msgspec.Struct, kw_only=True):
@@ -56,6 +57,11 @@ class RolloutRecord(msgspec.Struct, kw_only=True):
     error: str | None = None
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     bridge_breaks: int = 0  # later turns re-rendered (rollout/bridge_breaks): each starts a new sample
+    trace_rewards: list[float] | None = None  # multi-agent: one reward per trained trace (Piece.trace)
+
+    def piece_reward(self, piece: Piece) -> float:
+        tr = self.trace_rewards
+        return tr[piece.trace] if tr is not None and piece.trace < len(tr) else self.reward
 
     @property
     def errored(self) -> bool:
@@ -75,6 +81,16 @@ class GroupRecord(msgspec.Struct, kw_only=True):
     task_epoch: int
     rollouts: list[RolloutRecord]
     advantages: list[float] | None = None
+    # multi-agent rollouts (trace_rewards): per rollout, one advantage per trace, each against the
+    # same trace of the group's other rollouts; None: every piece takes its rollout's advantage
+    trace_advantages: list[list[float]] | None = None
+
+    def piece_advantage(self, rollout: RolloutRecord, piece: Piece) -> float:
+        assert self.advantages is not None, "judge_group sets advantages before a group is used"
+        ta = self.trace_advantages
+        if ta is not None and piece.trace < len(ta[rollout.index]):
+            return ta[rollout.index][piece.trace]
+        return self.advantages[rollout.index]
 
 
 class OrchestratorState(msgspec.Struct, kw_only=True):

@@ -89,7 +89,8 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
     Router replay rows (routed_experts) follow each Piece's tokens."""
     segments: list[list[Turn]] = []
     for t in turns:
-        if segments and not branching and stitch_turns([*segments[-1], t]) is not None:
+        same_trace = bool(segments) and segments[-1][-1].trace == t.trace
+        if same_trace and not branching and stitch_turns([*segments[-1], t]) is not None:
             segments[-1].append(t)
         else:
             segments.append([t])
@@ -104,6 +105,7 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
                 loss_mask=whole.loss_mask.tolist(),
                 logprobs=whole.logprobs.tolist(),
                 routed_experts=None if w is None else routes.stitched_routes(seg, w, len(whole.input_ids)),
+                trace=seg[0].trace,
             )
         )
     return pieces
@@ -122,4 +124,5 @@ def to_record(index: int, traj: Trajectory, branching: bool = False) -> RolloutR
         error=traj.error,
         metrics={k: float(v) for k, v in traj.metrics.items()},
         bridge_breaks=sum(t.rerendered for t in traj.turns),
+        trace_rewards=None if traj.trace_rewards is None else [float(r) for r in traj.trace_rewards],
     )

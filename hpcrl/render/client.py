@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpcrl.envs.base import Message, Turn
+from hpcrl.inference.routed import completion_rows, prompt_rows
 from hpcrl.orchestrator.chat import derive_seed
 from hpcrl.orchestrator.pool import RequestFailed, ServerPool
 
@@ -205,4 +206,6 @@ class RendererClient:
             tool_calls=tool_calls_of(parsed),
             reasoning=parsed.reasoning_content,
             rerendered=rerendered,
+            routed_experts=completion_rows(choice.get("routed_experts"), len(ids), len(out)),
+            prompt_routed_experts=prompt_rows(choice, len(ids)),
         )

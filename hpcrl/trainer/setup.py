@@ -101,11 +101,12 @@ def build_training(
                  "on" if replay else "off", model_cfg.ep, model_cfg.moe_aux_loss_coef)  # fmt: skip
     if cp is not None:
         log.info(
-            "context parallel: cp %d, this rank is %d of cp group %s (ring attention; one packed row per "
+            "context parallel: cp %d, this rank is %d of cp group %s (%s attention; one packed row per "
             "micro-batch, trainer.share_prefix does not apply)",
             cp.size,
             cp.rank,
             list(cp.members),
+            model_cfg.cp_mode,
         )
     return Training(
         model,
@@ -200,6 +201,10 @@ def apply_moe_options(model: torch.nn.Module, model_cfg: TrainerModelConfig, dev
 
 def attn_impl_for(model_cfg: TrainerModelConfig) -> str | None:
     """The attention implementation to load the model with: ring attention under cp."""
+    if model_cfg.cp > 1 and model_cfg.cp_mode == "ulysses":
+        from hpcrl.models import ulysses
+
+        return ulysses.register_hf()
     if model_cfg.cp > 1:
         from hpcrl.models.ring_attention import register_hf
 

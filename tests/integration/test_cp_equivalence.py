@@ -5,8 +5,8 @@ row each; 37 and 16 tokens, so the split point falls inside samples and one micr
 token), with chunked logprobs. cp = 2 runs ring attention: each rank holds half of every row, the
 K/V blocks are gathered, and the loss counts only the tokens a rank predicts. We compare the summed
 loss and every parameter's full gradient (FSDP's summed, gathered gradient) with the cp = 1 run on
-rank 0: fp32, atol 1e-5 (float reordering in the merge and the reductions; measured max differences
-are printed by the test). The MoE case runs hpcrl's own Qwen3-MoE with router replay: each cp rank
+rank 0: fp32, atol 1e-5 (both cp modes: ring attention, and Ulysses' all-to-all over heads) (float reordering in the merge and the reductions; measured max differences
+are printed by the test). The MoE cases run hpcrl's own Qwen3-MoE with router replay: each cp rank
 must replay the routes of its own slice of the row (replayed experts no router would all pick).
 """
 
@@ -78,11 +78,14 @@ def _routes(model, t: int):
     return routes
 
 
-def worker(model_dir: str, out: str, moe: str = "") -> None:
+def worker(model_dir: str, out: str, mode: str = "ring") -> None:
+    """``mode``: ring | ulysses, then ``:custom`` (hpcrl's implementation), ``:moe`` (an MoE model
+    with router replay, custom)."""
     import dataclasses
 
     import torch
 
+    from hpcrl.models import ulysses
     from hpcrl.models.ring_attention import register_hf
     from hpcrl.trainer import parallel
     from hpcrl.trainer.context_parallel import forward_cp, make_cp_group, restrict
@@ -93,8 +96,11 @@ def worker(model_dir: str, out: str, moe: str = "") -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     rank = parallel.get_rank()
     cp = make_cp_group(2)
-    impl = "custom" if moe else "hf"
-    model = parallel.apply_fsdp(load_model(model_dir, attn_impl=register_hf(), impl=impl))
+    mode, *flags = mode.split(":")
+    moe = "moe" in flags
+    impl = "custom" if "custom" in flags or moe else "hf"
+    attn = ulysses.register_hf() if mode == "ulysses" else register_hf()
+    model = parallel.apply_fsdp(load_model(model_dir, attn_impl=attn, impl=impl))
     batch = _batch(model.config.vocab_size)
     if moe:
         batch = dataclasses.replace(batch, routed_experts=_routes(model, batch.num_tokens))
@@ -110,7 +116,7 @@ def worker(model_dir: str, out: str, moe: str = "") -> None:
     loss = float(parallel.all_reduce(torch.tensor(loss, dtype=torch.float64)))
     if rank != 0:
         return
-    ref_model = load_model(model_dir, impl=impl)  # sdpa, one rank, whole rows
+    ref_model = load_model(model_dir, impl="custom" if moe else "hf")  # sdpa, one rank, whole rows
     ref_loss, ref_grads = _loss_and_grads(
         ref_model, mbs, lambda m: forward_packed(ref_model, m, wanted=m.loss_mask), n_tokens
     )
@@ -124,19 +130,20 @@ def worker(model_dir: str, out: str, moe: str = "") -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe-replay"])
-def test_cp2_equals_cp1(moe: bool, tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "mode", ["ring", "ulysses", "ring:custom", "ulysses:custom", "ring:moe", "ulysses:moe"]
+)
+def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path, mode: str) -> None:
     out = tmp_path / "cp.json"
-    if moe:
+    model_dir = tiny_model_dir
+    if mode.endswith(":moe"):
         from hpcrl.models.tiny import build_tiny_model
 
         model_dir = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=3)
-        run_ranks(__file__, 2, str(model_dir), str(out), "moe", timeout=300)
-    else:
-        run_ranks(__file__, 2, str(tiny_model_dir), str(out), timeout=300)
+    run_ranks(__file__, 2, str(model_dir), str(out), mode, timeout=300)
     r = json.loads(out.read_text())
     print(
-        f"cp=2 vs cp=1: loss {r['loss']:.9f} vs {r['ref_loss']:.9f}, max |grad diff| {r['max_grad_diff']:.2e} "
+        f"cp=2 ({mode}) vs cp=1: loss {r['loss']:.9f} vs {r['ref_loss']:.9f}, max |grad diff| {r['max_grad_diff']:.2e} "
         f"(largest gradient entry {r['grad_scale']:.2e})"
     )
     assert abs(r["loss"] - r["ref_loss"]) <= ATOL

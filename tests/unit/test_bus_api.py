@@ -310,8 +310,9 @@ def test_policy_rings_skip_trainer_ranks(buses, paths):
     orch = buses("orchestrator", poll_interval=SLOW_POLL)
     ranks = [buses("trainer", r) for r in range(4)]
     publisher = ranks[0]
-    later(0.2, publisher.publish_policy, policy(0))
+    pub = later(0.2, publisher.publish_policy, policy(0))
     assert orch.wait_policy(0, timeout=5).step == 0  # woken by the ring, not the slow poll
+    pub.join(5)  # the writer counts a ring after its send returns: the reader can wake first
     assert publisher._writer.sent == 1
     assert all(not r.rings_pending() for r in ranks[1:])
 

@@ -74,6 +74,11 @@ def test_shipped_config_dry_run(path: Path, tmp_path: Path, capsys: pytest.Captu
     command = "sft" if _is_sft(path) else "run"
     rc = main([command, str(path), "--dry-run", "--output-dir", str(out_dir)])
     out, err = capsys.readouterr()
+    if rc == 2 and "multi_node" in path.name:
+        # A multi-node seed config is for `submit` (tests/integration/test_seed000_dry_run.py); run
+        # here on one CPU rank it is refused in one line, e.g. ep 8 over 1 trainer rank.
+        assert err.startswith("config error: trainer.model.ep: 8 must divide") and err.count("\n") == 1, err
+        return
     assert rc == 0, err
     assert err == ""
     assert out.startswith(f"hpcrl {command}")

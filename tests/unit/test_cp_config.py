@@ -50,3 +50,18 @@ def test_slices_and_owned_tokens_by_hand() -> None:
     assert owned_tokens(7, 2, 1).tolist() == [False] * 5 + [True, True]
     assert bool((owned_tokens(7, 2, 0) ^ owned_tokens(7, 2, 1)).sum() == 6)
     assert torch.equal(owned_tokens(4, 1, 0), torch.tensor([False, True, True, True]))
+
+
+def test_ulysses_needs_cp_to_divide_the_heads() -> None:
+    """tiny-qwen3 has 4 attention heads: ulysses over 2 or 4 ranks, not 3; ring over 3 is fine, and
+    ulysses on GPU needs no flash-attention package (SDPA per sample)."""
+    ulysses = [*BASE, "--trainer.model.cp_mode", "ulysses"]
+    context_parallel(load([*ulysses, "--trainer.model.cp", "2"]).config, trainer_ranks=4, on_gpu=True)
+    context_parallel(load([*ulysses, "--trainer.model.cp", "4"]).config, trainer_ranks=4, on_gpu=False)
+    with pytest.raises(ConfigError) as e:
+        context_parallel(load([*ulysses, "--trainer.model.cp", "3"]).config, trainer_ranks=3, on_gpu=False)
+    assert e.value.one_line() == (
+        "config error: trainer.model.cp: 3 with cp_mode 'ulysses' must divide the model's 4 attention heads "
+        "(use a cp that does, or cp_mode = 'ring')"
+    )
+    context_parallel(load([*BASE, "--trainer.model.cp", "3"]).config, trainer_ranks=3, on_gpu=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from datetime import datetime
 
@@ -9,6 +10,7 @@ import pytest
 
 from hpcrl.envs import wire
 from hpcrl.envs.base import Task, Trajectory, Turn
+from hpcrl.envs.frames import Outbox
 from hpcrl.envs.routing import Router
 from hpcrl.launch.logview import make_filter, parse_since, records
 
@@ -57,13 +59,48 @@ def test_a_trajectory_crosses_the_wire_unchanged() -> None:
     # every field of Turn crosses (a field added to Turn and not to the wire was silently dropped)
     assert [f.name for f in dataclasses.fields(Turn)] == list(wire.WTurn.__struct_fields__)
     traj = Trajectory(task, [*task.prompt, turn.message()], 1, [turn], 0.5, {"m": 1.0}, {"obj": object()})
-    msg = wire.decode(wire.encode(wire.Done(3, [wire.to_wtraj(traj)])))
+    [msg] = wire.decode(wire.encode(wire.Done(3, [wire.to_wtraj(traj)])))
     assert isinstance(msg, wire.Done) and msg.rid == 3
     back = wire.from_wtraj(task, msg.trajectories[0])
     assert back.turns[0] == turn and back.messages == traj.messages and back.reward == 0.5
     assert back.state["obj"].startswith("<object object")  # non-msgpack state travels as text
-    run = wire.decode(wire.encode(wire.Run(1, wire.to_wtask(task), {"max_tokens": 4}, 2, True, "sys")))
+    [run] = wire.decode(wire.encode(wire.Run(1, wire.to_wtask(task), {"max_tokens": 4}, 2, True, "sys")))
     assert wire.from_wtask(run.task) == task and run.system_prompt == "sys"
+
+
+class _Sock:
+    """A ZMQ socket's send side as hpcrl.envs.frames uses it (zmq.asyncio returns a future)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, frames: list[bytes]) -> asyncio.Future:
+        self.sent.append(frames)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+
+def test_messages_put_in_one_loop_iteration_leave_as_one_frame_per_peer_in_order() -> None:
+    async def main() -> _Sock:
+        sock = _Sock()
+        box = Outbox(sock, routed=True)
+        box.put(wire.Stop(), b"w1")
+        box.put(wire.Ready(7), b"w2")
+        box.put(wire.Kill("w1", "slow"), b"w1")
+        assert sock.sent == []  # nothing leaves before the iteration ends
+        await asyncio.sleep(0)
+        box.put(wire.Ready(8), b"w1")  # the next iteration: its own frame
+        await asyncio.sleep(0)
+        assert box.frames == 3
+        return sock
+
+    sent = asyncio.run(main()).sent
+    assert [f[0] for f in sent] == [b"w1", b"w2", b"w1"]
+    assert wire.decode(sent[0][1]) == [wire.Stop(), wire.Kill("w1", "slow")]
+    assert wire.decode(sent[1][1]) == [wire.Ready(7)] and wire.decode(sent[2][1]) == [wire.Ready(8)]
 
 
 def test_log_records_keep_their_tracebacks_and_filter_whole() -> None:

@@ -130,43 +130,26 @@ def test_cp_group_merges_routes_and_slices_them_per_rank() -> None:
     assert local_routes(routed, padded - 3, lo, hi).tolist() == [[[5, 6], [-1, -1]]]
 
 
-def test_generate_route_answers_routes_in_vllms_shape_from_the_asked_start() -> None:
-    """`routed_experts` of /inference/v1/generate: positions start .. prompt + completion - 2 (the
-    last sampled token is never fed back), base64 raw ids, as verifiers' client decodes them."""
+def test_prompt_rows_from_every_wire_shape() -> None:
+    """The prompt's routes of a choice: hpcrl's chat field, or the rows of a generate answer (the dict)
+    or of vLLM's .npy that fall inside the prompt (-1 before `start`)."""
     import base64
+    import io
 
-    import pytest
+    from hpcrl.inference.routed import encode, prompt_rows
 
-    from hpcrl.inference import generate
-    from hpcrl.inference.protocol import APIError, SeqOutput
-
-    out = SeqOutput(
-        token_ids=[9, 8], logprobs=[0.0, 0.0], top_logprobs=None, text="", finish_reason="stop",
-        stop_reason=None, policy_steps=[0], routed_experts=[[[6, 7]], [[-1, -1]]],
-        prompt_routed_experts=[[[0, 1]], [[2, 3]], [[4, 5]]],
-    )  # fmt: skip
-
-    def rows(r: dict) -> list:
-        raw = base64.b64decode(r["data"])
-        return np.frombuffer(raw, dtype=np.dtype(r["dtype"])).reshape(r["shape"]).tolist()
-
-    r = generate.routed_experts(out)
-    assert r["start"] == 0 and r["shape"] == [4, 1, 2] and r["dtype"] == "uint8"
-    assert rows(r) == [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
-    r = generate.routed_experts(out, 2)
-    assert r["start"] == 2 and rows(r) == [[[4, 5]], [[6, 7]]]
-    out.routed_experts = [[[300, 7]], [[-1, -1]]]
-    assert rows(generate.routed_experts(out, 2)) == [[[4, 5]], [[300, 7]]]  # int16 when an id is >= 256
-    out.prompt_routed_experts = None
-    assert generate.routed_experts(out) is None
-    body = {"token_ids": [1, 2, 3], "sampling_params": {"routed_experts_prompt_start": 2}}
-    assert generate.routes_start(body) == 2
-    generate.parse_request(body, 100, 64)  # an accepted field, not an unknown one
-    for bad in (3, -1, True, "1"):
-        body["sampling_params"]["routed_experts_prompt_start"] = bad
-        with pytest.raises(APIError) as e:
-            generate.routes_start(body)
-        assert e.value.param == "sampling_params.routed_experts_prompt_start"
+    listed = {"prompt_routed_experts": [[[0, 1]], [[2, 3]]], "routed_experts": [[[6, 7]], [[-1, -1]]]}
+    assert prompt_rows(listed, 2) == [[[0, 1]], [[2, 3]]]
+    assert prompt_rows(listed, 3) is None  # wrong length: no replay, never misaligned
+    assert prompt_rows({"routed_experts": [[[6, 7]]]}, 2) is None  # completion rows only
+    # the generate route's dict from position 1 of a 3-token prompt: rows 1, 2, then the completion's
+    dic = {"routed_experts": encode(np.array([[[2, 3]], [[4, 5]], [[6, 7]], [[-1, -1]]]), start=1)}
+    assert prompt_rows(dic, 3) == [[[-1, -1]], [[2, 3]], [[4, 5]]]
+    assert prompt_rows({"routed_experts": encode(np.array([[[6, 7]]]), start=3)}, 3) is None
+    buf = io.BytesIO()
+    np.save(buf, np.array([[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]], np.uint8))  # vLLM: (tokens - 1, ...)
+    npy = {"routed_experts": base64.b64encode(buf.getvalue()).decode()}
+    assert prompt_rows(npy, 3) == [[[0, 1]], [[2, 3]], [[4, 5]]]
 
 
 def test_v1_branch_turns_carry_the_branch_routes() -> None:
@@ -183,7 +166,6 @@ def test_v1_branch_turns_carry_the_branch_routes() -> None:
         [[2, 3]],
     ]
     assert stitched(turns) == routes.reshape(6, 2).tolist()
-    assert branch_turns(ids, mask, [0.0] * 6, 0, routes[:5])[0].routed_experts is None  # partial: none
 
 
 def stitched(turns: list[Turn]) -> list[list[int]]:

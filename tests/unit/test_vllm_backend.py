@@ -107,3 +107,11 @@ def test_init_broadcaster_rpc_bounds_the_join():
     assert init_broadcaster_rpc({**body, "timeout": 2})[1][4:] == (2.0, 2.0)  # never above `timeout`
     with pytest.raises(ValueError, match="join_timeout"):
         init_broadcaster_rpc({**body, "join_timeout": 0})
+
+
+def test_moe_model_asks_vllm_for_routed_experts():
+    from hpcrl.models.tiny import resolve_model
+
+    moe, dense = resolve_model("hpcrl/tiny-qwen3-moe"), resolve_model("hpcrl/tiny-qwen3")
+    assert "--enable-return-routed-experts" in vb.vllm_serve_argv(ServeOptions(model_name=moe), moe)
+    assert "--enable-return-routed-experts" not in vb.vllm_serve_argv(ServeOptions(model_name=dense), dense)

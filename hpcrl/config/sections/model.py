@@ -118,6 +118,13 @@ class TrainerModelConfig(ModelConfig):
             ge=1,
         ),
     ] = 1
+    cp_mode: Annotated[
+        Literal["ring", "ulysses"],
+        D(
+            "How cp ranks attend over the whole row: 'ring' (key/value blocks gathered, log-sum-exp merge) "
+            "or 'ulysses' (all-to-all over heads; cp must divide the attention heads)."
+        ),
+    ] = "ring"
     lora: Annotated[
         LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")
     ] = None

@@ -112,6 +112,12 @@ class Attention(nn.Module):
 
             ctx = current_context()
             out = ring_attention(q, k, v, segments=ctx.segments, positions=ctx.positions, group=ctx.group)
+        elif self.kernel == "hpcrl_ulysses":  # cp: all-to-all over heads, then the whole row
+            from hpcrl.models.ring_attention import current_context
+            from hpcrl.models.ulysses import ulysses_attention
+
+            ctx = current_context()
+            out = ulysses_attention(q, k, v, segments=ctx.segments, group=ctx.group)
         else:
             if mask is not None and mask.dtype != torch.bool:
                 mask = mask.to(q.dtype)
@@ -188,7 +194,7 @@ class Qwen3ForTraining(nn.Module):
         self.set_attention(getattr(config, "_attn_implementation", None) or "sdpa")
 
     def set_attention(self, kernel: str) -> None:
-        assert kernel in ("sdpa", "flash_attention_3", "hpcrl_ring"), kernel
+        assert kernel in ("sdpa", "flash_attention_3", "hpcrl_ring", "hpcrl_ulysses"), kernel
         self.config._attn_implementation = kernel
         for layer in self.model.layers:
             layer.self_attn.kernel = kernel

@@ -12,7 +12,8 @@ uneven ``all_to_all_single`` calls (autograd-aware, so expert gradients land on 
 Router replay: ``replay`` ([N, k] expert ids, -1 = not replayed) overrides the router's top-k for
 those tokens; the gate weights are still the trainer's own softmax at those experts, so the router
 keeps learning. It is an argument of ``forward``, not state on the module: an activation-checkpoint
-recompute then replays the same routes (torch.utils.checkpoint keeps the layer's arguments). Statistics for the MoE metrics are accumulated on the module (``stats``).
+recompute then replays the same routes (torch.utils.checkpoint keeps the layer's arguments).
+Statistics for the MoE metrics are accumulated on the module (``stats``).
 """
 
 from __future__ import annotations
@@ -42,20 +43,31 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def expert_ffn(x: Tensor, counts: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
-    """SwiGLU of rows ``x`` [M, H] grouped by expert (``counts`` [E] rows each, in order)."""
-    if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=offs)
-        u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
-    # Empty groups run too: under expert parallelism the output must stay connected to ``x`` even
-    # when no row arrived, or this rank would skip the dispatch's backward all-to-all and hang the others.
+def grouped_ffn(x: Tensor, counts: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """SwiGLU of rows grouped by expert as three ``torch._grouped_mm`` calls (CUDA, bf16)."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=offs)
+    u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
+
+
+def loop_ffn(x: Tensor, counts: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """The same as a loop over the groups (CPU, other dtypes; the reference in scripts/bench/gpu.py).
+
+    Empty groups run too: under expert parallelism the output must stay connected to ``x`` even
+    when no row arrived, or this rank would skip the dispatch's backward all-to-all and hang the others."""
     outs = [
         F.linear(F.silu(F.linear(part, gate[e])) * F.linear(part, up[e]), down[e])
         for e, part in enumerate(torch.split(x, counts.tolist()))
     ]
     return torch.cat(outs)
+
+
+def expert_ffn(x: Tensor, counts: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """SwiGLU of rows ``x`` [M, H] grouped by expert (``counts`` [E] rows each, in order)."""
+    if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
+        return grouped_ffn(x, counts, gate, up, down)
+    return loop_ffn(x, counts, gate, up, down)
 
 
 class Router(nn.Module):
