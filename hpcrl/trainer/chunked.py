@@ -51,6 +51,11 @@ def _log_softmax_(z: Tensor) -> Tensor:
     return z.sub_(lse)
 
 
+def _neg_plogp(logp: Tensor) -> Tensor:
+    """``-sum(exp(logp) * logp)`` per row (the entropy), as a batched dot product."""
+    return -(logp.exp()[:, None, :] @ logp[:, :, None])[:, 0, 0]
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -64,10 +69,9 @@ class ChunkedLogprobs(torch.autograd.Function):
             logp = _log_softmax_(_chunk_logits(hidden[a:b], weight, None if temp is None else temp[a:b]))
             picked[a:b] = logp.gather(-1, labels[a:b, None])[:, 0]
             if entropy:  # -sum p log p as batched dot products, a few rows at a time
-                for r in range(a, b, ROWS):
-                    rows = logp[r - a : r - a + ROWS]
-                    ent[r : r + rows.shape[0]] = -(rows.exp()[:, None, :] @ rows[:, :, None])[:, 0, 0]
-            del logp
+                for r in range(0, b - a, ROWS):
+                    ent[a + r : min(a + r + ROWS, b)] = _neg_plogp(logp[r : r + ROWS])
+            del logp  # no view of it may outlive this line: it would keep the [C, V] buffer alive
         ctx.save_for_backward(hidden, weight, labels, temp)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(ent)
