@@ -28,7 +28,8 @@ from torch import Tensor
 # default of trainer.model.logprobs_chunk_tokens. Measured at vocab 151,936 on CPU
 # (scripts/bench/long_seq.py, 4096 tokens): chunks of 128, 256 and 1024 positions took 25.7, 30.0 and
 # 37.6 s per step (noise on a shared machine: no trend), and 1024 added 870 MiB to the peak
-# (two [chunk, vocab] fp32 buffers: 1.2 GB at 1024, 0.3 GB at 256).
+# (then two [chunk, vocab] fp32 buffers: 1.2 GB at 1024, 0.3 GB at 256; one since the log-softmax
+# runs in place: 0.6 GB at 1024, 0.15 GB at 256).
 DEFAULT_CHUNK = 256
 
 
