@@ -75,17 +75,18 @@ class Meter:
     def reset(self) -> None:
         import torch
 
-        if not self.cuda:  # the warm-up's freed heap goes back to the OS: "before" is what lives
-            import ctypes
-            import gc
-
-            gc.collect()
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        else:
-            reset_peak()
+            return
+        import ctypes
+        import gc
+
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(
+            0
+        )  # the warm-up's freed heap back to the OS: "before" is what lives
+        reset_peak()
 
     def peak(self) -> float:
         import torch
