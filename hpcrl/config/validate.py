@@ -18,6 +18,7 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
     check_output_dir(cfg.output_dir)
     _unsupported(cfg)
     trainer_precision(cfg, on_gpu=True)
+    _activation_offload(cfg)
     _orchestrator(cfg)
     _renderer(cfg.orchestrator.renderer, cfg.model.name, "orchestrator.renderer")
     _buffer(cfg)
@@ -40,6 +41,7 @@ def validate_sft(cfg: SFTConfig) -> None:
     _unsupported(cfg)
     _renderer(cfg.renderer, cfg.model.name, "renderer")
     trainer_precision(cfg, on_gpu=True)
+    _activation_offload(cfg)
     if cfg.model.cp > 1:
         raise ConfigError(
             "model.cp", f"{cfg.model.cp}: context parallelism is implemented for the RL trainer only"
@@ -131,6 +133,28 @@ def _trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
     keys = ("dtype", "optimization_dtype", "reduce_dtype", "cp", "ep")
     flowed = all(getattr(own, k) == getattr(cfg.model, k) for k in keys)
     return own, "model" if flowed else "trainer.model"
+
+
+def _activation_offload(cfg: Config | SFTConfig) -> None:
+    """Offloading moves the checkpointed layers' saved inputs to CPU: without checkpointing there are none."""
+    model, field = _trainer_model(cfg)
+    if model.activation_offload and not model.activation_checkpointing:
+        raise ConfigError(
+            f"{field}.activation_offload",
+            "offloads the inputs that activation checkpointing keeps; set "
+            f"{field}.activation_checkpointing = true as well",
+        )
+
+
+def activation_offload_note(cfg: Config | SFTConfig, on_gpu: bool) -> list[str]:
+    """The dry run's one line when offloading is asked for where the trainer computes on CPU."""
+    model, field = _trainer_model(cfg)
+    if not model.activation_offload or on_gpu:
+        return []
+    return [
+        f"note:         {field}.activation_offload does nothing where the trainer computes on CPU "
+        "(its activations are in CPU memory already)"
+    ]
 
 
 def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:

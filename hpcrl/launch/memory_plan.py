@@ -23,11 +23,13 @@ non-expert parameters D are FSDP2-sharded over all N ranks; each rank holds E / 
                      + ACT_ROUTED x top_k x hidden   (MoE: the dispatched copies of each token)
                (mlp_width = intermediate, or top_k x moe_intermediate). With activation checkpointing
                each layer keeps only its input (ACT_CKPT x hidden) and one layer at a time is
-               recomputed in full: T x (layers x ACT_CKPT x hidden + A) x compute bytes.
+               recomputed in full: T x (layers x ACT_CKPT x hidden + A) x compute bytes; with
+               trainer.model.activation_offload the kept inputs are in host memory: T x A x bytes.
   logits       tokens x vocab x (compute bytes + LOGIT_FP32_COPIES x 4): the model's logits, their
                fp32 upcast, the fp32 log-softmax kept for backward and its gradient. Tokens = T today
-               (an upper bound: logits are kept for loss tokens only), the chunk size when the trainer
-               computes logprobs in chunks.
+               (an upper bound: logits are kept for loss tokens only). When the trainer computes
+               logprobs in chunks: chunk x vocab x (compute bytes + LOGIT_FP32_CHUNKED x 4) (one fp32
+               buffer per chunk, hpcrl/trainer/chunked.py).
 Inference server GPU (tp GPUs per server): weights P x dtype bytes / tp; the KV cache gets
 gpu_memory_utilization x GPU memory - weights - INFER_RESERVE_GIB, at 2 x layers x kv heads per GPU
 (kv_heads / tp, at least 1: vLLM replicates them when tp > kv_heads) x head_dim x dtype bytes a token.
@@ -60,6 +62,7 @@ ACT_ROUTED = 2  # MoE: each token's top_k dispatched inputs and their combined o
 ACT_CKPT = 1  # activation checkpointing: each layer keeps its input
 PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and prefetches the next
 LOGIT_FP32_COPIES = 3  # fp32 upcast, log-softmax (kept for backward), its gradient
+LOGIT_FP32_CHUNKED = 1  # chunked: the chunk's fp32 logits, log-softmaxed and differentiated in place
 INFER_RESERVE_GIB = 2.0  # inference activations, CUDA graphs, NCCL buffers outside the KV cache
 # trainer.model fields from the long-sequence work (chunked logprobs, context parallelism), read
 # with getattr so this module works before and after they exist.
@@ -218,19 +221,22 @@ def ep_lines(ranks: int, ep: int, ranks_per_node: int, num_experts: int) -> list
     return lines
 
 
-def activation_gib(a: Arch, tokens: int, compute_bytes: int, ac: bool) -> float:
+def activation_gib(a: Arch, tokens: int, compute_bytes: int, ac: bool, offload: bool = False) -> float:
     per_layer = (
         ACT_HIDDEN * a.hidden
         + ACT_ATTN * (a.q_dim + 2 * a.kv_dim)
         + ACT_MLP * a.mlp_width
         + (ACT_ROUTED * a.top_k * a.hidden if a.moe else 0)
     )
-    elems = a.layers * ACT_CKPT * a.hidden + per_layer if ac else a.layers * per_layer
+    if not ac:
+        elems = a.layers * per_layer
+    else:  # the checkpointed inputs (on the host when offloaded) and one layer recomputed
+        elems = per_layer + (0 if offload else a.layers * ACT_CKPT * a.hidden)
     return tokens * elems * compute_bytes / GIB
 
 
-def logits_gib(vocab: int, tokens: int, compute_bytes: int) -> float:
-    return tokens * vocab * (compute_bytes + LOGIT_FP32_COPIES * 4) / GIB
+def logits_gib(vocab: int, tokens: int, compute_bytes: int, chunked: bool = False) -> float:
+    return tokens * vocab * (compute_bytes + (LOGIT_FP32_CHUNKED if chunked else LOGIT_FP32_COPIES) * 4) / GIB
 
 
 def trainer_items(
@@ -247,6 +253,7 @@ def trainer_items(
     ac: bool,
     chunk: int | None,
     lora_params: int = 0,
+    offload: bool = False,
 ) -> list[Item]:
     """Per-GPU memory of one trainer rank (see the module docstring). `lora_params` > 0: only those
     train (gradients and optimizer state), the base weights stay frozen."""
@@ -263,6 +270,7 @@ def trainer_items(
     t = -(-tokens // cp)
     logit_tokens = min(t, chunk) if chunk else t
     ac_note = f"{t} tokens x {a.layers} layers, checkpointing {'on' if ac else 'off'}"
+    ac_note += ", inputs offloaded" if ac and offload else ""
     return [
         Item(
             "parameters",
@@ -283,13 +291,13 @@ def trainer_items(
         Item(
             "activations",
             SHORT[compute],
-            activation_gib(a, t, cb, ac),
+            activation_gib(a, t, cb, ac, offload),
             ac_note + (f", cp {cp}" if cp > 1 else ""),
         ),
         Item(
             "logits",
             "fp32",
-            logits_gib(a.vocab, logit_tokens, cb),
+            logits_gib(a.vocab, logit_tokens, cb, chunked=bool(chunk)),
             f"{logit_tokens} x {a.vocab}" + (" (chunked)" if chunk else " (full; no chunked logprobs)"),
         ),
     ]
@@ -356,7 +364,7 @@ def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
     kw = dict(
         ranks=ranks, ep=ep, cp=cp, tokens=max(cfg.trainer.micro_batch_tokens, cfg.seq_len),
         compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=cfg.trainer.optim.type,
-        chunk=chunk, lora_params=lora,
+        chunk=chunk, lora_params=lora, offload=bool(getattr(model, "activation_offload", False)),
     )  # fmt: skip
     trainer = trainer_items(arch, ac=ac, **kw)
     other = next(i.gib for i in trainer_items(arch, ac=not ac, **kw) if i.name == "activations")

@@ -9,7 +9,12 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import CkptConfig, Config, SFTConfig, TrainerModelConfig
-from hpcrl.config.validate import context_parallel, expert_parallel, trainer_precision
+from hpcrl.config.validate import (
+    activation_offload_note,
+    context_parallel,
+    expert_parallel,
+    trainer_precision,
+)
 from hpcrl.launch.placement import Placement, local_placement, weight_transport
 from hpcrl.paths import RunPaths
 
@@ -99,6 +104,7 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
         f"configs:      {paths.configs_dir}/",
     ]
     lines += extra or []
+    lines += activation_offload_note(cfg, on_gpu=placement.uses_gpus and not placement.cpu_compute)
     for n in loaded.notes:
         lines.append(f"note:         {n}")
     print("\n".join(lines))
@@ -133,5 +139,6 @@ def print_sft_summary(loaded: Loaded) -> None:
         f"checkpoints:  {_checkpoints(cfg.ckpt)}",
         f"configs:      {RunPaths(cfg.output_dir).configs_dir}/",
     ]
+    lines += activation_offload_note(cfg, on_gpu=visible_gpus() > 0 and cfg.deployment.compute != "cpu")
     lines += [f"note:         {n}" for n in loaded.notes]
     print("\n".join(lines))

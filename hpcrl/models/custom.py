@@ -83,6 +83,7 @@ def load_custom(
     attn: str,
     activation_checkpointing: bool,
     meta: bool,
+    offload: bool = False,
 ) -> nn.Module:
     from transformers import AutoConfig
 
@@ -94,7 +95,7 @@ def load_custom(
         model = fam.build(config)
     model.to(dtype=dtype)
     if meta:
-        return _finish(model, activation_checkpointing)
+        return _finish(model, activation_checkpointing, offload)
     model.to_empty(device="cpu")
     model.model.rotary_emb.inv_freq.copy_(_inv_freq(model))
     if model.args.tie_word_embeddings:
@@ -107,7 +108,7 @@ def load_custom(
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     except (OSError, ValueError):
         model.generation_config = None
-    return _finish(model, activation_checkpointing)
+    return _finish(model, activation_checkpointing, offload)
 
 
 def _inv_freq(model: Any) -> torch.Tensor:
@@ -115,9 +116,10 @@ def _inv_freq(model: Any) -> torch.Tensor:
     return 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
 
 
-def _finish(model: nn.Module, activation_checkpointing: bool) -> nn.Module:
+def _finish(model: nn.Module, activation_checkpointing: bool, offload: bool) -> nn.Module:
     model.config.use_cache = False
     model.activation_checkpointing = activation_checkpointing
+    model.activation_offload = offload  # the checkpointed layer inputs in pinned CPU memory
     model.hpcrl_family = model.config.model_type
     model.train()
     return model

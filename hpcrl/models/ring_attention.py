@@ -1,22 +1,27 @@
 """Ring attention for context parallelism: a packed row split along time over the ranks of a group.
 
 Rank ``r`` of ``N`` holds the queries, keys and values of the contiguous slice ``r`` of the row.
-The key/value blocks of every rank are gathered (``all_gather``: gloo on CPU, NCCL on GPU); rank
-``r`` attends its queries to blocks ``0..r`` one at a time (the later blocks are entirely in its
-future) and merges the per-block results with their log-sum-exp::
+The key/value blocks travel around the ring (point-to-point send/recv to rank ``r+1``, receive from
+``r-1``: gloo on CPU, NCCL on GPU), so a rank holds at most two blocks at a time (the one it
+computes with and the one arriving), never the whole row's keys: memory is O(S/N) per rank. At step
+``s`` rank ``r`` holds block ``(r - s) mod N``; it attends its queries to it when the block is not
+entirely in its future (``j <= r``) and merges the per-block results with their log-sum-exp::
 
     lse = logaddexp(lse, lse_j);  out = out * exp(lse_old - lse) + out_j * exp(lse_j - lse)
 
-which is what a send/recv ring computes, in the order the blocks arrive. Masking is by two
-per-token tensors, so packed samples and causality hold across the split: a query attends a key
-iff both carry the same ``segments`` id (the same sample) and the key's ``positions`` (its index
-in the whole packed row) is not after the query's. RoPE is the model's business: it is applied
-with the tokens' real position ids before this function sees q and k.
+Masking is by two per-token tensors, so packed samples and causality hold across the split: a query
+attends a key iff both carry the same ``segments`` id (the same sample) and the key's ``positions``
+(its index in the whole packed row) is not after the query's. RoPE is the model's business: it is
+applied with the tokens' real position ids before this function sees q and k. Grouped-query heads
+travel and are saved unrepeated (``Hkv`` heads, not ``H``); a block is repeated to ``H`` heads only
+while it is computed with.
 
-Backward (a custom autograd Function): the keys and values are gathered again (only the local
-slice is kept between forward and backward), each block's gradient is computed from the merged
-output and log-sum-exp (the flash-attention backward), and the key/value gradients are summed
-back onto the rank that owns each block (reduce-scatter; gloo has none, so all_to_all + sum).
+Backward (a custom autograd Function, the flash-attention backward per block): only the local q, k,
+v, the output (in the input's dtype) and the fp32 log-sum-exp are kept between forward and
+backward. The key/value blocks go around the ring again, each with the fp32 gradient accumulators of
+its keys and values; every rank adds its queries' contribution to the block it holds, computed from
+the merged output and log-sum-exp, and passes block and accumulators on. After ``N - 1`` hops one
+last hop of the accumulators alone brings every block's gradient home to the rank that owns it.
 
 Each block runs in query tiles of ``tile`` rows in fp32 torch math, so the scores never exceed
 ``[B, H, tile, S/N]``; on GPU a flash-attention block kernel would replace ``_block_forward`` /
@@ -40,26 +45,38 @@ HF_NAME = "hpcrl_ring"
 TILE = 256  # query rows per tile of a block's scores (and of its mask: never a [S, S] tensor)
 
 
-def _gather(x: Tensor, group: Any, n: int) -> list[Tensor]:
-    if n == 1:
-        return [x]
-    out = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(out, x.contiguous(), group=group)
-    return out
+def _ring_peers(group: Any) -> tuple[int, int]:
+    """(next, previous) rank of this rank in ``group``, as global ranks (what P2POp takes)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
 
 
-def _reduce_to_owner(blocks: list[Tensor], group: Any, n: int) -> Tensor:
-    """Sum over ranks of ``blocks[j]``, landing on rank ``j`` (reduce-scatter)."""
-    if n == 1:
-        return blocks[0]
-    stacked = torch.stack(blocks).contiguous()
-    if dist.get_backend(group) == "nccl":
-        out = torch.empty_like(blocks[0])
-        dist.reduce_scatter_tensor(out, stacked, group=group)
-        return out
-    recv = torch.empty_like(stacked)
-    dist.all_to_all_single(recv, stacked, group=group)
-    return recv.sum(0)
+def _shift(tensors: list[Tensor], group: Any) -> tuple[list[Tensor], Callable[[], None]]:
+    """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's
+    (same shapes); returns the receive buffers and a function that waits for both directions."""
+    nxt, prv = _ring_peers(group)
+    recv = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
+    reqs = dist.batch_isend_irecv(ops)
+
+    def wait() -> None:
+        for q in reqs:
+            q.wait()
+
+    return recv, wait
+
+
+def _repeat_heads(x: Tensor, rep: int) -> Tensor:
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _sum_heads(x: Tensor, rep: int) -> Tensor:
+    """Gradient of :func:`_repeat_heads`: [B, Hkv*rep, S, D] -> [B, Hkv, S, D]."""
+    if rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.view(b, h // rep, rep, s, d).sum(2)
 
 
 Mask = Callable[[int, int], Tensor]  # query rows [a, e) -> their [e - a, S_k] bool mask
@@ -133,47 +150,85 @@ def _block_backward(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, q: Tensor, k: Tensor, v: Tensor, seg: Tensor, pos: Tensor, group: Any, scale: float, tile: int
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        seg: Tensor,
+        pos: Tensor,
+        group: Any,
+        scale: float,
+        tile: int,
+        rep: int,
     ) -> Tensor:
         n = 1 if group is None else dist.get_world_size(group)
         r = 0 if group is None else dist.get_rank(group)
-        ks, vs, segs, poss = (_gather(x, group, n) for x in (k, v, seg, pos))
+        kv, mask_kv = torch.stack([k, v]), torch.stack([seg.long(), pos.long()])  # one message each per hop
         out = lse = None
-        for j in range(r + 1):  # blocks after r are all in the future
-            allowed = _allowed(seg, pos, segs[j], poss[j])
-            o_j, l_j = _block_forward(q, ks[j], vs[j], allowed, scale, tile)
-            if out is None:
-                out, lse = o_j, l_j
-                continue
-            new = torch.logaddexp(lse, l_j)
-            new_safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-            w_old = torch.exp(lse - new_safe)[..., None]
-            w_j = torch.exp(l_j - new_safe)[..., None]
-            out, lse = out * w_old + o_j * w_j, new
+        for s in range(n):
+            j = (r - s) % n  # the block held at this step
+            wait = None
+            if s < n - 1:
+                (kv_next, mask_next), wait = _shift([kv, mask_kv], group)
+            if j <= r:  # blocks after r are all in the future
+                allowed = _allowed(seg, pos, mask_kv[0], mask_kv[1])
+                o_j, l_j = _block_forward(
+                    q, _repeat_heads(kv[0], rep), _repeat_heads(kv[1], rep), allowed, scale, tile
+                )
+                if out is None:
+                    out, lse = o_j, l_j
+                else:
+                    new = torch.logaddexp(lse, l_j)
+                    new_safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+                    w_old = torch.exp(lse - new_safe)[..., None]
+                    w_j = torch.exp(l_j - new_safe)[..., None]
+                    out, lse = out * w_old + o_j * w_j, new
+                del o_j, l_j
+            if wait is not None:
+                wait()
+                kv, mask_kv = kv_next, mask_next
         assert out is not None and lse is not None
-        ctx.save_for_backward(q, k, v, seg, pos, out, lse)
-        ctx.group, ctx.scale, ctx.tile, ctx.n, ctx.r = group, scale, tile, n, r
-        return out.to(q.dtype)
+        res = out.to(q.dtype)  # the fp32 accumulator is not kept: backward reads the output as returned
+        del out
+        ctx.save_for_backward(q, k, v, seg, pos, res, lse)
+        ctx.group, ctx.scale, ctx.tile, ctx.n, ctx.r, ctx.rep = group, scale, tile, n, r, rep
+        return res
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # type: ignore[override]
-        q, k, v, seg, pos, out, lse = ctx.saved_tensors
-        n, r, group = ctx.n, ctx.r, ctx.group
-        ks, vs, segs, poss = (_gather(x, group, n) for x in (k, v, seg, pos))
+        q, k, v, seg, pos, res, lse = ctx.saved_tensors
+        n, r, group, rep = ctx.n, ctx.r, ctx.group, ctx.rep
         dout = dout.float()
-        delta = (dout * out).sum(-1)
+        delta = (dout * res.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dks = [torch.zeros(k.shape, dtype=torch.float32, device=q.device) for _ in range(n)]
-        dvs = [torch.zeros(v.shape, dtype=torch.float32, device=q.device) for _ in range(n)]
-        for j in range(r + 1):
-            allowed = _allowed(seg, pos, segs[j], poss[j])
-            dq_j, dks[j], dvs[j] = _block_backward(
-                dout, delta, q, ks[j], vs[j], lse, allowed, ctx.scale, ctx.tile
-            )
-            dq += dq_j
-        dk = _reduce_to_owner(dks, group, n)
-        dv = _reduce_to_owner(dvs, group, n)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        kv, mask_kv = torch.stack([k, v]), torch.stack([seg.long(), pos.long()])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
+        for s in range(n):
+            j = (r - s) % n
+            if j <= r:
+                allowed = _allowed(seg, pos, mask_kv[0], mask_kv[1])
+                dq_j, dk_j, dv_j = _block_backward(
+                    dout,
+                    delta,
+                    q,
+                    _repeat_heads(kv[0], rep),
+                    _repeat_heads(kv[1], rep),
+                    lse,
+                    allowed,
+                    ctx.scale,
+                    ctx.tile,
+                )
+                dq += dq_j
+                dkv[0] += _sum_heads(dk_j, rep)
+                dkv[1] += _sum_heads(dv_j, rep)
+                del dq_j, dk_j, dv_j
+            if s < n - 1:  # pass the block on with its gradient so far
+                (kv, mask_kv, dkv), wait = _shift([kv, mask_kv, dkv], group)
+                wait()
+        if n > 1:  # the block held now is r + 1's: one hop brings each block's gradient home
+            (dkv,), wait = _shift([dkv], group)
+            wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(
@@ -188,16 +243,13 @@ def ring_attention(
     tile: int = TILE,
 ) -> Tensor:
     """SDPA over a time-split packed row: ``query`` [B, H, S, D], ``key``/``value`` [B, Hkv, S, D]
-    (grouped-query heads are repeated here), ``segments`` / ``positions`` [S] the local tokens'
+    (grouped-query heads are repeated per block), ``segments`` / ``positions`` [S] the local tokens'
     sample ids and indices in the whole row. Returns [B, H, S, D] (causal within each sample)."""
     h, hkv = query.shape[1], key.shape[1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
-    if h != hkv:
-        key = key.repeat_interleave(h // hkv, dim=1)
-        value = value.repeat_interleave(h // hkv, dim=1)
     s = query.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(query, key, value, segments, positions, group, float(s), tile)
+    return _RingAttention.apply(query, key, value, segments, positions, group, float(s), tile, h // hkv)
 
 
 # ------------------------------------------------------------------------------ Hugging Face hook

@@ -7,7 +7,9 @@ autograd Function: its forward runs the LM head, the log-softmax and the pick ch
 keeps only the hidden states (``[K, H]``) and the labels; its backward
 recomputes each chunk's logits and writes the gradient analytically
 (``d logp[y] / d z = onehot(y) - softmax(z)``), so one chunk's ``[C, V]`` buffer is the whole
-vocabulary-sized memory of the step, forward and backward. We chose the custom Function over a
+vocabulary-sized memory of the step, forward and backward: the log-softmax, the softmax and the
+gradient are computed in place in the buffer of the logits (their exp() sums take a ``[32, V]``
+temporary more). We chose the custom Function over a
 checkpointed per-chunk closure because the closure's backward goes through autograd's
 ``log_softmax`` backward, which holds the logits, the log-softmax and its gradient per chunk (three
 ``[C, V]`` buffers instead of one) and recomputes the forward a second time for nothing; the
@@ -26,13 +28,33 @@ from torch import Tensor
 # default of trainer.model.logprobs_chunk_tokens. Measured at vocab 151,936 on CPU
 # (scripts/bench/long_seq.py, 4096 tokens): chunks of 128, 256 and 1024 positions took 25.7, 30.0 and
 # 37.6 s per step (noise on a shared machine: no trend), and 1024 added 870 MiB to the peak
-# (two [chunk, vocab] fp32 buffers: 1.2 GB at 1024, 0.3 GB at 256).
+# (then two [chunk, vocab] fp32 buffers: 1.2 GB at 1024, 0.3 GB at 256; one since the log-softmax
+# runs in place: 0.6 GB at 1024, 0.15 GB at 256).
 DEFAULT_CHUNK = 256
 
 
+ROWS = 32  # rows of a chunk exponentiated at once for a sum (a [ROWS, V] temporary)
+
+
 def _chunk_logits(h: Tensor, weight: Tensor, temp: Tensor | None) -> Tensor:
+    """``(h @ weight.T).float() / temp``, the temperature applied in place: ONE ``[C, V]`` buffer."""
     z = (h @ weight.t()).float()
-    return z if temp is None else z / temp.unsqueeze(-1)
+    return z if temp is None else z.div_(temp.unsqueeze(-1))
+
+
+def _log_softmax_(z: Tensor) -> Tensor:
+    """``log_softmax(z, -1)`` in place, as torch computes it (``z - max - log(sum(exp(z - max)))``):
+    the sum's exp() runs :data:`ROWS` rows at a time, so no second ``[C, V]`` buffer exists."""
+    z.sub_(z.amax(-1, keepdim=True))
+    lse = torch.empty(z.shape[0], 1, dtype=z.dtype, device=z.device)
+    for r in range(0, z.shape[0], ROWS):
+        lse[r : r + ROWS] = z[r : r + ROWS].exp().sum(-1, keepdim=True).log_()
+    return z.sub_(lse)
+
+
+def _neg_plogp(logp: Tensor) -> Tensor:
+    """``-sum(exp(logp) * logp)`` per row (the entropy), as a batched dot product."""
+    return -(logp.exp()[:, None, :] @ logp[:, :, None])[:, 0, 0]
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -45,13 +67,12 @@ class ChunkedLogprobs(torch.autograd.Function):
         ent = torch.zeros(k if entropy else 0, dtype=torch.float32, device=hidden.device)
         for a in range(0, k, chunk):
             b = min(a + chunk, k)
-            logp = torch.log_softmax(
-                _chunk_logits(hidden[a:b], weight, None if temp is None else temp[a:b]), -1
-            )
+            logp = _log_softmax_(_chunk_logits(hidden[a:b], weight, None if temp is None else temp[a:b]))
             picked[a:b] = logp.gather(-1, labels[a:b, None])[:, 0]
-            if entropy:  # -sum p log p as a batched dot product: one [C, V] temporary (p), not two
-                ent[a:b] = -(logp.exp()[:, None, :] @ logp[:, :, None])[:, 0, 0]
-            del logp
+            if entropy:  # -sum p log p as batched dot products, a few rows at a time
+                for r in range(0, b - a, ROWS):
+                    ent[a + r : min(a + r + ROWS, b)] = _neg_plogp(logp[r : r + ROWS])
+            del logp  # no view of it may outlive this line: it would keep the [C, V] buffer alive
         ctx.save_for_backward(hidden, weight, labels, temp)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(ent)
@@ -69,8 +90,9 @@ class ChunkedLogprobs(torch.autograd.Function):
             b = min(a + chunk, hidden.shape[0])
             t = None if temp is None else temp[a:b]
             # d picked / d z = onehot(label) - softmax(z), times the incoming gradient; softmax as
-            # exp(log_softmax) is what autograd's LogSoftmaxBackward uses, so the two agree to rounding
-            g = torch.log_softmax(_chunk_logits(hidden[a:b], weight, t), -1).exp_()
+            # exp(log_softmax) is what autograd's LogSoftmaxBackward uses, so the two agree to rounding.
+            # All in place in the logits' buffer: the chunk's only [C, V] tensor.
+            g = _log_softmax_(_chunk_logits(hidden[a:b], weight, t)).exp_()
             g.mul_(-grad_picked[a:b, None].float())
             g[rows[: b - a], labels[a:b]] += grad_picked[a:b].float()
             if t is not None:

@@ -85,6 +85,7 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_impl: str | None = None,
     activation_checkpointing: bool = False,
+    activation_offload: bool = False,
     lora: LoraParams | None = None,
     trust_remote_code: bool = False,
     meta: bool = False,
@@ -96,7 +97,16 @@ def load_model(
     'auto' (custom where one exists and no LoRA is asked for).
 
     ``meta``: build the same architecture (and LoRA adapter) on the meta device without reading any
-    weight: it costs no memory, and ``parallel.fill_from_rank0`` fills it after sharding."""
+    weight: it costs no memory, and ``parallel.fill_from_rank0`` fills it after sharding.
+
+    ``activation_offload`` (with ``activation_checkpointing``): what each checkpointed decoder layer
+    keeps for its backward (its input) is packed into pinned CPU memory by
+    ``torch.autograd.graph.save_on_cpu`` and copied back when the layer is recomputed; meant for CUDA
+    (on CPU it only copies). The caller decides the device (the trainer passes it for CUDA only)."""
+    if activation_offload and not activation_checkpointing:
+        raise ValueError(
+            "activation_offload needs activation_checkpointing (it offloads the checkpointed inputs)"
+        )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not Path(path, "config.json").is_file():
@@ -116,7 +126,13 @@ def load_model(
         from hpcrl.models.custom import load_custom
 
         return load_custom(
-            path, parse_dtype(dtype), device, attn_impl or "auto", activation_checkpointing, meta
+            path,
+            parse_dtype(dtype),
+            device,
+            attn_impl or "auto",
+            activation_checkpointing,
+            meta,
+            offload=activation_offload,
         )
     kwargs = {
         "dtype": parse_dtype(dtype),
@@ -133,17 +149,46 @@ def load_model(
     # The KV cache is useless for training forwards and conflicts with checkpointing.
     model.config.use_cache = False
     if activation_checkpointing:
-        # Non-reentrant checkpointing composes with FSDP2 and with frozen (LoRA) base weights.
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_checkpointing(model, activation_offload)
     if lora is not None:
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = apply_lora(model, lora)
     model.train()
     return model
+
+
+def enable_checkpointing(model: nn.Module, offload: bool) -> None:
+    """transformers' activation checkpointing of every decoder layer, non-reentrant (it composes with
+    FSDP2 and with frozen LoRA base weights); ``offload``: each layer's ``checkpoint`` call runs
+    inside ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, so the inputs it saves go to pinned
+    CPU memory. (transformers >= 5.2x has ``activation_checkpointing_enable(offload=True)`` for the same
+    wrapper, but it asks for pinned memory on CPU-only machines too, where torch refuses; ours leaves
+    pinning to torch's CUDA check and works with every transformers version.)"""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if not offload:
+        return
+    wrapped = 0
+    for mod in model.modules():
+        inner = getattr(mod, "_gradient_checkpointing_func", None)
+        if inner is not None:
+            mod._gradient_checkpointing_func = _offloading(inner)
+            wrapped += 1
+    if not wrapped:
+        raise ValueError(f"activation_offload: {type(model).__name__} has no checkpointed layers to offload")
+
+
+def _offloading(checkpoint_fn: Any) -> Any:
+    from torch.autograd.graph import save_on_cpu
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with save_on_cpu(pin_memory=True):
+            return checkpoint_fn(*args, **kwargs)
+
+    return run
 
 
 def apply_lora(model: nn.Module, lora: LoraParams) -> nn.Module:

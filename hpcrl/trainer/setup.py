@@ -154,6 +154,8 @@ def build_model(
         device="cpu" if from_rank0 else device,
         attn_impl=attn_impl_for(model_cfg),
         activation_checkpointing=model_cfg.activation_checkpointing,
+        # On CPU the activations are in CPU memory already (the dry run says so in one line)
+        activation_offload=model_cfg.activation_offload and device.type == "cuda",
         lora=None if warm_start else lora,
         trust_remote_code=model_cfg.trust_remote_code,
         meta=on_meta,

@@ -313,11 +313,12 @@ def step_row(kind: str, impl: str, cfg: Any, dev: torch.device, tokens: int, war
 VOCAB = 151_936
 
 
-def make_model(source: str, dev: torch.device, ac: bool) -> torch.nn.Module:
+def make_model(source: str, dev: torch.device, ac: bool, offload: bool = False) -> torch.nn.Module:
     """``source``: a model directory (loaded as the trainer does) or 'qwen3-1.7b' (random weights)."""
     if source == "qwen3-1.7b":
         model = build("custom", make_config("dense", False), dev)
         model.activation_checkpointing = ac
+        model.activation_offload = offload
         return model
     from hpcrl.trainer.model import load_model
 
@@ -329,11 +330,12 @@ def long_cell(
     source: str, dev: torch.device, seq_len: int, column: str, chunk: int = 1024
 ) -> dict[str, float]:
     """Two training steps of one seq_len-token sample; memory of the first, time of the second.
-    ``column``: today | chunked | chunked_ac | today_ac."""
+    ``column``: today | chunked | chunked_ac | today_ac | chunked_ac_offload."""
     from hpcrl.trainer.loss import LossParams, compute_loss
     from hpcrl.trainer.packing import PackedBatch, forward_packed
 
-    model = make_model(source, dev, ac=column.endswith("_ac"))
+    ac = column.endswith("_ac") or column.endswith("_offload")
+    model = make_model(source, dev, ac=ac, offload=column.endswith("_offload"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     g = torch.Generator().manual_seed(1)
     mask = torch.arange(seq_len) >= seq_len // 2
@@ -475,14 +477,16 @@ def part_long_dense(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     )
     rows = []
     for n in (8192, 16384, 32768):
-        for col in ("chunked", "chunked_ac", "today_ac"):
+        for col in ("chunked", "chunked_ac", "chunked_ac_offload", "today_ac"):
             row: dict[str, Any] = {"seq_len": n, "column": col}
             try:
                 r = long_cell("qwen3-1.7b", dev, n, col)
                 row.update({k: r[k] for k in ("peak_gib", "saved_gib", "step_s")})
             except torch.OutOfMemoryError:
                 row["peak_gib"] = "OOM"
-            row["plan activations GiB"] = activation_gib(arch, n, 2, col.endswith("_ac"))
+            row["plan activations GiB"] = activation_gib(
+                arch, n, 2, col != "chunked", col.endswith("_offload")
+            )
             rows.append(row)
             gc.collect()
             torch.cuda.empty_cache()

@@ -1,13 +1,23 @@
-"""Long sequences: peak memory and time of one training step as seq_len grows, vocab 151,936, CPU.
+"""Long sequences: peak memory and time of one training step as seq_len grows, vocab 151,936.
 
     python scripts/bench/long_seq.py [--lens 1024,2048,4096,8192,16384] [--sweep-chunks]
+    python scripts/bench/long_seq.py --device cuda [--lens ...]      (bf16, on a GPU)
 
 The model is hpcrl/tiny-qwen3-151k (hidden 128, 2 layers, Qwen3's vocabulary: the LM head is what a
 long sequence fills memory with). One step = one sample of ``seq_len`` tokens, loss on its second
 half (a prompt and a completion of equal length), forward + backward of the default RL loss +
-AdamW step. Every cell is a fresh process; memory is the process's peak RSS during the step (Linux
-VmHWM, reset after the model and optimizer are built: the peak counts what torch's CPU allocator
-really takes from the OS, which tracemalloc cannot see) and, beside it, the RSS before the step.
+AdamW step, measured after a 256-token warm-up step (AdamW creates its state in its first step; a
+trainer holds it from one step to the next, so the "before" of the measured step includes it, as
+in training). Every cell is a fresh process. Each cell reports two memory figures:
+
+* on CPU (fp32): the **process peak**, the process's peak RSS during the step (Linux VmHWM, reset
+  after the warm-up step and a ``malloc_trim``: it counts what torch's CPU allocator really takes from
+  the OS, which tracemalloc cannot see), and the **step increment**, that peak minus the RSS before the
+  step (the process baseline: Python, torch, gloo, the model's parameters and AdamW state). The increment is the
+  analogue of CUDA's ``max_memory_allocated`` after a reset, which leaves out the CUDA context;
+* on CUDA (bf16 compute over fp32 master weights): the peak of ``torch.cuda.max_memory_allocated``
+  during the step, and that peak minus ``memory_allocated`` before the step.
+
 Columns:
 
 * ``today``: the unchunked head (``trainer.model.logprobs_chunk_tokens = 0``): fp32 logits of every
@@ -16,7 +26,11 @@ Columns:
   (linear in kept tokens) and marked ``~``.
 * ``chunked``: ``logprobs_chunk_tokens = --chunk``.
 * ``chunked+ac``: the same with activation checkpointing.
-* ``cp=2/rank``: chunked, cp = 2 over 2 gloo ranks (FSDP over both): the larger of the two ranks.
+* ``+offload``: the same with ``trainer.model.activation_offload`` (the checkpointed layer inputs in
+  pinned CPU memory): CUDA only (on CPU the activations are in CPU memory already).
+* ``cp=2/rank``: chunked, cp = 2 over 2 ranks (FSDP over both: the ranks' shared mesh holds the
+  parameters, gradients and AdamW state, half each), the larger of the two ranks: gloo on CPU,
+  NCCL on CUDA where 2 GPUs are visible (one GPU: not run).
 """
 
 from __future__ import annotations
@@ -36,10 +50,55 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_memory import peak_rss_mib, reset_peak, rss_mib  # noqa: E402
 
 VOCAB = 151_936
+MIB = 1024 * 1024
+COLUMNS = ("today", "chunked", "chunked_ac", "offload", "cp2")
+HEADS = {
+    "today": "today",
+    "chunked": "chunked",
+    "chunked_ac": "chunked+ac",
+    "offload": "chunked+ac+offload",
+    "cp2": "cp=2 per rank",
+}
 
 
-def one_step(model_dir: str, seq_len: int, column: str, chunk: int) -> dict[str, float]:
-    """Run in a fresh process (rank of a gloo group for cp): build, then one measured step."""
+class Meter:
+    """Memory before and at the peak of the step: process RSS on CPU, the CUDA allocator on GPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        import torch
+
+        return torch.cuda.memory_allocated() / MIB if self.cuda else rss_mib()
+
+    def reset(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return
+        import ctypes
+        import gc
+
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(
+            0
+        )  # the warm-up's freed heap back to the OS: "before" is what lives
+        reset_peak()
+
+    def peak(self) -> float:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / MIB
+        return peak_rss_mib()
+
+
+def one_step(model_dir: str, seq_len: int, column: str, chunk: int, device_kind: str) -> dict[str, float]:
+    """Run in a fresh process (rank of a process group for cp): build, then one measured step."""
     import torch
 
     from hpcrl.trainer import parallel
@@ -50,60 +109,86 @@ def one_step(model_dir: str, seq_len: int, column: str, chunk: int) -> dict[str,
     torch.manual_seed(0)
     cp = 2 if column == "cp2" else 1
     chunk = 0 if column == "today" else chunk
+    cuda = device_kind == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     group = None
     attn = None
     if cp > 1:
         from hpcrl.models.ring_attention import register_hf
         from hpcrl.trainer.context_parallel import make_cp_group
 
-        parallel.init_distributed(torch.device("cpu"))
+        parallel.init_distributed(device)
         group = make_cp_group(cp)
         attn = register_hf()
-    model = load_model(model_dir, attn_impl=attn, activation_checkpointing=column == "chunked_ac")
-    model = parallel.apply_fsdp(model)
+    elif cuda:  # a world of 1: FSDP's mixed precision below still needs a process group
+        parallel.init_distributed(device)
+    model = load_model(
+        model_dir,
+        device=device,
+        attn_impl=attn,
+        activation_checkpointing=column in ("chunked_ac", "offload"),
+        activation_offload=column == "offload",
+    )
+    # bf16 compute over fp32 master weights on GPU (what the trainer's precision does there)
+    model = parallel.apply_fsdp(model, param_dtype=torch.bfloat16 if cuda else None, force=cuda)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    g = torch.Generator().manual_seed(1)
-    mask = torch.arange(seq_len) >= seq_len // 2
-    batch = PackedBatch(
-        input_ids=torch.randint(3, VOCAB, (seq_len,), generator=g),
-        position_ids=torch.arange(seq_len),
-        seq_lens=torch.tensor([seq_len]),
-        loss_mask=mask,
-        advantages=torch.randn(seq_len, generator=g),
-        inference_logprobs=torch.full((seq_len,), -12.0),
-    )
-    before = rss_mib()
-    reset_peak()
-    t0 = time.perf_counter()
-    if group is not None:
-        from hpcrl.trainer.context_parallel import forward_cp, restrict
 
-        batch = restrict(batch, group)
-        fwd = forward_cp(model, batch, group, wanted=batch.loss_mask, chunk_tokens=chunk)
-    else:
-        fwd = forward_packed(model, batch, wanted=batch.loss_mask, chunk_tokens=chunk)
-    after_fwd = rss_mib()
-    out = compute_loss(
-        LossParams(),
-        trainer_logprobs=fwd.logprobs,
-        loss_mask=batch.loss_mask,
-        num_loss_tokens=int(mask.sum()),
-        inference_logprobs=batch.inference_logprobs,
-        advantages=batch.advantages,
-        entropy=fwd.entropy,
-    )
-    out.loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    def sample(n: int) -> PackedBatch:
+        g = torch.Generator().manual_seed(1)
+        return PackedBatch(
+            input_ids=torch.randint(3, VOCAB, (n,), generator=g),
+            position_ids=torch.arange(n),
+            seq_lens=torch.tensor([n]),
+            loss_mask=torch.arange(n) >= n // 2,
+            advantages=torch.randn(n, generator=g),
+            inference_logprobs=torch.full((n,), -12.0),
+        ).to(device)
+
+    def step(batch: PackedBatch, meter: Meter | None = None) -> float:
+        n_loss = int(batch.loss_mask.sum())
+        if group is not None:
+            from hpcrl.trainer.context_parallel import forward_cp, restrict
+
+            batch = restrict(batch, group)
+            fwd = forward_cp(model, batch, group, wanted=batch.loss_mask, chunk_tokens=chunk)
+        else:
+            fwd = forward_packed(model, batch, wanted=batch.loss_mask, chunk_tokens=chunk)
+        after_fwd = meter.now() if meter else 0.0
+        out = compute_loss(
+            LossParams(),
+            trainer_logprobs=fwd.logprobs,
+            loss_mask=batch.loss_mask,
+            num_loss_tokens=n_loss,
+            inference_logprobs=batch.inference_logprobs,
+            advantages=batch.advantages,
+            entropy=fwd.entropy,
+        )
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return after_fwd
+
+    # A short warm-up step first: AdamW creates its state in the first step, and a trainer holds it
+    # between steps, so the measured step is a steady-state one (its "before" includes that state)
+    step(sample(256))
+    batch = sample(seq_len)
+    meter = Meter(device)
+    meter.reset()
+    before = meter.now()
+    meter.reset()
+    t0 = time.perf_counter()
+    after_fwd = step(batch, meter)
+    peak = meter.peak()
     return {
-        "peak_mib": peak_rss_mib(),
+        "peak_mib": peak,
         "before_mib": before,
+        "step_mib": peak - before,
         "saved_mib": after_fwd - before,  # what the forward keeps for the backward (activations)
         "step_s": time.perf_counter() - t0,
     }
 
 
-def _run_cell(model_dir: str, seq_len: int, column: str, chunk: int) -> dict[str, float]:
+def _run_cell(model_dir: str, seq_len: int, column: str, chunk: int, device: str) -> dict[str, float]:
     from hpcrl.launch.placement import rank_env
     from hpcrl.net import free_port
 
@@ -112,9 +197,9 @@ def _run_cell(model_dir: str, seq_len: int, column: str, chunk: int) -> dict[str
     procs = []
     for rank in range(world):
         env = {**os.environ, "OMP_NUM_THREADS": "2" if world == 1 else "1", "PYTHONPATH": str(REPO)}
-        if world > 1:
+        if world > 1 or device == "cuda":
             env.update(rank_env(rank, world, "127.0.0.1", port))
-        args = [sys.executable, __file__, "--cell", model_dir, str(seq_len), column, str(chunk)]
+        args = [sys.executable, __file__, "--cell", model_dir, str(seq_len), column, str(chunk), device]
         procs.append(
             subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -128,14 +213,56 @@ def _run_cell(model_dir: str, seq_len: int, column: str, chunk: int) -> dict[str
     return {**worst, "step_s": max(r["step_s"] for r in results)}
 
 
-COLUMNS = ("today", "chunked", "chunked_ac", "cp2")
+def columns_for(device: str) -> tuple[list[str], dict[str, str]]:
+    """The columns this device runs, and why the others are not run."""
+    skip = {}
+    if device == "cpu":
+        skip["offload"] = "CUDA only"
+    else:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            skip["cp2"] = "needs 2 GPUs"
+    return [c for c in COLUMNS if c not in skip], skip
+
+
+def _cell(c: dict[str, float] | None) -> str:
+    if c is None:
+        return "-"
+    if "estimate" in c:
+        return f"~{c['peak_mib']:.0f} / ~{c['step_mib']:.0f} (not run)"
+    return f"{c['peak_mib']:.0f} / {c['step_mib']:.0f} ({c['step_s']:.1f} s)"
+
+
+def print_table(rows: dict, chunk: int, device: str, skip: dict[str, str]) -> None:
+    """Each cell: peak / step increment MiB (step time); ratios of both where both columns ran."""
+    what = "process peak RSS" if device == "cpu" else "peak allocated"
+    heads = [HEADS[c] + (f" {chunk}" if c == "chunked" else "") for c in COLUMNS]
+    print(f"\nMiB: {what} / step increment (= peak - before the step), step time; {device}")
+    print(
+        "seq_len | " + " | ".join(heads) + " | chunked/today (peak) | cp2/chunked (peak) | cp2/chunked (step)"
+    )
+    print("---|" * (len(COLUMNS) + 3) + "---")
+    for n, r in rows.items():
+        cells = [_cell(r.get(c)) if c not in skip else f"({skip[c]})" for c in COLUMNS]
+        ratios = []
+        for a, b, key in (
+            ("chunked", "today", "peak_mib"),
+            ("cp2", "chunked", "peak_mib"),
+            ("cp2", "chunked", "step_mib"),
+        ):
+            ra, rb = r.get(a), r.get(b)
+            ratios.append("-" if ra is None or rb is None else f"{ra[key] / rb[key]:.2f}")
+        print(f"{n} | " + " | ".join(cells) + " | " + " | ".join(ratios))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cell", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--cell", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--lens", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--chunk", type=int, default=1024, help="logprobs_chunk_tokens of the chunked columns")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--columns", default=",".join(COLUMNS), help="a subset of " + ",".join(COLUMNS))
+    ap.add_argument("--chunk", type=int, default=256, help="logprobs_chunk_tokens of the chunked columns")
     ap.add_argument("--max-gib", type=float, default=8.0, help="do not run a today cell predicted above this")
     ap.add_argument(
         "--sweep-chunks", default="", help="e.g. 256,512,1024,2048: chunk sizes to time at --sweep-len"
@@ -143,57 +270,48 @@ def main() -> int:
     ap.add_argument("--sweep-len", type=int, default=4096)
     args = ap.parse_args()
     if args.cell:
-        model_dir, n, column, chunk = args.cell
-        print(json.dumps(one_step(model_dir, int(n), column, int(chunk))))
+        model_dir, n, column, chunk, device = args.cell
+        print(json.dumps(one_step(model_dir, int(n), column, int(chunk), device)))
         return 0
     from hpcrl.models.tiny import resolve_model
 
     model_dir = resolve_model("hpcrl/tiny-qwen3-151k")
     lens = [int(x) for x in args.lens.split(",")]
+    run, skip = columns_for(args.device)
+    asked = args.columns.split(",")
+    if unknown := set(asked) - set(COLUMNS):
+        ap.error(f"--columns: {sorted(unknown)} not among {','.join(COLUMNS)}")
+    skip.update({c: "not asked" for c in COLUMNS if c not in asked and c not in skip})
+    run = [c for c in run if c in asked]
     rows: dict[int, dict[str, dict[str, float] | None]] = {}
-    today_slope = None  # MiB per kept token of the today column's step (peak - before)
+    today_slope = None  # MiB per kept token of the today column's step increment
     for n in lens:
         rows[n] = {}
-        for col in COLUMNS:
+        for col in run:
             if col == "today" and today_slope is not None and today_slope * n / 2 / 1024 > args.max_gib:
                 rows[n][col] = None
                 continue
-            r = _run_cell(model_dir, n, col, args.chunk)
+            r = _run_cell(model_dir, n, col, args.chunk, args.device)
             rows[n][col] = r
             if col == "today":
-                today_slope = (r["peak_mib"] - r["before_mib"]) / (n / 2)
+                today_slope = r["step_mib"] / (n / 2)
             print(
-                f"  {col:10s} seq {n:6d}: peak {r['peak_mib']:8.0f} MiB (before {r['before_mib']:.0f}, "
-                f"kept by the forward {r['saved_mib']:.0f}), {r['step_s']:.2f} s",
+                f"  {col:10s} seq {n:6d}: peak {r['peak_mib']:8.0f} MiB (before {r['before_mib']:.0f}, step "
+                f"{r['step_mib']:.0f}, kept by the forward {r['saved_mib']:.0f}), {r['step_s']:.2f} s",
                 file=sys.stderr,
                 flush=True,
             )
-    print(
-        f"\nseq_len | today MiB (s) | chunked {args.chunk} | chunked+ac | cp=2 per rank | chunked/today | cp2/chunked"
-    )
-    print("---|---|---|---|---|---|---")
-    for n in lens:
-        cells = []
-        r = rows[n]
-        for col in COLUMNS:
-            c = r[col]
-            if c is None:
-                base = r["chunked"]["before_mib"]  # type: ignore[index]
-                est = base + today_slope * n / 2  # type: ignore[operator]
-                cells.append(f"~{est:.0f} (not run)")
-                r["today_est"] = {"peak_mib": est}
-            else:
-                cells.append(f"{c['peak_mib']:.0f} ({c['step_s']:.1f} s)")
-        today = r["today"] or r["today_est"]
-        ratio = r["chunked"]["peak_mib"] / today["peak_mib"]  # type: ignore[index]
-        cp_ratio = r["cp2"]["peak_mib"] / r["chunked"]["peak_mib"]  # type: ignore[index]
-        print(f"{n} | " + " | ".join(cells) + f" | {ratio:.3f} | {cp_ratio:.2f}")
+        if "today" in run and rows[n]["today"] is None and "chunked" in run:
+            base = rows[n]["chunked"]["before_mib"]  # type: ignore[index]
+            step = today_slope * n / 2  # type: ignore[operator]
+            rows[n]["today"] = {"peak_mib": base + step, "step_mib": step, "estimate": 1.0}
+    print_table(rows, args.chunk, args.device, skip)
     if args.sweep_chunks:
         n = args.sweep_len
-        print(f"\nchunk sweep at seq_len {n}: chunk | peak MiB | step s")
+        print(f"\nchunk sweep at seq_len {n}: chunk | peak MiB | step increment MiB | step s")
         for c in [int(x) for x in args.sweep_chunks.split(",")]:
-            r = _run_cell(model_dir, n, "chunked", c)
-            print(f"{c} | {r['peak_mib']:.0f} | {r['step_s']:.2f}")
+            r = _run_cell(model_dir, n, "chunked", c, args.device)
+            print(f"{c} | {r['peak_mib']:.0f} | {r['step_mib']:.0f} | {r['step_s']:.2f}")
     return 0
 
 

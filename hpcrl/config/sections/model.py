@@ -103,6 +103,13 @@ class TrainerModelConfig(ModelConfig):
         ),
     ] = 0.0
     activation_checkpointing: Annotated[bool, D("Recompute activations in backward to save memory.")] = False
+    activation_offload: Annotated[
+        bool,
+        D(
+            "CUDA: keep what each checkpointed decoder layer saves for its backward (its input) in pinned CPU "
+            "memory, not on the GPU (torch save_on_cpu; needs activation_checkpointing). On CPU: no effect."
+        ),
+    ] = False
     logprobs_chunk_tokens: Annotated[
         int,
         D(

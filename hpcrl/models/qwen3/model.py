@@ -13,6 +13,7 @@ Attention: SDPA with the packing's mask (CPU, tests), or flash-attention 3's var
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
@@ -191,6 +192,7 @@ class Qwen3ForTraining(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.generation_config = None
         self.activation_checkpointing = False
+        self.activation_offload = False  # with checkpointing: the layers' saved inputs in pinned CPU memory
         self.set_attention(getattr(config, "_attn_implementation", None) or "sdpa")
 
     def set_attention(self, kernel: str) -> None:
@@ -227,9 +229,12 @@ class Qwen3ForTraining(nn.Module):
                 replay, j = _layer_routes(routed_experts, j, layer.mlp.top_k), j + 1
             # The routes are an argument, so a checkpointed layer's backward recompute replays them too.
             if self.activation_checkpointing and torch.is_grad_enabled():
+                from torch.autograd.graph import save_on_cpu
                 from torch.utils.checkpoint import checkpoint
 
-                h = checkpoint(layer, h, rope, attention_mask, position_ids, replay, use_reentrant=False)
+                # save_on_cpu packs what checkpoint saves (the layer's input) into pinned CPU memory
+                with save_on_cpu(pin_memory=True) if self.activation_offload else contextlib.nullcontext():
+                    h = checkpoint(layer, h, rope, attention_mask, position_ids, replay, use_reentrant=False)
             else:
                 h = layer(h, rope, attention_mask, position_ids, replay)
         h = self.model.norm(h)
