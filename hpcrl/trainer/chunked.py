@@ -166,6 +166,7 @@ def head_logprobs(
     ent: list[Tensor | None] = []
 
     def forward(h: Tensor) -> Tensor:
+        h = h[keep] if h.dim() == 3 else h  # [B, T, H] -> the kept positions [K, H], row-major
         h = h if index is None else h[index]
         lp, e = chunked_token_logprobs(h, head.weight, labels, temperature, chunk=chunk, entropy=entropy)
         ent.append(e)
@@ -173,10 +174,31 @@ def head_logprobs(
 
     head.forward = forward
     try:
-        out = model(**inputs, use_cache=False, logits_to_keep=keep)
+        out = model(**inputs, use_cache=False)
     finally:
         del head.forward  # back to the class's forward
     return out.logits[:, 0], ent[-1]
+
+
+def kept_logits(model: torch.nn.Module, inputs: dict, keep: Tensor) -> Tensor:
+    """``[K, V]`` logits of the ``keep`` positions only (``[B, T]`` bool, row-major): the LM head is
+    given just those hidden states, inside the model's forward (as :func:`head_logprobs`). This is
+    what transformers' ``logits_to_keep`` does with a 2-D bool mask, which its releases before
+    ~5.2x do not accept (they index with it as positions and fail); every version runs this."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None:  # no separate head to narrow: the full logits, then the kept rows
+        return model(**inputs, use_cache=False).logits[keep]
+    full = head.forward
+
+    def forward(h: Tensor) -> Tensor:
+        return full(h[keep] if h.dim() == 3 else h)
+
+    head.forward = forward
+    try:
+        return model(**inputs, use_cache=False).logits
+    finally:
+        del head.forward
 
 
 def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CHUNK) -> Tensor:

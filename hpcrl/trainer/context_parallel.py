@@ -29,7 +29,7 @@ from torch import Tensor
 
 from hpcrl.bus.messages import compact_routes
 from hpcrl.models.ring_attention import CPContext, cp_context
-from hpcrl.trainer.chunked import can_chunk, head_logprobs
+from hpcrl.trainer.chunked import can_chunk, head_logprobs, kept_logits
 from hpcrl.trainer.packing import ForwardOutput, PackedBatch, next_token_logprobs, sample_starts
 
 
@@ -171,7 +171,7 @@ def forward_cp(
                 model, inputs, keep, ids[tok], temp, chunk=chunk_tokens, entropy=compute_entropy
             )
         else:
-            logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
+            logits = kept_logits(model, inputs, keep)
             picked, ent_p = next_token_logprobs(logits, ids[tok], temp, entropy=compute_entropy)
     lp = torch.zeros(t, dtype=picked.dtype, device=dev).index_copy(0, tok, picked)
     ent = None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, tok, ent_p)

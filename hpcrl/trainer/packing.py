@@ -22,14 +22,13 @@ log-softmax (``logits_to_keep``), which is where a large vocabulary spends its t
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
 
-from hpcrl.trainer.chunked import can_chunk, head_logprobs
+from hpcrl.trainer.chunked import can_chunk, head_logprobs, kept_logits
 from hpcrl.trainer.layout import (
     RowLayout,
     choose_width,
@@ -312,11 +311,6 @@ def _param_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
-
-
 def model_inputs(
     model: torch.nn.Module, mb: PackedBatch
 ) -> tuple[dict[str, Tensor | None], RowLayout | None]:
@@ -394,7 +388,7 @@ def forward_packed(
         temp = mb.temperatures.to(dev)[sample[pos]]
     repeats = slots.numel() > 1 and not bool((slots[1:] > slots[:-1]).all())
     labels = mb.input_ids[pos + 1]
-    if chunk_tokens > 0 and _takes_logits_to_keep(model) and can_chunk(model):
+    if chunk_tokens > 0 and can_chunk(model):
         picked, ent_p = head_logprobs(
             model,
             inputs,
@@ -406,10 +400,7 @@ def forward_packed(
             index=rank[slots] if repeats else None,  # a shared position predicts a token of every member
         )
     else:
-        if _takes_logits_to_keep(model):
-            logits = model(**inputs, use_cache=False, logits_to_keep=keep_2d).logits  # [kept, V], row-major
-        else:
-            logits = model(**inputs, use_cache=False).logits[keep_2d]
+        logits = kept_logits(model, inputs, keep_2d)  # [kept, V], row-major
         if repeats:
             logits = logits[rank[slots]]  # a shared position predicts a token of every member
         picked, ent_p = next_token_logprobs(logits, labels, temp, entropy=compute_entropy)

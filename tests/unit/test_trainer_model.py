@@ -357,3 +357,23 @@ def test_dist_env_torchrun_then_slurm():
     assert first_host("n1") == "n1"
     with pytest.raises(ValueError, match="outside"):
         dist_env({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_transformers_without_2d_logits_to_keep_masks(model_dir: Path, monkeypatch):
+    """transformers releases before ~5.2x index hidden states with a 2-D ``logits_to_keep`` as
+    positions and fail on hpcrl's bool mask: the trainer never passes one (the LM head is given the
+    kept rows inside the forward), so chunked and unchunked logprobs work with any release."""
+    b = make_batch([5, 1, 7, 3])
+    ref = forward_packed(load_model(model_dir), b)
+    model = load_model(model_dir)
+    forward = model.forward
+
+    def old_forward(*args, logits_to_keep=0, **kwargs):
+        if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 2:
+            raise IndexError("too many indices for tensor of dimension 3")  # transformers 5.17 / 5.20
+        return forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+
+    monkeypatch.setattr(model, "forward", old_forward)
+    for chunk in (0, 4):
+        out = forward_packed(model, b, chunk_tokens=chunk)
+        torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-6, rtol=0)
