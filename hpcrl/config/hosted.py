@@ -151,7 +151,7 @@ def _to_native(d: dict[str, Any], source: str, notes: list[str]) -> tuple[dict[s
 
 def _full_finetune_checkpointing(d: dict[str, Any], source: str, notes: list[str]) -> None:
     """The full_finetune shape checkpoints activations unless it says otherwise: its sizes (a 30B MoE
-    at 32k tokens) do not fit a GPU without it (docs/memory.md: 332 vs 43 GiB per trainer rank), and
+    at 32k tokens) do not fit a GPU without it (docs/memory.md: 339 vs 69 GiB per trainer rank at ep 8 with chunked logprobs), and
     the shape's docs leave memory to the platform. A later file or flag still turns it off."""
     trainer, model = d.get("trainer"), d.get("model")
     own = trainer.get("model") if isinstance(trainer, dict) else None

@@ -34,8 +34,8 @@ Inference server GPU (tp GPUs per server): weights P x dtype bytes / tp; the KV 
 gpu_memory_utilization x GPU memory - weights - INFER_RESERVE_GIB, at 2 x layers x kv heads per GPU
 (kv_heads / tp, at least 1: vLLM replicates them when tp > kv_heads) x head_dim x dtype bytes a token.
 
-The ACT_* constants are estimates from counting what a Qwen3 layer saves for backward with flash
-attention (no [s, s] scores); measure and replace them here, in this one place.
+The ACT_* constants count what a Qwen3 layer saves for backward with flash attention (no [s, s]
+scores); ACT_ATTN and ACT_CKPT are calibrated on a GPU (see their comments), ACT_ROUTED is counted.
 """
 
 from __future__ import annotations
@@ -56,10 +56,15 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # Activation model (elements per token per layer, in the compute dtype): see the module docstring.
 ACT_HIDDEN = 4  # the two RMSNorms' inputs and outputs
-ACT_ATTN = 3  # q and k raw, normed and rotated; v; the attention output (flash attention)
+# Measured (scripts/bench/gpu.py --parts long_dense, H200, bf16, hpcrl's Qwen3-1.7B, SDPA flash):
+# the forward keeps 113.3 KB per token per layer without checkpointing (24.2 GiB at 8k, 96.9 at 32k,
+# linear), i.e. 56.7 k elements; 4 x 2048 + 3 x 4096 + 4 x 6144 counted 45.1 k. The attention part
+# (q/k before and after their norms and RoPE, RoPE's temporaries, v, SDPA's output and log-sum-exp,
+# o_proj's input) is what the count missed: 6 x (q_dim + 2 kv_dim) gives 57.3 k (+1 %).
+ACT_ATTN = 6
 ACT_MLP = 4  # gate, up, silu(gate), silu(gate) * up
 ACT_ROUTED = 2  # MoE: each token's top_k dispatched inputs and their combined outputs
-ACT_CKPT = 1  # activation checkpointing: each layer keeps its input
+ACT_CKPT = 1  # activation checkpointing: each layer keeps its input (measured 1.13 x hidden: 3.95 GiB at 32k)
 PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and prefetches the next
 LOGIT_FP32_COPIES = 3  # fp32 upcast, log-softmax (kept for backward), its gradient
 LOGIT_FP32_CHUNKED = 1  # chunked: the chunk's fp32 logits, log-softmaxed and differentiated in place

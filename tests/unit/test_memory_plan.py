@@ -47,14 +47,14 @@ def test_dense_8b_on_8_fsdp_ranks():
     assert got["optimizer"] == pytest.approx(2 * shard / GIB)
     # root (1,244,663,808) + 2 layers in bf16, one layer's gradients in fp32
     assert got["gathered"] * GIB == pytest.approx((1_244_663_808 + 2 * 192_946_432) * 2 + 192_946_432 * 4)
-    # per token per layer: 4 x 4096 + 3 x (4096 + 2 x 1024) + 4 x 12288 = 83,968 elements (bf16)
-    assert got["activations"] * GIB == pytest.approx(4096 * 36 * 83_968 * 2)  # 23.06 GiB
+    # per token per layer: 4 x 4096 + 6 x (4096 + 2 x 1024) + 4 x 12288 = 102,400 elements (bf16)
+    assert got["activations"] * GIB == pytest.approx(4096 * 36 * 102_400 * 2)  # 28.13 GiB
     assert got["logits"] * GIB == pytest.approx(4096 * 151_936 * (2 + 12))  # 8.11 GiB
     on = items(Q8B, ac=True, chunk=1024)
-    assert on["activations"] * GIB == pytest.approx(4096 * (36 * 4096 + 83_968) * 2)  # 1.77 GiB
+    assert on["activations"] * GIB == pytest.approx(4096 * (36 * 4096 + 102_400) * 2)  # 1.91 GiB
     assert on["logits"] * GIB == pytest.approx(1024 * 151_936 * (2 + 4))  # one fp32 buffer a chunk
     # offloaded: the 36 checkpointed inputs are in host memory, one layer is recomputed on the GPU
-    assert items(Q8B, ac=True, offload=True)["activations"] * GIB == pytest.approx(4096 * 83_968 * 2)
+    assert items(Q8B, ac=True, offload=True)["activations"] * GIB == pytest.approx(4096 * 102_400 * 2)
     assert items(Q8B, cp=2)["activations"] == pytest.approx(got["activations"] / 2)
     assert items(Q8B, optimizer="sgd")["optimizer"] == 0
 
@@ -73,7 +73,7 @@ def test_expert_parallelism_keeps_experts_whole_and_gathers_only_the_rest():
     assert ep8["gathered"] * GIB == pytest.approx((Q30B.embed_params + 2 * layer8) * 2 + layer8 * 4)
     assert ep8["gathered"] < ep1["gathered"] / 3  # the root (embeddings) stays
     # MoE activations: the MLP term is top_k x moe_intermediate and each token is dispatched top_k times
-    per = 4 * 2048 + 3 * (4096 + 1024) + 4 * 8 * 768 + 2 * 8 * 2048
+    per = 4 * 2048 + 6 * (4096 + 1024) + 4 * 8 * 768 + 2 * 8 * 2048
     assert ep8["activations"] * GIB == pytest.approx(4096 * 48 * per * 2)
 
 
