@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 GIB = 2**30
 # Dense bf16 tensor-core peak of the cards this runs on (NVIDIA's datasheets, without sparsity).
@@ -331,22 +331,15 @@ def long_cell(
 ) -> dict[str, float]:
     """Two training steps of one seq_len-token sample; memory of the first, time of the second.
     ``column``: today | chunked | chunked_ac | today_ac | chunked_ac_offload."""
-    from hpcrl.trainer.loss import LossParams, compute_loss
-    from hpcrl.trainer.packing import PackedBatch, forward_packed
+    from long_seq import long_sample, rl_loss
+
+    from hpcrl.trainer.packing import forward_packed
 
     ac = column.endswith("_ac") or column.endswith("_offload")
     model = make_model(source, dev, ac=ac, offload=column.endswith("_offload"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    g = torch.Generator().manual_seed(1)
-    mask = torch.arange(seq_len) >= seq_len // 2
-    batch = PackedBatch(
-        input_ids=torch.randint(3, VOCAB, (seq_len,), generator=g),
-        position_ids=torch.arange(seq_len),
-        seq_lens=torch.tensor([seq_len]),
-        loss_mask=mask,
-        advantages=torch.randn(seq_len, generator=g),
-        inference_logprobs=torch.full((seq_len,), -12.0),
-    ).to(dev)
+    batch = long_sample(seq_len, dev)
+    n_loss = int(batch.loss_mask.sum())
     chunk_tokens = 0 if column.startswith("today") else chunk
 
     saved: list[float] = []
@@ -355,16 +348,7 @@ def long_cell(
         fwd = forward_packed(model, batch, wanted=batch.loss_mask, chunk_tokens=chunk_tokens)
         if dev.type == "cuda" and not saved:  # what the forward keeps for the backward
             saved.append((torch.cuda.memory_allocated(dev) - before) / GIB)
-        out = compute_loss(
-            LossParams(),
-            trainer_logprobs=fwd.logprobs,
-            loss_mask=batch.loss_mask,
-            num_loss_tokens=int(mask.sum()),
-            inference_logprobs=batch.inference_logprobs,
-            advantages=batch.advantages,
-            entropy=fwd.entropy,
-        )
-        out.loss.backward()
+        rl_loss(fwd, batch, n_loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

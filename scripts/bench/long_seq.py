@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -97,12 +98,44 @@ class Meter:
         return peak_rss_mib()
 
 
+def long_sample(n: int, device: Any) -> Any:
+    """One sample of ``n`` random tokens, the loss on its second half (a prompt and a completion of
+    equal length); shared with scripts/bench/gpu.py."""
+    import torch
+
+    from hpcrl.trainer.packing import PackedBatch
+
+    g = torch.Generator().manual_seed(1)
+    return PackedBatch(
+        input_ids=torch.randint(3, VOCAB, (n,), generator=g),
+        position_ids=torch.arange(n),
+        seq_lens=torch.tensor([n]),
+        loss_mask=torch.arange(n) >= n // 2,
+        advantages=torch.randn(n, generator=g),
+        inference_logprobs=torch.full((n,), -12.0),
+    ).to(device)
+
+
+def rl_loss(fwd: Any, batch: Any, n_loss: int) -> Any:
+    """The default RL loss of a forward over ``batch`` (``n_loss`` loss tokens in the whole sample)."""
+    from hpcrl.trainer.loss import LossParams, compute_loss
+
+    return compute_loss(
+        LossParams(),
+        trainer_logprobs=fwd.logprobs,
+        loss_mask=batch.loss_mask,
+        num_loss_tokens=n_loss,
+        inference_logprobs=batch.inference_logprobs,
+        advantages=batch.advantages,
+        entropy=fwd.entropy,
+    ).loss
+
+
 def one_step(model_dir: str, seq_len: int, column: str, chunk: int, device_kind: str) -> dict[str, float]:
     """Run in a fresh process (rank of a process group for cp): build, then one measured step."""
     import torch
 
     from hpcrl.trainer import parallel
-    from hpcrl.trainer.loss import LossParams, compute_loss
     from hpcrl.trainer.model import load_model
     from hpcrl.trainer.packing import PackedBatch, forward_packed
 
@@ -134,15 +167,7 @@ def one_step(model_dir: str, seq_len: int, column: str, chunk: int, device_kind:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def sample(n: int) -> PackedBatch:
-        g = torch.Generator().manual_seed(1)
-        return PackedBatch(
-            input_ids=torch.randint(3, VOCAB, (n,), generator=g),
-            position_ids=torch.arange(n),
-            seq_lens=torch.tensor([n]),
-            loss_mask=torch.arange(n) >= n // 2,
-            advantages=torch.randn(n, generator=g),
-            inference_logprobs=torch.full((n,), -12.0),
-        ).to(device)
+        return long_sample(n, device)
 
     def step(batch: PackedBatch, meter: Meter | None = None) -> float:
         n_loss = int(batch.loss_mask.sum())
@@ -154,16 +179,7 @@ def one_step(model_dir: str, seq_len: int, column: str, chunk: int, device_kind:
         else:
             fwd = forward_packed(model, batch, wanted=batch.loss_mask, chunk_tokens=chunk)
         after_fwd = meter.now() if meter else 0.0
-        out = compute_loss(
-            LossParams(),
-            trainer_logprobs=fwd.logprobs,
-            loss_mask=batch.loss_mask,
-            num_loss_tokens=n_loss,
-            inference_logprobs=batch.inference_logprobs,
-            advantages=batch.advantages,
-            entropy=fwd.entropy,
-        )
-        out.loss.backward()
+        rl_loss(fwd, batch, n_loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return after_fwd
