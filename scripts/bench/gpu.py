@@ -217,6 +217,9 @@ TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atten
 TOY.update(num_key_value_heads=2, head_dim=16, vocab_size=1000)
 
 
+STEP_KINDS = ["moe", "dense"]
+
+
 def make_config(kind: str, quick: bool) -> Any:
     from transformers import Qwen3Config, Qwen3MoeConfig
 
@@ -267,7 +270,7 @@ def part_step(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     tokens = 128 if quick else 8192
     warm, reps = (1, 1) if quick else (2, 5)
     rows = []
-    for kind in ("moe", "dense"):
+    for kind in STEP_KINDS:
         cfg = make_config(kind, quick)
         for impl in ("custom", "transformers"):
             try:
@@ -499,7 +502,11 @@ def main() -> int:
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--moe-layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped MoE (step)")
+    ap.add_argument("--kinds", default="moe,dense", help="models of the step part")
     args = ap.parse_args()
+    MOE_SHAPE["num_hidden_layers"] = args.moe_layers
+    STEP_KINDS[:] = args.kinds.split(",")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import transformers
 
