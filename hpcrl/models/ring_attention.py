@@ -56,13 +56,15 @@ def _shift(tensors: list[Tensor], group: Any) -> tuple[list[Tensor], Callable[[]
     (same shapes); returns the receive buffers and a function that waits for both directions."""
     nxt, prv = _ring_peers(group)
     recv = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    sent = [t.contiguous() for t in tensors]  # kept alive until the sends are waited for
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sent]
     ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
     reqs = dist.batch_isend_irecv(ops)
 
     def wait() -> None:
         for q in reqs:
             q.wait()
+        sent.clear()
 
     return recv, wait
 
