@@ -114,6 +114,10 @@ def worker(model_dir: str, out: str, mode: str = "ring") -> None:
         n_tokens,
     )
     loss = float(parallel.all_reduce(torch.tensor(loss, dtype=torch.float64)))
+    # Leave the group on every rank before rank 1 exits: a process that exits with a live gloo group
+    # (after ring attention's point-to-point ops) can abort in its destructor ("terminate called
+    # without an active exception", seen once in a fresh-clone CI run).
+    parallel.destroy_distributed()
     if rank != 0:
         return
     ref_model = load_model(model_dir, impl="custom" if moe else "hf")  # sdpa, one rank, whole rows

@@ -91,25 +91,6 @@ def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
     assert all(r["completion"] and r["completion"][0]["role"] == "assistant" for r in results)
 
 
-def test_a_v1_env_on_an_moe_model_replays_the_servers_routing(tmp_path: Path) -> None:
-    """verifiers' training client asks /inference/v1/generate for the routing (bridged turns send
-    routed_experts_prompt_start), its traces keep it per node, hpcrl turns them into per-turn rows and
-    the trainer replays them: the replay hit rate is reported, i.e. replayed slots reached the trainer."""
-    model = tmp_path / "tiny-moe-qwen3"
-    made = _hpcrl("make-tiny-model", str(model), "--preset", "tiny-moe", "--template", "qwen3")
-    assert made.returncode == 0, made.stderr[-2000:]
-    cfg, out = tmp_path / "vf1.toml", tmp_path / "run"
-    cfg.write_text(
-        CONFIG.replace("max_steps = 3", "max_steps = 2").replace("hpcrl/tiny-qwen3-think", str(model))
-    )
-    proc = _hpcrl("run", str(cfg), "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = read_metrics(RunPaths(out).metrics_file)
-    trainer = [m for m in rows if m.get("role") == "trainer" and "moe/replay_hit_rate" in m]
-    assert [m["step"] for m in trainer] == [1, 2], [m for m in rows if m.get("role") == "trainer"][:1]
-    assert all(0.0 < m["moe/replay_hit_rate"] <= 1.0 for m in trainer)
-
-
 @pytest.mark.parametrize(
     ("env_lines", "refusal"),
     [
