@@ -12,5 +12,6 @@ BUILTIN_MODELS = {
     "hpcrl/small-qwen3-think": "small:qwen3",
     "hpcrl/tiny-qwen3-moe": "tiny-moe",
     "hpcrl/small-qwen3-moe": "small-moe",
+    "hpcrl/deep-qwen3-moe": "deep-moe",  # Qwen3-30B-A3B's routing shape (48 layers, 128 experts, top-8)
     "hpcrl/tiny-qwen3-151k": "tiny-151k",  # Qwen3's vocabulary size, for long-sequence memory tests
 }

@@ -240,6 +240,19 @@ MOE_PRESETS: dict[str, dict[str, int]] = {
         num_key_value_heads=2,
         head_dim=64,
     ),
+    # Qwen3-30B-A3B's routing shape (48 sparse layers, 128 experts, top-8) at hidden 64, ~40 M
+    # parameters: where routing mismatch has the seeds' number of near-tied choices per token
+    "deep-moe": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
 }
 
 
@@ -366,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         choices=sorted(PRESETS | MOE_PRESETS),
         default="tiny",
-        help="model size; tiny-moe / small-moe build a Qwen3-MoE (8 / 16 experts, top-2)",
+        help="model size; tiny-moe / small-moe / deep-moe build a Qwen3-MoE (8 / 16 experts, top-2; 128 top-8)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight init seed")
     parser.add_argument(

@@ -247,7 +247,7 @@ def part_decompose() -> None:
     from scripts.bench.moe_decompose import decompose, print_table
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # both roles on it: the device's own kernels
-    for preset in ("tiny-moe", "small-moe"):
+    for preset in ("tiny-moe", "small-moe", "deep-moe"):
         title = f"4. mismatch KL decomposition, {preset} on {dev} (engine bf16; same weights, same sampled tokens)"
         print_table(title, decompose(str(_model_dir(preset)), device=dev))
 

@@ -11,7 +11,10 @@ completion tokens of exp(d) - 1 - d, d = trainer - engine logprob). ``routes dif
 (token, layer) pairs whose top-k set the trainer's own router picks differently from the engine's,
 on prompt and on completion tokens. What replay cannot remove is the last row of each dtype: the
 engine and the trainer then compute every token with the same experts, so the rest is numerics
-(bf16 rounding, transformers' kernels vs hpcrl's).
+(bf16 rounding, transformers' kernels vs hpcrl's). One more row, ``engine impl``: the engine's own
+transformers model, in the trainer's dtype, scoring each sample in one full forward (its routers
+free): the part of the floor that is decode-with-KV-cache vs full-sequence numerics of ONE
+implementation, which no trainer-side change can remove.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 ROUTINGS = ("free", "completion", "all")
+NAMES = {"free": "off", "completion": "completion", "all": "all tokens", "engine": "engine impl"}
 
 
 def sample_batch(model_dir: str, prompts: int, n: int, max_tokens: int, device: str) -> list[dict[str, Any]]:
@@ -71,6 +75,33 @@ def packed(samples: list[dict[str, Any]], routing: str):
         inference_logprobs=torch.tensor(lps),
         routed_experts=None if routing == "free" else torch.cat(routes),
     )
+
+
+def engine_full_forward(
+    model_dir: str, samples: list[dict[str, Any]], dtype: str, device: str
+) -> torch.Tensor:
+    """Completion logprobs (sample order) from the engine's transformers model, one full forward per
+    sample, in ``dtype``: what the engine would report without a KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    )
+    model = model.to(device).eval()
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            p, toks = s["prompt"], s["out"].token_ids
+            logits = model(input_ids=torch.tensor([p + toks], device=device)).logits[0].float()
+            lp = logits[len(p) - 1 : len(p) - 1 + len(toks)].log_softmax(-1)
+            out.append(lp.gather(1, torch.tensor(toks, device=device)[:, None])[:, 0].cpu())
+    return torch.cat(out)
+
+
+def _kl_row(dtype: str, routing: str, lp: torch.Tensor, engine_lp: torch.Tensor) -> dict[str, Any]:
+    d = lp - engine_lp
+    return {"dtype": dtype, "routing": routing, "kl": float((torch.expm1(d) - d).mean()),
+            "abs_d": float(d.abs().mean()), "lp": lp}  # fmt: skip
 
 
 def free_routes(model: torch.nn.Module, mb) -> torch.Tensor:
@@ -130,9 +161,7 @@ def decompose(
             mb = packed(samples, routing).to(device)
             with torch.no_grad():
                 lp = forward_packed(model, mb, compute_entropy=False).logprobs.float()
-            d = (lp - mb.inference_logprobs)[mb.loss_mask]
-            row = {"dtype": dtype, "routing": routing, "kl": float((torch.expm1(d) - d).mean()),
-                   "abs_d": float(d.abs().mean()), "lp": lp[mb.loss_mask].cpu()}  # fmt: skip
+            row = _kl_row(dtype, routing, lp[mb.loss_mask].cpu(), mb.inference_logprobs[mb.loss_mask].cpu())
             if routing == "free":
                 mine = free_routes(model, mb)
                 theirs = engine_routes.view(len(engine_routes), -1, k)
@@ -140,6 +169,10 @@ def decompose(
                 row["differ_prompt"] = float(dif[~mb.loss_mask].nanmean())
                 row["differ_completion"] = float(dif[mb.loss_mask].nanmean())
             rows.append(row)
+        engine_lp = packed(samples, "free").inference_logprobs[packed(samples, "free").loss_mask]
+        rows.append(
+            _kl_row(dtype, "engine", engine_full_forward(preset_dir, samples, dtype, device), engine_lp)
+        )
     return rows
 
 
@@ -158,7 +191,7 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         free = next(x for x in same if x["routing"] == "free")
         moved = float((r["lp"] - free["lp"]).abs().max())
         dif = f"{r['differ_prompt']:.4f} / {r['differ_completion']:.4f}" if "differ_prompt" in r else ""
-        name = {"free": "off", "completion": "completion", "all": "all tokens"}[r["routing"]]
+        name = NAMES[r["routing"]]
         print(
             f"{r['dtype']:<9} {name:<11} {r['kl']:>12.4g} {r['kl'] - floor:>12.3g} {r['abs_d']:>9.5f} "
             f"{moved:>15.3g} {dif:>36}"
@@ -170,5 +203,6 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         print(
             f"{dtype}: replay / off, raw: {kl['all'] / kl['free']:.3f} (all tokens), "
             f"{kl['completion'] / kl['free']:.3f} (completion only); routing part (above the floor) "
-            f"{part / kl['free']:.0%} of the off KL, of which replay leaves 0 (all tokens), {comp:.3f} (completion only)"
+            f"{part / kl['free']:.0%} of the off KL, of which replay leaves 0 (all tokens), {comp:.3f} (completion only); "
+            f"the engine's own implementation, full forward: {kl['engine'] / kl['free']:.3f} of the off KL"
         )
