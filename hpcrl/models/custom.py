@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -97,7 +96,6 @@ def load_custom(
     if meta:
         return _finish(model, activation_checkpointing, offload)
     model.to_empty(device="cpu")
-    model.model.rotary_emb.inv_freq.copy_(_inv_freq(model))
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_hf_into(model, {k: v.to(dtype) for k, v in read_hf_state(path).items()}, f"model {path}")
@@ -109,11 +107,6 @@ def load_custom(
     except (OSError, ValueError):
         model.generation_config = None
     return _finish(model, activation_checkpointing, offload)
-
-
-def _inv_freq(model: Any) -> torch.Tensor:
-    a = model.args
-    return 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
 
 
 def _finish(model: nn.Module, activation_checkpointing: bool, offload: bool) -> nn.Module:

@@ -1,7 +1,7 @@
 """MoE benchmark: hpcrl's own Qwen3-MoE (impl custom) against transformers', expert parallelism, and
 router replay. One run of each; printed tables.
 
-    python scripts/bench/moe.py [--part step|ep|replay|decompose|all] [--steps 12]
+    python scripts/bench/moe.py [--part step|ep|replay|decompose|bitwise|all] [--steps 12]
 
 1. step: one training step (forward + backward + AdamW over 8 x 128 tokens, fp32 on CPU / bf16 on
    CUDA) of the tiny (8 experts) and small (16 experts) MoE, custom vs transformers: tokens/s (median
@@ -18,7 +18,12 @@ router replay. One run of each; printed tables.
    (part 4) at the off run's final weights, which separates the routing part from the numerics floor.
 4. decompose: one batch sampled by the embedded engine (bf16) from the tiny and small MoE, and the
    trainer's logprobs of those tokens on the same weights, fp32 and bf16, with routing free, the
-   completion's routes replayed, and every token's (scripts/bench/moe_decompose.py).
+   completion's routes replayed, and every token's (scripts/bench/moe_decompose.py); also the tiny
+   / small / deep (48 layers x 128 experts, top-8) MoE, and the engine's own model scoring its
+   samples in one full forward (the decode-vs-full part no trainer change can remove).
+5. bitwise: the custom model against transformers' in bf16 with transformers' routes replayed:
+   KL, largest logprob difference, share of bit-identical logprobs (1.000 = the trainer computes
+   exactly what the embedded engine's model computes).
 """
 
 from __future__ import annotations
@@ -252,10 +257,27 @@ def part_decompose() -> None:
         print_table(title, decompose(str(_model_dir(preset)), device=dev))
 
 
+def part_bitwise() -> None:
+    import torch
+
+    from scripts.bench.moe_decompose import bitwise
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    print(
+        f"\n5. custom vs transformers, bf16 on {dev}, transformers' routes replayed (one full forward each)"
+    )
+    print(f"{'model':<10} {'KL(hf || custom)':>17} {'max |d logprob|':>16} {'bit-identical':>14}")
+    for preset in ("tiny-moe", "small-moe", "deep-moe"):
+        r = bitwise(str(_model_dir(preset)), dev)
+        print(f"{preset:<10} {r['kl']:>17.3g} {r['max_abs']:>16.3g} {r['equal']:>14.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "--part", default="all", choices=["all", "step", "ep", "replay", "decompose", "_one", "_ep"]
+        "--part",
+        default="all",
+        choices=["all", "step", "ep", "replay", "decompose", "bitwise", "_one", "_ep"],
     )
     ap.add_argument("--impl", default="custom")
     ap.add_argument("--preset", default="tiny-moe")
@@ -278,6 +300,8 @@ def main() -> None:
         part_replay(a.steps)
     if a.part in ("all", "decompose"):
         part_decompose()
+    if a.part in ("all", "bitwise"):
+        part_bitwise()
 
 
 if __name__ == "__main__":

@@ -176,6 +176,36 @@ def decompose(
     return rows
 
 
+def bitwise(preset_dir: str, device: str, lens: tuple[int, ...] = (24, 40, 64, 33)) -> dict[str, float]:
+    """The custom model against transformers' (the engine's model), bf16, one full forward per random
+    sample, transformers' routes replayed into the custom model: KL(transformers || custom) over the
+    whole vocabulary, the largest logprob difference and the share of bit-identical logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.model import load_model
+
+    hf = AutoModelForCausalLM.from_pretrained(preset_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.to(device).eval()
+    custom = load_model(preset_dir, "bfloat16", device, attn_impl="sdpa", impl="custom").eval()
+    routes: list[torch.Tensor] = []
+    for name, mod in hf.named_modules():
+        if name.endswith(".mlp.gate"):
+            mod.register_forward_hook(lambda _m, _i, out: routes.append(out[2]))
+    g = torch.Generator().manual_seed(0)
+    kls, worst, same = [], 0.0, []
+    with torch.no_grad():
+        for n in lens:
+            ids = torch.randint(3, hf.config.vocab_size, (1, n), generator=g).to(device)
+            routes.clear()
+            want = hf(input_ids=ids).logits[0].float().log_softmax(-1)
+            replay = torch.stack(routes, 1)[None]
+            got = custom(input_ids=ids, routed_experts=replay).logits[0].float().log_softmax(-1)
+            kls.append(float((want.exp() * (want - got)).sum(-1).mean()))
+            worst = max(worst, float((got - want).abs().max()))
+            same.append(float((got == want).float().mean()))
+    return {"kl": sum(kls) / len(kls), "max_abs": worst, "equal": sum(same) / len(same)}
+
+
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     """``above floor``: the KL minus the all-tokens row's (every token computed with the engine's
     experts: what is left is numerics), the routing part; ``max |lp - off|``: how far replay moved

@@ -1,6 +1,6 @@
 """hpcrl's own Qwen3 / Qwen3-MoE (impl = custom) against transformers on the same weights, fp32.
 
-Tolerance: logits agree to 1e-4 absolute (observed ~1e-6: only the summation order of the experts'
+Tolerance: fp32 logits agree to 1e-4 absolute (observed ~1e-6: only the summation order of the experts'
 outputs and of RMSNorm differs)."""
 
 from __future__ import annotations
@@ -163,3 +163,56 @@ def test_shared_prefix_stops_where_replayed_routes_differ(moe_dir: Path) -> None
         alone = forward_packed(model, mb).logprobs
         together = forward_packed(model, shared).logprobs
     assert torch.allclose(alone, together, atol=1e-6)
+
+
+def _top8_dir(tmp_path: Path, moe_dir: Path) -> Path:
+    """tiny-moe's shape with 16 experts, top-8 (the seeds' k): the combine order matters from k = 3."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(moe_dir))
+    cfg.num_experts, cfg.num_experts_per_tok = 16, 8
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "top8")
+    return tmp_path / "top8"
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_bf16_logits_are_bitwise_transformers(top_k: int, moe_dir: Path, tmp_path: Path) -> None:
+    """In bf16 (the dtype inference samples in), with transformers' routes replayed, the custom model's
+    logits are bit-identical to transformers' (the embedded engine's model), at positions far past
+    the prompt's too: the trainer then scores exactly what the engine sampled from. It failed on the
+    rotary frequencies rounded to bf16 with the model (every position). (On CUDA top-8 also needed the
+    experts' outputs summed as transformers sums them, not by atomics into a bf16 buffer: measured on
+    an H200 with ``python scripts/bench/moe.py --part bitwise``; this CPU test cannot see that one.)"""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.model import load_model
+
+    path = moe_dir if top_k == 2 else _top8_dir(tmp_path, moe_dir)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation="sdpa")
+    custom = load_model(path, "bfloat16", "cpu", attn_impl="sdpa", impl="custom").eval()
+    routes: list[torch.Tensor] = []
+    for name, mod in hf.named_modules():
+        if name.endswith(".mlp.gate"):
+            mod.register_forward_hook(lambda _m, _i, out: routes.append(out[2]))
+    ids = _ids(hf.config.vocab_size)[:1]
+    pos = torch.arange(ids.shape[1])[None] + 30_000
+    with torch.no_grad():
+        want = hf.eval()(input_ids=ids, position_ids=pos).logits
+        replay = torch.stack(routes, 1)[None]  # [1, T, layers, k]
+        got = custom(input_ids=ids, position_ids=pos, routed_experts=replay).logits
+    assert replay.shape[-1] == top_k
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def test_rotary_frequencies_stay_fp32_through_casts() -> None:
+    """A dtype cast, to_empty and meta init leave inv_freq fp32 and equal to the fresh values."""
+    from hpcrl.models.qwen3.model import Rotary
+
+    fresh = Rotary(32, 1e6).inv_freq.clone()
+    r = Rotary(32, 1e6).to(torch.bfloat16)
+    assert r.inv_freq.dtype == torch.float32 and torch.equal(r.inv_freq, fresh)
+    with torch.device("meta"):
+        m = Rotary(32, 1e6)
+    m.to(dtype=torch.bfloat16).to_empty(device="cpu")
+    assert torch.equal(m.inv_freq, fresh)

@@ -56,10 +56,24 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class Rotary(nn.Module):
+    """RoPE. ``inv_freq`` stays float32 whatever the model's dtype, computed on the CPU as transformers
+    computes it: a model cast to bf16 rounded the frequencies by up to 2^-9 relative, i.e. angles off by
+    tens of radians at 32k positions, and q / k differed from transformers' (hence from the inference
+    engine's) at every position. ``_apply`` (every ``to()``, ``to_empty()``, meta init) recomputes it."""
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._frequencies(), persistent=False)
+
+    def _frequencies(self) -> Tensor:
+        exps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        return 1.0 / (self.theta**exps)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Rotary:
+        super()._apply(fn, recurse)
+        self.inv_freq = self._frequencies().to(self.inv_freq.device)
+        return self
 
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)

@@ -160,8 +160,12 @@ class MoE(nn.Module):
         else:
             ys = expert_ffn(xs, counts, gate, up, down)
         ys = ys * w.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros_like(x).index_add_(0, token, ys)
-        return out.reshape(shape)
+        # Back to (token, slot) order and one sum over the k slots, as transformers combines: the sum
+        # accumulates in fp32 and rounds once (an index_add_ into a bf16 buffer rounded after every
+        # expert, so with top-8 no bf16 output equalled the inference engine's; on CUDA its atomics
+        # also made the order, hence the bits, vary from run to run).
+        ys = ys.new_empty(ys.shape).index_copy(0, order, ys)
+        return ys.view(-1, self.top_k, shape[-1]).sum(1).reshape(shape)
 
     def _ep_ffn(self, xs: Tensor, counts: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
         """Dispatch rows sorted by global expert to the experts' owners, run them, bring them back."""
