@@ -60,23 +60,16 @@ def completion_rows(
     """The completion's ``n`` rows ``[n][layers][k]`` (-1 where the server had none, e.g. the last
     token) from a choice's ``routed_experts`` in any shape; None when absent or malformed (the turn is
     then not replayed, never misaligned)."""
-    if payload is None:
-        return None
-    got = _decode(payload, prompt_start)
+    got = _rows3(payload, prompt_start)
     if got is None:
         return None
     arr, start = got
-    if arr.ndim != 3:
-        return None
     if start == -1:  # already the completion's rows
         return arr.astype(np.int16).tolist() if arr.shape[0] == n else None
     first = prompt_len - start  # row of the first completion token
     if first < 0:
         return None
-    rows = np.full((n, arr.shape[1], arr.shape[2]), -1, np.int16)
-    have = arr[first : first + n].astype(np.int16)
-    rows[: have.shape[0]] = have
-    return rows.tolist()
+    return _placed(n, 0, arr[first : first + n])
 
 
 def prompt_rows(
@@ -89,14 +82,24 @@ def prompt_rows(
     if listed is not None:
         arr = np.asarray(listed)
         return arr.astype(np.int16).tolist() if arr.ndim == 3 and arr.shape[0] == prompt_len else None
-    payload = choice.get("routed_experts")
-    got = None if payload is None else _decode(payload, prompt_start)
+    got = _rows3(choice.get("routed_experts"), prompt_start)
     if got is None:
         return None
     arr, start = got
-    if arr.ndim != 3 or not 0 <= start < prompt_len:  # a completion-only list, or rows after the prompt
+    if not 0 <= start < prompt_len:  # a completion-only list, or rows after the prompt
         return None
-    rows = np.full((prompt_len, arr.shape[1], arr.shape[2]), -1, np.int16)
-    have = arr[: prompt_len - start].astype(np.int16)
-    rows[start : start + have.shape[0]] = have
+    return _placed(prompt_len, start, arr[: prompt_len - start])
+
+
+def _rows3(payload: Any, prompt_start: int) -> tuple[np.ndarray, int] | None:
+    """(rows [N, layers, k], the position of row 0) of a ``routed_experts`` payload in any shape; None
+    when absent, malformed or not three-dimensional."""
+    got = None if payload is None else _decode(payload, prompt_start)
+    return got if got is not None and got[0].ndim == 3 else None
+
+
+def _placed(n: int, at: int, have: np.ndarray) -> list[list[list[int]]]:
+    """``n`` rows of -1 with ``have`` written from row ``at`` on."""
+    rows = np.full((n, have.shape[1], have.shape[2]), -1, np.int16)
+    rows[at : at + have.shape[0]] = have.astype(np.int16)
     return rows.tolist()
