@@ -117,11 +117,10 @@ def parse_request(
             "(prompt plus at least one generated token)",
             param="token_ids",
         )
+    sp = body.get("sampling_params")
     start = (
-        (body.get("sampling_params") or {}).get(PROMPT_START, 0)
-        if isinstance(body.get("sampling_params"), dict)
-        else 0
-    )
+        sp.get(PROMPT_START, 0) if isinstance(sp, dict) else 0
+    )  # a non-dict fails in parse_sampling_params
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(ids):
         raise APIError(
             f"`sampling_params.{PROMPT_START}` must be an integer in [0, {len(ids)}) (the prompt's length), "
