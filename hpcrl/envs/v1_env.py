@@ -362,7 +362,12 @@ class V1Environment(Environment):
             run = env_client.run(train, c.pool.model, v1_sampling(sampling, c.seed), dict(task.info[_DATA]))
             return episode_trajectory(task, await self._guarded(run), policy)
 
-        return list(await asyncio.gather(*(one(c) for c in convs)))
+        runs = [asyncio.ensure_future(one(c)) for c in convs]
+        try:
+            return list(await asyncio.gather(*runs))
+        finally:  # one failure errors the group: stop its other rollouts (verifiers' cancel reaches the server)
+            for r in runs:
+                r.cancel()
 
     async def _guarded(self, run: Any) -> Any:
         """`run` (an EnvClient.run), errored when it passes rollout_timeout_s (verifiers runs rollouts
