@@ -35,7 +35,7 @@ from hpcrl.envs import wire
 log = logging.getLogger("hpcrl.envs.server")
 POLL_MS = 100
 WORKER_ID_VAR = "HPCRL_ENV_WORKER_ID"
-PARENT_VAR = "HPCRL_ENV_SERVER_PID"  # a worker dies with this process (hpcrl.envs.worker.die_with_parent)
+PARENT_VAR = "HPCRL_ENV_SERVER_PID"  # a worker dies with this process (hpcrl.envs.lifeline.die_with_parent)
 RESTART_GAP_S = 0.5  # a worker that dies at start-up is restarted at most this often
 
 

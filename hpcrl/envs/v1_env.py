@@ -22,6 +22,7 @@ import asyncio
 import functools
 import logging
 import multiprocessing as mp
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,8 @@ class V1Environment(Environment):
             for t in load_taskset(self.config.taskset)
         ]
         self.proc: Any = None
+        self._stop: Any = None  # the server's finalizer (hpcrl.envs.v1_serve.stop_server)
+        self._worker_pids: list[int] = []
         self.address: str | None = None
         self._client: Any = None
         self._loop: Any = None
@@ -225,8 +228,15 @@ class V1Environment(Environment):
         return self._tasks
 
     def start(self, log_dir: Path | None = None) -> None:
-        """Spawn verifiers' serve_env and wait for its address."""
-        from verifiers.v1.serve import env_config_data, serve_env
+        """Spawn verifiers' serve_env (hpcrl.envs.v1_serve.serve) and wait for its address: a server
+        that exits while starting, or is not up in START_TIMEOUT_S, is a one-line ValueError."""
+        import queue as queue_mod
+        import time
+        from multiprocessing import util as mp_util
+
+        from verifiers.v1.serve import env_config_data
+
+        from hpcrl.envs import v1_serve
 
         self.log_dir = log_dir
         ctx = mp.get_context("spawn")
@@ -236,8 +246,9 @@ class V1Environment(Environment):
             log_dir.mkdir(parents=True, exist_ok=True)
             log_setup = functools.partial(_log_to, str(log_dir / "server.log"))
         self.proc = ctx.Process(
-            target=serve_env,
+            target=v1_serve.serve,
             kwargs=dict(
+                parent=os.getpid(),
                 max_workers=self.workers,
                 address="tcp://127.0.0.1:0",
                 address_queue=queue,
@@ -250,42 +261,71 @@ class V1Environment(Environment):
         )
         self.proc.start()
         child.close()
-        self._death = parent  # closing it (or our death) stops the server
-        import queue as queue_mod
+        # Our end of the death pipe (closing it, or our death, stops the server) and the server are
+        # stopped by close_now, by garbage collection of this object, and at exit before
+        # multiprocessing joins its children (see hpcrl.envs.v1_serve: that join deadlocked).
+        self._stop = mp_util.Finalize(self, v1_serve.stop_server, args=(self.proc, parent), exitpriority=10)
+        self._worker_pids = []
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                self.address = queue.get(timeout=0.5)
+                break
+            except queue_mod.Empty:
+                code = self.proc.exitcode
+                if code is None and time.monotonic() < deadline:
+                    continue
+                self.close_now()
+                why = (
+                    f"exited with code {code}" if code is not None else f"was not up in {START_TIMEOUT_S:g} s"
+                )
+                where = f"; see {log_dir / 'server.log'}" if log_dir is not None else ""
+                raise ValueError(f"environment {self.env_id!r}: verifiers' env server {why}{where}") from None
+        if log_dir is not None:  # which process serves the env (hpcrl components, fault tests)
+            from hpcrl.fileio import write_text
 
-        try:
-            self.address = queue.get(timeout=START_TIMEOUT_S)
-            if log_dir is not None:  # which process serves the env (hpcrl components, fault tests)
-                from hpcrl.fileio import write_text
-
-                write_text(log_dir / "server.pid", f"{self.proc.pid}\n", durable=False)
-                self._write_components(log_dir)
-        except queue_mod.Empty:
-            self.close_now()
-            raise ValueError(f"environment {self.env_id!r}: verifiers' env server did not start") from None
+            write_text(log_dir / "server.pid", f"{self.proc.pid}\n", durable=False)
+            self._write_components(log_dir)
 
     def _write_components(self, log_dir: Path) -> None:
         """components.json as hpcrl's own env servers write it (hpcrl components / status); the pool's
-        workers are the server's children (verifiers does not report them)."""
+        workers are the server's spawned children (verifiers does not report them)."""
         import json
 
         from hpcrl.envs.components import _node
         from hpcrl.fileio import write_text
 
         pid = self.proc.pid
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            children = []
         doc = {
             "env": log_dir.name,
             "kind": log_dir.parent.name,
             "server": {"pid": pid, "node": _node(), "restarts": self.restarts, "impl": "verifiers.v1.serve"},
             "workers": [
-                {"index": i, "pid": int(c), "node": _node(), "restarts": 0} for i, c in enumerate(children)
+                {"index": i, "pid": c, "node": _node(), "restarts": 0}
+                for i, c in enumerate(self._learn_workers())
             ],
         }
         write_text(log_dir / "components.json", json.dumps(doc), durable=False)
+
+    def _learn_workers(self) -> list[int]:
+        """The pool's worker pids (spawned by the broker after it reports its address: learnt as they
+        appear, kept once all are known); none for a lone server (workers = 1)."""
+        if self.workers > 1 and len(self._worker_pids) < self.workers and self.proc is not None:
+            from hpcrl.envs.v1_serve import worker_pids
+
+            self._worker_pids = worker_pids(self.proc.pid)[: self.workers]
+        return self._worker_pids
+
+    def _lost_worker(self) -> int | None:
+        """A worker of the pool that has exited (verifiers' pool never replaces one and keeps sending it
+        requests, which then wait forever), else None."""
+        from hpcrl.envs.v1_serve import exited
+
+        known = len(self._worker_pids)
+        pids = self._learn_workers()
+        if len(pids) > known and self.log_dir is not None:
+            self._write_components(self.log_dir)
+        return next((p for p in pids if exited(p)), None)
 
     def _env_client(self) -> Any:
         from verifiers.v1.serve import EnvClient
@@ -293,7 +333,7 @@ class V1Environment(Environment):
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
             if self.proc is None:
-                self.start()
+                self.start(self.log_dir)
             self._client, self._loop = EnvClient(self.address), loop
             if self.log_dir is not None:  # the pool has spawned its workers by now: list them
                 self._write_components(self.log_dir)
@@ -322,7 +362,12 @@ class V1Environment(Environment):
             run = env_client.run(train, c.pool.model, v1_sampling(sampling, c.seed), dict(task.info[_DATA]))
             return episode_trajectory(task, await self._guarded(run), policy)
 
-        return list(await asyncio.gather(*(one(c) for c in convs)))
+        runs = [asyncio.ensure_future(one(c)) for c in convs]
+        try:
+            return list(await asyncio.gather(*runs))
+        finally:  # one failure errors the group: stop its other rollouts (verifiers' cancel reaches the server)
+            for r in runs:
+                r.cancel()
 
     async def _guarded(self, run: Any) -> Any:
         """`run` (an EnvClient.run), errored when it passes rollout_timeout_s (verifiers runs rollouts
@@ -337,9 +382,15 @@ class V1Environment(Environment):
                 if done:
                     return task.result()
                 if proc is not None and not proc.is_alive():
-                    self._server_died(proc)
+                    self._server_died(proc, f"died (exit code {proc.exitcode})")
                     raise RuntimeError(
                         f"verifiers' env server of {self.env_id!r} died (exit code {proc.exitcode})"
+                    )
+                lost = self._lost_worker() if proc is self.proc else None
+                if lost is not None:
+                    self._server_died(proc, f"lost its worker {lost}")
+                    raise RuntimeError(
+                        f"a worker (pid {lost}) of verifiers' env server of {self.env_id!r} died"
                     )
                 if loop.time() > deadline:
                     raise TimeoutError(f"the episode ran past rollout_timeout_s = {self.rollout_timeout_s:g}")
@@ -347,23 +398,26 @@ class V1Environment(Environment):
             if not task.done():
                 task.cancel()
 
-    def _server_died(self, proc: Any) -> None:
+    def _server_died(self, proc: Any, what: str) -> None:
         if proc is not self.proc:  # another rollout already restarted it
             return
         self.restarts += 1
         if self.restarts > self.max_restarts:
+            self.close_now()
             raise EnvServerFailed(
-                f"verifiers' env server of {self.env_id!r} died (exit code {proc.exitcode}); restarted "
+                f"verifiers' env server of {self.env_id!r} {what}; restarted "
                 f"{self.restarts - 1} time(s), the limit (orchestrator.env_server_max_restarts) is reached"
             )
-        log.warning(
-            "verifiers' env server of %r died (exit code %s): starting it again", self.env_id, proc.exitcode
-        )
+        log.warning("verifiers' env server of %r %s: starting it again", self.env_id, what)
         self.close_now()
         self.start(self.log_dir)
 
     async def rollout(self, task: Task, client: ChatClient, sampling: Mapping[str, Any]) -> Trajectory:
         raise NotImplementedError("a v1 env runs groups (rollout_group)")
+
+    async def aclose(self) -> None:
+        """The orchestrator's shutdown (Setup.aclose): the server must not outlive the run."""
+        self.close_now()
 
     def close_now(self) -> None:
         if self._client is not None:
@@ -375,9 +429,8 @@ class V1Environment(Environment):
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
             self._client = None
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc = None
+        if self._stop is not None:
+            self._stop()  # hpcrl.envs.v1_serve.stop_server, once
+            self._stop = None
+        self.proc = None
+        self._worker_pids = []

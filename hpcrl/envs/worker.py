@@ -21,6 +21,7 @@ import msgspec
 
 from hpcrl.envs import wire
 from hpcrl.envs.frames import Outbox, drain
+from hpcrl.envs.lifeline import die_with_parent
 
 log = logging.getLogger("hpcrl.envs.worker")
 
@@ -62,32 +63,6 @@ async def run_one(env: Any, base_prompt: str | None, msg: wire.Run, client: Work
     except Exception as e:  # noqa: BLE001 - an env bug errors its rollouts; the worker goes on
         log.warning("rollout %d (example %s) raised %s: %s", msg.rid, task.example_id, type(e).__name__, e)
         return wire.Done(msg.rid, error=f"{type(e).__name__}: {e}"[:500])
-
-
-def die_with_parent(parent: int) -> None:
-    """A worker whose server died (kill -9) must not linger, even while env code blocks its event
-    loop (a hung rollout: an asyncio watcher never ran, and such workers outlived their runs). The
-    kernel kills it with its parent (PR_SET_PDEATHSIG); a watcher thread catches a parent that
-    died before the prctl, or a platform without it."""
-    import ctypes
-    import signal
-    import threading
-    import time
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the server died before the prctl: the kernel will not tell us
-        os._exit(0)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        log.warning("env server (pid %d) is gone: exiting", parent)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
 async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
@@ -143,7 +118,8 @@ def main(argv: list[str]) -> int:
     )
     from hpcrl.envs.server import PARENT_VAR
 
-    # first, before the env loads: a server killed while its worker starts must not leave it behind
+    # first, before the env loads: a server killed while its worker starts must not leave it behind,
+    # nor one whose worker blocks its event loop in env code (a hung rollout)
     die_with_parent(int(os.environ.get(PARENT_VAR) or os.getppid()))
     spec = msgspec.json.decode(argv[0].encode(), type=wire.ServerSpec)
     return asyncio.run(serve(spec, argv[1], int(argv[2])))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.envs.components import alive
 from hpcrl.envs.vf_versions import installed, major_minor
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
@@ -49,6 +50,20 @@ args = { num_tasks = 4 }
 """
 
 
+def _surviving_servers(out: Path, within_s: float = 30.0) -> list[int]:
+    """The pids of the run's verifiers env server and its workers (components.json) still running
+    `within_s` after the run ended: none may outlive it."""
+    pids = []
+    for f in (out / "logs" / "envs").glob("*/*/components.json"):
+        doc = json.loads(f.read_text())
+        pids += [doc["server"]["pid"], *(w["pid"] for w in doc["workers"])]
+    assert pids
+    deadline = time.monotonic() + within_s
+    while any(alive(p, None) == "running" for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if alive(p, None) == "running"]
+
+
 def _hpcrl(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'vf1_envs'}")
     return subprocess.run(
@@ -77,6 +92,7 @@ def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
     assert "EnvServerPool up" in server_log and "workers=2/2" in server_log
     doc = json.loads((out / "logs" / "envs" / "train" / ENV_ID / "components.json").read_text())
     assert doc["server"]["restarts"] == 0 and len(doc["workers"]) == 2, doc
+    assert not _surviving_servers(out)
     orch_log = (out / "logs" / "orchestrator.log").read_text()
     assert orch_log.count("running it in the local 'subprocess' runtime") == 1
 
@@ -89,6 +105,26 @@ def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
     assert all(r["num_turns"] == 3 and r["completion_tokens"] > 0 for r in results)
     assert all({"correct", "digits", "turns"} <= set(r["metrics"]) for r in results)
     assert all(r["completion"] and r["completion"][0]["role"] == "assistant" for r in results)
+
+
+def test_a_v1_env_on_an_moe_model_replays_the_servers_routing(tmp_path: Path) -> None:
+    """verifiers' training client asks /inference/v1/generate for the routing (bridged turns send
+    routed_experts_prompt_start), its traces keep it per node, hpcrl turns them into per-turn rows and
+    the trainer replays them: the replay hit rate is reported, i.e. replayed slots reached the trainer."""
+    model = tmp_path / "tiny-moe-qwen3"
+    made = _hpcrl("make-tiny-model", str(model), "--preset", "tiny-moe", "--template", "qwen3")
+    assert made.returncode == 0, made.stderr[-2000:]
+    cfg, out = tmp_path / "vf1.toml", tmp_path / "run"
+    cfg.write_text(
+        CONFIG.replace("max_steps = 3", "max_steps = 2").replace("hpcrl/tiny-qwen3-think", str(model))
+    )
+    proc = _hpcrl("run", str(cfg), "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not _surviving_servers(out)
+    rows = read_metrics(RunPaths(out).metrics_file)
+    trainer = [m for m in rows if m.get("role") == "trainer" and "moe/replay_hit_rate" in m]
+    assert [m["step"] for m in trainer] == [1, 2], [m for m in rows if m.get("role") == "trainer"][:1]
+    assert all(0.0 < m["moe/replay_hit_rate"] <= 1.0 for m in trainer)
 
 
 @pytest.mark.parametrize(
@@ -154,6 +190,7 @@ def test_kill_9_of_the_verifiers_env_server_mid_run(tmp_path: Path) -> None:
     assert int(pid_file.read_text()) != first  # a new server
     doc = json.loads((pid_file.parent / "components.json").read_text())
     assert doc["server"]["pid"] == int(pid_file.read_text()) and doc["server"]["restarts"] == 1
+    assert not _surviving_servers(out)
     listed = _hpcrl("components", str(out))
     assert listed.returncode == 0 and "env-server" in listed.stdout and "train/vf1_tool_env" in listed.stdout
     orch_log = (out / "logs" / "orchestrator.log").read_text()
