@@ -23,8 +23,8 @@ its keys and values; every rank adds its queries' contribution to the block it h
 the merged output and log-sum-exp, and passes block and accumulators on. After ``N - 1`` hops one
 last hop of the accumulators alone brings every block's gradient home to the rank that owns it.
 
-Each block runs in query tiles of ``tile`` rows in fp32 torch math, so the scores never exceed
-``[B, H, tile, S/N]``; on GPU a flash-attention block kernel would replace ``_block_forward`` /
+Each block runs in query tiles of ``tile`` rows (fewer past :data:`TILE_BYTES`) in fp32 torch math,
+so the scores never exceed ``[B, H, tile, S/N]``; on GPU a flash-attention block kernel would replace ``_block_forward`` /
 ``_block_backward`` (it returns the same log-sum-exp). The signature is SDPA's plus the two mask
 tensors and the group, so hpcrl's own models and the Hugging Face ones (:func:`register_hf`) share it.
 """
@@ -43,6 +43,17 @@ from torch import Tensor
 
 HF_NAME = "hpcrl_ring"
 TILE = 256  # query rows per tile of a block's scores (and of its mask: never a [S, S] tensor)
+# ... fewer where a tile's fp32 [B, H, rows, S/N] scores would pass TILE_BYTES (the backward holds two
+# such buffers), but not under TILE_MIN rows: 128 rows at 16k tokens, cp 2, 4 heads (256 were 2 x 32
+# MiB, the cp step's peak); 64 at 32k, cp 2, 32 heads (256 were 2 x 512 MiB).
+TILE_BYTES = 16 * 2**20
+TILE_MIN = 64
+
+
+def tile_rows(tile: int, batch_heads: int, keys: int) -> int:
+    """Query rows per tile: at most ``tile``, fewer to keep one fp32 [B, H, rows, keys] tile under
+    :data:`TILE_BYTES`, never under :data:`TILE_MIN` (or ``tile`` if smaller)."""
+    return max(min(tile, TILE_MIN), min(tile, TILE_BYTES // (4 * batch_heads * keys)))
 
 
 def _ring_peers(group: Any) -> tuple[int, int]:
@@ -256,6 +267,7 @@ def ring_attention(
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
     s = query.shape[-1] ** -0.5 if scale is None else scale
+    tile = tile_rows(tile, query.shape[0] * h, query.shape[2])  # a block has as many keys as queries
     return _RingAttention.apply(query, key, value, segments, positions, group, float(s), tile, h // hkv)
 
 
