@@ -2,6 +2,7 @@
 
     python scripts/bench/long_seq.py [--lens 1024,2048,4096,8192,16384] [--sweep-chunks]
     python scripts/bench/long_seq.py --device cuda [--lens ...]      (bf16, on a GPU)
+    python scripts/bench/long_seq.py --lens 4096,16384 --tensors     (+ tensor-level peaks, CPU)
 
 The model is hpcrl/tiny-qwen3-151k (hidden 128, 2 layers, Qwen3's vocabulary: the LM head is what a
 long sequence fills memory with). One step = one sample of ``seq_len`` tokens, loss on its second
@@ -16,7 +17,10 @@ in training). Every cell is a fresh process. Each cell reports two memory figure
   step (the process baseline: Python, torch, gloo, the model's parameters and AdamW state). The increment is the
   analogue of CUDA's ``max_memory_allocated`` after a reset, which leaves out the CUDA context;
 * on CUDA (bf16 compute over fp32 master weights): the peak of ``torch.cuda.max_memory_allocated``
-  during the step, and that peak minus ``memory_allocated`` before the step.
+  during the step, and that peak minus ``memory_allocated`` before the step;
+* with ``--tensors`` (CPU), in brackets: the **tensor-level peak** of one more step, the largest sum of
+  live tensor storages, parameters and optimizer state included (scripts/bench/tensor_peak.py):
+  what ``max_memory_allocated`` counts on CUDA, without the RSS's Python, torch and glibc heap.
 
 Columns:
 
@@ -324,6 +328,8 @@ def main() -> int:
         model_dir, n, column, chunk, device, tensors = args.cell
         print(json.dumps(one_step(model_dir, int(n), column, int(chunk), device, tensors == "1")))
         return 0
+    if args.tensors and args.device != "cpu":
+        ap.error("--tensors counts CPU tensors: on CUDA the cells already report max_memory_allocated")
     from hpcrl.models.tiny import resolve_model
     from hpcrl.trainer.chunked import CHUNK_MIB, chunk_rows
 
