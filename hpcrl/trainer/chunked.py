@@ -27,11 +27,12 @@ from torch import Tensor
 # Positions per chunk where no config reaches (the inference engine's prompt logprobs), and the
 # default of trainer.model.logprobs_chunk_tokens: an upper bound; CHUNK_MIB bounds the chunk in bytes.
 DEFAULT_CHUNK = 256
-# The default of trainer.model.logprobs_chunk_mib: a chunk's fp32 [rows, vocab] buffer is at most this
-# many MiB, so its rows follow the vocabulary: 55 rows at Qwen3's 151,936 (32 MiB; 256 rows were 148
-# MiB, a fixed cost of every rank beside the activations), all 256 at a 32k vocabulary. Measured on
-# CPU (scripts/bench/long_seq.py --sweep-chunks, 16k tokens, vocab 151,936): see docs/trainer.md.
-CHUNK_MIB = 32
+# The default of trainer.model.logprobs_chunk_mib (0: no bound). A bound of 32 MiB makes a chunk 55
+# rows at Qwen3's 151,936 (the 256 rows' buffer is 148 MiB): free on CPU (the head's forward + backward
+# took the same CPU time), but on an H200 55-row chunks re-read the LM head's weight 4.7x as often
+# and a Qwen3-1.7B step at 16k tokens took 1.16 s instead of 1.01 (tiny-qwen3-151k: 0.12-0.15 s
+# instead of 0.105), with the same peak; see docs/trainer.md.
+CHUNK_MIB = 0.0
 # Rows of a chunk exponentiated at once for a sum (a [rows, V] fp32 temporary): bounded in bytes too
 # (6 rows at vocab 151,936; 32 rows, what it was, took 18.5 MiB there).
 EXP_BYTES = 4 * 2**20

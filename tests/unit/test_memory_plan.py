@@ -224,7 +224,7 @@ def test_every_builtin_model_has_an_arch_before_it_is_built(name, tmp_path, monk
 
 
 def test_chunk_is_bounded_in_bytes_as_the_trainer_bounds_it():
-    cfg = cfg_of()  # logprobs_chunk_tokens 256, logprobs_chunk_mib 32: 55 rows at vocab 151,936
+    cfg = cfg_of("--trainer.model.logprobs-chunk-mib", "32")  # 32 MiB: 55 rows at vocab 151,936
     assert mp.chunk_tokens(cfg, 151_936) == 55 and mp.chunk_tokens(cfg, 32_000) == 256
-    assert mp.chunk_tokens(cfg_of("--trainer.model.logprobs-chunk-mib", "0"), 151_936) == 256
+    assert mp.chunk_tokens(cfg_of(), 151_936) == 256  # default: no byte bound
     assert mp.chunk_tokens(cfg_of("--trainer.model.logprobs-chunk-tokens", "0"), 151_936) is None
