@@ -16,7 +16,10 @@ non-expert parameters D are FSDP2-sharded over all N ranks; each rank holds E / 
   optimizer    S x master bytes x 2           (AdamW's two moments; SGD without momentum: 0)
   gathered     (root + PREFETCH_LAYERS layers) x compute bytes + one layer x reduce bytes: the
                unsharded non-expert parameters FSDP all-gathers and one layer's unsharded gradients
-               before the reduce-scatter (model.reduce_dtype); a rank's experts are never gathered
+               before the reduce-scatter (model.reduce_dtype); a rank's experts are never gathered.
+               Root = the LM head + the final norm: an untied input embedding is its own FSDP group,
+               resharded after the forward (hpcrl/trainer/parallel.py), so it is not gathered at the
+               step's peak (the LM head's backward); a tied one is the head
   activations  T = micro_batch_tokens / cp tokens (a packed micro-batch; context parallelism splits
                it) x layers x per-token-per-layer elements x compute bytes, where the elements are
                  A = ACT_HIDDEN x hidden + ACT_ATTN x (q_dim + 2 kv_dim) + ACT_MLP x mlp_width
@@ -271,7 +274,8 @@ def trainer_items(
         layer = a.dense_layer_params + a.expert_layer_params
     trained = lora_params / ranks if lora_params else stored
     moments = 2 if optimizer == "adamw" else 0
-    gathered = (a.embed_params + PREFETCH_LAYERS * layer) * cb + (layer * rb if not lora_params else 0)
+    root = a.vocab * a.hidden + a.hidden  # the LM head (tied or not) + final norm, see the docstring
+    gathered = (root + PREFETCH_LAYERS * layer) * cb + (layer * rb if not lora_params else 0)
     t = -(-tokens // cp)
     logit_tokens = min(t, chunk) if chunk else t
     ac_note = f"{t} tokens x {a.layers} layers, checkpointing {'on' if ac else 'off'}"
@@ -331,10 +335,17 @@ def inference_items(
 
 
 # -- from a config --------------------------------------------------------------------------------
-def chunk_tokens(cfg: Config) -> int | None:
-    """The trainer's logprob chunk size (None: the full [tokens, vocab] logits at once)."""
-    value = getattr(cfg.trainer.model or cfg.model, CHUNK_FIELD, None)
-    return value if isinstance(value, int) and value > 0 else None
+def chunk_tokens(cfg: Config, vocab: int | None = None) -> int | None:
+    """The trainer's logprob chunk size (None: the full [tokens, vocab] logits at once), bounded by
+    ``logprobs_chunk_mib`` at ``vocab`` as the trainer bounds it (hpcrl/trainer/chunked.py)."""
+    model = cfg.trainer.model or cfg.model
+    value = getattr(model, CHUNK_FIELD, None)
+    if not (isinstance(value, int) and value > 0):
+        return None
+    mib = getattr(model, "logprobs_chunk_mib", 0) or 0
+    if vocab is None or not mib:
+        return value
+    return max(1, min(value, int(mib * 2**20) // (4 * vocab)))
 
 
 def lora_param_count(a: Arch, rank: int, targets: list[str]) -> int:
@@ -363,7 +374,7 @@ def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
     ranks = placement.trainer_ranks
     ep_text = ep_lines(ranks, ep, placement.ranks_per_train_node, arch.num_experts)
     # getattr: [model] and the trainer's model section are being split per role; these are trainer fields
-    ac, chunk = bool(getattr(model, "activation_checkpointing", False)), chunk_tokens(cfg)
+    ac, chunk = bool(getattr(model, "activation_checkpointing", False)), chunk_tokens(cfg, arch.vocab)
     lora_cfg = getattr(model, "lora", None)
     lora = lora_param_count(arch, lora_cfg.rank, lora_cfg.target_modules) if lora_cfg else 0
     kw = dict(

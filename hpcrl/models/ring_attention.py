@@ -23,8 +23,8 @@ its keys and values; every rank adds its queries' contribution to the block it h
 the merged output and log-sum-exp, and passes block and accumulators on. After ``N - 1`` hops one
 last hop of the accumulators alone brings every block's gradient home to the rank that owns it.
 
-Each block runs in query tiles of ``tile`` rows in fp32 torch math, so the scores never exceed
-``[B, H, tile, S/N]``; on GPU a flash-attention block kernel would replace ``_block_forward`` /
+Each block runs in query tiles of ``tile`` rows (fewer past :data:`TILE_BYTES`) in fp32 torch math,
+so the scores never exceed ``[B, H, tile, S/N]``; on GPU a flash-attention block kernel would replace ``_block_forward`` /
 ``_block_backward`` (it returns the same log-sum-exp). The signature is SDPA's plus the two mask
 tensors and the group, so hpcrl's own models and the Hugging Face ones (:func:`register_hf`) share it.
 """
@@ -43,6 +43,17 @@ from torch import Tensor
 
 HF_NAME = "hpcrl_ring"
 TILE = 256  # query rows per tile of a block's scores (and of its mask: never a [S, S] tensor)
+# ... fewer where a tile's fp32 [B, H, rows, S/N] scores would pass TILE_BYTES (the backward holds two
+# such buffers), but not under TILE_MIN rows: 128 rows at 16k tokens, cp 2, 4 heads (256 were 2 x 32
+# MiB, the cp step's peak); 64 at 32k, cp 2, 32 heads (256 were 2 x 512 MiB).
+TILE_BYTES = 16 * 2**20
+TILE_MIN = 64
+
+
+def tile_rows(tile: int, batch_heads: int, keys: int) -> int:
+    """Query rows per tile: at most ``tile``, fewer to keep one fp32 [B, H, rows, keys] tile under
+    :data:`TILE_BYTES`, never under :data:`TILE_MIN` (or ``tile`` if smaller)."""
+    return max(min(tile, TILE_MIN), min(tile, TILE_BYTES // (4 * batch_heads * keys)))
 
 
 def _ring_peers(group: Any) -> tuple[int, int]:
@@ -107,13 +118,14 @@ def _block_forward(
         m = allowed(a, e)
         if not bool(m.any()):
             continue
-        s = (q[:, :, a:e].float() @ kf.transpose(-1, -2)) * scale
+        s = (q[:, :, a:e].float() @ kf.transpose(-1, -2)).mul_(scale)  # in place: one [tile, S_k]
         s.masked_fill_(~m, float("-inf"))
         t_lse = torch.logsumexp(s, -1)
         safe = torch.where(torch.isfinite(t_lse), t_lse, torch.zeros_like(t_lse))
         p = torch.exp_(s.sub_(safe[..., None]))  # masked entries: exp(-inf) = 0
         out[:, :, a:e] = p @ vf
         lse[:, :, a:e] = t_lse
+        del s, p  # not alive while the next tile's scores are computed
     return out, lse
 
 
@@ -139,13 +151,17 @@ def _block_backward(
         if not bool(m.any()):
             continue
         qt, dot = q[:, :, a:e].float(), dout[:, :, a:e]
-        s = (qt @ kf.transpose(-1, -2)) * scale
+        s = (qt @ kf.transpose(-1, -2)).mul_(scale)  # in place: one [tile, S_k] buffer, not two
         s.masked_fill_(~m, float("-inf"))
         p = torch.exp_(s.sub_(lse[:, :, a:e, None]))  # probabilities under the merged softmax
         dv += p.transpose(-1, -2) @ dot
         ds = p.mul_((dot @ vf.transpose(-1, -2)).sub_(delta[:, :, a:e, None]))
         dq[:, :, a:e] = (ds @ kf) * scale
         dk += (ds.transpose(-1, -2) @ qt) * scale
+        # The tile's buffer (s, p and ds are one) must not live on while the next tile's scores are
+        # computed: it did, and with the scores' unscaled product that was three [B, H, tile, S_k]
+        # fp32 buffers at once, the cp step's peak (3 x 32 MiB at 16k tokens, cp 2, 4 heads).
+        del s, p, ds
     return dq, dk, dv
 
 
@@ -251,6 +267,7 @@ def ring_attention(
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
     s = query.shape[-1] ** -0.5 if scale is None else scale
+    tile = tile_rows(tile, query.shape[0] * h, query.shape[2])  # a block has as many keys as queries
     return _RingAttention.apply(query, key, value, segments, positions, group, float(s), tile, h // hkv)
 
 

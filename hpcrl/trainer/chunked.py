@@ -8,8 +8,8 @@ keeps only the hidden states (``[K, H]``) and the labels; its backward
 recomputes each chunk's logits and writes the gradient analytically
 (``d logp[y] / d z = onehot(y) - softmax(z)``), so one chunk's ``[C, V]`` buffer is the whole
 vocabulary-sized memory of the step, forward and backward: the log-softmax, the softmax and the
-gradient are computed in place in the buffer of the logits (their exp() sums take a ``[32, V]``
-temporary more). We chose the custom Function over a
+gradient are computed in place in the buffer of the logits (their exp() sums take a few rows'
+``[rows, V]`` temporary more, :data:`EXP_BYTES`). We chose the custom Function over a
 checkpointed per-chunk closure because the closure's backward goes through autograd's
 ``log_softmax`` backward, which holds the logits, the log-softmax and its gradient per chunk (three
 ``[C, V]`` buffers instead of one) and recomputes the forward a second time for nothing; the
@@ -25,15 +25,29 @@ import torch
 from torch import Tensor
 
 # Positions per chunk where no config reaches (the inference engine's prompt logprobs), and the
-# default of trainer.model.logprobs_chunk_tokens. Measured at vocab 151,936 on CPU
-# (scripts/bench/long_seq.py, 4096 tokens): chunks of 128, 256 and 1024 positions took 25.7, 30.0 and
-# 37.6 s per step (noise on a shared machine: no trend), and 1024 added 870 MiB to the peak
-# (then two [chunk, vocab] fp32 buffers: 1.2 GB at 1024, 0.3 GB at 256; one since the log-softmax
-# runs in place: 0.6 GB at 1024, 0.15 GB at 256).
+# default of trainer.model.logprobs_chunk_tokens: an upper bound; CHUNK_MIB bounds the chunk in bytes.
 DEFAULT_CHUNK = 256
+# The default of trainer.model.logprobs_chunk_mib (0: no bound). A bound of 32 MiB makes a chunk 55
+# rows at Qwen3's 151,936 (the 256 rows' buffer is 148 MiB): free on CPU (the head's forward + backward
+# took the same CPU time), but on an H200 55-row chunks re-read the LM head's weight 4.7x as often
+# and a Qwen3-1.7B step at 16k tokens took 1.16 s instead of 1.01 (tiny-qwen3-151k: 0.12-0.15 s
+# instead of 0.105), with the same peak; see docs/trainer.md.
+CHUNK_MIB = 0.0
+# Rows of a chunk exponentiated at once for a sum (a [rows, V] fp32 temporary): bounded in bytes too
+# (6 rows at vocab 151,936; 32 rows, what it was, took 18.5 MiB there).
+EXP_BYTES = 4 * 2**20
 
 
-ROWS = 32  # rows of a chunk exponentiated at once for a sum (a [ROWS, V] temporary)
+def chunk_rows(tokens: int, vocab: int, mib: float) -> int:
+    """Positions per chunk: ``tokens``, fewer if one fp32 ``[rows, vocab]`` buffer would exceed
+    ``mib`` MiB (0: no bound), at least 1. ``tokens`` 0 (chunking off) stays 0."""
+    if tokens <= 0 or mib <= 0:
+        return max(tokens, 0)
+    return max(1, min(tokens, int(mib * 2**20) // (4 * vocab)))
+
+
+def _exp_rows(vocab: int) -> int:
+    return max(1, EXP_BYTES // (4 * vocab))
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, temp: Tensor | None) -> Tensor:
@@ -44,11 +58,12 @@ def _chunk_logits(h: Tensor, weight: Tensor, temp: Tensor | None) -> Tensor:
 
 def _log_softmax_(z: Tensor) -> Tensor:
     """``log_softmax(z, -1)`` in place, as torch computes it (``z - max - log(sum(exp(z - max)))``):
-    the sum's exp() runs :data:`ROWS` rows at a time, so no second ``[C, V]`` buffer exists."""
+    the sum's exp() runs a few rows at a time (:data:`EXP_BYTES`), so no second ``[C, V]`` buffer exists."""
     z.sub_(z.amax(-1, keepdim=True))
     lse = torch.empty(z.shape[0], 1, dtype=z.dtype, device=z.device)
-    for r in range(0, z.shape[0], ROWS):
-        lse[r : r + ROWS] = z[r : r + ROWS].exp().sum(-1, keepdim=True).log_()
+    rows = _exp_rows(z.shape[-1])
+    for r in range(0, z.shape[0], rows):
+        lse[r : r + rows] = z[r : r + rows].exp().sum(-1, keepdim=True).log_()
     return z.sub_(lse)
 
 
@@ -70,8 +85,9 @@ class ChunkedLogprobs(torch.autograd.Function):
             logp = _log_softmax_(_chunk_logits(hidden[a:b], weight, None if temp is None else temp[a:b]))
             picked[a:b] = logp.gather(-1, labels[a:b, None])[:, 0]
             if entropy:  # -sum p log p as batched dot products, a few rows at a time
-                for r in range(0, b - a, ROWS):
-                    ent[a + r : min(a + r + ROWS, b)] = _neg_plogp(logp[r : r + ROWS])
+                rows = _exp_rows(logp.shape[-1])
+                for r in range(0, b - a, rows):
+                    ent[a + r : min(a + r + rows, b)] = _neg_plogp(logp[r : r + rows])
             del logp  # no view of it may outlive this line: it would keep the [C, V] buffer alive
         ctx.save_for_backward(hidden, weight, labels, temp)
         ctx.chunk = chunk
@@ -209,4 +225,7 @@ def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CH
     if not can_chunk(model):
         logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    return head_logprobs(model, {"input_ids": ids}, keep, ids[0, 1:], chunk=chunk)[0]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return head_logprobs(
+        model, {"input_ids": ids}, keep, ids[0, 1:], chunk=chunk_rows(chunk, vocab, CHUNK_MIB)
+    )[0]

@@ -192,6 +192,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(best)
 
 
+def untied_input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The input embedding module when its weight is not the LM head's (an untied model: Qwen3-8B and
+    larger); None when tied or when the model has no such accessors."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not (hasattr(base, "get_input_embeddings") and hasattr(base, "get_output_embeddings")):
+        return None
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if emb is None or head is None or emb.weight is head.weight:
+        return None
+    return emb
+
+
 def apply_fsdp(
     model: nn.Module,
     *,
@@ -201,8 +213,8 @@ def apply_fsdp(
     force: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """FSDP2 ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm,
-    lm_head, and tied weights stay together in the root group). A world of 1 is returned as is
+    """FSDP2 ``fully_shard`` on every decoder layer, an untied input embedding on its own, then the
+    root (final norm, lm_head, and a tied embedding, which the head needs). A world of 1 is returned as is
     unless ``force`` (sharding over one rank costs time and buys nothing).
 
     ``param_dtype`` enables mixed precision (e.g. bf16 compute over fp32 master weights).
@@ -216,6 +228,12 @@ def apply_fsdp(
         fully_shard(
             layer, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params
         )
+    if (emb := untied_input_embeddings(model)) is not None:
+        # Its own group: gathered for the first op of the forward and the last of the backward only.
+        # In the root group it was gathered through the whole forward (the root's forward is the
+        # model's) and the whole backward (from the LM head's to its own), i.e. through the step's
+        # peak at the LM head: vocab x hidden in the compute dtype (1.2 GB bf16 at Qwen3-8B).
+        fully_shard(emb, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored_params)
     fully_shard(
         model, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params
     )

@@ -14,6 +14,7 @@ from hpcrl.config.schema import LossConfig, OptimConfig, TrainerModelConfig
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
 from hpcrl.trainer import parallel, precision
+from hpcrl.trainer.chunked import chunk_rows
 from hpcrl.trainer.context_parallel import CPGroup, make_cp_group
 from hpcrl.trainer.loss import LossParams
 
@@ -33,8 +34,17 @@ class Training:
     dist: parallel.DistEnv
     precision: precision.Precision  # compute / master / reduce dtypes; the published policy is in compute
     router_replay: bool = False  # MoE on the custom implementation with trainer.model.router_replay
-    logprobs_chunk: int = 0  # positions per LM-head chunk (trainer.model.logprobs_chunk_tokens; 0 = off)
+    logprobs_chunk: int = (
+        0  # positions per LM-head chunk (logprobs_chunk_tokens bounded by _chunk_mib; 0 = off)
+    )
     cp: CPGroup | None = None  # context-parallel group (trainer.model.cp > 1)
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    """Rows of the LM head's weight (the global shape: FSDP's DTensor reports it too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    return int(head.weight.shape[0]) if head is not None else int(base.config.vocab_size)
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -118,7 +128,9 @@ def build_training(
         env,
         prec,
         router_replay=replay,
-        logprobs_chunk=model_cfg.logprobs_chunk_tokens,
+        logprobs_chunk=chunk_rows(
+            model_cfg.logprobs_chunk_tokens, _vocab(model), model_cfg.logprobs_chunk_mib
+        ),
         cp=cp,
     )
 

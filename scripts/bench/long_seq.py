@@ -2,6 +2,7 @@
 
     python scripts/bench/long_seq.py [--lens 1024,2048,4096,8192,16384] [--sweep-chunks]
     python scripts/bench/long_seq.py --device cuda [--lens ...]      (bf16, on a GPU)
+    python scripts/bench/long_seq.py --lens 4096,16384 --tensors     (+ tensor-level peaks, CPU)
 
 The model is hpcrl/tiny-qwen3-151k (hidden 128, 2 layers, Qwen3's vocabulary: the LM head is what a
 long sequence fills memory with). One step = one sample of ``seq_len`` tokens, loss on its second
@@ -16,7 +17,10 @@ in training). Every cell is a fresh process. Each cell reports two memory figure
   step (the process baseline: Python, torch, gloo, the model's parameters and AdamW state). The increment is the
   analogue of CUDA's ``max_memory_allocated`` after a reset, which leaves out the CUDA context;
 * on CUDA (bf16 compute over fp32 master weights): the peak of ``torch.cuda.max_memory_allocated``
-  during the step, and that peak minus ``memory_allocated`` before the step.
+  during the step, and that peak minus ``memory_allocated`` before the step;
+* with ``--tensors`` (CPU), in brackets: the **tensor-level peak** of one more step, the largest sum of
+  live tensor storages, parameters and optimizer state included (scripts/bench/tensor_peak.py):
+  what ``max_memory_allocated`` counts on CUDA, without the RSS's Python, torch and glibc heap.
 
 Columns:
 
@@ -131,7 +135,9 @@ def rl_loss(fwd: Any, batch: Any, n_loss: int) -> Any:
     ).loss
 
 
-def one_step(model_dir: str, seq_len: int, column: str, chunk: int, device_kind: str) -> dict[str, float]:
+def one_step(
+    model_dir: str, seq_len: int, column: str, chunk: int, device_kind: str, tensors: bool = False
+) -> dict[str, Any]:
     """Run in a fresh process (rank of a process group for cp): build, then one measured step."""
     import torch
 
@@ -194,17 +200,27 @@ def one_step(model_dir: str, seq_len: int, column: str, chunk: int, device_kind:
     meter.reset()
     t0 = time.perf_counter()
     after_fwd = step(batch, meter)
-    peak = meter.peak()
-    return {
+    peak = meter.peak()  # synchronizes on CUDA: the time below includes the step's kernels
+    step_s = time.perf_counter() - t0
+    out = {
         "peak_mib": peak,
         "before_mib": before,
         "step_mib": peak - before,
         "saved_mib": after_fwd - before,  # what the forward keeps for the backward (activations)
-        "step_s": time.perf_counter() - t0,
+        "step_s": step_s,
     }
+    if tensors:  # one more step, every tensor counted (slower: every op passes a dispatch mode)
+        from tensor_peak import TensorPeak, alive_in
+
+        with TensorPeak(alive_in(model, opt), where=True) as tp:
+            step(batch)
+        out.update(tensor_peak_mib=tp.peak_mib, tensor_before_mib=tp.start_mib, tensor_top=tp.peak_top)
+    return out
 
 
-def _run_cell(model_dir: str, seq_len: int, column: str, chunk: int, device: str) -> dict[str, float]:
+def _run_cell(
+    model_dir: str, seq_len: int, column: str, chunk: int, device: str, tensors: bool = False
+) -> dict[str, Any]:
     from hpcrl.launch.placement import rank_env
     from hpcrl.net import free_port
 
@@ -216,6 +232,7 @@ def _run_cell(model_dir: str, seq_len: int, column: str, chunk: int, device: str
         if world > 1 or device == "cuda":
             env.update(rank_env(rank, world, "127.0.0.1", port))
         args = [sys.executable, __file__, "--cell", model_dir, str(seq_len), column, str(chunk), device]
+        args.append(str(int(tensors)))
         procs.append(
             subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -247,38 +264,60 @@ def _cell(c: dict[str, float] | None) -> str:
         return "-"
     if "estimate" in c:
         return f"~{c['peak_mib']:.0f} / ~{c['step_mib']:.0f} (not run)"
-    return f"{c['peak_mib']:.0f} / {c['step_mib']:.0f} ({c['step_s']:.1f} s)"
+    tensors = f" [{c['tensor_peak_mib']:.0f}]" if "tensor_peak_mib" in c else ""
+    return f"{c['peak_mib']:.0f} / {c['step_mib']:.0f}{tensors} ({c['step_s']:.1f} s)"
+
+
+RATIOS = (
+    ("chunked/today (peak)", "chunked", "today", "peak_mib"),
+    ("cp2/chunked (peak)", "cp2", "chunked", "peak_mib"),
+    ("cp2/chunked (step)", "cp2", "chunked", "step_mib"),
+    ("cp2/chunked (tensors)", "cp2", "chunked", "tensor_peak_mib"),
+)
 
 
 def print_table(rows: dict, chunk: int, device: str, skip: dict[str, str]) -> None:
-    """Each cell: peak / step increment MiB (step time); ratios of both where both columns ran."""
+    """Each cell: peak / step increment MiB [tensor-level peak, with --tensors] (step time); ratios
+    where both columns ran."""
     what = "process peak RSS" if device == "cpu" else "peak allocated"
     heads = [HEADS[c] + (f" {chunk}" if c == "chunked" else "") for c in COLUMNS]
-    print(f"\nMiB: {what} / step increment (= peak - before the step), step time; {device}")
     print(
-        "seq_len | " + " | ".join(heads) + " | chunked/today (peak) | cp2/chunked (peak) | cp2/chunked (step)"
+        f"\nMiB: {what} / step increment (= peak - before the step) [tensor-level peak, --tensors], "
+        f"step time; {device}"
     )
-    print("---|" * (len(COLUMNS) + 3) + "---")
+    print("seq_len | " + " | ".join(heads) + " | " + " | ".join(r[0] for r in RATIOS))
+    print("---|" * (len(COLUMNS) + len(RATIOS)) + "---")
     for n, r in rows.items():
         cells = [_cell(r.get(c)) if c not in skip else f"({skip[c]})" for c in COLUMNS]
         ratios = []
-        for a, b, key in (
-            ("chunked", "today", "peak_mib"),
-            ("cp2", "chunked", "peak_mib"),
-            ("cp2", "chunked", "step_mib"),
-        ):
+        for _, a, b, key in RATIOS:
             ra, rb = r.get(a), r.get(b)
-            ratios.append("-" if ra is None or rb is None else f"{ra[key] / rb[key]:.2f}")
+            ratios.append(
+                "-"
+                if ra is None or rb is None or key not in ra or key not in rb
+                else f"{ra[key] / rb[key]:.2f}"
+            )
         print(f"{n} | " + " | ".join(cells) + " | " + " | ".join(ratios))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cell", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--cell", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--lens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--columns", default=",".join(COLUMNS), help="a subset of " + ",".join(COLUMNS))
     ap.add_argument("--chunk", type=int, default=256, help="logprobs_chunk_tokens of the chunked columns")
+    ap.add_argument(
+        "--chunk-mib",
+        type=float,
+        default=None,
+        help="logprobs_chunk_mib (default: the trainer's); the chunk's positions are bounded as the trainer does",
+    )
+    ap.add_argument(
+        "--tensors",
+        action="store_true",
+        help="also the tensor-level peak of each cell (one more step under a dispatch mode; CPU)",
+    )
     ap.add_argument("--max-gib", type=float, default=8.0, help="do not run a today cell predicted above this")
     ap.add_argument(
         "--sweep-chunks", default="", help="e.g. 256,512,1024,2048: chunk sizes to time at --sweep-len"
@@ -286,11 +325,15 @@ def main() -> int:
     ap.add_argument("--sweep-len", type=int, default=4096)
     args = ap.parse_args()
     if args.cell:
-        model_dir, n, column, chunk, device = args.cell
-        print(json.dumps(one_step(model_dir, int(n), column, int(chunk), device)))
+        model_dir, n, column, chunk, device, tensors = args.cell
+        print(json.dumps(one_step(model_dir, int(n), column, int(chunk), device, tensors == "1")))
         return 0
+    if args.tensors and args.device != "cpu":
+        ap.error("--tensors counts CPU tensors: on CUDA the cells already report max_memory_allocated")
     from hpcrl.models.tiny import resolve_model
+    from hpcrl.trainer.chunked import CHUNK_MIB, chunk_rows
 
+    args.chunk = chunk_rows(args.chunk, VOCAB, CHUNK_MIB if args.chunk_mib is None else args.chunk_mib)
     model_dir = resolve_model("hpcrl/tiny-qwen3-151k")
     lens = [int(x) for x in args.lens.split(",")]
     run, skip = columns_for(args.device)
@@ -307,7 +350,7 @@ def main() -> int:
             if col == "today" and today_slope is not None and today_slope * n / 2 / 1024 > args.max_gib:
                 rows[n][col] = None
                 continue
-            r = _run_cell(model_dir, n, col, args.chunk, args.device)
+            r = _run_cell(model_dir, n, col, args.chunk, args.device, args.tensors)
             rows[n][col] = r
             if col == "today":
                 today_slope = r["step_mib"] / (n / 2)
@@ -317,6 +360,11 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            for mib, what in r.get("tensor_top", [])[:8]:
+                print(
+                    f"      at the tensor-level peak {r['tensor_peak_mib']:.0f}: {mib:6.1f} {what}",
+                    file=sys.stderr,
+                )
         if "today" in run and rows[n]["today"] is None and "chunked" in run:
             base = rows[n]["chunked"]["before_mib"]  # type: ignore[index]
             step = today_slope * n / 2  # type: ignore[operator]
@@ -324,10 +372,13 @@ def main() -> int:
     print_table(rows, args.chunk, args.device, skip)
     if args.sweep_chunks:
         n = args.sweep_len
-        print(f"\nchunk sweep at seq_len {n}: chunk | peak MiB | step increment MiB | step s")
+        print(
+            f"\nchunk sweep at seq_len {n}: chunk | peak MiB | step increment MiB | tensor peak MiB | step s"
+        )
         for c in [int(x) for x in args.sweep_chunks.split(",")]:
-            r = _run_cell(model_dir, n, "chunked", c, args.device)
-            print(f"{c} | {r['peak_mib']:.0f} | {r['step_mib']:.0f} | {r['step_s']:.2f}")
+            r = _run_cell(model_dir, n, "chunked", c, args.device, args.tensors)
+            t = f"{r['tensor_peak_mib']:.0f}" if "tensor_peak_mib" in r else "-"
+            print(f"{c} | {r['peak_mib']:.0f} | {r['step_mib']:.0f} | {t} | {r['step_s']:.2f}")
     return 0
 
 

@@ -60,11 +60,42 @@ def _launch(world: int, model_dir: Path, out: Path, impl: str = "hf", ep: int = 
 
 def test_two_rank_fsdp_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
     _check_equivalence(tiny_model_dir, tmp_path, "hf", 1)
+    # tied: the head needs the embedding's weight, so it is gathered with the root (the head's group)
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert m2[0]["embedding_at_head"] == "Parameter"
 
 
 def test_custom_impl_two_rank_fsdp_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The same with hpcrl's own Qwen3 (impl = custom) on the tiny dense model."""
     _check_equivalence(tiny_model_dir, tmp_path, "custom", 1)
+
+
+def test_untied_two_rank_fsdp_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An untied LM head (Qwen3-8B and larger): the input embedding is its own FSDP group, resharded
+    after its own forward (in the root group it was gathered through the whole forward and the whole
+    backward, the LM head's included), and the run still equals one rank."""
+    untied = _untie(tiny_model_dir, tmp_path / "untied")
+    _check_equivalence(untied, tmp_path, "hf", 1)
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert m2[0]["embedding_at_head"] == "DTensor"  # resharded while the layers and the head run
+
+
+def _untie(model_dir: Path, out: Path) -> Path:
+    """A copy of ``model_dir`` with its own LM head weight (the embedding plus noise)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (out / "config.json").write_text(json.dumps(cfg))
+    w = load_file(str(out / "model.safetensors"))
+    emb = w["model.embed_tokens.weight"]
+    w["lm_head.weight"] = emb + 0.02 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(3))
+    save_file(w, str(out / "model.safetensors"))
+    return out
 
 
 def test_expert_parallel_two_ranks_equals_one_rank(tmp_path: Path) -> None:
@@ -181,6 +212,12 @@ def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
     n_mb = int(par.all_reduce(len(mbs), "max"))
 
     history = []
+    # what the input embedding's weight is while the LM head runs: gathered (a plain Parameter) or
+    # resharded (a DTensor)
+    at_head: list[str] = []
+    model.get_output_embeddings().register_forward_pre_hook(
+        lambda *_: at_head.append(type(model.get_input_embeddings().weight).__name__)
+    )
     for _ in range(STEPS):
         stats = None
         for i in range(n_mb):
@@ -202,11 +239,13 @@ def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
         sync_expert_grads(model)
         metrics["grad_norm"] = optim.clip_grad_norm(model.parameters(), 1.0)
         metrics["micro_batches"] = n_mb
+        metrics["embedding_at_head"] = at_head[0]
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         history.append(metrics)
 
+    tied = par.untied_input_embeddings(model) is None
     full = par.full_state_dict(model)
     export_hf(model, None, Path(out) / "export", write=par.is_rank0())
     if par.is_rank0():
@@ -214,7 +253,7 @@ def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
 
         Path(out).mkdir(parents=True, exist_ok=True)
         save_file(
-            {k: v.contiguous() for k, v in full.items() if k != "lm_head.weight"},
+            {k: v.contiguous() for k, v in full.items() if k != "lm_head.weight" or not tied},
             str(Path(out) / "params.safetensors"),
         )
         (Path(out) / "metrics.json").write_text(json.dumps(history, indent=1))

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.trainer.chunked import chunked_token_logprobs
+from hpcrl.trainer import chunked
+from hpcrl.trainer.chunked import chunk_rows, chunked_token_logprobs
 from hpcrl.trainer.model import load_model
 from hpcrl.trainer.packing import PackedBatch, forward_packed, next_token_logprobs, with_shared_prefixes
 
@@ -22,9 +23,23 @@ def _unchunked(h, w, y, temp):
     return next_token_logprobs(h @ w.t(), y, temp, entropy=True)
 
 
+def test_chunk_rows_bounded_in_bytes() -> None:
+    # 32 MiB / (4 B x 151,936) = 55.2 rows; a 32k vocabulary fits all 256 (262.1)
+    assert chunk_rows(256, 151_936, 32) == 55
+    assert chunk_rows(256, 32_000, 32) == 256
+    assert chunk_rows(256, 151_936, 0) == 256  # no bound
+    assert chunk_rows(0, 151_936, 32) == 0  # chunking off stays off
+    assert chunk_rows(256, 10**9, 32) == 1  # at least one row
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
 @pytest.mark.parametrize("per_row_temp", [False, True])
-def test_chunked_equals_full_log_softmax(chunk: int, per_row_temp: bool) -> None:
+@pytest.mark.parametrize("exp_rows", [0, 3])
+def test_chunked_equals_full_log_softmax(
+    chunk: int, per_row_temp: bool, exp_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if exp_rows:  # the exp() sums over a few rows at a time, as at a real vocabulary (6 rows at 151,936)
+        monkeypatch.setattr(chunked, "EXP_BYTES", exp_rows * 4 * VOCAB)
     g = torch.Generator().manual_seed(1)
     k, hdim = 37, 12
     # logits of std ~1 (as a trained LM's): the chunk's matmul rounds differently from the whole

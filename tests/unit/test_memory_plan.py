@@ -45,8 +45,9 @@ def test_dense_8b_on_8_fsdp_ranks():
     assert got["parameters"] == pytest.approx(shard / GIB) == pytest.approx(3.814, abs=1e-3)
     assert got["gradients"] == pytest.approx(shard / GIB)
     assert got["optimizer"] == pytest.approx(2 * shard / GIB)
-    # root (1,244,663,808) + 2 layers in bf16, one layer's gradients in fp32
-    assert got["gathered"] * GIB == pytest.approx((1_244_663_808 + 2 * 192_946_432) * 2 + 192_946_432 * 4)
+    # root (LM head 151,936 x 4096 + norm 4096 = 622,333,952; the untied embedding is resharded after
+    # the forward) + 2 layers in bf16, one layer's gradients in fp32
+    assert got["gathered"] * GIB == pytest.approx((622_333_952 + 2 * 192_946_432) * 2 + 192_946_432 * 4)
     # per token per layer: 4 x 4096 + 6 x (4096 + 2 x 1024) + 4 x 12288 = 102,400 elements (bf16)
     assert got["activations"] * GIB == pytest.approx(4096 * 36 * 102_400 * 2)  # 28.13 GiB
     assert got["logits"] * GIB == pytest.approx(4096 * 151_936 * (2 + 12))  # 8.11 GiB
@@ -70,8 +71,9 @@ def test_expert_parallelism_keeps_experts_whole_and_gathers_only_the_rest():
     assert ep8["parameters"] * GIB == pytest.approx(stored * 4)  # 13.86 GiB: experts are not sharded over 16
     assert ep8["optimizer"] == pytest.approx(2 * ep8["parameters"])
     layer8 = 19_140_864  # attention + router: the experts stay local
-    assert ep8["gathered"] * GIB == pytest.approx((Q30B.embed_params + 2 * layer8) * 2 + layer8 * 4)
-    assert ep8["gathered"] < ep1["gathered"] / 3  # the root (embeddings) stays
+    head = 151_936 * 2048 + 2048  # the untied embedding is resharded after the forward
+    assert ep8["gathered"] * GIB == pytest.approx((head + 2 * layer8) * 2 + layer8 * 4)
+    assert ep8["gathered"] < ep1["gathered"] / 3  # the root (LM head) stays
     # MoE activations: the MLP term is top_k x moe_intermediate and each token is dispatched top_k times
     per = 4 * 2048 + 6 * (4096 + 1024) + 4 * 8 * 768 + 2 * 8 * 2048
     assert ep8["activations"] * GIB == pytest.approx(4096 * 48 * per * 2)
@@ -219,3 +221,10 @@ def test_every_builtin_model_has_an_arch_before_it_is_built(name, tmp_path, monk
     a = arch.find_arch(name)
     assert a is not None and a.layers >= 2
     assert a.moe == ("moe" in name)
+
+
+def test_chunk_is_bounded_in_bytes_as_the_trainer_bounds_it():
+    cfg = cfg_of("--trainer.model.logprobs-chunk-mib", "32")  # 32 MiB: 55 rows at vocab 151,936
+    assert mp.chunk_tokens(cfg, 151_936) == 55 and mp.chunk_tokens(cfg, 32_000) == 256
+    assert mp.chunk_tokens(cfg_of(), 151_936) == 256  # default: no byte bound
+    assert mp.chunk_tokens(cfg_of("--trainer.model.logprobs-chunk-tokens", "0"), 151_936) is None

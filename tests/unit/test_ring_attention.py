@@ -32,3 +32,13 @@ def test_ring_attention_equals_masked_sdpa() -> None:
     for a, b in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
         assert (a - b).abs().max().item() < 1e-5
     assert k.grad.abs().max() > 1e-3
+
+
+def test_tile_rows_bounded_in_bytes():
+    from hpcrl.models.ring_attention import tile_rows
+
+    # 16 MiB / (4 B x 4 heads x 8192 keys) = 128 rows; 32 heads x 16384 keys: 8, raised to 64
+    assert tile_rows(256, 4, 8192) == 128
+    assert tile_rows(256, 32, 16384) == 64
+    assert tile_rows(256, 4, 1024) == 256  # small blocks keep the whole tile
+    assert tile_rows(6, 32, 16384) == 6  # an explicit small tile stays

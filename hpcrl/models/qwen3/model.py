@@ -218,6 +218,9 @@ class Qwen3ForTraining(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
