@@ -488,12 +488,43 @@ def part_long_dense(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def part_head(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
+    """The chunked LM head alone (forward + backward of token logprobs with entropy), Qwen3's head
+    shape (hidden 2048, vocab 151,936; bf16 on CUDA), 16,384 positions, by chunk rows and by the rows
+    its log-softmax sums exponentiate at once (``chunked.EXP_BYTES``): launch count vs temporaries."""
+    from hpcrl.trainer import chunked
+
+    n, hidden, vocab = (512, 64, 4096) if quick else (16384, 2048, 151_936)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = (torch.randn(n, hidden, generator=g) * 0.5).to(dev, dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(dev, dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), generator=g).to(dev)
+    rows, saved = [], chunked.EXP_BYTES
+    try:
+        for chunk in (55, 256, 1024):
+            for exp_rows in (6, 32, 64):
+                chunked.EXP_BYTES = exp_rows * 4 * vocab
+
+                def step(chunk: int = chunk) -> None:
+                    lp, _ = chunked.chunked_token_logprobs(h, w, labels, chunk=chunk, entropy=True)
+                    lp.sum().backward()
+                    h.grad = w.grad = None
+
+                ms = timed(step, dev, 1 if quick else 2, 1 if quick else 5) * 1e3
+                rows.append({"chunk rows": chunk, "exp rows": exp_rows, "fwd+bwd ms": ms})
+    finally:
+        chunked.EXP_BYTES = saved
+    return rows
+
+
 PARTS = {
     "grouped": part_grouped,
     "step": part_step,
     "long": part_long,
     "chunks": part_chunks,
     "long_dense": part_long_dense,
+    "head": part_head,
 }
 
 
