@@ -33,9 +33,13 @@ DEFAULT_CHUNK = 256
 # and a Qwen3-1.7B step at 16k tokens took 1.16 s instead of 1.01 (tiny-qwen3-151k: 0.12-0.15 s
 # instead of 0.105), with the same peak; see docs/trainer.md.
 CHUNK_MIB = 0.0
-# Rows of a chunk exponentiated at once for a sum (a [rows, V] fp32 temporary): bounded in bytes too
-# (6 rows at vocab 151,936; 32 rows, what it was, took 18.5 MiB there).
+# Rows of a chunk exponentiated at once for a sum (a [rows, V] fp32 temporary), bounded in bytes per
+# device kind. CPU: 6 rows at vocab 151,936 (32 rows, what it was, took 18.5 MiB; same CPU time). GPU:
+# each slice is a few kernel launches, so rows are cheap memory and dear time: on an H200, Qwen3's head
+# (hidden 2048) over 16k positions in 256-row chunks took 647 / 441 / 416 ms forward + backward with
+# 6 / 32 / 64 rows (`python scripts/bench/gpu.py --parts head`); 40 MiB gives 64 rows there.
 EXP_BYTES = 4 * 2**20
+EXP_BYTES_GPU = 40 * 2**20
 
 
 def chunk_rows(tokens: int, vocab: int, mib: float) -> int:
@@ -46,8 +50,8 @@ def chunk_rows(tokens: int, vocab: int, mib: float) -> int:
     return max(1, min(tokens, int(mib * 2**20) // (4 * vocab)))
 
 
-def _exp_rows(vocab: int) -> int:
-    return max(1, EXP_BYTES // (4 * vocab))
+def _exp_rows(z: Tensor) -> int:
+    return max(1, (EXP_BYTES if z.device.type == "cpu" else EXP_BYTES_GPU) // (4 * z.shape[-1]))
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, temp: Tensor | None) -> Tensor:
@@ -61,7 +65,7 @@ def _log_softmax_(z: Tensor) -> Tensor:
     the sum's exp() runs a few rows at a time (:data:`EXP_BYTES`), so no second ``[C, V]`` buffer exists."""
     z.sub_(z.amax(-1, keepdim=True))
     lse = torch.empty(z.shape[0], 1, dtype=z.dtype, device=z.device)
-    rows = _exp_rows(z.shape[-1])
+    rows = _exp_rows(z)
     for r in range(0, z.shape[0], rows):
         lse[r : r + rows] = z[r : r + rows].exp().sum(-1, keepdim=True).log_()
     return z.sub_(lse)
@@ -85,7 +89,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             logp = _log_softmax_(_chunk_logits(hidden[a:b], weight, None if temp is None else temp[a:b]))
             picked[a:b] = logp.gather(-1, labels[a:b, None])[:, 0]
             if entropy:  # -sum p log p as batched dot products, a few rows at a time
-                rows = _exp_rows(logp.shape[-1])
+                rows = _exp_rows(logp)
                 for r in range(0, b - a, rows):
                     ent[a + r : min(a + r + rows, b)] = _neg_plogp(logp[r : r + rows])
             del logp  # no view of it may outlive this line: it would keep the [C, V] buffer alive

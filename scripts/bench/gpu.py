@@ -491,7 +491,8 @@ def part_long_dense(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
 def part_head(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     """The chunked LM head alone (forward + backward of token logprobs with entropy), Qwen3's head
     shape (hidden 2048, vocab 151,936; bf16 on CUDA), 16,384 positions, by chunk rows and by the rows
-    its log-softmax sums exponentiate at once (``chunked.EXP_BYTES``): launch count vs temporaries."""
+    its log-softmax sums exponentiate at once (``chunked.EXP_BYTES`` / ``EXP_BYTES_GPU``): launch
+    count vs temporaries."""
     from hpcrl.trainer import chunked
 
     n, hidden, vocab = (512, 64, 4096) if quick else (16384, 2048, 151_936)
@@ -500,11 +501,11 @@ def part_head(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     h = (torch.randn(n, hidden, generator=g) * 0.5).to(dev, dtype).requires_grad_()
     w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(dev, dtype).requires_grad_()
     labels = torch.randint(0, vocab, (n,), generator=g).to(dev)
-    rows, saved = [], chunked.EXP_BYTES
+    rows, saved = [], (chunked.EXP_BYTES, chunked.EXP_BYTES_GPU)
     try:
         for chunk in (55, 256, 1024):
             for exp_rows in (6, 32, 64):
-                chunked.EXP_BYTES = exp_rows * 4 * vocab
+                chunked.EXP_BYTES = chunked.EXP_BYTES_GPU = exp_rows * 4 * vocab
 
                 def step(chunk: int = chunk) -> None:
                     lp, _ = chunked.chunked_token_logprobs(h, w, labels, chunk=chunk, entropy=True)
@@ -514,7 +515,7 @@ def part_head(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
                 ms = timed(step, dev, 1 if quick else 2, 1 if quick else 5) * 1e3
                 rows.append({"chunk rows": chunk, "exp rows": exp_rows, "fwd+bwd ms": ms})
     finally:
-        chunked.EXP_BYTES = saved
+        chunked.EXP_BYTES, chunked.EXP_BYTES_GPU = saved
     return rows
 
 
