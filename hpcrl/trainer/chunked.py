@@ -21,6 +21,8 @@ Numerics match the unchunked path: logits are computed in the weight's dtype and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -192,12 +194,16 @@ def head_logprobs(
         ent.append(e)
         return lp[:, None].clone()  # not a view: FSDP2 hooks its pre-backward on this output
 
+    return _with_head(model, head, forward, inputs).logits[:, 0], ent[-1]
+
+
+def _with_head(model: torch.nn.Module, head: torch.nn.Module, forward: Any, inputs: dict) -> Any:
+    """``model(**inputs)`` with ``head.forward`` replaced by ``forward`` for this call only."""
     head.forward = forward
     try:
-        out = model(**inputs, use_cache=False)
+        return model(**inputs, use_cache=False)
     finally:
         del head.forward  # back to the class's forward
-    return out.logits[:, 0], ent[-1]
 
 
 def kept_logits(model: torch.nn.Module, inputs: dict, keep: Tensor) -> Tensor:
@@ -214,11 +220,7 @@ def kept_logits(model: torch.nn.Module, inputs: dict, keep: Tensor) -> Tensor:
     def forward(h: Tensor) -> Tensor:
         return full(h[keep] if h.dim() == 3 else h)
 
-    head.forward = forward
-    try:
-        return model(**inputs, use_cache=False).logits
-    finally:
-        del head.forward
+    return _with_head(model, head, forward, inputs).logits
 
 
 def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CHUNK) -> Tensor:
