@@ -303,29 +303,47 @@ def current_context() -> CPContext:
     return ctx
 
 
-def hf_ring_attention(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **_: Any,
-) -> tuple[Tensor, None]:
-    """transformers' AttentionInterface signature; the mask comes from :func:`cp_context`."""
-    ctx = current_context()
-    if dropout:
-        raise ValueError("ring attention has no dropout")
-    out = ring_attention(
-        query, key, value, segments=ctx.segments, positions=ctx.positions, group=ctx.group, scale=scaling
-    )
-    return out.transpose(1, 2).contiguous(), None
+def hf_adapter(
+    kind: str, run: Callable[[Tensor, Tensor, Tensor, CPContext, float | None], Tensor]
+) -> Callable:
+    """transformers' AttentionInterface signature around a cp kernel ``run(q, k, v, ctx, scale)``
+    (ring here, Ulysses in hpcrl.models.ulysses): the samples and the group come from
+    :func:`cp_context`, not from a mask."""
+
+    def attention(
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **_: Any,
+    ) -> tuple[Tensor, None]:
+        if dropout:
+            raise ValueError(f"{kind} attention has no dropout")
+        out = run(query, key, value, current_context(), scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def register_kernel(name: str, attention: Callable) -> str:
+    """Register ``attention`` with transformers under ``name`` (no mask is built for it); the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, attention)
+    return name
+
+
+hf_ring_attention = hf_adapter(
+    "ring",
+    lambda q, k, v, ctx, scale: ring_attention(
+        q, k, v, segments=ctx.segments, positions=ctx.positions, group=ctx.group, scale=scale
+    ),
+)
 
 
 def register_hf() -> str:
-    """Register :func:`hf_ring_attention` with transformers (no mask is built for it); its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(HF_NAME, hf_ring_attention)
-    return HF_NAME
+    """Register :func:`hf_ring_attention` with transformers; its name."""
+    return register_kernel(HF_NAME, hf_ring_attention)

@@ -110,29 +110,11 @@ def ulysses_attention(
     return _time_to_heads(out, group, n) if n > 1 else out
 
 
-def hf_ulysses_attention(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **_: Any,
-) -> tuple[Tensor, None]:
-    """transformers' AttentionInterface signature; the samples come from the cp context."""
-    from hpcrl.models.ring_attention import current_context
-
-    if dropout:
-        raise ValueError("ulysses attention has no dropout")
-    ctx = current_context()
-    out = ulysses_attention(query, key, value, segments=ctx.segments, group=ctx.group, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
 def register_hf() -> str:
-    """Register :func:`hf_ulysses_attention` with transformers (no mask is built for it); its name."""
-    from transformers import AttentionInterface
+    """Register Ulysses attention with transformers (samples and group from the cp context); its name."""
+    from hpcrl.models.ring_attention import hf_adapter, register_kernel
 
-    AttentionInterface.register(HF_NAME, hf_ulysses_attention)
-    return HF_NAME
+    run = lambda q, k, v, ctx, scale: ulysses_attention(  # noqa: E731
+        q, k, v, segments=ctx.segments, group=ctx.group, scale=scale
+    )
+    return register_kernel(HF_NAME, hf_adapter("ulysses", run))
