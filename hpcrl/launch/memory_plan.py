@@ -345,7 +345,9 @@ def chunk_tokens(cfg: Config, vocab: int | None = None) -> int | None:
     mib = getattr(model, "logprobs_chunk_mib", 0) or 0
     if vocab is None or not mib:
         return value
-    return max(1, min(value, int(mib * 2**20) // (4 * vocab)))
+    from hpcrl.trainer.chunked import chunk_rows  # the trainer's own rule (imports torch: only when bounded)
+
+    return chunk_rows(value, vocab, mib)
 
 
 def lora_param_count(a: Arch, rank: int, targets: list[str]) -> int:

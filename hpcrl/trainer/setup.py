@@ -34,9 +34,7 @@ class Training:
     dist: parallel.DistEnv
     precision: precision.Precision  # compute / master / reduce dtypes; the published policy is in compute
     router_replay: bool = False  # MoE on the custom implementation with trainer.model.router_replay
-    logprobs_chunk: int = (
-        0  # positions per LM-head chunk (logprobs_chunk_tokens bounded by _chunk_mib; 0 = off)
-    )
+    logprobs_chunk: int = 0  # positions per LM-head chunk (chunked.chunk_rows; 0 = off)
     cp: CPGroup | None = None  # context-parallel group (trainer.model.cp > 1)
 
 
