@@ -154,6 +154,8 @@ def decompose(
     samples = sample_batch(preset_dir, prompts, n, max_tokens, device)
     rows = []
     engine_routes = packed(samples, "all").routed_experts.to(device)
+    free = packed(samples, "free")
+    engine_lp = free.inference_logprobs[free.loss_mask]  # the engine's logprobs of the completions
     for dtype in dtypes:
         model = load_model(preset_dir, dtype, device, attn_impl="sdpa", impl="custom").eval()
         k = model.moe_layers()[0].top_k
@@ -169,7 +171,6 @@ def decompose(
                 row["differ_prompt"] = float(dif[~mb.loss_mask].nanmean())
                 row["differ_completion"] = float(dif[mb.loss_mask].nanmean())
             rows.append(row)
-        engine_lp = packed(samples, "free").inference_logprobs[packed(samples, "free").loss_mask]
         rows.append(
             _kl_row(dtype, "engine", engine_full_forward(preset_dir, samples, dtype, device), engine_lp)
         )
@@ -228,6 +229,9 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         )
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         kl = {r["routing"]: r["kl"] for r in rows if r["dtype"] == dtype}
+        if kl["free"] <= 0:  # the trainer reproduced the engine exactly: no ratio to report
+            print(f"{dtype}: mismatch KL 0 without replay (trainer = engine on these tokens)")
+            continue
         part = kl["free"] - kl["all"]
         comp = (kl["completion"] - kl["all"]) / part if part > 0 else float("nan")
         print(
