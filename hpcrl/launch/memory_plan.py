@@ -19,7 +19,9 @@ non-expert parameters D are FSDP2-sharded over all N ranks; each rank holds E / 
                before the reduce-scatter (model.reduce_dtype); a rank's experts are never gathered.
                Root = the LM head + the final norm: an untied input embedding is its own FSDP group,
                resharded after the forward (hpcrl/trainer/parallel.py), so it is not gathered at the
-               step's peak (the LM head's backward); a tied one is the head
+               step's peak (the LM head's backward); a tied one is the head. Under cp with
+               trainer.model.vocab_parallel (the default; not with LoRA on them) a rank gathers vocab / cp
+               rows of it (hpcrl/trainer/vocab_parallel.py)
   activations  T = micro_batch_tokens / cp tokens (a packed micro-batch; context parallelism splits
                it) x layers x per-token-per-layer elements x compute bytes, where the elements are
                  A = ACT_HIDDEN x hidden + ACT_ATTN x (q_dim + 2 kv_dim) + ACT_MLP x mlp_width
@@ -32,7 +34,8 @@ non-expert parameters D are FSDP2-sharded over all N ranks; each rank holds E / 
                fp32 upcast, the fp32 log-softmax kept for backward and its gradient. Tokens = T today
                (an upper bound: logits are kept for loss tokens only). When the trainer computes
                logprobs in chunks: chunk x vocab x (compute bytes + LOGIT_FP32_CHUNKED x 4) (one fp32
-               buffer per chunk, hpcrl/trainer/chunked.py).
+               buffer per chunk, hpcrl/trainer/chunked.py; vocab / cp columns when vocabulary-parallel,
+               which always chunks).
 Inference server GPU (tp GPUs per server): weights P x dtype bytes / tp; the KV cache gets
 gpu_memory_utilization x GPU memory - weights - INFER_RESERVE_GIB, at 2 x layers x kv heads per GPU
 (kv_heads / tp, at least 1: vLLM replicates them when tp > kv_heads) x head_dim x dtype bytes a token.
@@ -74,6 +77,9 @@ LOGIT_FP32_CHUNKED = 1  # chunked: the chunk's fp32 logits, log-softmaxed and di
 INFER_RESERVE_GIB = 2.0  # inference activations, CUDA graphs, NCCL buffers outside the KV cache
 # trainer.model fields from the long-sequence work (chunked logprobs, context parallelism), read
 # with getattr so this module works before and after they exist.
+# The chunk a vocabulary-parallel head runs with when chunking is off: hpcrl.trainer.chunked's
+# DEFAULT_CHUNK (that module imports torch; a unit test keeps the two equal).
+VOCAB_PARALLEL_CHUNK = 256
 CHUNK_FIELD = "logprobs_chunk_tokens"  # positions per LM-head chunk; 0 / absent: all at once
 
 
@@ -262,9 +268,13 @@ def trainer_items(
     chunk: int | None,
     lora_params: int = 0,
     offload: bool = False,
+    vocab_parallel: bool = False,
 ) -> list[Item]:
     """Per-GPU memory of one trainer rank (see the module docstring). `lora_params` > 0: only those
     train (gradients and optimizer state), the base weights stay frozen."""
+    split = cp if vocab_parallel and cp > 1 else 1  # the head's rows per rank: vocab / split
+    if split > 1:
+        chunk = chunk or VOCAB_PARALLEL_CHUNK
     cb, mb, rb = BYTES[compute], BYTES[master], BYTES[reduce]
     if ep > 1:  # experts whole, E / ep of them per rank; the rest FSDP over every rank
         stored = (a.params - a.expert_params) / ranks + a.expert_params / ep
@@ -274,7 +284,9 @@ def trainer_items(
         layer = a.dense_layer_params + a.expert_layer_params
     trained = lora_params / ranks if lora_params else stored
     moments = 2 if optimizer == "adamw" else 0
-    root = a.vocab * a.hidden + a.hidden  # the LM head (tied or not) + final norm, see the docstring
+    root = (
+        -(-a.vocab // split) * a.hidden + a.hidden
+    )  # the LM head (tied or not) + final norm, see the docstring
     gathered = (root + PREFETCH_LAYERS * layer) * cb + (layer * rb if not lora_params else 0)
     t = -(-tokens // cp)
     logit_tokens = min(t, chunk) if chunk else t
@@ -295,7 +307,9 @@ def trainer_items(
             "gathered",
             SHORT[compute],
             gathered / GIB,
-            f"root + {PREFETCH_LAYERS} layers" + (" (experts stay local)" if a.moe and ep > 1 else ""),
+            f"root + {PREFETCH_LAYERS} layers"
+            + (" (experts stay local)" if a.moe and ep > 1 else "")
+            + (f" (head: vocab / {split})" if split > 1 else ""),
         ),
         Item(
             "activations",
@@ -306,8 +320,9 @@ def trainer_items(
         Item(
             "logits",
             "fp32",
-            logits_gib(a.vocab, logit_tokens, cb, chunked=bool(chunk)),
-            f"{logit_tokens} x {a.vocab}" + (" (chunked)" if chunk else " (full; no chunked logprobs)"),
+            logits_gib(-(-a.vocab // split), logit_tokens, cb, chunked=bool(chunk)),
+            f"{logit_tokens} x {-(-a.vocab // split)}"
+            + (" (chunked)" if chunk else " (full; no chunked logprobs)"),
         ),
     ]
 
@@ -383,6 +398,8 @@ def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
         ranks=ranks, ep=ep, cp=cp, tokens=max(cfg.trainer.micro_batch_tokens, cfg.seq_len),
         compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=cfg.trainer.optim.type,
         chunk=chunk, lora_params=lora, offload=bool(getattr(model, "activation_offload", False)),
+        vocab_parallel=bool(getattr(model, "vocab_parallel", False))
+        and not (lora_cfg and {"lm_head", "embed_tokens"} & set(lora_cfg.target_modules)),
     )  # fmt: skip
     trainer = trainer_items(arch, ac=ac, **kw)
     other = next(i.gib for i in trainer_items(arch, ac=not ac, **kw) if i.name == "activations")

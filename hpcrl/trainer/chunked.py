@@ -143,17 +143,18 @@ def chunked_token_logprobs(
     ``chunk`` rows at a time. ``temperature``: a float or one value per row."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    temp: Tensor | None
-    if isinstance(temperature, Tensor):
-        temp = temperature.float().to(hidden.device)
-    else:
-        temp = (
-            None
-            if temperature == 1.0
-            else torch.full((hidden.shape[0],), float(temperature), device=hidden.device)
-        )
+    temp = row_temperatures(temperature, hidden)
     picked, ent = ChunkedLogprobs.apply(hidden, weight, labels, temp, chunk, entropy)
     return picked, (ent if entropy else None)
+
+
+def row_temperatures(temperature: Tensor | float, hidden: Tensor) -> Tensor | None:
+    """One fp32 temperature per row of ``hidden`` (None for a plain 1.0: no division at all)."""
+    if isinstance(temperature, Tensor):
+        return temperature.float().to(hidden.device)
+    if temperature == 1.0:
+        return None
+    return torch.full((hidden.shape[0],), float(temperature), device=hidden.device)
 
 
 def can_chunk(model: torch.nn.Module) -> bool:
@@ -182,15 +183,23 @@ def head_logprobs(
     The head runs INSIDE the model's forward on purpose: FSDP2 gathers the root's parameters (the
     LM head, tied embeddings) for the forward and again before the backward of the root's output;
     outside the forward the weight is a sharded DTensor. The model's ``logits`` output is then the
-    ``[K, 1]`` logprobs, so FSDP's backward hooks sit on what the loss uses."""
+    ``[K, 1]`` logprobs, so FSDP's backward hooks sit on what the loss uses. A head made
+    vocabulary-parallel (:mod:`hpcrl.trainer.vocab_parallel`) computes its own columns over the cp
+    group's rows."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
+    vocab = getattr(head, "hpcrl_vocab_shard", None)
     ent: list[Tensor | None] = []
 
     def forward(h: Tensor) -> Tensor:
         h = h[keep] if h.dim() == 3 else h  # [B, T, H] -> the kept positions [K, H], row-major
         h = h if index is None else h[index]
-        lp, e = chunked_token_logprobs(h, head.weight, labels, temperature, chunk=chunk, entropy=entropy)
+        if vocab is not None:
+            temp = row_temperatures(temperature, h)
+            lp, e = vocab.logprobs(head, h, labels, temp, chunk, entropy)
+            e = e if entropy else None
+        else:
+            lp, e = chunked_token_logprobs(h, head.weight, labels, temperature, chunk=chunk, entropy=entropy)
         ent.append(e)
         return lp[:, None].clone()  # not a view: FSDP2 hooks its pre-backward on this output
 
@@ -235,3 +244,10 @@ def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CH
     return head_logprobs(
         model, {"input_ids": ids}, keep, ids[0, 1:], chunk=chunk_rows(chunk, vocab, CHUNK_MIB)
     )[0]
+
+
+def vocab_parallel(model: torch.nn.Module) -> bool:
+    """Whether the model's LM head is vocabulary-parallel (:mod:`hpcrl.trainer.vocab_parallel`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    return getattr(head, "hpcrl_vocab_shard", None) is not None

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from hpcrl.bus.messages import compact_routes
 from hpcrl.models.ring_attention import CPContext, cp_context
-from hpcrl.trainer.chunked import can_chunk, head_logprobs, kept_logits
+from hpcrl.trainer.chunked import DEFAULT_CHUNK, can_chunk, head_logprobs, kept_logits, vocab_parallel
 from hpcrl.trainer.packing import ForwardOutput, PackedBatch, next_token_logprobs, sample_starts
 
 
@@ -166,7 +166,12 @@ def forward_cp(
         temp = mb.temperatures.to(dev)[seg[pred]]
     ctx = CPContext(g.group, seg[lo:hi], torch.arange(lo, hi, device=dev))
     with cp_context(ctx):
-        if chunk_tokens > 0 and can_chunk(model):
+        if vocab_parallel(model):  # no rank holds the whole head: chunked always
+            chunk = chunk_tokens or DEFAULT_CHUNK
+            picked, ent_p = head_logprobs(
+                model, inputs, keep, ids[tok], temp, chunk=chunk, entropy=compute_entropy
+            )
+        elif chunk_tokens > 0 and can_chunk(model):
             picked, ent_p = head_logprobs(
                 model, inputs, keep, ids[tok], temp, chunk=chunk_tokens, entropy=compute_entropy
             )

@@ -73,7 +73,7 @@ def build_training(
     seed_everything(seed, env.rank)
     prec = precision.of_model(model_cfg, on_gpu=device.type == "cuda")
     path = resolve_model(model_cfg.name or "", field="trainer.model.name")
-    model = build_model(path, model_cfg, prec, device, warm_start, meta_init=meta_init)
+    model = build_model(path, model_cfg, prec, device, warm_start, meta_init=meta_init, cp=cp)
     tokenizer = model_lib.load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
     optimizer = optim_lib.build_optimizer(
         model,
@@ -140,6 +140,7 @@ def build_model(
     device: torch.device,
     warm_start: str | None = None,
     meta_init: bool = True,
+    cp: CPGroup | None = None,
 ) -> torch.nn.Module:
     """The trainable model, sharded. Over several ranks with ``meta_init``, only rank 0 reads the
     weights (into CPU memory): the others build the model on the meta device, every rank shards it
@@ -181,12 +182,14 @@ def build_model(
             model = model_lib.apply_lora(model, lora)
     whole = parallel.local_tensors(model) if from_rank0 and not on_meta else {}
     experts = apply_moe_options(model, model_cfg, device)
-    model = parallel.apply_fsdp(
+    model = shard_model(
         model,
         param_dtype=model_lib.parse_dtype(prec.compute),
         reduce_dtype=model_lib.parse_dtype(prec.reduce),
         force=prec.mixed or bool(experts),
-        ignored_params=experts or None,
+        experts=experts,
+        cp=cp,
+        vocab_parallel=model_cfg.vocab_parallel,
     )
     if from_rank0:
         if on_meta:
@@ -209,6 +212,44 @@ def apply_moe_options(model: torch.nn.Module, model_cfg: TrainerModelConfig, dev
     from hpcrl.models.qwen3.parallelize import apply_ep
 
     return apply_ep(model, model_cfg.ep, device)
+
+
+def shard_model(
+    model: torch.nn.Module,
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    force: bool = False,
+    experts: set | None = None,
+    cp: CPGroup | None = None,
+    vocab_parallel: bool = True,
+) -> torch.nn.Module:
+    """FSDP2 over all ranks (:func:`parallel.apply_fsdp`), the ``experts`` left to expert
+    parallelism, and under ``cp`` with ``vocab_parallel`` the input embedding and LM head split over
+    the vocabulary within each cp group (:mod:`hpcrl.trainer.vocab_parallel`; said in one line when
+    the model's layers cannot be). Collective."""
+    vocab: set = set()
+    if cp is not None and vocab_parallel:
+        from hpcrl.trainer import vocab_parallel as vp
+
+        why = vp.supported(model)
+        if why is None:
+            vocab = vp.parameters(model)
+        else:
+            log.info("trainer.model.vocab_parallel: off, %s; FSDP gathers the embedding and head whole", why)
+    ignored = (experts or set()) | vocab
+    model = parallel.apply_fsdp(
+        model, param_dtype=param_dtype, reduce_dtype=reduce_dtype, force=force, ignored_params=ignored or None
+    )
+    if vocab and cp is not None:
+        vs = vp.shard(model, cp.size, cp.rank, cp.group, param_dtype)
+        log.info(
+            "vocab-parallel embedding and LM head: %d of %d rows per rank within the cp group (FSDP "
+            "leaves them alone)",
+            vs.dp * vs.block,
+            vs.vocab,
+        )
+    return model
 
 
 def attn_impl_for(model_cfg: TrainerModelConfig) -> str | None:

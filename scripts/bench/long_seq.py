@@ -33,8 +33,11 @@ Columns:
 * ``+offload``: the same with ``trainer.model.activation_offload`` (the checkpointed layer inputs in
   pinned CPU memory): CUDA only (on CPU the activations are in CPU memory already).
 * ``cp=2/rank``: chunked, cp = 2 over 2 ranks (FSDP over both: the ranks' shared mesh holds the
-  parameters, gradients and AdamW state, half each), the larger of the two ranks: gloo on CPU,
+  parameters, gradients and AdamW state, half each; the embedding and LM head vocabulary-parallel,
+  ``trainer.model.vocab_parallel``, the default), the larger of the two ranks: gloo on CPU,
   NCCL on CUDA where 2 GPUs are visible (one GPU: not run).
+* ``cp=2/rank, head gathered``: the same with ``vocab_parallel = false`` (FSDP gathers the whole
+  embedding / head weight and its gradient on each rank).
 """
 
 from __future__ import annotations
@@ -56,13 +59,14 @@ from trainer_memory import peak_rss_mib, reset_peak, rss_mib  # noqa: E402
 
 VOCAB = 151_936
 MIB = 1024 * 1024
-COLUMNS = ("today", "chunked", "chunked_ac", "offload", "cp2")
+COLUMNS = ("today", "chunked", "chunked_ac", "offload", "cp2", "cp2_gathered")
 HEADS = {
     "today": "today",
     "chunked": "chunked",
     "chunked_ac": "chunked+ac",
     "offload": "chunked+ac+offload",
     "cp2": "cp=2 per rank",
+    "cp2_gathered": "cp=2 per rank, head gathered",
 }
 
 
@@ -146,7 +150,7 @@ def one_step(
     from hpcrl.trainer.packing import PackedBatch, forward_packed
 
     torch.manual_seed(0)
-    cp = 2 if column == "cp2" else 1
+    cp = 2 if column.startswith("cp2") else 1
     chunk = 0 if column == "today" else chunk
     cuda = device_kind == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -168,8 +172,17 @@ def one_step(
         activation_checkpointing=column in ("chunked_ac", "offload"),
         activation_offload=column == "offload",
     )
-    # bf16 compute over fp32 master weights on GPU (what the trainer's precision does there)
-    model = parallel.apply_fsdp(model, param_dtype=torch.bfloat16 if cuda else None, force=cuda)
+    # bf16 compute over fp32 master weights on GPU (what the trainer's precision does there); under
+    # cp the embedding and head vocabulary-parallel (the trainer's default) unless cp2_gathered.
+    from hpcrl.trainer.setup import shard_model
+
+    model = shard_model(
+        model,
+        param_dtype=torch.bfloat16 if cuda else None,
+        force=cuda,
+        cp=group,
+        vocab_parallel=column == "cp2",
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def sample(n: int) -> PackedBatch:
@@ -224,7 +237,7 @@ def _run_cell(
     from hpcrl.launch.placement import rank_env
     from hpcrl.net import free_port
 
-    world = 2 if column == "cp2" else 1
+    world = 2 if column.startswith("cp2") else 1
     port = free_port()
     procs = []
     for rank in range(world):
@@ -255,7 +268,7 @@ def columns_for(device: str) -> tuple[list[str], dict[str, str]]:
         import torch
 
         if torch.cuda.device_count() < 2:
-            skip["cp2"] = "needs 2 GPUs"
+            skip["cp2"] = skip["cp2_gathered"] = "needs 2 GPUs"
     return [c for c in COLUMNS if c not in skip], skip
 
 
@@ -273,6 +286,7 @@ RATIOS = (
     ("cp2/chunked (peak)", "cp2", "chunked", "peak_mib"),
     ("cp2/chunked (step)", "cp2", "chunked", "step_mib"),
     ("cp2/chunked (tensors)", "cp2", "chunked", "tensor_peak_mib"),
+    ("cp2 gathered/chunked (tensors)", "cp2_gathered", "chunked", "tensor_peak_mib"),
 )
 
 

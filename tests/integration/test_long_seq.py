@@ -84,7 +84,9 @@ def test_rl_run_8k_tokens_cp2(tmp_path: Path) -> None:
     )
     assert [m["progress/total_samples"] for m in trainer] == [2, 4]
     assert all(m["loss_tokens"] == 32 for m in trainer)
-    assert "context parallel" in paths.log_file("trainer").read_text()
+    trainer_log = paths.log_file("trainer").read_text()
+    assert "context parallel" in trainer_log
+    assert "vocab-parallel embedding and LM head: 75968 of 151936 rows per rank" in trainer_log
 
 
 @pytest.mark.slow

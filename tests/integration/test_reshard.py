@@ -31,11 +31,21 @@ def _full_state(path: Path) -> dict:
     return load_file(str(path))
 
 
-@pytest.mark.parametrize(("saved", "loaded"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
-def test_checkpoint_reshards(saved: int, loaded: int, tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [(2, 1), (1, 2), ("2vp", 1), (1, "2vp")],
+    ids=["2to1", "1to2", "2cp-vocab-parallel-to1", "1to2cp-vocab-parallel"],
+)
+def test_checkpoint_reshards(saved, loaded, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``2vp``: 2 ranks under cp = 2 with the vocabulary-parallel embedding / head (its own DTensor,
+    not FSDP's): the checkpoint is the same as FSDP's and reshards to and from a plain rank."""
     run = tmp_path / "run"
-    _run("save", saved, tiny_model_dir, run, tmp_path / "saved.safetensors")
-    _run("load", loaded, tiny_model_dir, run, tmp_path / "loaded.safetensors")
+
+    def launch(mode: str, world) -> tuple[str, int]:
+        return (mode + "_vp", 2) if world == "2vp" else (mode, world)
+
+    _run(*launch("save", saved), tiny_model_dir, run, tmp_path / "saved.safetensors")
+    _run(*launch("load", loaded), tiny_model_dir, run, tmp_path / "loaded.safetensors")
     a, b = _full_state(tmp_path / "saved.safetensors"), _full_state(tmp_path / "loaded.safetensors")
     assert sorted(a) == sorted(b) and any(k.startswith("optim.") for k in a)
     import torch
@@ -87,14 +97,41 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
 
     env = par.init_distributed(torch.device("cpu"))
     torch.manual_seed(0)
-    model = par.apply_fsdp(load_model(model_dir))
+    mode, vp = mode.removesuffix("_vp"), mode.endswith("_vp")
+    ids = torch.arange(3, 35).reshape(2, 16)
+    if vp:  # cp = 2, the embedding and head vocabulary-parallel: the step runs forward_cp
+        from hpcrl.models.ring_attention import register_hf
+        from hpcrl.trainer.context_parallel import forward_cp, make_cp_group
+        from hpcrl.trainer.packing import PackedBatch
+        from hpcrl.trainer.setup import shard_model
+
+        cp = make_cp_group(2)
+        model = shard_model(load_model(model_dir, attn_impl=register_hf()), param_dtype=None, cp=cp)
+        flat = ids.reshape(-1)
+        mb = PackedBatch(
+            input_ids=flat,
+            position_ids=torch.arange(16).repeat(2),
+            seq_lens=torch.tensor([16, 16]),
+            loss_mask=torch.ones(32, dtype=torch.bool),
+            advantages=torch.zeros(32),
+            inference_logprobs=torch.zeros(32),
+        )
+
+        def loss() -> torch.Tensor:
+            return forward_cp(model, mb, cp, chunk_tokens=8).logprobs.pow(2).mean()
+
+    else:
+        model = par.apply_fsdp(load_model(model_dir))
+
+        def loss() -> torch.Tensor:
+            return model(input_ids=ids).logits.float().pow(2).mean()
+
     opt = optim.build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.01)
     sched = optim.build_scheduler(opt, "constant", warmup_steps=0, total_steps=10)
     paths = RunPaths(run_dir)
-    ids = torch.arange(3, 35).reshape(2, 16)
 
     def step() -> None:
-        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        loss().backward()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

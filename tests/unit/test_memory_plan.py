@@ -58,6 +58,20 @@ def test_dense_8b_on_8_fsdp_ranks():
     assert items(Q8B, ac=True, offload=True)["activations"] * GIB == pytest.approx(4096 * 102_400 * 2)
     assert items(Q8B, cp=2)["activations"] == pytest.approx(got["activations"] / 2)
     assert items(Q8B, optimizer="sgd")["optimizer"] == 0
+    # vocabulary-parallel under cp 2: half the head's rows gathered, half the chunk's columns, and a
+    # chunk even when chunking is off (the head always chunks then); without cp it changes nothing
+    vp = items(Q8B, cp=2, vocab_parallel=True)
+    assert vp["gathered"] * GIB == pytest.approx(
+        (75_968 * 4096 + 4096 + 2 * 192_946_432) * 2 + 192_946_432 * 4
+    )
+    assert vp["logits"] * GIB == pytest.approx(256 * 75_968 * (2 + 4))
+    assert items(Q8B, vocab_parallel=True) == got
+
+
+def test_vocab_parallel_chunk_is_the_trainers():
+    from hpcrl.trainer.chunked import DEFAULT_CHUNK
+
+    assert mp.VOCAB_PARALLEL_CHUNK == DEFAULT_CHUNK
 
 
 def test_expert_parallelism_keeps_experts_whole_and_gathers_only_the_rest():

@@ -143,6 +143,15 @@ class TrainerModelConfig(ModelConfig):
             "or 'ulysses' (all-to-all over heads; cp must divide the attention heads)."
         ),
     ] = "ring"
+    vocab_parallel: Annotated[
+        bool,
+        D(
+            "Under cp: the input embedding and LM head are split over the vocabulary within each cp group "
+            "(each rank holds vocab / cp rows, the group's hidden states travel instead); false: FSDP "
+            "gathers the whole [vocab, hidden] weight and its gradient on every rank. The head then always "
+            "runs in chunks. Not with LoRA on the embedding or head (they are then gathered whole)."
+        ),
+    ] = True
     lora: Annotated[
         LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")
     ] = None
