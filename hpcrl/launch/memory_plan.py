@@ -391,15 +391,19 @@ def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
     ranks = placement.trainer_ranks
     ep_text = ep_lines(ranks, ep, placement.ranks_per_train_node, arch.num_experts)
     # getattr: [model] and the trainer's model section are being split per role; these are trainer fields
-    ac, chunk = bool(getattr(model, "activation_checkpointing", False)), chunk_tokens(cfg, arch.vocab)
     lora_cfg = getattr(model, "lora", None)
+    vp = bool(getattr(model, "vocab_parallel", False)) and not (
+        lora_cfg and {"lm_head", "embed_tokens"} & set(lora_cfg.target_modules)
+    )
+    # a vocabulary-parallel chunk is vocab / cp columns wide: its byte bound allows cp x the rows
+    columns = -(-arch.vocab // cp) if vp and cp > 1 else arch.vocab
+    ac, chunk = bool(getattr(model, "activation_checkpointing", False)), chunk_tokens(cfg, columns)
     lora = lora_param_count(arch, lora_cfg.rank, lora_cfg.target_modules) if lora_cfg else 0
     kw = dict(
         ranks=ranks, ep=ep, cp=cp, tokens=max(cfg.trainer.micro_batch_tokens, cfg.seq_len),
         compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=cfg.trainer.optim.type,
         chunk=chunk, lora_params=lora, offload=bool(getattr(model, "activation_offload", False)),
-        vocab_parallel=bool(getattr(model, "vocab_parallel", False))
-        and not (lora_cfg and {"lm_head", "embed_tokens"} & set(lora_cfg.target_modules)),
+        vocab_parallel=vp,
     )  # fmt: skip
     trainer = trainer_items(arch, ac=ac, **kw)
     other = next(i.gib for i in trainer_items(arch, ac=not ac, **kw) if i.name == "activations")

@@ -45,6 +45,15 @@ def _vocab(model: torch.nn.Module) -> int:
     return int(head.weight.shape[0]) if head is not None else int(base.config.vocab_size)
 
 
+def _columns(model: torch.nn.Module, cp: CPGroup | None) -> int:
+    """Columns of a logprob chunk's buffer: the vocabulary, or a cp rank's share of it when the head is
+    vocabulary-parallel (its chunks may then hold cp times the rows for the same bytes)."""
+    from hpcrl.trainer.chunked import vocab_parallel
+
+    v = _vocab(model)
+    return -(-v // cp.size) if cp is not None and vocab_parallel(model) else v
+
+
 def seed_everything(seed: int, rank: int) -> None:
     random.seed(seed + rank)
     torch.manual_seed(seed + rank)
@@ -127,7 +136,7 @@ def build_training(
         prec,
         router_replay=replay,
         logprobs_chunk=chunk_rows(
-            model_cfg.logprobs_chunk_tokens, _vocab(model), model_cfg.logprobs_chunk_mib
+            model_cfg.logprobs_chunk_tokens, _columns(model, cp), model_cfg.logprobs_chunk_mib
         ),
         cp=cp,
     )
