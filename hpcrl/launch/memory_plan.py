@@ -8,15 +8,16 @@ Pure functions of the config, the placement and the model's architecture (hpcrl.
 config.json, locally or in the HF cache, else a built-in table; never a download).
 
 Trainer rank, as hpcrl's expert parallelism lays it out (hpcrl/models/qwen3/parallelize.py): the
-non-expert parameters D are FSDP2-sharded over all N ranks; each rank holds E / ep experts whole
-(X / ep of the expert parameters X), replicated over the N / ep ranks that hold the same experts
-(their gradients all-reduced). Every rank stores S = D / N + X / ep (a dense model: P / N):
+non-expert parameters D are FSDP2-sharded over all N ranks; each ep position computes with E / ep
+experts (X / ep of the expert parameters X), FSDP-sharded over the N / ep ranks that share the
+position. Every rank stores S = (D + X) / N = P / N, with or without ep:
   parameters   S x master bytes               (model.optimization_dtype; fp32 by default)
   gradients    S x master bytes               (FSDP2 keeps gradient shards in the parameters' dtype)
   optimizer    S x master bytes x 2           (AdamW's two moments; SGD without momentum: 0)
   gathered     (root + PREFETCH_LAYERS layers) x compute bytes + one layer x reduce bytes: the
                unsharded non-expert parameters FSDP all-gathers and one layer's unsharded gradients
-               before the reduce-scatter (model.reduce_dtype); a rank's experts are never gathered.
+               before the reduce-scatter (model.reduce_dtype). Under ep a layer's gathered experts
+               are its ep position's X_layer / ep (none when N = ep: they are stored whole).
                Root = the LM head + the final norm: an untied input embedding is its own FSDP group,
                resharded after the forward (hpcrl/trainer/parallel.py), so it is not gathered at the
                step's peak (the LM head's backward); a tied one is the head. Under cp with
@@ -276,11 +277,10 @@ def trainer_items(
     if split > 1:
         chunk = chunk or VOCAB_PARALLEL_CHUNK
     cb, mb, rb = BYTES[compute], BYTES[master], BYTES[reduce]
-    if ep > 1:  # experts whole, E / ep of them per rank; the rest FSDP over every rank
-        stored = (a.params - a.expert_params) / ranks + a.expert_params / ep
-        layer = a.dense_layer_params
+    stored = a.params / ranks  # experts too: E / ep per ep position, FSDP-sharded over its N / ep ranks
+    if ep > 1:  # a layer gathers its position's E / ep experts (none to gather when N = ep)
+        layer = a.dense_layer_params + (a.expert_layer_params / ep if ranks > ep else 0)
     else:  # no expert parallelism: experts are FSDP-sharded (and gathered) like any parameter
-        stored = a.params / ranks
         layer = a.dense_layer_params + a.expert_layer_params
     trained = lora_params / ranks if lora_params else stored
     moments = 2 if optimizer == "adamw" else 0
@@ -297,7 +297,7 @@ def trainer_items(
             "parameters",
             SHORT[master],
             stored * mb / GIB,
-            f"{_count(a.params - a.expert_params)} / {ranks} ranks + experts {_count(a.expert_params)} / ep {ep}"
+            f"{_count(a.params)} / {ranks} ranks (experts: / ep {ep}, then / {ranks // ep} within a position)"
             if a.moe and ep > 1
             else f"{_count(a.params)} / {ranks} ranks",
         ),
@@ -308,7 +308,8 @@ def trainer_items(
             SHORT[compute],
             gathered / GIB,
             f"root + {PREFETCH_LAYERS} layers"
-            + (" (experts stay local)" if a.moe and ep > 1 else "")
+            + (f" (a layer's experts: E / {ep})" if a.moe and ep > 1 and ranks > ep else "")
+            + (" (experts stay local)" if a.moe and ep > 1 and ranks == ep else "")
             + (f" (head: vocab / {split})" if split > 1 else ""),
         ),
         Item(

@@ -18,7 +18,6 @@ from typing import Any
 import msgspec
 import torch
 
-from hpcrl.models.qwen3.parallelize import sync_expert_grads
 from hpcrl.trainer import parallel
 from hpcrl.trainer.context_parallel import forward_cp, restrict
 from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
@@ -162,7 +161,6 @@ def optimizer_step(
 ) -> tuple[float, dict[str, Any], float, bool]:
     """Clip, all-reduce the loss stats, step (only when finite), zero grads, advance the schedule.
     Returns (grad norm, summed stats, lr used, stepped)."""
-    sync_expert_grads(tr.model)  # expert parallelism with dp_ep > 1: replicas' expert grads summed
     grad_norm = clip_grad_norm(tr.model.parameters(), max_norm if max_norm > 0 else None)
     summed = unstack_stats(parallel.all_reduce(stack_stats(stats)))
     ok = math.isfinite(grad_norm) and math.isfinite(float(summed["loss"]))

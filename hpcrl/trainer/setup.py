@@ -190,7 +190,7 @@ def build_model(
         if lora is not None:
             model = model_lib.apply_lora(model, lora)
     whole = parallel.local_tensors(model) if from_rank0 and not on_meta else {}
-    experts = apply_moe_options(model, model_cfg, device)
+    experts = apply_moe_options(model, model_cfg, device, prec)
     model = shard_model(
         model,
         param_dtype=model_lib.parse_dtype(prec.compute),
@@ -207,7 +207,9 @@ def build_model(
     return model
 
 
-def apply_moe_options(model: torch.nn.Module, model_cfg: TrainerModelConfig, device: torch.device) -> set:
+def apply_moe_options(
+    model: torch.nn.Module, model_cfg: TrainerModelConfig, device: torch.device, prec: precision.Precision
+) -> set:
     """Expert parallelism (trainer.model.ep) on the custom implementation; returns the expert
     parameters FSDP must leave alone (empty without EP)."""
     if model_cfg.ep == 1:
@@ -220,7 +222,8 @@ def apply_moe_options(model: torch.nn.Module, model_cfg: TrainerModelConfig, dev
         )
     from hpcrl.models.qwen3.parallelize import apply_ep
 
-    return apply_ep(model, model_cfg.ep, device)
+    dtypes = model_lib.parse_dtype(prec.compute), model_lib.parse_dtype(prec.reduce)
+    return apply_ep(model, model_cfg.ep, device, *dtypes)
 
 
 def shard_model(

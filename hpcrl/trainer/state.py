@@ -43,24 +43,21 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
 
 def row_range(t: torch.Tensor) -> tuple[list[int], int, int]:
     """(global shape, first row, row count) of the part of ``t`` this rank holds. A DTensor sharded
-    by FSDP2 holds ``torch.chunk(whole, world, dim=0)[rank]``; a plain tensor holds everything."""
+    by FSDP2 holds ``torch.chunk(whole, world, dim=0)[rank]``; expert-parallel experts FSDP-sharded
+    within their ep position (``Shard(0)`` over ep, then FSDP over dp_ep) hold one contiguous run of
+    rows too; a plain tensor holds everything."""
     shape = list(t.shape)
     if not hasattr(t, "device_mesh") or t.dim() == 0:
         return shape, 0, shape[0] if shape else 0
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    placements = tuple(t.placements)
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     local_rows = t.to_local().shape[0]
-    if not any(isinstance(p, Shard) for p in placements):
-        return shape, 0, shape[0]
-    assert len(placements) == 1 and placements[0] == Shard(0), (
-        f"only FSDP2 dim-0 sharding is supported, got {placements}"
+    assert list(local_shape[1:]) == shape[1:] and not any(offset[1:]), (
+        f"only dim-0 sharding is supported, got {t.placements}"
     )
-    world, rank = t.device_mesh.size(), t.device_mesh.get_local_rank()
-    chunk = -(-shape[0] // world)  # torch.chunk: ceil-sized chunks, the last ones short or empty
-    first = min(rank * chunk, shape[0])
-    assert min(chunk, shape[0] - first) == local_rows, (shape, world, rank, local_rows)
-    return shape, first, local_rows
+    assert local_shape[0] == local_rows, (shape, t.placements, local_shape, local_rows)
+    return shape, int(offset[0]) if local_rows else min(int(offset[0]), shape[0]), local_rows
 
 
 def _shard_entry(t: torch.Tensor) -> list[Any]:
@@ -153,8 +150,9 @@ class _Saved:
 
     def rows(self, part: str, key: str, first: int, count: int) -> torch.Tensor:
         """Rows [first, first+count) of the whole saved tensor ``key``, from every shard overlapping them."""
-        pieces: list[torch.Tensor] = []
-        taken: set[int] = set()  # expert-parallel replicas (dp_ep > 1) save the same rows: read them once
+        pieces: list[tuple[int, torch.Tensor]] = []  # (first row, rows): file order is not row order
+        # under ep with dp_ep > 1 (rank d * ep + e holds rows of expert block e), so they are sorted.
+        taken: set[int] = set()  # replicated experts (checkpoints before they were FSDP-sharded): read once
         for r, shards in self.layouts:
             if key not in shards[part]:
                 raise ValueError(f"checkpoint rank {r} lacks {part} tensor {key}")
@@ -167,11 +165,12 @@ class _Saved:
             sl = f.get_slice(key)
             lo, hi = max(first, start), min(first + count, start + sl.get_shape()[0])
             if lo < hi:
-                pieces.append(sl[lo - start : hi - start])
+                pieces.append((lo, sl[lo - start : hi - start]))
                 taken.add(start)
         if not pieces:
             return self._file(part, self.layouts[0][0]).get_slice(key)[0:0]
-        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        parts = [t for _, t in sorted(pieces, key=lambda p: p[0])]
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
         if out.shape[0] != count:
             raise ValueError(
                 f"checkpoint shards of {part} tensor {key} cover {out.shape[0]} of rows "

@@ -105,7 +105,7 @@ def part_step() -> None:
 def ep_worker(out: str) -> None:
     import torch
 
-    from hpcrl.models.qwen3.parallelize import apply_ep, sync_expert_grads
+    from hpcrl.models.qwen3.parallelize import apply_ep
     from hpcrl.trainer import parallel as par
     from hpcrl.trainer.model import load_model
     from hpcrl.trainer.moe_metrics import collect
@@ -129,7 +129,6 @@ def ep_worker(out: str) -> None:
             logits[:, :-1].flatten(0, 1), mine[:, 1:].flatten(), reduction="sum"
         )
         (loss / (BATCH * (SEQ - 1))).backward()
-        sync_expert_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         par.barrier()

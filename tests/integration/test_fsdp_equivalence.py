@@ -110,8 +110,9 @@ def test_expert_parallel_two_ranks_equals_one_rank(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_expert_parallel_with_replicas_equals_one_rank(tmp_path: Path) -> None:
-    """4 ranks, ep = 2: two ep groups (dp_ep = 2) hold each expert shard twice; their expert
-    gradients are summed across the groups (sync_expert_grads) and the result equals one rank."""
+    """4 ranks, ep = 2: two ep groups (dp_ep = 2); each ep position's experts are FSDP-sharded over
+    its 2 ranks (gathered around their forward and backward, gradients reduce-scattered, summed over
+    the groups) and the result equals one rank."""
     from hpcrl.models.tiny import build_tiny_model
 
     moe = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=0)
@@ -196,10 +197,13 @@ def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
         batch.inference_logprobs = forward_packed(model, batch).logprobs + 0.3 * torch.randn(t, generator=g)
     batch.validate()
 
-    from hpcrl.models.qwen3.parallelize import apply_ep, sync_expert_grads
+    from hpcrl.models.qwen3.parallelize import apply_ep
 
     experts = apply_ep(model, ep, torch.device("cpu")) if ep > 1 else set()
     model = par.apply_fsdp(model, ignored_params=experts or None)
+    if ep > 1:  # every rank stores E / world experts: FSDP-sharded within an ep position when dp_ep > 1
+        moe = model.moe_layers()[0]
+        assert moe.experts.gate_proj.to_local().shape[0] == moe.num_experts // env.world_size
     opt = optim.build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.01)
     sched = optim.build_scheduler(opt, "cosine", warmup_steps=1, total_steps=4)
     params = LossParams(kl_coef=0.01, kl_target="inference")
@@ -236,7 +240,6 @@ def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
             res.loss.backward()
             stats = add_stats(stats, res.stats)
         metrics = summarize(unstack_stats(par.all_reduce_sum(stack_stats(stats))))
-        sync_expert_grads(model)
         metrics["grad_norm"] = optim.clip_grad_norm(model.parameters(), 1.0)
         metrics["micro_batches"] = n_mb
         metrics["embedding_at_head"] = at_head[0]

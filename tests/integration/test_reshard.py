@@ -33,19 +33,39 @@ def _full_state(path: Path) -> dict:
 
 @pytest.mark.parametrize(
     ("saved", "loaded"),
-    [(2, 1), (1, 2), ("2vp", 1), (1, "2vp")],
-    ids=["2to1", "1to2", "2cp-vocab-parallel-to1", "1to2cp-vocab-parallel"],
+    [(2, 1), (1, 2), ("2vp", 1), (1, "2vp"), ("4ep2", "2ep2"), ("2ep2", "4ep2"), ("4ep2", "1moe")],
+    ids=[
+        "2to1",
+        "1to2",
+        "2cp-vocab-parallel-to1",
+        "1to2cp-vocab-parallel",
+        "4ep2-to-2ep2",
+        "2ep2-to-4ep2",
+        "4ep2-to-1",
+    ],
 )
 def test_checkpoint_reshards(saved, loaded, tiny_model_dir: Path, tmp_path: Path) -> None:
     """``2vp``: 2 ranks under cp = 2 with the vocabulary-parallel embedding / head (its own DTensor,
-    not FSDP's): the checkpoint is the same as FSDP's and reshards to and from a plain rank."""
+    not FSDP's): the checkpoint is the same as FSDP's and reshards to and from a plain rank.
+    ``Nep2``: a tiny Qwen3-MoE (custom implementation) on N ranks with ep = 2: on 4 ranks each ep
+    position's experts are FSDP-sharded over its 2 ranks (2-D DTensors), on 2 they are whole;
+    ``1moe``: the same model on one rank without ep."""
     run = tmp_path / "run"
+    model_dir = tiny_model_dir
+    if "ep2" in f"{saved}{loaded}":
+        from hpcrl.models.tiny import build_tiny_model
+
+        model_dir = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=0)
 
     def launch(mode: str, world) -> tuple[str, int]:
-        return (mode + "_vp", 2) if world == "2vp" else (mode, world)
+        if world == "2vp":
+            return mode + "_vp", 2
+        if isinstance(world, str):  # "4ep2", "2ep2", "1moe"
+            return f"{mode}_{world[1:]}", int(world[0])
+        return mode, world
 
-    _run(*launch("save", saved), tiny_model_dir, run, tmp_path / "saved.safetensors")
-    _run(*launch("load", loaded), tiny_model_dir, run, tmp_path / "loaded.safetensors")
+    _run(*launch("save", saved), model_dir, run, tmp_path / "saved.safetensors")
+    _run(*launch("load", loaded), model_dir, run, tmp_path / "loaded.safetensors")
     a, b = _full_state(tmp_path / "saved.safetensors"), _full_state(tmp_path / "loaded.safetensors")
     assert sorted(a) == sorted(b) and any(k.startswith("optim.") for k in a)
     import torch
@@ -97,7 +117,8 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
 
     env = par.init_distributed(torch.device("cpu"))
     torch.manual_seed(0)
-    mode, vp = mode.removesuffix("_vp"), mode.endswith("_vp")
+    mode, _, flag = mode.partition("_")
+    vp = flag == "vp"
     ids = torch.arange(3, 35).reshape(2, 16)
     if vp:  # cp = 2, the embedding and head vocabulary-parallel: the step runs forward_cp
         from hpcrl.models.ring_attention import register_hf
@@ -119,6 +140,16 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
 
         def loss() -> torch.Tensor:
             return forward_cp(model, mb, cp, chunk_tokens=8).logprobs.pow(2).mean()
+
+    elif flag in ("ep2", "moe"):  # the custom Qwen3-MoE, experts over ep = 2 (or whole on one rank)
+        from hpcrl.models.qwen3.parallelize import apply_ep
+
+        model = load_model(model_dir, impl="custom")
+        experts = apply_ep(model, 2, torch.device("cpu")) if flag == "ep2" else set()
+        model = par.apply_fsdp(model, ignored_params=experts or None)
+
+        def loss() -> torch.Tensor:
+            return model(input_ids=ids).logits.float().pow(2).mean()
 
     else:
         model = par.apply_fsdp(load_model(model_dir))

@@ -5,7 +5,7 @@ ep groups print, and sbatch --test-only accepts the job.
 
 configs/hosted/full_ft_multi_node.toml is that example (impl custom, ep 8, flash_attention_3, tp 8).
 The full_finetune shape turns activation checkpointing on unless told otherwise, and the trainer
-computes logprobs in chunks: at seq_len 32768 a trainer rank would need ~404 GiB without either.
+computes logprobs in chunks: at seq_len 32768 a trainer rank would need ~377 GiB without either.
 """
 
 from __future__ import annotations

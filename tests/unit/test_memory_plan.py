@@ -74,20 +74,22 @@ def test_vocab_parallel_chunk_is_the_trainers():
     assert mp.VOCAB_PARALLEL_CHUNK == DEFAULT_CHUNK
 
 
-def test_expert_parallelism_keeps_experts_whole_and_gathers_only_the_rest():
-    """hpcrl's EP: a rank holds E / ep experts whole (replicated over the N / ep ranks with the same
-    experts); the non-expert parameters stay FSDP-sharded over all N ranks and are all that is gathered."""
+def test_expert_parallelism_shards_experts_within_a_position_and_gathers_a_layers_share():
+    """hpcrl's EP: an ep position computes with E / ep experts, FSDP-sharded over the N / ep ranks that
+    share it (gathered a layer at a time); the non-expert parameters stay FSDP-sharded over all N ranks.
+    Every rank stores P / N; with N = ep the experts are whole and never gathered."""
     ep1, ep8 = items(Q30B, ranks=16), items(Q30B, ranks=16, ep=8)
     assert ep1["parameters"] == pytest.approx(Q30B.params * 4 / 16 / GIB)  # 7.11 GiB
     experts = 48 * 603_979_776  # 128 experts x 3 x 2048 x 768 per layer
     assert Q30B.expert_params == experts
-    stored = (Q30B.params - experts) / 16 + experts / 8
-    assert ep8["parameters"] * GIB == pytest.approx(stored * 4)  # 13.86 GiB: experts are not sharded over 16
+    assert ep8["parameters"] == ep1["parameters"]  # 7.11 GiB (13.86 when experts were replicated over 2)
     assert ep8["optimizer"] == pytest.approx(2 * ep8["parameters"])
-    layer8 = 19_140_864  # attention + router: the experts stay local
+    layer8 = 19_140_864 + 603_979_776 / 8  # attention + router + this position's 16 experts
     head = 151_936 * 2048 + 2048  # the untied embedding is resharded after the forward
     assert ep8["gathered"] * GIB == pytest.approx((head + 2 * layer8) * 2 + layer8 * 4)
-    assert ep8["gathered"] < ep1["gathered"] / 3  # the root (LM head) stays
+    assert ep8["gathered"] < ep1["gathered"] / 3  # a layer gathers 1/8 of its experts
+    whole = items(Q30B, ranks=8, ep=8)  # one position per rank: experts stored whole, never gathered
+    assert whole["gathered"] * GIB == pytest.approx((head + 2 * 19_140_864) * 2 + 19_140_864 * 4)
     # MoE activations: the MLP term is top_k x moe_intermediate and each token is dispatched top_k times
     per = 4 * 2048 + 6 * (4096 + 1024) + 4 * 8 * 768 + 2 * 8 * 2048
     assert ep8["activations"] * GIB == pytest.approx(4096 * 48 * per * 2)

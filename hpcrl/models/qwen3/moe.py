@@ -7,7 +7,9 @@ as one grouped matmul (``torch._grouped_mm`` on CUDA; on CPU a loop over the gro
 
 Expert parallelism (``parallelize.apply_ep``): each rank of an ep group owns ``E / ep`` consecutive
 experts; the routed copies of this rank's tokens travel to their expert's owner and back with two
-uneven ``all_to_all_single`` calls (autograd-aware, so expert gradients land on their owner).
+uneven ``all_to_all_single`` calls (autograd-aware, so expert gradients land on their owner). The
+experts compute inside ``GroupedExperts.forward``: FSDP (which shards them over the ranks that
+share an ep position) gathers them around that call and again for its backward.
 
 Router replay: ``replay`` ([N, k] expert ids, -1 = not replayed) overrides the router's top-k for
 those tokens; the gate weights are still the trainer's own softmax at those experts, so the router
@@ -96,6 +98,10 @@ class GroupedExperts(nn.Module):
 
         return loc(self.gate_proj), loc(self.up_proj), loc(self.down_proj)
 
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """SwiGLU of rows ``x`` grouped by (this rank's) expert, ``counts`` rows each."""
+        return expert_ffn(x, counts, *self.local_weights(x.dtype))
+
 
 class MoE(nn.Module):
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool):
@@ -105,7 +111,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, hidden, inter)
         self.ep_group = None  # set by parallelize.apply_ep
         self.ep_size = 1
-        self.ep_replica_group = None  # the dp_ep group expert grads are summed over (world > ep)
         self.stats = RoutingStats()
         self.aux_coef = 0.0  # > 0: keep a load-balancing loss term per forward
 
@@ -153,12 +158,8 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts)
-        gate, up, down = self.experts.local_weights(x.dtype)
         xs = x[token]
-        if self.ep_size > 1:
-            ys = self._ep_ffn(xs, counts, gate, up, down)
-        else:
-            ys = expert_ffn(xs, counts, gate, up, down)
+        ys = self._ep_ffn(xs, counts) if self.ep_size > 1 else self.experts(xs, counts)
         ys = ys * w.reshape(-1)[order].unsqueeze(-1)
         # Back to (token, slot) order and one sum over the k slots, as transformers combines: the sum
         # accumulates in fp32 and rounds once (an index_add_ into a bf16 buffer rounded after every
@@ -167,7 +168,7 @@ class MoE(nn.Module):
         ys = ys.new_empty(ys.shape).index_copy(0, order, ys)
         return ys.view(-1, self.top_k, shape[-1]).sum(1).reshape(shape)
 
-    def _ep_ffn(self, xs: Tensor, counts: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    def _ep_ffn(self, xs: Tensor, counts: Tensor) -> Tensor:
         """Dispatch rows sorted by global expert to the experts' owners, run them, bring them back."""
         from torch.distributed import all_to_all_single as a2a_counts
         from torch.distributed.nn.functional import all_to_all_single
@@ -183,7 +184,7 @@ class MoE(nn.Module):
         # rows arrive grouped by (source rank, local expert): regroup by local expert
         expert_of = torch.repeat_interleave(torch.arange(n_local).repeat(ep), recv.reshape(-1).cpu())
         perm = torch.argsort(expert_of, stable=True).to(xs.device)
-        y_local = expert_ffn(x_recv[perm], recv.sum(0), gate, up, down)
+        y_local = self.experts(x_recv[perm], recv.sum(0))
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local)
         ys = xs.new_empty(xs.shape[0], y_local.shape[1])
         ys = all_to_all_single(ys, y_recv, send_splits, recv_splits, group=self.ep_group)

@@ -3,12 +3,16 @@
 Layout over a trainer world of W ranks with ``ep = N`` (N divides W and the expert count E):
 - ranks form a 2-D mesh (dp_ep = W / N, ep = N); rank r sits in ep group r // N at position r % N;
 - each MoE layer's stacked experts become DTensors ``Shard(0)`` over the ``ep`` mesh: the rank at ep
-  position i owns experts [i*E/N, (i+1)*E/N) whole (no FSDP on them), replicated across the dp_ep
-  groups, whose expert gradients are summed by ``sync_expert_grads`` (a plain all-reduce);
+  position i computes with experts [i*E/N, (i+1)*E/N);
+- with dp_ep > 1 those experts are FSDP2-sharded over the dp_ep ranks that share position i (the
+  ``GroupedExperts`` module is its own FSDP unit on the dp_ep mesh: gathered for its forward and
+  backward, gradients reduce-scattered), so every rank stores E / W experts' parameters, gradients
+  and optimizer state, as FSDP stores the rest; with dp_ep = 1 they are stored whole (E / N = E / W)
+  and FSDP leaves them alone;
 - everything else (attention, router, norms, embeddings, dense MLPs) is FSDP2-sharded over all W
-  ranks as without EP (``hpcrl.trainer.parallel.apply_fsdp`` ignores the expert parameters).
-Checkpoints record the experts' global rows like any FSDP shard (``trainer.state.row_range``), so they
-reshard to any other world size / ep.
+  ranks as without EP (``hpcrl.trainer.parallel.apply_fsdp``).
+Checkpoints record the experts' global rows like any FSDP shard (``trainer.state.row_range``: each
+rank's rows are one contiguous run), so they reshard to any other world size / ep.
 """
 
 from __future__ import annotations
@@ -22,14 +26,23 @@ from hpcrl.models.qwen3.moe import MoE
 
 
 def is_expert_sharded(t: torch.Tensor) -> bool:
-    """A DTensor on the ep mesh (an expert parameter or its gradient under expert parallelism)."""
+    """A DTensor on the ep mesh or the (dp_ep, ep) mesh (an expert parameter or its gradient under
+    expert parallelism)."""
     mesh = getattr(t, "device_mesh", None)
-    return mesh is not None and mesh.mesh_dim_names == ("ep",)
+    return mesh is not None and "ep" in (mesh.mesh_dim_names or ())
 
 
-def apply_ep(model: nn.Module, ep: int, device: torch.device) -> set[nn.Parameter]:
-    """Shard every MoE layer's experts over groups of ``ep`` ranks; returns the expert parameters
-    (FSDP must ignore them). Collective: every rank calls it."""
+def apply_ep(
+    model: nn.Module,
+    ep: int,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+) -> set[nn.Parameter]:
+    """Shard every MoE layer's experts over groups of ``ep`` ranks, and with dp_ep > 1 FSDP-shard
+    each position's experts over its dp_ep ranks (mixed precision as ``apply_fsdp``'s); returns the
+    expert parameters the outer FSDP must ignore (none when they are FSDP units of their own).
+    Collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -48,19 +61,16 @@ def apply_ep(model: nn.Module, ep: int, device: torch.device) -> set[nn.Paramete
     out: set[nn.Parameter] = set()
     for m in moes:
         m.ep_group, m.ep_size = ep_mesh.get_group(), ep
-        m.ep_replica_group = mesh["dp_ep"].get_group() if world > ep else None
         for name, p in list(m.experts.named_parameters(recurse=False)):
             local = p.detach().narrow(0, pos * n_local, n_local).clone()
             new = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
             setattr(m.experts, name, new)
             out.add(new)
-    return out
+    if world == ep:
+        return out
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-
-def sync_expert_grads(model: nn.Module) -> None:
-    """Sum expert gradients over the dp_ep replicas (no-op when W == ep or without EP)."""
-    for m in model.modules():
-        group = getattr(m, "ep_replica_group", None) if isinstance(m, MoE) else None
-        for p in m.experts.parameters() if group is not None else ():
-            if p.grad is not None:
-                dist.all_reduce(p.grad.to_local(), group=group)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for m in moes:  # apply_fsdp sets every FSDP unit's SUM reduction, these included
+        fully_shard(m.experts, mesh=mesh["dp_ep"], mp_policy=mp, reshard_after_forward=True)
+    return set()
