@@ -104,7 +104,8 @@ def worker(model_dir: str, out: str, mode: str = "ring") -> None:
     # vocab: the embedding and head split over the vocabulary within the cp group; else FSDP's
     model = shard_model(
         load_model(model_dir, attn_impl=attn, impl=impl),
-        param_dtype=None,
+        param_dtype=torch.bfloat16 if "bf16" in flags else None,  # bf16 compute over fp32 weights
+        force=True,
         cp=cp,
         vocab_parallel="vocab" in flags,
     )
@@ -157,6 +158,8 @@ def worker(model_dir: str, out: str, mode: str = "ring") -> None:
         "ulysses:custom:vocab",
         "ring:moe:vocab",
         "ring:custom:vocab:w6",
+        "ring:vocab:untied",
+        "ring:vocab:bf16",
     ],
 )
 def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path, mode: str) -> None:
@@ -169,6 +172,10 @@ def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path, mode: str) -> None
         from hpcrl.models.tiny import build_tiny_model
 
         model_dir = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=3)
+    if mode.endswith(":untied"):  # its own LM head: two vocabulary-parallel weights, one FSDP-free group
+        from tests.integration.test_fsdp_equivalence import _untie
+
+        model_dir = _untie(tiny_model_dir, tmp_path / "untied")
     ranks = 6 if mode.endswith(":w6") else 2
     run_ranks(__file__, ranks, str(model_dir), str(out), mode, timeout=300)
     r = json.loads(out.read_text())
@@ -176,8 +183,11 @@ def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path, mode: str) -> None
         f"cp=2 ({mode}) vs cp=1: loss {r['loss']:.9f} vs {r['ref_loss']:.9f}, max |grad diff| {r['max_grad_diff']:.2e} "
         f"(largest gradient entry {r['grad_scale']:.2e})"
     )
-    assert abs(r["loss"] - r["ref_loss"]) <= ATOL
-    assert r["max_grad_diff"] <= ATOL
+    # bf16 compute against the fp32 reference: measured 8.6e-5 (loss) and 3.0e-4 (grads, of 2.7e-2),
+    # the same as cp = 2 in bf16 with the head gathered (3.1e-4)
+    tol = 2e-3 if ":bf16" in mode else ATOL
+    assert abs(r["loss"] - r["ref_loss"]) <= tol
+    assert r["max_grad_diff"] <= tol
     assert r["grad_scale"] > 1e-3
 
 
