@@ -54,30 +54,26 @@ def _scatter_sum(x: Tensor, group: Any, size: int) -> Tensor:
     return out
 
 
-class _AllGather(torch.autograd.Function):
-    """Rows of every rank of ``group``, in rank order; the backward sums the gradient back to owners."""
+class _Exchange(torch.autograd.Function):
+    """``gather``: every rank's rows of ``group`` in rank order, whose backward sums the gradient back
+    to the owners (a reduce-scatter); else the reduce-scatter, whose backward all-gathers."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: Any, size: int) -> Tensor:  # type: ignore[override]
-        ctx.group, ctx.size = group, size
-        return _gather(x, group, size)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):  # type: ignore[override]
-        return _scatter_sum(g, ctx.group, ctx.size), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """The sum over ``group`` of ``x``'s rows, each rank keeping its block; the backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Any, size: int) -> Tensor:  # type: ignore[override]
-        ctx.group, ctx.size = group, size
-        return _scatter_sum(x, group, size)
+    def forward(ctx, x: Tensor, group: Any, size: int, gather: bool) -> Tensor:  # type: ignore[override]
+        ctx.group, ctx.size, ctx.gather = group, size, gather
+        return (_gather if gather else _scatter_sum)(x, group, size)
 
     @staticmethod
     def backward(ctx, g: Tensor):  # type: ignore[override]
-        return _gather(g, ctx.group, ctx.size), None, None
+        return (_scatter_sum if ctx.gather else _gather)(g, ctx.group, ctx.size), None, None, None
+
+
+def all_gather(x: Tensor, group: Any, size: int) -> Tensor:
+    return _Exchange.apply(x, group, size, True)
+
+
+def reduce_scatter(x: Tensor, group: Any, size: int) -> Tensor:
+    return _Exchange.apply(x, group, size, False)
 
 
 @dataclass(frozen=True)
@@ -120,14 +116,14 @@ class VocabShard:
         if local.shape[0] < self.block:
             local = F.pad(local, (0, 0, 0, self.block - local.shape[0]))
         if self.dp > 1:
-            local = _AllGather.apply(local, self.dp_group, self.dp)
+            local = all_gather(local, self.dp_group, self.dp)
         return local if self.dtype is None else local.to(self.dtype)
 
     def gather(self, x: Tensor, n_max: int, fill: float = 0) -> Tensor:
         """``x`` ([n, ...], n <= n_max) of every rank of the cp group, each padded to n_max rows."""
         if x.shape[0] < n_max:
             x = torch.cat([x, x.new_full((n_max - x.shape[0], *x.shape[1:]), fill)])
-        return _AllGather.apply(x, self.cp_group, self.cp)
+        return all_gather(x, self.cp_group, self.cp)
 
     def longest(self, n: int, device: torch.device) -> int:
         t = torch.tensor(float(n), device=device)
@@ -147,7 +143,7 @@ class VocabShard:
             p_held, p_col = self.columns(torch.tensor([emb.padding_idx], device=flat.device))
             pad_idx = int(p_col) if bool(p_held) else None
         part = F.embedding(col, w, pad_idx) * held[:, None].to(w.dtype)
-        mine = _ReduceScatter.apply(part, self.cp_group, self.cp)[: flat.numel()]
+        mine = reduce_scatter(part, self.cp_group, self.cp)[: flat.numel()]
         return mine.view(*ids.shape, w.shape[-1])
 
     def logprobs(
