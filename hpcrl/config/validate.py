@@ -42,10 +42,6 @@ def validate_sft(cfg: SFTConfig) -> None:
     _renderer(cfg.renderer, cfg.model.name, "renderer")
     trainer_precision(cfg, on_gpu=True)
     _activation_offload(cfg)
-    if cfg.model.cp > 1:
-        raise ConfigError(
-            "model.cp", f"{cfg.model.cp}: context parallelism is implemented for the RL trainer only"
-        )
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError(
             "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"

@@ -31,16 +31,18 @@ from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer import sft_data as sd
 from hpcrl.trainer.checkpointer import Checkpointer
+from hpcrl.trainer.context_parallel import restrict
 from hpcrl.trainer.core import (
     Progress,
     StepResult,
     agreed_stop,
     common_metrics,
+    forward_for,
     install_stop_handler,
     step_micro_batches,
 )
 from hpcrl.trainer.loss import LossParams
-from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed, split_micro_batches
+from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, split_micro_batches
 from hpcrl.trainer.setup import Training, build_training
 
 log = logging.getLogger("hpcrl.trainer")
@@ -52,6 +54,12 @@ FINALIZE_TIMEOUT_S = 600.0
 def main(cfg: SFTConfig) -> int:
     # User errors (data, template, resume step) are UserErrors: the CLI prints them in one line.
     ranks = sft_ranks.requested_ranks(cfg)
+    from hpcrl.config.validate import context_parallel
+    from hpcrl.launch.placement import use_cuda
+
+    context_parallel(
+        cfg, parallel.dist_env().world_size if sft_ranks.launched_as_rank() else ranks, use_cuda()
+    )
     if ranks > 1 and not sft_ranks.launched_as_rank():
         setup_logging("sft", cfg.log.level)
         return sft_ranks.launch_ranks(prepare(cfg), ranks)
@@ -68,6 +76,7 @@ def train(cfg: SFTConfig) -> int:
     if progress.data is not None:
         data.cursor.restore(progress.data)
     rank, world = tr.dist.rank, tr.dist.world_size
+    share = data_share(tr)
     log.info(
         "sft: %d training rows (%s), %d validation rows, steps %d..%d, %d rank(s)",
         len(data.train),
@@ -81,7 +90,7 @@ def train(cfg: SFTConfig) -> int:
     params = LossParams(mode="sft")
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
-        batch = data.next_batch(rank, world, tr.device)
+        batch = data.next_batch(share[0], share[1], tr.device, copies=share[2])
         out = step_micro_batches(
             tr,
             batch.micro_batches,
@@ -116,6 +125,15 @@ def train(cfg: SFTConfig) -> int:
     metrics.close()
     parallel.destroy_distributed()
     return 0
+
+
+def data_share(tr: Training) -> tuple[int, int, int]:
+    """(share, shares, copies): which slice of each batch this rank reads. Under cp the ranks of a cp
+    group read the same rows (each trains its time slice of them), so there are world / cp shares and
+    the rank-summed totals count every row cp times."""
+    if tr.cp is None:
+        return tr.dist.rank, tr.dist.world_size, 1
+    return tr.dist.rank // tr.cp.size, tr.dist.world_size // tr.cp.size, tr.cp.size
 
 
 def start_rank(cfg: SFTConfig) -> tuple[RunPaths, Training, SFTData]:
@@ -239,22 +257,24 @@ class SFTData:
             sd.tokenize_conversation(self.tokenizer, conv, self.role_mask, where), self.seq_len
         )
 
-    def next_batch(self, rank: int, world: int, device: torch.device) -> StepBatch:
+    def next_batch(self, rank: int, world: int, device: torch.device, copies: int = 1) -> StepBatch:
+        """Share ``rank`` of ``world`` of the next batch_size rows; ``copies``: ranks reading each
+        share (cp), whose rank-summed totals count it that many times."""
         idx = self.cursor.take(self.batch_size)
         mine = [
             self.sample(self.train, int(i), f"{self.train.source} row {int(i)}") for i in idx[rank::world]
         ]
-        return self._batch(mine, device)
+        return self._batch(mine, device, copies)
 
-    def val_batch(self, rank: int, world: int, device: torch.device) -> StepBatch:
+    def val_batch(self, rank: int, world: int, device: torch.device, copies: int = 1) -> StepBatch:
         if self._val_cache is None:  # the validation set is fixed: tokenize it once
             self._val_cache = [
                 self.sample(self.val, i, f"{self.val.source or 'val'} row {i}")
                 for i in range(rank, len(self.val), world)
             ]
-        return self._batch(self._val_cache, device)
+        return self._batch(self._val_cache, device, copies)
 
-    def _batch(self, samples: list[sd.TokenizedSample], device: torch.device) -> StepBatch:
+    def _batch(self, samples: list[sd.TokenizedSample], device: torch.device, copies: int = 1) -> StepBatch:
         kept = [s for s in samples if s.loss_mask.any()]  # nothing to learn (e.g. truncated away)
         mbs, waste = micro_batches_for(kept, self.seq_len, self.micro_tokens, device)
         local = [
@@ -266,7 +286,7 @@ class SFTData:
         ]
         summed = parallel.all_reduce(torch.tensor(local, dtype=torch.float64))
         keys = ("loss_tokens", "tokens", "samples", "truncated", "dropped")
-        return StepBatch(mbs, {k: int(v) for k, v in zip(keys, summed.tolist())}, waste)
+        return StepBatch(mbs, {k: int(v) // copies for k, v in zip(keys, summed.tolist())}, waste)
 
 
 def micro_batches_for(
@@ -310,7 +330,8 @@ def maybe_validate(cfg: SFTConfig, data: SFTData, tr: Training, step: int) -> tu
 @torch.no_grad()
 def validation_loss(tr: Training, data: SFTData) -> float:
     """Mean token cross-entropy over the whole validation set (all ranks), without a gradient."""
-    batch = data.val_batch(tr.dist.rank, tr.dist.world_size, tr.device)
+    rank, world, copies = data_share(tr)
+    batch = data.val_batch(rank, world, tr.device, copies=copies)
     mbs = list(batch.micro_batches)
     n_mb = int(parallel.all_reduce(float(len(mbs)), op="max"))  # FSDP: same number of forwards everywhere
     mbs += [dummy_micro_batch(tr.device) for _ in range(n_mb - len(mbs))]
@@ -318,9 +339,9 @@ def validation_loss(tr: Training, data: SFTData) -> float:
     tr.model.eval()
     try:
         for mb in mbs:
-            lp = forward_packed(
-                tr.model, mb, compute_entropy=False, wanted=mb.loss_mask, chunk_tokens=tr.logprobs_chunk
-            ).logprobs
+            if tr.cp is not None:  # each rank sums the tokens it predicts: the group's sum counts each once
+                mb = restrict(mb, tr.cp)  # noqa: PLW2901
+            lp = forward_for(tr, mb, compute_entropy=False, wanted=mb.loss_mask).logprobs
             total += -torch.where(mb.loss_mask, lp, torch.zeros_like(lp)).sum().double().cpu()
     finally:
         tr.model.train()

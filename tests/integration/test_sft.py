@@ -211,6 +211,32 @@ def test_sft_two_ranks_fsdp(sft_run, tiny_model_dir, tmp_path):
     assert m[4]["progress/num_samples"] == 32 and m[4]["loss/mean"] < m[1]["loss/mean"]
 
 
+def test_sft_cp2_equals_one_rank(sft_run, tiny_model_dir, tmp_path):
+    """`model.cp = 2` over 2 ranks: both ranks read the same rows and train one time slice each (ring
+    attention, the vocabulary-parallel head); the run counts each row once and follows the 1-rank
+    run's losses (the module's run: same data, seed and config)."""
+    run1, cfg1 = sft_run
+    data = tmp_path.parent / "data_cp.jsonl"
+    shutil.copy(next(cfg1.parent.glob("demo-sft-data/train.jsonl")), data)
+    cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, data, tmp_path / "run")
+    text = cfg.read_text().replace("[model]\n", "[model]\ncp = 2\n")
+    cfg.write_text(text + "[deployment]\nnum_trainer_ranks = 2\n")
+    run_sft(str(cfg), timeout=600)
+    one, two = losses(run1), losses(tmp_path / "run")
+    print(
+        "sft cp=2 vs 1 rank: "
+        + ", ".join(f"step {s}: {two[s]['loss/mean']:.6f} vs {one[s]['loss/mean']:.6f}" for s in sorted(one))
+    )
+    for step in sorted(one):
+        assert two[step]["loss/mean"] == pytest.approx(one[step]["loss/mean"], abs=1e-4), step
+        for k in ("loss_tokens", "progress/num_samples", "progress/num_tokens"):
+            assert two[step][k] == one[step][k], (step, k)
+        if "val/loss" in one[step]:
+            assert two[step]["val/loss"] == pytest.approx(one[step]["val/loss"], abs=1e-4), step
+    log = RunPaths(tmp_path / "run").log_file("trainer").read_text()
+    assert "context parallel: cp 2" in log and "vocab-parallel embedding and LM head" in log
+
+
 def test_sft_two_ranks_user_error_is_one_line(tiny_model_dir, tmp_path):
     """The rank spawner (hpcrl.launch.sft_ranks on the local launcher's supervision): a rank's user
     error ends the run with the rank's exit code 2 and its one-line message last, no traceback."""

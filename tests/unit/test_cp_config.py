@@ -1,5 +1,5 @@
 """Dry-run checks of trainer.model.cp (hpcrl.config.validate.context_parallel), the cp rank helpers
-of hpcrl/trainer/context_parallel.py, and SFT refusing cp."""
+of hpcrl/trainer/context_parallel.py, and SFT's cp checked against its ranks."""
 
 from __future__ import annotations
 
@@ -33,13 +33,17 @@ def test_cp_on_gpu_needs_flash_attention() -> None:
         context_parallel(cfg, trainer_ranks=2, on_gpu=True)
 
 
-def test_sft_refuses_cp() -> None:
+def test_sft_cp_is_checked_against_its_ranks() -> None:
+    """SFT trains under cp too (the same step as RL); its cp must divide the SFT ranks, in one line
+    naming [model] (SFT has no [trainer.model])."""
     from hpcrl.config.schema import SFTConfig
 
-    with pytest.raises(ConfigError, match=r"^model\.cp: 2: context parallelism is implemented for the RL"):
-        load(
-            ["--model.name", "hpcrl/tiny-qwen3", "--data.name", "x.jsonl", "--model.cp", "2"], root=SFTConfig
-        )
+    cfg = load(
+        ["--model.name", "hpcrl/tiny-qwen3", "--data.name", "x.jsonl", "--model.cp", "2"], root=SFTConfig
+    ).config
+    context_parallel(cfg, trainer_ranks=2, on_gpu=False)
+    with pytest.raises(ConfigError, match=r"^model\.cp: 2 must divide the number of trainer ranks \(3\)"):
+        context_parallel(cfg, trainer_ranks=3, on_gpu=False)
 
 
 def test_slices_and_owned_tokens_by_hand() -> None:
