@@ -198,8 +198,8 @@ def ep_groups(ranks: int, ep: int) -> list[list[int]]:
 
 
 def expert_shard_groups(ranks: int, ep: int) -> list[list[int]]:
-    """Ranks that hold the same experts (one from each ep group): replicas whose expert gradients are
-    all-reduced."""
+    """Ranks that share an ep position (one from each ep group): its experts are FSDP-sharded over
+    them (gathered a layer at a time, gradients reduce-scattered)."""
     return [list(range(i, ranks, ep)) for i in range(ep)]
 
 
@@ -225,10 +225,14 @@ def ep_lines(ranks: int, ep: int, ranks_per_node: int, num_experts: int) -> list
         f"  ep groups:  {len(groups)} x {ep} ranks (all-to-all inside each; {num_experts // ep} experts per rank): "
         + " ".join(f"[{_span(g)}]" for g in shown)
         + (" ..." if len(shown) < len(groups) else ""),
-        "  expert replicas (gradients all-reduced): "
-        + " ".join(f"[{_span(g)}]" for g in expert_shard_groups(ranks, ep)[:8])
-        + (" ..." if ep > 8 else ""),
     ]
+    if len(groups) > 1:
+        lines.append(
+            f"  expert shards (FSDP over the {len(groups)} ranks of an ep position, {num_experts / ranks:g} "
+            "experts stored per rank): "
+            + " ".join(f"[{_span(g)}]" for g in expert_shard_groups(ranks, ep)[:8])
+            + (" ..." if ep > 8 else "")
+        )
     if ranks_per_node and (ep > ranks_per_node or ranks_per_node % ep):
         lines.append(
             f"  note:       an ep group spans nodes ({ep} > {ranks_per_node} ranks per node or not aligned)"
@@ -289,7 +293,10 @@ def trainer_items(
     )  # the LM head (tied or not) + final norm, see the docstring
     gathered = (root + PREFETCH_LAYERS * layer) * cb + (layer * rb if not lora_params else 0)
     t = -(-tokens // cp)
-    logit_tokens = min(t, chunk) if chunk else t
+    # a vocabulary-parallel head runs on the cp group's gathered rows (cp x t), and keeps them and their
+    # gradient ([cp x t, hidden] each) for its backward
+    logit_tokens = min(t * split, chunk) if chunk else t
+    head_inputs = 2 * split * t * a.hidden * cb if split > 1 else 0
     ac_note = f"{t} tokens x {a.layers} layers, checkpointing {'on' if ac else 'off'}"
     ac_note += ", inputs offloaded" if ac and offload else ""
     return [
@@ -321,9 +328,14 @@ def trainer_items(
         Item(
             "logits",
             "fp32",
-            logits_gib(-(-a.vocab // split), logit_tokens, cb, chunked=bool(chunk)),
+            logits_gib(-(-a.vocab // split), logit_tokens, cb, chunked=bool(chunk)) + head_inputs / GIB,
             f"{logit_tokens} x {-(-a.vocab // split)}"
-            + (" (chunked)" if chunk else " (full; no chunked logprobs)"),
+            + (" (chunked)" if chunk else " (full; no chunked logprobs)")
+            + (
+                f" + the group's hidden states, {split * t} x {a.hidden}, and their gradient"
+                if split > 1
+                else ""
+            ),
         ),
     ]
 

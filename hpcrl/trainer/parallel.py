@@ -228,7 +228,8 @@ def apply_fsdp(
         fully_shard(
             layer, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params
         )
-    if (emb := untied_input_embeddings(model)) is not None:
+    emb = untied_input_embeddings(model)
+    if emb is not None and not (ignored_params and emb.weight in ignored_params):
         # Its own group: gathered for the first op of the forward and the last of the backward only.
         # In the root group it was gathered through the whole forward (the root's forward is the
         # model's) and the whole backward (from the LM head's to its own), i.e. through the step's

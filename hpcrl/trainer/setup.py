@@ -45,13 +45,16 @@ def _vocab(model: torch.nn.Module) -> int:
     return int(head.weight.shape[0]) if head is not None else int(base.config.vocab_size)
 
 
-def _columns(model: torch.nn.Module, cp: CPGroup | None) -> int:
-    """Columns of a logprob chunk's buffer: the vocabulary, or a cp rank's share of it when the head is
-    vocabulary-parallel (its chunks may then hold cp times the rows for the same bytes)."""
-    from hpcrl.trainer.chunked import vocab_parallel
+def _chunk(model: torch.nn.Module, model_cfg: TrainerModelConfig, cp: CPGroup | None) -> int:
+    """Positions per logprob chunk (0: off), bounded by logprobs_chunk_mib. A vocabulary-parallel head
+    always chunks (DEFAULT_CHUNK when chunking is off) and its buffer has a rank's vocab / cp columns,
+    so the same bytes hold cp times the rows."""
+    from hpcrl.trainer.chunked import DEFAULT_CHUNK, vocab_parallel
 
-    v = _vocab(model)
-    return -(-v // cp.size) if cp is not None and vocab_parallel(model) else v
+    tokens, v = model_cfg.logprobs_chunk_tokens, _vocab(model)
+    if cp is not None and vocab_parallel(model):
+        tokens, v = tokens or DEFAULT_CHUNK, -(-v // cp.size)
+    return chunk_rows(tokens, v, model_cfg.logprobs_chunk_mib)
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -135,9 +138,7 @@ def build_training(
         env,
         prec,
         router_replay=replay,
-        logprobs_chunk=chunk_rows(
-            model_cfg.logprobs_chunk_tokens, _columns(model, cp), model_cfg.logprobs_chunk_mib
-        ),
+        logprobs_chunk=_chunk(model, model_cfg, cp),
         cp=cp,
     )
 

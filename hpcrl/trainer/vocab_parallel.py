@@ -55,21 +55,27 @@ def _scatter_sum(x: Tensor, group: Any, size: int) -> Tensor:
 
 
 class _Exchange(torch.autograd.Function):
-    """``gather``: every rank's rows of ``group`` in rank order, whose backward sums the gradient back
-    to the owners (a reduce-scatter); else the reduce-scatter, whose backward all-gathers."""
+    """``gather``: every rank's rows of ``group`` in rank order (cast to ``dtype`` first, when given),
+    whose backward sums the gradient back to the owners (a reduce-scatter, in ``x``'s own dtype: FSDP's
+    fp32 reduce under bf16 compute); else the reduce-scatter, whose backward all-gathers."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: Any, size: int, gather: bool) -> Tensor:  # type: ignore[override]
-        ctx.group, ctx.size, ctx.gather = group, size, gather
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, group: Any, size: int, gather: bool, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        ctx.group, ctx.size, ctx.gather, ctx.dtype = group, size, gather, x.dtype
+        if dtype is not None:
+            x = x.to(dtype)
         return (_gather if gather else _scatter_sum)(x, group, size)
 
     @staticmethod
     def backward(ctx, g: Tensor):  # type: ignore[override]
-        return (_scatter_sum if ctx.gather else _gather)(g, ctx.group, ctx.size), None, None, None
+        out = (_scatter_sum if ctx.gather else _gather)(g.to(ctx.dtype), ctx.group, ctx.size)
+        return out, None, None, None, None
 
 
-def all_gather(x: Tensor, group: Any, size: int) -> Tensor:
-    return _Exchange.apply(x, group, size, True)
+def all_gather(x: Tensor, group: Any, size: int, dtype: torch.dtype | None = None) -> Tensor:
+    return _Exchange.apply(x, group, size, True, dtype)
 
 
 def reduce_scatter(x: Tensor, group: Any, size: int) -> Tensor:
@@ -104,19 +110,29 @@ class VocabShard:
         col = torch.div(owner, self.cp, rounding_mode="floor") * self.block + ids % self.block
         return held, torch.where(held, col, torch.zeros_like(col))
 
-    def padding(self, device: torch.device) -> Tensor:
-        """[rows] bool: gathered rows past the vocabulary (the short or empty last shards)."""
-        blocks = torch.arange(self.dp, device=device) * self.cp + self.rank  # the world ranks gathered
-        valid = (self.vocab - blocks * self.block).clamp(0, self.block)
-        return torch.arange(self.block, device=device)[None, :] >= valid[:, None]
+    def padding(self) -> list[tuple[int, int]]:
+        """Column ranges of the gathered rows past the vocabulary (the short or empty last shards);
+        plain ints, so masking them costs no device sync."""
+        out = []
+        for g in range(self.dp):
+            valid = min(max(self.vocab - (g * self.cp + self.rank) * self.block, 0), self.block)
+            if valid < self.block:
+                out.append((g * self.block + valid, (g + 1) * self.block))
+        return out
+
+    def column_of(self, token: int) -> int | None:
+        """:meth:`columns` of one id in Python (None: another rank holds it)."""
+        owner = token // self.block
+        return (owner // self.cp) * self.block + token % self.block if owner % self.cp == self.rank else None
 
     def rows(self, weight: Tensor) -> Tensor:
-        """This rank's gathered rows ``[dp * block, H]`` of the sharded ``weight`` (differentiable)."""
+        """This rank's gathered rows ``[dp * block, H]`` of the sharded ``weight`` in the compute dtype
+        (differentiable: cast before the gather, the gradient reduced in the weight's dtype)."""
         local = weight.to_local() if hasattr(weight, "to_local") else weight
         if local.shape[0] < self.block:
             local = F.pad(local, (0, 0, 0, self.block - local.shape[0]))
         if self.dp > 1:
-            local = all_gather(local, self.dp_group, self.dp)
+            return all_gather(local, self.dp_group, self.dp, self.dtype)
         return local if self.dtype is None else local.to(self.dtype)
 
     def gather(self, x: Tensor, n_max: int, fill: float = 0) -> Tensor:
@@ -138,10 +154,8 @@ class VocabShard:
         all_ids = self.gather(flat, n_max)
         held, col = self.columns(all_ids)
         w = self.rows(emb.weight)
-        pad_idx = None
-        if emb.padding_idx is not None:  # its row gets no gradient (nn.Embedding's contract)
-            p_held, p_col = self.columns(torch.tensor([emb.padding_idx], device=flat.device))
-            pad_idx = int(p_col) if bool(p_held) else None
+        # the padding row gets no gradient (nn.Embedding's contract)
+        pad_idx = None if emb.padding_idx is None else self.column_of(emb.padding_idx % self.vocab)
         part = F.embedding(col, w, pad_idx) * held[:, None].to(w.dtype)
         mine = reduce_scatter(part, self.cp_group, self.cp)[: flat.numel()]
         return mine.view(*ids.shape, w.shape[-1])
@@ -178,12 +192,13 @@ class _VocabLogprobs(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         n = h.shape[0]
         held, col = shard.columns(labels)
-        pad = shard.padding(h.device).reshape(-1)
-        stats = torch.empty(n, 3, dtype=torch.float32, device=h.device)  # local lse, E[z], picked z
+        pad = shard.padding()
+        stats = torch.zeros(n, 3, dtype=torch.float32, device=h.device)  # local lse, E[z], picked z
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             z = _chunk_logits(h[a:b], w, None if temp is None else temp[a:b])
-            z[:, pad] = PAD_LOGIT
+            for lo, hi in pad:
+                z[:, lo:hi] = PAD_LOGIT
             m = z.amax(-1)
             z.sub_(m[:, None])
             s = torch.empty(b - a, device=h.device)
@@ -192,11 +207,13 @@ class _VocabLogprobs(torch.autograd.Function):
             for r in range(0, b - a, rows):
                 p = z[r : r + rows].exp()
                 s[r : r + rows] = p.sum(-1)
-                pz[r : r + rows] = (p[:, None, :] @ z[r : r + rows, :, None])[:, 0, 0]
+                if entropy:
+                    pz[r : r + rows] = (p[:, None, :] @ z[r : r + rows, :, None])[:, 0, 0]
                 del p
             pick = z.gather(1, col[a:b, None])[:, 0] + m
             stats[a:b, 0] = m + s.log()
-            stats[a:b, 1] = pz / s + m
+            if entropy:
+                stats[a:b, 1] = pz / s + m
             stats[a:b, 2] = torch.where(held[a:b], pick, torch.full_like(pick, float("-inf")))
             del z
         every = _gather(stats[None], shard.cp_group, shard.cp)  # [cp, n, 3]
@@ -216,7 +233,7 @@ class _VocabLogprobs(torch.autograd.Function):
         grad = grad_picked.float().contiguous()
         dist.all_reduce(grad, group=shard.cp_group)
         held, col = shard.columns(labels)
-        pad = shard.padding(h.device).reshape(-1)
+        pad = shard.padding()
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # a frozen head (LoRA): no grad_w
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
@@ -224,11 +241,13 @@ class _VocabLogprobs(torch.autograd.Function):
             b = min(a + chunk, h.shape[0])
             t = None if temp is None else temp[a:b]
             g = _chunk_logits(h[a:b], w, t)
-            g[:, pad] = PAD_LOGIT
+            for lo, hi in pad:
+                g[:, lo:hi] = PAD_LOGIT
             g.sub_(lse[a:b, None]).exp_()  # the softmax over the whole vocabulary, this rank's columns
             g.mul_(-grad[a:b, None])
-            rows = held[a:b].nonzero()[:, 0]
-            g[rows, col[a:b][rows]] += grad[a:b][rows]
+            # + the incoming gradient at the label, where this rank holds it (0 is added elsewhere)
+            at_label = torch.where(held[a:b], grad[a:b], torch.zeros_like(grad[a:b]))
+            g.index_put_((torch.arange(b - a, device=g.device), col[a:b]), at_label, accumulate=True)
             if t is not None:
                 g /= t.unsqueeze(-1)
             g = g.to(w.dtype)
@@ -258,6 +277,8 @@ def supported(model: nn.Module) -> str | None:
         return "the LM head is not a plain bias-free nn.Linear (LoRA on it?)"
     if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
         return "the input embedding uses max_norm, scale_grad_by_freq or sparse gradients"
+    if (emb.num_embeddings, emb.embedding_dim) != (head.out_features, head.in_features):
+        return "the input embedding and the LM head differ in vocabulary or hidden size"
     return None
 
 
@@ -276,7 +297,12 @@ def shard(
     from torch.distributed.tensor import DTensor, Shard
 
     emb, head = _layers(model)
-    mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+    from hpcrl.models.qwen3.parallelize import is_expert_sharded
+
+    # FSDP's mesh of all ranks (not an expert-parallel mesh: experts may come first in some model)
+    mesh = next(
+        p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and not is_expert_sharded(p)
+    )
     world, me = dist.get_world_size(), dist.get_rank()
     dp_group = None
     for r in range(cp_size):  # new_group is collective: every rank creates every dp group

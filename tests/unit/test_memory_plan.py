@@ -64,7 +64,8 @@ def test_dense_8b_on_8_fsdp_ranks():
     assert vp["gathered"] * GIB == pytest.approx(
         (75_968 * 4096 + 4096 + 2 * 192_946_432) * 2 + 192_946_432 * 4
     )
-    assert vp["logits"] * GIB == pytest.approx(256 * 75_968 * (2 + 4))
+    # + the cp group's gathered hidden states and their gradient: 2 x (2 x 2048) x 4096 bf16
+    assert vp["logits"] * GIB == pytest.approx(256 * 75_968 * (2 + 4) + 2 * 2 * 2048 * 4096 * 2)
     assert items(Q8B, vocab_parallel=True) == got
 
 
@@ -119,7 +120,11 @@ def test_ep_groups():
     assert "128 experts" in str(e.value)
     lines = mp.ep_lines(16, 8, 8, 128)
     assert "2 x 8 ranks" in lines[0] and "[0-7] [8-15]" in lines[0] and "16 experts per rank" in lines[0]
-    assert "[0,8] [1,9]" in lines[1] and not any("spans nodes" in x for x in lines)
+    assert (
+        "[0,8] [1,9]" in lines[1] and "FSDP over the 2 ranks" in lines[1] and "8 experts stored" in lines[1]
+    )
+    assert not any("spans nodes" in x for x in lines)
+    assert len(mp.ep_lines(8, 8, 8, 128)) == 1  # one ep group: experts whole, nothing shared
     assert "spans nodes" in mp.ep_lines(16, 16, 8, 128)[-1]
 
 
