@@ -80,7 +80,8 @@ def _routes(model, t: int):
 
 def worker(model_dir: str, out: str, mode: str = "ring") -> None:
     """``mode``: ring | ulysses, then ``:custom`` (hpcrl's implementation), ``:moe`` (an MoE model
-    with router replay, custom)."""
+    with router replay, custom), ``:vocab`` (the vocabulary-parallel head), ``:ep2`` (experts over
+    ep = 2 on the cp ranks), ``:bf16`` (bf16 compute), ``:untied`` / ``:w6`` (see the test)."""
     import dataclasses
 
     import torch
@@ -101,11 +102,18 @@ def worker(model_dir: str, out: str, mode: str = "ring") -> None:
     moe = "moe" in flags
     impl = "custom" if "custom" in flags or moe else "hf"
     attn = ulysses.register_hf() if mode == "ulysses" else register_hf()
+    model = load_model(model_dir, attn_impl=attn, impl=impl)
+    experts = set()
+    if "ep2" in flags:  # expert parallelism over the same 2 ranks: tokens of both time slices dispatched
+        from hpcrl.models.qwen3.parallelize import apply_ep
+
+        experts = apply_ep(model, 2, torch.device("cpu"))
     # vocab: the embedding and head split over the vocabulary within the cp group; else FSDP's
     model = shard_model(
-        load_model(model_dir, attn_impl=attn, impl=impl),
+        model,
         param_dtype=torch.bfloat16 if "bf16" in flags else None,  # bf16 compute over fp32 weights
         force=True,
+        experts=experts,
         cp=cp,
         vocab_parallel="vocab" in flags,
     )
@@ -160,6 +168,7 @@ def worker(model_dir: str, out: str, mode: str = "ring") -> None:
         "ring:custom:vocab:w6",
         "ring:vocab:untied",
         "ring:vocab:bf16",
+        "ring:moe:vocab:ep2",
     ],
 )
 def test_cp2_equals_cp1(tiny_model_dir: Path, tmp_path: Path, mode: str) -> None:
