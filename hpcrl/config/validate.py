@@ -72,9 +72,9 @@ def validate_sft(cfg: SFTConfig) -> None:
 def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
     """``trainer.model.cp`` against the placement (run, submit, resume and their --dry-run): it must
     divide the trainer ranks (ranks = dp x cp); ring attention on GPU needs a flash-attention kernel;
-    ulysses needs cp to divide the attention heads (where the model's architecture is known locally).
-    A micro-batch whose length cp does not divide is padded (a padding sample of its own), so
-    seq_len needs no check."""
+    ulysses needs cp to divide the attention heads (where the model's architecture is known locally);
+    cp must divide seq_len (a sequence of seq_len tokens splits evenly; a micro-batch of shorter
+    samples that cp does not divide is still padded with a padding sample of its own)."""
     import importlib.util
 
     model, field = _trainer_model(cfg)
@@ -83,6 +83,10 @@ def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
         return
     if trainer_ranks % cp:
         raise ConfigError(f"{field}.cp", f"{cp} must divide the number of trainer ranks ({trainer_ranks})")
+    if cfg.seq_len % cp:
+        raise ConfigError(
+            f"{field}.cp", f"{cp} must divide seq_len ({cfg.seq_len}); use a seq_len that it does"
+        )
     if model.cp_mode == "ulysses":
         from hpcrl.models.arch import find_arch
 

@@ -26,6 +26,38 @@ def test_cp_must_divide_trainer_ranks() -> None:
     context_parallel(load(BASE).config, trainer_ranks=3, on_gpu=True)  # cp = 1: nothing to check
 
 
+@pytest.mark.parametrize(
+    ("seq_len", "cp", "ok"), [(512, 2, True), (514, 4, False), (513, 2, False), (384, 3, True)]
+)
+def test_cp_must_divide_seq_len(seq_len: int, cp: int, ok: bool) -> None:
+    cfg = load([*BASE, "--seq-len", str(seq_len), "--trainer.model.cp", str(cp)]).config
+    if ok:
+        context_parallel(cfg, trainer_ranks=cp, on_gpu=False)
+        return
+    with pytest.raises(ConfigError) as e:
+        context_parallel(cfg, trainer_ranks=cp, on_gpu=False)
+    assert e.value.one_line() == (
+        f"config error: trainer.model.cp: {cp} must divide seq_len ({seq_len}); use a seq_len that it does"
+    )
+
+
+def test_sft_cp_must_divide_seq_len() -> None:
+    from hpcrl.config.schema import SFTConfig
+
+    args = [
+        "--model.name",
+        "hpcrl/tiny-qwen3",
+        "--data.name",
+        "x.jsonl",
+        "--model.cp",
+        "2",
+        "--seq-len",
+        "65",
+    ]
+    with pytest.raises(ConfigError, match=r"^model\.cp: 2 must divide seq_len \(65\)"):
+        context_parallel(load(args, root=SFTConfig).config, trainer_ranks=2, on_gpu=False)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
 def test_cp_on_gpu_needs_flash_attention() -> None:
     cfg = load([*BASE, "--model.cp", "2"]).config
@@ -59,7 +91,7 @@ def test_slices_and_owned_tokens_by_hand() -> None:
 def test_ulysses_needs_cp_to_divide_the_heads() -> None:
     """tiny-qwen3 has 4 attention heads: ulysses over 2 or 4 ranks, not 3; ring over 3 is fine, and
     ulysses on GPU needs no flash-attention package (SDPA per sample)."""
-    ulysses = [*BASE, "--trainer.model.cp_mode", "ulysses"]
+    ulysses = [*BASE, "--seq-len", "516", "--trainer.model.cp_mode", "ulysses"]  # 516: cp 2, 3, 4 divide it
     context_parallel(load([*ulysses, "--trainer.model.cp", "2"]).config, trainer_ranks=4, on_gpu=True)
     context_parallel(load([*ulysses, "--trainer.model.cp", "4"]).config, trainer_ranks=4, on_gpu=False)
     with pytest.raises(ConfigError) as e:
@@ -68,4 +100,6 @@ def test_ulysses_needs_cp_to_divide_the_heads() -> None:
         "config error: trainer.model.cp: 3 with cp_mode 'ulysses' must divide the model's 4 attention heads "
         "(use a cp that does, or cp_mode = 'ring')"
     )
-    context_parallel(load([*BASE, "--trainer.model.cp", "3"]).config, trainer_ranks=3, on_gpu=False)
+    context_parallel(
+        load([*BASE, "--seq-len", "516", "--trainer.model.cp", "3"]).config, trainer_ranks=3, on_gpu=False
+    )
