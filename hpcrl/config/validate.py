@@ -19,6 +19,7 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
     _unsupported(cfg)
     trainer_precision(cfg, on_gpu=True)
     _activation_offload(cfg)
+    custom_impl(cfg)
     _orchestrator(cfg)
     _renderer(cfg.orchestrator.renderer, cfg.model.name, "orchestrator.renderer")
     _buffer(cfg)
@@ -42,6 +43,7 @@ def validate_sft(cfg: SFTConfig) -> None:
     _renderer(cfg.renderer, cfg.model.name, "renderer")
     trainer_precision(cfg, on_gpu=True)
     _activation_offload(cfg)
+    custom_impl(cfg)
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError(
             "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"
@@ -124,13 +126,35 @@ def expert_parallel(cfg: Config, trainer_ranks: int) -> None:
         raise ConfigError(f"{field}.ep", f"{model.ep} does not divide the model's {arch.num_experts} experts")
 
 
+def custom_impl(cfg: Config | SFTConfig) -> None:
+    """``impl = "custom"`` against the model's config.json where it is known locally (a directory, a
+    built tiny model, the HF cache): a model type without hpcrl's own implementation, or a config it
+    does not compute as transformers does (scaled RoPE of a dynamic kind, attention bias, sliding
+    windows), is refused at the dry run rather than when the trainer loads it."""
+    from hpcrl.models import registry
+    from hpcrl.models.arch import local_config
+
+    model, field = _trainer_model(cfg)
+    if model.impl != "custom":
+        return
+    config = local_config(model.name)
+    if config is None:
+        return
+    try:
+        registry.pick_impl(
+            "custom", str(config.get("model_type", "")), lora=model.lora is not None, config=config
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{field}.impl", e.message) from None
+
+
 def _trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
     """The trainer's model section and the name of the table the user wrote its fields in: the
     loader flows [model] into [trainer.model] (a Config built in code may lack it)."""
     if isinstance(cfg, SFTConfig):
         return cfg.model, "model"
     own = cfg.trainer.model or cfg.model
-    keys = ("dtype", "optimization_dtype", "reduce_dtype", "cp", "ep")
+    keys = ("dtype", "optimization_dtype", "reduce_dtype", "cp", "ep", "impl")
     flowed = all(getattr(own, k) == getattr(cfg.model, k) for k in keys)
     return own, "model" if flowed else "trainer.model"
 

@@ -31,6 +31,9 @@ class Arch:
     num_experts: int = 0  # 0: dense
     top_k: int = 0
     moe_intermediate: int = 0
+    sparse_layers: int | None = (
+        None  # MoE layers of an MoE model (None: all; decoder_sparse_step / mlp_only_layers)
+    )
     source: str = ""
 
     @property
@@ -68,12 +71,26 @@ class Arch:
         return self.attn_params + mlp
 
     @property
+    def moe_layers(self) -> int:
+        if not self.moe:
+            return 0
+        return self.layers if self.sparse_layers is None else self.sparse_layers
+
+    @property
     def expert_params(self) -> int:
-        return self.layers * self.expert_layer_params
+        return self.moe_layers * self.expert_layer_params
 
     @property
     def params(self) -> int:
-        return self.embed_params + self.layers * (self.dense_layer_params + self.expert_layer_params)
+        if not self.moe:
+            return self.embed_params + self.layers * self.dense_layer_params
+        dense_mlp = 3 * self.hidden * self.intermediate  # a dense layer of an MoE model (no router)
+        routed = self.dense_layer_params + self.expert_layer_params
+        return (
+            self.embed_params
+            + self.moe_layers * routed
+            + (self.layers - self.moe_layers) * (self.attn_params + dense_mlp)
+        )
 
     @property
     def mlp_width(self) -> int:
@@ -101,8 +118,18 @@ def from_config(c: dict[str, Any], source: str) -> Arch:
         moe_intermediate=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0)
         if experts
         else 0,
+        sparse_layers=_sparse_layers(c) if experts else None,
         source=source,
     )
+
+
+def _sparse_layers(c: dict[str, Any]) -> int | None:
+    """How many layers are MoE (Qwen-MoE's decoder_sparse_step / mlp_only_layers); None: all of them."""
+    step = int(c.get("decoder_sparse_step") or 1)
+    dense = set(c.get("mlp_only_layers") or [])
+    if step == 1 and not dense:
+        return None
+    return sum(1 for i in range(int(c["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
 
 
 def _qwen3(hidden, layers, heads, kv, inter, tied=False, experts=0, moe_inter=0) -> dict[str, Any]:
@@ -146,10 +173,19 @@ def known(name: str) -> tuple[str, dict[str, Any]] | None:
     return (repo, KNOWN[repo]) if repo in KNOWN else None
 
 
-def _read(path: Path, source: str) -> Arch | None:
+def _json(path: Path) -> dict[str, Any] | None:
     try:
-        return from_config(json.loads(path.read_text()), source)
-    except (OSError, ValueError, KeyError, TypeError):
+        c = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return c if isinstance(c, dict) else None
+
+
+def _read(path: Path, source: str) -> Arch | None:
+    c = _json(path)
+    try:
+        return None if c is None else from_config(c, source)
+    except (ValueError, KeyError, TypeError):
         return None
 
 
@@ -171,7 +207,7 @@ def _builtin(name: str) -> Arch | None:
     return from_config(cfg, f"hpcrl preset '{preset}'")
 
 
-def _hf_cache(name: str, cache_dir: str | None) -> Arch | None:
+def _cached_config(name: str, cache_dir: str | None) -> Path | None:
     repo, _, revision = name.partition("@")
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -181,7 +217,28 @@ def _hf_cache(name: str, cache_dir: str | None) -> Arch | None:
         path = try_to_load_from_cache(repo, "config.json", cache_dir=cache_dir, revision=revision or None)
     except Exception:  # noqa: BLE001 - an id the cache cannot even name is simply not cached
         return None
-    return _read(Path(path), f"config.json in the HF cache ({repo})") if isinstance(path, str) else None
+    return Path(path) if isinstance(path, str) else None
+
+
+def _hf_cache(name: str, cache_dir: str | None) -> Arch | None:
+    path = _cached_config(name, cache_dir)
+    return None if path is None else _read(path, f"config.json in the HF cache ({name.partition('@')[0]})")
+
+
+def local_config(name: str | None, cache_dir: str | None = None) -> dict[str, Any] | None:
+    """The config.json dict of a model directory or a Hub id in the HF cache (None: neither; a
+    built-in tiny model's once built). Never downloads."""
+    if not name:
+        return None
+    if os.path.isdir(name):
+        return _json(Path(name) / "config.json")
+    from hpcrl.models import tiny
+    from hpcrl.models.names import BUILTIN_MODELS
+
+    if name in BUILTIN_MODELS:
+        return _json(tiny._cache_root() / "models" / name / "config.json")
+    path = _cached_config(name, cache_dir)
+    return None if path is None else _json(path)
 
 
 def find_arch(name: str | None, cache_dir: str | None = None) -> Arch | None:

@@ -1,8 +1,10 @@
 """Which model families have hpcrl's own training implementation (``trainer.model.impl = "custom"``).
 
 A family is a package under hpcrl/models/ exposing ``MODEL_TYPES`` (HF ``config.model_type`` values it
-serves), ``build(hf_config) -> nn.Module``, ``from_hf(state) -> state`` and ``to_hf(named) -> named``.
-Adding a family: one package and one line here.
+serves), ``build(hf_config) -> nn.Module``, ``from_hf(state) -> state``, ``to_hf(named) -> named`` and
+``unsupported(config dict) -> reason | None`` (what of a config it does not compute as transformers does:
+``auto`` then keeps transformers, ``custom`` refuses in one line). Adding a family: one package and one
+line here.
 """
 
 from __future__ import annotations
@@ -11,17 +13,27 @@ import importlib
 import json
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from hpcrl.config.errors import ConfigError
 
 FAMILIES = {"qwen3": "hpcrl.models.qwen3", "qwen3_moe": "hpcrl.models.qwen3"}
 
 
-def model_type_of(path: str | Path) -> str:
+def config_of(path: str | Path) -> dict[str, Any]:
+    """A model directory's config.json ({} when unreadable)."""
     try:
-        return str(json.loads(Path(path, "config.json").read_text()).get("model_type", ""))
+        c = json.loads(Path(path, "config.json").read_text())
     except (OSError, ValueError):
-        return ""
+        return {}
+    return c if isinstance(c, dict) else {}
+
+
+def unsupported(config: dict[str, Any]) -> str | None:
+    """Why the custom implementation of this config's model type cannot run it (None: it can, or
+    there is no custom implementation to ask)."""
+    mod = FAMILIES.get(str(config.get("model_type", "")))
+    return None if mod is None else importlib.import_module(mod).unsupported(config)
 
 
 def family(model_type: str) -> ModuleType | None:
@@ -29,9 +41,18 @@ def family(model_type: str) -> ModuleType | None:
     return None if mod is None else importlib.import_module(mod)
 
 
-def pick_impl(impl: str, model_type: str, *, lora: bool = False, attn: str | None = None) -> str:
-    """'hf' or 'custom' for a model: auto picks custom where hpcrl has one, unless LoRA asks for peft
-    or the attention asked for is one only transformers runs (flash_attention_2)."""
+def pick_impl(
+    impl: str,
+    model_type: str,
+    *,
+    lora: bool = False,
+    attn: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> str:
+    """'hf' or 'custom' for a model: auto picks custom where hpcrl has one that runs this ``config``
+    (config.json's dict), unless LoRA asks for peft or the attention asked for is one only transformers
+    runs (flash_attention_2)."""
+    reason = unsupported({**(config or {}), "model_type": model_type})
     if impl == "custom":
         if model_type not in FAMILIES:
             raise ConfigError(
@@ -44,7 +65,13 @@ def pick_impl(impl: str, model_type: str, *, lora: bool = False, attn: str | Non
                 "trainer.model.impl",
                 "LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'",
             )
+        if reason is not None:
+            raise ConfigError(
+                "trainer.model.impl",
+                f"the custom {model_type} does not run {reason}; use impl = 'hf' or 'auto'",
+            )
         return "custom"
     if impl == "auto":
-        return "custom" if model_type in FAMILIES and not lora and attn != "flash_attention_2" else "hf"
+        ok = model_type in FAMILIES and reason is None and not lora and attn != "flash_attention_2"
+        return "custom" if ok else "hf"
     return "hf"

@@ -113,7 +113,8 @@ def load_model(
         raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
     from hpcrl.models import registry
 
-    model_type = registry.model_type_of(path)
+    hf_config = registry.config_of(path)
+    model_type = str(hf_config.get("model_type", ""))
     attn_asked = attn_impl
     # attn auto on a GPU without FA3: a dense model keeps transformers' FA2 varlen kernel where
     # flash-attn is installed (the custom model would run SDPA with dense masks there)
@@ -122,7 +123,10 @@ def load_model(
     )
     if attn_impl is None and impl == "auto" and not model_type.endswith("_moe") and gpu_without_fa3:
         attn_asked = default_attn_impl(device)
-    if registry.pick_impl(impl, model_type, lora=lora is not None, attn=attn_asked) == "custom":
+    if (
+        registry.pick_impl(impl, model_type, lora=lora is not None, attn=attn_asked, config=hf_config)
+        == "custom"
+    ):
         from hpcrl.models.custom import load_custom
 
         return load_custom(

@@ -33,6 +33,27 @@ def test_parameter_counts_by_hand():
     assert from_config(KNOWN["Qwen/Qwen3-235B-A22B"], "t").params / 1e9 == pytest.approx(235.09, abs=0.01)
 
 
+@pytest.mark.parametrize(
+    ("sparse", "moe_layers", "params"),
+    [  # 6 layers; a layer's attention 64 x (64 + 2 x 32) + 64 x 64 + norms 2 x 16 + 2 x 64 = 12,448;
+        # router 64 x 8 = 512; experts 8 x 3 x 64 x 32 = 49,152; a dense layer's MLP 3 x 64 x 128 = 24,576;
+        # untied embedding + head + final norm 2 x 100 x 64 + 64 = 12,864
+        ({}, 6, 12_864 + 6 * (12_448 + 512 + 49_152)),  # 385,536
+        ({"decoder_sparse_step": 2}, 3, 12_864 + 3 * 62_112 + 3 * (12_448 + 24_576)),  # 310,272
+        ({"mlp_only_layers": [0]}, 5, 12_864 + 5 * 62_112 + 37_024),  # 360,448
+        ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, 1, 12_864 + 62_112 + 5 * 37_024),  # 260,096
+    ],
+)
+def test_moe_models_with_dense_layers_count_them(sparse, moe_layers, params):
+    """Qwen-MoE's decoder_sparse_step / mlp_only_layers: dense layers carry an MLP, no router or experts
+    (the counts equal transformers' Qwen3MoeForCausalLM's numel for these configs)."""
+    c = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=100, intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, **sparse)  # fmt: skip
+    a = from_config(c, "test")
+    assert (a.moe_layers, a.params, a.expert_params) == (moe_layers, params, moe_layers * 49_152)
+
+
 def items(arch, **kw):
     base = dict(ranks=8, ep=1, cp=1, tokens=4096, compute="bfloat16", master="float32", reduce="float32",
                 optimizer="adamw", ac=False, chunk=None)  # fmt: skip

@@ -1,9 +1,24 @@
-"""hpcrl's own Qwen3 dense / Qwen3-MoE training implementation (``trainer.model.impl = "custom"``)."""
+"""hpcrl's own Qwen3 dense / Qwen3-MoE training implementation (``trainer.model.impl = "custom"``).
 
-from hpcrl.models.qwen3.model import Qwen3ForTraining
-from hpcrl.models.qwen3.state_dict_adapter import from_hf, to_hf
+The model and its state-dict adapter import torch when first asked for; ``unsupported`` (the
+config check the --dry-run runs) does not."""
+
+from typing import Any
+
+from hpcrl.models.qwen3.args import unsupported
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
-build = Qwen3ForTraining
 
-__all__ = ["MODEL_TYPES", "Qwen3ForTraining", "build", "from_hf", "to_hf"]
+__all__ = ["MODEL_TYPES", "Qwen3ForTraining", "build", "from_hf", "to_hf", "unsupported"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Qwen3ForTraining", "build"):
+        from hpcrl.models.qwen3.model import Qwen3ForTraining
+
+        return Qwen3ForTraining
+    if name in ("from_hf", "to_hf"):
+        from hpcrl.models.qwen3 import state_dict_adapter
+
+        return getattr(state_dict_adapter, name)
+    raise AttributeError(name)

@@ -6,8 +6,35 @@ unchanged); ``Qwen3Args`` is the typed subset the model code reads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from hpcrl.config.errors import ConfigError
+
+# RoPE variants whose frequencies are fixed (transformers' ROPE_INIT_FUNCTIONS computes them once):
+# the custom model serves these; "dynamic" / "longrope" change with the batch's length and stay with hf
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+def rope_type(c: Mapping[str, Any]) -> str:
+    """The RoPE type of a config dict (transformers 5's ``rope_parameters``, or the older ``rope_scaling``)."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    return str(rope.get("rope_type") or rope.get("type") or "default")
+
+
+def unsupported(c: Mapping[str, Any]) -> str | None:
+    """Why the custom Qwen3 cannot compute what transformers computes for this config dict (config.json
+    or ``config.to_dict()``), or None when it can."""
+    rope = rope_type(c)
+    if rope not in ROPE_TYPES:
+        return f"rope_type {rope!r} (the custom model computes {', '.join(ROPE_TYPES)})"
+    if c.get("attention_bias"):
+        return "attention_bias = true (the custom model has no attention bias)"
+    sliding = "sliding_attention" in (c.get("layer_types") or [])
+    if sliding or (c.get("use_sliding_window") and c.get("sliding_window")):
+        return "sliding-window attention (use_sliding_window / layer_types)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -22,6 +49,10 @@ class Qwen3Args:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    # a scaled RoPE's inverse frequencies and cos / sin factor, from transformers' rope functions (the
+    # exact float32 values, as Python floats); () for the default RoPE (from rope_theta)
+    rope_inv_freq: tuple[float, ...] = ()
+    rope_scale: float = 1.0
     # MoE (num_experts == 0: dense)
     num_experts: int = 0
     top_k: int = 0
@@ -35,15 +66,14 @@ class Qwen3Args:
 
     @classmethod
     def from_hf(cls, config: Any) -> Qwen3Args:
-        rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(
-                f"trainer.model.impl: the custom Qwen3 supports default RoPE only, not {rope.get('rope_type')!r}; "
-                "use impl = 'hf'"
+        reason = unsupported(config.to_dict())
+        if reason is not None:
+            raise ConfigError(
+                "trainer.model.impl", f"the custom Qwen3 does not run {reason}; use impl = 'hf' or 'auto'"
             )
+        rope = getattr(config, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        if getattr(config, "attention_bias", False):
-            raise ValueError("trainer.model.impl: the custom Qwen3 has no attention bias; use impl = 'hf'")
+        inv_freq, scale = _scaled_rope(config)
         heads = config.num_attention_heads
         num_experts = int(getattr(config, "num_experts", 0) or 0)
         moe_layers: tuple[int, ...] = ()
@@ -63,6 +93,8 @@ class Qwen3Args:
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=theta,
+            rope_inv_freq=inv_freq,
+            rope_scale=scale,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             num_experts=num_experts,
             top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
@@ -70,3 +102,17 @@ class Qwen3Args:
             norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
             moe_layers=moe_layers,
         )
+
+
+def _scaled_rope(config: Any) -> tuple[tuple[float, ...], float]:
+    """A scaled RoPE's frequencies and cos / sin factor, computed on the CPU in float32 by transformers'
+    own function for the type (so they are the engine's to the bit); ((), 1.0) for the default."""
+    kind = rope_type(config.to_dict())
+    if kind == "default":
+        return (), 1.0
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    with torch.device("cpu"):  # real numbers even while the model is built on the meta device
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    return tuple(float(x) for x in inv_freq.float()), float(factor)

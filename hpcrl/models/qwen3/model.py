@@ -59,14 +59,18 @@ class Rotary(nn.Module):
     """RoPE. ``inv_freq`` stays float32 whatever the model's dtype, computed on the CPU as transformers
     computes it: a model cast to bf16 rounded the frequencies by up to 2^-9 relative, i.e. angles off by
     tens of radians at 32k positions, and q / k differed from transformers' (hence from the inference
-    engine's) at every position. ``_apply`` (every ``to()``, ``to_empty()``, meta init) recomputes it."""
+    engine's) at every position. ``_apply`` (every ``to()``, ``to_empty()``, meta init) recomputes it.
+    A scaled RoPE (linear, yarn, llama3) passes transformers' frequencies (``inv_freq``) and its cos /
+    sin factor (``scale``, yarn's attention factor)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, inv_freq: tuple[float, ...] = (), scale: float = 1.0):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.fixed, self.scale = head_dim, theta, inv_freq, scale
         self.register_buffer("inv_freq", self._frequencies(), persistent=False)
 
     def _frequencies(self) -> Tensor:
+        if self.fixed:
+            return torch.tensor(self.fixed, dtype=torch.float32)
         exps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
         return 1.0 / (self.theta**exps)
 
@@ -78,7 +82,10 @@ class Rotary(nn.Module):
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:  # in float32 before the cast, as transformers multiplies
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 def flash_attention_3(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
@@ -190,7 +197,7 @@ class Qwen3Body(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(Block(a, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.rotary_emb = Rotary(a.head_dim, a.rope_theta)
+        self.rotary_emb = Rotary(a.head_dim, a.rope_theta, a.rope_inv_freq, a.rope_scale)
 
 
 class Qwen3ForTraining(nn.Module):
