@@ -108,6 +108,36 @@ def test_expert_parallel_two_ranks_equals_one_rank(tmp_path: Path) -> None:
     _check_equivalence(moe, tmp_path, "custom", 2)
 
 
+def test_expert_parallel_with_dense_layers_equals_one_rank(tmp_path: Path) -> None:
+    """A Qwen-MoE whose layers are not all MoE (decoder_sparse_step = 2: layers 0, 2, ... dense MLPs,
+    1, 3, ... MoE): ep = 2 on 2 ranks splits only the MoE layers' experts, the dense MLPs stay
+    FSDP's, and the run equals one rank."""
+    from hpcrl.models.tiny import build_tiny_model
+
+    moe = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=0)
+    sparse = _with_dense_layers(moe, tmp_path / "sparse")
+    _check_equivalence(sparse, tmp_path, "custom", 2)
+
+
+def _with_dense_layers(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` rebuilt (random weights, same seed) with every second layer a dense MLP."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(model_dir, out)
+    cfg = AutoConfig.from_pretrained(str(out))
+    cfg.decoder_sparse_step, cfg.intermediate_size = 2, 48
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert sum(1 for n, _ in model.named_modules() if n.endswith("mlp.gate")) == cfg.num_hidden_layers // 2
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(str(out))
+    return out
+
+
 @pytest.mark.slow
 def test_expert_parallel_with_replicas_equals_one_rank(tmp_path: Path) -> None:
     """4 ranks, ep = 2: two ep groups (dp_ep = 2); each ep position's experts are FSDP-sharded over
