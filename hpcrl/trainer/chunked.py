@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hpcrl.trainer.embeddings import lm_head
+
 # Positions per chunk where no config reaches (the inference engine's prompt logprobs), and the
 # default of trainer.model.logprobs_chunk_tokens: an upper bound; CHUNK_MIB bounds the chunk in bytes.
 DEFAULT_CHUNK = 256
@@ -160,8 +162,7 @@ def row_temperatures(temperature: Tensor | float, hidden: Tensor) -> Tensor | No
 def can_chunk(model: torch.nn.Module) -> bool:
     """Whether the LM head is a plain bias-free ``nn.Linear`` (what the chunked path replaces); a
     LoRA-wrapped or biased head falls back to full logits."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    head = lm_head(model)
     return type(head) is torch.nn.Linear and head.bias is None
 
 
@@ -186,8 +187,7 @@ def head_logprobs(
     ``[K, 1]`` logprobs, so FSDP's backward hooks sit on what the loss uses. A head made
     vocabulary-parallel (:mod:`hpcrl.trainer.vocab_parallel`) computes its own columns over the cp
     group's rows."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
+    head = lm_head(model)
     vocab = getattr(head, "hpcrl_vocab_shard", None)
     ent: list[Tensor | None] = []
 
@@ -220,8 +220,7 @@ def kept_logits(model: torch.nn.Module, inputs: dict, keep: Tensor) -> Tensor:
     given just those hidden states, inside the model's forward (as :func:`head_logprobs`). This is
     what transformers' ``logits_to_keep`` does with a 2-D bool mask, which its releases before
     ~5.2x do not accept (they index with it as positions and fail); every version runs this."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    head = lm_head(model)
     if head is None:  # no separate head to narrow: the full logits, then the kept rows
         return model(**inputs, use_cache=False).logits[keep]
     full = head.forward
@@ -240,7 +239,7 @@ def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CH
     if not can_chunk(model):
         logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = lm_head(model).weight.shape[0]
     return head_logprobs(
         model, {"input_ids": ids}, keep, ids[0, 1:], chunk=chunk_rows(chunk, vocab, CHUNK_MIB)
     )[0]
@@ -248,6 +247,5 @@ def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CH
 
 def vocab_parallel(model: torch.nn.Module) -> bool:
     """Whether the model's LM head is vocabulary-parallel (:mod:`hpcrl.trainer.vocab_parallel`)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    head = lm_head(model)
     return getattr(head, "hpcrl_vocab_shard", None) is not None

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hpcrl.fileio import atomic_dir
+from hpcrl.trainer.embeddings import base_model, lm_head
 
 _DTYPES = {
     "float32": torch.float32,
@@ -300,11 +301,11 @@ def hf_named_tensors(
 
 def _tied_names(model: nn.Module) -> set[str]:
     """Names dropped when the input and output embeddings are tied (lm_head shares embed_tokens)."""
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     cfg = getattr(base, "config", None)
     if cfg is None or not getattr(cfg, "tie_word_embeddings", False):
         return set()
-    out_emb = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    out_emb = lm_head(model)
     if out_emb is None:
         return set()
     names = {n for n, m in base.named_modules() if m is out_emb}
@@ -365,7 +366,7 @@ def export_hf(
     written in it and config.json says so (the published policy's dtype)."""
     from safetensors.torch import save_file
 
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     out = Path(out_dir)
     tensors = hf_named_tensors(model, dtype=dtype)
     if not write:

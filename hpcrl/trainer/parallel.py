@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpcrl.trainer.embeddings import embeddings
+
 _JOINED = False  # init_distributed ran in this process
 
 
@@ -195,10 +197,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def untied_input_embeddings(model: nn.Module) -> nn.Module | None:
     """The input embedding module when its weight is not the LM head's (an untied model: Qwen3-8B and
     larger); None when tied or when the model has no such accessors."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not (hasattr(base, "get_input_embeddings") and hasattr(base, "get_output_embeddings")):
-        return None
-    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    emb, head = embeddings(model)
     if emb is None or head is None or emb.weight is head.weight:
         return None
     return emb

@@ -16,6 +16,7 @@ from hpcrl.trainer import optim as optim_lib
 from hpcrl.trainer import parallel, precision
 from hpcrl.trainer.chunked import chunk_rows
 from hpcrl.trainer.context_parallel import CPGroup, make_cp_group
+from hpcrl.trainer.embeddings import base_model, lm_head
 from hpcrl.trainer.loss import LossParams
 
 log = logging.getLogger("hpcrl.trainer")
@@ -40,9 +41,8 @@ class Training:
 
 def _vocab(model: torch.nn.Module) -> int:
     """Rows of the LM head's weight (the global shape: FSDP's DTensor reports it too)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    return int(head.weight.shape[0]) if head is not None else int(base.config.vocab_size)
+    head = lm_head(model)
+    return int(head.weight.shape[0]) if head is not None else int(base_model(model).config.vocab_size)
 
 
 def _chunk(model: torch.nn.Module, model_cfg: TrainerModelConfig, cp: CPGroup | None) -> int:

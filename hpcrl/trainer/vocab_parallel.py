@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hpcrl.trainer.chunked import _chunk_logits, _exp_rows
+from hpcrl.trainer.embeddings import embeddings
 
 PAD_LOGIT = -1e30  # a padding row's logit: exp() is 0 and 0 * logit is 0 (an -inf would make NaN)
 
@@ -261,16 +262,9 @@ class _VocabLogprobs(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------ installing
-def _layers(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not (hasattr(base, "get_input_embeddings") and hasattr(base, "get_output_embeddings")):
-        return None, None
-    return base.get_input_embeddings(), base.get_output_embeddings()
-
-
 def supported(model: nn.Module) -> str | None:
     """Why the model's embedding / head cannot be vocabulary-parallel (None: they can)."""
-    emb, head = _layers(model)
+    emb, head = embeddings(model)
     if type(emb) is not nn.Embedding:
         return f"the input embedding is a {type(emb).__name__}, not a plain nn.Embedding (LoRA on it?)"
     if type(head) is not nn.Linear or head.bias is not None:
@@ -284,7 +278,7 @@ def supported(model: nn.Module) -> str | None:
 
 def parameters(model: nn.Module) -> set[nn.Parameter]:
     """The weights FSDP must leave alone (the embedding's and the head's, once when tied)."""
-    emb, head = _layers(model)
+    emb, head = embeddings(model)
     return {emb.weight, head.weight}  # type: ignore[union-attr]
 
 
@@ -296,7 +290,7 @@ def shard(
     (with :func:`parameters` ignored), before meta-device materialisation. Collective."""
     from torch.distributed.tensor import DTensor, Shard
 
-    emb, head = _layers(model)
+    emb, head = embeddings(model)
     from hpcrl.models.qwen3.parallelize import is_expert_sharded
 
     # FSDP's mesh of all ranks (not an expert-parallel mesh: experts may come first in some model)
