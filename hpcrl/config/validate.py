@@ -124,6 +124,27 @@ def expert_parallel(cfg: Config, trainer_ranks: int) -> None:
         raise ConfigError(f"{field}.ep", f"{model.ep} needs an MoE model; {model.name!r} has no experts")
     if arch is not None and arch.num_experts % model.ep:
         raise ConfigError(f"{field}.ep", f"{model.ep} does not divide the model's {arch.num_experts} experts")
+    _ep_needs_custom(model, field)
+
+
+def _ep_needs_custom(model: TrainerModelConfig, field: str) -> None:
+    """Expert parallelism is the custom implementation's: refused where the run would load
+    transformers' (impl = 'hf', LoRA, or a config.json the custom model does not run)."""
+    from hpcrl.models import registry
+    from hpcrl.models.arch import local_config
+
+    why = "impl = 'hf'" if model.impl == "hf" else "LoRA" if model.lora is not None else None
+    config = local_config(model.name) if why is None else None
+    if config is not None:
+        model_type = str(config.get("model_type", ""))
+        reason = registry.unsupported(config)
+        why = reason if reason else None if model_type in registry.FAMILIES else f"model_type {model_type!r}"
+    if why is not None:
+        raise ConfigError(
+            f"{field}.ep",
+            f"{model.ep} needs hpcrl's own MoE implementation (impl = 'custom' or 'auto'), "
+            f"which does not run {why}; use ep = 1",
+        )
 
 
 def custom_impl(cfg: Config | SFTConfig) -> None:
