@@ -17,8 +17,12 @@ status=0
 .venv/bin/python -m pytest -q "$@" || status=$?
 # Seed 000's multi-node layout (2 + 2 nodes x 8 GPUs) needs a cluster of that shape: the whole run
 # reshapes the fake one for its dry-run test (required to pass then), and puts it back.
-if [ -z "$*" ] && [ -n "$slurm" ] && bash scripts/slurm/up.sh --gpus 8 --cpus 16; then
-  HPCRL_SEED000_CLUSTER=1 .venv/bin/python -m pytest -q tests/integration/test_seed000_dry_run.py || status=$?
+if [ -z "$*" ] && [ -n "$slurm" ]; then
+  if bash scripts/slurm/up.sh --gpus 8 --cpus 16; then
+    HPCRL_SEED000_CLUSTER=1 .venv/bin/python -m pytest -q tests/integration/test_seed000_dry_run.py || status=$?
+  else
+    echo "warning: could not reshape the local SLURM to 8 GPUs x 16 CPUs; seed 000's dry run did not run"
+  fi
   bash scripts/slurm/up.sh --gpus 4 || true
 fi
 exit "$status"

@@ -134,6 +134,8 @@ def _ep_needs_custom(model: TrainerModelConfig, field: str) -> None:
     from hpcrl.models.arch import local_config
 
     why = "impl = 'hf'" if model.impl == "hf" else "LoRA" if model.lora is not None else None
+    if why is None and model.attn == "flash_attention_2":  # only transformers runs it (pick_impl)
+        why = "attn = 'flash_attention_2'"
     config = local_config(model.name) if why is None else None
     if config is not None:
         model_type = str(config.get("model_type", ""))

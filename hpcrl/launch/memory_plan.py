@@ -286,6 +286,8 @@ def trainer_items(
         layer = a.dense_layer_params + (a.expert_layer_params / ep if ranks > ep else 0)
     else:  # no expert parallelism: experts are FSDP-sharded (and gathered) like any parameter
         layer = a.dense_layer_params + a.expert_layer_params
+    if a.moe_layers < a.layers:  # an MoE model's dense layers (decoder_sparse_step) may gather more
+        layer = max(layer, a.attn_params + 3 * a.hidden * a.intermediate)
     trained = lora_params / ranks if lora_params else stored
     moments = 2 if optimizer == "adamw" else 0
     root = (

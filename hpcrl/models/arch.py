@@ -38,7 +38,7 @@ class Arch:
 
     @property
     def moe(self) -> bool:
-        return self.num_experts > 0
+        return self.num_experts > 0 and self.sparse_layers != 0
 
     @property
     def q_dim(self) -> int:

@@ -10,7 +10,8 @@ router replay. One run of each; printed tables.
 2. ep: the custom model's train step on 2 gloo ranks with ep = 2 against 1 rank with ep = 1 (same
    global batch), step time and the all-to-all bytes each rank sent, against the ideal for uniform
    routing: tokens x k x (ep-1)/ep x hidden x 4 bytes, twice (dispatch + combine).
-3. replay: two `hpcrl run`s of the tiny MoE (1 trainer rank, same seed and length) with
+3. replay (`--backend vllm` on a GPU node with vLLM: the engine whose kernels the target is about):
+   two `hpcrl run`s of the tiny MoE (1 trainer rank, same seed and length) with
    trainer.model.router_replay on and off: mean mismatch KL, rewards, replay hit rate. Synchronous
    (max_async_level = 0: policy lag, which replay cannot remove, stays out of the KL), inference and
    trainer both in bf16 (as GPU RL runs). Target: replay's mismatch KL <= 0.1x the run without. Two
@@ -188,12 +189,15 @@ SETTINGS = {
 }
 
 
-def _run(steps: int, d: Path, orch: str, model: str, trainer_model: str, replay: bool) -> Path:
+def _run(
+    steps: int, d: Path, orch: str, model: str, trainer_model: str, replay: bool, backend: str = "hf"
+) -> Path:
     from tests.conftest import rl_toml
 
     cfg = d / "cfg.toml"
+    tables = f'[trainer.optim]\nlr = 1e-2\n[ckpt]\nweights_only = true\n[inference]\nbackend = "{backend}"\n'
     text = rl_toml(steps, seq_len=64, model="hpcrl/tiny-qwen3-moe", max_tokens=8, top="seed = 3\n",
-                   orchestrator=orch, tables="[trainer.optim]\nlr = 1e-2\n[ckpt]\nweights_only = true\n")  # fmt: skip
+                   orchestrator=orch, tables=tables)  # fmt: skip
     text = text.replace('id = "reverse-text"', 'id = "tests.integration.short_env"')
     # [trainer.model] states its dtype: a role's own model section does not inherit [model]'s
     text += f"[trainer.model]\nrouter_replay = {str(replay).lower()}\n{trainer_model}"
@@ -208,10 +212,12 @@ def _run(steps: int, d: Path, orch: str, model: str, trainer_model: str, replay:
     return out
 
 
-def part_replay(steps: int) -> None:
+def part_replay(steps: int, backend: str = "hf") -> None:
     from scripts.bench.moe_decompose import decompose, print_table
 
-    print(f"\n3. router replay on vs off: tiny MoE, {steps} steps, 1 trainer rank, same seed")
+    print(
+        f"\n3. router replay on vs off: tiny MoE, {steps} steps, 1 trainer rank, same seed, {backend} engine"
+    )
     print(
         f"{'setting':<15} {'replay':<7} {'mismatch KL':>12} {'reward 1-3':>11} {'reward last 3':>14} {'hit rate':>9}"
     )
@@ -220,7 +226,7 @@ def part_replay(steps: int) -> None:
         kls = {}
         for replay in (True, False):
             with tempfile.TemporaryDirectory() as d:
-                out = _run(steps, Path(d), orch, model, trainer_model, replay)
+                out = _run(steps, Path(d), orch, model, trainer_model, replay, backend)
                 rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
                 if not replay:  # the off run's last weights: the same-weights decomposition below
                     last = max((out / "weights").glob("step_*"), key=lambda p: int(p.name[5:]))
@@ -282,6 +288,10 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny-moe")
     ap.add_argument("--out", default="")
     ap.add_argument("--steps", type=int, default=12)
+    # replay: the inference engine the runs sample with. vllm (a GPU node with vLLM installed) is where
+    # the target is meant: its fused MoE kernels route differently from the trainer's; the embedded hf
+    # engine computes what the bf16 trainer computes (docs/trainer.md), so its runs leave replay little.
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     a = ap.parse_args()
     if a.part == "_one":
         print(json.dumps(one_step(a.impl, a.preset)))
@@ -296,7 +306,7 @@ def main() -> None:
     if a.part in ("all", "ep"):
         part_ep()
     if a.part in ("all", "replay"):
-        part_replay(a.steps)
+        part_replay(a.steps, a.backend)
     if a.part in ("all", "decompose"):
         part_decompose()
     if a.part in ("all", "bitwise"):

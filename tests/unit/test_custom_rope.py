@@ -79,9 +79,53 @@ UNSUPPORTED = {
     "dynamic": ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}, "'dynamic'"),
     "longrope": ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "'longrope'"),
     "bias": ({"attention_bias": True}, "attention_bias"),
-    "sliding": ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
-    "layer_types": ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+    "sliding": (
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0, "num_hidden_layers": 2},
+        "sliding-window",
+    ),
+    "layer_types": (
+        {
+            "use_sliding_window": True,
+            "sliding_window": 16,
+            "layer_types": ["full_attention", "sliding_attention"],
+        },
+        "sliding-window",
+    ),
+    # transformers reads rope_scaling over rope_parameters (a config saved by transformers 5, scaled by hand)
+    "scaling_first": (
+        {
+            "rope_parameters": {"rope_type": "default"},
+            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+        },
+        "'dynamic'",
+    ),
+    "per_layer_type": ({"rope_parameters": {"full_attention": YARN}}, "'per-layer-type'"),
+    "gelu": ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    "dropout": ({"attention_dropout": 0.1}, "attention_dropout"),
 }
+
+# what transformers computes as plain full attention: no window without use_sliding_window, none on
+# Qwen3 layers below max_window_layers
+FULL_ATTENTION = [
+    {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},  # Qwen3's published
+    {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2, "num_hidden_layers": 2},
+    {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention", "sliding_attention"],
+    },
+]
+
+
+@pytest.mark.parametrize("fields", FULL_ATTENTION)
+def test_full_attention_configs_stay_custom(fields: dict) -> None:
+    from hpcrl.models.registry import pick_impl
+
+    assert pick_impl("auto", "qwen3", config=fields) == "custom"
+    assert pick_impl("custom", "qwen3", config=fields) == "custom"
+    assert pick_impl("auto", "qwen3_moe", config={**fields, "use_sliding_window": True}) == (
+        "custom" if not fields.get("sliding_window") else "hf"
+    )
 
 
 @pytest.mark.parametrize("case", sorted(UNSUPPORTED))

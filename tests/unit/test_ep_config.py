@@ -47,6 +47,7 @@ def test_ep_against_ranks_and_experts(model: str, ep: int, ranks: int, message: 
     [
         (["--trainer.model.impl", "hf"], "impl = 'hf'"),
         (["--trainer.model.lora.rank", "4"], "LoRA"),
+        (["--trainer.model.attn", "flash_attention_2"], "attn = 'flash_attention_2'"),
     ],
 )
 def test_ep_needs_the_custom_implementation(extra: list[str], why: str) -> None:

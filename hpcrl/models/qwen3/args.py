@@ -18,9 +18,30 @@ ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 def rope_type(c: Mapping[str, Any]) -> str:
-    """The RoPE type of a config dict (transformers 5's ``rope_parameters``, or the older ``rope_scaling``)."""
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    return str(rope.get("rope_type") or rope.get("type") or "default")
+    """The RoPE type of a config dict: the older ``rope_scaling`` first (transformers 5 reads it over
+    ``rope_parameters`` when both are set), then ``rope_parameters``. A dict of per-layer-type dicts
+    (no type of its own) is ``"per-layer-type"``."""
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        return "default"
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind is None and any(isinstance(v, Mapping) for v in rope.values()):
+        return "per-layer-type"
+    return str(kind or "default")
+
+
+def _slides(c: Mapping[str, Any]) -> bool:
+    """Whether transformers' Qwen3 / Qwen3-MoE attends through a sliding window for this config: a
+    window only with use_sliding_window; Qwen3-MoE then on every layer, Qwen3 on its layer_types'
+    sliding layers (by default the layers from max_window_layers on)."""
+    if not (c.get("use_sliding_window") and c.get("sliding_window")):
+        return False
+    if c.get("model_type") == "qwen3_moe":
+        return True
+    types = c.get("layer_types")
+    if types:
+        return "sliding_attention" in types
+    return int(c.get("num_hidden_layers") or 0) > int(c.get("max_window_layers", 28) or 0)
 
 
 def unsupported(c: Mapping[str, Any]) -> str | None:
@@ -31,9 +52,12 @@ def unsupported(c: Mapping[str, Any]) -> str | None:
         return f"rope_type {rope!r} (the custom model computes {', '.join(ROPE_TYPES)})"
     if c.get("attention_bias"):
         return "attention_bias = true (the custom model has no attention bias)"
-    sliding = "sliding_attention" in (c.get("layer_types") or [])
-    if sliding or (c.get("use_sliding_window") and c.get("sliding_window")):
-        return "sliding-window attention (use_sliding_window / layer_types)"
+    if _slides(c):
+        return "sliding-window attention (use_sliding_window with sliding layers)"
+    if (c.get("hidden_act") or "silu") != "silu":
+        return f"hidden_act {c.get('hidden_act')!r} (the custom model computes silu)"
+    if float(c.get("attention_dropout") or 0.0) > 0:
+        return "attention_dropout > 0 (the custom model has no dropout)"
     return None
 
 
