@@ -12,7 +12,7 @@ from typing import Any
 
 from hpcrl.config import fields
 from hpcrl.config.dicts import deep_merge
-from hpcrl.config.errors import ConfigError, nearest
+from hpcrl.config.errors import ConfigError, nearest, show_key
 from hpcrl.config.schema import Config
 
 # Top-level keys only the hosted platform understands: accepted, reported, ignored.
@@ -123,7 +123,7 @@ def _compute_size(d: dict[str, Any], source: str, notes: list[str]) -> int | Non
         return None
     infra = dict(infra)
     size = infra.pop("compute_size")
-    if size not in COMPUTE_SIZE_WORKERS:
+    if not isinstance(size, str) or size not in COMPUTE_SIZE_WORKERS:
         raise ConfigError("infrastructure.compute_size", f"expected S, M or L, got {size!r}")
     d["infrastructure"] = infra
     if not infra:
@@ -275,7 +275,7 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
             ckpt["interval"] = cp.pop("interval")
         if cp:
             raise ConfigError(
-                f"checkpoints.{next(iter(cp))}", "unknown field (allowed: interval, keep_cloud)"
+                f"checkpoints.{show_key(next(iter(cp)))}", "unknown field (allowed: interval, keep_cloud)"
             )
         ckpt.setdefault("interval", None)
     if "adapters" in d:
@@ -287,7 +287,9 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
             ad.pop("keep_last")
             notes.append(f"{source}: adapters.keep_last is a hosted-platform setting; ignored here")
         if ad:
-            raise ConfigError(f"adapters.{next(iter(ad))}", "unknown field (allowed: interval, keep_last)")
+            raise ConfigError(
+                f"adapters.{show_key(next(iter(ad)))}", "unknown field (allowed: interval, keep_last)"
+            )
     if ckpt:
         native["ckpt"] = {k: v for k, v in ckpt.items() if v is not None}
     if "wandb" in d:
@@ -300,6 +302,6 @@ def _translate(d: dict[str, Any], source: str, notes: list[str]) -> dict[str, An
     for key in d:
         if key not in native_keys:
             raise ConfigError(
-                key, f"unknown field in top level{nearest(key, HOSTED_KEYS + tuple(native_keys))}"
+                show_key(key), f"unknown field in top level{nearest(key, HOSTED_KEYS + tuple(native_keys))}"
             )
     return deep_merge(native, d)

@@ -17,7 +17,7 @@ import msgspec
 
 from hpcrl.config import fields, hosted, roles, sanity
 from hpcrl.config.dicts import deep_merge, get_path, set_path
-from hpcrl.config.errors import ConfigError, nearest
+from hpcrl.config.errors import ConfigError, nearest, show_key
 from hpcrl.config.schema import Config, SFTConfig, TrainerConfig
 from hpcrl.config.sections.model import owner_hint
 
@@ -42,20 +42,22 @@ class Loaded:
 # TOML files and merging
 # ---------------------------------------------------------------------------------------------
 def read_toml(path: str | Path) -> dict[str, Any]:
+    shown = str(path) if str(path).strip() else repr(str(path))
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(str(path), "config file not found")
+        raise ConfigError(shown, "config file not found")
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(str(path), f"invalid TOML: {e}") from None
+        raise ConfigError(shown, f"invalid TOML: {e}") from None
     except UnicodeDecodeError:
-        raise ConfigError(str(path), "not a UTF-8 text file") from None
+        raise ConfigError(shown, "not a UTF-8 text file") from None
     except RecursionError:  # tomllib recurses per nested array / inline table
-        raise ConfigError(str(path), f"nested more than {sanity.MAX_DEPTH} levels deep") from None
+        raise ConfigError(shown, f"nested more than {sanity.MAX_DEPTH} levels deep") from None
     except OSError as e:
-        raise ConfigError(str(path), f"cannot be read ({e.strerror})") from None
-    sanity.check_depth(data, str(path))
+        raise ConfigError(shown, f"cannot be read ({e.strerror})") from None
+    sanity.check_depth(data, "", source=shown)
+    sanity.check_text(data)
     return data
 
 
@@ -104,7 +106,10 @@ def parse_argv(
                 files.append(tok)
                 i += 1
                 continue
-            raise ConfigError(tok, "unexpected argument (config files end in .toml; flags start with --)")
+            raise ConfigError(
+                tok if tok.strip() else repr(tok),
+                "unexpected argument (config files end in .toml; flags start with --)",
+            )
         value: str | None = None
         if "=" in tok:
             tok, value = tok.split("=", 1)
@@ -139,6 +144,11 @@ def parse_argv(
                 )
             continue
         if leaf.kind == "section":
+            if value is not None and value.startswith("@") and not value[1:].strip():
+                raise ConfigError(
+                    leaf.path,
+                    "expected a TOML file after '@' (--section=@file.toml or --section @ file.toml)",
+                )
             if value is None and nxt == "@":
                 if i + 1 >= len(argv):
                     raise ConfigError(leaf.path, "expected a TOML file after '@'")
@@ -297,7 +307,10 @@ def _dotted(jsonpath: str) -> str:
 
 def convert(d: dict[str, Any], root: type[T]) -> T:
     """msgspec conversion with errors translated into one-line ConfigErrors; floats must be finite."""
-    sanity.check_depth(d, "config")
+    sanity.check_text(d)  # NUL bytes / undecodable argv bytes: named here, not crashed on later
+    # load() checked the user's shape at MAX_DEPTH; flow_models moves [model] one level down into
+    # each role, so a value the user nested right at the limit is converted (and named) at model.*.
+    sanity.check_depth(d, "", limit=sanity.MAX_DEPTH + 1)
     try:
         out = msgspec.convert(d, root, strict=False)
     except msgspec.ValidationError as e:
@@ -341,16 +354,16 @@ def _translate(msg: str, root: type[msgspec.Struct], d: dict[str, Any] | None = 
         head, at = msg, "`$`"
     m = _AT_RE.search(at)
     path = _dotted(m.group("path")) if m else ""
-    unknown = re.match(r"Object contains unknown field `([^`]+)`", head)
+    unknown = re.match(r"Object contains unknown field `(.*)`$", head, re.DOTALL)
     if unknown:
         key = unknown.group(1)
         parts = [p for p in re.sub(r"\[\d+\]", "", path).split(".") if p]
         options = fields.field_names(root, parts)
-        full = f"{path}.{key}" if path else key
+        full = f"{path}.{show_key(key)}" if path else show_key(key)
         where = path or "top level"
         owned = owner_hint(path, key)
         return ConfigError(full, owned or f"unknown field in {where}{nearest(key, options)}")
-    missing = re.match(r"Object missing required field `([^`]+)`", head)
+    missing = re.match(r"Object missing required field `(.*)`$", head, re.DOTALL)
     if missing:
         key = missing.group(1)
         return ConfigError(f"{path}.{key}" if path else key, "required field is missing")
@@ -384,6 +397,7 @@ def load(
     `role`: a role command's view (hpcrl.config.roles): flags it does not read are refused."""
     files, over = parse_argv(argv, root, role)
     over = deep_merge(over, extra or {})
+    sanity.check_text(over)  # named as the flag wrote it, before the value flows into role sections
     merged: dict[str, Any] = {}
     notes: list[str] = []
     any_hosted = False
@@ -399,6 +413,7 @@ def load(
     merged = deep_merge(merged, over)
     # `--no-x` on an optional section left None in the dict: that means "absent".
     _drop_nones(merged)
+    sanity.check_depth(merged, "")  # in the user's shape: a flag's value adds to the depth it lands at
     try:
         sanity.check_shapes(merged, root)  # before any default is derived from a section
         if root is Config:
@@ -441,6 +456,8 @@ def _load_env_files(cfg: Config) -> None:
     made absolute so the per-process configs work from any directory."""
     from hpcrl.config.secrets import load_env_files
 
+    for i, p in enumerate(cfg.env_files):
+        sanity.check_path_text(p, f"env_files[{i}]")
     cfg.env_files = [str(Path(p).expanduser().resolve()) for p in cfg.env_files]
     load_env_files(cfg.env_files)
 
@@ -457,6 +474,7 @@ def _resolve_warm_start(cfg: Config | SFTConfig) -> None:
     from hpcrl.warm_start import check_same_adapter, optimizer_source, resolve_for
 
     ref = cfg.ckpt.warm_start
+    sanity.check_path_text(ref, "ckpt.warm_start")  # an OS-refused name is the user's, not an OSError
     cfg.ckpt.warm_start = str(resolve_for(ref, cfg.model.name or ""))
     if cfg.ckpt.warm_start_optimizer:
         model = cfg.trainer.model if isinstance(cfg, Config) and cfg.trainer.model else cfg.model

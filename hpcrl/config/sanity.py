@@ -8,42 +8,117 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.config.errors import ConfigError, show_key
 
 MAX_DEPTH = 32  # deeper than any real config (the schema nests 5 levels; env args a few more)
 _NAME_MAX = 255  # bytes per path component on every Linux filesystem we run on
 _PSEUDO_FS = ("/proc", "/sys", "/dev")
 
 
-def check_depth(value: Any, where: str, limit: int = MAX_DEPTH) -> None:
-    """Raise ConfigError when tables/lists nest deeper than `limit` (iterative: no RecursionError)."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
+def check_depth(value: Any, where: str, limit: int = MAX_DEPTH, source: str | None = None) -> None:
+    """Raise ConfigError when tables/lists nest deeper than `limit` (iterative: no RecursionError).
+    The error names the path to the over-deep value under `where` (a field path, '' for a whole
+    config); `source` (a file) is named in the message."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, where)]
     while stack:
-        v, depth = stack.pop()
+        v, depth, path = stack.pop()
         if depth > limit:
-            raise ConfigError(where, f"nested more than {limit} levels deep (tables/lists inside each other)")
+            parts = re.findall(r"[^.\[]+|\[\d+\]", path)
+            shown = "".join(p if p.startswith("[") or i == 0 else "." + p for i, p in enumerate(parts[:8]))
+            shown += "…" if len(parts) > 8 else ""
+            place = f" in {source}" if source else ""
+            raise ConfigError(
+                shown or "config",
+                f"nested more than {limit} levels deep{place} (tables/lists inside each other)",
+            )
         if isinstance(v, dict):
-            stack.extend((x, depth + 1) for x in v.values())
+            stack.extend((x, depth + 1, _join(path, k)) for k, x in v.items())
         elif isinstance(v, list):
-            stack.extend((x, depth + 1) for x in v)
+            stack.extend((x, depth + 1, f"{path}[{i}]") for i, x in enumerate(v))
+
+
+def _join(path: str, key: Any) -> str:
+    k = show_key(str(key))
+    return f"{path}.{k}" if path else k
+
+
+def check_text(value: Any, path: str = "") -> None:
+    """Every string (and key) in a merged config must be text a file, a process and a log can carry:
+    no NUL byte (no path, argument or environment variable can hold one) and no lone surrogate (an
+    undecodable byte on the command line, which no UTF-8 config file can hold). Iterative."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        v, here = stack.pop()
+        if isinstance(v, str):
+            _check_str(v, here)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                sub = _join(here, k)
+                if isinstance(k, str):
+                    _check_str(k, sub)
+                stack.append((x, sub))
+        elif isinstance(v, list):
+            stack.extend((x, f"{here}[{i}]") for i, x in enumerate(v))
+
+
+def _check_str(s: str, path: str) -> None:
+    if "\x00" in s:
+        raise ConfigError(path or "config", "contains a NUL byte (\\x00); not allowed in any config text")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(
+            path or "config",
+            "is not valid UTF-8 text (an undecodable byte on the command line?); give it as UTF-8",
+        ) from None
+
+
+def check_path_text(raw: str, field: str) -> None:
+    """A path the OS can look up: no NUL, encodable, every component within NAME_MAX bytes, a
+    `~user` that exists (else stat/mkdir/expanduser fail with an OSError or RuntimeError deep inside
+    whatever touches it first)."""
+    if "\x00" in raw:
+        raise ConfigError(field, "contains a NUL byte")
+    try:
+        encoded = os.fsencode(raw)
+    except UnicodeEncodeError:
+        raise ConfigError(field, "is not encodable as a file name (lone surrogate?)") from None
+    for part in encoded.split(b"/"):
+        if len(part) > _NAME_MAX:
+            raise ConfigError(field, f"has a path component of {len(part)} bytes (at most {_NAME_MAX})")
+    if raw.startswith("~") and os.path.expanduser(raw) == raw:
+        user = raw[1:].split("/", 1)[0]
+        raise ConfigError(field, f"'{raw}': no home directory for user '{user}' (write the path out)")
+
+
+# Integers go to C (torch, numpy, sockets, sleep, range): a value past 64 bits is no setting anyone
+# means, and fails far from the config (OverflowError) or allocates without bound.
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 
 
 def check_finite(obj: Any, path: str = "") -> None:
-    """Every float anywhere in a converted config (fields, lists, env args) must be finite."""
+    """Every float anywhere in a converted config (fields, lists, env args) must be finite, and
+    every integer must fit 64 bits (msgspec's conversion accepts any Python int)."""
     if isinstance(obj, float):
         if not math.isfinite(obj):
             raise ConfigError(path or "config", f"must be a finite number, got {obj!r}")
+    elif isinstance(obj, int) and not isinstance(obj, bool):
+        if not _INT_MIN <= obj <= _INT_MAX:
+            raise ConfigError(
+                path or "config", f"{obj} does not fit a 64-bit integer (allowed: -2^63 .. 2^63-1)"
+            )
     elif isinstance(obj, msgspec.Struct):
         for name in obj.__struct_fields__:
             check_finite(getattr(obj, name), f"{path}.{name}" if path else name)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            check_finite(v, f"{path}.{k}")
+            check_finite(v, _join(path, k))
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
             check_finite(v, f"{path}[{i}]")
@@ -54,15 +129,7 @@ def check_output_dir(raw: str, field: str = "output_dir") -> None:
     and every existing ancestor a directory (a file as parent would fail deep inside mkdir)."""
     if not raw.strip():
         raise ConfigError(field, "is empty (give a directory path)")
-    if "\x00" in raw:
-        raise ConfigError(field, "contains a NUL byte")
-    try:
-        encoded = os.fsencode(raw)
-    except UnicodeEncodeError:
-        raise ConfigError(field, "is not encodable as a file name (lone surrogate?)") from None
-    for part in encoded.split(b"/"):
-        if len(part) > _NAME_MAX:
-            raise ConfigError(field, f"has a path component of {len(part)} bytes (at most {_NAME_MAX})")
+    check_path_text(raw, field)
     path = Path(os.path.abspath(raw))
     for fs in _PSEUDO_FS:
         if path == Path(fs) or Path(fs) in path.parents:

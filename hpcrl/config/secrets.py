@@ -138,10 +138,16 @@ def check_secret_refs(value: Any, environ: Mapping[str, str], path: str = "") ->
 
 def read_env_file(path: Path, where: str) -> dict[str, str]:
     """KEY=VALUE lines (blank lines, `#` comments and a leading `export ` allowed; quotes stripped)."""
-    if not path.is_file():
-        raise ConfigError(where, f"'{path}' not found")
+    try:
+        if not path.is_file():
+            raise ConfigError(where, f"'{path}' not found")
+        text = path.read_text()
+    except OSError as e:  # a file the user named: unreadable is theirs to fix, in one line
+        raise ConfigError(where, f"'{path}' cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(where, f"'{path}' is not a UTF-8 text file of KEY=VALUE lines") from None
     out: dict[str, str] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue

@@ -449,6 +449,14 @@ def _slurm(cfg: Config) -> None:
         raise ConfigError("slurm.time", f"'{s.time}' is not a SLURM time (HH:MM:SS, D-HH:MM:SS or minutes)")
     if s.mem is not None and not _MEM_RE.match(s.mem):
         raise ConfigError("slurm.mem", f"'{s.mem}' is not a SLURM memory size (e.g. 0, 64G, 512000M)")
+    from hpcrl.launch.hetjob import time_seconds
+
+    limit = time_seconds(s.time)
+    if limit is not None and s.signal_before_s >= limit:  # SLURM would signal at once: requeue forever
+        raise ConfigError(
+            "slurm.signal_before_s",
+            f"{s.signal_before_s} must be below the time limit ({s.time!r} = {limit} s)",
+        )
     for i, opt in enumerate(s.extra_sbatch):
         if not opt.startswith("--"):
             raise ConfigError(

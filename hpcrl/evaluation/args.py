@@ -105,6 +105,10 @@ def _json_args(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError("env.args", f"-a expects a JSON object, got {text!r} ({e.msg})") from None
+    except RecursionError:  # json nests by recursion: a few thousand brackets exhaust the stack
+        raise ConfigError(
+            "env.args", "-a expects a JSON object nested at most a few hundred levels"
+        ) from None
     if not isinstance(value, dict):
         raise ConfigError("env.args", f"-a expects a JSON object, got {type(value).__name__}")
     return value

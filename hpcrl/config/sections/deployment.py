@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from hpcrl.config.sections.base import D, Section
+from hpcrl.config.sections.base import MAX_GPU_MEMORY_GIB, MAX_GPUS_PER_NODE, D, Section
 
 
 class DeploymentConfig(Section):
@@ -17,7 +17,7 @@ class DeploymentConfig(Section):
     num_infer_gpus: Annotated[Annotated[int, Meta(ge=0)] | None, D("Single node: GPUs for inference.")] = None
     num_train_nodes: Annotated[Annotated[int, Meta(ge=1)] | None, D("Multi-node: trainer nodes.")] = None
     num_infer_nodes: Annotated[Annotated[int, Meta(ge=1)] | None, D("Multi-node: inference nodes.")] = None
-    gpus_per_node: Annotated[int, D("GPUs on each node (multi-node layout).", ge=0)] = 8
+    gpus_per_node: Annotated[int, D("GPUs on each node (multi-node layout).", ge=0, le=MAX_GPUS_PER_NODE)] = 8
     num_trainer_ranks: Annotated[
         Annotated[int, Meta(ge=1)] | None,
         D("CPU: trainer processes (default 1; on GPU one per trainer GPU)."),
@@ -53,6 +53,7 @@ class DeploymentConfig(Section):
             "Memory of one GPU in GiB: the --dry-run memory plan refuses a trainer rank or inference server "
             "that cannot fit it (GPU compute only; with compute = cpu the plan is information).",
             gt=0,
+            le=MAX_GPU_MEMORY_GIB,
         ),
     ] = 80.0
     max_server_restarts: Annotated[
@@ -71,7 +72,7 @@ class SlurmConfig(Section):
     qos: Annotated[str | None, D("SLURM QOS.")] = None
     time: Annotated[str, D("Walltime (HH:MM:SS or D-HH:MM:SS).")] = "24:00:00"
     job_name: Annotated[str | None, D("Job name (default: the run name).")] = None
-    gpus_per_node: Annotated[int, D("GPUs requested per node.", ge=0)] = 8
+    gpus_per_node: Annotated[int, D("GPUs requested per node.", ge=0, le=MAX_GPUS_PER_NODE)] = 8
     cpus_per_task: Annotated[int, D("CPUs per task.", ge=1)] = 1
     mem: Annotated[str | None, D("Memory per node (e.g. 0, 400G).")] = None
     constraint: Annotated[str | None, D("Node feature constraint.")] = None

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from hpcrl.config.sections.base import D, Section
+from hpcrl.config.sections.base import MAX_GPU_MEMORY_GIB, D, Section
 
 _NAME = D("HF model id or local dir; built-ins hpcrl/tiny-qwen3 and hpcrl/small-qwen3 are made locally.")
 _TRUST = D("Allow model code from the model directory.")
@@ -127,6 +127,7 @@ class TrainerModelConfig(ModelConfig):
             "vocab 151,936); 0 = no bound. Free on CPU; on a GPU chunks under ~256 positions re-read the "
             "LM head's weight too often (Qwen3-1.7B at 16k: 55 positions took 15 % longer a step).",
             ge=0,
+            le=MAX_GPU_MEMORY_GIB * 1024,
         ),
     ] = 0.0
     cp: Annotated[
