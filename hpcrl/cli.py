@@ -105,7 +105,7 @@ def _config_help(command: str, root_name: str = "Config") -> str:
 _COMMAND_FLAGS = {
     "run": "  --dry-run            resolve, validate, write <output_dir>/configs/, print a summary, exit",
     "submit": "  --nodes N  --partition P  --time T  --account A  --dry-run (renders sbatch, asks sbatch --test-only)",
-    "resume": "  --step -1|N  --output-dir DIR  (plus any config flag, e.g. --max-steps 40)",
+    "resume": "  --step -1|N  --output-dir DIR  [--dry-run]  (plus any config flag, e.g. --max-steps 40)",
     "inference": "  --run-dir DIR  --server-index N  (announce the server address in a run directory)",
     "sft": "  --dry-run            resolve, validate, write <output_dir>/configs/sft.toml, print a summary, exit",
     "eval": """  ENV_ID ...              environments to evaluate (built-in, verifiers module, module:function)
@@ -189,13 +189,14 @@ def cmd_prepare_resume(argv: list[str]) -> int:
 
 
 def cmd_resume(argv: list[str]) -> int:
+    dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
     step = _int_flag(argv, "--step")
     out = _pop_flag(argv, "--output-dir")
     if out is None:
         raise UsageError("resume needs --output-dir DIR (the run to continue)")
     from hpcrl.launch.resume import resume
 
-    return resume(Path(str(out)), -1 if step is None else step, argv)
+    return resume(Path(str(out)), -1 if step is None else step, argv, dry_run=dry)
 
 
 def cmd_trainer(argv: list[str]) -> int:

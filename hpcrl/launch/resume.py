@@ -10,11 +10,14 @@ from pathlib import Path
 
 from hpcrl import checkpoint
 from hpcrl.config.errors import ConfigError
+from hpcrl.config.loader import Loaded
 from hpcrl.paths import RunPaths
 
 
-def resume(output_dir: Path, step: int, argv: list[str]) -> int:
-    """`hpcrl resume --step -1|N --output-dir DIR [flags]`: rerun the recorded config from a checkpoint."""
+def resume(output_dir: Path, step: int, argv: list[str], dry_run: bool = False) -> int:
+    """`hpcrl resume --step -1|N --output-dir DIR [flags]`: rerun the recorded config from a checkpoint.
+    ``dry_run``: validate all of it (config and flags, the checkpoint, the placement, the memory plan)
+    and print the plan; nothing in the run directory is written."""
     paths = RunPaths(output_dir)
     if not paths.resolved_config.is_file():
         raise ConfigError(
@@ -40,6 +43,8 @@ def resume(output_dir: Path, step: int, argv: list[str]) -> int:
     job = read_job(paths)
     from hpcrl.launch import prepare
 
+    if dry_run:
+        return _dry_run(loaded, paths, step, job)
     if job.get("target") == "slurm":
         from hpcrl.launch.submit import submit
 
@@ -58,3 +63,34 @@ def resume(output_dir: Path, step: int, argv: list[str]) -> int:
     prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config)
     return run_local(loaded, placement)
+
+
+def _dry_run(loaded: Loaded, paths: RunPaths, step: int, job: dict) -> int:
+    """What `resume` would do, checked without writing: the checkpoint (verified, or the run already
+    complete), then the placement and memory plan of the target the run was launched on."""
+    from hpcrl.launch import prepare
+
+    cfg = loaded.config
+    newest = checkpoint.resolve_resume_step(paths, step)  # CheckpointError: one line naming what is wrong
+    if newest >= cfg.max_steps:
+        print(
+            f"hpcrl: {paths.root} is complete at step {newest} (max_steps); pass --max-steps M to train further"
+        )
+        return 0
+    memory: list[str] = []
+    if job.get("target") == "slurm":
+        from hpcrl.launch.submit import slurm_plan
+
+        placement, memory = slurm_plan(cfg, job.get("nodes"))
+        target = "resume (SLURM hetjob)"
+    else:
+        placement = prepare.local_plan(loaded)
+        if placement.uses_gpus:
+            from hpcrl.launch.memory_plan import dry_run_lines
+
+            memory = dry_run_lines(cfg, placement)
+        target = "resume (this machine)"
+    prepare.apply_placement(cfg, placement)
+    line = f"resume:       from checkpoint step_{newest} (verified), steps {newest + 1}..{cfg.max_steps}"
+    prepare.print_summary(loaded, placement, target, [line, *memory])
+    return 0

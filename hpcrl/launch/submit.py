@@ -22,7 +22,7 @@ from hpcrl.config.resolved import secret_env, to_dict, write_resolved
 from hpcrl.config.schema import CkptConfig, Config
 from hpcrl.launch import memory_plan, prepare
 from hpcrl.launch.partition import check_components, component_requests, partition_nodes
-from hpcrl.launch.placement import slurm_placement
+from hpcrl.launch.placement import Placement, slurm_placement
 from hpcrl.models.hub import job_env as hub_job_env
 from hpcrl.paths import RunPaths
 
@@ -39,22 +39,29 @@ def resume_setup_line(paths: RunPaths, python: str, step: int | None) -> str:
     )
 
 
-def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | None = None) -> int:
-    cfg: Config = loaded.config
+def slurm_plan(cfg: Config, nodes: int | None) -> tuple[Placement, list[str]]:
+    """The hetjob's placement against what the partition's nodes offer (sinfo), so an impossible
+    request fails here in one line instead of pending forever in the queue, and the memory plan's
+    lines (a GPU plan that cannot fit is refused). Writes nothing."""
     assert cfg.slurm is not None
-    # A resumed run's literal secrets exist only as references now: each must be in this environment
-    # again before anything is written or submitted (env_file secrets are re-read from their files on the nodes and need nothing).
-    secrets.check_secret_refs(to_dict(cfg), {**os.environ, **secret_env(cfg)})
-    # What the partition's nodes offer (sinfo), so an impossible request fails here in one line
-    # instead of pending forever in the queue.
     offer = partition_nodes(cfg.slurm.partition)
     most_gpus = max(n.gpus for n in offer) if offer and cfg.slurm.gpus_per_node else None
     placement = slurm_placement(cfg, nodes, partition_gpus=most_gpus)
     if offer:
         where = f"partition '{cfg.slurm.partition}'" if cfg.slurm.partition else "the default partition"
         check_components(component_requests(cfg, placement), offer, where)
-    memory = memory_plan.dry_run_lines(cfg, placement)  # refuses a GPU plan that cannot fit
+    memory = memory_plan.dry_run_lines(cfg, placement)
     memory += memory_plan.attention_lines(cfg, placement, {t for n in offer or [] for t in n.gpu_types})
+    return placement, memory
+
+
+def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | None = None) -> int:
+    cfg: Config = loaded.config
+    assert cfg.slurm is not None
+    # A resumed run's literal secrets exist only as references now: each must be in this environment
+    # again before anything is written or submitted (env_file secrets are re-read from their files on the nodes and need nothing).
+    secrets.check_secret_refs(to_dict(cfg), {**os.environ, **secret_env(cfg)})
+    placement, memory = slurm_plan(cfg, nodes)
     prepare.apply_placement(cfg, placement)
     notes = []
     if cfg.slurm.requeue and cfg.ckpt is None:

@@ -228,23 +228,21 @@ def test_run_checkpointed_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     assert state["world_size"] == 2 and state["pending_steps"] == [3]
     prompts = paths.prompts_log.read_text().splitlines()
     paths.complete_file(3).unlink()  # as if the job died while writing checkpoint 3
+    resume = [*hpcrl, "resume", "--step", "-1", "--output-dir", str(out),
+              "--deployment.num-trainer-ranks", "1", "--max-steps", "4"]  # fmt: skip
+    # --dry-run first: the plan and the checkpoint it would start from, and not one byte written
+    before = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    r = subprocess.run([*resume, "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "hpcrl resume (this machine): dry run OK" in r.stdout
+    assert "resume:       from checkpoint step_2 (verified), steps 3..4" in r.stdout
+    assert {f: f.read_bytes() for f in out.rglob("*") if f.is_file()} == before
     r = subprocess.run(
-        [
-            *hpcrl,
-            "resume",
-            "--step",
-            "-1",
-            "--output-dir",
-            str(out),
-            "--deployment.num-trainer-ranks",
-            "1",
-            "--max-steps",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
+        [*resume[:5], "4", *resume[6:], "--dry-run"], capture_output=True, text=True, timeout=120
     )
+    assert r.returncode == 2 and r.stdout.count("\n") + r.stderr.count("\n") <= 2, r.stdout + r.stderr
+    assert "not usable" in r.stdout + r.stderr  # step 4 was never written
+    r = subprocess.run(resume, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "step    4/4" in r.stdout and "hpcrl: run finished" in r.stdout
     assert (

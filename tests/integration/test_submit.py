@@ -95,7 +95,17 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, jobs, tmp_path: Pa
     assert sorted(set(steps)) == list(range(1, 11)) and len(steps) == 10, steps  # none skipped or repeated
     trainer_log = paths.log_file("trainer").read_text()
     assert "resumed trainer state" in trainer_log
-    # From a login node: resubmit the finished run to train further; it resumes from step 10.
+    # From a login node: resubmit the finished run to train further; it resumes from step 10. Its
+    # --dry-run checks the hetjob against the partition and writes nothing.
+    resume = [sys.executable, "-m", "hpcrl.cli", "resume", "--step", "-1", "--output-dir", str(paths.root)]
+    before = {f: f.read_bytes() for f in paths.root.rglob("*") if f.is_file()}
+    r = subprocess.run(
+        [*resume, "--max-steps", "12", "--dry-run"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hpcrl resume (SLURM hetjob): dry run OK" in r.stdout
+    assert "resume:       from checkpoint step_10 (verified), steps 11..12" in r.stdout
+    assert {f: f.read_bytes() for f in paths.root.rglob("*") if f.is_file()} == before
     r = subprocess.run(
         [
             sys.executable,
