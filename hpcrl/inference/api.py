@@ -23,18 +23,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hpcrl.bus.messages import ADAPTER_NAME
 from hpcrl.inference import guard, peers
 from hpcrl.inference.engine import HFEngine
-from hpcrl.inference.errors import EngineError, EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
+from hpcrl.inference.errors import (
+    EngineError,
+    EngineFailed,
+    InvalidRequest,
+    ShuttingDown,
+    WeightSyncRefused,
+    for_field,
+)
 from hpcrl.inference.protocol import (
     APIError,
     _bool,
     _int,
     _int_list,
     chat_response,
+    check_typed_fields,
     completion_response,
     not_found,
     parse_chat_render,
     parse_completion_prompts,
     parse_sampling,
+    show,
 )
 from hpcrl.inference.protocol import (
     _float as protocol_float,
@@ -43,6 +52,9 @@ from hpcrl.inference.protocol import (
 log = logging.getLogger("hpcrl.inference.api")
 MAX_WORLD = 1 << 20  # ranks of a weight-broadcast group (torch's store takes a 32-bit count)
 MAX_STEP = 2**62  # a policy step; anything larger is a client bug, not a policy
+MIN_BODY_BYTES = 4 << 20
+BODY_BYTES_PER_TOKEN = 64
+MAX_LORA_NAME = 256
 
 
 class ServerState:
@@ -68,6 +80,7 @@ class ServerState:
         self.sync_error: str | None = None  # set when a loaded update failed verification
         self.staging: Any = None  # the last broadcast's receive buffers, reused by the next one
         self.update_lock = asyncio.Lock()
+        self.max_body_bytes = max_body_bytes(engine.max_model_len)
         self.started = time.time()
         self.http_errors = 0
 
@@ -80,8 +93,33 @@ class ServerState:
         }
 
 
+def max_body_bytes(max_model_len: int) -> int:
+    """The largest request body read: 64 bytes per context token (a token's text JSON-escaped, or its
+    id, with room to spare), 4 MiB at least. Parsing, rendering and tokenizing cost time in proportion
+    to the body, and the tokenizer is shared, so an unbounded body would stall every other request."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        f"request body is larger than {limit} bytes, the most this server reads (request entity too large)",
+        status=413,
+        type="RequestTooLargeError",
+    )
+
+
 async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    limit = request.app.state.hpcrl.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():  # chunked bodies too: stop reading at the limit
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -105,7 +143,8 @@ def _check_model(state: ServerState, body: dict[str, Any]) -> str:
     if model is None:
         return state.served_name
     if not isinstance(model, str) or model not in state.names():
-        raise not_found(f"The model `{model}` does not exist.", param="model")
+        shown = model if isinstance(model, str) and len(model) <= 200 else show(model)
+        raise not_found(f"The model `{shown}` does not exist.", param="model")
     return model
 
 
@@ -164,11 +203,17 @@ def build_app(state: ServerState) -> FastAPI:
         err = APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="InternalServerError")
         return JSONResponse(err.body(), status_code=500)
 
-    async def generate(prompt: list[int], body: dict[str, Any], chat: bool) -> tuple[Any, Any]:
+    async def generate(
+        prompt: list[int], body: dict[str, Any], chat: bool, prompt_field: str
+    ) -> tuple[Any, Any]:
         if state.sync_error:
             raise APIError(state.sync_error, status=503, type="WeightSyncError")
         params = parse_sampling(body, chat=chat)
-        fut = engine.submit(prompt, params)
+        max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        try:
+            fut = engine.submit(prompt, params)
+        except EngineError as e:  # named as the client wrote it, not in the engine's terms
+            raise for_field(e, {"prompt": prompt_field, "max_tokens": max_field}) from None
         return params, await asyncio.wrap_future(fut)
 
     # -- health and introspection ----------------------------------------------------------------------
@@ -222,8 +267,10 @@ def build_app(state: ServerState) -> FastAPI:
         model = _check_model(state, body)
         parse_sampling(body, chat=True)  # reject bad sampling before paying for the template
         tools = body.get("tools")
+        prompt_field = "messages"
         if body.get("prompt_token_ids") is not None:  # exact continuation of a stitched conversation
             prompt = _int_list(body["prompt_token_ids"], "prompt_token_ids")
+            prompt_field = "prompt_token_ids"
         else:
             messages, agp, cont, kwargs = parse_chat_render(body)
             prompt = engine.tokens.cached_chat(engine.tokens.chat_key(messages, tools, agp, cont, kwargs))
@@ -231,7 +278,7 @@ def build_app(state: ServerState) -> FastAPI:
                 prompt = await asyncio.to_thread(
                     engine.tokens.encode_chat, messages, tools, agp, cont, kwargs
                 )
-        params, outs = await generate(prompt, body, chat=True)
+        params, outs = await generate(prompt, body, chat=True, prompt_field=prompt_field)
         return _json(
             chat_response(
                 model,
@@ -253,7 +300,9 @@ def build_app(state: ServerState) -> FastAPI:
             p if isinstance(p, list) else await asyncio.to_thread(engine.tokens.encode_text, p)
             for p in parse_completion_prompts(body)
         ]
-        results = await asyncio.gather(*(generate(p, body, chat=False) for p in prompts))
+        results = await asyncio.gather(
+            *(generate(p, body, chat=False, prompt_field="prompt") for p in prompts)
+        )
         params = results[0][0]
         resp = completion_response(
             model,
@@ -287,6 +336,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await _body(request)
         _check_model(state, body)
+        check_typed_fields(body)
         if body.get("messages") is not None:
             messages, agp, cont, kwargs = parse_chat_render(body)
             tokens = await asyncio.to_thread(
@@ -353,7 +403,7 @@ def build_app(state: ServerState) -> FastAPI:
         )
         backend = body.get("backend")
         if backend not in (None, "gloo", "nccl"):
-            raise APIError(f"`backend` must be gloo or nccl, got {backend!r}", param="backend")
+            raise APIError(f"`backend` must be gloo or nccl, got {show(backend)}", param="backend")
         async with state.update_lock:
             if state.group is not None:
                 destroy_group(state.group)
@@ -428,12 +478,16 @@ def build_app(state: ServerState) -> FastAPI:
     async def load_lora(request: Request) -> dict[str, Any]:
         body = await _body(request)
         name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str):
-            raise APIError("/load_lora_adapter needs `lora_name` and `lora_path` strings")
+        if not isinstance(name, str) or not name.isprintable() or not 0 < len(name) <= MAX_LORA_NAME:
+            raise APIError(
+                f"`lora_name` must be a non-empty printable string of at most {MAX_LORA_NAME} characters, "
+                f"got {show(name)}",
+                param="lora_name",
+            )
+        if not isinstance(path, str):
+            raise APIError(f"`lora_path` must be a string, got {show(path)}", param="lora_path")
         guard.check_weights_path(path, state.run_dir, state.allow_any_weights_path, param="lora_path")
-        step = body.get("step")
-        if step is not None and not isinstance(step, int):
-            raise APIError("/load_lora_adapter: `step` must be an integer", param="step")
+        step = _int(body, "step", None, lo=0, hi=MAX_STEP)  # as /update_weights: a policy step
         async with state.update_lock:
             checksum = await asyncio.to_thread(engine.load_lora, name, path, step)
         return {"status": "ok", "lora_name": name, "checksum": checksum, "step": engine.policy_step}

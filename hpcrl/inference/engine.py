@@ -191,8 +191,10 @@ class HFEngine:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                 f"has {len(prompt)} tokens",
-                param="messages",
+                param="prompt",
             )
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop token ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

@@ -26,3 +26,14 @@ class ShuttingDown(EngineError):
 
 class EngineFailed(EngineError):
     """An engine iteration failed (a bug): the requests in it fail, the server keeps running."""
+
+
+def for_field(exc: EngineError, fields: dict[str, str]) -> EngineError:
+    """`exc` naming the request's own field: the engine names what it checked in its terms (`prompt`,
+    `max_tokens`), a route knows which field the client wrote (`messages`, `prompt_token_ids`,
+    `token_ids`, `max_completion_tokens`, `sampling_params.max_tokens`)."""
+    field = fields.get(exc.param or "")
+    if field is None or field == exc.param:
+        return exc
+    message = exc.message if f"`{field}`" in exc.message else f"{exc.message} (`{field}`)"
+    return type(exc)(message, param=field)

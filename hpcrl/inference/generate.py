@@ -26,7 +26,22 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from hpcrl.inference.protocol import MAX_TOP_LOGPROBS, APIError, SamplingParams, SeqOutput, parse_sampling
+from hpcrl.inference.errors import EngineError, for_field
+from hpcrl.inference.protocol import (
+    MAX_TOP_LOGPROBS,
+    APIError,
+    SamplingParams,
+    SeqOutput,
+    parse_sampling,
+    show,
+)
+
+# The engine's names for what it checks -> this route's fields.
+ENGINE_FIELDS = {
+    "prompt": "token_ids",
+    "max_tokens": "sampling_params.max_tokens",
+    "stop_token_ids": "sampling_params.stop_token_ids",
+}
 
 ROUTE = "/inference/v1/generate"
 # Debugging and the token-exactness test: every answered request appended to this file as one JSON
@@ -124,7 +139,7 @@ def parse_request(
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(ids):
         raise APIError(
             f"`sampling_params.{PROMPT_START}` must be an integer in [0, {len(ids)}) (the prompt's length), "
-            f"got {start!r}",
+            f"got {show(start)}",
             param=f"sampling_params.{PROMPT_START}",
         )
     params = parse_sampling_params(body.get("sampling_params"), vocab_size)
@@ -159,7 +174,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS
     ):
         raise APIError(
-            f"`sampling_params.logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {lp!r}",
+            f"`sampling_params.logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {show(lp)}",
             param="sampling_params.logprobs",
         )
     chat_body = {k: v for k, v in sp.items() if k in SUPPORTED and k != "logprobs"}
@@ -295,7 +310,11 @@ def install(
         prompt, params, start = parse_request(body, engine.vocab_size, engine.max_model_len)
         if state.sync_error:
             raise APIError(state.sync_error, status=503, type="WeightSyncError")
-        outs = await asyncio.wrap_future(engine.submit(prompt, params))
+        try:
+            fut = engine.submit(prompt, params)
+        except EngineError as e:
+            raise for_field(e, ENGINE_FIELDS) from None
+        outs = await asyncio.wrap_future(fut)
         if log_path:
             log_sample(log_path, prompt, outs)
         return to_json(response(model, prompt, outs, params, start))

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config.errors import ConfigError
-from hpcrl.inference.protocol import APIError
+from hpcrl.inference.files import show as files_show
+from hpcrl.inference.protocol import APIError, show
 
 API_KEY_ENV = "HPCRL_API_KEY"
 MAX_JSON_DEPTH = 64
@@ -118,7 +119,7 @@ def check_host(host: Any) -> str:
         or len(host) > 253
         or any(c.isspace() or ord(c) < 32 for c in host)
     ):
-        raise APIError(f"`host` must be a host name or IP address, got {host!r}", param="host")
+        raise APIError(f"`host` must be a host name or IP address, got {show(host)}", param="host")
     return host
 
 
@@ -156,7 +157,7 @@ def check_weights_path(raw: str, run_dir: str | None, allow_any: bool, param: st
     target = Path(os.path.realpath(raw))
     if target != root and root not in target.parents:
         raise APIError(
-            f"`{param}` {raw!r} is outside the run directory {str(root)!r}; refused "
+            f"`{param}` {files_show(raw)} is outside the run directory {str(root)!r}; refused "
             "(--server.allow-any-weights-path true allows it)",
             status=403,
             type="PermissionError",

@@ -7,7 +7,8 @@ transport stays half-open while a request is being answered (or waits in the pip
 once the last response is written. EOF with no request in flight, or in the middle of one (headers or
 body not complete), still closes at once: an incomplete request has nothing to answer.
 
-A request the parser refuses gets the status that fits, then the close: 505 for an HTTP version
+A request the parser refuses gets the status that fits (with the JSON error body every route
+answers with), then the close: 505 for an HTTP version
 other than 1.0/1.1 (0.9's bare request line is served as uvicorn serves it), 414 for a request target
 over MAX_URL_BYTES, 431 for headers over MAX_HEADER_BYTES (httptools itself has no limits), 400 for
 anything else. The hot path of a kept-alive request adds a length sum per header and one attribute
@@ -17,6 +18,7 @@ as uvicorn's "auto" protocol (vLLM's server builds its own config).
 
 from __future__ import annotations
 
+import json
 import sys
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -29,6 +31,13 @@ _REASONS = {
     431: f"Request headers larger than {MAX_HEADER_BYTES} bytes.",
     505: "HTTP version not supported (use HTTP/1.1 or HTTP/1.0).",
 }
+
+
+def error_body(reason: str, status: int) -> bytes:
+    """The JSON error every hpcrl route answers with (api.py's APIError shape), for a request that
+    never became one: the parser refused it."""
+    err = {"message": reason, "type": "BadRequestError" if status == 400 else "HTTPError", "param": None}
+    return json.dumps({"error": {**err, "code": status}}).encode("ascii")
 
 
 class _Refused(Exception):
@@ -73,16 +82,17 @@ class HalfCloseProtocol(HttpToolsProtocol):
         """uvicorn calls this inside its `except HttpParserError`: answer the status that fits."""
         status = _status_of(sys.exc_info()[1])
         reason = msg if status == 400 else _REASONS[status]
+        body = error_body(reason, status)
         content = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
         content.extend(
             [
-                b"content-type: text/plain; charset=utf-8\r\n",
-                b"content-length: " + str(len(reason)).encode("ascii") + b"\r\n",
+                b"content-type: application/json\r\n",
+                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
                 b"connection: close\r\n",
                 b"\r\n",
-                reason.encode("ascii"),
+                body,
             ]
         )
         self.transport.write(b"".join(content))

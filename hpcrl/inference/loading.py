@@ -64,7 +64,22 @@ def check_compatible(params: dict[str, torch.Tensor], tensors: dict[str, torch.T
         raise APIError(f"shape mismatch for {k!r}: update has {got}, model has {want}", param="path")
     if not tensors:
         raise APIError("the weight update holds no tensors", param="path")
+    check_floating(tensors, "path", want=params)
     check_finite(tensors, "path")
+
+
+def check_floating(
+    tensors: dict[str, torch.Tensor], param: str, want: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Weights are floating point: an integer or bool tensor (cast into a float parameter without a
+    word) is a corrupt or wrong file. With `want`, only where the model's own parameter is floating."""
+    for k, t in tensors.items():
+        if not t.is_floating_point() and (want is None or want[k].is_floating_point()):
+            raise APIError(
+                f"tensor {k!r} has dtype {str(t.dtype).removeprefix('torch.')}, not a floating-point "
+                "type; refused (nothing was loaded)",
+                param=param,
+            )
 
 
 def check_finite(tensors: dict[str, torch.Tensor], param: str) -> None:
@@ -122,6 +137,7 @@ def lora_deltas(
     The server merges base + delta (never cumulative), so loading adapter k replaces adapter k-1.
     """
     r, alpha, rslora = files.adapter_numbers(cfg, f"the adapter config of {where}")
+    check_floating(raw, "lora_path")
     check_finite(raw, "lora_path")
     scale = alpha / (r**0.5 if rslora else r)
     deltas: dict[str, torch.Tensor] = {}

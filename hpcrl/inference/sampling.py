@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 GREEDY_EPS = 1e-5
+MAX_PENALISED_LOGIT = 1e30  # / GREEDY_EPS stays finite in float32 (max 3.4e38)
 
 
 @dataclass
@@ -45,6 +46,9 @@ def apply_repetition_penalty(
     sub = logits[rows]
     p = penalty[rows].unsqueeze(1)
     sub = torch.where(mask, torch.where(sub > 0, sub / p, sub * p), sub)
+    # A tiny penalty (1e-40 is 0 in float32) would make logits inf and every logprob NaN: keep them
+    # finite, with room for the smallest temperature to divide them.
+    sub = sub.clamp(-MAX_PENALISED_LOGIT, MAX_PENALISED_LOGIT)
     logits = logits.clone()
     logits[rows] = sub
     return logits
@@ -119,6 +123,7 @@ def processed_logprobs(
         probs = torch.softmax(sorted_logits, dim=1)
         # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
         drop_sorted = (probs.cumsum(dim=1) - probs) >= bp.top_p.unsqueeze(1)
+        drop_sorted[:, 0] = False  # the likeliest token stays, even for a top_p that is 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, neg)
 
