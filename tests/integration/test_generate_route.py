@@ -4,17 +4,13 @@ auth, the official openai client's raw post, the renderers package's own `genera
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from hpcrl.paths import RunPaths
+from tests.integration.server_proc import start_inference
 
 pytestmark = pytest.mark.slow
 KEY = "generate-route-test-key"
@@ -26,19 +22,7 @@ class CliServer:
     """`hpcrl inference` (the CLI, as a user starts it) on 127.0.0.1, a free port, a key."""
 
     def __init__(self, model_dir: Path, run_dir: Path):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-        env.pop("HPCRL_API_KEY", None)
-        cmd = [sys.executable, "-m", "hpcrl.cli", "inference", "--model.name", str(model_dir)]
-        cmd += ["--server.port", "0", "--server.api-key", KEY, "--run-dir", str(run_dir)]
-        cmd += ["--inference.max-model-len", str(MAX_LEN)]
-        self.log = run_dir / "server.log"
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
-        info = RunPaths(run_dir).server_file(0)
-        deadline = time.monotonic() + 120
-        while not info.exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
-            time.sleep(0.05)
-        self.base_url = json.loads(info.read_text())["base_url"]
+        self.proc, self.log, self.base_url = start_inference(model_dir, run_dir, KEY, MAX_LEN)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -15,13 +15,14 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.integration.server_proc import start_inference
 
 KEY = "abuse-test-key-0123456789"
 MSGS = [{"role": "user", "content": "hello"}]
@@ -121,35 +122,8 @@ def _body_text(route: str, field: str, raw: str) -> str:
 
 class Server:
     def __init__(self, model_dir: Path, run_dir: Path):
-        from hpcrl.paths import RunPaths
-
         self.run_dir = run_dir
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-        env.pop("HPCRL_API_KEY", None)
-        self.log = run_dir / "server.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "hpcrl.cli",
-            "inference",
-            "--model.name",
-            str(model_dir),
-            "--server.port",
-            "0",
-            "--server.api-key",
-            KEY,
-            "--run-dir",
-            str(run_dir),
-            "--inference.max-model-len",
-            "256",
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
-        info = RunPaths(run_dir).server_file(0)
-        deadline = time.monotonic() + 120
-        while not info.exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
-            time.sleep(0.05)
-        self.url = json.loads(info.read_text())["base_url"]
+        self.proc, self.log, self.url = start_inference(model_dir, run_dir, KEY, 256)
         self.http = httpx.Client(base_url=self.url, timeout=10, headers={"Authorization": f"Bearer {KEY}"})
 
     def stop(self) -> float:

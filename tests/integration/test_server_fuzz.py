@@ -27,13 +27,14 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.integration.server_proc import start_inference
 
 KEY = "fuzz-test-key-0123456789"
 MAX_LEN = 256
@@ -45,22 +46,8 @@ BIG = "a" * (1 << 20)
 
 class Server:
     def __init__(self, model_dir: str, run_dir: Path):
-        from hpcrl.paths import RunPaths
-
         self.run_dir = run_dir
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-        env.pop("HPCRL_API_KEY", None)
-        cmd = [sys.executable, "-m", "hpcrl.cli", "inference", "--model.name", model_dir]
-        cmd += ["--server.host", "127.0.0.1", "--server.port", "0", "--server.api-key", KEY]
-        cmd += ["--run-dir", str(run_dir), "--inference.max-model-len", str(MAX_LEN)]
-        self.log = run_dir / "server.log"
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
-        info = RunPaths(run_dir).server_file(0)
-        deadline = time.monotonic() + 120
-        while not info.exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
-            time.sleep(0.05)
-        self.url = json.loads(info.read_text())["base_url"]
+        self.proc, self.log, self.url = start_inference(model_dir, run_dir, KEY, MAX_LEN)
         assert self.url.startswith("http://127.0.0.1:"), self.url
         self.port = int(self.url.rsplit(":", 1)[1])
         self.http = httpx.Client(base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {KEY}"})
