@@ -127,7 +127,8 @@ _COMMAND_FLAGS = {
 
 
 def _load(argv: list[str], root_name: str = "Config", require_envs: bool = True, role: str | None = None):
-    from hpcrl.config import load, schema
+    from hpcrl.config import schema
+    from hpcrl.launch.checks import load
 
     return load(argv, getattr(schema, root_name), require_envs=require_envs, role=role)
 
@@ -240,8 +241,8 @@ def cmd_sft(argv: list[str]) -> int:
         for note in notes:
             print(note)
         return 0
+    from hpcrl.launch.sft import main
     from hpcrl.trainer import parallel
-    from hpcrl.trainer.sft import main
 
     rc = main(loaded.config)
     if parallel.ran_distributed():  # a rank (not the launcher of several ranks): see hard_exit
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        from hpcrl.config.errors import nearest
+        from hpcrl.errors import nearest
 
         return _fail(f"unknown command '{name}'{nearest(name, COMMANDS)}; see `hpcrl --help`")
     fn, root = COMMANDS[name]

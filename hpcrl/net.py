@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import socket
 
+# The run's bearer token of inference servers' admin routes, passed to every process through its
+# environment (never a file): the servers check it, the orchestrator and env servers send it.
+API_KEY_ENV = "HPCRL_API_KEY"
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the kernel's pick). Another process may take it before

@@ -23,7 +23,7 @@ from typing import Any
 
 import tomllib
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.fileio import write_text
 from hpcrl.paths import RunPaths, parse_step_dir
 

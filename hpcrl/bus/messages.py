@@ -54,6 +54,21 @@ def _now() -> float:
     return time.time()
 
 
+# The sample fields of a TrainBatch, named once for both sides of the bus: the orchestrator packs
+# them (hpcrl/orchestrator/packing.py), a cp group's ranks merge their shards (trainer/context_parallel.py).
+TOKEN_FIELDS = (  # one entry per token, samples back to back
+    "input_ids",
+    "position_ids",
+    "loss_mask",
+    "advantages",
+    "inference_logprobs",
+    "teacher_logprobs",
+    "reference_logprobs",
+)
+SAMPLE_FIELDS = ("seq_lens", "policy_versions", "temperatures", "example_ids", "rewards")  # one per sample
+ROW_FIELDS = ("env_names", "routed_experts")  # per sample as a list / per token as a [T, k] table
+
+
 class TrainBatch(msgspec.Struct, kw_only=True, eq=False):
     """One trainer rank's share of one step: samples packed back to back into T tokens.
 

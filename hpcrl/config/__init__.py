@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hpcrl.config.errors import ConfigError
     from hpcrl.config.loader import Loaded, load
     from hpcrl.config.schema import Config, SFTConfig
+    from hpcrl.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "Loaded", "SFTConfig", "load"]
 
 _WHERE = {
-    "ConfigError": "errors",
+    "ConfigError": "hpcrl.errors",
     "Loaded": "loader",
     "load": "loader",
     "Config": "schema",
@@ -27,5 +27,7 @@ def __getattr__(name: str) -> Any:
     if name in _WHERE:
         import importlib
 
-        return getattr(importlib.import_module(f"hpcrl.config.{_WHERE[name]}"), name)
+        where = _WHERE[name]
+        module = where if where.startswith("hpcrl.") else f"hpcrl.config.{where}"
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'hpcrl.config' has no attribute {name!r}")

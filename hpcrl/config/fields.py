@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from hpcrl.config.errors import ConfigError, nearest
+from hpcrl.errors import ConfigError, nearest
 
 
 @dataclass(frozen=True)

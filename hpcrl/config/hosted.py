@@ -12,8 +12,8 @@ from typing import Any
 
 from hpcrl.config import fields
 from hpcrl.config.dicts import deep_merge
-from hpcrl.config.errors import ConfigError, nearest, show_key
 from hpcrl.config.schema import Config
+from hpcrl.errors import ConfigError, nearest, show_key
 
 # Top-level keys only the hosted platform understands: accepted, reported, ignored.
 PLATFORM_ONLY = ("tailscale", "infrastructure", "image_tag")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,9 +18,9 @@ import msgspec
 
 from hpcrl.config import fields, hosted, roles, sanity
 from hpcrl.config.dicts import deep_merge, get_path, set_path
-from hpcrl.config.errors import ConfigError, nearest, show_key
 from hpcrl.config.schema import Config, SFTConfig, TrainerConfig
 from hpcrl.config.sections.model import owner_hint
+from hpcrl.errors import ConfigError, nearest, show_key
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -391,10 +392,13 @@ def load(
     require_envs: bool = True,  # type: ignore[assignment]
     extra: dict[str, Any] | None = None,
     role: str | None = None,
+    checks: Callable[[Any], list[str]] | None = None,
 ) -> Loaded:
     """Resolve a config from CLI arguments (files + flags) into typed Structs. `extra` (a nested
     dict, e.g. from a command's positional arguments and short flags) applies after the flags.
-    `role`: a role command's view (hpcrl.config.roles): flags it does not read are refused."""
+    `role`: a role command's view (hpcrl.config.roles): flags it does not read are refused.
+    `checks`: the checks that need role knowledge (hpcrl.launch.checks.role_checks, which passes
+    itself in): run on the typed config inside this error boundary; they return notes to print."""
     files, over = parse_argv(argv, root, role)
     over = deep_merge(over, extra or {})
     sanity.check_text(over)  # named as the flag wrote it, before the value flows into role sections
@@ -436,11 +440,10 @@ def load(
             flow_shared(cfg)
             _load_env_files(cfg)
             validate(cfg, require_envs=require_envs)
-            notes.extend(_alias_notes(cfg))
         elif isinstance(cfg, SFTConfig):
             validate_sft(cfg)
-        if isinstance(cfg, (Config, SFTConfig)):
-            _resolve_warm_start(cfg)
+        if checks is not None and isinstance(cfg, (Config, SFTConfig)):
+            notes.extend(checks(cfg))
     except ConfigError as e:
         # Name the field as the user wrote it too: `orchestrator.batch_size (hosted: batch_size)`.
         alias = hosted.hosted_path(e.path) if any_hosted else None
@@ -460,37 +463,6 @@ def _load_env_files(cfg: Config) -> None:
         sanity.check_path_text(p, f"env_files[{i}]")
     cfg.env_files = [str(Path(p).expanduser().resolve()) for p in cfg.env_files]
     load_env_files(cfg.env_files)
-
-
-def _resolve_warm_start(cfg: Config | SFTConfig) -> None:
-    """checkpoint_id / ckpt.warm_start -> the HF weights dir it names, checked against the model, so
-    every role reads one absolute path (hpcrl.warm_start)."""
-    if cfg.ckpt is None:
-        return
-    if not cfg.ckpt.warm_start:
-        if cfg.ckpt.warm_start_optimizer:
-            raise ConfigError("ckpt.warm_start_optimizer", "needs ckpt.warm_start (hosted: checkpoint_id)")
-        return
-    from hpcrl.warm_start import check_same_adapter, optimizer_source, resolve_for
-
-    ref = cfg.ckpt.warm_start
-    sanity.check_path_text(ref, "ckpt.warm_start")  # an OS-refused name is the user's, not an OSError
-    cfg.ckpt.warm_start = str(resolve_for(ref, cfg.model.name or ""))
-    if cfg.ckpt.warm_start_optimizer:
-        model = cfg.trainer.model if isinstance(cfg, Config) and cfg.trainer.model else cfg.model
-        lora = msgspec.to_builtins(model.lora) if model.lora is not None else None
-        check_same_adapter(optimizer_source(ref)[0], lora)
-
-
-def _alias_notes(cfg: Config) -> list[str]:
-    """An env id that runs a built-in under a Hub name is said so at start (never silently)."""
-    try:
-        from hpcrl.envs.registry import alias_note
-    except ImportError:
-        return []
-    o = cfg.orchestrator
-    ids = [e.id for e in o.train.env] + ([e.id for e in o.eval.env] if o.eval is not None else [])
-    return [n for n in dict.fromkeys(alias_note(i) for i in ids) if n]
 
 
 def _role_log_extras(merged: dict[str, Any]) -> None:

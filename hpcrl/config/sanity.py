@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from hpcrl.config.errors import ConfigError, show_key
+from hpcrl.errors import ConfigError, show_key
 
 MAX_DEPTH = 32  # deeper than any real config (the schema nests 5 levels; env args a few more)
 _NAME_MAX = 255  # bytes per path component on every Linux filesystem we run on

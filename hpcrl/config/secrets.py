@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 
 ENV_REF_RE = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
 SECRET_ENV_PREFIX = "HPCRL_SECRET_"

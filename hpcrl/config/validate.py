@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import re
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.sanity import check_output_dir
-from hpcrl.config.schema import CkptConfig, Config, EnvConfig, RendererConfig, SFTConfig, TrainerModelConfig
-from hpcrl.trainer import precision
-from hpcrl.trainer.precision import Precision
+from hpcrl.config.schema import CkptConfig, Config, EnvConfig, SFTConfig, TrainerModelConfig
+from hpcrl.errors import ConfigError
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$|^\d+:\d{2}$")
 _MEM_RE = re.compile(r"^\d+[KMGT]?$")
@@ -17,11 +15,8 @@ _MEM_RE = re.compile(r"^\d+[KMGT]?$")
 def validate(cfg: Config, require_envs: bool = True) -> None:
     check_output_dir(cfg.output_dir)
     _unsupported(cfg)
-    trainer_precision(cfg, on_gpu=True)
     _activation_offload(cfg)
-    custom_impl(cfg)
     _orchestrator(cfg)
-    _renderer(cfg.orchestrator.renderer, cfg.model.name, "orchestrator.renderer")
     _buffer(cfg)
     _envs(cfg, require_envs)
     _deployment(cfg)
@@ -40,10 +35,7 @@ def validate_sft(cfg: SFTConfig) -> None:
     if cfg.model.name is None or not cfg.model.name.strip():
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
     _unsupported(cfg)
-    _renderer(cfg.renderer, cfg.model.name, "renderer")
-    trainer_precision(cfg, on_gpu=True)
     _activation_offload(cfg)
-    custom_impl(cfg)
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError(
             "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"
@@ -71,107 +63,7 @@ def validate_sft(cfg: SFTConfig) -> None:
     _ckpt_fields(cfg.ckpt, cfg.max_steps)
 
 
-def context_parallel(cfg: Config, trainer_ranks: int, on_gpu: bool) -> None:
-    """``trainer.model.cp`` against the placement (run, submit, resume and their --dry-run): it must
-    divide the trainer ranks (ranks = dp x cp); ring attention on GPU needs a flash-attention kernel;
-    ulysses needs cp to divide the attention heads (where the model's architecture is known locally);
-    cp must divide seq_len (a sequence of seq_len tokens splits evenly; a micro-batch of shorter
-    samples that cp does not divide is still padded with a padding sample of its own)."""
-    import importlib.util
-
-    model, field = _trainer_model(cfg)
-    cp = model.cp
-    if cp == 1:
-        return
-    if trainer_ranks % cp:
-        raise ConfigError(f"{field}.cp", f"{cp} must divide the number of trainer ranks ({trainer_ranks})")
-    if cfg.seq_len % cp:
-        raise ConfigError(
-            f"{field}.cp", f"{cp} must divide seq_len ({cfg.seq_len}); use a seq_len that it does"
-        )
-    if model.cp_mode == "ulysses":
-        from hpcrl.models.arch import find_arch
-
-        arch = find_arch(model.name)
-        if arch is not None and arch.heads % cp:
-            raise ConfigError(
-                f"{field}.cp",
-                f"{cp} with cp_mode 'ulysses' must divide the model's {arch.heads} attention heads "
-                "(use a cp that does, or cp_mode = 'ring')",
-            )
-        return
-    if on_gpu and importlib.util.find_spec("flash_attn") is None:
-        raise ConfigError(
-            f"{field}.cp",
-            f"{cp} on GPU needs a flash-attention kernel (pip install flash-attn), which is not installed",
-        )
-
-
-def expert_parallel(cfg: Config, trainer_ranks: int) -> None:
-    """``trainer.model.ep`` against the placement (run, submit, resume and their --dry-run): it must
-    divide the trainer ranks, and the model's experts where its architecture is known locally."""
-    from hpcrl.models.arch import find_arch
-
-    model, field = _trainer_model(cfg)
-    if model.ep == 1:
-        return
-    if trainer_ranks % model.ep:
-        raise ConfigError(
-            f"{field}.ep", f"{model.ep} must divide the number of trainer ranks ({trainer_ranks})"
-        )
-    arch = find_arch(model.name)
-    if arch is not None and not arch.moe:
-        raise ConfigError(f"{field}.ep", f"{model.ep} needs an MoE model; {model.name!r} has no experts")
-    if arch is not None and arch.num_experts % model.ep:
-        raise ConfigError(f"{field}.ep", f"{model.ep} does not divide the model's {arch.num_experts} experts")
-    _ep_needs_custom(model, field)
-
-
-def _ep_needs_custom(model: TrainerModelConfig, field: str) -> None:
-    """Expert parallelism is the custom implementation's: refused where the run would load
-    transformers' (impl = 'hf', LoRA, or a config.json the custom model does not run)."""
-    from hpcrl.models import registry
-    from hpcrl.models.arch import local_config
-
-    why = "impl = 'hf'" if model.impl == "hf" else "LoRA" if model.lora is not None else None
-    if why is None and model.attn == "flash_attention_2":  # only transformers runs it (pick_impl)
-        why = "attn = 'flash_attention_2'"
-    config = local_config(model.name) if why is None else None
-    if config is not None:
-        model_type = str(config.get("model_type", ""))
-        reason = registry.unsupported(config)
-        why = reason if reason else None if model_type in registry.FAMILIES else f"model_type {model_type!r}"
-    if why is not None:
-        raise ConfigError(
-            f"{field}.ep",
-            f"{model.ep} needs hpcrl's own MoE implementation (impl = 'custom' or 'auto'), "
-            f"which does not run {why}; use ep = 1",
-        )
-
-
-def custom_impl(cfg: Config | SFTConfig) -> None:
-    """``impl = "custom"`` against the model's config.json where it is known locally (a directory, a
-    built tiny model, the HF cache): a model type without hpcrl's own implementation, or a config it
-    does not compute as transformers does (scaled RoPE of a dynamic kind, attention bias, sliding
-    windows), is refused at the dry run rather than when the trainer loads it."""
-    from hpcrl.models import registry
-    from hpcrl.models.arch import local_config
-
-    model, field = _trainer_model(cfg)
-    if model.impl != "custom":
-        return
-    config = local_config(model.name)
-    if config is None:
-        return
-    try:
-        registry.pick_impl(
-            "custom", str(config.get("model_type", "")), lora=model.lora is not None, config=config
-        )
-    except ConfigError as e:
-        raise ConfigError(f"{field}.impl", e.message) from None
-
-
-def _trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
+def trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
     """The trainer's model section and the name of the table the user wrote its fields in: the
     loader flows [model] into [trainer.model] (a Config built in code may lack it)."""
     if isinstance(cfg, SFTConfig):
@@ -184,32 +76,13 @@ def _trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
 
 def _activation_offload(cfg: Config | SFTConfig) -> None:
     """Offloading moves the checkpointed layers' saved inputs to CPU: without checkpointing there are none."""
-    model, field = _trainer_model(cfg)
+    model, field = trainer_model(cfg)
     if model.activation_offload and not model.activation_checkpointing:
         raise ConfigError(
             f"{field}.activation_offload",
             "offloads the inputs that activation checkpointing keeps; set "
             f"{field}.activation_checkpointing = true as well",
         )
-
-
-def activation_offload_note(cfg: Config | SFTConfig, on_gpu: bool) -> list[str]:
-    """The dry run's one line when offloading is asked for where the trainer computes on CPU."""
-    model, field = _trainer_model(cfg)
-    if not model.activation_offload or on_gpu:
-        return []
-    return [
-        f"note:         {field}.activation_offload does nothing where the trainer computes on CPU "
-        "(its activations are in CPU memory already)"
-    ]
-
-
-def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
-    """The trainer's precision (hpcrl/trainer/precision.py). Validation checks it as if on GPU (the
-    permissive case: ``auto`` is bf16 there); the --dry-run summary and the trainer check it again for
-    the devices the trainer really gets."""
-    model, field = _trainer_model(cfg)
-    return precision.of_model(model, on_gpu, field)
 
 
 # Fields parsed for compatibility with prime-rl / hosted configs that nothing implements yet: a
@@ -244,20 +117,6 @@ def _unsupported(cfg: Config | SFTConfig) -> None:
             if present and value not in allowed:
                 ok = ", ".join(repr(a) for a in allowed)
                 raise ConfigError(p, f"{value!r} is not supported yet (allowed: {ok}); {instead}")
-
-
-def _renderer(section: RendererConfig, model_name: str | None, field: str) -> None:
-    """Name, import_path and thinking_retention resolve (the package is imported only for a renderer
-    other than auto/default; the tokenizer check is --dry-run's, hpcrl.render.select.dry_run_check)."""
-    if (
-        section.name in ("auto", "default")
-        and section.import_path is None
-        and section.thinking_retention is None
-    ):
-        return
-    from hpcrl.render.select import renderer_config
-
-    renderer_config(section, model_name or "", field)
 
 
 def _betas(betas: list[float], path: str) -> None:
@@ -337,33 +196,6 @@ def _envs(cfg: Config, require_envs: bool) -> None:
     _unique_names(o.train.env, "orchestrator.train.env")
     if o.eval is not None:
         _unique_names(o.eval.env, "orchestrator.eval.env")
-    try:
-        from hpcrl.envs.registry import validate_env_spec
-    except ImportError:  # the env package is optional at this layer
-        return
-    lists = [("orchestrator.train.env", o.train.env)]
-    if o.eval is not None:
-        lists.append(("orchestrator.eval.env", o.eval.env))
-    from hpcrl.config.secrets import resolve_refs
-    from hpcrl.envs.v1_runtime import check_name
-
-    for path, envs in lists:
-        for i, e in enumerate(envs):
-            if e.runtime is not None and (bad := check_name(e.runtime)):
-                raise ConfigError(f"{path}[{i}].runtime", bad)
-            args = resolve_refs(e.args, f"{path}[{i}].args")  # only checked here, never stored
-            try:
-                validate_env_spec(e.id, args)
-            except ValueError as err:
-                raise ConfigError(f"{path}[{i}]", str(err)) from None
-            if e.runtime is not None:
-                from hpcrl.envs.registry import v1_module
-
-                if v1_module(e.id) is None:
-                    raise ConfigError(
-                        f"{path}[{i}].runtime",
-                        f"env {e.id!r} is not a verifiers 0.4 (v1) environment; only those run in a runtime",
-                    )
 
 
 def _unique_names(envs: list[EnvConfig], path: str) -> None:
@@ -449,8 +281,6 @@ def _slurm(cfg: Config) -> None:
         raise ConfigError("slurm.time", f"'{s.time}' is not a SLURM time (HH:MM:SS, D-HH:MM:SS or minutes)")
     if s.mem is not None and not _MEM_RE.match(s.mem):
         raise ConfigError("slurm.mem", f"'{s.mem}' is not a SLURM memory size (e.g. 0, 64G, 512000M)")
-    from hpcrl.launch.hetjob import time_seconds
-
     limit = time_seconds(s.time)
     if limit is not None and s.signal_before_s >= limit:  # SLURM would signal at once: requeue forever
         raise ConfigError(
@@ -462,3 +292,24 @@ def _slurm(cfg: Config) -> None:
             raise ConfigError(
                 f"slurm.extra_sbatch[{i}]", f"'{opt}' must be a long sbatch option like --exclusive"
             )
+
+
+def time_seconds(t: str | int) -> int | None:
+    """A SLURM time limit in seconds (minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None = unlimited."""
+    if isinstance(t, int):
+        return t * 60
+    if t.upper() in ("INFINITE", "UNLIMITED", "-1"):
+        return None
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t.strip())
+    if m is None:
+        raise ValueError(f"time {t!r} is not a SLURM time limit (e.g. 90, 01:30:00, 1-00:00:00)")
+    days, a, b, c = m.groups()
+    parts = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        h, mi, sec = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + mi) * 60 + sec
+    if len(parts) == 1:
+        return parts[0] * 60  # minutes
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]  # M:S
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]

@@ -75,7 +75,7 @@ class Host:
         self.stopping = False
 
     def run(self) -> int:
-        from hpcrl.launch.placement import record
+        from hpcrl.runtime import record
 
         record(self.paths, "env-host", self.node)
         log.info("env host %d watching %s", self.node, self.paths.env_specs_dir)

@@ -5,7 +5,7 @@
                   {node, spec}) that the host of env node `node` (hpcrl.envs.host, the SLURM `envs`
                   component) carries out; the host writes `<kind>--<env>.exit` when that server exits
 
-Both answer the same three questions for hpcrl.envs.remote.RemoteEnvironment: start (restart =
+Both answer the same three questions for hpcrl.orchestrator.remote_env.RemoteEnvironment: start (restart =
 a spec with a higher `restarts`), has it exited (with what code), and wait for it to stop. The
 orchestrator keeps the one restart counter (orchestrator.env_server_max_restarts) either way; the
 host never restarts a server on its own, it only carries out orders.

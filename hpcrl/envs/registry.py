@@ -279,8 +279,8 @@ def _build(env_id: str, factory: Factory, args: Mapping[str, Any]) -> Any:
 def load_environment(env_id: str, **args: Any) -> Environment:
     """Build an environment by id; EnvSpecError (one line) for unknown ids or bad arguments.
     `${env:NAME}` references in args are resolved here, in the process that runs the environment."""
-    from hpcrl.config.errors import ConfigError
     from hpcrl.config.secrets import resolve_refs
+    from hpcrl.errors import ConfigError
 
     try:
         args = resolve_refs(args, f"environment {env_id!r} args")

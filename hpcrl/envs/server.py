@@ -13,7 +13,7 @@ and then only watches them. It never runs rollout code, so it notices at once wh
 worker's rollouts); when the orchestrator sees a rollout overrun `rollout_timeout_s` in env code it
 asks for the worker to be killed (`Kill`). Either way a fresh worker, with a new identity, takes its
 place (`restarts` counts them). The orchestrator restarts a whole server that dies
-(hpcrl.envs.remote). `status_file` always says who is running (hpcrl components).
+(hpcrl.orchestrator.remote_env). `status_file` always says who is running (hpcrl components).
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ class EnvServer:
         """logs/placement.jsonl: role env-server-<kind>, rank = the env's index, the env named."""
         if not self.spec.run_dir:
             return
-        from hpcrl.launch.placement import record
         from hpcrl.paths import RunPaths
+        from hpcrl.runtime import record
 
         extra = {"env": self.spec.name, "workers": [w.proc.pid for w in self.workers if w.proc is not None]}
         record(RunPaths(self.spec.run_dir), f"env-server-{self.spec.kind}", self.spec.index, extra=extra)

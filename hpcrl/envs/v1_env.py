@@ -344,7 +344,7 @@ class V1Environment(Environment):
     ) -> list[Trajectory]:
         from verifiers.v1.configs.client import TrainClientConfig
 
-        from hpcrl.inference.guard import API_KEY_ENV
+        from hpcrl.net import API_KEY_ENV
 
         convs = [client.make(i) for i in range(n)]  # type: ignore[attr-defined]  (a GroupClient)
         env_client = self._env_client()

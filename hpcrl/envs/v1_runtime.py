@@ -60,7 +60,7 @@ def effective(configured: str | None, seat_default: str) -> tuple[str, str | Non
 def dry_run_check(cfg: object, environ: Mapping[str, str] | None = None) -> None:
     """--dry-run: every env that names a runtime can start it on this machine, else a ConfigError
     (one line) naming the env and the field."""
-    from hpcrl.config.errors import ConfigError
+    from hpcrl.errors import ConfigError
 
     o = cfg.orchestrator  # type: ignore[attr-defined]
     lists = [("orchestrator.train.env", o.train.env)]

@@ -17,8 +17,9 @@ from typing import Any
 
 from hpcrl.config import fields
 from hpcrl.config.dicts import set_path
-from hpcrl.config.errors import ConfigError
-from hpcrl.config.loader import Loaded, load
+from hpcrl.config.loader import Loaded
+from hpcrl.errors import ConfigError
+from hpcrl.launch.checks import load
 
 # flag -> dotted field (value flags). Long forms that are already config fields need no entry.
 COMMON = {

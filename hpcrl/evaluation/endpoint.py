@@ -10,8 +10,8 @@ import os
 import time
 from typing import Any
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import ClientConfig, EvalInferenceConfig
+from hpcrl.errors import ConfigError
 from hpcrl.launch.local import Child, spawn, stop_children
 from hpcrl.net import free_port
 from hpcrl.paths import EvalPaths

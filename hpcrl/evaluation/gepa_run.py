@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import GepaRunConfig
 from hpcrl.envs.base import Environment, Task
+from hpcrl.errors import ConfigError
 from hpcrl.evaluation.endpoint import Endpoints, load_tokenizer
 from hpcrl.evaluation.gepa_adapter import (
     COMPONENT,

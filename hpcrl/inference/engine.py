@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.inference import routing
 from hpcrl.inference.batch import DecodeBatch
 from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
@@ -37,8 +37,8 @@ from hpcrl.inference.protocol import SamplingParams, SeqOutput
 from hpcrl.inference.routing import RoutingRecorder
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.inference.tokens import Tokens
+from hpcrl.models.chunked import prompt_logprobs
 from hpcrl.models.qwen3.state_dict_adapter import hf_views
-from hpcrl.trainer.chunked import prompt_logprobs
 from hpcrl.weights.checksum import state_dict_checksum
 from hpcrl.weights.delta import Delta, apply_delta
 
@@ -112,7 +112,7 @@ class HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if device is None:
-            from hpcrl.launch.placement import use_cuda
+            from hpcrl.runtime import use_cuda
 
             device = "cuda" if use_cuda() else "cpu"
         self.device = torch.device(device)

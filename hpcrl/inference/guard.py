@@ -18,11 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.inference.files import show as files_show
 from hpcrl.inference.protocol import APIError, show
+from hpcrl.net import API_KEY_ENV
 
-API_KEY_ENV = "HPCRL_API_KEY"
 MAX_JSON_DEPTH = 64
 ADMIN_ROUTES = (
     "/update_weights",

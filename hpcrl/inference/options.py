@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.33's MaxLoRARanks
 
@@ -132,7 +132,7 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
     from hpcrl.bus.messages import ServerInfo
 
     path = announce_server(paths, ServerInfo(**info))
-    from hpcrl.launch.placement import record
+    from hpcrl.runtime import record
 
     record(paths, "inference", opts.server_index, port)
     return path

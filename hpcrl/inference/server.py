@@ -24,15 +24,15 @@ log = logging.getLogger("hpcrl.inference.server")
 
 def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> int:
     """`hpcrl inference`: map the typed config onto ServeOptions and serve (blocks)."""
+    from hpcrl import runtime
     from hpcrl.config.schema import InferenceModelConfig
     from hpcrl.inference.guard import resolve_api_key
-    from hpcrl.launch import placement
     from hpcrl.models.tiny import resolve_model
     from hpcrl.monitor.logging import setup_logging
 
     setup_logging("inference", cfg.log.level)
-    placement.apply_compute(cfg)
-    placement.bind_gpus()  # before CUDA starts; the record follows once the port is known
+    runtime.apply_compute(cfg)
+    runtime.bind_gpus()  # before CUDA starts; the record follows once the port is known
     inf = cfg.inference
     backend = inf.backend
     if backend == "auto":
@@ -75,7 +75,7 @@ def _has_cuda_and_vllm() -> bool:
 
     if importlib.util.find_spec("vllm") is None:
         return False
-    from hpcrl.launch.placement import use_cuda
+    from hpcrl.runtime import use_cuda
 
     return use_cuda()
 
@@ -87,7 +87,7 @@ def serve(opts: ServeOptions) -> None:
 
     model_path = resolve_model(opts.model_name)
     if opts.api_key:  # both backends read the key from the environment (vLLM: VLLM_API_KEY guards /v1)
-        from hpcrl.inference.guard import API_KEY_ENV
+        from hpcrl.net import API_KEY_ENV
 
         os.environ[API_KEY_ENV] = os.environ["VLLM_API_KEY"] = opts.api_key
     if opts.backend == "vllm":

@@ -38,7 +38,7 @@ WORKER_ATTRS = ("rank", "device", "model_runner")  # attributes of vLLM's worker
 
 
 def _not_available(message: str) -> Exception:
-    from hpcrl.config.errors import ConfigError
+    from hpcrl.errors import ConfigError
 
     return ConfigError("inference.backend", message)
 

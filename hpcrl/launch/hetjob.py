@@ -47,6 +47,8 @@ from pathlib import Path
 
 from submitit.slurm.slurm import SlurmExecutor, SlurmJob
 
+from hpcrl.config.validate import time_seconds
+
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A hetjob has one state per component; report the most telling one.
@@ -176,27 +178,6 @@ def validate(spec: HetJobSpec) -> None:
             raise ValueError(
                 f"signal_before_s ({spec.signal_before_s}) must be below the time limit ({limit} s)"
             )
-
-
-def time_seconds(t: str | int) -> int | None:
-    """A SLURM time limit in seconds (minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None = unlimited."""
-    if isinstance(t, int):
-        return t * 60
-    if t.upper() in ("INFINITE", "UNLIMITED", "-1"):
-        return None
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t.strip())
-    if m is None:
-        raise ValueError(f"time {t!r} is not a SLURM time limit (e.g. 90, 01:30:00, 1-00:00:00)")
-    days, a, b, c = m.groups()
-    parts = [int(x) for x in (a, b, c) if x is not None]
-    if days is not None:  # D-H, D-H:M, D-H:M:S
-        h, mi, sec = (parts + [0, 0])[:3]
-        return ((int(days) * 24 + h) * 60 + mi) * 60 + sec
-    if len(parts) == 1:
-        return parts[0] * 60  # minutes
-    if len(parts) == 2:
-        return parts[0] * 60 + parts[1]  # M:S
-    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
 
 
 # -- rendering -----------------------------------------------------------------------------------

@@ -33,9 +33,10 @@ from hpcrl.config.schema import Config
 from hpcrl.launch import restart
 from hpcrl.launch.console import ConsoleReporter
 from hpcrl.launch.keepalive import restart_delay
-from hpcrl.launch.placement import GPUS_PER_TASK_ENV, Placement, Slot, rank_env
+from hpcrl.launch.placement import Placement, Slot
 from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
+from hpcrl.runtime import GPUS_PER_TASK_ENV, rank_env
 
 GRACE_S = 8.0
 

@@ -188,7 +188,7 @@ def logs(argv: list[str]) -> int:
 def component_rows(paths: RunPaths) -> list[dict]:
     """Every process of a run: the roles' placement records and every env server and worker."""
     from hpcrl.envs.components import alive, env_rows
-    from hpcrl.launch.placement import read_records
+    from hpcrl.runtime import read_records
 
     rows = [
         {

@@ -82,7 +82,7 @@ def status(argv: list[str]) -> int:
 
 def placement_table(paths: RunPaths) -> list[str]:
     """Where every process runs (its newest record in logs/placement/), as a table."""
-    from hpcrl.launch.placement import read_records
+    from hpcrl.runtime import read_records
 
     recs = read_records(paths)
     if not recs:

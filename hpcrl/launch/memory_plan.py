@@ -35,7 +35,7 @@ position. Every rank stores S = (D + X) / N = P / N, with or without ep:
                fp32 upcast, the fp32 log-softmax kept for backward and its gradient. Tokens = T today
                (an upper bound: logits are kept for loss tokens only). When the trainer computes
                logprobs in chunks: chunk x vocab x (compute bytes + LOGIT_FP32_CHUNKED x 4) (one fp32
-               buffer per chunk, hpcrl/trainer/chunked.py; vocab / cp columns when vocabulary-parallel,
+               buffer per chunk, hpcrl/models/chunked.py; vocab / cp columns when vocabulary-parallel,
                which always chunks).
 Inference server GPU (tp GPUs per server): weights P x dtype bytes / tp; the KV cache gets
 gpu_memory_utilization x GPU memory - weights - INFER_RESERVE_GIB, at 2 x layers x kv heads per GPU
@@ -50,8 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.models.arch import Arch, find_arch
+from hpcrl.models.rules import check_ep, ep_groups
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import Config
@@ -78,7 +79,7 @@ LOGIT_FP32_CHUNKED = 1  # chunked: the chunk's fp32 logits, log-softmaxed and di
 INFER_RESERVE_GIB = 2.0  # inference activations, CUDA graphs, NCCL buffers outside the KV cache
 # trainer.model fields from the long-sequence work (chunked logprobs, context parallelism), read
 # with getattr so this module works before and after they exist.
-# The chunk a vocabulary-parallel head runs with when chunking is off: hpcrl.trainer.chunked's
+# The chunk a vocabulary-parallel head runs with when chunking is off: hpcrl.models.chunked's
 # DEFAULT_CHUNK (that module imports torch; a unit test keeps the two equal).
 VOCAB_PARALLEL_CHUNK = 256
 CHUNK_FIELD = "logprobs_chunk_tokens"  # positions per LM-head chunk; 0 / absent: all at once
@@ -189,14 +190,6 @@ def _biggest(items: list[Item]) -> str:
 
 
 # -- pieces (pure) --------------------------------------------------------------------------------
-def ep_groups(ranks: int, ep: int) -> list[list[int]]:
-    """Trainer ranks of each expert-parallel group: consecutive ranks (a node's GPUs first), so
-    the all-to-all stays inside a node whenever ep <= GPUs per node."""
-    if ep < 1 or ranks % ep:
-        raise ConfigError("trainer.model.ep", f"{ep} does not divide the {ranks} trainer ranks")
-    return [list(range(g * ep, (g + 1) * ep)) for g in range(ranks // ep)]
-
-
 def expert_shard_groups(ranks: int, ep: int) -> list[list[int]]:
     """Ranks that share an ep position (one from each ep group): its experts are FSDP-sharded over
     them (gathered a layer at a time, gradients reduce-scattered)."""
@@ -215,9 +208,8 @@ def _span(g: list[int]) -> str:
 
 def ep_lines(ranks: int, ep: int, ranks_per_node: int, num_experts: int) -> list[str]:
     """The dry-run's ep groups: which ranks exchange tokens, which shard the same experts."""
+    check_ep(ep, ranks, num_experts=num_experts or None)
     groups = ep_groups(ranks, ep)
-    if num_experts and num_experts % ep:
-        raise ConfigError("trainer.model.ep", f"{ep} does not divide the model's {num_experts} experts")
     if ep == 1:
         return []
     shown = groups if len(groups) <= 8 else groups[:4] + groups[-1:]
@@ -367,7 +359,7 @@ def inference_items(
 # -- from a config --------------------------------------------------------------------------------
 def chunk_tokens(cfg: Config, vocab: int | None = None) -> int | None:
     """The trainer's logprob chunk size (None: the full [tokens, vocab] logits at once), bounded by
-    ``logprobs_chunk_mib`` at ``vocab`` as the trainer bounds it (hpcrl/trainer/chunked.py)."""
+    ``logprobs_chunk_mib`` at ``vocab`` as the trainer bounds it (hpcrl/models/chunked.py)."""
     model = cfg.trainer.model or cfg.model
     value = getattr(model, CHUNK_FIELD, None)
     if not (isinstance(value, int) and value > 0):
@@ -375,7 +367,7 @@ def chunk_tokens(cfg: Config, vocab: int | None = None) -> int | None:
     mib = getattr(model, "logprobs_chunk_mib", 0) or 0
     if vocab is None or not mib:
         return value
-    from hpcrl.trainer.chunked import chunk_rows  # the trainer's own rule (imports torch: only when bounded)
+    from hpcrl.models.chunked import chunk_rows  # the trainer's own rule (imports torch: only when bounded)
 
     return chunk_rows(value, vocab, mib)
 
@@ -395,7 +387,7 @@ def lora_param_count(a: Arch, rank: int, targets: list[str]) -> int:
 def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
     """The memory plan of `cfg` placed as `placement` (GPU dtypes: bf16 compute unless set), or None
     when the model's architecture is unknown here."""
-    from hpcrl.config.validate import trainer_precision
+    from hpcrl.launch.checks import trainer_precision
 
     model = cfg.trainer.model or cfg.model
     arch = find_arch(model.name or cfg.model.name)

@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import Config

@@ -5,18 +5,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import CkptConfig, Config, SFTConfig, TrainerModelConfig
-from hpcrl.config.validate import (
+from hpcrl.errors import ConfigError
+from hpcrl.launch.checks import (
     activation_offload_note,
     context_parallel,
     expert_parallel,
     trainer_precision,
 )
-from hpcrl.launch.placement import Placement, local_placement, weight_transport
+from hpcrl.launch.placement import Placement, local_placement
 from hpcrl.paths import RunPaths
+from hpcrl.runtime import weight_transport
 
 
 def prepare_output_dir(cfg: Config | SFTConfig, dry_run: bool = False) -> RunPaths:

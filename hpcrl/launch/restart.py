@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from hpcrl import checkpoint
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
+from hpcrl.errors import ConfigError
 from hpcrl.paths import RunPaths
 
 

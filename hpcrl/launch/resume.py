@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpcrl import checkpoint
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.loader import Loaded
+from hpcrl.errors import ConfigError
 from hpcrl.paths import RunPaths
 
 
@@ -25,7 +25,7 @@ def resume(output_dir: Path, step: int, argv: list[str], dry_run: bool = False) 
         )
     if step < -1:
         raise ConfigError("--step", f"{step}: expected -1 (newest complete) or a step number")
-    from hpcrl.config import load
+    from hpcrl.launch.checks import load
 
     argv = [
         "@",

@@ -16,13 +16,13 @@ import sys
 
 from hpcrl.config.schema import SFTConfig
 from hpcrl.launch.local import Child, free_port, signal_children, spawn, supervise_then_stop
-from hpcrl.launch.placement import rank_env
 from hpcrl.paths import RunPaths
+from hpcrl.runtime import rank_env
 
 log = logging.getLogger("hpcrl.launch")
 
 CHILD_ENV = "HPCRL_SFT_CHILD"  # set on ranks this process spawned: they skip output-dir preparation
-USER_ERROR_EXIT = 2  # the rank printed its one-line error itself (hpcrl.trainer.sft.main)
+USER_ERROR_EXIT = 2  # the rank printed its one-line error itself (hpcrl.launch.sft.main)
 
 
 def requested_ranks(cfg: SFTConfig) -> int:
@@ -38,7 +38,7 @@ def launched_as_rank() -> bool:
 
 
 def shared_env(n: int, cpu: bool) -> dict[str, str]:
-    """Environment every one of the n ranks gets (each adds its own placement.rank_env)."""
+    """Environment every one of the n ranks gets (each adds its own runtime.rank_env)."""
     env = {**os.environ, CHILD_ENV: "1", "PYTHONUNBUFFERED": "1"}
     if cpu:  # one thread per core in every rank oversubscribes the machine
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))

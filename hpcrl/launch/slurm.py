@@ -87,7 +87,7 @@ def build_spec(
         "cpus_per_task": s.cpus_per_task,
         "extra_sbatch": per_component,
     }
-    from hpcrl.launch.placement import GPUS_PER_TASK_ENV
+    from hpcrl.runtime import GPUS_PER_TASK_ENV
 
     def component(role: str, args: Sequence[str], forward_signal: bool) -> HetComponent:
         res = placement.resources(role)

@@ -144,7 +144,7 @@ def prepare_resume_main(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     from hpcrl import checkpoint  # after parsing: --help stays light
-    from hpcrl.config import load
+    from hpcrl.launch.checks import load
     from hpcrl.launch.restart import clear_stale_addresses, move_bus_aside
 
     paths = RunPaths(Path(args.output_dir))

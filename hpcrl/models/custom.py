@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.models import registry
 
 log = logging.getLogger("hpcrl.trainer")

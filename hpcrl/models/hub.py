@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.models.names import BUILTIN_MODELS
 
 # What a causal LM directory needs (config, safetensors weights, tokenizer files, chat templates,

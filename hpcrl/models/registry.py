@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 
 FAMILIES = {"qwen3": "hpcrl.models.qwen3", "qwen3_moe": "hpcrl.models.qwen3"}
 

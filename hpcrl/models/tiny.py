@@ -338,7 +338,7 @@ def resolve_model(name: str, field: str = "model.name") -> str:
     builtin = BUILTIN_MODELS.get(name)
     if builtin is None:
         if not name:
-            from hpcrl.config.errors import ConfigError
+            from hpcrl.errors import ConfigError
 
             raise ConfigError(field, "is not set (a Hub id, a local model directory or hpcrl/tiny-qwen3)")
         from hpcrl.models.hub import resolve_hub

@@ -13,7 +13,7 @@ no flash-attention package needed; ``is_causal`` per sample, never an ``[S, S]``
 
 It needs the heads to divide by N: query heads always, key/value heads too or they are repeated to
 the query heads first (grouped-query attention with fewer KV heads than ranks). The dry run refuses a
-cp that does not divide the query heads (:func:`hpcrl.config.validate.context_parallel`).
+cp that does not divide the query heads (:func:`hpcrl.launch.checks.context_parallel`).
 
 The packed row's samples come from the same :class:`~hpcrl.models.ring_attention.CPContext` ring
 attention reads (``segments``: the sample id of each local token); samples are contiguous, so after

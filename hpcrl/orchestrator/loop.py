@@ -24,12 +24,11 @@ from typing import Any
 
 import msgspec
 
-from hpcrl import checkpoint
+from hpcrl import checkpoint, runtime
 from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
 from hpcrl.envs.errors import EnvServerFailed
 from hpcrl.errors import UserError
-from hpcrl.launch import placement
 from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
@@ -71,7 +70,7 @@ class Stopping(Exception):
 
 def main(cfg: Config) -> int:
     setup_logging("orchestrator", (cfg.orchestrator.log or cfg.log).level)
-    placement.start_process(cfg, RunPaths(cfg.output_dir), "orchestrator", 0)
+    runtime.start_process(cfg, RunPaths(cfg.output_dir), "orchestrator", 0)
     # Beaten by answered requests, policy loads, published batches and waits on the trainer: a blocked
     # event loop or a wait that never ends stops all of them.
     watchdog.start("orchestrator", cfg.watchdog_s)

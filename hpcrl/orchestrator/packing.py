@@ -16,24 +16,13 @@ from typing import Any, Literal
 import numpy as np
 
 from hpcrl.balance import assign_to_ranks
+from hpcrl.bus.messages import ROW_FIELDS, SAMPLE_FIELDS, TOKEN_FIELDS
 
 Overlong = Literal["truncate", "drop"]
 
-BATCH_KEYS = (
-    "input_ids",
-    "position_ids",
-    "seq_lens",
-    "loss_mask",
-    "advantages",
-    "inference_logprobs",
-    "policy_versions",
-    "temperatures",
-    "env_names",
-    "example_ids",
-    "rewards",
-    "teacher_logprobs",
-    "routed_experts",
-)
+# What the orchestrator packs: every sample field of a TrainBatch (named once, on the bus) but the
+# reference logprobs, which the trainer computes itself.
+BATCH_KEYS = tuple(k for k in TOKEN_FIELDS + SAMPLE_FIELDS + ROW_FIELDS if k != "reference_logprobs")
 
 
 @dataclass

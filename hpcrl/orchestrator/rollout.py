@@ -239,7 +239,7 @@ class Generator:
         renderers: Any = None,
     ):
         assert strategy in ("interleaved", "branching"), strategy
-        # hpcrl.render.client.Renderers: renderer-driven rollouts (/inference/v1/generate, bridged
+        # hpcrl.orchestrator.renderer_client.Renderers: renderer-driven rollouts (/inference/v1/generate, bridged
         # turns); None: the tokenizer's chat template with hpcrl's exact stitching.
         self.renderers = renderers
         self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
@@ -251,7 +251,7 @@ class Generator:
         def make(i: int) -> RolloutClient:
             seed = None if self.seed is None else derive_seed(self.seed, *key, i)
             if self.renderers is not None:
-                from hpcrl.render.client import RendererClient
+                from hpcrl.orchestrator.renderer_client import RendererClient
 
                 return RendererClient(  # type: ignore[return-value]  (the same ChatClient protocol)
                     self.pool, self.renderers, self.seq_len, seed, self.default_policy

@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config, EnvConfig, OrchestratorConfig, SamplingConfig
 from hpcrl.envs import Environment, Task, load_environment
 from hpcrl.envs.registry import alias_note, v1_module
+from hpcrl.errors import ConfigError
 from hpcrl.orchestrator.advantages import AdvantageConfig
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
 from hpcrl.orchestrator.chat import openai_sampling
@@ -85,7 +85,7 @@ def load_envs(
                     if note:
                         log.warning(note)
                 else:
-                    from hpcrl.envs.remote import RemoteEnvironment, server_spec
+                    from hpcrl.orchestrator.remote_env import RemoteEnvironment, server_spec
 
                     where_logs = server_dir(kind, name)
                     spec = server_spec(
@@ -136,7 +136,7 @@ def deployment(cfg: Config) -> tuple[int, int, str]:
     launcher records them in the resolved config (hpcrl.launch.prepare.apply_placement), so every role
     reads the same values wherever it runs."""
     d = cfg.deployment
-    from hpcrl.launch.placement import weight_transport
+    from hpcrl.runtime import weight_transport
 
     return d.num_trainer_ranks or 1, d.num_inference_servers or 1, weight_transport(cfg)
 
@@ -155,7 +155,7 @@ class Setup:
     eval_envs: list[EvalEnv]
     train_sampling: dict[str, Any]
     eval_sampling: dict[str, Any]
-    renderers: Any = None  # hpcrl.render.client.Renderers, or None for the default renderer
+    renderers: Any = None  # hpcrl.orchestrator.renderer_client.Renderers, or None for the default renderer
     pools: list[ServerPool] = field(default_factory=list)
     teacher: ServerPool | None = None
     train_gen: Generator | None = None

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from hpcrl import checkpoint
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.paths import RunPaths
 
 STATE_FORMAT = 1

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import functools
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from hpcrl.config.errors import ConfigError, nearest
+from hpcrl.errors import ConfigError, nearest
 
 INSTALL = "pip install 'renderers>=0.1.12'"
 DEFAULT = "default"
@@ -178,7 +178,7 @@ def dry_run_check(cfg: Any) -> list[str]:
 
 
 def typed_renderers(tokenizer: Any, section: Any, model_name: str, field: str) -> Any:
-    """hpcrl.render.client.Renderers when `section` resolves to a typed renderer, else None: the
+    """Renderers (below) when `section` resolves to a typed renderer, else None: the
     tokenizer's own template (also `auto` without the package installed). Logs auto's note."""
     import logging
 
@@ -196,9 +196,26 @@ def typed_renderers(tokenizer: Any, section: Any, model_name: str, field: str) -
         log.info(note)
     if is_default(renderer):
         return None
-    from hpcrl.render.client import Renderers
-
     log.info(
         "renderer %s (%s): turns bridged, sampled via /inference/v1/generate", type(renderer).__name__, field
     )
     return Renderers(tokenizer, renderer_config(section, model_name, field)[0])
+
+
+class Renderers:
+    """One renderer per set of chat-template switches (sampling's chat_template_kwargs, e.g.
+    enable_thinking), built on first use from the run's renderer config."""
+
+    def __init__(self, tokenizer: Any, config: Any):
+        self.tokenizer, self.config = tokenizer, config
+        self._by_kwargs: dict[tuple[tuple[str, Any], ...], Any] = {}
+
+    def get(self, template_kwargs: Mapping[str, Any] | None) -> Any:
+        key = tuple(sorted((template_kwargs or {}).items()))
+        if key not in self._by_kwargs:
+            from renderers import create_renderer
+
+            self._by_kwargs[key] = create_renderer(
+                self.tokenizer, self.config, chat_template_kwargs=dict(key) or None
+            )
+        return self._by_kwargs[key]

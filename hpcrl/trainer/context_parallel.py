@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hpcrl.bus.messages import compact_routes
+from hpcrl.bus.messages import SAMPLE_FIELDS, TOKEN_FIELDS, compact_routes
+from hpcrl.models.chunked import DEFAULT_CHUNK, can_chunk, head_logprobs, kept_logits, vocab_parallel
 from hpcrl.models.ring_attention import CPContext, cp_context
-from hpcrl.trainer.chunked import DEFAULT_CHUNK, can_chunk, head_logprobs, kept_logits, vocab_parallel
 from hpcrl.trainer.packing import ForwardOutput, PackedBatch, next_token_logprobs, sample_starts
 
 
@@ -66,20 +66,7 @@ def merge_batches(batches: list[Any]) -> Any:
         parts = [getattr(b, name) for b in batches]
         return None if any(p is None for p in parts) else np.concatenate([np.asarray(p) for p in parts])
 
-    arrays = (
-        "input_ids",
-        "position_ids",
-        "seq_lens",
-        "loss_mask",
-        "advantages",
-        "inference_logprobs",
-        "policy_versions",
-        "temperatures",
-        "example_ids",
-        "rewards",
-        "teacher_logprobs",
-        "reference_logprobs",
-    )
+    arrays = TOKEN_FIELDS + SAMPLE_FIELDS  # the rest: ROW_FIELDS, below
     env_names = [n for b in batches for n in b.env_names]
     return msgspec.structs.replace(
         first, env_names=env_names, routed_experts=_merged_routes(batches), **{n: cat(n) for n in arrays}

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hpcrl.fileio import atomic_dir
-from hpcrl.trainer.embeddings import base_model, lm_head
+from hpcrl.models.embeddings import base_model, lm_head
 
 _DTYPES = {
     "float32": torch.float32,

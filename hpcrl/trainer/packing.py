@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from hpcrl.trainer.chunked import can_chunk, head_logprobs, kept_logits
+from hpcrl.models.chunked import can_chunk, head_logprobs, kept_logits
 from hpcrl.trainer.layout import (
     RowLayout,
     choose_width,
@@ -363,7 +363,7 @@ def forward_packed(
     ``wanted`` ([T] bool, e.g. the loss mask) names the tokens whose logprob the caller uses: logits
     (the LM head and the log-softmax) are computed only at the positions that predict them, and the
     other entries are 0. None: every token but each sample's first. ``chunk_tokens > 0``: the LM head
-    and log-softmax run that many positions at a time (:mod:`hpcrl.trainer.chunked`), so no
+    and log-softmax run that many positions at a time (:mod:`hpcrl.models.chunked`), so no
     ``[kept, vocab]`` tensor exists; 0 (or a head that is not a plain Linear): all kept positions at once."""
     dev = mb.input_ids.device
     seq_lens = mb.seq_lens.to(dev)

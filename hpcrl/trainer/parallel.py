@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpcrl.trainer.embeddings import embeddings
+from hpcrl.models.embeddings import embeddings
 
 _JOINED = False  # init_distributed ran in this process
 
@@ -73,9 +73,9 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 
 def device_for(local_rank: int = 0) -> torch.device:
-    """This rank's device. A rank bound to one GPU (hpcrl.launch.placement.bind_gpus, the local
+    """This rank's device. A rank bound to one GPU (hpcrl.runtime.bind_gpus, the local
     launcher) sees it as cuda:0; ranks that share a node's GPU list use their local rank."""
-    from hpcrl.launch.placement import use_cuda
+    from hpcrl.runtime import use_cuda
 
     if not use_cuda():
         return torch.device("cpu")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import TrainerModelConfig

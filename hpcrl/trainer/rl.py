@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcrl import checkpoint
+from hpcrl import checkpoint, runtime
 from hpcrl.bus import Bus, TrainBatch
 from hpcrl.config.schema import Config
-from hpcrl.launch import placement
 from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
@@ -126,7 +125,7 @@ def start_rank(cfg: Config, paths: RunPaths) -> Training:
     # From here on: a rendezvous, collective or step that never returns ends the process (exit 3).
     watchdog.start(f"trainer[{denv.rank}]", cfg.watchdog_s)
     watchdog.beat(f"joining the trainer group ({denv.world_size} rank(s)) and loading the model")
-    placement.start_process(cfg, paths, "trainer", denv.rank, port=denv.master_port)  # before CUDA starts
+    runtime.start_process(cfg, paths, "trainer", denv.rank, port=denv.master_port)  # before CUDA starts
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
     return build_training(
         cfg.trainer.model or cfg.model,
@@ -138,7 +137,7 @@ def start_rank(cfg: Config, paths: RunPaths) -> Training:
 
 
 def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str) -> PolicyPublisher:
-    transport = placement.weight_transport(cfg)
+    transport = runtime.weight_transport(cfg)
     keep = cfg.orchestrator.max_async_level + 2
     group = None
     if transport == "collective" and rank == 0:

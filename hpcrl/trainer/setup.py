@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import LossConfig, OptimConfig, TrainerModelConfig
+from hpcrl.errors import ConfigError
+from hpcrl.models.chunked import chunk_rows
+from hpcrl.models.embeddings import base_model, lm_head
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
 from hpcrl.trainer import parallel, precision
-from hpcrl.trainer.chunked import chunk_rows
 from hpcrl.trainer.context_parallel import CPGroup, make_cp_group
-from hpcrl.trainer.embeddings import base_model, lm_head
 from hpcrl.trainer.loss import LossParams
 
 log = logging.getLogger("hpcrl.trainer")
@@ -49,7 +49,7 @@ def _chunk(model: torch.nn.Module, model_cfg: TrainerModelConfig, cp: CPGroup | 
     """Positions per logprob chunk (0: off), bounded by logprobs_chunk_mib. A vocabulary-parallel head
     always chunks (DEFAULT_CHUNK when chunking is off) and its buffer has a rank's vocab / cp columns,
     so the same bytes hold cp times the rows."""
-    from hpcrl.trainer.chunked import DEFAULT_CHUNK, vocab_parallel
+    from hpcrl.models.chunked import DEFAULT_CHUNK, vocab_parallel
 
     tokens, v = model_cfg.logprobs_chunk_tokens, _vocab(model)
     if cp is not None and vocab_parallel(model):

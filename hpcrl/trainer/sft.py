@@ -6,8 +6,8 @@ optimizer step, checkpoints and weights layout (so SFT -> RL -> SFT needs no con
     -> validation loss when due -> checkpoint when due -> metrics
 
 Multi-rank: started under torchrun/srun (RANK/WORLD_SIZE or SLURM_* set) every process is one rank;
-otherwise `deployment.num_trainer_ranks` > 1 (or several visible GPUs) makes this process spawn the
-ranks on this machine and supervise them (hpcrl.launch.sft_ranks). Rows of a step go to ranks by
+otherwise `deployment.num_trainer_ranks` > 1 (or several visible GPUs) makes `hpcrl sft` spawn the
+ranks on this machine and supervise them (hpcrl.launch.sft, the launcher that calls `train`). Rows of a step go to ranks by
 stride (row j of the step to rank j % world), so the split is deterministic and a resume on the same
 world size sees the same rows.
 """
@@ -15,7 +15,6 @@ world size sees the same rows.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,6 @@ import numpy as np
 import torch
 
 from hpcrl.config.schema import SFTConfig
-from hpcrl.launch import sft_ranks
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.paths import RunPaths
@@ -51,24 +49,10 @@ SFT_PARTS = ("trainer",)  # an SFT checkpoint has no orchestrator part
 FINALIZE_TIMEOUT_S = 600.0
 
 
-def main(cfg: SFTConfig) -> int:
-    # User errors (data, template, resume step) are UserErrors: the CLI prints them in one line.
-    ranks = sft_ranks.requested_ranks(cfg)
-    from hpcrl.config.validate import context_parallel
-    from hpcrl.launch.placement import use_cuda
-
-    context_parallel(
-        cfg, parallel.dist_env().world_size if sft_ranks.launched_as_rank() else ranks, use_cuda()
-    )
-    if ranks > 1 and not sft_ranks.launched_as_rank():
-        setup_logging("sft", cfg.log.level)
-        return sft_ranks.launch_ranks(prepare(cfg), ranks)
-    return train(cfg)
-
-
-def train(cfg: SFTConfig) -> int:
+def train(cfg: SFTConfig, paths: RunPaths) -> int:
+    """One rank's SFT loop; `paths`: the run directory its launcher prepared (hpcrl.launch.sft)."""
     stop = install_stop_handler()  # first: a stop asked for during start-up is honoured after step 1
-    paths, tr, data = start_rank(cfg)
+    tr, data = start_rank(cfg, paths)
     ckpt = Checkpointer(
         cfg.ckpt, paths, tr, cfg.max_steps, parts=SFT_PARTS, finalize_timeout_s=FINALIZE_TIMEOUT_S
     )
@@ -136,16 +120,9 @@ def data_share(tr: Training) -> tuple[int, int, int]:
     return tr.dist.rank // tr.cp.size, tr.dist.world_size // tr.cp.size, tr.cp.size
 
 
-def start_rank(cfg: SFTConfig) -> tuple[RunPaths, Training, SFTData]:
-    """Run dir, logging, process group, dataset (before the model: a bad dataset fails in a second,
-    not a minute), then model, optimizer and scheduler."""
-    paths = RunPaths(cfg.output_dir) if os.environ.get(sft_ranks.CHILD_ENV) else prepare(cfg)
-    if not sft_ranks.launched_as_rank() and "MASTER_PORT" not in os.environ:
-        # A lone rank still opens a (gloo/nccl) group: take a free port, not the fixed default that
-        # another job on this machine may hold.
-        from hpcrl.net import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port())
+def start_rank(cfg: SFTConfig, paths: RunPaths) -> tuple[Training, SFTData]:
+    """Logging, process group, dataset (before the model: a bad dataset fails in a second, not a
+    minute), then model, optimizer and scheduler."""
     env = parallel.dist_env()
     role = "sft" if env.world_size == 1 else f"sft[{env.rank}]"
     log_file = paths.log_file("trainer") if env.rank == 0 else paths.rank_log_file("trainer", env.rank)
@@ -155,7 +132,7 @@ def start_rank(cfg: SFTConfig) -> tuple[RunPaths, Training, SFTData]:
     tr = build_training(cfg.model, cfg.optim, cfg.max_steps, cfg.seed, warm_start=warm)
     data.tokenizer = tr.tokenizer
     data.renderer = sft_renderers(cfg, tr.tokenizer)
-    return paths, tr, data
+    return tr, data
 
 
 def sft_renderers(cfg: SFTConfig, tokenizer: Any) -> Any:
@@ -180,12 +157,6 @@ def log_console(cfg: SFTConfig, rank: int, step: int, m: dict[str, Any], val_los
         )
 
 
-def prepare(cfg: SFTConfig) -> RunPaths:
-    from hpcrl.launch.prepare import prepare_output_dir
-
-    return prepare_output_dir(cfg)
-
-
 # ---------------------------------------------------------------------------------------------
 # data for the loop
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +178,9 @@ class SFTData:
     batch_size: int
     template_defaults: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
-    renderer: Any = None  # hpcrl.render.client.Renderers for a typed [renderer]; None: the template
+    renderer: Any = (
+        None  # hpcrl.orchestrator.renderer_client.Renderers for a typed [renderer]; None: the template
+    )
     _val_cache: list[sd.TokenizedSample] | None = field(default=None, repr=False)
 
     @classmethod
@@ -248,8 +221,10 @@ class SFTData:
 
     def sample(self, rows: sd.Rows, i: int, where: str) -> sd.TokenizedSample:
         conv = sd.row_to_conversation(rows[i], where, self.template_defaults)
-        if self.renderer is not None:  # a typed renderer: its training-sample builder (hpcrl.render.sft)
-            from hpcrl.render.sft import tokenize_with_renderer
+        if (
+            self.renderer is not None
+        ):  # a typed renderer: its training-sample builder (hpcrl.trainer.sft_render)
+            from hpcrl.trainer.sft_render import tokenize_with_renderer
 
             renderer = self.renderer.get(conv.template_kwargs)
             return sd.truncate(tokenize_with_renderer(renderer, conv, self.role_mask), self.seq_len)

@@ -14,7 +14,7 @@ rank ``(g, r)`` (cp group ``g``, rank ``r`` in it) gathers only the rows of its 
   elsewhere) and a reduce-scatter gives every rank its own tokens' rows;
 * **LM head + log-softmax**: the group's kept hidden states (``[cp * K, H]``, small beside the weight)
   are all-gathered, each rank computes its vocabulary columns' logits chunk by chunk (as
-  :mod:`hpcrl.trainer.chunked`) and the per-rank log-sum-exps, expected logits and picked logits are
+  :mod:`hpcrl.models.chunked`) and the per-rank log-sum-exps, expected logits and picked logits are
   combined by one all-gather of three numbers per row; the backward needs no collective but one
   sum of the incoming gradients and a reduce-scatter of the hidden states' gradient.
 
@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hpcrl.trainer.chunked import _chunk_logits, _exp_rows
-from hpcrl.trainer.embeddings import embeddings
+from hpcrl.models.chunked import _chunk_logits, _exp_rows
+from hpcrl.models.embeddings import embeddings
 
 PAD_LOGIT = -1e30  # a padding row's logit: exp() is 0 and 0 * logit is 0 (an -inf would make NaN)
 
@@ -165,7 +165,7 @@ class VocabShard:
         self, head: nn.Linear, h: Tensor, labels: Tensor, temp: Tensor | None, chunk: int, entropy: bool
     ) -> tuple[Tensor, Tensor]:
         """(logprobs [K], entropy [K] or empty) of this rank's ``h`` [K, H], as
-        :func:`hpcrl.trainer.chunked.chunked_token_logprobs`. Collective over the cp group."""
+        :func:`hpcrl.models.chunked.chunked_token_logprobs`. Collective over the cp group."""
         k = h.shape[0]
         k_max = self.longest(k, h.device)
         h_all = self.gather(h, k_max)

@@ -85,7 +85,7 @@ def init_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     if backend is None:
-        from hpcrl.launch.placement import use_cuda
+        from hpcrl.runtime import use_cuda
 
         backend = "nccl" if use_cuda() else "gloo"
     timeout = timedelta(seconds=timeout_s)

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from hpcrl.config.loader import load
+    from hpcrl.launch.checks import load
 
     overrides = (["--model.name", args.model_name] if args.model_name else []) + args.overrides
     cfg = load([args.config, "--max-steps", str(args.steps), *overrides]).config

@@ -101,7 +101,7 @@ def throughput(
     n / rounds rollouts through every configuration in turn, so that the other engineers' load,
     which changes from second to second, falls on all of them alike."""
     from hpcrl.envs.registry import load_environment
-    from hpcrl.envs.remote import RemoteEnvironment, server_spec
+    from hpcrl.orchestrator.remote_env import RemoteEnvironment, server_spec
 
     args = {"burn_s": burn_s}
     envs = {
@@ -225,7 +225,7 @@ def step_ipc(steps: int, tmp: Path, delay: float = 0.1) -> dict[str, float]:
     with 1 worker, step by step in turn. What the env IPC adds to a step, without the trainer's and
     the inference engine's noise in it."""
     from hpcrl.envs.registry import load_environment
-    from hpcrl.envs.remote import RemoteEnvironment, server_spec
+    from hpcrl.orchestrator.remote_env import RemoteEnvironment, server_spec
     from hpcrl.orchestrator.rollout import run_group
 
     envs = {

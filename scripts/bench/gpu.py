@@ -493,7 +493,7 @@ def part_head(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     shape (hidden 2048, vocab 151,936; bf16 on CUDA), 16,384 positions, by chunk rows and by the rows
     its log-softmax sums exponentiate at once (``chunked.EXP_BYTES`` / ``EXP_BYTES_GPU``): launch
     count vs temporaries."""
-    from hpcrl.trainer import chunked
+    from hpcrl.models import chunked
 
     n, hidden, vocab = (512, 64, 4096) if quick else (16384, 2048, 151_936)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -234,8 +234,8 @@ def one_step(
 def _run_cell(
     model_dir: str, seq_len: int, column: str, chunk: int, device: str, tensors: bool = False
 ) -> dict[str, Any]:
-    from hpcrl.launch.placement import rank_env
     from hpcrl.net import free_port
+    from hpcrl.runtime import rank_env
 
     world = 2 if column.startswith("cp2") else 1
     port = free_port()
@@ -344,8 +344,8 @@ def main() -> int:
         return 0
     if args.tensors and args.device != "cpu":
         ap.error("--tensors counts CPU tensors: on CUDA the cells already report max_memory_allocated")
+    from hpcrl.models.chunked import CHUNK_MIB, chunk_rows
     from hpcrl.models.tiny import resolve_model
-    from hpcrl.trainer.chunked import CHUNK_MIB, chunk_rows
 
     args.chunk = chunk_rows(args.chunk, VOCAB, CHUNK_MIB if args.chunk_mib is None else args.chunk_mib)
     model_dir = resolve_model("hpcrl/tiny-qwen3-151k")

@@ -150,8 +150,8 @@ def ep_worker(out: str) -> None:
 
 
 def part_ep() -> None:
-    from hpcrl.launch.placement import rank_env
     from hpcrl.net import free_port
+    from hpcrl.runtime import rank_env
 
     print("\n2. expert parallelism, small MoE (16 experts, top-2, 4 layers), 8 x 128 tokens per step")
     print(f"{'setup':<16} {'step s':>8} {'a2a MB/rank':>12} {'ideal MB':>10}")

@@ -91,7 +91,7 @@ def run(rollouts: int, turns: int, kind: str, follow_up: bool, seed: int = 0) ->
                 else random_completion(tok, rng)
             )
             parsed = renderer.parse_response(completion, prompt_ids=prompt, tools=env.tools)
-            from hpcrl.render.client import tool_calls_of
+            from hpcrl.orchestrator.renderer_client import tool_calls_of
 
             msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             if parsed.reasoning_content is not None:

@@ -111,8 +111,8 @@ def worker(model_dir: str, meta_init: bool, out: str) -> None:
 
 
 def run_ranks(model_dir: Path, world: int, meta_init: bool, out: Path) -> list[dict]:
-    from hpcrl.launch.placement import rank_env
     from hpcrl.net import free_port
+    from hpcrl.runtime import rank_env
 
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -10,8 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcrl.launch.placement import rank_env
 from hpcrl.net import free_port
+from hpcrl.runtime import rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import pytest
 
 from hpcrl.envs.errors import EnvServerFailed
 from hpcrl.envs.hosting import HostedServer
-from hpcrl.envs.remote import RemoteEnvironment, server_spec, status_file
+from hpcrl.orchestrator.remote_env import RemoteEnvironment, server_spec, status_file
 from hpcrl.paths import RunPaths
 from tests.integration.test_env_servers import DOS, ENV, _one
 

@@ -15,7 +15,7 @@ import pytest
 
 from hpcrl.envs.base import Turn
 from hpcrl.envs.errors import EnvServerFailed
-from hpcrl.envs.remote import EnvRolloutError, RemoteEnvironment, server_spec, status_file
+from hpcrl.orchestrator.remote_env import EnvRolloutError, RemoteEnvironment, server_spec, status_file
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
 
@@ -206,8 +206,8 @@ def test_kill_9_of_a_worker_and_of_the_server_mid_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_servers_start_together_and_a_bad_entry_is_named(tmp_path: Path) -> None:
-    from hpcrl.config.errors import ConfigError
     from hpcrl.config.schema import EnvConfig
+    from hpcrl.errors import ConfigError
     from hpcrl.orchestrator.setup import close_envs, load_envs
 
     good = EnvConfig(id="reverse-text")

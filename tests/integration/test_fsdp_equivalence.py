@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch.placement import rank_env
 from hpcrl.net import free_port
+from hpcrl.runtime import rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 LENS = [9, 5, 12, 3, 7, 8]

@@ -106,8 +106,8 @@ def test_submit_renders_an_offline_job_reading_the_submitters_cache(
 def test_job_env_downloads_every_hub_id_first(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpcrl.config import load
-    from hpcrl.config.errors import ConfigError
+    from hpcrl.errors import ConfigError
+    from hpcrl.launch.checks import load
     from hpcrl.models import hub
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the "download" is a cache lookup here: no network

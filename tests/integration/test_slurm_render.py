@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch.hetjob import HetComponent, HetJobSpec, HetStep, render_sbatch, time_seconds, validate
+from hpcrl.config.validate import time_seconds
+from hpcrl.launch.hetjob import HetComponent, HetJobSpec, HetStep, render_sbatch, validate
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 REPO = "/opt/hpcrl"  # fixed paths keep the golden file machine-independent
@@ -138,7 +139,7 @@ def test_sbatch_scripts_are_valid_bash():
 
 def test_spec_from_multi_node_config(tmp_path):
     """The shipped multi-node config -> 2 trainer nodes x 8 ranks + 2 inference nodes x 2 servers."""
-    from hpcrl.config.loader import load
+    from hpcrl.launch.checks import load
     from hpcrl.launch.placement import slurm_placement
     from hpcrl.launch.slurm import build_spec, render, split_extra_sbatch
     from hpcrl.paths import RunPaths
@@ -162,7 +163,7 @@ def test_spec_from_multi_node_config(tmp_path):
 
 def _env_nodes_spec(tmp_path):
     """A CPU job with deployment.env_nodes = 2 on a partition of their own (fixed paths)."""
-    from hpcrl.config.loader import load
+    from hpcrl.launch.checks import load
     from hpcrl.launch.placement import slurm_placement
     from hpcrl.launch.slurm import build_spec
     from hpcrl.paths import RunPaths

@@ -104,8 +104,8 @@ def _clean_env(tmp: Path) -> dict[str, str]:
 def test_secret_setup_and_env_files_render_by_reference(tmp_path: Path, monkeypatch) -> None:
     """Golden: env_file sourced by path, the secret setup line as an eval of its variable; the value is
     in secret_env (what `hpcrl submit` hands to sbatch) and in no rendered text."""
-    from hpcrl.config.loader import load
     from hpcrl.config.resolved import secret_env
+    from hpcrl.launch.checks import load
     from hpcrl.launch.placement import slurm_placement
     from hpcrl.launch.slurm import build_spec, render
     from hpcrl.paths import RunPaths
@@ -137,8 +137,8 @@ def test_secret_setup_and_env_files_render_by_reference(tmp_path: Path, monkeypa
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     # A later launch (resume) sees only the reference: its variable must be set again, checked up front.
     from hpcrl.config import secrets
-    from hpcrl.config.errors import ConfigError
     from hpcrl.config.resolved import to_dict
+    from hpcrl.errors import ConfigError
 
     written = secrets.externalize(to_dict(cfg))[0]
     secrets.check_secret_refs(written, secret_env(cfg))

@@ -88,7 +88,7 @@ def test_every_turn_of_a_multi_turn_rollout_is_rendered_with_the_switches(
 
 
 def test_eval_keeps_the_train_switches_unless_it_sets_its_own() -> None:
-    from hpcrl.config import load
+    from hpcrl.launch.checks import load
 
     base = [
         "--model.name",

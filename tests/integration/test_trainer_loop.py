@@ -19,9 +19,9 @@ import pytest
 
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, TrainBatch
-from hpcrl.launch.placement import rank_env
 from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
+from hpcrl.runtime import rank_env
 from tests.conftest import rl_toml
 
 pytestmark = pytest.mark.timeout(240)

@@ -75,8 +75,8 @@ def worker(out: str, dtype: str = "") -> None:
     import torch
     import torch.nn.functional as F
 
+    from hpcrl.models.chunked import chunked_token_logprobs
     from hpcrl.trainer import parallel
-    from hpcrl.trainer.chunked import chunked_token_logprobs
     from hpcrl.trainer.context_parallel import make_cp_group
     from hpcrl.trainer.setup import shard_model
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch.placement import rank_env
 from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
+from hpcrl.runtime import rank_env
 from tests.integration.tiny_run import TINY_RL
 
 

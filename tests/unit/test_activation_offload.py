@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.config import ConfigError, load
-from hpcrl.config.validate import activation_offload_note
+from hpcrl.config import ConfigError
+from hpcrl.launch.checks import activation_offload_note, load
 from hpcrl.trainer.model import load_model
 
 BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']

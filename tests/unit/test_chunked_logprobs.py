@@ -1,4 +1,4 @@
-"""Chunked LM head + log-softmax (hpcrl/trainer/chunked.py): values, entropy and gradients equal the
+"""Chunked LM head + log-softmax (hpcrl/models/chunked.py): values, entropy and gradients equal the
 unchunked path (fp32, within 1e-6), on raw tensors and through forward_packed on a tiny Qwen3
 (shared prefixes and per-sample temperatures included)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.trainer import chunked
-from hpcrl.trainer.chunked import chunk_rows, chunked_token_logprobs
+from hpcrl.models import chunked
+from hpcrl.models.chunked import chunk_rows, chunked_token_logprobs
 from hpcrl.trainer.model import load_model
 from hpcrl.trainer.packing import PackedBatch, forward_packed, next_token_logprobs, with_shared_prefixes
 
@@ -64,8 +64,10 @@ def test_chunked_equals_full_log_softmax(
         ("dh", ha.grad, hb.grad),
         ("dw", wa.grad, wb.grad),
     ):
-        # entropy (a metric, ~log V = 4.6 here) is compared relative to its size
-        err = ((a - b).abs() / (a.abs().clamp(min=1.0) if name == "ent" else 1.0)).max().item()
+        # entropy (a metric, ~log V = 4.6 here) and the gradients (sums over the vocabulary, up to ~5
+        # here: a 1-row chunk sums them in another order, a few fp32 ulps apart on some CPUs) are
+        # compared relative to their size
+        err = ((a - b).abs() / (a.abs().clamp(min=1.0) if name != "lp" else 1.0)).max().item()
         assert err <= TOL, (name, err)
     assert wa.grad.abs().max() > 1e-3  # the comparison is not between zeros
 
@@ -135,7 +137,7 @@ def test_forward_packed_chunked_equals_unchunked(model_dir: Path, share: bool) -
 
 
 def test_prompt_logprobs_chunked_equals_full(model_dir: Path) -> None:
-    from hpcrl.trainer.chunked import prompt_logprobs
+    from hpcrl.models.chunked import prompt_logprobs
 
     model = load_model(model_dir)
     ids = torch.randint(0, VOCAB, (1, 23), generator=torch.Generator().manual_seed(5))

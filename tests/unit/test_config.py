@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from hpcrl.cli import main
-from hpcrl.config import Config, SFTConfig, load
-from hpcrl.config.errors import ConfigError
+from hpcrl.config import Config, SFTConfig
+from hpcrl.errors import ConfigError
+from hpcrl.launch.checks import load
 from tests.conftest import rl_toml
 
 if sys.version_info >= (3, 11):

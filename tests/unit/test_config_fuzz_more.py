@@ -24,9 +24,8 @@ import tomllib
 
 from hpcrl.cli import main
 from hpcrl.config import fields, schema
-from hpcrl.config.errors import MAX_MESSAGE, MAX_PATH, ConfigError
-from hpcrl.config.loader import load
-from hpcrl.errors import UserError
+from hpcrl.errors import MAX_MESSAGE, MAX_PATH, ConfigError, UserError
+from hpcrl.launch.checks import load
 
 REPO = Path(__file__).resolve().parents[2]
 BASE: dict[str, Any] = {

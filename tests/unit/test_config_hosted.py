@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config import Config, load
+from hpcrl.config import Config
 from hpcrl.config.hosted import hosted_path, is_hosted, to_native
+from hpcrl.launch.checks import load
 
 REPO = Path(__file__).resolve().parents[2]
 

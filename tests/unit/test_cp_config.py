@@ -1,4 +1,4 @@
-"""Dry-run checks of trainer.model.cp (hpcrl.config.validate.context_parallel), the cp rank helpers
+"""Dry-run checks of trainer.model.cp (hpcrl.launch.checks.context_parallel), the cp rank helpers
 of hpcrl/trainer/context_parallel.py, and SFT's cp checked against its ranks."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from hpcrl.config import ConfigError, load
-from hpcrl.config.validate import context_parallel
+from hpcrl.config import ConfigError
+from hpcrl.launch.checks import context_parallel, load
 from hpcrl.trainer.context_parallel import local_range, owned_tokens
 
 BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']

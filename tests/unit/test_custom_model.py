@@ -92,7 +92,7 @@ def test_hf_views_write_fused_experts_in_place(moe_dir: Path) -> None:
 
 
 def test_pick_impl() -> None:
-    from hpcrl.config.errors import ConfigError
+    from hpcrl.errors import ConfigError
     from hpcrl.models.registry import pick_impl
 
     assert pick_impl("auto", "qwen3_moe") == "custom"

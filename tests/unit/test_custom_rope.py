@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.config import ConfigError, load
+from hpcrl.config import ConfigError
+from hpcrl.launch.checks import load
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e6}
 LLAMA3 = {

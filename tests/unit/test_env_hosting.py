@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.envs.host import exit_file, my_orders
 from hpcrl.envs.hosting import HostedServer, job_tag, read_exit, write_json
-from hpcrl.envs.remote import server_spec
+from hpcrl.errors import ConfigError
 from hpcrl.launch.placement import local_placement, slurm_placement
+from hpcrl.orchestrator.remote_env import server_spec
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
 
@@ -72,7 +72,7 @@ def test_job_tag(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _cfg(tmp_path: Path, deployment: str):
-    from hpcrl.config.loader import load
+    from hpcrl.launch.checks import load
 
     f = tmp_path / "c.toml"
     f.write_text(rl_toml(tables=f"[deployment]\n{deployment}\n[slurm]\ngpus_per_node = 0\n"))

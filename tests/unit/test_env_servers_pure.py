@@ -131,8 +131,8 @@ def test_since_durations_and_errors() -> None:
 
 
 def test_hosted_compute_size_sets_env_workers() -> None:
-    from hpcrl.config.errors import ConfigError
     from hpcrl.config.hosted import to_native
+    from hpcrl.errors import ConfigError
 
     hosted = {"model": "m", "batch_size": 8, "env": [{"id": "reverse-text"}]}
     for size, n in (("S", 1), ("M", 2), ("L", 4)):

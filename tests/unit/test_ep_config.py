@@ -1,4 +1,4 @@
-"""Dry-run check of trainer.model.ep against the placement (hpcrl.config.validate.expert_parallel),
+"""Dry-run check of trainer.model.ep against the placement (hpcrl.launch.checks.expert_parallel),
 which `hpcrl run` / `resume` apply as `submit` does: ep divides the trainer ranks and the model's
 experts, and needs an MoE model."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl.config import ConfigError, load
-from hpcrl.config.validate import expert_parallel
+from hpcrl.config import ConfigError
+from hpcrl.launch.checks import expert_parallel, load
 
 ENV = ["--orchestrator.train.env", '[{id = "reverse-text"}]']
 

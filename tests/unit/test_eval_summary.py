@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import EvalRunConfig, GepaRunConfig
 from hpcrl.envs import load_environment
 from hpcrl.envs.base import Task, with_system_prompt
+from hpcrl.errors import ConfigError
 from hpcrl.evaluation import summary as S
 from hpcrl.evaluation.args import EVAL_FLAGS, GEPA_FLAGS, load_run, split_argv
 from hpcrl.evaluation.gepa_adapter import BudgetStopper, feedback

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.models.hub import hub_ids, resolve_hub, seed_cache
 
 
@@ -49,7 +49,7 @@ def test_invalid_name_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_hub_ids_lists_only_what_needs_downloading(tiny_model_dir: Path) -> None:
-    from hpcrl.config import load
+    from hpcrl.launch.checks import load
 
     def cfg(*flags: str):
         return load(list(flags), require_envs=False).config

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from hpcrl.config import load
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.launch import memory_plan as mp
+from hpcrl.launch.checks import load
 from hpcrl.launch.placement import slurm_placement
 from hpcrl.models.arch import KNOWN, find_arch, from_config
 from hpcrl.models.hub import seed_cache
@@ -91,7 +91,7 @@ def test_dense_8b_on_8_fsdp_ranks():
 
 
 def test_vocab_parallel_chunk_is_the_trainers():
-    from hpcrl.trainer.chunked import DEFAULT_CHUNK
+    from hpcrl.models.chunked import DEFAULT_CHUNK
 
     assert mp.VOCAB_PARALLEL_CHUNK == DEFAULT_CHUNK
 
@@ -135,7 +135,7 @@ def test_ep_groups():
     assert mp.ep_groups(4, 1) == [[0], [1], [2], [3]] and mp.ep_lines(4, 1, 4, 8) == []
     with pytest.raises(ConfigError) as e:
         mp.ep_groups(12, 8)
-    assert e.value.path == "trainer.model.ep" and "12 trainer ranks" in str(e.value)
+    assert e.value.path == "trainer.model.ep" and "trainer ranks (12)" in str(e.value)
     with pytest.raises(ConfigError) as e:
         mp.ep_lines(6, 3, 6, 128)
     assert "128 experts" in str(e.value)

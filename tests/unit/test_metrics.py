@@ -125,7 +125,7 @@ def test_a_roles_log_extras_override_the_global_ones_field_by_field(run_dir: Pat
     """prime-rl's per-process knobs: `--no-trainer.wandb.log-extras.distributions` turns off the
     trainer's distributions only; `--orchestrator.wandb.log-extras.interval` changes its cadence only;
     unset fields come from [wandb.log_extras]."""
-    from hpcrl.config import load
+    from hpcrl.launch.checks import load
     from tests.conftest import rl_toml
 
     cfg_file = tmp_path / "cfg.toml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.launch.partition import (
     ComponentRequest,
     NodeOffer,

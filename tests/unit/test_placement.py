@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config import load
-from hpcrl.config.errors import ConfigError
-from hpcrl.launch.placement import (
-    bind_gpus,
-    local_placement,
-    placement_line,
-    rank_env,
-    read_records,
-    record,
-    select_gpus,
-    slurm_placement,
-)
+from hpcrl.errors import ConfigError
+from hpcrl.launch.checks import load
+from hpcrl.launch.placement import local_placement, slurm_placement
 from hpcrl.paths import RunPaths
+from hpcrl.runtime import bind_gpus, placement_line, rank_env, read_records, record, select_gpus
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']
@@ -306,8 +298,8 @@ def test_weight_transport_one_rule_for_launcher_and_hand_started_roles(monkeypat
     CPU. The launcher decides from its placement and records it; a role started by hand (the
     orchestrator's deployment(), the trainer) asks the same function about its own process."""
     from hpcrl.launch import prepare
-    from hpcrl.launch.placement import weight_transport
     from hpcrl.orchestrator.setup import deployment
+    from hpcrl.runtime import weight_transport
 
     cfg = cfg_of(slurm=False)
     assert cfg.trainer.broadcast.transport == "auto"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config import ConfigError, load
+from hpcrl.config import ConfigError
+from hpcrl.launch.checks import load
 from hpcrl.trainer.precision import resolve
 
 BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("renderers")
 
-from hpcrl.config.errors import ConfigError  # noqa: E402
 from hpcrl.config.schema import RendererConfig  # noqa: E402
+from hpcrl.errors import ConfigError  # noqa: E402
+from hpcrl.orchestrator.renderer_client import completion_logprobs, generate_sampling  # noqa: E402
 from hpcrl.render import select  # noqa: E402
-from hpcrl.render.client import completion_logprobs, generate_sampling  # noqa: E402
 
 F = "orchestrator.renderer"
 

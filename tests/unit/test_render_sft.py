@@ -41,7 +41,7 @@ def _renderer(tok):
 
 
 def test_qwen3_mask_equals_the_hand_checked_mask(tok) -> None:
-    from hpcrl.render.sft import tokenize_with_renderer
+    from hpcrl.trainer.sft_render import tokenize_with_renderer
 
     sample = tokenize_with_renderer(_renderer(tok), sd.Conversation(CONVERSATION), ROLES)
     ids, mask = [], []
@@ -56,7 +56,7 @@ def test_qwen3_mask_equals_the_hand_checked_mask(tok) -> None:
 
 
 def test_prompt_messages_and_roles_stay_untrained(tok) -> None:
-    from hpcrl.render.sft import tokenize_with_renderer
+    from hpcrl.trainer.sft_render import tokenize_with_renderer
 
     conv = sd.Conversation(CONVERSATION, num_prompt_messages=2)  # a prompt/completion row
     sample = tokenize_with_renderer(_renderer(tok), conv, ROLES)

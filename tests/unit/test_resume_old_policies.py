@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hpcrl.bus import PolicyReady, write_message
-from hpcrl.config.errors import ConfigError
-from hpcrl.config.loader import load
+from hpcrl.errors import ConfigError
+from hpcrl.launch.checks import load
 from hpcrl.launch.restart import check_old_policies
 from hpcrl.paths import RunPaths
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 from hpcrl.cli import main
-from hpcrl.config import ConfigError, load
+from hpcrl.config import ConfigError
 from hpcrl.config.resolved import to_dict
 from hpcrl.config.sections.model import ROLE_MODELS
+from hpcrl.launch.checks import load
 
 BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']
 SAMPLE = {"dtype": "float32", "trust_remote_code": "true", "max_lora_rank": "8", "ep": "2"}

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.inference.options import bind_server_socket
 
 

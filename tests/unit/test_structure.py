@@ -185,3 +185,58 @@ def test_atomic_writes_have_one_home() -> None:
         if f.name != "fileio.py" and pattern.search(f.read_text())
     ]
     assert not offenders, f"write through hpcrl.fileio (write_atomic / write_text / atomic_dir): {offenders}"
+
+
+# The floors of hpcrl (docs/architecture.md, "Floors"): rooms in order, lowest first. A room imports
+# only rooms before it in this list (its own floor's earlier rooms included), lazy imports counted;
+# a room that is not listed fails the test until it is given a place.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("errors", "net", "paths", "fileio", "runtime", "balance"),  # ground
+    ("config", "monitor"),  # 1: typed config, logging and metrics sinks
+    ("bus", "weights", "checkpoint", "warm_start", "models", "render", "envs"),  # 2: shared machinery
+    ("inference", "trainer", "orchestrator"),  # 3: the process roles
+    ("launch", "evaluation", "cli"),  # 4: planning and launching runs, the commands
+)
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward_imports(graph: dict[str, set[str]], floors: tuple[tuple[str, ...], ...]) -> list[str]:
+    """`a -> b` for every import whose target room is not below its source room in `floors`."""
+    rank = {room: i for i, room in enumerate(r for floor in floors for r in floor)}
+    rank["__init__"] = -1  # the package's own __init__ is below everything
+    bad = []
+    for src, targets in sorted(graph.items()):
+        a = room_of(src)
+        for dst in sorted(targets):
+            b = room_of(dst)
+            if a == b:
+                continue
+            if a not in rank or b not in rank:
+                bad.append(f"{src} -> {dst}: room {a if a not in rank else b!r} has no floor")
+            elif rank[b] > rank[a]:
+                bad.append(f"{src} -> {dst}: {a} may not import {b}, which stands above it")
+    return bad
+
+
+def test_every_import_points_down_the_floors() -> None:
+    bad = upward_imports(import_graph(), FLOORS)
+    assert not bad, "imports that point up (pass a callable or a registry down instead):\n" + "\n".join(bad)
+
+
+def test_floors_are_the_ones_the_architecture_page_shows() -> None:
+    page = (REPO / "docs" / "architecture.md").read_text()
+    for floor in FLOORS:
+        for room in floor:
+            assert f"`{room}" in page, f"docs/architecture.md does not place room {room!r} on a floor"
+
+
+def test_upward_import_finder_names_the_arrow() -> None:
+    graph = {"hpcrl.config.validate": {"hpcrl.trainer.precision"}, "hpcrl.trainer.rl": {"hpcrl.config"}}
+    bad = upward_imports(graph, FLOORS)
+    assert bad == [
+        "hpcrl.config.validate -> hpcrl.trainer.precision: config may not import trainer, which stands above it"
+    ]

@@ -6,9 +6,9 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.envs.v1_env import branch_turns
 from hpcrl.envs.v1_runtime import RUNTIMES, cannot_start, check_name, dry_run_check, effective
+from hpcrl.errors import ConfigError
 from hpcrl.orchestrator.stitching import pieces_from_turns
 
 

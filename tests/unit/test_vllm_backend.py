@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 from hpcrl.inference import vllm_backend as vb
 from hpcrl.inference.options import ServeOptions
 

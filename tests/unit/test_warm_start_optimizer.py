@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from hpcrl import checkpoint as ck
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import CkptConfig, TrainerModelConfig
+from hpcrl.errors import ConfigError
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import optim, precision
 from hpcrl.trainer.checkpointer import Checkpointer
@@ -125,7 +125,7 @@ def test_a_different_adapter_shape_is_refused_when_loading(
 
 
 def _load(tmp: Path, model_dir: Path, *flags: str):
-    from hpcrl.config.loader import load
+    from hpcrl.launch.checks import load
 
     cfg = tmp / "cfg.toml"
     cfg.write_text(rl_toml(1, model=str(model_dir)))
@@ -174,7 +174,7 @@ def test_hosted_shape_asks_with_a_native_ckpt_table(
     source: RunPaths, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Hosted configs have no key for it: `checkpoint_id` plus a native `[ckpt]` table."""
-    from hpcrl.config.loader import load
+    from hpcrl.launch.checks import load
 
     cfg = tmp_path / "hosted.toml"
     cfg.write_text(

@@ -13,7 +13,7 @@ from tests.vllm_conformance._vllm import require_vllm
 
 vllm = require_vllm()
 
-from hpcrl.config.errors import ConfigError  # noqa: E402
+from hpcrl.errors import ConfigError  # noqa: E402
 from hpcrl.inference import vllm_backend as vb  # noqa: E402
 from hpcrl.inference import vllm_routes as vr  # noqa: E402
 from hpcrl.inference import vllm_symbols as vs  # noqa: E402

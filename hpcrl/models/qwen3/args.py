@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpcrl.config.errors import ConfigError
+from hpcrl.errors import ConfigError
 
 # RoPE variants whose frequencies are fixed (transformers' ROPE_INIT_FUNCTIONS computes them once):
 # the custom model serves these; "dynamic" / "longrope" change with the batch's length and stay with hf

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.models.qwen3.moe import MoE
+from hpcrl.models.rules import check_ep
 
 
 def is_expert_sharded(t: torch.Tensor) -> bool:
@@ -48,13 +48,8 @@ def apply_ep(
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if not moes:
-        raise ConfigError("trainer.model.ep", "the model has no MoE layers; set ep = 1")
-    if world % ep:
-        raise ConfigError("trainer.model.ep", f"{ep} does not divide the {world} trainer ranks")
-    experts = moes[0].num_experts
-    if experts % ep:
-        raise ConfigError("trainer.model.ep", f"{ep} does not divide the model's {experts} experts")
+    experts = moes[0].num_experts if moes else None
+    check_ep(ep, world, num_experts=experts, moe=bool(moes))
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_ep", "ep"))
     ep_mesh = mesh["ep"]
     pos, n_local = ep_mesh.get_local_rank(), experts // ep

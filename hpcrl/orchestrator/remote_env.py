@@ -34,7 +34,7 @@ from hpcrl.envs.hosting import HostedServer, LocalServer
 from hpcrl.envs.routing import Router
 from hpcrl.envs.server import server_ident, server_log
 
-log = logging.getLogger("hpcrl.envs.remote")
+log = logging.getLogger("hpcrl.orchestrator.remote_env")
 HELLO_TIMEOUT_S = 300.0  # loading an env may download/prepare data: generous, but not forever
 WATCH_S = 0.2
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hpcrl.trainer.embeddings import lm_head
+from hpcrl.models.embeddings import lm_head
 
 # Positions per chunk where no config reaches (the inference engine's prompt logprobs), and the
 # default of trainer.model.logprobs_chunk_tokens: an upper bound; CHUNK_MIB bounds the chunk in bytes.

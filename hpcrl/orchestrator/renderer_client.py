@@ -24,28 +24,10 @@ from hpcrl.envs.base import Message, Turn
 from hpcrl.inference.routed import completion_rows, prompt_rows
 from hpcrl.orchestrator.chat import derive_seed
 from hpcrl.orchestrator.pool import RequestFailed, ServerPool
+from hpcrl.render.select import Renderers
 
 # OpenAI request fields of orchestrator sampling that /inference/v1/generate takes under the same name.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
-
-
-class Renderers:
-    """One renderer per set of chat-template switches (sampling's chat_template_kwargs, e.g.
-    enable_thinking), built on first use from the run's renderer config."""
-
-    def __init__(self, tokenizer: Any, config: Any):
-        self.tokenizer, self.config = tokenizer, config
-        self._by_kwargs: dict[tuple[tuple[str, Any], ...], Any] = {}
-
-    def get(self, template_kwargs: Mapping[str, Any] | None) -> Any:
-        key = tuple(sorted((template_kwargs or {}).items()))
-        if key not in self._by_kwargs:
-            from renderers import create_renderer
-
-            self._by_kwargs[key] = create_renderer(
-                self.tokenizer, self.config, chat_template_kwargs=dict(key) or None
-            )
-        return self._by_kwargs[key]
 
 
 def generate_sampling(
