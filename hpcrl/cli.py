@@ -150,7 +150,7 @@ def cmd_run(argv: list[str]) -> int:
     prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config, dry_run=dry)
     if dry:
-        from hpcrl.envs.v1_runtime import dry_run_check as runtimes_can_start
+        from hpcrl.envs.verifiers.v1_runtime import dry_run_check as runtimes_can_start
         from hpcrl.render.select import dry_run_check
 
         runtimes_can_start(loaded.config)

@@ -94,7 +94,7 @@ class RunPaths:
 
     @property
     def env_specs_dir(self) -> Path:
-        """bus/envs/: what the env nodes' hosts start (deployment.env_nodes > 0, hpcrl.envs.host)."""
+        """bus/envs/: what the env nodes' hosts start (deployment.env_nodes > 0, hpcrl.envs.runtime.host)."""
         return self.bus_dir / "envs"
 
     def env_spec_file(self, kind: str, env_name: str) -> Path:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hpcrl.envs.vf_versions import installed, major_minor
+from hpcrl.envs.verifiers.versions import installed, major_minor
 
 REASON = "needs verifiers 0.3 (classic API): bash scripts/verifiers03_check.sh"
 

@@ -33,12 +33,12 @@ from hpcrl.envs.base import Environment
 from hpcrl.errors import UserError
 
 BUILTINS: dict[str, str] = {
-    "reverse-text": "hpcrl.envs.reverse_text",
-    "reverse-text-demo": "hpcrl.envs.reverse_text_demo",  # the CPU learning demo's defaults
-    "alphabet-sort": "hpcrl.envs.alphabet_sort",
-    "arithmetic": "hpcrl.envs.arithmetic",
-    "calculator": "hpcrl.envs.calculator",
-    "tool-think": "hpcrl.envs.tool_think",  # multi-turn tools + reasoning (renderer tests)
+    "reverse-text": "hpcrl.envs.builtin.reverse_text",
+    "reverse-text-demo": "hpcrl.envs.builtin.reverse_text_demo",  # the CPU learning demo's defaults
+    "alphabet-sort": "hpcrl.envs.builtin.alphabet_sort",
+    "arithmetic": "hpcrl.envs.builtin.arithmetic",
+    "calculator": "hpcrl.envs.builtin.calculator",
+    "tool-think": "hpcrl.envs.builtin.tool_think",  # multi-turn tools + reasoning (renderer tests)
 }
 # Hub ids whose task a built-in implements (same prompts, parser and reward shape), used only when
 # the package is not installed. `primeintellect/gsm8k` is deliberately not one: the built-in
@@ -110,7 +110,7 @@ def _import(module_name: str, env_id: str) -> Any | None:
     try:
         return importlib.import_module(module_name)
     except Exception as e:
-        from hpcrl.envs.vf_versions import explain
+        from hpcrl.envs.verifiers.versions import explain
 
         raise EnvSpecError(
             explain(env_id, e)
@@ -155,7 +155,7 @@ def _installed(env_id: str) -> Factory | None:
         if module is not None and callable(getattr(module, "load_environment", None)):
             return module.load_environment
         if module is not None:
-            from hpcrl.envs.vf_versions import v1_exports
+            from hpcrl.envs.verifiers.versions import v1_exports
 
             if v1_exports(module):  # a verifiers 0.4 taskset package (exports its Taskset via __all__)
                 return _v1_factory(mod_name, env_id)
@@ -171,9 +171,9 @@ def _installed(env_id: str) -> Factory | None:
 
 
 def _v1_factory(mod_name: str, env_id: str) -> Factory:
-    """A v1 taskset module: run it through verifiers' own env server (hpcrl.envs.v1_env) where this
+    """A v1 taskset module: run it through verifiers' own env server (hpcrl.envs.verifiers.v1_env) where this
     venv has verifiers 0.4, else the one-line version refusal."""
-    from hpcrl.envs.vf_versions import installed, major_minor, v1_refusal
+    from hpcrl.envs.verifiers.versions import installed, major_minor, v1_refusal
 
     mm = major_minor(installed())
     if mm is None or mm < (0, 4):
@@ -185,7 +185,7 @@ def _v1_factory(mod_name: str, env_id: str) -> Factory:
         )
 
     def build(**args: Any) -> Environment:
-        from hpcrl.envs.v1_env import V1Environment
+        from hpcrl.envs.verifiers.v1_env import V1Environment
 
         return V1Environment(mod_name, args)
 
@@ -268,7 +268,7 @@ def _build(env_id: str, factory: Factory, args: Mapping[str, Any]) -> Any:
     except (TypeError, ValueError) as e:
         raise EnvSpecError(f"environment {env_id!r}: {e}") from e
     except (AttributeError, ImportError) as e:  # the other verifiers API?
-        from hpcrl.envs.vf_versions import explain
+        from hpcrl.envs.verifiers.versions import explain
 
         why = explain(env_id, e)
         if why is None:
@@ -290,8 +290,8 @@ def load_environment(env_id: str, **args: Any) -> Environment:
     args, override = split_prompt_args(env_id, factory, args)
     env = _build(env_id, factory, args)
     if not isinstance(env, Environment):
-        from hpcrl.envs.verifiers_adapter import is_verifiers_env, wrap_verifiers_env
-        from hpcrl.envs.vf_versions import is_v1_object, v1_refusal
+        from hpcrl.envs.verifiers.adapter03 import is_verifiers_env, wrap_verifiers_env
+        from hpcrl.envs.verifiers.versions import is_v1_object, v1_refusal
 
         if is_v1_object(env):
             raise EnvSpecError(v1_refusal(env_id))

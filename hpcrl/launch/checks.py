@@ -200,7 +200,7 @@ def _envs(cfg: Config) -> None:
     """Every env id resolves and its arguments are accepted; a runtime is only for 0.4 envs."""
     from hpcrl.config.secrets import resolve_refs
     from hpcrl.envs.registry import v1_module, validate_env_spec
-    from hpcrl.envs.v1_runtime import check_name
+    from hpcrl.envs.verifiers.v1_runtime import check_name
 
     o = cfg.orchestrator
     lists = [("orchestrator.train.env", o.train.env)]

@@ -187,7 +187,7 @@ def logs(argv: list[str]) -> int:
 
 def component_rows(paths: RunPaths) -> list[dict]:
     """Every process of a run: the roles' placement records and every env server and worker."""
-    from hpcrl.envs.components import alive, env_rows
+    from hpcrl.envs.runtime.components import alive, env_rows
     from hpcrl.runtime import read_records
 
     rows = [

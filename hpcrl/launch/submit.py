@@ -89,7 +89,7 @@ def submit(loaded: Loaded, nodes: int | None, dry_run: bool, resume_step: int | 
     script_path.write_text(script)
     extra = memory + [f"sbatch:       {script_path}"] + notes
     if dry_run:
-        from hpcrl.envs.v1_runtime import dry_run_check as runtimes_can_start
+        from hpcrl.envs.verifiers.v1_runtime import dry_run_check as runtimes_can_start
         from hpcrl.render.select import dry_run_check
 
         runtimes_can_start(cfg)  # each v1 env's runtime can start (apptainer on PATH, a hosted key)

@@ -1,9 +1,9 @@
 """The orchestrator's side of an env server: an Environment whose rollouts run in other processes.
 
-`RemoteEnvironment` starts `python -m hpcrl.envs.server` (one per train/eval env; as its child, or
-on an env node through that node's env host: hpcrl.envs.hosting), learns the env's
+`RemoteEnvironment` starts `python -m hpcrl.envs.runtime.server` (one per train/eval env; as its child, or
+on an env node through that node's env host: hpcrl.envs.runtime.hosting), learns the env's
 tasks, tools and turn limit from its `Hello`, and then sends each rollout as one `Run` message to a
-worker (hpcrl.envs.routing picks it; workers connect to this process's socket directly). While a
+worker (hpcrl.envs.runtime.routing picks it; workers connect to this process's socket directly). While a
 rollout runs, its worker asks for model turns (`Chat`); those are answered here with the very
 ChatClient the rollout driver handed in (RolloutClient, a shared first turn, a group's client), so
 stitching, policy versions and retries are the same as in-process. No env code runs in this process.
@@ -26,13 +26,13 @@ from typing import Any
 
 import msgspec
 
-from hpcrl.envs import wire
 from hpcrl.envs.base import ChatClient, Environment, Task, Trajectory
 from hpcrl.envs.errors import EnvServerFailed
-from hpcrl.envs.frames import Outbox, drain
-from hpcrl.envs.hosting import HostedServer, LocalServer
-from hpcrl.envs.routing import Router
-from hpcrl.envs.server import server_ident, server_log
+from hpcrl.envs.runtime.hosting import HostedServer, LocalServer
+from hpcrl.envs.runtime.routing import Router
+from hpcrl.envs.runtime.server import server_ident, server_log
+from hpcrl.envs.wire import messages as wire
+from hpcrl.envs.wire.frames import Outbox, drain
 
 log = logging.getLogger("hpcrl.orchestrator.remote_env")
 HELLO_TIMEOUT_S = 300.0  # loading an env may download/prepare data: generous, but not forever
@@ -54,7 +54,7 @@ class RemoteEnvironment(Environment):
     ):
         """Starts the env server; `wait=False` leaves waiting for its Hello to `wait_ready()`
         (several servers then load their envs at the same time). `server`: who starts it
-        (hpcrl.envs.hosting; default this process's child); `bind_host`: the address its workers
+        (hpcrl.envs.runtime.hosting; default this process's child); `bind_host`: the address its workers
         and server dial (this node's address when they run on env nodes)."""
         import zmq
         import zmq.asyncio

@@ -53,7 +53,7 @@ def load_envs(
     `workers` (or `default_workers`) worker processes; in this process when workers = 0 or no
     `server_dir` is given (data-only uses such as SFT task lists). `env_nodes` > 0: the servers run
     on the SLURM job's env nodes (env `first + i` on node `(first + i) % env_nodes`), ordered
-    through the run directory (hpcrl.envs.hosting) instead of started here."""
+    through the run directory (hpcrl.envs.runtime.hosting) instead of started here."""
     out: dict[str, Environment] = {}
     starting: list[tuple[int, Any]] = []
     try:
@@ -67,8 +67,10 @@ def load_envs(
                     f"env {e.id!r} is not a verifiers 0.4 (v1) environment; only those run in a runtime",
                 )
             try:
-                if v1 is not None:  # verifiers' own env server runs its episodes (hpcrl.envs.v1_env)
-                    from hpcrl.envs.v1_env import V1Environment
+                if (
+                    v1 is not None
+                ):  # verifiers' own env server runs its episodes (hpcrl.envs.verifiers.v1_env)
+                    from hpcrl.envs.verifiers.v1_env import V1Environment
 
                     env = V1Environment(
                         v1,
@@ -116,7 +118,7 @@ def hosted(run_dir: str, kind: str, name: str, index: int, env_nodes: int) -> di
     if env_nodes <= 0:
         return {}
     from hpcrl.bus.doorbell import resolve_host
-    from hpcrl.envs.hosting import HostedServer
+    from hpcrl.envs.runtime.hosting import HostedServer
 
     paths = RunPaths(run_dir)
     server = HostedServer(paths.env_spec_file(kind, name), paths.env_exit_file(kind, name), index % env_nodes)
@@ -357,7 +359,7 @@ def open_env_logs(
     cfg: Config, paths: RunPaths, envs: dict[str, Environment], eval_envs: list[EvalEnv]
 ) -> None:
     """logs/envs/{train,eval}/<env>.log (docs/architecture.md §4): what `hpcrl logs -c env:NAME` and tmux.sh follow."""
-    from hpcrl.envs.verifiers_adapter import VerifiersEnvironment
+    from hpcrl.envs.verifiers.adapter03 import VerifiersEnvironment
     from hpcrl.monitor.logging import attach_env_logs
 
     files: dict[str, list[Path]] = {}

@@ -71,7 +71,7 @@ def build_prompts(
 def run(rollouts: int, turns: int, kind: str, follow_up: bool, seed: int = 0) -> dict[str, dict[str, float]]:
     from renderers import Qwen3RendererConfig, create_renderer
 
-    from hpcrl.envs.tool_think import load_environment
+    from hpcrl.envs.builtin.tool_think import load_environment
     from hpcrl.models.tiny import build_tokenizer
 
     tok = build_tokenizer("qwen3")

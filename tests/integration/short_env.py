@@ -4,10 +4,10 @@ id "tests.integration.short_env"; the MoE RL test uses it to show reward rising 
 
 from __future__ import annotations
 
-from hpcrl.envs._common import last_assistant_text
 from hpcrl.envs.base import Rubric
-from hpcrl.envs.reverse_text import ReverseTextEnv
-from hpcrl.envs.reverse_text import load_environment as load_reverse_text
+from hpcrl.envs.builtin._common import last_assistant_text
+from hpcrl.envs.builtin.reverse_text import ReverseTextEnv
+from hpcrl.envs.builtin.reverse_text import load_environment as load_reverse_text
 
 
 def e_share(task, completion, state) -> float:

@@ -1,4 +1,4 @@
-"""An env host (hpcrl.envs.host, what each env node runs) carries out the orchestrator's orders: the
+"""An env host (hpcrl.envs.runtime.host, what each env node runs) carries out the orchestrator's orders: the
 server it starts answers rollouts, a killed server is reported, errors what it held and is started
 again on the host's node, and past orchestrator.env_server_max_restarts the run ends naming the env.
 Real processes on one machine, loopback only (the SLURM version: test_env_nodes_slurm.py)."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.envs.errors import EnvServerFailed
-from hpcrl.envs.hosting import HostedServer
+from hpcrl.envs.runtime.hosting import HostedServer
 from hpcrl.orchestrator.remote_env import RemoteEnvironment, server_spec, status_file
 from hpcrl.paths import RunPaths
 from tests.integration.test_env_servers import DOS, ENV, _one
@@ -42,7 +42,7 @@ def test_a_host_starts_restarts_and_stops_the_servers_it_is_ordered(tmp_path: Pa
     paths = RunPaths(tmp_path / "run")
     env_vars = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     host = subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.envs.host", "--run-dir", str(paths.root), "--node-index", "0"],
+        [sys.executable, "-m", "hpcrl.envs.runtime.host", "--run-dir", str(paths.root), "--node-index", "0"],
         stdout=(tmp_path / "host.log").open("wb"),
         stderr=subprocess.STDOUT,
         env=env_vars,

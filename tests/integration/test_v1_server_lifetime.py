@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.envs.components import alive
-from hpcrl.envs.vf_versions import installed, major_minor
+from hpcrl.envs.runtime.components import alive
+from hpcrl.envs.verifiers.versions import installed, major_minor
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,7 +38,7 @@ GONE_S = 30.0  # lifeline: SIGTERM at once, SIGKILL 5 s later; generous for a lo
 OWNER = """
 import gc, os, sys, time
 from pathlib import Path
-from hpcrl.envs.v1_env import V1Environment
+from hpcrl.envs.verifiers.v1_env import V1Environment
 
 mode, log_dir = sys.argv[1], Path(sys.argv[2])
 env = V1Environment("vf1_tool_env", {"num_tasks": 2}, workers=2)
@@ -134,7 +134,7 @@ def test_a_dead_pool_worker_restarts_the_server_up_to_the_limit(tmp_path: Path, 
     it is errored within seconds and the server restarted; past env_server_max_restarts the run ends."""
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "vf1_envs"))
     from hpcrl.envs.errors import EnvServerFailed
-    from hpcrl.envs.v1_env import V1Environment
+    from hpcrl.envs.verifiers.v1_env import V1Environment
 
     env = V1Environment(ENV_ID, {"num_tasks": 2}, workers=2, max_restarts=1)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.envs.components import alive
-from hpcrl.envs.vf_versions import installed, major_minor
+from hpcrl.envs.runtime.components import alive
+from hpcrl.envs.verifiers.versions import installed, major_minor
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl.envs import vf_versions
 from hpcrl.envs.registry import EnvSpecError, load_environment
+from hpcrl.envs.verifiers import versions as vf_versions
 
 HAVE = vf_versions.major_minor(vf_versions.installed())
 V1 = "tests.integration.vf1_taskset_fixture"
@@ -49,7 +49,7 @@ def test_a_v1_taskset_is_refused_in_one_line() -> None:
 def test_a_v1_taskset_loads_under_0_4(monkeypatch: pytest.MonkeyPatch) -> None:
     from pathlib import Path
 
-    from hpcrl.envs.v1_env import V1Environment
+    from hpcrl.envs.verifiers.v1_env import V1Environment
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "vf1_envs"))
     env = load_environment("vf1_tool_env", num_tasks=5)

@@ -4,8 +4,8 @@ every group has zero advantage. Loaded by id "tests.integration.uniform_env"."""
 from __future__ import annotations
 
 from hpcrl.envs.base import Rubric
-from hpcrl.envs.reverse_text import ReverseTextEnv
-from hpcrl.envs.reverse_text import load_environment as load_reverse_text
+from hpcrl.envs.builtin.reverse_text import ReverseTextEnv
+from hpcrl.envs.builtin.reverse_text import load_environment as load_reverse_text
 
 
 def always_one(task, completion, state) -> float:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.envs.host import exit_file, my_orders
-from hpcrl.envs.hosting import HostedServer, job_tag, read_exit, write_json
+from hpcrl.envs.runtime.host import exit_file, my_orders
+from hpcrl.envs.runtime.hosting import HostedServer, job_tag, read_exit, write_json
 from hpcrl.errors import ConfigError
 from hpcrl.launch.placement import local_placement, slurm_placement
 from hpcrl.orchestrator.remote_env import server_spec

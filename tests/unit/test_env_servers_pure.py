@@ -8,10 +8,10 @@ from datetime import datetime
 
 import pytest
 
-from hpcrl.envs import wire
 from hpcrl.envs.base import Task, Trajectory, Turn
-from hpcrl.envs.frames import Outbox
-from hpcrl.envs.routing import Router
+from hpcrl.envs.runtime.routing import Router
+from hpcrl.envs.wire import messages as wire
+from hpcrl.envs.wire.frames import Outbox
 from hpcrl.launch.logview import make_filter, parse_since, records
 
 
@@ -69,7 +69,7 @@ def test_a_trajectory_crosses_the_wire_unchanged() -> None:
 
 
 class _Sock:
-    """A ZMQ socket's send side as hpcrl.envs.frames uses it (zmq.asyncio returns a future)."""
+    """A ZMQ socket's send side as hpcrl.envs.wire.frames uses it (zmq.asyncio returns a future)."""
 
     closed = False
 
@@ -147,7 +147,7 @@ def test_components_reads_every_env_server_and_worker(tmp_path) -> None:
     import json
     import os
 
-    from hpcrl.envs.components import env_rows
+    from hpcrl.envs.runtime.components import env_rows
     from hpcrl.launch.logview import table
 
     d = tmp_path / "envs" / "train" / "faulty"

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from hpcrl.envs import Task, Turn, load_environment, stitch_turns, validate_env_spec
-from hpcrl.envs._common import extract_number, levenshtein, similarity
-from hpcrl.envs.calculator import calculate, safe_eval
+from hpcrl.envs.builtin._common import extract_number, levenshtein, similarity
+from hpcrl.envs.builtin.calculator import calculate, safe_eval
 from hpcrl.envs.registry import resolve_factory
 from hpcrl.envs.tools import parse_tool_calls
 
@@ -265,8 +265,8 @@ def test_calculator_tool_rollout():
 def test_registry_ids_and_errors():
     assert resolve_factory("reverse-text") is resolve_factory("primeintellect/reverse_text")
     assert resolve_factory("hpcrl/arithmetic") is resolve_factory("arithmetic")
-    assert resolve_factory("hpcrl.envs.calculator:load_environment") is resolve_factory("calculator")
-    assert resolve_factory("hpcrl.envs.arithmetic") is resolve_factory(
+    assert resolve_factory("hpcrl.envs.builtin.calculator:load_environment") is resolve_factory("calculator")
+    assert resolve_factory("hpcrl.envs.builtin.arithmetic") is resolve_factory(
         "arithmetic"
     )  # a module with load_environment
     with pytest.raises(ValueError, match=r"unknown environment 'nope-env'.*reverse-text") as e:
@@ -275,7 +275,7 @@ def test_registry_ids_and_errors():
     with pytest.raises(ValueError, match=r"unknown argument 'min_length'; accepted: min_len, max_len"):
         load_environment("reverse-text", min_length=3)
     with pytest.raises(ValueError, match="no callable 'nope'"):
-        resolve_factory("hpcrl.envs.calculator:nope")
+        resolve_factory("hpcrl.envs.builtin.calculator:nope")
     with pytest.raises(ValueError, match="'someone/reverse-text' is not installed"):
         resolve_factory("someone/reverse-text")  # another owner's env is not our built-in
 
@@ -294,7 +294,7 @@ def test_owner_name_loads_the_installed_package(tmp_path, monkeypatch):
     pkg = tmp_path / "site"
     (pkg / "reverse_text").mkdir(parents=True)
     (pkg / "reverse_text" / "__init__.py").write_text(
-        "from hpcrl.envs.arithmetic import load_environment as _a\n"
+        "from hpcrl.envs.builtin.arithmetic import load_environment as _a\n"
         "def load_environment(**kw):\n    return _a(**kw)\n"
     )
     (pkg / "judge_env.py").write_text("def load_environment(api_key: str = ''):\n    return api_key\n")
@@ -334,7 +334,7 @@ def test_aliases_are_named_and_unknown_hub_ids_fail():
 
 def test_env_args_reference_environment_variables(monkeypatch):
     """`${env:NAME}` in args is resolved where the env is built; a missing variable names both."""
-    from hpcrl.envs import reverse_text
+    from hpcrl.envs.builtin import reverse_text
 
     seen = {}
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from hpcrl.envs import Turn
-from hpcrl.envs.verifiers_adapter import VerifiersEnvironment, is_verifiers_env, wrap_verifiers_env
+from hpcrl.envs.verifiers.adapter03 import VerifiersEnvironment, is_verifiers_env, wrap_verifiers_env
 from tests.vf_classic import classic_verifiers
 
 vf = classic_verifiers()

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from hpcrl.envs.base import Task, Trajectory, Turn
-from hpcrl.envs.v1_env import episode_trajectory
-from hpcrl.envs.wire import from_wtraj, to_wtraj
+from hpcrl.envs.verifiers.v1_env import episode_trajectory
+from hpcrl.envs.wire.messages import from_wtraj, to_wtraj
 from hpcrl.orchestrator.advantages import AdvantageConfig
 from hpcrl.orchestrator.batch import StepCounts, judge_group, to_samples
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig

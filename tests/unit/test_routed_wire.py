@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hpcrl.envs.v1_env import branch_routes, branch_turns
+from hpcrl.envs.verifiers.v1_env import branch_routes, branch_turns
 from hpcrl.inference.routed import completion_rows, encode
 
 # positions 0..5: a 3-token prompt, then 3 completion tokens; row p = [[p, p+1], [p+2, p+3]]

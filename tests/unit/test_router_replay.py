@@ -154,7 +154,7 @@ def test_prompt_rows_from_every_wire_shape() -> None:
 
 def test_v1_branch_turns_carry_the_branch_routes() -> None:
     """A verifiers v1 branch's routes ([tokens, layers, k]) cut into turns, then stitched back."""
-    from hpcrl.envs.v1_env import branch_turns
+    from hpcrl.envs.verifiers.v1_env import branch_turns
 
     ids = [1, 2, 3, 4, 5, 6]
     mask = [False, False, True, True, False, True]

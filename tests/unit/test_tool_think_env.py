@@ -56,7 +56,7 @@ def test_fewer_than_three_turns_is_refused() -> None:
 
 
 def test_sft_rows_are_ideal_three_turn_transcripts() -> None:
-    from hpcrl.envs.tool_think import sft_rows
+    from hpcrl.envs.builtin.tool_think import sft_rows
 
     env = load_environment("tool-think")
     (row,) = sft_rows(env, 1)

@@ -6,8 +6,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from hpcrl.envs.v1_env import branch_turns
-from hpcrl.envs.v1_runtime import RUNTIMES, cannot_start, check_name, dry_run_check, effective
+from hpcrl.envs.verifiers.v1_env import branch_turns
+from hpcrl.envs.verifiers.v1_runtime import RUNTIMES, cannot_start, check_name, dry_run_check, effective
 from hpcrl.errors import ConfigError
 from hpcrl.orchestrator.stitching import pieces_from_turns
 
@@ -85,7 +85,7 @@ def test_branch_turns_stitch_back_to_the_branch_exactly() -> None:
 
 def test_sampling_passes_every_field_and_the_rollout_seed() -> None:
     pytest.importorskip("verifiers.v1")
-    from hpcrl.envs.v1_env import v1_sampling
+    from hpcrl.envs.verifiers.v1_env import v1_sampling
 
     s = v1_sampling({"max_tokens": 16, "temperature": 0.7, "top_k": 5, "top_p": None}, seed=11)
     assert s.model_dump(exclude_none=True) == {"max_tokens": 16, "temperature": 0.7, "top_k": 5, "seed": 11}

@@ -14,9 +14,9 @@ import asyncio
 import logging
 from typing import Any
 
-from hpcrl.envs import wire
+from hpcrl.envs.wire import messages as wire
 
-log = logging.getLogger("hpcrl.envs.frames")
+log = logging.getLogger("hpcrl.envs.wire.frames")
 
 
 class Outbox:

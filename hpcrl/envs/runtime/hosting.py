@@ -1,8 +1,8 @@
 """Who starts an env server for the orchestrator: a child process (beside it) or an env node's host.
 
-    LocalServer   deployment.env_nodes = 0: `python -m hpcrl.envs.server` as the orchestrator's child
+    LocalServer   deployment.env_nodes = 0: `python -m hpcrl.envs.runtime.server` as the orchestrator's child
     HostedServer  deployment.env_nodes > 0: an order in the run directory (bus/envs/<kind>--<env>.json,
-                  {node, spec}) that the host of env node `node` (hpcrl.envs.host, the SLURM `envs`
+                  {node, spec}) that the host of env node `node` (hpcrl.envs.runtime.host, the SLURM `envs`
                   component) carries out; the host writes `<kind>--<env>.exit` when that server exits
 
 Both answer the same three questions for hpcrl.orchestrator.remote_env.RemoteEnvironment: start (restart =
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import msgspec
 
-from hpcrl.envs import wire
-from hpcrl.envs.server import server_log
+from hpcrl.envs.runtime.server import server_log
+from hpcrl.envs.wire import messages as wire
 
 
 def server_command(spec: wire.ServerSpec) -> list[str]:
-    return [sys.executable, "-m", "hpcrl.envs.server", msgspec.json.encode(spec).decode()]
+    return [sys.executable, "-m", "hpcrl.envs.runtime.server", msgspec.json.encode(spec).decode()]
 
 
 def popen_server(spec: wire.ServerSpec, python: str | None = None) -> subprocess.Popen:

@@ -9,8 +9,8 @@ SFT data, RL rollouts and eval then come from the same task distribution by cons
 
 from __future__ import annotations
 
-from hpcrl.envs.reverse_text import ReverseTextEnv
-from hpcrl.envs.reverse_text import load_environment as load_reverse_text
+from hpcrl.envs.builtin.reverse_text import ReverseTextEnv
+from hpcrl.envs.builtin.reverse_text import load_environment as load_reverse_text
 
 DEMO_MIN_LEN = 3
 DEMO_MAX_LEN = 5

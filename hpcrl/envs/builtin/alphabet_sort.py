@@ -9,8 +9,8 @@ import random
 import re
 from typing import Any
 
-from hpcrl.envs._common import GeneratedEnvironment, chat_prompt, similarity, strip_think
 from hpcrl.envs.base import Message, Rubric, Task
+from hpcrl.envs.builtin._common import GeneratedEnvironment, chat_prompt, similarity, strip_think
 
 SYSTEM_PROMPT = (
     "Sort names alphabetically. Each time you are given names, reply with ALL names given so far, "

@@ -1,6 +1,6 @@
 """An env worker process: loads one environment and runs its rollouts, many at once on one event loop.
 
-Started by its env server (hpcrl.envs.server) as `python -m hpcrl.envs.worker SPEC_JSON ADDR INDEX`;
+Started by its env server (hpcrl.envs.runtime.server) as `python -m hpcrl.envs.runtime.worker SPEC_JSON ADDR INDEX`;
 its stdout/stderr are the worker's log file. Every model turn an env asks for goes back up the socket
 (`Chat`) and the orchestrator answers it (`ChatReply`): the worker never talks to inference itself, so
 token ids, logprobs and policy versions stay exactly the orchestrator's. A crash here (segfault,
@@ -19,18 +19,18 @@ from typing import Any
 
 import msgspec
 
-from hpcrl.envs import wire
-from hpcrl.envs.frames import Outbox, drain
-from hpcrl.envs.lifeline import die_with_parent
+from hpcrl.envs.runtime.lifeline import die_with_parent
+from hpcrl.envs.wire import messages as wire
+from hpcrl.envs.wire.frames import Outbox, drain
 
-log = logging.getLogger("hpcrl.envs.worker")
+log = logging.getLogger("hpcrl.envs.runtime.worker")
 
 
 class WorkerChat:
     """The ChatClient an env sees inside a worker: each call is one Chat/ChatReply round trip."""
 
     def __init__(self, rid: int, send: Any, pending: dict[tuple[int, int], asyncio.Future]):
-        # send: puts one message in the worker's outbox (hpcrl.envs.frames), it never blocks
+        # send: puts one message in the worker's outbox (hpcrl.envs.wire.frames), it never blocks
         self.rid, self.send, self.pending, self.seq = rid, send, pending, 0
 
     async def chat(
@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s", datefmt="%H:%M:%S"
     )
-    from hpcrl.envs.server import PARENT_VAR
+    from hpcrl.envs.runtime.server import PARENT_VAR
 
     # first, before the env loads: a server killed while its worker starts must not leave it behind,
     # nor one whose worker blocks its event loop in env code (a hung rollout)

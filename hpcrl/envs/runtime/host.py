@@ -1,6 +1,6 @@
 """The env host: one per env node (the SLURM `envs` component, sbatch/envs.sh, deployment.env_nodes).
 
-    python -m hpcrl.envs.host --run-dir DIR --node-index K
+    python -m hpcrl.envs.runtime.host --run-dir DIR --node-index K
 
 It carries out the orchestrator's orders in `<run>/bus/envs/`: every `<kind>--<env>.json` whose
 `node` is K names a ServerSpec (with the orchestrator's address and the restart number). The host
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import msgspec
 
-from hpcrl.envs import wire
-from hpcrl.envs.hosting import job_tag, popen_server, write_json
-from hpcrl.envs.server import describe_exit
+from hpcrl.envs.runtime.hosting import job_tag, popen_server, write_json
+from hpcrl.envs.runtime.server import describe_exit
+from hpcrl.envs.wire import messages as wire
 
-log = logging.getLogger("hpcrl.envs.host")
+log = logging.getLogger("hpcrl.envs.runtime.host")
 POLL_S = 0.3
 
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s", datefmt="%H:%M:%S"
     )
-    p = argparse.ArgumentParser(prog="python -m hpcrl.envs.host", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m hpcrl.envs.runtime.host", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--node-index", type=int, required=True, help="this env node's index (SLURM_PROCID)")
     args = p.parse_args(argv)

@@ -4,7 +4,7 @@
                           ◀──▶ env server      Hello / WorkerDied / Kill / Stop
 
 The ROUTER binds 127.0.0.1, or the orchestrator node's address when the servers run on env nodes
-of their own (deployment.env_nodes, hpcrl.envs.host).
+of their own (deployment.env_nodes, hpcrl.envs.runtime.host).
 
 The server loads the environment once to answer `Hello` (tasks of every split, tools, turn limit),
 starts the workers (each connects to the orchestrator itself, so a rollout's messages take one hop),
@@ -30,12 +30,14 @@ from pathlib import Path
 
 import msgspec
 
-from hpcrl.envs import wire
+from hpcrl.envs.wire import messages as wire
 
-log = logging.getLogger("hpcrl.envs.server")
+log = logging.getLogger("hpcrl.envs.runtime.server")
 POLL_MS = 100
 WORKER_ID_VAR = "HPCRL_ENV_WORKER_ID"
-PARENT_VAR = "HPCRL_ENV_SERVER_PID"  # a worker dies with this process (hpcrl.envs.lifeline.die_with_parent)
+PARENT_VAR = (
+    "HPCRL_ENV_SERVER_PID"  # a worker dies with this process (hpcrl.envs.runtime.lifeline.die_with_parent)
+)
 RESTART_GAP_S = 0.5  # a worker that dies at start-up is restarted at most this often
 
 
@@ -156,7 +158,7 @@ class EnvServer:
                 [
                     sys.executable,
                     "-m",
-                    "hpcrl.envs.worker",
+                    "hpcrl.envs.runtime.worker",
                     msgspec.json.encode(self.spec).decode(),
                     self.spec.connect,
                     str(w.index),
@@ -198,7 +200,7 @@ class EnvServer:
     def write_status(self) -> None:
         if not self.spec.status_file:
             return
-        from hpcrl.envs.components import server_status
+        from hpcrl.envs.runtime.components import server_status
         from hpcrl.fileio import write_atomic
 
         data = server_status(self.spec, os.getpid(), self.workers)

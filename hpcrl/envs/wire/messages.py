@@ -8,7 +8,7 @@
                  ──Kill / Stop────────▶
 
 A frame is a msgpack-encoded list of `Msg` (a tagged union): what one side queued for one peer in one
-event-loop iteration leaves as one frame (hpcrl.envs.frames), so a group's 4 model turns or a step's
+event-loop iteration leaves as one frame (hpcrl.envs.wire.frames), so a group's 4 model turns or a step's
 32 Runs cost one socket send, not 32. No pickle crosses a socket. Tasks, turns and
 trajectories travel as plain msgspec Structs mirroring hpcrl.envs.base's dataclasses; `to_*` / `from_*`
 convert at the edges so env code and the orchestrator keep their own types.

@@ -29,7 +29,7 @@ from typing import Any
 
 from hpcrl.envs.base import ChatClient, Environment, Task, Trajectory, Turn, normalize_split
 from hpcrl.envs.errors import EnvServerFailed
-from hpcrl.envs.v1_runtime import effective
+from hpcrl.envs.verifiers.v1_runtime import effective
 
 log = logging.getLogger("hpcrl.envs")
 _DATA = "_vf_task_data"
@@ -47,7 +47,7 @@ def _log_to(path: str) -> None:
 
 def env_config(env_id: str, args: Mapping[str, Any], runtime: str | None) -> tuple[Any, list[str]]:
     """verifiers' EnvConfig for a taskset module with `args` as taskset fields, every seat in
-    `runtime` (see hpcrl.envs.v1_runtime.effective), plus the notes to log."""
+    `runtime` (see hpcrl.envs.verifiers.v1_runtime.effective), plus the notes to log."""
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.utils.loaders import resolve_env_config
 
@@ -213,7 +213,7 @@ class V1Environment(Environment):
             for t in load_taskset(self.config.taskset)
         ]
         self.proc: Any = None
-        self._stop: Any = None  # the server's finalizer (hpcrl.envs.v1_serve.stop_server)
+        self._stop: Any = None  # the server's finalizer (hpcrl.envs.verifiers.v1_serve.stop_server)
         self._worker_pids: list[int] = []
         self.address: str | None = None
         self._client: Any = None
@@ -228,7 +228,7 @@ class V1Environment(Environment):
         return self._tasks
 
     def start(self, log_dir: Path | None = None) -> None:
-        """Spawn verifiers' serve_env (hpcrl.envs.v1_serve.serve) and wait for its address: a server
+        """Spawn verifiers' serve_env (hpcrl.envs.verifiers.v1_serve.serve) and wait for its address: a server
         that exits while starting, or is not up in START_TIMEOUT_S, is a one-line ValueError."""
         import queue as queue_mod
         import time
@@ -236,7 +236,7 @@ class V1Environment(Environment):
 
         from verifiers.v1.serve import env_config_data
 
-        from hpcrl.envs import v1_serve
+        from hpcrl.envs.verifiers import v1_serve
 
         self.log_dir = log_dir
         ctx = mp.get_context("spawn")
@@ -263,7 +263,7 @@ class V1Environment(Environment):
         child.close()
         # Our end of the death pipe (closing it, or our death, stops the server) and the server are
         # stopped by close_now, by garbage collection of this object, and at exit before
-        # multiprocessing joins its children (see hpcrl.envs.v1_serve: that join deadlocked).
+        # multiprocessing joins its children (see hpcrl.envs.verifiers.v1_serve: that join deadlocked).
         self._stop = mp_util.Finalize(self, v1_serve.stop_server, args=(self.proc, parent), exitpriority=10)
         self._worker_pids = []
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -292,7 +292,7 @@ class V1Environment(Environment):
         workers are the server's spawned children (verifiers does not report them)."""
         import json
 
-        from hpcrl.envs.components import _node
+        from hpcrl.envs.runtime.components import _node
         from hpcrl.fileio import write_text
 
         pid = self.proc.pid
@@ -311,7 +311,7 @@ class V1Environment(Environment):
         """The pool's worker pids (spawned by the broker after it reports its address: learnt as they
         appear, kept once all are known); none for a lone server (workers = 1)."""
         if self.workers > 1 and len(self._worker_pids) < self.workers and self.proc is not None:
-            from hpcrl.envs.v1_serve import worker_pids
+            from hpcrl.envs.verifiers.v1_serve import worker_pids
 
             self._worker_pids = worker_pids(self.proc.pid)[: self.workers]
         return self._worker_pids
@@ -319,7 +319,7 @@ class V1Environment(Environment):
     def _lost_worker(self) -> int | None:
         """A worker of the pool that has exited (verifiers' pool never replaces one and keeps sending it
         requests, which then wait forever), else None."""
-        from hpcrl.envs.v1_serve import exited
+        from hpcrl.envs.verifiers.v1_serve import exited
 
         known = len(self._worker_pids)
         pids = self._learn_workers()
@@ -430,7 +430,7 @@ class V1Environment(Environment):
                 pass
             self._client = None
         if self._stop is not None:
-            self._stop()  # hpcrl.envs.v1_serve.stop_server, once
+            self._stop()  # hpcrl.envs.verifiers.v1_serve.stop_server, once
             self._stop = None
         self.proc = None
         self._worker_pids = []

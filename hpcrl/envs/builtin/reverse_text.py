@@ -11,8 +11,14 @@ import random
 import string
 from typing import Any
 
-from hpcrl.envs._common import GeneratedEnvironment, chat_prompt, last_assistant_text, similarity, strip_think
 from hpcrl.envs.base import Message, Rubric, Task
+from hpcrl.envs.builtin._common import (
+    GeneratedEnvironment,
+    chat_prompt,
+    last_assistant_text,
+    similarity,
+    strip_think,
+)
 
 SYSTEM_PROMPT = "Reverse the text character by character. Reply with the reversed text only."
 

@@ -44,7 +44,7 @@ def wrap_verifiers_env(vf_env: Any, name: str) -> VerifiersEnvironment:
     try:
         _vf()
     except ValueError:
-        from hpcrl.envs.vf_versions import installed, needs
+        from hpcrl.envs.verifiers.versions import installed, needs
 
         raise ValueError(needs(name, "0.3", installed())) from None
     return VerifiersEnvironment(vf_env, name=name)

@@ -1,4 +1,4 @@
-"""The processes of a verifiers v1 env server (see hpcrl.envs.v1_env) and their tie to their owner.
+"""The processes of a verifiers v1 env server (see hpcrl.envs.verifiers.v1_env) and their tie to their owner.
 
 `serve` is what V1Environment spawns: verifiers' own `serve_env` (a lone EnvServer, or an
 EnvServerPool broker over spawned workers), run unchanged. verifiers guards each spawned process
@@ -6,7 +6,7 @@ with a death pipe only (EOF -> one SIGTERM -> KeyboardInterrupt -> teardown). Th
 server alive as long as any process holds the owner's end (a fork of the owner inherits it), and a
 teardown that stalls after the SIGTERM is never ended (verifiers ignores every later SIGTERM): the
 server and its workers were seen running as orphans (PPID 1) hours after a run. So each process of
-the tree also gets hpcrl.envs.lifeline.die_with_parent: SIGTERM when its parent dies, SIGKILL
+the tree also gets hpcrl.envs.runtime.lifeline.die_with_parent: SIGTERM when its parent dies, SIGKILL
 GRACE_S later. The pool's workers get it through `serve_worker`, the target EnvServerPool spawns
 them with once `serve` has put it in place of the module's `serve_env` (the pool looks that name
 up when it spawns, and its spawned workers unpickle the target by name).
@@ -33,7 +33,7 @@ PARENT_ENV = "HPCRL_V1_SERVER"  # "<pid> <grace_s>" of the broker, for its worke
 def serve(parent: int, grace_s: float = GRACE_S, **kwargs: Any) -> None:
     """The spawned env server: verifiers' serve_env(**kwargs), tied to `parent` and with every pool
     worker it spawns tied to this process."""
-    from hpcrl.envs.lifeline import die_with_parent
+    from hpcrl.envs.runtime.lifeline import die_with_parent
 
     die_with_parent(parent, grace_s)
     os.environ[PARENT_ENV] = f"{os.getpid()} {grace_s}"  # spawned workers inherit the environment
@@ -46,7 +46,7 @@ def serve(parent: int, grace_s: float = GRACE_S, **kwargs: Any) -> None:
 
 def serve_worker(**kwargs: Any) -> None:
     """A pool worker: verifiers' serve_env (max_workers=1, its own EnvServer), tied to the broker."""
-    from hpcrl.envs.lifeline import die_with_parent
+    from hpcrl.envs.runtime.lifeline import die_with_parent
 
     parent, grace_s = os.environ[PARENT_ENV].split()
     die_with_parent(int(parent), float(grace_s))
@@ -90,6 +90,6 @@ def worker_pids(server: int) -> list[int]:
 
 def exited(pid: int) -> bool:
     """True once `pid` has exited (gone, or a zombie its parent has not reaped)."""
-    from hpcrl.envs.components import alive
+    from hpcrl.envs.runtime.components import alive
 
     return alive(pid, None) == "exited"

@@ -14,8 +14,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from hpcrl.envs._common import GeneratedEnvironment, chat_prompt, extract_number, last_assistant_text
 from hpcrl.envs.base import Message, Rubric, Task
+from hpcrl.envs.builtin._common import GeneratedEnvironment, chat_prompt, extract_number, last_assistant_text
 from hpcrl.envs.tools import ToolEnvironment
 
 SYSTEM_PROMPT = (

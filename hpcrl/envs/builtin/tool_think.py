@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from hpcrl.envs._common import GeneratedEnvironment, extract_number, last_assistant_text
 from hpcrl.envs.base import Message, Rubric, Task, Trajectory
-from hpcrl.envs.calculator import calculate
+from hpcrl.envs.builtin._common import GeneratedEnvironment, extract_number, last_assistant_text
+from hpcrl.envs.builtin.calculator import calculate
 from hpcrl.envs.tools import ToolEnvironment, parse_tool_calls
 
 SYSTEM_PROMPT = "Think in <think> blocks, use the calculate tool, end with '#### <number>'."

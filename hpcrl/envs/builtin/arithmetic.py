@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from hpcrl.envs._common import GeneratedEnvironment, chat_prompt, extract_number, last_assistant_text
 from hpcrl.envs.base import Message, Rubric, Task
+from hpcrl.envs.builtin._common import GeneratedEnvironment, chat_prompt, extract_number, last_assistant_text
 
 SYSTEM_PROMPT = "Solve the problem. End your reply with the final answer as '#### <number>'."
 

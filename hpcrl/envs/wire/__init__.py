@@ -1,0 +1,1 @@
+"""The env-server wire protocol: msgspec messages and their framing over ZMQ."""
