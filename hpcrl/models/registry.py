@@ -1,8 +1,9 @@
 """Which model families have hpcrl's own training implementation (``trainer.model.impl = "custom"``).
 
 A family is a package under hpcrl/models/ exposing ``MODEL_TYPES`` (HF ``config.model_type`` values it
-serves), ``build(hf_config) -> nn.Module``, ``from_hf(state) -> state``, ``to_hf(named) -> named`` and
-``unsupported(config dict) -> reason | None`` (what of a config it does not compute as transformers does:
+serves), ``build(hf_config) -> nn.Module``, ``from_hf(state) -> state``, ``to_hf(named) -> named``,
+``apply_ep(model, ep, device, param_dtype, reduce_dtype) -> expert params`` (expert parallelism)
+and ``unsupported(config dict) -> reason | None`` (what of a config it does not compute as transformers does:
 ``auto`` then keeps transformers, ``custom`` refuses in one line). Adding a family: one package and one
 line here.
 """
@@ -18,6 +19,12 @@ from typing import Any
 from hpcrl.errors import ConfigError
 
 FAMILIES = {"qwen3": "hpcrl.models.qwen3", "qwen3_moe": "hpcrl.models.qwen3"}
+
+
+def family_of(model: Any) -> ModuleType | None:
+    """The family package of a model built by hpcrl's own implementation (None: transformers')."""
+    model_type = getattr(model, "hpcrl_family", None)
+    return None if model_type is None else family(model_type)
 
 
 def config_of(path: str | Path) -> dict[str, Any]:
@@ -41,6 +48,15 @@ def family(model_type: str) -> ModuleType | None:
     return None if mod is None else importlib.import_module(mod)
 
 
+def refuse_lora_on_custom(impl: str, lora: bool) -> None:
+    """LoRA (peft) wraps transformers' modules: the custom implementation does not run it."""
+    if lora and impl == "custom":
+        raise ConfigError(
+            "trainer.model.impl",
+            "LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'",
+        )
+
+
 def pick_impl(
     impl: str,
     model_type: str,
@@ -60,11 +76,7 @@ def pick_impl(
                 f"no custom implementation for model_type {model_type!r} "
                 f"(custom: {sorted(FAMILIES)}); use impl = 'hf' or 'auto'",
             )
-        if lora:
-            raise ConfigError(
-                "trainer.model.impl",
-                "LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'",
-            )
+        refuse_lora_on_custom(impl, lora)
         if reason is not None:
             raise ConfigError(
                 "trainer.model.impl",

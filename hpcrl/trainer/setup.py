@@ -11,6 +11,7 @@ import torch
 
 from hpcrl.config.schema import LossConfig, OptimConfig, TrainerModelConfig
 from hpcrl.errors import ConfigError
+from hpcrl.models import registry
 from hpcrl.models.chunked import chunk_rows
 from hpcrl.models.embeddings import base_model, lm_head
 from hpcrl.trainer import model as model_lib
@@ -162,11 +163,7 @@ def build_model(
         lora = model_lib.LoraParams(
             rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules)
         )
-    if lora is not None and model_cfg.impl == "custom":
-        raise ConfigError(
-            "trainer.model.impl",
-            "LoRA runs on the transformers implementation only; set impl = 'hf' or 'auto'",
-        )
+    registry.refuse_lora_on_custom(model_cfg.impl, lora is not None)  # before a warm start drops `lora` below
     from_rank0 = meta_init and parallel.get_world_size() > 1
     on_meta = from_rank0 and not parallel.is_rank0()
     model = model_lib.load_model(
@@ -181,7 +178,7 @@ def build_model(
         trust_remote_code=model_cfg.trust_remote_code,
         meta=on_meta,
         # LoRA (also when a warm start applies it after loading) runs on transformers' model (peft)
-        impl=model_cfg.impl if lora is None or model_cfg.impl == "custom" else "hf",
+        impl=model_cfg.impl if lora is None else "hf",
     )
     if warm_start:
         # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
@@ -215,16 +212,15 @@ def apply_moe_options(
     parameters FSDP must leave alone (empty without EP)."""
     if model_cfg.ep == 1:
         return set()
-    if getattr(model, "hpcrl_family", None) is None:
+    spec = registry.family_of(model)
+    if spec is None:
         raise ConfigError(
             "trainer.model.ep",
             f"{model_cfg.ep} needs the custom implementation of a MoE model "
             f"(impl = 'custom' or 'auto'; this run uses transformers')",
         )
-    from hpcrl.models.qwen3.parallelize import apply_ep
-
     dtypes = model_lib.parse_dtype(prec.compute), model_lib.parse_dtype(prec.reduce)
-    return apply_ep(model, model_cfg.ep, device, *dtypes)
+    return spec.apply_ep(model, model_cfg.ep, device, *dtypes)
 
 
 def shard_model(
