@@ -208,6 +208,11 @@ _ALIASES = [
         ["orchestrator", "eval", "sampling", "max_tokens"],
     ),
     (["ckpt", "weights", "save_adapter_separately"], ["ckpt", "save_adapter_separately"]),
+    # seq_len is declared once, at the top level; a role section's (prime-rl writes [trainer] seq_len)
+    # is the same setting
+    (["trainer", "seq_len"], ["seq_len"]),
+    (["orchestrator", "seq_len"], ["seq_len"]),
+    (["inference", "seq_len"], ["seq_len"]),
 ]
 
 
@@ -230,7 +235,8 @@ def apply_aliases(d: dict[str, Any]) -> None:
         current = get_path(d, canonical)
         if current is not None and current != value:
             raise ConfigError(
-                ".".join(alias), f"conflicts with {'.'.join(canonical)} (they are the same setting)"
+                ".".join(alias),
+                f"conflicts with {'.'.join(canonical)} = {current!r} (they are the same setting)",
             )
         set_path(d, canonical, value)
         for k in range(len(alias) - 1, 0, -1):  # drop tables the move emptied
@@ -242,7 +248,6 @@ def apply_aliases(d: dict[str, Any]) -> None:
 _MODEL_SECTIONS = (["model"], ["trainer", "model"], ["orchestrator", "model"], ["inference", "model"])
 _SHARED = {
     "max_steps": (["max_steps"], ["trainer", "max_steps"], ["orchestrator", "max_steps"]),
-    "seq_len": (["seq_len"], ["trainer", "seq_len"], ["orchestrator", "seq_len"], ["inference", "seq_len"]),
     "model.name": tuple(p + ["name"] for p in _MODEL_SECTIONS),
 }
 
@@ -291,9 +296,6 @@ def flow_shared(cfg: Config) -> None:
         inf_model.max_lora_rank = lora.rank  # servers load the adapters the trainer makes
     cfg.trainer.max_steps = cfg.max_steps
     cfg.orchestrator.max_steps = cfg.max_steps
-    cfg.trainer.seq_len = cfg.seq_len
-    cfg.orchestrator.seq_len = cfg.seq_len
-    cfg.inference.seq_len = cfg.seq_len
     if cfg.inference.max_model_len is None:
         cfg.inference.max_model_len = cfg.seq_len
 
@@ -427,7 +429,7 @@ def load(
             shared = check_shared(merged)
             if "model.name" in shared:
                 set_path(merged, ["model", "name"], shared["model.name"])
-            for key in ("max_steps", "seq_len"):
+            for key in ("max_steps",):
                 if key in shared:
                     merged[key] = shared[key]
             flow_models(merged)

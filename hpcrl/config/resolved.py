@@ -29,7 +29,7 @@ def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
     if isinstance(cfg, Config):
         for sec in ("trainer", "orchestrator", "inference"):
             part = d.get(sec, {})
-            for key in ("max_steps", "seq_len"):
+            for key in ("max_steps",):
                 part.pop(key, None)
             model = part.get("model")
             if isinstance(model, dict):

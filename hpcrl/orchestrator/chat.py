@@ -45,8 +45,64 @@ def openai_sampling(sampling: Any) -> dict[str, Any]:
     return out
 
 
-class RolloutClient:
-    """One conversation's ChatClient (hpcrl.envs.ChatClient): remembers the previous turn's ids so
+class ConversationClient:
+    """The one base of every conversation's ChatClient (hpcrl.envs.ChatClient) that samples from the
+    run's inference servers: the server it sticks to, the previous turn it extends, per-turn request
+    seeds, the room left in seq_len, and the n-choice check of a group request. Subclasses say how a
+    prompt is made and sampled: `RolloutClient` (the chat template, OpenAI routes, exact stitching),
+    `hpcrl.orchestrator.renderer_client.RendererClient` (a renderer, token-in/token-out)."""
+
+    def __init__(self, pool: ServerPool, seq_len: int, seed: int | None, default_policy: Callable[[], int]):
+        self.pool, self.seq_len = pool, seq_len
+        self.seed, self.default_policy = seed, default_policy
+        self.server = pool.pick()
+        self.history: list[Message] | None = None
+        self.prev: Turn | None = None
+        self.turn = 0
+
+    def continues(self, messages: list[Message]) -> bool:
+        """Whether `messages` extend this conversation's previous turn."""
+        return (
+            self.prev is not None
+            and self.history is not None
+            and messages[: len(self.history)] == self.history
+        )
+
+    def request_body(self, sampling: Mapping[str, Any], prompt_len: int) -> dict[str, Any] | None:
+        """The request's sampling fields with this turn's seed and max_tokens capped to the room left
+        in seq_len; None when the prompt already fills it (a truncated rollout, not an error)."""
+        room = self.seq_len - prompt_len
+        if room <= 0:
+            return None
+        body = dict(sampling)
+        if self.seed is not None:
+            body["seed"] = derive_seed(self.seed, self.turn)
+        body["max_tokens"] = min(int(body.get("max_tokens") or room), room)
+        return body
+
+    def record(self, messages: list[Message], turn: Turn) -> Turn:
+        """Remember the turn: the next one extends it."""
+        self.history = copy.deepcopy([*messages, turn.message()])
+        self.prev = turn
+        self.turn += 1
+        return turn
+
+    @staticmethod
+    def choices(resp: Mapping[str, Any], n: int) -> list[Any]:
+        choices = resp.get("choices") or []
+        if len(choices) != n:
+            raise RequestFailed(f"asked for {n} choices, the server returned {len(choices)}")
+        return choices
+
+    def steps(self, choice: Mapping[str, Any], resp: Mapping[str, Any]) -> list[int]:
+        # Our server reports the policies that produced the choice; vLLM does not: then we assume
+        # the policy loaded when the request was sent.
+        steps = choice.get("policy_steps") or resp.get("policy_steps")
+        return [int(s) for s in steps] if steps else [self.default_policy()]
+
+
+class RolloutClient(ConversationClient):
+    """One conversation's ChatClient through the chat template: remembers the previous turn's ids so
     the next turn's prompt extends them exactly."""
 
     def __init__(
@@ -57,26 +113,16 @@ class RolloutClient:
         seed: int | None,
         default_policy: Callable[[], int],
     ):
-        self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
-        self.seed, self.default_policy = seed, default_policy
-        self.server = pool.pick()
-        self.history: list[Message] | None = None
-        self.prev: Turn | None = None
-        self.turn = 0
+        super().__init__(pool, seq_len, seed, default_policy)
+        self.tokenizer = tokenizer
 
     async def chat(
         self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any]
     ) -> Turn:
-        body = {**sampling}
         kw = template_kwargs(sampling)
-        if self.seed is not None:
-            body["seed"] = derive_seed(self.seed, self.turn)
         ids = None
-        if (
-            self.prev is not None
-            and self.history is not None
-            and messages[: len(self.history)] == self.history
-        ):
+        if self.continues(messages):
+            assert self.prev is not None and self.history is not None
             env_ids = env_response_ids(
                 self.tokenizer, self.history, messages, tools, self.prev.completion_token_ids, kw
             )
@@ -91,19 +137,15 @@ class RolloutClient:
             if ids is not None
             else len(encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw)))
         )
-        room = self.seq_len - prompt_len
-        if room <= 0:  # the conversation filled seq_len: a truncated rollout, not an error
+        body = self.request_body(sampling, prompt_len)
+        if body is None:  # the conversation filled seq_len: a truncated rollout, not an error
             turn = Turn("", ids or [], [], [], [], finish_reason="length")
         else:
-            body["max_tokens"] = min(int(body.get("max_tokens") or room), room)
             turn = await (
                 self._chat(messages, tools, body) if ids is None else self._complete(ids, tools, body)
             )
         turn.rerendered = rerendered
-        self.history = copy.deepcopy([*messages, turn.message()])
-        self.prev = turn
-        self.turn += 1
-        return turn
+        return self.record(messages, turn)
 
     async def chat_group(
         self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any], n: int
@@ -112,22 +154,22 @@ class RolloutClient:
         prefill instead of n. With a seed, choice i draws from seed + i (the server's rule), so every
         rollout still has its own reproducible stream."""
         assert self.turn == 0, "a group request is a conversation's first turn"
-        body = {**sampling}
-        if self.seed is not None:
-            body["seed"] = derive_seed(self.seed, self.turn)
-        room = self.seq_len - len(
-            encode(self.tokenizer, render(self.tokenizer, messages, tools, True, template_kwargs(sampling)))
+        body = self.request_body(
+            sampling,
+            len(
+                encode(
+                    self.tokenizer, render(self.tokenizer, messages, tools, True, template_kwargs(sampling))
+                )
+            ),
         )
-        if room <= 0:
+        if body is None:
             return [Turn("", [], [], [], [], finish_reason="length") for _ in range(n)]
-        body["max_tokens"] = min(int(body.get("max_tokens") or room), room)
         resp = await self.pool.call(
             self.server, "chat_completion", messages, model=self.pool.request_model, tools=tools, n=n, **body
         )
-        choices = resp.get("choices") or []
-        if len(choices) != n:
-            raise RequestFailed(f"asked for {n} choices, the server returned {len(choices)}")
-        return [self._chat_turn(c, resp, messages, tools, template_kwargs(body)) for c in choices]
+        return [
+            self._chat_turn(c, resp, messages, tools, template_kwargs(body)) for c in self.choices(resp, n)
+        ]
 
     async def _chat(self, messages: list[Message], tools: list[dict] | None, body: dict[str, Any]) -> Turn:
         resp = await self.pool.call(
@@ -158,7 +200,7 @@ class RolloutClient:
             prompt_token_ids=list(prompt_ids),
             completion_token_ids=list(ids),
             completion_logprobs=[float(x) for x in lps],
-            policy_steps=self._steps(choice, resp),
+            policy_steps=self.steps(choice, resp),
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=msg.get("tool_calls") or None,
             routed_experts=completion_rows(choice.get("routed_experts"), len(prompt_ids), len(ids)),
@@ -187,18 +229,12 @@ class RolloutClient:
             prompt_token_ids=ids,
             completion_token_ids=out,
             completion_logprobs=lps,
-            policy_steps=self._steps(choice, resp),
+            policy_steps=self.steps(choice, resp),
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=tool_calls,
             routed_experts=completion_rows(choice.get("routed_experts"), len(ids), len(out)),
             prompt_routed_experts=prompt_rows(choice, len(ids)),
         )
-
-    def _steps(self, choice: dict[str, Any], resp: dict[str, Any]) -> list[int]:
-        # Our server reports the policies that produced the choice; vLLM does not: then we assume
-        # the policy loaded when the request was sent.
-        steps = choice.get("policy_steps") or resp.get("policy_steps")
-        return [int(s) for s in steps] if steps else [self.default_policy()]
 
 
 class GroupClient:

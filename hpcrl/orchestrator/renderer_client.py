@@ -15,14 +15,13 @@ renderer (`parse_response`), never by a regex on text.
 
 from __future__ import annotations
 
-import copy
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpcrl.envs.base import Message, Turn
 from hpcrl.inference.routed import completion_rows, prompt_rows
-from hpcrl.orchestrator.chat import derive_seed
+from hpcrl.orchestrator.chat import ConversationClient
 from hpcrl.orchestrator.pool import RequestFailed, ServerPool
 from hpcrl.render.select import Renderers
 
@@ -83,7 +82,7 @@ def tool_calls_of(parsed: Any) -> list[dict[str, Any]] | None:
     return calls or None
 
 
-class RendererClient:
+class RendererClient(ConversationClient):
     """One conversation's ChatClient: renders, bridges, samples token-in/token-out, parses."""
 
     def __init__(
@@ -94,50 +93,39 @@ class RendererClient:
         seed: int | None,
         default_policy: Callable[[], int],
     ):
-        self.pool, self.renderers, self.seq_len = pool, renderers, seq_len
-        self.seed, self.default_policy = seed, default_policy
-        self.server = pool.pick()
-        self.history: list[Message] | None = None
-        self.prev: Turn | None = None
-        self.turn = 0
+        super().__init__(pool, seq_len, seed, default_policy)
+        self.renderers = renderers
 
     def prompt(
         self, renderer: Any, messages: list[Message], tools: list[dict] | None
     ) -> tuple[list[int], bool]:
         """(prompt ids, whether they had to be re-rendered although a previous turn exists)."""
-        prev, history = self.prev, self.history
-        if prev is not None and history is not None and messages[: len(history)] == history:
+        if self.continues(messages):
+            prev, history = self.prev, self.history
+            assert prev is not None and history is not None
             bridged = renderer.bridge_to_next_turn(
                 prev.prompt_token_ids, prev.completion_token_ids, messages[len(history) :], tools=tools
             )
             if bridged is not None:
                 return list(bridged.token_ids), False
         ids = list(renderer.render(messages, tools=tools, add_generation_prompt=True).token_ids)
-        return ids, prev is not None
+        return ids, self.prev is not None
 
     async def chat(
         self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any]
     ) -> Turn:
         renderer = self.renderers.get(sampling.get("chat_template_kwargs"))
         ids, rerendered = self.prompt(renderer, messages, tools)
-        room = self.seq_len - len(ids)
-        if room <= 0:  # the conversation filled seq_len: a truncated rollout, not an error
+        body = self.request_body(sampling, len(ids))
+        if body is None:  # the conversation filled seq_len: a truncated rollout, not an error
             turn = Turn("", ids, [], [], [], finish_reason="length", rerendered=rerendered)
         else:
-            body = dict(sampling)
-            if self.seed is not None:
-                body["seed"] = derive_seed(self.seed, self.turn)
-            sp = generate_sampling(
-                body, min(int(body.get("max_tokens") or room), room), renderer.get_stop_token_ids()
-            )
+            sp = generate_sampling(body, body["max_tokens"], renderer.get_stop_token_ids())
             resp = await self.pool.call(
                 self.server, "generate", ids, model=self.pool.request_model, sampling_params=sp
             )
             turn = self.to_turn(renderer, resp, ids, tools, rerendered)
-        self.history = copy.deepcopy([*messages, turn.message()])
-        self.prev = turn
-        self.turn += 1
-        return turn
+        return self.record(messages, turn)
 
     async def chat_group(
         self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any], n: int
@@ -146,22 +134,16 @@ class RendererClient:
         assert self.turn == 0, "a group request is a conversation's first turn"
         renderer = self.renderers.get(sampling.get("chat_template_kwargs"))
         ids = list(renderer.render(messages, tools=tools, add_generation_prompt=True).token_ids)
-        room = self.seq_len - len(ids)
-        if room <= 0:
+        body = self.request_body(sampling, len(ids))
+        if body is None:
             return [Turn("", ids, [], [], [], finish_reason="length") for _ in range(n)]
-        body = dict(sampling)
-        if self.seed is not None:
-            body["seed"] = derive_seed(self.seed, self.turn)
-        sp = generate_sampling(
-            body, min(int(body.get("max_tokens") or room), room), renderer.get_stop_token_ids()
-        )
+        sp = generate_sampling(body, body["max_tokens"], renderer.get_stop_token_ids())
         resp = await self.pool.call(
             self.server, "generate", ids, model=self.pool.request_model, sampling_params={**sp, "n": n}
         )
-        choices = resp.get("choices") or []
-        if len(choices) != n:
-            raise RequestFailed(f"asked for {n} choices, the server returned {len(choices)}")
-        return [self.to_turn(renderer, {**resp, "choices": [c]}, ids, tools, False) for c in choices]
+        return [
+            self.to_turn(renderer, {**resp, "choices": [c]}, ids, tools, False) for c in self.choices(resp, n)
+        ]
 
     def to_turn(
         self,
@@ -177,13 +159,12 @@ class RendererClient:
         if prompt is not None and list(prompt) != ids:
             raise RequestFailed("/inference/v1/generate answered for another prompt than the one sent")
         parsed = renderer.parse_response(out, prompt_ids=ids, tools=tools)
-        steps = choice.get("policy_steps") or resp.get("policy_steps")
         return Turn(
             text=parsed.content or "",
             prompt_token_ids=ids,
             completion_token_ids=out,
             completion_logprobs=completion_logprobs(choice, out),
-            policy_steps=[int(s) for s in steps] if steps else [self.default_policy()],
+            policy_steps=self.steps(choice, resp),
             finish_reason=choice.get("finish_reason") or "stop",
             tool_calls=tool_calls_of(parsed),
             reasoning=parsed.reasoning_content,

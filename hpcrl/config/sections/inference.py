@@ -21,9 +21,6 @@ class InferenceConfig(Section):
         InferenceModelConfig | None,
         D("The servers' model: [model]'s name, dtype, trust_remote_code, plus LoRA serving."),
     ] = None
-    seq_len: Annotated[
-        Annotated[int, Meta(ge=8)] | None, D("Shared: max context (flows into max_model_len when unset).")
-    ] = None
     backend: Annotated[
         Literal["auto", "hf", "vllm"], D("auto: vllm on GPU when installed, else the embedded hf engine.")
     ] = "auto"

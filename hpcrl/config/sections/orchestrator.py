@@ -130,7 +130,6 @@ class OrchestratorConfig(Section):
         D("The orchestrator's model (its tokenizer): name, trust_remote_code."),
     ] = None
     max_steps: Annotated[Annotated[int, Meta(ge=0)] | None, D("Shared: final training step.")] = None
-    seq_len: Annotated[Annotated[int, Meta(ge=8)] | None, D("Shared: max tokens per sample.")] = None
     batch_size: Annotated[
         int, D("Rollouts per training step (a multiple of rollouts_per_example).", ge=1)
     ] = 128

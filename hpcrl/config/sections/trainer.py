@@ -70,9 +70,6 @@ class TrainerConfig(Section):
     max_steps: Annotated[
         Annotated[int, Meta(ge=0)] | None, D("Shared: final training step (flows from top level).")
     ] = None
-    seq_len: Annotated[
-        Annotated[int, Meta(ge=8)] | None, D("Shared: max tokens per packed sample (flows from top level).")
-    ] = None
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     broadcast: BroadcastConfig = msgspec.field(default_factory=BroadcastConfig)
