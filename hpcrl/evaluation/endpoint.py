@@ -137,7 +137,7 @@ def load_tokenizer(model: str, client: ClientConfig, trust_remote_code: bool) ->
     """The tokenizer rollouts use for prompt lengths and exact multi-turn stitching."""
     from transformers import AutoTokenizer
 
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     name = client.tokenizer or model
     try:

@@ -27,7 +27,7 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
     from hpcrl import runtime
     from hpcrl.config.schema import InferenceModelConfig
     from hpcrl.inference.guard import resolve_api_key
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
     from hpcrl.monitor.logging import setup_logging
 
     setup_logging("inference", cfg.log.level)
@@ -83,7 +83,7 @@ def _has_cuda_and_vllm() -> bool:
 def serve(opts: ServeOptions) -> None:
     """Load the model, listen, write the address file, serve until interrupted."""
     opts.validate()
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     model_path = resolve_model(opts.model_name)
     if opts.api_key:  # both backends read the key from the environment (vLLM: VLLM_API_KEY guards /v1)

@@ -383,7 +383,7 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     except restart.AlreadyComplete as done:
         print(done, flush=True)
         return 0
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     # Build a built-in tiny model once here, not in three processes at once.
     resolve_model(cfg.model.name or "")

@@ -190,14 +190,14 @@ def _read(path: Path, source: str) -> Arch | None:
 
 
 def _builtin(name: str) -> Arch | None:
-    from hpcrl.models import tiny
+    from hpcrl.models import resolve, tiny
     from hpcrl.models.names import BUILTIN_MODELS
 
     builtin = BUILTIN_MODELS.get(name)
     if builtin is None:
         return None
     preset = builtin.partition(":")[0]  # "preset:template"
-    built = tiny._cache_root() / "models" / name / "config.json"
+    built = resolve.cache_root() / "models" / name / "config.json"
     if built.exists():
         arch = _read(built, f"config.json of the built {name}")
         if arch is not None:
@@ -232,11 +232,11 @@ def local_config(name: str | None, cache_dir: str | None = None) -> dict[str, An
         return None
     if os.path.isdir(name):
         return _json(Path(name) / "config.json")
-    from hpcrl.models import tiny
+    from hpcrl.models import resolve
     from hpcrl.models.names import BUILTIN_MODELS
 
     if name in BUILTIN_MODELS:
-        return _json(tiny._cache_root() / "models" / name / "config.json")
+        return _json(resolve.cache_root() / "models" / name / "config.json")
     path = _cached_config(name, cache_dir)
     return None if path is None else _json(path)
 

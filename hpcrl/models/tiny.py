@@ -5,13 +5,12 @@ generated corpus trains the tokenizer (deterministically), a seeded init builds 
 result is saved as an ordinary Hugging Face directory that transformers and vLLM both load.
 
     build_tiny_model(out_dir, preset="tiny", seed=0, template="chatml") -> Path
-    resolve_model("hpcrl/tiny-qwen3") -> cached dir, built on first use (multi-process safe);
-    resolve_model("hpcrl/tiny-qwen3-think") -> the same model with Qwen3's chat template and added
-        tokens (<think>, <tool_call>, <tool_response>): the real `qwen3` renderer works with it
-    resolve_model("org/name") -> its Hugging Face cache snapshot (hpcrl.models.hub)
+    hpcrl.models.resolve.resolve_model("hpcrl/tiny-qwen3") builds one into the cache on first use;
+    "hpcrl/tiny-qwen3-think" is the same model with Qwen3's chat template and added tokens (<think>,
+    <tool_call>, <tool_response>): the real `qwen3` renderer works with it
     hpcrl make-tiny-model DIR [--preset tiny|small] [--seed N] [--template chatml|qwen3]  (main(argv))
 
-torch / transformers / tokenizers are imported inside the functions: `resolve_model` on a warm cache
+torch / transformers / tokenizers are imported inside the functions: resolving a name on a warm cache
 and the CLI's argument parsing stay light.
 """
 
@@ -19,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
-
-from hpcrl.models.names import BUILTIN_MODELS
 
 # Bump when the corpus, template or architecture changes: cached built-in models are rebuilt.
 KIT_VERSION = 1
@@ -315,58 +311,6 @@ def build_tiny_model(
         json.dumps({"kit_version": KIT_VERSION, "preset": preset, "seed": seed, "template": template})
     )
     return out
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("HPCRL_CACHE") or Path.home() / ".cache" / "hpcrl")
-
-
-def _is_current(path: Path) -> bool:
-    try:
-        stamp = json.loads((path / "hpcrl_tiny.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return stamp.get("kit_version") == KIT_VERSION and (path / "config.json").exists()
-
-
-def resolve_model(name: str, field: str = "model.name") -> str:
-    """Directory -> itself; built-in name -> cached build (made on first use); else a Hub id ->
-    its snapshot in the Hugging Face cache (hpcrl.models.hub; downloaded unless HF_HUB_OFFLINE=1).
-    An unusable name is a ConfigError naming ``field``."""
-    if os.path.isdir(name):
-        return name
-    builtin = BUILTIN_MODELS.get(name)
-    if builtin is None:
-        if not name:
-            from hpcrl.errors import ConfigError
-
-            raise ConfigError(field, "is not set (a Hub id, a local model directory or hpcrl/tiny-qwen3)")
-        from hpcrl.models.hub import resolve_hub
-
-        return resolve_hub(name, field=field)
-    import fcntl
-
-    models_dir = _cache_root() / "models"
-    target = models_dir / name
-    if _is_current(target):
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = models_dir / (name.replace("/", "__") + ".lock")
-    with open(lock_path, "w") as lock:
-        # Several processes (servers, trainer ranks) may start at once: one builds, the others wait
-        # and then see the finished directory. Build in a temp dir + rename so nobody sees half of it.
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if _is_current(target):
-                return str(target)
-            from hpcrl.fileio import atomic_dir
-
-            with atomic_dir(target) as tmp:  # replaces a stale build from an older kit version
-                preset, _, template = builtin.partition(":")
-                build_tiny_model(tmp, preset=preset, seed=0, template=template or "chatml")
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return str(target)
 
 
 def main(argv: list[str] | None = None) -> int:

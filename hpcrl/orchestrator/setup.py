@@ -387,7 +387,7 @@ def load_renderers(cfg: Config, tokenizer: Any) -> Any:
 def load_tokenizer(cfg: Config) -> Any:
     from transformers import AutoTokenizer
 
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     model = cfg.orchestrator.model or cfg.model
     return AutoTokenizer.from_pretrained(

@@ -74,7 +74,7 @@ def build_training(
     """Distributed init, model (sharded with FSDP2 when world > 1 or mixed precision), optimizer and
     scheduler. ``meta_init = False`` makes every rank read the whole model (the old path, kept for the
     memory benchmark's baseline)."""
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     env = parallel.dist_env()
     device = parallel.device_for(env.local_rank)

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from hpcrl.envs import load_environment
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

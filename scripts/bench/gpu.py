@@ -398,7 +398,7 @@ def largest(source: str, dev: torch.device, column: str, start: int, cap: int, r
 
 
 def part_long(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     path = resolve_model("hpcrl/tiny-qwen3-151k")
     lens = [1024, 2048] if quick else [1024, 4096, 16384, 32768, 65536]
@@ -426,7 +426,7 @@ def part_long(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
 
 def part_chunks(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     """Step time and peak memory by logprobs_chunk_tokens (0 = today's unchunked head)."""
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     path = resolve_model("hpcrl/tiny-qwen3-151k")
     rows = []

@@ -345,7 +345,7 @@ def main() -> int:
     if args.tensors and args.device != "cpu":
         ap.error("--tensors counts CPU tensors: on CUDA the cells already report max_memory_allocated")
     from hpcrl.models.chunked import CHUNK_MIB, chunk_rows
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     args.chunk = chunk_rows(args.chunk, VOCAB, CHUNK_MIB if args.chunk_mib is None else args.chunk_mib)
     model_dir = resolve_model("hpcrl/tiny-qwen3-151k")

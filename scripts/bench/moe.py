@@ -46,7 +46,7 @@ BATCH, SEQ = 8, 128
 
 
 def _model_dir(preset: str) -> Path:
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     return Path(resolve_model(f"hpcrl/{preset.replace('-moe', '')}-qwen3-moe"))
 

@@ -198,7 +198,7 @@ def test_moe_choices_carry_routing_in_the_shape_verifiers_reads(tmp_path_factory
     import numpy as np
 
     from hpcrl.inference.routed import completion_rows
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     srv = CliServer(Path(resolve_model("hpcrl/tiny-qwen3-moe")), tmp_path_factory.mktemp("generate_moe"))
     try:

@@ -85,7 +85,7 @@ def _files(model_dir: str, run_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     model_dir = resolve_model("hpcrl/tiny-qwen3-moe")
     run_dir = tmp_path_factory.mktemp("fuzz_run")

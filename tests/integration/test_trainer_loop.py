@@ -97,7 +97,7 @@ def test_trainer_process_trains_publishes_and_checkpoints(tmp_path: Path, tiny_m
     try:
         from safetensors.torch import load_file
 
-        from hpcrl.models.tiny import resolve_model  # noqa: F401  (model is a local dir here)
+        from hpcrl.models.resolve import resolve_model  # noqa: F401  (model is a local dir here)
         from hpcrl.weights.checksum import state_dict_checksum
 
         p0 = bus.wait_policy(0, timeout=120)

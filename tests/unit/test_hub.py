@@ -40,7 +40,7 @@ def test_unknown_hub_id_offline_is_one_line_naming_the_field(
 
 def test_invalid_name_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     with pytest.raises(
         ConfigError, match=r"model\.name: .*not a local directory|model\.name: .*valid Hub id"

@@ -257,9 +257,9 @@ def test_flash_attention_3_against_the_nodes_gpu_types():
 @pytest.mark.parametrize("name", sorted(__import__("hpcrl.models.names", fromlist=["x"]).BUILTIN_MODELS))
 def test_every_builtin_model_has_an_arch_before_it_is_built(name, tmp_path, monkeypatch):
     """The preset stands in for a model not built yet: MoE presets and 'preset:template' names too."""
-    from hpcrl.models import arch, tiny
+    from hpcrl.models import arch, resolve
 
-    monkeypatch.setattr(tiny, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(resolve, "cache_root", lambda: tmp_path)
     a = arch.find_arch(name)
     assert a is not None and a.layers >= 2
     assert a.moe == ("moe" in name)

@@ -75,13 +75,13 @@ def test_build_is_deterministic(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 def _resolve(name: str) -> str:
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     return resolve_model(name)
 
 
 def test_resolve_model(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     assert resolve_model(str(tiny_model_dir)) == str(tiny_model_dir)
     # Hub ids go through the Hugging Face cache: tests/unit/test_hub.py

@@ -110,7 +110,7 @@ def test_init_broadcaster_rpc_bounds_the_join():
 
 
 def test_moe_model_asks_vllm_for_routed_experts():
-    from hpcrl.models.tiny import resolve_model
+    from hpcrl.models.resolve import resolve_model
 
     moe, dense = resolve_model("hpcrl/tiny-qwen3-moe"), resolve_model("hpcrl/tiny-qwen3")
     assert "--enable-return-routed-experts" in vb.vllm_serve_argv(ServeOptions(model_name=moe), moe)
