@@ -88,6 +88,44 @@ class Rotary(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> Tensor:
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None and q.shape[2] > 1,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def _fa3(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> Tensor:
+    return flash_attention_3(q, k, v, pos)
+
+
+def _ring(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> Tensor:
+    """cp: this rank's time slice attends over the whole row (the micro-batch's cp context)."""
+    from hpcrl.models.ring_attention import current_context, ring_attention
+
+    ctx = current_context()
+    return ring_attention(q, k, v, segments=ctx.segments, positions=ctx.positions, group=ctx.group)
+
+
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> Tensor:
+    """cp: all-to-all over heads, then the whole row (the micro-batch's cp context)."""
+    from hpcrl.models.ring_attention import current_context
+    from hpcrl.models.ulysses import ulysses_attention
+
+    ctx = current_context()
+    return ulysses_attention(q, k, v, segments=ctx.segments, group=ctx.group)
+
+
+# The attention kernels of the custom model, chosen once when the model is built (set_attention).
+KERNELS = {"sdpa": _sdpa, "flash_attention_3": _fa3, "hpcrl_ring": _ring, "hpcrl_ulysses": _ulysses}
+
+
 def flash_attention_3(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
     """Varlen FA3 over one packed row ([1, heads, T, d]); samples start where positions restart at 0."""
     try:
@@ -119,6 +157,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.kernel = "sdpa"
+        self.attend = _sdpa  # set_attention chooses the kernel once, at build
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, pos: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -127,30 +166,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        if self.kernel == "flash_attention_3":
-            out = flash_attention_3(q, k, v, pos)
-        elif self.kernel == "hpcrl_ring":  # cp: this rank's time slice attends over the whole row
-            from hpcrl.models.ring_attention import current_context, ring_attention
-
-            ctx = current_context()
-            out = ring_attention(q, k, v, segments=ctx.segments, positions=ctx.positions, group=ctx.group)
-        elif self.kernel == "hpcrl_ulysses":  # cp: all-to-all over heads, then the whole row
-            from hpcrl.models.ring_attention import current_context
-            from hpcrl.models.ulysses import ulysses_attention
-
-            ctx = current_context()
-            out = ulysses_attention(q, k, v, segments=ctx.segments, group=ctx.group)
-        else:
-            if mask is not None and mask.dtype != torch.bool:
-                mask = mask.to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                is_causal=mask is None and t > 1,
-                enable_gqa=self.kv_heads != self.heads,
-            )
+        out = self.attend(q, k, v, mask, pos)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -217,10 +233,12 @@ class Qwen3ForTraining(nn.Module):
         self.set_attention(getattr(config, "_attn_implementation", None) or "sdpa")
 
     def set_attention(self, kernel: str) -> None:
-        assert kernel in ("sdpa", "flash_attention_3", "hpcrl_ring", "hpcrl_ulysses"), kernel
+        """Choose the attention kernel once, at build (hpcrl.models.custom): every layer calls it."""
+        assert kernel in KERNELS, kernel
         self.config._attn_implementation = kernel
         for layer in self.model.layers:
-            layer.self_attn.kernel = kernel
+            attn = layer.self_attn
+            attn.kernel, attn.attend = kernel, KERNELS[kernel]
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
