@@ -14,7 +14,8 @@ VPY="$WORK/venv/bin/python"
 "$VPY" -m pip install -q "torch==${HPCRL_TORCH_VERSION:-2.13.0}"
 # A copy of the source, installed non-editable: only what the wheel really ships is importable.
 mkdir "$WORK/src"
-tar -C "$REPO" --exclude=.venv --exclude=outputs --exclude=.git -cf - . | tar -C "$WORK/src" -xf -
+# Only the source: the venvs (.venv-vllm is 3.5 GB), caches and outputs stay behind.
+tar -C "$REPO" --exclude='./.venv*' --exclude=./.cache --exclude=./outputs --exclude=./.git -cf - . | tar -C "$WORK/src" -xf -
 "$VPY" -m pip install -q "$WORK/src"
 cd "$WORK"  # not the repo: `import hpcrl` must find the installed package
 HPCRL="$WORK/venv/bin/hpcrl"

@@ -15,7 +15,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==${HPCRL_TORCH_VERSION:-2.13.0}"
 fi
-if ! python -c "import hpcrl, pytest, verifiers, openai, peft, gepa" 2>/dev/null \
+if ! python -c "import hpcrl, pytest, xdist, verifiers, openai, peft, gepa" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.hpcrl-installed ]; then
   pip install -q -e '.[dev,verifiers]'
   touch .venv/.hpcrl-installed

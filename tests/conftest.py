@@ -136,3 +136,13 @@ def inference_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     server = InferenceServer(tiny_model_dir, tmp_path_factory.mktemp("inference_run"))
     yield server
     server.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (scripts/test.sh runs the suite on two workers), the tests that submit jobs
+    to the one local SLURM cluster run on one worker, one after another (`--dist loadgroup`)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
