@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 import re
 from collections.abc import Callable, Hashable, Sequence
@@ -159,3 +160,49 @@ def normalize_number(s: str) -> str:
     if value.is_integer():
         return str(int(value))
     return repr(round(value, 6))
+
+
+# ---------------------------------------------------------------------------------------------
+# The one load_environment shape of the built-ins
+# ---------------------------------------------------------------------------------------------
+def builtin_loader(
+    env_cls: Callable[..., Environment],
+    own: dict[str, Any],
+    *,
+    check: Callable[..., dict[str, Any] | None] | None = None,
+    num_examples: int = 5000,
+    num_eval_examples: int = 200,
+    num_val_examples: int = 64,
+    system_prompt: str | None | object = inspect.Parameter.empty,
+    doc: str = "",
+) -> Callable[..., Environment]:
+    """A built-in's `load_environment`: its own arguments (`own`, name -> default, in order) then the
+    arguments every generated env takes (split sizes, seed, `system_prompt` where the env has one,
+    `split`). `check(**args)` refuses bad values with a ValueError and may return values to use
+    instead (reverse-text's None lengths become its difficulty's). The function's signature is the
+    real one: the env registry checks hosted `args = {...}` against it."""
+    common: dict[str, Any] = {
+        "num_examples": num_examples,
+        "num_eval_examples": num_eval_examples,
+        "num_val_examples": num_val_examples,
+        "seed": 0,
+    }
+    if system_prompt is not inspect.Parameter.empty:
+        common["system_prompt"] = system_prompt
+    common["split"] = None
+    defaults = {**own, **common}
+    params = [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=v) for n, v in defaults.items()
+    ]
+
+    def load_environment(*args: Any, **kwargs: Any) -> Environment:
+        bound = load_environment.__signature__.bind(*args, **kwargs)  # type: ignore[attr-defined]
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        if check is not None:
+            values.update(check(**{k: values[k] for k in own}) or {})
+        return env_cls(**values)
+
+    load_environment.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    load_environment.__doc__ = doc
+    return load_environment

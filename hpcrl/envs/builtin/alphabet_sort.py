@@ -10,7 +10,13 @@ import re
 from typing import Any
 
 from hpcrl.envs.base import Message, Rubric, Task
-from hpcrl.envs.builtin._common import GeneratedEnvironment, chat_prompt, similarity, strip_think
+from hpcrl.envs.builtin._common import (
+    GeneratedEnvironment,
+    builtin_loader,
+    chat_prompt,
+    similarity,
+    strip_think,
+)
 
 SYSTEM_PROMPT = (
     "Sort names alphabetically. Each time you are given names, reply with ALL names given so far, "
@@ -173,20 +179,7 @@ class AlphabetSortEnv(GeneratedEnvironment):
         return [{"role": "user", "content": _user_text(batches[state["turn"]], False)}], False
 
 
-def load_environment(
-    min_turns: int = 1,
-    max_turns: int = 3,
-    min_names_per_turn: int = 1,
-    max_names_per_turn: int = 3,
-    num_examples: int = 5000,
-    num_eval_examples: int = 200,
-    num_val_examples: int = 64,
-    seed: int = 0,
-    system_prompt: str | None = SYSTEM_PROMPT,
-    split: str | None = None,
-) -> AlphabetSortEnv:
-    """Each task has between min_turns and max_turns user turns, each adding
-    min_names_per_turn..max_names_per_turn new (distinct) names."""
+def _check(min_turns: int, max_turns: int, min_names_per_turn: int, max_names_per_turn: int) -> None:
     if not 1 <= min_turns <= max_turns:
         raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns}, {max_turns}")
     if not 1 <= min_names_per_turn <= max_names_per_turn:
@@ -196,15 +189,13 @@ def load_environment(
         )
     if max_turns * max_names_per_turn > len(NAMES):
         raise ValueError(f"max_turns * max_names_per_turn must be <= {len(NAMES)} (the built-in name list)")
-    return AlphabetSortEnv(
-        min_turns=min_turns,
-        max_turns=max_turns,
-        min_names_per_turn=min_names_per_turn,
-        max_names_per_turn=max_names_per_turn,
-        system_prompt=system_prompt,
-        num_examples=num_examples,
-        num_eval_examples=num_eval_examples,
-        num_val_examples=num_val_examples,
-        seed=seed,
-        split=split,
-    )
+
+
+load_environment = builtin_loader(
+    AlphabetSortEnv,
+    {"min_turns": 1, "max_turns": 3, "min_names_per_turn": 1, "max_names_per_turn": 3},
+    check=_check,
+    system_prompt=SYSTEM_PROMPT,
+    doc="""Each task has between min_turns and max_turns user turns, each adding
+    min_names_per_turn..max_names_per_turn new (distinct) names.""",
+)

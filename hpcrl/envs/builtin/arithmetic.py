@@ -10,7 +10,13 @@ import random
 from typing import Any
 
 from hpcrl.envs.base import Message, Rubric, Task
-from hpcrl.envs.builtin._common import GeneratedEnvironment, chat_prompt, extract_number, last_assistant_text
+from hpcrl.envs.builtin._common import (
+    GeneratedEnvironment,
+    builtin_loader,
+    chat_prompt,
+    extract_number,
+    last_assistant_text,
+)
 
 SYSTEM_PROMPT = "Solve the problem. End your reply with the final answer as '#### <number>'."
 
@@ -82,31 +88,18 @@ class ArithmeticEnv(GeneratedEnvironment):
         return question, chat_prompt(question, self.system_prompt), str(answer), {"question": question}
 
 
-def load_environment(
-    difficulty: str = "medium",
-    max_number: int = 50,
-    format_weight: float = 0.0,
-    num_examples: int = 5000,
-    num_eval_examples: int = 200,
-    num_val_examples: int = 64,
-    seed: int = 0,
-    system_prompt: str | None = SYSTEM_PROMPT,
-    split: str | None = None,
-) -> ArithmeticEnv:
-    """difficulty: easy (+/-), medium (+, -, x), hard (two-step and division). format_weight adds
-    that much reward for using the '#### n' answer format (always reported as a metric)."""
+def _check(difficulty: str, max_number: int, format_weight: float) -> None:
     if difficulty not in TEMPLATES:
         raise ValueError(f"difficulty={difficulty!r} is not one of {', '.join(TEMPLATES)}")
     if max_number < 4:
         raise ValueError(f"max_number must be >= 4, got {max_number}")
-    return ArithmeticEnv(
-        difficulty=difficulty,
-        max_number=max_number,
-        format_weight=format_weight,
-        system_prompt=system_prompt,
-        num_examples=num_examples,
-        num_eval_examples=num_eval_examples,
-        num_val_examples=num_val_examples,
-        seed=seed,
-        split=split,
-    )
+
+
+load_environment = builtin_loader(
+    ArithmeticEnv,
+    {"difficulty": "medium", "max_number": 50, "format_weight": 0.0},
+    check=_check,
+    system_prompt=SYSTEM_PROMPT,
+    doc="""difficulty: easy (+/-), medium (+, -, x), hard (two-step and division). format_weight adds
+    that much reward for using the '#### n' answer format (always reported as a metric).""",
+)

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcrl.envs.base import Message, Rubric, Task
-from hpcrl.envs.builtin._common import GeneratedEnvironment, chat_prompt, extract_number, last_assistant_text
+from hpcrl.envs.builtin._common import (
+    GeneratedEnvironment,
+    builtin_loader,
+    chat_prompt,
+    extract_number,
+    last_assistant_text,
+)
 from hpcrl.envs.tools import ToolEnvironment
 
 SYSTEM_PROMPT = (
@@ -124,31 +130,18 @@ class CalculatorEnv(ToolEnvironment, GeneratedEnvironment):
         return expr, prompt, answer, {"expression": expr}
 
 
-def load_environment(
-    max_turns: int = 4,
-    max_operand: int = 999,
-    num_ops: int = 2,
-    num_examples: int = 5000,
-    num_eval_examples: int = 200,
-    num_val_examples: int = 64,
-    seed: int = 0,
-    system_prompt: str | None = SYSTEM_PROMPT,
-    split: str | None = None,
-) -> CalculatorEnv:
-    """Questions are `num_ops` operations over integers in [2, max_operand]; the model has up to
-    max_turns assistant turns (tool calls included) to answer."""
+def _check(max_turns: int, max_operand: int, num_ops: int) -> None:
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if max_operand < 2 or num_ops < 1:
         raise ValueError(f"need max_operand >= 2 and num_ops >= 1, got {max_operand}, {num_ops}")
-    return CalculatorEnv(
-        max_turns=max_turns,
-        max_operand=max_operand,
-        num_ops=num_ops,
-        system_prompt=system_prompt,
-        num_examples=num_examples,
-        num_eval_examples=num_eval_examples,
-        num_val_examples=num_val_examples,
-        seed=seed,
-        split=split,
-    )
+
+
+load_environment = builtin_loader(
+    CalculatorEnv,
+    {"max_turns": 4, "max_operand": 999, "num_ops": 2},
+    check=_check,
+    system_prompt=SYSTEM_PROMPT,
+    doc="""Questions are `num_ops` operations over integers in [2, max_operand]; the model has up to
+    max_turns assistant turns (tool calls included) to answer.""",
+)

@@ -14,6 +14,7 @@ from typing import Any
 from hpcrl.envs.base import Message, Rubric, Task
 from hpcrl.envs.builtin._common import (
     GeneratedEnvironment,
+    builtin_loader,
     chat_prompt,
     last_assistant_text,
     similarity,
@@ -100,20 +101,8 @@ class ReverseTextEnv(GeneratedEnvironment):
         return text, prompt, reversed_text(text), {"text": text}
 
 
-def load_environment(
-    min_len: int | None = None,
-    max_len: int | None = None,
-    difficulty: str = "easy",
-    num_examples: int = 10000,
-    num_eval_examples: int = 200,
-    num_val_examples: int = 64,
-    seed: int = 0,
-    system_prompt: str | None = SYSTEM_PROMPT,
-    split: str | None = None,
-) -> ReverseTextEnv:
-    """min_len/max_len: length in characters (words for difficulty='hard'); None = the
-    difficulty's default. difficulty: easy (3-6 letters), medium (6-12 letters/digits),
-    hard (2-5 words)."""
+def _lengths(min_len: int | None, max_len: int | None, difficulty: str) -> dict[str, int]:
+    """None lengths become the difficulty's own."""
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"difficulty={difficulty!r} is not one of {', '.join(DIFFICULTIES)}")
     spec = DIFFICULTIES[difficulty]
@@ -121,14 +110,16 @@ def load_environment(
     hi = spec["max_len"] if max_len is None else max_len
     if not 1 <= lo <= hi:
         raise ValueError(f"need 1 <= min_len <= max_len, got min_len={lo} max_len={hi}")
-    return ReverseTextEnv(
-        min_len=lo,
-        max_len=hi,
-        difficulty=difficulty,
-        system_prompt=system_prompt,
-        num_examples=num_examples,
-        num_eval_examples=num_eval_examples,
-        num_val_examples=num_val_examples,
-        seed=seed,
-        split=split,
-    )
+    return {"min_len": lo, "max_len": hi}
+
+
+load_environment = builtin_loader(
+    ReverseTextEnv,
+    {"min_len": None, "max_len": None, "difficulty": "easy"},
+    check=_lengths,
+    num_examples=10000,
+    system_prompt=SYSTEM_PROMPT,
+    doc="""min_len/max_len: length in characters (words for difficulty='hard'); None = the
+    difficulty's default. difficulty: easy (3-6 letters), medium (6-12 letters/digits),
+    hard (2-5 words).""",
+)

@@ -9,33 +9,23 @@ SFT data, RL rollouts and eval then come from the same task distribution by cons
 
 from __future__ import annotations
 
-from hpcrl.envs.builtin.reverse_text import ReverseTextEnv
-from hpcrl.envs.builtin.reverse_text import load_environment as load_reverse_text
+from hpcrl.envs.builtin._common import builtin_loader
+from hpcrl.envs.builtin.reverse_text import ReverseTextEnv, _lengths
 
 DEMO_MIN_LEN = 3
 DEMO_MAX_LEN = 5
 
 
-def load_environment(
-    min_len: int = DEMO_MIN_LEN,
-    max_len: int = DEMO_MAX_LEN,
-    num_examples: int = 10000,
-    num_eval_examples: int = 200,
-    num_val_examples: int = 64,
-    seed: int = 0,
-    system_prompt: str | None = None,
-    split: str | None = None,
-) -> ReverseTextEnv:
-    """reverse-text (difficulty easy: lowercase letters) with demo defaults: min_len=3, max_len=5,
-    system_prompt=None. Every argument can still be overridden."""
-    return load_reverse_text(
-        min_len=min_len,
-        max_len=max_len,
-        difficulty="easy",
-        num_examples=num_examples,
-        num_eval_examples=num_eval_examples,
-        num_val_examples=num_val_examples,
-        seed=seed,
-        system_prompt=system_prompt,
-        split=split,
-    )
+def _easy(min_len: int, max_len: int) -> dict[str, object]:
+    return {"difficulty": "easy", **_lengths(min_len, max_len, "easy")}
+
+
+load_environment = builtin_loader(
+    ReverseTextEnv,
+    {"min_len": DEMO_MIN_LEN, "max_len": DEMO_MAX_LEN},
+    check=_easy,
+    num_examples=10000,
+    system_prompt=None,
+    doc="""reverse-text (difficulty easy: lowercase letters) with demo defaults: min_len=3, max_len=5,
+    system_prompt=None. Every argument can still be overridden.""",
+)

@@ -21,7 +21,12 @@ import random
 from typing import Any
 
 from hpcrl.envs.base import Message, Rubric, Task, Trajectory
-from hpcrl.envs.builtin._common import GeneratedEnvironment, extract_number, last_assistant_text
+from hpcrl.envs.builtin._common import (
+    GeneratedEnvironment,
+    builtin_loader,
+    extract_number,
+    last_assistant_text,
+)
 from hpcrl.envs.builtin.calculator import calculate
 from hpcrl.envs.tools import ToolEnvironment, parse_tool_calls
 
@@ -149,28 +154,19 @@ def sft_rows(env: ToolThinkEnv, n: int, split: str = "train") -> list[dict[str, 
     return rows
 
 
-def load_environment(
-    turns: int = 3,
-    max_operand: int = 20,
-    follow_up: bool = False,
-    num_examples: int = 2000,
-    num_eval_examples: int = 64,
-    num_val_examples: int = 32,
-    seed: int = 0,
-    split: str | None = None,
-) -> ToolThinkEnv:
-    """`turns` (>= 3) assistant turns per rollout; questions `a * b - c` with operands up to max_operand.
-    `follow_up`: the last turn answers a new user question instead of a tool result (under Qwen3's
-    default thinking retention the bridge declines there: the turn is re-rendered, a new sample)."""
+def _check(turns: int, max_operand: int, follow_up: bool) -> None:
     if turns < 3:
         raise ValueError(f"turns must be >= 3 (a multi-turn tool conversation), got {turns}")
-    return ToolThinkEnv(
-        turns=turns,
-        max_operand=max_operand,
-        follow_up=follow_up,
-        num_examples=num_examples,
-        num_eval_examples=num_eval_examples,
-        num_val_examples=num_val_examples,
-        seed=seed,
-        split=split,
-    )
+
+
+load_environment = builtin_loader(
+    ToolThinkEnv,
+    {"turns": 3, "max_operand": 20, "follow_up": False},
+    check=_check,
+    num_examples=2000,
+    num_eval_examples=64,
+    num_val_examples=32,
+    doc="""`turns` (>= 3) assistant turns per rollout; questions `a * b - c` with operands up to max_operand.
+    `follow_up`: the last turn answers a new user question instead of a tool result (under Qwen3's
+    default thinking retention the bridge declines there: the turn is re-rendered, a new sample).""",
+)
