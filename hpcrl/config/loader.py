@@ -439,6 +439,7 @@ def load(
 
         if isinstance(cfg, Config):
             flow_shared(cfg)
+            prime_names.default_eval_envs(cfg, notes)
             _load_env_files(cfg)
             validate(cfg, require_envs=require_envs)
             prime_names.check_thinking(cfg.orchestrator.train.sampling, "orchestrator.train.sampling")

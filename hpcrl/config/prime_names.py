@@ -120,3 +120,16 @@ def check_thinking(sampling: Any, path: str) -> None:
             "excludes enable_thinking (set one: enable_thinking for Qwen3.5 / Nemotron, "
             "reasoning_effort for GPT-OSS)",
         )
+
+
+def default_eval_envs(cfg: Any, notes: list[str]) -> None:
+    """`[eval]` without `[[eval.env]]` evaluates the training envs (seed 002: `[[eval.env]]` tables are
+    per-env overrides; the defaults are the envs being trained), said in a note."""
+    import msgspec
+
+    ev = cfg.orchestrator.eval
+    if ev is None or ev.env or not cfg.orchestrator.train.env:
+        return
+    ev.env = [msgspec.structs.replace(e) for e in cfg.orchestrator.train.env]
+    names = ", ".join(e.name or e.id for e in ev.env)
+    notes.append(f"[eval] has no [[eval.env]]: evaluating the training env(s) {names}")

@@ -112,6 +112,8 @@ class LossOutput:
 
     loss: Tensor
     stats: dict[str, Tensor]
+    # [T] detached per-token mismatch KL (0 off the loss mask); RL only: per-env / std / max metrics
+    token_kl: Tensor | None = None
 
 
 # Keys of LossOutput.stats, in a fixed order so the loop can stack them into one tensor to all-reduce.
@@ -296,7 +298,8 @@ def compute_loss(
         stats["neg_tokens"] = neg.sum().to(f32)
         stats["pos_masked"] = (token_bad & pos).sum().to(f32)
         stats["neg_masked"] = (token_bad & neg).sum().to(f32)
-    return LossOutput(loss=loss, stats=stats)
+        token_kl = masked_where(loss_mask, torch.expm1(lr_d) - lr_d).to(f32)
+    return LossOutput(loss=loss, stats=stats, token_kl=token_kl)
 
 
 def add_stats(total: dict[str, Tensor] | None, new: dict[str, Tensor]) -> dict[str, Tensor]:

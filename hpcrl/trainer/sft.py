@@ -27,6 +27,7 @@ from hpcrl.config.schema import SFTConfig
 from hpcrl.launch import sft_ranks
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
+from hpcrl.monitor.wandb_sink import start_wandb_sink
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer import sft_data as sd
@@ -43,6 +44,7 @@ from hpcrl.trainer.core import (
 )
 from hpcrl.trainer.loss import LossParams
 from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, split_micro_batches
+from hpcrl.trainer.perf import count_params, perf_metrics
 from hpcrl.trainer.setup import Training, build_training
 
 log = logging.getLogger("hpcrl.trainer")
@@ -86,8 +88,10 @@ def train(cfg: SFTConfig) -> int:
         cfg.max_steps,
         world,
     )
-    metrics = Metrics(paths, "trainer", enabled=rank == 0)
+    metrics = Metrics.for_run(cfg, paths, "trainer", enabled=rank == 0)
+    sink = start_wandb_sink(cfg, paths, "trainer") if rank == 0 else None  # --wandb: one W&B run
     params = LossParams(mode="sft")
+    num_params = count_params(tr.model)
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         batch = data.next_batch(share[0], share[1], tr.device, copies=share[2])
@@ -110,7 +114,8 @@ def train(cfg: SFTConfig) -> int:
         ckpt.maybe_save_adapter(step)
         m = metrics.log(
             step,
-            step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt, time.perf_counter() - t_step),
+            step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt, time.perf_counter() - t_step)
+            | perf_metrics(out.tokens / max(out.time_fb, 1e-9), world, num_params, cfg.peak_tflops),
         )
         log_console(cfg, rank, step, m, val_loss)
         if stopping:
@@ -123,6 +128,8 @@ def train(cfg: SFTConfig) -> int:
             break
     ckpt.close()
     metrics.close()
+    if sink is not None:
+        sink.close(wait_for_step=progress.step)
     parallel.destroy_distributed()
     return 0
 
@@ -369,6 +376,8 @@ def step_metrics(
         "data/dropped": t["dropped"],
         "data/packing_waste": batch.packing_waste,
         "loss_tokens": t["loss_tokens"],
+        "optim/zero_grad_ratio": out.zero_grad_ratio,
+        **out.moe,  # MoE: also logged as seed 001's max_vio/mean, routing_confidence/mean (aliases)
     }
     if val_loss is not None:
         m["val/loss"], m["time/val"] = val_loss, t_val

@@ -77,6 +77,10 @@ class SFTConfig(Section):
     val: SFTValConfig = msgspec.field(default_factory=SFTValConfig)
     optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-3))
     micro_batch_tokens: Annotated[int, D("Tokens per micro-batch.", ge=8)] = 4096
+    peak_tflops: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("Peak TFLOP/s of one device, for perf/mfu (unset: from the GPU's name; on CPU no perf/mfu)."),
+    ] = None
     deployment: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
     ckpt: Annotated[CkptConfig | None, D("Checkpointing.")] = None
     wandb: Annotated[WandbConfig | None, D("Weights & Biases.")] = None

@@ -88,6 +88,10 @@ class TrainerConfig(Section):
     ] = True
     batch_timeout_s: Annotated[float, D("Seconds to wait for a rollout batch before failing.", gt=0)] = 1800.0
     seed: Annotated[int, D("Trainer RNG seed.")] = 0
+    peak_tflops: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("Peak TFLOP/s of one device, for perf/mfu (unset: from the GPU's name; on CPU no perf/mfu)."),
+    ] = None
     log: Annotated[LogConfig | None, D("Trainer log overrides.")] = None
     wandb: Annotated[
         RoleWandbConfig | None, D("Trainer W&B overrides (log_extras); needs W&B on ([wandb] or --wandb).")
