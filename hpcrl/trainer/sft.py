@@ -212,6 +212,7 @@ class SFTData:
     seq_len: int
     micro_tokens: int
     batch_size: int
+    batch_unit: str = "samples"  # data.batch_unit: what batch_size counts
     template_defaults: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     renderer: Any = None  # hpcrl.render.client.Renderers for a typed [renderer]; None: the template
@@ -250,6 +251,7 @@ class SFTData:
             cfg.data.seq_len or cfg.seq_len,
             cfg.micro_batch_tokens,
             cfg.data.batch_size,
+            cfg.data.batch_unit,
             {k: v for k, v in switches.items() if v is not None},
         )
 
@@ -267,11 +269,26 @@ class SFTData:
     def next_batch(self, rank: int, world: int, device: torch.device, copies: int = 1) -> StepBatch:
         """Share ``rank`` of ``world`` of the next batch_size rows; ``copies``: ranks reading each
         share (cp), whose rank-summed totals count it that many times."""
+        if self.batch_unit == "tokens":
+            return self._batch(self._token_budget_rows()[rank::world], device, copies)
         idx = self.cursor.take(self.batch_size)
         mine = [
             self.sample(self.train, int(i), f"{self.train.source} row {int(i)}") for i in idx[rank::world]
         ]
         return self._batch(mine, device, copies)
+
+    def _token_budget_rows(self) -> list[sd.TokenizedSample]:
+        """data.batch_unit = tokens: the next rows until their tokens (after truncation to seq_len)
+        reach batch_size, at least one. Every rank tokenizes every row of the step (the same rows in
+        the same order, so they agree on where the step ends and the cursor stays one)."""
+        out: list[sd.TokenizedSample] = []
+        tokens = 0
+        while tokens < self.batch_size:
+            i = int(self.cursor.take(1)[0])
+            s = self.sample(self.train, i, f"{self.train.source} row {i}")
+            out.append(s)
+            tokens += len(s)
+        return out
 
     def val_batch(self, rank: int, world: int, device: torch.device, copies: int = 1) -> StepBatch:
         if self._val_cache is None:  # the validation set is fixed: tokenize it once

@@ -1,5 +1,6 @@
 """`hpcrl sft ... --wandb --wandb.offline` (seed 001's launch line) leaves an offline W&B run holding the
-SFT loss, even with HPCRL_WANDB_WRITER=trainer set for RL runs; and the seed's SFT metric names."""
+SFT loss, even with HPCRL_WANDB_WRITER=trainer set for RL runs; the seed's SFT metric names
+(tests/seed_names.toml, when = sft-cpu); data.batch_size in tokens (data.batch_unit = tokens)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hpcrl.monitor.metrics import read_metrics  # noqa: E402
 from hpcrl.monitor.wandb_offline import read_offline_run  # noqa: E402
 from hpcrl.paths import RunPaths  # noqa: E402
 from tests.integration.test_sft import run_sft, write_config  # noqa: E402
+from tests.unit.test_seed_names import sft_cpu_metric_names  # noqa: E402
 
 
 def test_sft_logs_its_loss_to_an_offline_wandb_run(
@@ -31,13 +33,18 @@ def test_sft_logs_its_loss_to_an_offline_wandb_run(
     cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, data, tmp_path / "run")
     run = tmp_path / "run"
     run_sft(
-        str(cfg), "--max-steps", "2", "--no-ckpt", "--wandb", "--wandb.offline", "--wandb.project", "sft-t"
+        str(cfg),
+        *("--max-steps", "2", "--no-ckpt", "--wandb", "--wandb.offline", "--wandb.project", "sft-t"),
+        *("--data.batch-unit", "tokens", "--data.batch-size", "200"),  # seed 001: tokens per step
     )
 
     records = {r["step"]: r for r in read_metrics(RunPaths(run).metrics_file)}
     assert sorted(records) == [1, 2]
+    # rows are taken until their tokens reach 200: at most one row (<= seq_len 64 tokens) more
+    assert 200 <= records[1]["progress/num_tokens"] < 264
+    assert 400 <= records[2]["progress/num_tokens"] < 528
     last = records[2]
-    for name in ("loss/mean", "optim/zero_grad_ratio", "perf/throughput_per_gpu", "progress/num_tokens"):
+    for name in sft_cpu_metric_names():
         assert name in last, name
     assert 0.0 <= last["optim/zero_grad_ratio"] < 1.0
     # one rank on CPU: per GPU (rank) = overall; no peak FLOP/s known on CPU, so no MFU

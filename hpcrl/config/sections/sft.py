@@ -17,7 +17,21 @@ from hpcrl.config.sections.trainer import OptimConfig
 class SFTDataConfig(Section):
     name: Annotated[str, D("Local jsonl/parquet file, a directory of them, or a saved HF datasets dir.")] = ""
     split: Annotated[str, D("Split for saved dataset dicts.")] = "train"
-    batch_size: Annotated[int, D("Samples per optimizer step.", ge=1)] = 32
+    batch_size: Annotated[
+        int,
+        D(
+            "Per optimizer step: samples (data.batch_unit = samples, the default), or tokens "
+            "(batch_unit = tokens: prime-rl's meaning, rows packed up to this many tokens).",
+            ge=1,
+        ),
+    ] = 32
+    batch_unit: Annotated[
+        Literal["samples", "tokens"],
+        D(
+            "What data.batch_size counts: samples (rows per step) or tokens (rows are taken in order "
+            "until their tokens reach batch_size; prime-rl's 'tokens per trainer step (packed)')."
+        ),
+    ] = "samples"
     seq_len: Annotated[
         Annotated[int, Meta(ge=8)] | None, D("Packed row length (default: top-level seq_len).")
     ] = None

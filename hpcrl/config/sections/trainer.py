@@ -42,6 +42,14 @@ class LossConfig(Section):
         20.0
     )
     kl_coef: Annotated[float, D("Coefficient of the KL penalty term (0 = off).", ge=0)] = 0.0
+    entropy_coef: Annotated[
+        float,
+        D(
+            "Entropy bonus (rl mode): coef * -log p(token) is added to each token's advantage, whose "
+            "policy gradient is coef * the entropy's gradient in expectation (0 = off).",
+            ge=0,
+        ),
+    ] = 0.0
     kl_estimator: Annotated[Literal["k1", "k3"], D("KL estimator for the penalty.")] = "k3"
 
 
