@@ -131,7 +131,8 @@ def print_sft_summary(loaded: Loaded) -> None:
     lines = [
         "hpcrl sft: dry run OK",
         f"model:        {_model(cfg.model)}",
-        f"data:         {cfg.data.name} (batch {cfg.data.batch_size}, seq_len {cfg.data.seq_len or cfg.seq_len})",
+        f"data:         {cfg.data.name} (batch {cfg.data.batch_size} {cfg.data.batch_unit}, "
+        f"seq_len {cfg.data.seq_len or cfg.seq_len})",
         f"steps:        {cfg.max_steps} (lr {cfg.optim.lr:g}, loss on {mask} turns)",
         f"validation:   {val}",
         "precision:    "
