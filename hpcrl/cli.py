@@ -138,8 +138,9 @@ def _load(argv: list[str], root_name: str = "Config", require_envs: bool = True,
 def cmd_run(argv: list[str]) -> int:
     dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
     loaded = _load(argv)
-    from hpcrl.launch import prepare
+    from hpcrl.launch import prepare, run_checks
 
+    loaded.notes.extend(run_checks.run_notes(loaded.config))
     placement = prepare.local_plan(loaded)
     memory: list[str] = []
     if placement.uses_gpus:  # on GPUs: the per-GPU memory plan, refused when it cannot fit
@@ -154,7 +155,10 @@ def cmd_run(argv: list[str]) -> int:
 
         runtimes_can_start(loaded.config)
         notes = dry_run_check(loaded.config)
-        prepare.print_summary(loaded, placement, "run (this machine)", memory)
+        resume = run_checks.resume_line(loaded.config)  # --ckpt.resume-step: the checkpoint must be there
+        prepare.print_summary(
+            loaded, placement, "run (this machine)", [*([resume] if resume else []), *memory]
+        )
         for note in notes:
             print(note)
         return 0
