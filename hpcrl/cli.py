@@ -6,6 +6,7 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -176,6 +177,10 @@ def cmd_submit(argv: list[str]) -> int:
             argv += [f"--slurm.{flag[2:]}", str(v)]
     if "--slurm" not in argv and not any(a.startswith("--slurm.") for a in argv):
         argv.append("--slurm")
+    from hpcrl.launch.sft_submit import is_sft_argv, submit_sft
+
+    if is_sft_argv(argv):  # an SFT config (a [data] table): the same SLURM path, one component
+        return submit_sft(_load(argv, "SFTConfig"), nodes=nodes, dry_run=dry)
     loaded = _load(argv)
     if loaded.config.slurm is None:
         from hpcrl.config.schema import SlurmConfig
@@ -234,6 +239,9 @@ def cmd_inference(argv: list[str]) -> int:
 def cmd_sft(argv: list[str]) -> int:
     dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
     loaded = _load(argv, "SFTConfig")
+    from hpcrl.launch.sft_submit import local_notes
+
+    loaded.notes.extend(local_notes(loaded.config))  # [slurm] / num_train_nodes: for `hpcrl submit`
     if dry:
         from hpcrl.launch import prepare
         from hpcrl.render.select import dry_run_check
@@ -247,6 +255,8 @@ def cmd_sft(argv: list[str]) -> int:
     from hpcrl.trainer import parallel
     from hpcrl.trainer.sft import main
 
+    for note in loaded.notes if "RANK" not in os.environ else []:
+        print(f"hpcrl sft: note: {note}", flush=True)
     rc = main(loaded.config)
     if parallel.ran_distributed():  # a rank (not the launcher of several ranks): see hard_exit
         parallel.hard_exit(rc)

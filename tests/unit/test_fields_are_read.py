@@ -96,6 +96,8 @@ NOT_KEYS = {"wandb.init", "wandb.teardown", "model.generate", "trainer.py", "inf
 def _documented() -> list[str]:
     keys = set()
     for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        if doc.name == "config.md":  # generated from every root's schema itself (test_config_docs)
+            continue
         text = doc.read_text()
         for m in DOC_KEY.finditer(text):
             key = m.group(1).replace("-", "_").rstrip(".")

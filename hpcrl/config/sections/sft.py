@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import CkptConfig, LogConfig, RendererConfig, WandbConfig
-from hpcrl.config.sections.deployment import DeploymentConfig
+from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
 from hpcrl.config.sections.model import TrainerModelConfig
 from hpcrl.config.sections.trainer import OptimConfig
 
@@ -97,5 +97,9 @@ class SFTConfig(Section):
     ] = None
     deployment: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
     ckpt: Annotated[CkptConfig | None, D("Checkpointing.")] = None
+    slurm: Annotated[
+        SlurmConfig | None,
+        D("SLURM settings for `hpcrl submit` of this SFT config (nodes: deployment.num_train_nodes)."),
+    ] = None
     wandb: Annotated[WandbConfig | None, D("Weights & Biases.")] = None
     log: LogConfig = msgspec.field(default_factory=LogConfig)
