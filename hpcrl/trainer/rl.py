@@ -47,6 +47,7 @@ from hpcrl.trainer.packing import (
 )
 from hpcrl.trainer.perf import count_params, perf_metrics
 from hpcrl.trainer.publish import PolicyPublisher
+from hpcrl.trainer.samples import trainer_sample_rows
 from hpcrl.trainer.setup import Training, build_training, loss_params
 
 log = logging.getLogger("hpcrl.trainer")
@@ -95,6 +96,8 @@ def main(cfg: Config) -> int:
             share_prefix=cfg.trainer.share_prefix,
             env_names=env_names,
         )
+        if metrics.samples_due(step):  # trainer.wandb.log_extras.samples: what rank 0 trained
+            metrics.log_samples(step, trainer_sample_rows(batch, tr.tokenizer, step))
         t_pub = publisher.publish(tr.model, step)
         if tr.dist.rank == 0:
             bus.cleanup(before_step=step, keep=2)  # every rank has read its shard of `step` by now

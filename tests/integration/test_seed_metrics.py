@@ -4,6 +4,7 @@ included; seed 004's self-hosted example passes `hpcrl run --dry-run` and says h
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +36,10 @@ eval_base_model = false
 
 
 def _hpcrl(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOME": str(cwd)}
+    env |= {"WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    for var in ("WANDB_API_KEY", "WANDB_DIR", "HPCRL_WANDB_WRITER"):
+        env.pop(var, None)
     return subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", *args],
         cwd=cwd,
@@ -51,7 +55,11 @@ def test_demo_rl_run_logs_every_seed_metric_name(tiny_model_dir: Path, tmp_path:
     cfg = tmp_path / "hosted.toml"
     cfg.write_text(HOSTED_WITH_EVAL.format(model=tiny_model_dir))
     out = tmp_path / "run"
-    proc = _hpcrl("run", str(cfg), "--output-dir", str(out), cwd=tmp_path, timeout=280)
+    extras = (  # per-role log extras do what they say: trainer tables at half the rows, none from the orchestrator
+        *("--wandb", "--wandb.offline", "--wandb.log-extras.interval", "1"),
+        *("--trainer.wandb.log-extras.sample-ratio", "0.5", "--no-orchestrator.wandb.log-extras.samples"),
+    )
+    proc = _hpcrl("run", str(cfg), "--output-dir", str(out), *extras, cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[eval] has no [[eval.env]]: evaluating the training env(s) reverse-text" in proc.stdout
     records = read_metrics(RunPaths(out).metrics_file)
@@ -68,6 +76,13 @@ def test_demo_rl_run_logs_every_seed_metric_name(tiny_model_dir: Path, tmp_path:
     orch = [r for r in records if r["role"] == "orchestrator" and "reward/all/mean" in r]
     assert orch and all(r["time/wait_for_ckpt"] == r["time/wait_for_policy"] for r in orch)
     assert "perf/mfu" not in set().union(*map(set, trainer))  # CPU, no configured peak
+    paths = RunPaths(out)
+    for step in (1, 2):  # 8 rollouts on the one rank, sample_ratio 0.5: 4 rows
+        rows = paths.samples_file(step, "trainer").read_text().splitlines()
+        assert len(rows) == 4, rows
+        assert not paths.samples_file(step, "orchestrator").exists()
+    row = json.loads(rows[0])
+    assert row["env"] == "reverse-text" and row["completion"] and {"reward", "advantage"} <= set(row)
 
 
 def test_seed004_self_hosted_example_dry_run(tmp_path: Path) -> None:
