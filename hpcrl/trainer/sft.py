@@ -201,6 +201,7 @@ class StepBatch:
     micro_batches: list[PackedBatch]
     totals: dict[str, int]  # summed over ranks: loss_tokens, tokens, samples, truncated, dropped
     packing_waste: float  # this rank's rows if padded to seq_len (we never pad; see docs/trainer.md)
+    subset_ratios: dict[str, float] = field(default_factory=dict)  # progress/<subset>/ratio_*
 
 
 @dataclass
@@ -270,23 +271,25 @@ class SFTData:
         """Share ``rank`` of ``world`` of the next batch_size rows; ``copies``: ranks reading each
         share (cp), whose rank-summed totals count it that many times."""
         if self.batch_unit == "tokens":
-            return self._batch(self._token_budget_rows()[rank::world], device, copies)
+            rows = self._token_budget_rows()[rank::world]
+            mine = [s for _, s in rows]
+            return self._batch(mine, device, copies, [self.train.subset_of(i) for i, _ in rows])
         idx = self.cursor.take(self.batch_size)
         mine = [
             self.sample(self.train, int(i), f"{self.train.source} row {int(i)}") for i in idx[rank::world]
         ]
-        return self._batch(mine, device, copies)
+        return self._batch(mine, device, copies, [self.train.subset_of(int(i)) for i in idx[rank::world]])
 
-    def _token_budget_rows(self) -> list[sd.TokenizedSample]:
+    def _token_budget_rows(self) -> list[tuple[int, sd.TokenizedSample]]:
         """data.batch_unit = tokens: the next rows until their tokens (after truncation to seq_len)
         reach batch_size, at least one. Every rank tokenizes every row of the step (the same rows in
         the same order, so they agree on where the step ends and the cursor stays one)."""
-        out: list[sd.TokenizedSample] = []
+        out: list[tuple[int, sd.TokenizedSample]] = []
         tokens = 0
         while tokens < self.batch_size:
             i = int(self.cursor.take(1)[0])
             s = self.sample(self.train, i, f"{self.train.source} row {i}")
-            out.append(s)
+            out.append((i, s))
             tokens += len(s)
         return out
 
@@ -298,7 +301,13 @@ class SFTData:
             ]
         return self._batch(self._val_cache, device, copies)
 
-    def _batch(self, samples: list[sd.TokenizedSample], device: torch.device, copies: int = 1) -> StepBatch:
+    def _batch(
+        self,
+        samples: list[sd.TokenizedSample],
+        device: torch.device,
+        copies: int = 1,
+        subsets: list[int] | None = None,
+    ) -> StepBatch:
         kept = [s for s in samples if s.loss_mask.any()]  # nothing to learn (e.g. truncated away)
         mbs, waste = micro_batches_for(kept, self.seq_len, self.micro_tokens, device)
         local = [
@@ -310,7 +319,28 @@ class SFTData:
         ]
         summed = parallel.all_reduce(torch.tensor(local, dtype=torch.float64))
         keys = ("loss_tokens", "tokens", "samples", "truncated", "dropped")
-        return StepBatch(mbs, {k: int(v) // copies for k, v in zip(keys, summed.tolist())}, waste)
+        totals = {k: int(v) // copies for k, v in zip(keys, summed.tolist())}
+        return StepBatch(mbs, totals, waste, self._subset_ratios(samples, subsets, totals))
+
+    def _subset_ratios(
+        self, samples: list[sd.TokenizedSample], subsets: list[int] | None, totals: dict[str, int]
+    ) -> dict[str, float]:
+        """Collective when the data has subsets: progress/<subset>/ratio_{samples,tokens}, this
+        step's share of each subset among the trained samples and their tokens."""
+        names = self.train.subsets[0] if self.train.subsets is not None else None
+        if names is None or subsets is None:
+            return {}
+        counts = torch.zeros(len(names), 2, dtype=torch.float64)
+        for s, k in zip(samples, subsets):
+            if s.loss_mask.any() and k >= 0:
+                counts[k] += torch.tensor([1.0, float(len(s))], dtype=torch.float64)
+        counts = parallel.all_reduce(counts)
+        n, t = max(float(counts[:, 0].sum()), 1.0), max(float(counts[:, 1].sum()), 1.0)
+        out = {}
+        for name, (ns, nt) in zip(names, counts.tolist()):
+            out[f"progress/{name}/ratio_samples"] = ns / n
+            out[f"progress/{name}/ratio_tokens"] = nt / t
+        return out
 
 
 def micro_batches_for(
@@ -394,6 +424,7 @@ def step_metrics(
         "data/packing_waste": batch.packing_waste,
         "loss_tokens": t["loss_tokens"],
         "optim/zero_grad_ratio": out.zero_grad_ratio,
+        **batch.subset_ratios,
         **out.moe,  # MoE: also logged as seed 001's max_vio/mean, routing_confidence/mean (aliases)
     }
     if val_loss is not None:

@@ -29,7 +29,9 @@ def test_sft_logs_its_loss_to_an_offline_wandb_run(
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("HPCRL_WANDB_WRITER", "trainer")
-    data, _ = make_demo(tmp_path / "data" / "train.jsonl", "reverse-text", n=40, seed=0)
+    data = tmp_path / "data"  # two subsets (files): their realized mixing ratios are logged
+    make_demo(data / "a.jsonl", "reverse-text", n=30, seed=0)
+    make_demo(data / "b.jsonl", "reverse-text", n=10, seed=1)
     cfg = write_config(tmp_path / "sft.toml", tiny_model_dir, data, tmp_path / "run")
     run = tmp_path / "run"
     run_sft(
@@ -44,8 +46,12 @@ def test_sft_logs_its_loss_to_an_offline_wandb_run(
     assert 200 <= records[1]["progress/num_tokens"] < 264
     assert 400 <= records[2]["progress/num_tokens"] < 528
     last = records[2]
-    for name in sft_cpu_metric_names():
+    for name in sft_cpu_metric_names("a") | sft_cpu_metric_names("b"):
         assert name in last, name
+    for r in records.values():
+        for kind in ("samples", "tokens"):
+            a, b = r[f"progress/a/ratio_{kind}"], r[f"progress/b/ratio_{kind}"]
+            assert 0 <= a <= 1 and a + b == pytest.approx(1.0)
     assert 0.0 <= last["optim/zero_grad_ratio"] < 1.0
     # one rank on CPU: per GPU (rank) = overall; no peak FLOP/s known on CPU, so no MFU
     assert last["perf/throughput_per_gpu"] == pytest.approx(last["perf/throughput"])
