@@ -22,6 +22,7 @@ from hpcrl.launch import placement
 from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
+from hpcrl.monitor.wandb_sink import start_wandb_sink
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer.checkpointer import Checkpointer
@@ -72,6 +73,9 @@ def main(cfg: Config) -> int:
     publisher.publish(tr.model, start)  # policy `start` (0 = base weights): servers verify against it
     watchdog.beat(f"published policy {start}")
     metrics = Metrics.for_run(cfg, paths, "trainer", enabled=tr.dist.rank == 0)
+    # HPCRL_WANDB_WRITER=trainer: rank 0 owns the one W&B run (else a no-op handle)
+    sink = start_wandb_sink(cfg, paths, "trainer") if tr.dist.rank == 0 else None
+    finished = False
     params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
     env_names = [
         e.name or e.id.rsplit("/", 1)[-1] for e in cfg.orchestrator.train.env
@@ -124,9 +128,13 @@ def main(cfg: Config) -> int:
             log.warning("stop requested: %s, exiting", ckpt.stop_summary(step))
             announce_stop(bus, tr.dist.rank, ckpt.stop_summary(step))
             break
+    else:
+        finished = True
     ckpt.close()
     bus.close()
     metrics.close()
+    if sink is not None:  # after a normal finish: wait for the orchestrator's last records too
+        sink.close(wait_for_step=cfg.max_steps if finished else None)
     parallel.destroy_distributed()
     return 0
 

@@ -38,8 +38,9 @@ eval_base_model = false
 def _hpcrl(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOME": str(cwd)}
     env |= {"WANDB_SILENT": "true", "WANDB_MODE": "offline"}
-    for var in ("WANDB_API_KEY", "WANDB_DIR", "HPCRL_WANDB_WRITER"):
+    for var in ("WANDB_API_KEY", "WANDB_DIR"):
         env.pop(var, None)
+    env["HPCRL_WANDB_WRITER"] = "trainer"  # documented: moves the W&B writer; it must not turn W&B off
     return subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", *args],
         cwd=cwd,
@@ -83,6 +84,12 @@ def test_demo_rl_run_logs_every_seed_metric_name(tiny_model_dir: Path, tmp_path:
         assert not paths.samples_file(step, "orchestrator").exists()
     row = json.loads(rows[0])
     assert row["env"] == "reverse-text" and row["completion"] and {"reward", "advantage"} <= set(row)
+    from hpcrl.monitor.wandb_offline import read_offline_run
+
+    run = read_offline_run(out / "wandb")  # written by the trainer's sink: both roles' records
+    assert run.exited
+    logged = {k for h in run.history for k in h}
+    assert {"loss/mean", "reward/all/mean", "policy/kl", "eval/reverse-text/avg@2"} <= logged, sorted(logged)
 
 
 def test_seed004_self_hosted_example_dry_run(tmp_path: Path) -> None:
