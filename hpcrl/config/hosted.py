@@ -192,6 +192,8 @@ def _kind(value: Any) -> str:
 
 
 def _env_list(envs: Any, path: str) -> list[dict[str, Any]]:
+    if isinstance(envs, dict):  # a single [env] table (seed 004's examples write one): one env
+        envs = [envs]
     if not isinstance(envs, list):
         raise ConfigError(path, f"expected an array of tables ([[{path}]]), got {type(envs).__name__}")
     out = []

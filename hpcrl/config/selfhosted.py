@@ -23,7 +23,8 @@ SEQ_LEN = 2048  # the shape has no seq_len: prime-rl's default, or the sampling 
 
 
 def is_self_hosted(d: dict[str, Any]) -> bool:
-    return any(k in d for k in MARKERS) or isinstance(d.get("env"), dict)
+    """The shape's own keys; a single [env] table alone is the hosted shape's one env (LoRA)."""
+    return any(k in d for k in MARKERS)
 
 
 def gpu_split(num_gpus: int, tp: int) -> tuple[int, int]:
