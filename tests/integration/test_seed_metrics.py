@@ -59,6 +59,7 @@ def test_demo_rl_run_logs_every_seed_metric_name(tiny_model_dir: Path, tmp_path:
     extras = (  # per-role log extras do what they say: trainer tables at half the rows, none from the orchestrator
         *("--wandb", "--wandb.offline", "--wandb.log-extras.interval", "1"),
         *("--trainer.wandb.log-extras.sample-ratio", "0.5", "--no-orchestrator.wandb.log-extras.samples"),
+        *("--orchestrator.log.vf-level", "warning"),  # env servers and workers log at it (seed: info)
     )
     proc = _hpcrl("run", str(cfg), "--output-dir", str(out), *extras, cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -84,6 +85,9 @@ def test_demo_rl_run_logs_every_seed_metric_name(tiny_model_dir: Path, tmp_path:
         assert not paths.samples_file(step, "orchestrator").exists()
     row = json.loads(rows[0])
     assert row["env"] == "reverse-text" and row["completion"] and {"reward", "advantage"} <= set(row)
+    env_logs = out / "logs" / "envs" / "train" / "reverse-text"
+    for name in ("server.log", "worker_0.log"):  # their INFO start-up lines are below warning
+        assert " INFO " not in (env_logs / name).read_text(), name
     from hpcrl.monitor.wandb_offline import read_offline_run
 
     run = read_offline_run(out / "wandb")  # written by the trainer's sink: both roles' records
