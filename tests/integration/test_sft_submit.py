@@ -19,7 +19,7 @@ from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
 from tests.integration.test_slurm_cluster import cluster, ended, jobs, restarts, wait_for  # noqa: F401
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 CONFIG = """
 max_steps = 4
