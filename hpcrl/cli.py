@@ -6,6 +6,7 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -139,8 +140,9 @@ def _load(argv: list[str], root_name: str = "Config", require_envs: bool = True,
 def cmd_run(argv: list[str]) -> int:
     dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
     loaded = _load(argv)
-    from hpcrl.launch import prepare
+    from hpcrl.launch import prepare, run_checks
 
+    loaded.notes.extend(run_checks.run_notes(loaded.config))
     placement = prepare.local_plan(loaded)
     memory: list[str] = []
     if placement.uses_gpus:  # on GPUs: the per-GPU memory plan, refused when it cannot fit
@@ -155,7 +157,10 @@ def cmd_run(argv: list[str]) -> int:
 
         runtimes_can_start(loaded.config)
         notes = dry_run_check(loaded.config)
-        prepare.print_summary(loaded, placement, "run (this machine)", memory)
+        resume = run_checks.resume_line(loaded.config)  # --ckpt.resume-step: the checkpoint must be there
+        prepare.print_summary(
+            loaded, placement, "run (this machine)", [*([resume] if resume else []), *memory]
+        )
         for note in notes:
             print(note)
         return 0
@@ -173,6 +178,10 @@ def cmd_submit(argv: list[str]) -> int:
             argv += [f"--slurm.{flag[2:]}", str(v)]
     if "--slurm" not in argv and not any(a.startswith("--slurm.") for a in argv):
         argv.append("--slurm")
+    from hpcrl.launch.sft_submit import is_sft_argv, submit_sft
+
+    if is_sft_argv(argv):  # an SFT config (a [data] table): the same SLURM path, one component
+        return submit_sft(_load(argv, "SFTConfig"), nodes=nodes, dry_run=dry)
     loaded = _load(argv)
     if loaded.config.slurm is None:
         from hpcrl.config.schema import SlurmConfig
@@ -231,6 +240,9 @@ def cmd_inference(argv: list[str]) -> int:
 def cmd_sft(argv: list[str]) -> int:
     dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
     loaded = _load(argv, "SFTConfig")
+    from hpcrl.launch.sft_submit import local_notes
+
+    loaded.notes.extend(local_notes(loaded.config))  # [slurm] / num_train_nodes: for `hpcrl submit`
     if dry:
         from hpcrl.launch import prepare
         from hpcrl.render.select import dry_run_check
@@ -244,6 +256,8 @@ def cmd_sft(argv: list[str]) -> int:
     from hpcrl.launch.sft import main
     from hpcrl.trainer import parallel
 
+    for note in loaded.notes if "RANK" not in os.environ else []:
+        print(f"hpcrl sft: note: {note}", flush=True)
     rc = main(loaded.config)
     if parallel.ran_distributed():  # a rank (not the launcher of several ranks): see hard_exit
         parallel.hard_exit(rc)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcrl.config import fields
+from hpcrl.config import fields, selfhosted
 from hpcrl.config.dicts import deep_merge
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError, nearest, show_key
@@ -140,6 +140,8 @@ def _to_native(d: dict[str, Any], source: str, notes: list[str]) -> tuple[dict[s
         if key in d:
             shown = f"[{key}]" if isinstance(d.pop(key), dict) else key
             notes.append(f"{source}: {shown} is a hosted-platform setting; ignored here")
+    if selfhosted.is_self_hosted(d):  # seed 004's model_name / num_gpus / [env] shape
+        return selfhosted.translate(d, source, notes), notes
     if d.get("type") == "full_finetune":
         notes.append(f'{source}: type = "full_finetune" (native shape): trains all weights')
         _full_finetune_checkpointing(d, source, notes)
@@ -190,6 +192,8 @@ def _kind(value: Any) -> str:
 
 
 def _env_list(envs: Any, path: str) -> list[dict[str, Any]]:
+    if isinstance(envs, dict):  # a single [env] table (seed 004's examples write one): one env
+        envs = [envs]
     if not isinstance(envs, list):
         raise ConfigError(path, f"expected an array of tables ([[{path}]]), got {type(envs).__name__}")
     out = []

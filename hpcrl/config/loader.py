@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from hpcrl.config import fields, hosted, roles, sanity
+from hpcrl.config import fields, hosted, prime_names, roles, sanity
 from hpcrl.config.dicts import deep_merge, get_path, set_path
 from hpcrl.config.schema import Config, SFTConfig, TrainerConfig
 from hpcrl.config.sections.model import owner_hint
@@ -221,7 +221,7 @@ def canonical_path(parts: list[str]) -> list[str]:
     for alias, canonical in _ALIASES:
         if parts == alias:
             return list(canonical)
-    return parts
+    return prime_names.canonical_prefix(parts)  # --orchestrator.sampling.x: prime-rl's section names
 
 
 def apply_aliases(d: dict[str, Any]) -> None:
@@ -401,11 +401,13 @@ def load(
     `role`: a role command's view (hpcrl.config.roles): flags it does not read are refused.
     `checks`: the checks that need role knowledge (hpcrl.launch.checks.role_checks, which passes
     itself in): run on the typed config inside this error boundary; they return notes to print."""
+    notes: list[str] = []
+    if root is Config:
+        argv, notes = prime_names.strip_platform_flags(argv)  # --image-tag, --orchestrator.prime-monitor
     files, over = parse_argv(argv, root, role)
     over = deep_merge(over, extra or {})
     sanity.check_text(over)  # named as the flag wrote it, before the value flows into role sections
     merged: dict[str, Any] = {}
-    notes: list[str] = []
     any_hosted = False
     for f in files:
         data = read_toml(f)
@@ -413,6 +415,7 @@ def load(
             any_hosted = any_hosted or hosted.is_hosted(data)
             data, file_notes = hosted.to_native(data, source=str(f))
             notes.extend(file_notes)
+            prime_names.move_sections(data, str(f), notes)
             apply_aliases(data)  # per file: a later file or a flag overrides an alias like its field
         merged = deep_merge(merged, data)
     sanity.check_shapes(merged, root)  # the files' own shapes: a flag like --slurm must not mask `slurm = 5`
@@ -435,15 +438,22 @@ def load(
             flow_models(merged)
             _micro_batch_default(merged)
             _role_log_extras(merged)
+        if root in (Config, SFTConfig):
+            prime_names.merge_role_logs(merged)
         cfg = convert(merged, root)
         from hpcrl.config.validate import validate, validate_sft
 
         if isinstance(cfg, Config):
             flow_shared(cfg)
+            prime_names.default_eval_envs(cfg, notes)
             _load_env_files(cfg)
             validate(cfg, require_envs=require_envs)
+            prime_names.check_thinking(cfg.orchestrator.train.sampling, "orchestrator.train.sampling")
+            if cfg.orchestrator.eval is not None:
+                prime_names.check_thinking(cfg.orchestrator.eval.sampling, "orchestrator.eval.sampling")
         elif isinstance(cfg, SFTConfig):
             validate_sft(cfg)
+            prime_names.check_thinking(cfg.data, "data")
         if checks is not None and isinstance(cfg, (Config, SFTConfig)):
             notes.extend(checks(cfg))
     except ConfigError as e:

@@ -211,8 +211,10 @@ def _component_block(spec: HetJobSpec, c: HetComponent) -> list[str]:
     return lines
 
 
-def _srun_line(name: str, index: int, unit: HetStep | HetComponent) -> str:
-    args = ["srun", f"--het-group={index}", "--unbuffered", "--kill-on-bad-exit=1", "--open-mode=append"]
+def _srun_line(name: str, index: int, unit: HetStep | HetComponent, het: bool = True) -> str:
+    # One component (SFT): a plain job, where srun refuses --het-group.
+    group = [f"--het-group={index}"] if het else []
+    args = ["srun", *group, "--unbuffered", "--kill-on-bad-exit=1", "--open-mode=append"]
     if isinstance(unit, HetStep):
         if unit.nodes is not None:
             # --relative=0: the step's first node is the component's first node (rank 0's node)
@@ -268,11 +270,12 @@ def render_sbatch(spec: HetJobSpec, folder: str | Path) -> str:
         f"STEP_LOGS={shlex.quote(str(folder))}/${{SLURM_JOB_ID}}",
     ]
     lines += [f"export {k}={shlex.quote(str(v))}" for k, v in spec.env.items()]
+    plain = "" if len(spec.components) > 1 else "$SLURM_JOB_NODELIST"  # a one-component job is no hetjob
     for i, c in enumerate(spec.components):
         # HPCRL_NODES_<COMPONENT>: that component's hostnames, comma separated (rendezvous etc.)
         var = f"HPCRL_NODES_{c.name.upper().replace('-', '_')}"
         lines.append(
-            f'export {var}="$(scontrol show hostnames "${{SLURM_JOB_NODELIST_HET_GROUP_{i}:-}}" | paste -sd, -)"'
+            f'export {var}="$(scontrol show hostnames "${{SLURM_JOB_NODELIST_HET_GROUP_{i}:-{plain}}}" | paste -sd, -)"'
         )
     # The traps come before the setup lines: `hpcrl prepare-resume` may hash a big checkpoint for
     # minutes, and a USR2 then (preemption, cancel --checkpoint) must not kill the batch shell.
@@ -283,7 +286,7 @@ def render_sbatch(spec: HetJobSpec, folder: str | Path) -> str:
     for name, index, unit in spec.all_steps():
         fwd = 1 if unit.forward_signal else 0
         ends = 1 if unit.end_job_on_success else 0
-        lines.append(f"{_srun_line(name, index, unit)} &")
+        lines.append(f"{_srun_line(name, index, unit, het=len(spec.components) > 1)} &")
         lines.append(f"track_step $! {name} {fwd} {ends}")
     lines += ["", "supervise", ""]
     return "\n".join(lines)

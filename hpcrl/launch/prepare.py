@@ -111,7 +111,7 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
     print("\n".join(lines))
 
 
-def print_sft_summary(loaded: Loaded) -> None:
+def print_sft_summary(loaded: Loaded, target: str = "sft") -> None:
     cfg: SFTConfig = loaded.config
     mask = (
         ", ".join(k for k in ("system", "user", "assistant", "tool") if getattr(cfg.loss_mask, k))
@@ -130,9 +130,10 @@ def print_sft_summary(loaded: Loaded) -> None:
         )
     )
     lines = [
-        "hpcrl sft: dry run OK",
+        f"hpcrl {target}: dry run OK",
         f"model:        {_model(cfg.model)}",
-        f"data:         {cfg.data.name} (batch {cfg.data.batch_size}, seq_len {cfg.data.seq_len or cfg.seq_len})",
+        f"data:         {cfg.data.name} (batch {cfg.data.batch_size} {cfg.data.batch_unit}, "
+        f"seq_len {cfg.data.seq_len or cfg.seq_len})",
         f"steps:        {cfg.max_steps} (lr {cfg.optim.lr:g}, loss on {mask} turns)",
         f"validation:   {val}",
         "precision:    "

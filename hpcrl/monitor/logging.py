@@ -20,8 +20,15 @@ class _RoleFilter(logging.Filter):
         return True
 
 
+# The level env servers and their workers log at (orchestrator.log.vf_level): set by the orchestrator,
+# inherited by the env processes it starts.
+ENV_LEVEL_VAR = "HPCRL_VF_LOG_LEVEL"
+
+
 def resolve_level(level: str | None) -> int:
-    name = (level or os.environ.get("HPCRL_LOG_LEVEL") or "info").upper()
+    """The level given, else $HPCRL_LOG_LEVEL, else prime-rl's $PRIME_LOG_LEVEL, else info."""
+    env = os.environ.get("HPCRL_LOG_LEVEL") or os.environ.get("PRIME_LOG_LEVEL")
+    name = (level or env or "info").upper()
     value = logging.getLevelName(name)
     if not isinstance(value, int):
         raise ValueError(f"log level '{level}': expected debug, info, warning or error")
@@ -53,6 +60,11 @@ def setup_logging(
     for noisy in ("httpx", "httpcore", "urllib3", "uvicorn.access", "filelock"):
         logging.getLogger(noisy).setLevel(max(lvl, logging.WARNING))
     return logging.getLogger("hpcrl")
+
+
+def env_process_level() -> int:
+    """The level of an env server / worker process: $HPCRL_VF_LOG_LEVEL (orchestrator.log.vf_level)."""
+    return resolve_level(os.environ.get(ENV_LEVEL_VAR))
 
 
 def env_logger(env_name: str) -> logging.Logger:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcrl.monitor.metric_names import with_aliases
 from hpcrl.paths import RunPaths
 
 HIST_BINS = 64
@@ -117,7 +118,7 @@ class Metrics:
         return {"role": self.role, "step": int(step), "time": time.time(), **fields}
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        clean = {k: _clean(v) for k, v in metrics.items()}
+        clean = with_aliases({k: _clean(v) for k, v in metrics.items()})
         if not self.enabled:
             return clean
         assert self.jsonl is not None

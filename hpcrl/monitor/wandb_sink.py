@@ -96,8 +96,9 @@ def run_id(paths: RunPaths, name: str) -> str:
 def is_writer(cfg: Any, role: str) -> bool:
     """Whether `role` owns the W&B run: `$HPCRL_WANDB_WRITER`, else the orchestrator when the config
     has one (RL), else whoever asks (SFT is one process)."""
-    chosen = os.environ.get(WRITER_ENV) or ("orchestrator" if hasattr(cfg, "orchestrator") else role)
-    return chosen == role
+    if not hasattr(cfg, "orchestrator"):
+        return True  # SFT: its one process writes whatever $HPCRL_WANDB_WRITER says for RL runs
+    return (os.environ.get(WRITER_ENV) or "orchestrator") == role
 
 
 # -- the sink ----------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 For one group of G rollouts of the same task with rewards r_i and completion lengths L_i:
 
+    r_i = clip(r_i, -reward_clip, reward_clip)   (when reward_clip is set)
     A_i = (r_i - mean(r)) / (std(r) + eps if std_normalize else 1)  -  length_penalty * (L_i - mean(L)) / max(mean(L), 1)
 
 - `std(r)` is the population std (ddof=0), as in GRPO.
@@ -33,12 +34,15 @@ class AdvantageConfig:
     length_penalty: float = 0.0
     zero_advantage: ZeroAdv = "drop"
     eps: float = 1e-6
+    reward_clip: float | None = None  # clip rewards into [-c, c] before anything else (None: off)
 
     def __post_init__(self) -> None:
         if self.zero_advantage not in ("keep", "drop"):
             raise ValueError(f"zero_advantage={self.zero_advantage!r} is not one of keep, drop")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.reward_clip is not None and self.reward_clip <= 0:
+            raise ValueError(f"reward_clip must be > 0, got {self.reward_clip}")
         if self.length_penalty < 0:
             raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
 
@@ -88,6 +92,8 @@ def compute_advantages(
     keep = np.ones(len(groups), dtype=bool)
     for g, rewards in enumerate(groups):
         r = np.asarray(rewards, dtype=np.float64)
+        if config.reward_clip is not None:  # seed 004's reward clipping: an outlier reward is bounded
+            r = np.clip(r, -config.reward_clip, config.reward_clip)
         zero = is_zero_advantage_group(r, config.eps)
         if zero and config.zero_advantage == "drop":
             keep[g] = False

@@ -11,6 +11,7 @@ Pure functions over GroupRecords (no I/O), so every rule here is unit-testable:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ def judge_group(
         counts.filtered[buffer.filter.classify(float(np.mean(rewards)))] += 1
         return False
     if mode == "opd":
-        adv = AdvantageConfig(adv.std_normalize, adv.length_penalty, "keep", adv.eps)
+        adv = dataclasses.replace(adv, zero_advantage="keep")
     advs, keep = compute_advantages([rewards], [[r.completion_tokens for r in ok]], adv)
     traces = trace_advantages(group.rollouts, ok, adv) if any(r.trace_rewards for r in ok) else None
     if traces is not None and any(a != 0.0 for t in traces for a in t):
@@ -81,7 +82,7 @@ def trace_advantages(
     baselines of the ones it lacks; one without trace_rewards counts as one trace of its reward)."""
     own = {r.index: list(r.trace_rewards or [r.reward]) for r in ok}
     out = [[0.0] * len(own.get(r.index, [])) for r in rollouts]
-    keep_all = AdvantageConfig(adv.std_normalize, adv.length_penalty, "keep", adv.eps)
+    keep_all = dataclasses.replace(adv, zero_advantage="keep")
     for j in range(max(len(v) for v in own.values())):
         members = [r for r in ok if j < len(own[r.index])]
         advs, _ = compute_advantages(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from hpcrl.config.schema import Config
 from hpcrl.envs.errors import EnvServerFailed
 from hpcrl.errors import UserError
 from hpcrl.monitor import watchdog
-from hpcrl.monitor.logging import setup_logging
+from hpcrl.monitor.logging import ENV_LEVEL_VAR, setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
 from hpcrl.orchestrator import setup
@@ -70,6 +71,7 @@ class Stopping(Exception):
 
 def main(cfg: Config) -> int:
     setup_logging("orchestrator", (cfg.orchestrator.log or cfg.log).level)
+    os.environ[ENV_LEVEL_VAR] = (cfg.orchestrator.log or cfg.log).vf_level  # env servers it starts inherit it
     runtime.start_process(cfg, RunPaths(cfg.output_dir), "orchestrator", 0)
     # Beaten by answered requests, policy loads, published batches and waits on the trainer: a blocked
     # event loop or a wait that never ends stops all of them.

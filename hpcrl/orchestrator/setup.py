@@ -372,7 +372,7 @@ def open_env_logs(
         for n, env in [*envs.items(), *((e.name, e.env) for e in eval_envs)]
         if isinstance(env, VerifiersEnvironment)
     )
-    attach_env_logs(files, cfg.log.vf_level, vf)
+    attach_env_logs(files, (cfg.orchestrator.log or cfg.log).vf_level, vf)
 
 
 def load_renderers(cfg: Config, tokenizer: Any) -> Any:

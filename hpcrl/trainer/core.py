@@ -20,6 +20,7 @@ import torch
 
 from hpcrl.trainer import parallel
 from hpcrl.trainer.context_parallel import forward_cp, restrict
+from hpcrl.trainer.env_stats import token_envs
 from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
 from hpcrl.trainer.moe_metrics import collect as collect_moe_metrics
 from hpcrl.trainer.moe_metrics import take_aux_loss
@@ -82,6 +83,12 @@ class StepResult:
     slots_per_token: float
     entropies: torch.Tensor = field(repr=False)  # per loss token, for the entropy distribution
     moe: dict[str, float] = field(default_factory=dict)  # hpcrl.trainer.moe_metrics (MoE models)
+    # RL: per loss token, the mismatch KL and the env index of KL and entropy tokens (env_stats)
+    token_kl: torch.Tensor | None = field(default=None, repr=False)
+    kl_envs: torch.Tensor | None = field(default=None, repr=False)
+    entropy_envs: torch.Tensor | None = field(default=None, repr=False)
+    env: dict[str, float] = field(default_factory=dict)  # hpcrl.trainer.env_stats: per-env KL / entropy
+    zero_grad_ratio: float = float("nan")  # share of trainable parameters whose gradient was all zero
     tokens: int = 0  # tokens and samples of the whole step (every rank), set by the caller
     samples: int = 0
 
@@ -106,14 +113,20 @@ def step_micro_batches(
     mbs = mbs + [dummy_micro_batch(tr.device) for _ in range(n_mb - len(mbs))]
     stats = None
     entropies: list[torch.Tensor] = []
+    kls: list[torch.Tensor] = []
+    kl_envs: list[torch.Tensor] = []
+    ent_envs: list[torch.Tensor] = []
     tokens = slots = padding = 0
     for mb in mbs:
         if tr.cp is not None:
             mb = restrict(mb, tr.cp)  # noqa: PLW2901 - the loss counts only the tokens this rank predicts
         fwd = forward_for(tr, mb, wanted=mb.loss_mask)
         tokens, slots, padding = tokens + mb.num_tokens, slots + fwd.slots, padding + fwd.padding
+        envs = token_envs(mb.env_index, mb.seq_lens, mb.loss_mask)
         if fwd.entropy is not None:
             entropies.append(fwd.entropy.detach()[mb.loss_mask.bool()].float().cpu())
+            if envs is not None:
+                ent_envs.append(envs)
         out = compute_loss(
             params,
             trainer_logprobs=fwd.logprobs,
@@ -132,7 +145,12 @@ def step_micro_batches(
             loss = loss + aux * (float(mb.loss_mask.sum()) / max(float(num_loss_tokens), 1.0))
         loss.backward()
         stats = add_stats(stats, out.stats)
+        if out.token_kl is not None:
+            kls.append(out.token_kl[mb.loss_mask.bool()].cpu())
+            if envs is not None:
+                kl_envs.append(envs)
     t_fb = time.perf_counter() - t0
+    zero_grads = zero_grad_ratio(tr.model)  # before optimizer_step zeroes the gradients
     grad_norm, summed, lr, ok = optimizer_step(tr, stats, max_norm, step)
     moe = collect_moe_metrics(tr.model)  # collective; {} without MoE layers
     return StepResult(
@@ -146,7 +164,28 @@ def step_micro_batches(
         slots_per_token=slots / max(tokens, 1),
         entropies=torch.cat(entropies) if entropies else torch.zeros(0),
         moe=moe,
+        token_kl=torch.cat(kls) if kls else None,
+        kl_envs=torch.cat(kl_envs) if kl_envs and len(kl_envs) == len(kls) else None,
+        entropy_envs=torch.cat(ent_envs) if ent_envs and len(ent_envs) == len(entropies) else None,
+        zero_grad_ratio=zero_grads,
     )
+
+
+def zero_grad_ratio(model: torch.nn.Module) -> float:
+    """Collective: the share of trainable parameter elements whose gradient is exactly 0 this step
+    (seed 001's `optim/zero_grad_ratio`: high means a dead path or a wrong loss mask)."""
+    zero = total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        g = p.grad
+        if g is not None and hasattr(g, "to_local"):  # FSDP2 DTensor: this rank's shard
+            g = g.to_local()
+        n = p.numel() if g is None else g.numel()
+        total += n
+        zero += n if g is None else int((g == 0).sum())
+    counts = parallel.all_reduce(torch.tensor([float(zero), float(total)], dtype=torch.float64))
+    return float(counts[0] / counts[1]) if float(counts[1]) > 0 else float("nan")
 
 
 def forward_for(tr: Training, mb: PackedBatch, **kw: Any) -> ForwardOutput:

@@ -76,6 +76,9 @@ class LossParams:
     eps_high: float = 0.28
     max_log_ratio: float = 20.0
     kl_coef: float = 0.0
+    # Entropy bonus: coef * -log pi(token) joins the token's advantage. E_a[-log pi(a) grad log pi(a)]
+    # = grad H(pi) at each position, so the bonus's policy gradient is coef * grad H in expectation.
+    entropy_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     # "reference": against ref_logprobs in the batch; "inference": against the sampler's logprobs.
     kl_target: Literal["reference", "inference"] = "reference"
@@ -98,6 +101,8 @@ class LossParams:
             raise ValueError(f"loss.eps_high: {self.eps_high} must be >= 0")
         if self.max_log_ratio <= 0.0:
             raise ValueError(f"loss.max_log_ratio: {self.max_log_ratio} must be > 0")
+        if self.entropy_coef < 0.0:
+            raise ValueError(f"loss.entropy_coef: {self.entropy_coef} must be >= 0")
         if self.kl_coef < 0.0:
             raise ValueError(f"loss.kl_coef: {self.kl_coef} must be >= 0")
         lo, hi = self.seq_mask_low, self.seq_mask_high
@@ -112,6 +117,8 @@ class LossOutput:
 
     loss: Tensor
     stats: dict[str, Tensor]
+    # [T] detached per-token mismatch KL (0 off the loss mask); RL only: per-env / std / max metrics
+    token_kl: Tensor | None = None
 
 
 # Keys of LossOutput.stats, in a fixed order so the loop can stack them into one tensor to all-reduce.
@@ -248,6 +255,8 @@ def compute_loss(
         if advantages is None:
             raise ValueError("loss mode 'rl' needs advantages")
         adv = masked_where(loss_mask, advantages)
+        if params.entropy_coef > 0.0:
+            adv = adv + params.entropy_coef * masked_where(loss_mask, -logp.detach())
     adv = adv.detach()
 
     log_ratio = importance_log_ratio(logp, inf_lp, params.max_log_ratio)
@@ -296,7 +305,8 @@ def compute_loss(
         stats["neg_tokens"] = neg.sum().to(f32)
         stats["pos_masked"] = (token_bad & pos).sum().to(f32)
         stats["neg_masked"] = (token_bad & neg).sum().to(f32)
-    return LossOutput(loss=loss, stats=stats)
+        token_kl = masked_where(loss_mask, torch.expm1(lr_d) - lr_d).to(f32)
+    return LossOutput(loss=loss, stats=stats, token_kl=token_kl)
 
 
 def add_stats(total: dict[str, Tensor] | None, new: dict[str, Tensor]) -> dict[str, Tensor]:

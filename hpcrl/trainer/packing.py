@@ -41,7 +41,7 @@ from hpcrl.trainer.layout import (
 )
 
 MASKED_KERNELS = ("sdpa", "eager")
-_PER_SAMPLE = ("seq_lens", "temperatures", "prefix_lens")
+_PER_SAMPLE = ("seq_lens", "temperatures", "prefix_lens", "env_index")
 _HINTS = ("row_width",)  # plain values carried along unchanged by slicing, selection and .to()
 
 
@@ -67,6 +67,8 @@ class PackedBatch:
     # [T, layers*k] expert ids the inference engine routed each token to (MoE router replay; -1 = route
     # freely). Only the custom implementation takes it (transformers' models route on their own).
     routed_experts: Tensor | None = None
+    # [S] long: the sample's environment, an index into the trainer's env names (per-env metrics only)
+    env_index: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from hpcrl.config.schema import Config
 from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
+from hpcrl.monitor.wandb_sink import start_wandb_sink
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer.checkpointer import Checkpointer
@@ -32,6 +34,7 @@ from hpcrl.trainer.core import (
     install_stop_handler,
     step_micro_batches,
 )
+from hpcrl.trainer.env_stats import env_metrics
 from hpcrl.trainer.layout import key_cost_of
 from hpcrl.trainer.loss import LossParams
 from hpcrl.trainer.packing import (
@@ -42,7 +45,9 @@ from hpcrl.trainer.packing import (
     row_micro_batches,
     with_shared_prefixes,
 )
+from hpcrl.trainer.perf import count_params, perf_metrics
 from hpcrl.trainer.publish import PolicyPublisher
+from hpcrl.trainer.samples import trainer_sample_rows
 from hpcrl.trainer.setup import Training, build_training, loss_params
 
 log = logging.getLogger("hpcrl.trainer")
@@ -67,7 +72,14 @@ def main(cfg: Config) -> int:
     publisher.publish(tr.model, start)  # policy `start` (0 = base weights): servers verify against it
     watchdog.beat(f"published policy {start}")
     metrics = Metrics.for_run(cfg, paths, "trainer", enabled=tr.dist.rank == 0)
+    # HPCRL_WANDB_WRITER=trainer: rank 0 owns the one W&B run (else a no-op handle)
+    sink = start_wandb_sink(cfg, paths, "trainer") if tr.dist.rank == 0 else None
+    finished = False
     params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
+    env_names = [
+        e.name or e.id.rsplit("/", 1)[-1] for e in cfg.orchestrator.train.env
+    ]  # as metrics name them
+    perf = PerfInfo(tr.dist.world_size, count_params(tr.model), cfg.trainer.peak_tflops)
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         batch, t_wait = wait_for_batch(bus, step, tr, cfg.trainer.batch_timeout_s, stop)
@@ -85,7 +97,10 @@ def main(cfg: Config) -> int:
             cfg.trainer.micro_batch_tokens,
             cfg.trainer.optim.max_norm,
             share_prefix=cfg.trainer.share_prefix,
+            env_names=env_names,
         )
+        if metrics.samples_due(step):  # trainer.wandb.log_extras.samples: what rank 0 trained
+            metrics.log_samples(step, trainer_sample_rows(batch, tr.tokenizer, step))
         t_pub = publisher.publish(tr.model, step)
         if tr.dist.rank == 0:
             bus.cleanup(before_step=step, keep=2)  # every rank has read its shard of `step` by now
@@ -105,15 +120,20 @@ def main(cfg: Config) -> int:
                 "time/step": time.perf_counter() - t_step,
             },
             publisher.last_sync_bytes,
+            perf,
         )
         watchdog.beat(f"trained and published step {step}")
         if stopping:
             log.warning("stop requested: %s, exiting", ckpt.stop_summary(step))
             announce_stop(bus, tr.dist.rank, ckpt.stop_summary(step))
             break
+    else:
+        finished = True
     ckpt.close()
     bus.close()
     metrics.close()
+    if sink is not None:  # after a normal finish: wait for the orchestrator's last records too
+        sink.close(wait_for_step=cfg.max_steps if finished else None)
     parallel.destroy_distributed()
     return 0
 
@@ -200,8 +220,12 @@ def wait_for_batch(
             return merge_batches([got[r] for r in ranks]), time.perf_counter() - t0
 
 
-def to_packed(batch: TrainBatch, device: torch.device, replay: bool = False) -> PackedBatch:
-    """``replay``: carry the batch's routed experts (MoE router replay on a custom model)."""
+def to_packed(
+    batch: TrainBatch, device: torch.device, replay: bool = False, env_names: list[str] | None = None
+) -> PackedBatch:
+    """``replay``: carry the batch's routed experts (MoE router replay on a custom model);
+    ``env_names``: the trainer's env order, for per-env metrics (a sample of another env gets -1)."""
+    index = {n: i for i, n in enumerate(env_names or [])}
 
     def t(a: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
         return None if a is None else torch.as_tensor(np.asarray(a)).to(device=device, dtype=dtype)
@@ -219,6 +243,9 @@ def to_packed(batch: TrainBatch, device: torch.device, replay: bool = False) -> 
         routed_experts=t(batch.route_ids(), torch.long)
         if replay and batch.routed_experts is not None
         else None,
+        env_index=torch.tensor([index.get(n, -1) for n in batch.env_names], dtype=torch.long)
+        if env_names is not None
+        else None,
     )
 
 
@@ -230,10 +257,11 @@ def train_step(
     max_norm: float,
     *,
     share_prefix: bool = True,
+    env_names: list[str] | None = None,
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches, then one (finite-checked) optimizer step."""
     t0 = time.perf_counter()
-    packed = to_packed(batch, tr.device, replay=tr.router_replay)
+    packed = to_packed(batch, tr.device, replay=tr.router_replay, env_names=env_names)
     packed.validate()
     if tr.cp is not None:  # context parallel: one packed row per micro-batch, split along time
         mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
@@ -248,13 +276,34 @@ def train_step(
     cp = 1 if tr.cp is None else tr.cp.size
     tokens = int(parallel.all_reduce(float(len(batch.input_ids)))) // cp
     samples = int(parallel.all_reduce(float(len(batch.seq_lens)))) // cp
-    return out.counted(tokens, samples)
+    kl = out.token_kl if out.token_kl is not None else torch.zeros(0)
+    by_env = env_metrics(kl, out.kl_envs, out.entropies, out.entropy_envs, env_names or [])  # collective
+    return replace(out.counted(tokens, samples), env=by_env)
+
+
+@dataclass(frozen=True)
+class PerfInfo:
+    """What perf/throughput_per_gpu and perf/mfu need besides the step (hpcrl.trainer.perf)."""
+
+    world_size: int
+    num_params: int
+    peak_tflops: float | None
 
 
 def log_step(
-    metrics: Metrics, step: int, out: StepResult, progress: Progress, times: dict[str, float], sync_bytes: int
+    metrics: Metrics,
+    step: int,
+    out: StepResult,
+    progress: Progress,
+    times: dict[str, float],
+    sync_bytes: int,
+    perf: PerfInfo | None = None,
 ) -> None:
-    metrics.log(step, step_metrics(out, progress, times) | {"weights/sync_bytes": sync_bytes})
+    extra: dict[str, Any] = {"weights/sync_bytes": sync_bytes}
+    if perf is not None:
+        tokens_per_s = out.tokens / max(out.time_fb, 1e-9)
+        extra |= perf_metrics(tokens_per_s, perf.world_size, perf.num_params, perf.peak_tflops)
+    metrics.log(step, step_metrics(out, progress, times) | extra)
     if metrics.distributions_due(step):
         metrics.log_distribution(step, "entropy", out.entropies.numpy())
 
@@ -266,14 +315,14 @@ def step_metrics(out: StepResult, progress: Progress, times: dict[str, float]) -
         | times
         | {
             "loss/mean": s["loss"],
-            "entropy/mean": s["entropy"],
-            "mismatch_kl/mean": s["mismatch_kl"],
             "masked_advantage_positive/mean": s["masked_advantage_positive"],
             "masked_advantage_negative/mean": s["masked_advantage_negative"],
             "progress/total_tokens": progress.total_tokens,
             "progress/total_samples": progress.total_samples,
             "loss_tokens": s["loss_tokens"],
             **out.moe,
+            **out.env,
+            "optim/zero_grad_ratio": out.zero_grad_ratio,
             "perf/slots_per_token": out.slots_per_token,
         }
     )

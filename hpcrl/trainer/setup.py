@@ -311,6 +311,7 @@ def loss_params(loss: LossConfig, mode: str) -> LossParams:
         eps_high=loss.eps_high,
         max_log_ratio=loss.max_log_ratio,
         kl_coef=loss.kl_coef,
+        entropy_coef=loss.entropy_coef,
         kl_estimator=loss.kl_estimator,
         kl_target="inference",
     )

@@ -25,6 +25,7 @@ import torch
 from hpcrl.config.schema import SFTConfig
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
+from hpcrl.monitor.wandb_sink import start_wandb_sink
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer import sft_data as sd
@@ -41,6 +42,7 @@ from hpcrl.trainer.core import (
 )
 from hpcrl.trainer.loss import LossParams
 from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, split_micro_batches
+from hpcrl.trainer.perf import count_params, perf_metrics
 from hpcrl.trainer.setup import Training, build_training
 
 log = logging.getLogger("hpcrl.trainer")
@@ -70,8 +72,10 @@ def train(cfg: SFTConfig, paths: RunPaths) -> int:
         cfg.max_steps,
         world,
     )
-    metrics = Metrics(paths, "trainer", enabled=rank == 0)
+    metrics = Metrics.for_run(cfg, paths, "trainer", enabled=rank == 0)
+    sink = start_wandb_sink(cfg, paths, "trainer") if rank == 0 else None  # --wandb: one W&B run
     params = LossParams(mode="sft")
+    num_params = count_params(tr.model)
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         batch = data.next_batch(share[0], share[1], tr.device, copies=share[2])
@@ -94,7 +98,8 @@ def train(cfg: SFTConfig, paths: RunPaths) -> int:
         ckpt.maybe_save_adapter(step)
         m = metrics.log(
             step,
-            step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt, time.perf_counter() - t_step),
+            step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt, time.perf_counter() - t_step)
+            | perf_metrics(out.tokens / max(out.time_fb, 1e-9), world, num_params, cfg.peak_tflops),
         )
         log_console(cfg, rank, step, m, val_loss)
         if stopping:
@@ -107,6 +112,8 @@ def train(cfg: SFTConfig, paths: RunPaths) -> int:
             break
     ckpt.close()
     metrics.close()
+    if sink is not None:
+        sink.close(wait_for_step=progress.step)
     parallel.destroy_distributed()
     return 0
 
@@ -165,6 +172,7 @@ class StepBatch:
     micro_batches: list[PackedBatch]
     totals: dict[str, int]  # summed over ranks: loss_tokens, tokens, samples, truncated, dropped
     packing_waste: float  # this rank's rows if padded to seq_len (we never pad; see docs/trainer.md)
+    subset_ratios: dict[str, float] = field(default_factory=dict)  # progress/<subset>/ratio_*
 
 
 @dataclass
@@ -176,6 +184,7 @@ class SFTData:
     seq_len: int
     micro_tokens: int
     batch_size: int
+    batch_unit: str = "samples"  # data.batch_unit: what batch_size counts
     template_defaults: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     renderer: Any = (
@@ -216,6 +225,7 @@ class SFTData:
             cfg.data.seq_len or cfg.seq_len,
             cfg.micro_batch_tokens,
             cfg.data.batch_size,
+            cfg.data.batch_unit,
             {k: v for k, v in switches.items() if v is not None},
         )
 
@@ -235,11 +245,28 @@ class SFTData:
     def next_batch(self, rank: int, world: int, device: torch.device, copies: int = 1) -> StepBatch:
         """Share ``rank`` of ``world`` of the next batch_size rows; ``copies``: ranks reading each
         share (cp), whose rank-summed totals count it that many times."""
+        if self.batch_unit == "tokens":
+            rows = self._token_budget_rows()[rank::world]
+            mine = [s for _, s in rows]
+            return self._batch(mine, device, copies, [self.train.subset_of(i) for i, _ in rows])
         idx = self.cursor.take(self.batch_size)
         mine = [
             self.sample(self.train, int(i), f"{self.train.source} row {int(i)}") for i in idx[rank::world]
         ]
-        return self._batch(mine, device, copies)
+        return self._batch(mine, device, copies, [self.train.subset_of(int(i)) for i in idx[rank::world]])
+
+    def _token_budget_rows(self) -> list[tuple[int, sd.TokenizedSample]]:
+        """data.batch_unit = tokens: the next rows until their tokens (after truncation to seq_len)
+        reach batch_size, at least one. Every rank tokenizes every row of the step (the same rows in
+        the same order, so they agree on where the step ends and the cursor stays one)."""
+        out: list[tuple[int, sd.TokenizedSample]] = []
+        tokens = 0
+        while tokens < self.batch_size:
+            i = int(self.cursor.take(1)[0])
+            s = self.sample(self.train, i, f"{self.train.source} row {i}")
+            out.append((i, s))
+            tokens += len(s)
+        return out
 
     def val_batch(self, rank: int, world: int, device: torch.device, copies: int = 1) -> StepBatch:
         if self._val_cache is None:  # the validation set is fixed: tokenize it once
@@ -249,7 +276,13 @@ class SFTData:
             ]
         return self._batch(self._val_cache, device, copies)
 
-    def _batch(self, samples: list[sd.TokenizedSample], device: torch.device, copies: int = 1) -> StepBatch:
+    def _batch(
+        self,
+        samples: list[sd.TokenizedSample],
+        device: torch.device,
+        copies: int = 1,
+        subsets: list[int] | None = None,
+    ) -> StepBatch:
         kept = [s for s in samples if s.loss_mask.any()]  # nothing to learn (e.g. truncated away)
         mbs, waste = micro_batches_for(kept, self.seq_len, self.micro_tokens, device)
         local = [
@@ -261,7 +294,28 @@ class SFTData:
         ]
         summed = parallel.all_reduce(torch.tensor(local, dtype=torch.float64))
         keys = ("loss_tokens", "tokens", "samples", "truncated", "dropped")
-        return StepBatch(mbs, {k: int(v) // copies for k, v in zip(keys, summed.tolist())}, waste)
+        totals = {k: int(v) // copies for k, v in zip(keys, summed.tolist())}
+        return StepBatch(mbs, totals, waste, self._subset_ratios(samples, subsets, totals))
+
+    def _subset_ratios(
+        self, samples: list[sd.TokenizedSample], subsets: list[int] | None, totals: dict[str, int]
+    ) -> dict[str, float]:
+        """Collective when the data has subsets: progress/<subset>/ratio_{samples,tokens}, this
+        step's share of each subset among the trained samples and their tokens."""
+        names = self.train.subsets[0] if self.train.subsets is not None else None
+        if names is None or subsets is None:
+            return {}
+        counts = torch.zeros(len(names), 2, dtype=torch.float64)
+        for s, k in zip(samples, subsets):
+            if s.loss_mask.any() and k >= 0:
+                counts[k] += torch.tensor([1.0, float(len(s))], dtype=torch.float64)
+        counts = parallel.all_reduce(counts)
+        n, t = max(float(counts[:, 0].sum()), 1.0), max(float(counts[:, 1].sum()), 1.0)
+        out = {}
+        for name, (ns, nt) in zip(names, counts.tolist()):
+            out[f"progress/{name}/ratio_samples"] = ns / n
+            out[f"progress/{name}/ratio_tokens"] = nt / t
+        return out
 
 
 def micro_batches_for(
@@ -344,6 +398,9 @@ def step_metrics(
         "data/dropped": t["dropped"],
         "data/packing_waste": batch.packing_waste,
         "loss_tokens": t["loss_tokens"],
+        "optim/zero_grad_ratio": out.zero_grad_ratio,
+        **batch.subset_ratios,
+        **out.moe,  # MoE: also logged as seed 001's max_vio/mean, routing_confidence/mean (aliases)
     }
     if val_loss is not None:
         m["val/loss"], m["time/val"] = val_loss, t_val

@@ -50,10 +50,26 @@ class DataError(UserError, ValueError):
 class Rows(Sequence):
     """A dataset as a random-access sequence of dicts, optionally restricted to some indices."""
 
-    def __init__(self, base: Any, indices: Sequence[int] | None = None, source: str = ""):
+    def __init__(
+        self,
+        base: Any,
+        indices: Sequence[int] | None = None,
+        source: str = "",
+        subsets: tuple[list[str], np.ndarray] | None = None,
+    ):
         self.base = base
         self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)
         self.source = source
+        # A directory of several files: (file names, first base row of each); seed 001's subsets,
+        # whose realized mixing ratios SFT logs (progress/<subset>/ratio_{samples,tokens}).
+        self.subsets = subsets
+
+    def subset_of(self, i: int) -> int:
+        """Which subset row i comes from (-1: the data has no subsets)."""
+        if self.subsets is None:
+            return -1
+        j = i if self.indices is None else int(self.indices[i])
+        return int(np.searchsorted(self.subsets[1], j, side="right")) - 1
 
     def __len__(self) -> int:
         return len(self.base) if self.indices is None else len(self.indices)
@@ -64,7 +80,7 @@ class Rows(Sequence):
 
     def subset(self, indices: Sequence[int]) -> Rows:
         idx = np.asarray(indices, dtype=np.int64)
-        return Rows(self.base, idx if self.indices is None else self.indices[idx], self.source)
+        return Rows(self.base, idx if self.indices is None else self.indices[idx], self.source, self.subsets)
 
 
 def _need_datasets(why: str) -> Any:
@@ -135,9 +151,12 @@ def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows
                 f"saved HF dataset (datasets.save_to_disk)"
             )
         rows: list[dict[str, Any]] = []
+        starts = []
         for f in files:
+            starts.append(len(rows))
             rows += _read_file(f)
-        return Rows(rows, source=str(path))
+        names = [f.relative_to(path).with_suffix("").as_posix() for f in files]
+        return Rows(rows, source=str(path), subsets=(names, np.asarray(starts)) if len(files) > 1 else None)
     if _looks_local(name):
         raise DataError(
             f"{field}: '{name}' does not exist (expected a jsonl/parquet file, a directory of them, "

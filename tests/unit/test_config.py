@@ -475,7 +475,7 @@ def test_sft_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     )
     text = capsys.readouterr().out
     assert rc == 0
-    assert "data:         outputs/demo-sft-data/train.jsonl (batch 8, seq_len 128)" in text
+    assert "data:         outputs/demo-sft-data/train.jsonl (batch 8 samples, seq_len 128)" in text
     sft = load([str(REPO / "configs/demo/sft.toml")], SFTConfig).config
     assert isinstance(sft, SFTConfig) and sft.loss_mask.assistant and not sft.loss_mask.user
     written = tomllib.loads((out / "configs" / "sft.toml").read_text())

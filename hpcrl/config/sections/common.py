@@ -71,11 +71,12 @@ class LogLevels(Section):
 
     level: Annotated[
         Literal["debug", "info", "warning", "error"] | None,
-        D("Log level (default info or $HPCRL_LOG_LEVEL)."),
+        D("Log level (default $HPCRL_LOG_LEVEL, else $PRIME_LOG_LEVEL, else info)."),
     ] = None
     vf_level: Annotated[
-        Literal["debug", "info", "warning", "error"], D("Environment / verifiers log level.")
-    ] = "warning"
+        Literal["debug", "info", "warning", "error"],
+        D("Env servers' and workers' log level, and verifiers' (logs/envs/...)."),
+    ] = "info"
 
 
 class LogConfig(LogLevels):

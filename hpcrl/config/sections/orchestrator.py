@@ -109,6 +109,10 @@ class AdvantageConfig(Section):
     length_penalty: Annotated[
         float, D("Subtract coef * (len/mean_len - 1) from the advantage (0 = off).", ge=0)
     ] = 0.0
+    reward_clip: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("Clip every reward into [-c, c] before advantages (metrics keep the raw rewards; unset = off)."),
+    ] = None
     zero_advantage: Annotated[
         Literal["keep", "drop"],
         D(

@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import CkptConfig, LogConfig, RendererConfig, WandbConfig
-from hpcrl.config.sections.deployment import DeploymentConfig
+from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
 from hpcrl.config.sections.model import TrainerModelConfig
 from hpcrl.config.sections.trainer import OptimConfig
 
@@ -17,7 +17,21 @@ from hpcrl.config.sections.trainer import OptimConfig
 class SFTDataConfig(Section):
     name: Annotated[str, D("Local jsonl/parquet file, a directory of them, or a saved HF datasets dir.")] = ""
     split: Annotated[str, D("Split for saved dataset dicts.")] = "train"
-    batch_size: Annotated[int, D("Samples per optimizer step.", ge=1)] = 32
+    batch_size: Annotated[
+        int,
+        D(
+            "Per optimizer step: samples (data.batch_unit = samples, the default), or tokens "
+            "(batch_unit = tokens: prime-rl's meaning, rows packed up to this many tokens).",
+            ge=1,
+        ),
+    ] = 32
+    batch_unit: Annotated[
+        Literal["samples", "tokens"],
+        D(
+            "What data.batch_size counts: samples (rows per step) or tokens (rows are taken in order "
+            "until their tokens reach batch_size; prime-rl's 'tokens per trainer step (packed)')."
+        ),
+    ] = "samples"
     seq_len: Annotated[
         Annotated[int, Meta(ge=8)] | None, D("Packed row length (default: top-level seq_len).")
     ] = None
@@ -77,7 +91,15 @@ class SFTConfig(Section):
     val: SFTValConfig = msgspec.field(default_factory=SFTValConfig)
     optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-3))
     micro_batch_tokens: Annotated[int, D("Tokens per micro-batch.", ge=8)] = 4096
+    peak_tflops: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("Peak TFLOP/s of one device, for perf/mfu (unset: from the GPU's name; on CPU no perf/mfu)."),
+    ] = None
     deployment: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
     ckpt: Annotated[CkptConfig | None, D("Checkpointing.")] = None
+    slurm: Annotated[
+        SlurmConfig | None,
+        D("SLURM settings for `hpcrl submit` of this SFT config (nodes: deployment.num_train_nodes)."),
+    ] = None
     wandb: Annotated[WandbConfig | None, D("Weights & Biases.")] = None
     log: LogConfig = msgspec.field(default_factory=LogConfig)

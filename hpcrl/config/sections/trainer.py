@@ -42,6 +42,14 @@ class LossConfig(Section):
         20.0
     )
     kl_coef: Annotated[float, D("Coefficient of the KL penalty term (0 = off).", ge=0)] = 0.0
+    entropy_coef: Annotated[
+        float,
+        D(
+            "Entropy bonus (rl mode): coef * -log p(token) is added to each token's advantage, whose "
+            "policy gradient is coef * the entropy's gradient in expectation (0 = off).",
+            ge=0,
+        ),
+    ] = 0.0
     kl_estimator: Annotated[Literal["k1", "k3"], D("KL estimator for the penalty.")] = "k3"
 
 
@@ -85,6 +93,10 @@ class TrainerConfig(Section):
     ] = True
     batch_timeout_s: Annotated[float, D("Seconds to wait for a rollout batch before failing.", gt=0)] = 1800.0
     seed: Annotated[int, D("Trainer RNG seed.")] = 0
+    peak_tflops: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("Peak TFLOP/s of one device, for perf/mfu (unset: from the GPU's name; on CPU no perf/mfu)."),
+    ] = None
     log: Annotated[LogConfig | None, D("Trainer log overrides.")] = None
     wandb: Annotated[
         RoleWandbConfig | None, D("Trainer W&B overrides (log_extras); needs W&B on ([wandb] or --wandb).")

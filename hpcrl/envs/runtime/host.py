@@ -138,8 +138,12 @@ class Host:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hpcrl.monitor.logging import env_process_level
+
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s", datefmt="%H:%M:%S"
+        level=env_process_level(),
+        format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s",
+        datefmt="%H:%M:%S",
     )
     p = argparse.ArgumentParser(prog="python -m hpcrl.envs.runtime.host", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", type=Path, required=True)

@@ -224,8 +224,12 @@ class EnvServer:
 
 
 def main(argv: list[str]) -> int:
+    from hpcrl.monitor.logging import env_process_level
+
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s", datefmt="%H:%M:%S"
+        level=env_process_level(),
+        format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s",
+        datefmt="%H:%M:%S",
     )
     spec = msgspec.json.decode(argv[0].encode(), type=wire.ServerSpec)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -113,8 +113,12 @@ async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
 
 def main(argv: list[str]) -> int:
     faulthandler.enable()  # a segfault in env code leaves its traceback in the worker log
+    from hpcrl.monitor.logging import env_process_level
+
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s", datefmt="%H:%M:%S"
+        level=env_process_level(),
+        format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s",
+        datefmt="%H:%M:%S",
     )
     from hpcrl.envs.runtime.server import PARENT_VAR
 

@@ -42,7 +42,9 @@ def _log_to(path: str) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    from hpcrl.monitor.logging import env_process_level
+
+    root.setLevel(env_process_level())
 
 
 def env_config(env_id: str, args: Mapping[str, Any], runtime: str | None) -> tuple[Any, list[str]]:
