@@ -76,9 +76,33 @@ class HpcrlWorkerExtension:
         self._hpcrl_checksum = state_dict_checksum(full)  # type: ignore[attr-defined]
         return self._hpcrl_checksum  # type: ignore[attr-defined]
 
+    def _hpcrl_load_sharded(self, path: str) -> str:
+        """A sharded publish (hpcrl.weights.manifest): vLLM's `load_weights` takes the assembled tensors
+        one at a time (each verified piece by piece; the policy checksum once the last is in), so the
+        worker never holds the whole policy on the host. No full copy is kept: a delta after it needs
+        a full sync first."""
+        from hpcrl.weights.manifest import assemble, read_manifest
+
+        m = read_manifest(path)
+        done = []
+
+        def tensors() -> Any:
+            yield from assemble(path, m)
+            done.append(True)
+
+        self._hpcrl_model().load_weights(weights=tensors())
+        if not done:
+            raise RuntimeError(f"vLLM's load_weights stopped before the last tensor of {path}")
+        self._hpcrl_full = None  # type: ignore[attr-defined]
+        self._hpcrl_checksum = m.checksum  # type: ignore[attr-defined]
+        return m.checksum
+
     def hpcrl_update_from_path(self, path: str) -> str:
         from hpcrl.inference.loading import load_safetensors_dir, read_delta
+        from hpcrl.weights.manifest import is_sharded
 
+        if is_sharded(path):
+            return self._hpcrl_load_sharded(path)
         delta = read_delta(path)
         if delta is not None:  # applied where the base lives (apply_delta moves the few changed values)
             return self._hpcrl_apply_delta(delta)

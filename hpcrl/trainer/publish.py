@@ -53,6 +53,8 @@ class PolicyPublisher:
         *,
         delta: bool = False,
         full_every: int = 20,
+        sharded: bool = False,
+        shard_bucket_mb: float = 256,
         resume_lag: int | None = None,
     ):
         assert transport in ("filesystem", "collective"), transport
@@ -79,6 +81,11 @@ class PolicyPublisher:
         self._last_full = -1
         self._adapter_base: int | None = None  # LoRA: the full policy the adapters apply to
         self.last_sync_bytes = 0  # `weights/sync_bytes` of the newest publish (rank 0)
+        # Sharded publish (filesystem, full policies): every rank writes its own rows
+        # (hpcrl.trainer.sharded_publish); `last_rank_bytes` is what this rank wrote.
+        self.sharded = sharded
+        self.shard_bucket_mb = shard_bucket_mb
+        self.last_rank_bytes = 0
 
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_sync_bytes` is what
@@ -92,6 +99,10 @@ class PolicyPublisher:
                 return self._publish_adapter(model, step)
             self._adapter_base = step
         self.base_sent = True
+        if self.sharded and self.transport == "filesystem" and not self.delta:
+            from hpcrl.trainer.sharded_publish import publish_sharded
+
+            return publish_sharded(self, model, step)
         t0 = time.perf_counter()
         named = dict(hf_named_tensors(model, dtype=self.dtype))  # every rank iterates: shards are gathered
         if self.rank != 0:

@@ -60,6 +60,19 @@ class BroadcastConfig(Section):
         ),
     ] = False
     full_every: Annotated[int, D("With delta: a full sync every N policies (1 = always full).", ge=1)] = 20
+    sharded: Annotated[
+        bool,
+        D(
+            "Filesystem transport: every trainer rank writes only its own rows of each tensor into "
+            "broadcasts/step_N/ (buckets of bucket_mb) and rank 0 writes manifest.json last; no rank "
+            "gathers the model. false: every rank gathers the whole policy and rank 0 writes one file. "
+            "The collective transport, delta sync and LoRA adapters still take the gathered path."
+        ),
+    ] = True
+    bucket_mb: Annotated[
+        int,
+        D("Sharded publish: MiB of pieces a rank holds and writes per file (host memory: 2 buckets).", ge=1),
+    ] = 256
 
 
 class TrainerConfig(Section):
