@@ -99,10 +99,12 @@ class PolicyPublisher:
                 return self._publish_adapter(model, step)
             self._adapter_base = step
         self.base_sent = True
-        if self.sharded and self.transport == "filesystem" and not self.delta:
-            from hpcrl.trainer.sharded_publish import publish_sharded
+        if self.sharded and not self.delta:
+            from hpcrl.trainer.sharded_publish import publish_collective_stream, publish_sharded
 
-            return publish_sharded(self, model, step)
+            if self.transport == "filesystem":
+                return publish_sharded(self, model, step)
+            return publish_collective_stream(self, model, step)
         t0 = time.perf_counter()
         named = dict(hf_named_tensors(model, dtype=self.dtype))  # every rank iterates: shards are gathered
         if self.rank != 0:

@@ -51,7 +51,7 @@ def _model(kind: str, model_dir: str):
     return model
 
 
-def _worker(run_dir: str, out_dir: str, kill_after: str, *models: str) -> None:
+def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models: str) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -66,10 +66,16 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, *models: str) -> None:
     if env.rank == 0:
         paths.make_dirs()
     par.barrier()
+    group = None
+    transport, _, port = transport.partition(":")
+    if transport == "collective" and env.rank == 0:  # trainer rank 0 hosts the weight group
+        from hpcrl.weights.collective import init_group
+
+        group = init_group("127.0.0.1", int(port), 2, 0, backend="gloo", timeout_s=120)
     with Bus(paths, "trainer", env.rank) as bus:
         pub = PolicyPublisher(
-            paths, bus, env.rank, "filesystem", keep=100, dtype="bfloat16", sharded=True,
-            shard_bucket_mb=BUCKET_MB,
+            paths, bus, env.rank, transport, keep=100, weight_group=group, bucket_mb=BUCKET_MB,
+            dtype="bfloat16", sharded=True, shard_bucket_mb=BUCKET_MB,
         )  # fmt: skip
         for step, spec in enumerate(models):
             kind, model_dir = spec.split("=", 1)
@@ -152,7 +158,7 @@ def test_sharded_policy_is_bit_identical_to_the_full_export(tiny_model_dir: Path
     one, two, out1, out2 = (tmp_path / n for n in ("run1", "run2", "out1", "out2"))
     out1.mkdir()
     out2.mkdir()
-    run_ranks(__file__, 1, str(one), str(out1), "-1", f"dense={tiny_model_dir}")
+    run_ranks(__file__, 1, str(one), str(out1), "-1", "filesystem", f"dense={tiny_model_dir}")
     _check_same(one, out1, ["dense"], 1)
     run_ranks(
         __file__,
@@ -160,6 +166,7 @@ def test_sharded_policy_is_bit_identical_to_the_full_export(tiny_model_dir: Path
         str(two),
         str(out2),
         "-1",
+        "filesystem",
         f"dense={tiny_model_dir}",
         f"moe={moe}",
         f"lora={tiny_model_dir}",
@@ -176,7 +183,16 @@ def test_rank_killed_mid_publish_leaves_no_partial_policy(tiny_model_dir: Path, 
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     with pytest.raises(AssertionError, match=r"rank \d exited"):
-        run_ranks(__file__, 2, str(run), str(out), "1", f"dense={tiny_model_dir}", f"dense={tiny_model_dir}")
+        run_ranks(
+            __file__,
+            2,
+            str(run),
+            str(out),
+            "1",
+            "filesystem",
+            f"dense={tiny_model_dir}",
+            f"dense={tiny_model_dir}",
+        )
     paths = RunPaths(run)
     assert paths.policy_file(0).exists() and not paths.policy_file(1).exists()  # nothing announced
     partial = paths.broadcast_dir(1)
@@ -184,3 +200,47 @@ def test_rank_killed_mid_publish_leaves_no_partial_policy(tiny_model_dir: Path, 
     with pytest.raises(APIError, match="did not complete"):
         load_safetensors_dir(str(partial))
     assert load_safetensors_dir(str(paths.broadcast_dir(0)))  # the last complete policy still loads
+
+
+@pytest.mark.timeout(300)
+def test_collective_stream_sends_the_full_export_without_a_gather(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Collective transport, sharded: rank 0 streams tensor by tensor (its rows and rank 1's, received
+    point to point); a receiver in this process gets exactly today's full export, checksum included."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from hpcrl.models.tiny import build_tiny_model
+    from hpcrl.net import free_port
+    from hpcrl.weights.checksum import state_dict_checksum
+    from hpcrl.weights.collective import init_group, receive_header, receive_tensors
+
+    moe = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=0)
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    got: list = []
+
+    def receiver() -> None:
+        try:
+            group = init_group("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=120)
+            for _ in range(2):
+                header = receive_header(group)
+                got.append((header.checksum, receive_tensors(group, header)))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            got.append(e)
+
+    t = threading.Thread(target=receiver, daemon=True)
+    t.start()
+    run_ranks(
+        __file__, 2, str(run), str(out), "-1", f"collective:{port}", f"dense={tiny_model_dir}", f"moe={moe}"
+    )
+    t.join(60)
+    assert len(got) == 2 and not isinstance(got[-1], BaseException), got[-1:]
+    for kind, (checksum, tensors) in zip(["dense", "moe"], got, strict=True):
+        ref = load_file(str(out / f"{kind}.safetensors"))
+        assert checksum == state_dict_checksum(ref) == state_dict_checksum(tensors), kind
+        assert sorted(tensors) == sorted(ref)
+        assert all(torch_equal_bits(tensors[k], v) for k, v in ref.items()), kind

@@ -63,10 +63,11 @@ class BroadcastConfig(Section):
     sharded: Annotated[
         bool,
         D(
-            "Filesystem transport: every trainer rank writes only its own rows of each tensor into "
-            "broadcasts/step_N/ (buckets of bucket_mb) and rank 0 writes manifest.json last; no rank "
-            "gathers the model. false: every rank gathers the whole policy and rank 0 writes one file. "
-            "The collective transport, delta sync and LoRA adapters still take the gathered path."
+            "No rank gathers the policy. Filesystem: every trainer rank writes only its own rows of each "
+            "tensor into broadcasts/step_N/ (files of bucket_mb) and rank 0 writes manifest.json last. "
+            "Collective: rank 0 streams the policy tensor by tensor, receiving the other ranks' rows. "
+            "false: every rank gathers the whole policy (the old path). Delta sync and LoRA adapters "
+            "still take the gathered path."
         ),
     ] = True
     bucket_mb: Annotated[
