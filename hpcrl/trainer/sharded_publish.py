@@ -144,6 +144,7 @@ def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step
             layout[name] = (dtype, tuple(shape))
             digests[name] = (digests.get(name, 0) + d) % MOD
     names = sorted(layout)
+    pub.last_rank_bytes = sum(p.nbytes for p in mine) if pub.rank != 0 else 0
     if pub.rank != 0:
         for p in mine:  # in (name, row0) order: rank 0 receives in the same order
             dist.send(p.tensor.contiguous(), dst=0)
@@ -178,7 +179,7 @@ def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step
     from hpcrl.weights.collective import broadcast_stream
 
     nbytes = sum(_nbytes(*layout[n]) for n in names)
-    pub.last_sync_bytes = nbytes
+    pub.last_sync_bytes = pub.last_rank_bytes = nbytes
     pub._bases[step] = None
     pub.bus.publish_policy(
         PolicyReady(

@@ -236,11 +236,14 @@ def assemble(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) in sorted name order, each built from its pieces and verified
     (every piece's dtype, shape and rows digest; at the end the policy checksum). Holds one tensor
-    and one piece at a time. ValueError names the first piece that is missing or wrong."""
+    at a time (pieces are read straight into its rows). ValueError names the first piece that is
+    missing or wrong."""
     import torch
 
     d = Path(path)
     m = manifest if manifest is not None else read_manifest(d)
+    if not _SAFETENSORS_DTYPES:
+        _SAFETENSORS_DTYPES.update(_dtype_codes())
     handles: dict[str, Any] = {}
     records = []
     try:
@@ -249,43 +252,72 @@ def assemble(
             dtype = getattr(torch, e.dtype)
             out = torch.empty(e.shape, dtype=dtype)
             for fname, key, a, b, digest in e.pieces:
-                piece = _read_piece(d, fname, key, handles)
-                want = (b - a, *e.shape[1:]) if e.shape else ()
-                if piece.dtype != dtype or tuple(piece.shape) != want:
-                    raise ValueError(
-                        f"piece {key!r} in {d / fname} is {piece.dtype}{tuple(piece.shape)}, the manifest "
-                        f"says {e.dtype}{want}"
-                    )
-                if rows_digest(piece, a) != digest:
+                dst = out[a:b] if e.shape else out
+                _read_piece(d, fname, key, dst, handles)  # straight from the file into its rows
+                if rows_digest(dst, a) != digest:
                     raise ValueError(f"piece {key!r} in {d / fname} does not match its digest (corrupt)")
-                if e.shape:
-                    out[a:b].copy_(piece)
-                else:
-                    out.copy_(piece)
-                del piece
             records.append((name, tensor_record(name, e.dtype, e.shape, e.digest)))
             yield name, out
     finally:
+        for fh, _, _ in handles.values():
+            fh.close()
         handles.clear()
     if combine(records) != m.checksum:  # pragma: no cover - build() already ties digests to it
         raise ValueError(f"{d}: assembled policy checksum differs from the manifest's")
 
 
-def _read_piece(d: Path, fname: str, key: str, handles: dict[str, Any]) -> torch.Tensor:
-    from safetensors import safe_open
+def _read_piece(d: Path, fname: str, key: str, dst: torch.Tensor, handles: dict[str, Any]) -> None:
+    """Read piece `key` of safetensors file `fname` into `dst` (contiguous rows of the assembled
+    tensor): its header is parsed once per file, the bytes are read with one readinto, no copy."""
+    import torch
 
-    h = handles.get(fname)
-    if h is None:
-        f = d / fname
+    got = handles.get(fname)
+    f = d / fname
+    if got is None:
         if not f.is_file():
             raise ValueError(f"piece file {f} is missing; refused")
         try:
-            h = safe_open(str(f), framework="pt")
-        except Exception as e:  # noqa: BLE001 - safetensors' own error type: a torn file
+            fh = open(f, "rb")  # noqa: SIM115 - kept open while its pieces are read, closed below
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= 100 * 2**20:
+                raise ValueError(f"header length {n}")
+            header = json.loads(fh.read(n))
+        except (OSError, ValueError) as e:
             raise ValueError(f"piece file {f} cannot be read: {str(e)[:200]}") from None
-        handles.clear()  # files come in order: keep one open
-        handles[fname] = h
-    try:
-        return h.get_tensor(key)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"piece {key!r} is missing from {d / fname}: {str(e)[:200]}") from None
+        for old in handles.values():
+            old[0].close()
+        handles.clear()  # pieces come mostly in file order: keep one open
+        got = handles[fname] = (fh, 8 + n, header)
+    fh, base, header = got
+    meta = header.get(key)
+    if not isinstance(meta, dict):
+        raise ValueError(f"piece {key!r} is missing from {f}; refused")
+    want_dtype = _SAFETENSORS_DTYPES.get(dst.dtype)
+    start, end = (int(x) for x in meta.get("data_offsets", (0, -1)))
+    nbytes = dst.numel() * dst.element_size()
+    if (
+        meta.get("dtype") != want_dtype
+        or tuple(meta.get("shape", ())) != tuple(dst.shape)
+        or end - start != nbytes
+    ):
+        raise ValueError(
+            f"piece {key!r} in {f} is {meta.get('dtype')}{tuple(meta.get('shape', ()))}, the manifest says "
+            f"{want_dtype}{tuple(dst.shape)}"
+        )
+    view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B") if nbytes else memoryview(b"")
+    fh.seek(base + start)
+    if nbytes and fh.readinto(view) != nbytes:
+        raise ValueError(f"piece {key!r} in {f} is truncated; refused")
+
+
+def _dtype_codes() -> dict[Any, str]:
+    import torch
+
+    return {
+        torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+        torch.bool: "BOOL",
+    }  # fmt: skip
+
+
+_SAFETENSORS_DTYPES: dict[Any, str] = {}

@@ -12,7 +12,9 @@ RSS above the RSS before the publish (sampled every 5 ms: what the publish holds
 written. Then one receiver process loads the newest policy as the hf server does
 (``load_safetensors_dir``: assembled and verified piece by piece for the sharded one) and checks its
 checksum against the announced one; "seconds to verified" = the slowest rank's publish + that load.
-The collective transport is not benchmarked here (it still gathers: see docs/weights.md).
+Collective: one receiver process joins the weight group (gloo) with trainer rank 0, receives every
+policy and checks its checksum; "seconds to verified" = from the publish's start to that check;
+"sent" is what rank 0 broadcast (and, sharded, what the other ranks sent rank 0).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def build_model(layers: int):
     return model
 
 
-def worker(mode: str, layers: int, steps: int, bucket_mb: float, run_dir: str, out: str) -> None:
+def worker(spec: str, layers: int, steps: int, bucket_mb: float, run_dir: str, out: str) -> None:
     import gc
 
     import torch
@@ -100,6 +102,12 @@ def worker(mode: str, layers: int, steps: int, bucket_mb: float, run_dir: str, o
     from hpcrl.trainer.publish import PolicyPublisher
 
     env = par.init_distributed(torch.device("cpu"))
+    mode, transport, port = spec.split(":")
+    group = None
+    if transport == "collective" and env.rank == 0:
+        from hpcrl.weights.collective import init_group
+
+        group = init_group("127.0.0.1", int(port), 2, 0, backend="gloo", timeout_s=600)
     model = build_model(layers)
     paths = RunPaths(run_dir)
     if env.rank == 0:
@@ -108,26 +116,61 @@ def worker(mode: str, layers: int, steps: int, bucket_mb: float, run_dir: str, o
     rows = []
     with Bus(paths, "trainer", env.rank, listen=False) as bus:
         pub = PolicyPublisher(
-            paths, bus, env.rank, "filesystem", keep=2, dtype="bfloat16", sharded=mode == "sharded",
-            shard_bucket_mb=bucket_mb,
+            paths, bus, env.rank, transport, keep=2, weight_group=group, bucket_mb=bucket_mb,
+            dtype="bfloat16", sharded=mode == "sharded", shard_bucket_mb=bucket_mb,
         )  # fmt: skip
         for step in range(steps):
             gc.collect()
             par.barrier()
             with PeakRSS() as m:
+                start = time.time()
                 t0 = time.perf_counter()
                 pub.publish(model, step)
                 par.barrier()
                 dt = time.perf_counter() - t0
-            if mode == "sharded":
+            if transport == "collective":  # what this rank sent: to the servers, or to rank 0
+                written = (
+                    pub.last_sync_bytes
+                    if env.rank == 0
+                    else (pub.last_rank_bytes if mode == "sharded" else 0)
+                )
+            elif mode == "sharded":
                 written = pub.last_rank_bytes
             else:
                 f = paths.broadcast_dir(step) / "model.safetensors"
                 written = f.stat().st_size if env.rank == 0 else 0
-            rows.append({"step": step, "s": dt, "held": m.peak - m.base, "rss": m.peak, "bytes": written})
+            rows.append(
+                {
+                    "step": step,
+                    "start": start,
+                    "s": dt,
+                    "held": m.peak - m.base,
+                    "rss": m.peak,
+                    "bytes": written,
+                }
+            )
     Path(out).write_text(json.dumps({"rank": env.rank, "rows": rows}))
     par.barrier()
     par.destroy_distributed()
+
+
+def receive_collective(port: str, steps: str, out: str) -> None:
+    """A server of the weight group: receive --steps policies, verify each, note when."""
+    from hpcrl.weights.checksum import state_dict_checksum
+    from hpcrl.weights.collective import init_group, receive_header, receive_tensors
+
+    group = init_group("127.0.0.1", int(port), 2, 1, backend="gloo", timeout_s=600)
+    done, held = [], 0
+    for _ in range(int(steps)):
+        with PeakRSS() as m:
+            header = receive_header(group)
+            t0 = time.perf_counter()
+            got = receive_tensors(group, header)
+            ok = state_dict_checksum(got) == header.checksum
+            done.append({"at": time.time(), "ok": ok, "s": time.perf_counter() - t0})
+            del got
+        held = max(held, m.peak - m.base)
+    Path(out).write_text(json.dumps({"done": done, "held": held}))
 
 
 def receive(path: str, checksum: str, out: str) -> None:
@@ -142,44 +185,62 @@ def receive(path: str, checksum: str, out: str) -> None:
     Path(out).write_text(json.dumps({"s": dt, "ok": ok, "held": m.peak - m.base}))
 
 
-def run_one(world: int, mode: str, args: argparse.Namespace, scratch: Path) -> dict:
+def run_one(world: int, spec: str, args: argparse.Namespace, scratch: Path) -> dict:
     from hpcrl.bus import PolicyReady, read_message
     from hpcrl.launch.placement import rank_env
     from hpcrl.net import free_port
     from hpcrl.paths import RunPaths
 
-    run = scratch / f"{mode}_w{world}"
+    mode, transport = spec.split(":")
+    tag = f"{mode}_{transport}_w{world}"
+    run = scratch / tag
     port = free_port()
     procs, outs = [], []
+    rec_out = scratch / f"{tag}_recv.json"
+    receiver = None
+    wport = free_port() if transport == "collective" else 0
+    if transport == "collective":
+        receiver = subprocess.Popen(
+            [sys.executable, __file__, "--receive-collective", str(wport), str(args.steps), str(rec_out)]
+        )
     for r in range(world):
-        out = scratch / f"{mode}_w{world}_r{r}.json"
+        out = scratch / f"{tag}_r{r}.json"
         env = {**os.environ, **rank_env(r, world, "127.0.0.1", port), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, __file__, "--worker", mode, str(args.layers), str(args.steps)]
+        cmd = [sys.executable, __file__, "--worker", f"{spec}:{wport}", str(args.layers), str(args.steps)]
         cmd += [str(args.bucket_mb), str(run), str(out)]
         procs.append(subprocess.Popen(cmd, env=env))
         outs.append(out)
     for p in procs:
         if p.wait() != 0:
-            raise SystemExit(f"{mode} on {world} rank(s) failed: exit {p.returncode}")
+            raise SystemExit(f"{spec} on {world} rank(s) failed: exit {p.returncode}")
     ranks = [json.loads(o.read_text()) for o in outs]
     last = args.steps - 1
     msg = read_message(RunPaths(run).policy_file(last), PolicyReady)
-    rec_out = scratch / f"{mode}_w{world}_recv.json"
-    subprocess.run(
-        [sys.executable, __file__, "--receive", msg.path or "", msg.checksum, str(rec_out)], check=True
-    )
-    rec = json.loads(rec_out.read_text())
-    assert rec["ok"], f"{mode} w{world}: the receiver's checksum differs from the announced one"
     pub_s = statistics.median(max(r["rows"][s]["s"] for r in ranks) for s in range(args.steps))
+    if receiver is not None:
+        assert receiver.wait() == 0
+        got = json.loads(rec_out.read_text())
+        assert all(d["ok"] for d in got["done"]), f"{spec} w{world}: a received checksum differs"
+        starts = [ranks[0]["rows"][s]["start"] for s in range(args.steps)]
+        total = statistics.median(d["at"] - t for d, t in zip(got["done"], starts, strict=True))
+        rec = {"s": statistics.median(d["s"] for d in got["done"]), "held": got["held"]}
+    else:
+        subprocess.run(
+            [sys.executable, __file__, "--receive", msg.path or "", msg.checksum, str(rec_out)], check=True
+        )
+        rec = json.loads(rec_out.read_text())
+        assert rec["ok"], f"{spec} w{world}: the receiver's checksum differs from the announced one"
+        total = pub_s + rec["s"]
     return {
         "world": world,
         "mode": mode,
+        "transport": transport,
         "held": [max(row["held"] for row in r["rows"]) for r in ranks],
         "peak_rss": [max(row["rss"] for row in r["rows"]) for r in ranks],
         "bytes": [r["rows"][last]["bytes"] for r in ranks],
         "publish_s": pub_s,
         "load_s": rec["s"],
-        "total_s": pub_s + rec["s"],
+        "total_s": total,
         "recv_held": rec["held"],
         "policy_bytes": msg.num_bytes,
     }
@@ -187,18 +248,18 @@ def run_one(world: int, mode: str, args: argparse.Namespace, scratch: Path) -> d
 
 def table(rows: list[dict]) -> list[str]:
     gb = 1e9
-    base = {r["mode"]: r for r in rows if r["world"] == 1}
+    base = {(r["mode"], r["transport"]): r for r in rows if r["world"] == 1}
     lines = [
-        "| ranks | path | held by publish, per rank (GB) | largest / 1-rank today | peak RSS, largest rank (GB) "
-        "| written per rank (GB) | publish s (median) | server load+verify s | s to verified | vs today |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ranks | transport | path | held by publish, per rank (GB) | largest / 1-rank today | peak RSS, largest rank (GB) "
+        "| written/sent per rank (GB) | publish s | server load+verify s | s to verified | vs today |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    today = {r["world"]: r for r in rows if r["mode"] == "today"}
+    today = {(r["world"], r["transport"]): r for r in rows if r["mode"] == "today"}
     for r in rows:
-        ref = base.get("today") or r
-        t = today.get(r["world"], r)
+        ref = base.get(("today", r["transport"])) or r
+        t = today.get((r["world"], r["transport"]), r)
         lines.append(
-            f"| {r['world']} | {r['mode']} | {' / '.join(f'{h / gb:.2f}' for h in r['held'])} "
+            f"| {r['world']} | {r['transport']} | {r['mode']} | {' / '.join(f'{h / gb:.2f}' for h in r['held'])} "
             f"| {max(r['held']) / max(ref['held']):.2f}x | {max(r['peak_rss']) / gb:.2f} "
             f"| {' / '.join(f'{b / gb:.2f}' for b in r['bytes'])} | {r['publish_s']:.2f} | {r['load_s']:.2f} "
             f"| {r['total_s']:.2f} | {r['total_s'] / t['total_s']:.2f}x |"
@@ -209,7 +270,9 @@ def table(rows: list[dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="1,2,4")
-    ap.add_argument("--modes", default="today,sharded")
+    ap.add_argument(
+        "--modes", default="today:filesystem,sharded:filesystem,today:collective,sharded:collective"
+    )
     ap.add_argument("--layers", type=int, default=10, help="decoder layers (10: 313 M parameters)")
     ap.add_argument("--steps", type=int, default=3, help="policies published per run (median seconds)")
     ap.add_argument("--bucket-mb", type=float, default=256, help="trainer.broadcast.bucket_mb")
@@ -217,12 +280,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--receive", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--receive-collective", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         mode, layers, steps, bucket, run, out = args.worker
         return worker(mode, int(layers), int(steps), float(bucket), run, out)
     if args.receive:
         return receive(*args.receive)
+    if args.receive_collective:
+        return receive_collective(*args.receive_collective)
     args.dir.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
