@@ -106,20 +106,15 @@ def _decide(pub: PolicyPublisher) -> str:
 def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> float:
     """Collective transport, bounded memory: no rank gathers the policy. Collective over trainer ranks.
 
-    1. every rank casts its pieces (its rows, in the policy dtype) and digests them; the (name, dtype,
-       shape, rows, digest) records go to every rank (all_gather_object, a few bytes per piece);
-    2. rank 0 computes the policy checksum from the digests (the same string as a full export) and
-       sends the header; then, tensor by tensor in name order, it receives the other ranks' rows
-       (point-to-point on the trainer group), copies its own, and streams the tensor into the weight
-       broadcast (`broadcast_stream`: the same wire protocol, receivers unchanged);
-    3. a failed broadcast (a server died) is told to every rank, and all publish the same policy
-       as files (sharded), as the gathered path falls back.
-    Host/device memory: a rank's pieces (its shard in the policy dtype) plus, on rank 0, one tensor
-    and one bucket. Rank 0's link still carries every byte to the servers (see docs/weights.md)."""
+    Rank 0 sends the header (checksum from every rank's row digests), then streams the tensors as
+    `stream_to_rank0` assembles them, one at a time, into the weight broadcast (`broadcast_stream`:
+    the same wire protocol, receivers unchanged). A failed broadcast (a server died) is told to every
+    rank and all publish the same policy as sharded files, as the gathered path falls back.
+    Host/device memory: a rank's shard in the policy dtype; rank 0 also one tensor and one bucket.
+    Rank 0's link still carries every byte to the servers (see docs/weights.md)."""
     import torch.distributed as dist
 
-    from hpcrl.weights.checksum import MOD, combine, tensor_record
-    from hpcrl.weights.checksum import rows_digest as digest
+    from hpcrl.trainer.stream import stream_to_rank0
 
     if _decide(pub) == "filesystem":
         if pub.rank == 0:
@@ -129,56 +124,20 @@ def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step
         return publish_sharded(pub, model, step)
     t0 = time.perf_counter()
     world = _world()
-    mine = sorted(policy_pieces(model, pub.rank, dtype=pub.dtype), key=lambda p: (p.name, p.row0))
-    records = [(p.name, p.dtype, p.shape, p.row0, p.rows, digest(p.tensor, p.row0)) for p in mine]
-    everyone = [records]
-    if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, records)
-    owners: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(row0, rows, rank)]
-    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
-    digests: dict[str, int] = {}
-    for r, recs in enumerate(everyone):
-        for name, dtype, shape, row0, rows, d in recs:
-            owners.setdefault(name, []).append((row0, rows, r))
-            layout[name] = (dtype, tuple(shape))
-            digests[name] = (digests.get(name, 0) + d) % MOD
-    names = sorted(layout)
-    pub.last_rank_bytes = sum(p.nbytes for p in mine) if pub.rank != 0 else 0
+    st = stream_to_rank0(model, pub.rank, pub.dtype)
+    pub.last_rank_bytes = st.sent_bytes
     if pub.rank != 0:
-        for p in mine:  # in (name, row0) order: rank 0 receives in the same order
-            dist.send(p.tensor.contiguous(), dst=0)
+        for _ in st.tensors:  # sends this rank's pieces to rank 0
+            pass
         failed = [False]
         dist.broadcast_object_list(failed, src=0)
         if failed[0]:
             pub.transport = "filesystem"
             return publish_sharded(pub, model, step)
         return time.perf_counter() - t0
-    checksum = combine((n, tensor_record(n, *layout[n], digests[n])) for n in names)
-    own = {(p.name, p.row0): p.tensor for p in mine}
-    device = mine[0].tensor.device if mine else next(model.parameters()).device
-
-    def tensors():
-        import torch
-
-        for name in names:
-            dtype, shape = layout[name]
-            pieces = sorted(owners[name])
-            if len(pieces) == 1 and pieces[0][2] == 0:
-                yield own[(name, 0)]
-                continue
-            out = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            for row0, rows, r in pieces:
-                dst = out[row0 : row0 + rows] if shape else out
-                if r == 0:
-                    dst.copy_(own[(name, row0)])
-                else:
-                    dist.recv(dst, src=r)  # dim-0 rows of a contiguous tensor: contiguous
-            yield out
-
     from hpcrl.weights.collective import broadcast_stream
 
-    nbytes = sum(_nbytes(*layout[n]) for n in names)
+    checksum, names, layout, nbytes = st.checksum, st.names, st.layout, st.num_bytes
     pub.last_sync_bytes = pub.last_rank_bytes = nbytes
     pub._bases[step] = None
     pub.bus.publish_policy(
@@ -186,13 +145,13 @@ def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step
             step=step,
             transport="collective",
             checksum=checksum,
-            num_params=sum(_numel(layout[n][1]) for n in names),
+            num_params=st.num_params,
             num_bytes=nbytes,
             base_step=None,
             sync_bytes=nbytes,
         )
     )
-    gen = tensors()
+    gen = st.tensors
     failed = [False]
     try:
         broadcast_stream(pub.group, [(n, *layout[n]) for n in names], gen, step, bucket_mb=pub.bucket_mb,
@@ -213,16 +172,3 @@ def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step
     log.info("policy %d published (collective, streamed from %d rank(s), %.1f MB, %.2fs, checksum %s)",
              step, world, nbytes / 1e6, dt, checksum[:12])  # fmt: skip
     return dt
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    import torch
-
-    return _numel(shape) * getattr(torch, dtype).itemsize

@@ -88,6 +88,13 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
             if int(kill_after) >= 0 and step == len(models) - 1:
                 _die_mid_publish(env.rank, int(kill_after))
             pub.publish(model, step)
+            if transport == "filesystem":  # the checkpoint's HF export, streamed to rank 0 (no gather)
+                from hpcrl.trainer.stream import export_hf_streamed
+
+                export_hf_streamed(
+                    model, None, str(Path(out_dir) / f"{kind}_export"), rank=env.rank, dtype="bfloat16",
+                    max_shard_bytes=200_000,
+                )  # fmt: skip
     par.barrier()
     par.destroy_distributed()
 
@@ -137,6 +144,9 @@ def _check_same(run: Path, out: Path, kinds: list[str], world: int) -> None:
             assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
             assert torch_equal_bits(got[name], t), (kind, name)
         assert state_dict_checksum(got) == msg.checksum
+        export = load_safetensors_dir(str(out / f"{kind}_export"))  # HF dir: several files + index
+        assert len(list((out / f"{kind}_export").glob("model-*.safetensors"))) > 1
+        assert state_dict_checksum(export) == msg.checksum, kind
         if world > 1:  # every rank wrote a share, none the whole policy
             sizes = [
                 sum(f.stat().st_size for f in d.glob(f"rank{r:05d}-*.safetensors")) for r in range(world)
