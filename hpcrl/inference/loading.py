@@ -127,6 +127,13 @@ def read_delta(path: str) -> Delta | None:
     from hpcrl.weights.delta import DELTA_FILE, read_delta_dir
 
     p = files.resolve(path, "path")
+    if p.is_dir() and _sharded(p):  # every trainer rank's delta of its own pieces, merged per tensor
+        from hpcrl.weights.sharded_delta import read_sharded_delta
+
+        try:
+            return read_sharded_delta(str(p))
+        except (OSError, ValueError) as e:
+            raise APIError(f"bad sharded weight delta under {files.show(path)}: {e}", param="path") from e
     if p.is_dir() and os.path.lexists(p / DELTA_FILE):
         files.regular_file(p / DELTA_FILE, "path")
     try:

@@ -99,7 +99,7 @@ class PolicyPublisher:
                 return self._publish_adapter(model, step)
             self._adapter_base = step
         self.base_sent = True
-        if self.sharded and not self.delta:
+        if self.sharded and (self.transport == "filesystem" or not self.delta):
             from hpcrl.trainer.sharded_publish import publish_collective_stream, publish_sharded
 
             if self.transport == "filesystem":

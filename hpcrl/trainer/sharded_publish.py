@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.bus import PolicyReady
 from hpcrl.trainer.pieces import policy_pieces
-from hpcrl.weights.manifest import finish, write_pieces
+from hpcrl.weights.manifest import delta_file, finish, write_delta, write_pieces
+from hpcrl.weights.shards import Piece
 
 if TYPE_CHECKING:
     import torch
@@ -53,14 +54,32 @@ def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> 
         shutil.rmtree(final)  # a partial publish of this step (a killed run): never mixed with this one
     _barrier()
     bucket = max(1, int(pub.shard_bucket_mb * 2**20))
-    written = write_pieces(final, pub.rank, policy_pieces(model, pub.rank, dtype=pub.dtype), bucket)
+    pieces = policy_pieces(model, pub.rank, dtype=pub.dtype)
+    delta_meta, sync_bytes = None, None
+    if pub.delta:  # O(shard): this rank's pieces on the host, and its previous ones
+        held = [Piece(p.name, p.shape, p.row0, p.tensor.detach().to("cpu", copy=True)) for p in pieces]
+        delta, sync_bytes = _shard_delta(pub, held, step, world)
+        if delta is not None:
+            written = write_delta(final, pub.rank, delta, held)
+            delta_meta = {
+                "base_step": pub._prev_step,
+                "base_checksum": pub._prev_checksum,
+                "files": [delta_file(r) for r in range(world)],
+            }
+        else:
+            written = write_pieces(final, pub.rank, held, bucket)
+        _remember(pub, held, step, delta)
+    else:
+        written = write_pieces(final, pub.rank, pieces, bucket)
     pub.last_rank_bytes = written.nbytes
     _barrier()  # every rank's pieces and entries are durable
     if pub.rank != 0:
         return time.perf_counter() - t0
-    m = finish(final, step, world)
-    pub.last_sync_bytes = m.num_bytes
-    pub._bases[step] = None
+    m = finish(final, step, world, delta=delta_meta)
+    pub.last_sync_bytes = m.num_bytes if sync_bytes is None else sync_bytes
+    pub._bases[step] = None if delta_meta is None else delta_meta["base_step"]
+    if pub.delta:
+        pub._prev_checksum = m.checksum
     pub.bus.publish_policy(
         PolicyReady(
             step=step,
@@ -69,8 +88,8 @@ def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> 
             checksum=m.checksum,
             num_params=m.num_params,
             num_bytes=m.num_bytes,
-            base_step=None,
-            sync_bytes=m.num_bytes,
+            base_step=pub._bases[step],
+            sync_bytes=pub.last_sync_bytes,
         )
     )
     pub._clean_behind(step)
@@ -87,6 +106,38 @@ def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> 
         m.checksum[:12],
     )
     return dt
+
+
+def _shard_delta(pub: PolicyPublisher, pieces: list[Piece], step: int, world: int) -> tuple[Any, int | None]:
+    """This rank's delta against its previous pieces, or None for a full sync: the first, every
+    `full_every`, and whenever the ranks' deltas together would not be smaller (the same answer on
+    every rank: the sizes go to all). Also the bytes every rank sends together (None: full)."""
+    import torch.distributed as dist
+
+    from hpcrl.weights.delta import encode_delta
+
+    if pub._prev is None or pub._prev_step >= step or step - pub._last_full >= pub.full_every:
+        return None, None
+    delta = encode_delta(pub._prev, {p.key: p.tensor for p in pieces}, pub._prev_step, "")
+    sizes = [(delta.nbytes, sum(p.nbytes for p in pieces))]
+    if world > 1:
+        sizes = [None] * world
+        dist.all_gather_object(sizes, (delta.nbytes, sum(p.nbytes for p in pieces)))
+    total, full = sum(a for a, _ in sizes), sum(b for _, b in sizes)
+    return (delta, total) if total < full else (None, None)
+
+
+def _remember(pub: PolicyPublisher, pieces: list[Piece], step: int, delta: Any) -> None:
+    """Keep this rank's policy pieces as the next delta's base (applying the delta touches only the
+    changed elements)."""
+    from hpcrl.weights.delta import apply_delta
+
+    if delta is None or pub._prev is None:
+        pub._prev = {p.key: p.tensor for p in pieces}
+        pub._last_full = step
+    else:
+        apply_delta(pub._prev, delta)
+    pub._prev_step = step
 
 
 def _decide(pub: PolicyPublisher) -> str:

@@ -89,6 +89,45 @@ def write_pieces(
     return out
 
 
+def write_delta(
+    directory: Path, rank: int, delta: Any, pieces: list[Piece], *, durable: bool = True
+) -> Written:
+    """This rank's delta sync: one file (the encoded tensors, keyed by piece key, with the delta
+    manifest in its metadata), then its entries (rank file) with the NEW pieces' digests."""
+    from safetensors.torch import save_file
+
+    from hpcrl.weights.delta import META_KEY
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fname = delta_file(rank)
+    final = directory / fname
+    tmp = tmp_name(final)
+    save_file(delta.tensors, str(tmp), metadata={"format": "pt", META_KEY: delta.manifest_json()})
+    if durable:
+        fsync_file(tmp)
+    os.replace(tmp, final)
+    out = Written(files=1, nbytes=final.stat().st_size)
+    for p in pieces:
+        out.entries.append(
+            [
+                p.name,
+                p.dtype,
+                list(p.shape),
+                fname,
+                p.key,
+                p.row0,
+                p.row0 + p.rows,
+                f"{rows_digest(p.tensor, p.row0):032x}",
+            ]
+        )
+    write_atomic(directory / rank_file(rank), [json.dumps(out.entries).encode()], durable=durable)
+    return out
+
+
+def delta_file(rank: int) -> str:
+    return f"rank{rank:05d}.delta.safetensors"
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return (t if t.device.type == "cpu" else t.cpu()).contiguous()
@@ -121,6 +160,9 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     num_params: int = 0
     num_bytes: int = 0
+    # a delta sync: {"base_step", "base_checksum", "files": [one delta file per rank]}; the pieces'
+    # digests are those of the new policy (hpcrl.weights.sharded_delta reads it)
+    delta: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -130,6 +172,7 @@ class Manifest:
                 "checksum": self.checksum,
                 "num_params": self.num_params,
                 "num_bytes": self.num_bytes,
+                "delta": self.delta,
                 "tensors": {
                     n: {
                         "dtype": e.dtype,
@@ -190,7 +233,9 @@ def _check_cover(e: TensorEntry) -> None:
         raise ValueError(f"pieces of {e.name!r} cover rows [0, {at}) of {e.rows}: a piece is missing")
 
 
-def finish(directory: Path, step: int, world: int, *, durable: bool = True) -> Manifest:
+def finish(
+    directory: Path, step: int, world: int, *, durable: bool = True, delta: dict[str, Any] | None = None
+) -> Manifest:
     """Rank 0, after every rank wrote: merge the rank files into manifest.json (the last rename)."""
     entries: list[list[Any]] = []
     for r in range(world):
@@ -199,6 +244,7 @@ def finish(directory: Path, step: int, world: int, *, durable: bool = True) -> M
             raise ValueError(f"{f} is missing: trainer rank {r} did not finish writing policy {step}")
         entries.extend(json.loads(f.read_text()))
     m = build(step, entries)
+    m.delta = delta
     write_atomic(directory / MANIFEST, [m.to_json().encode()], durable=durable)
     return m
 
@@ -220,6 +266,13 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             for fn, k, a, b, dg in t["pieces"]
         ]
         m = build(int(raw["step"]), entries)
+        m.delta = raw.get("delta")
+        if m.delta is not None and not (
+            isinstance(m.delta, dict)
+            and isinstance(m.delta.get("files"), list)
+            and "base_checksum" in m.delta
+        ):
+            raise ValueError("its delta entry is malformed")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{f} is corrupt: {str(e).splitlines()[0][:300]}") from None
     if m.checksum != raw.get("checksum"):
@@ -242,6 +295,8 @@ def assemble(
 
     d = Path(path)
     m = manifest if manifest is not None else read_manifest(d)
+    if m.delta is not None:
+        raise ValueError(f"{d} holds a delta sync, not full weights (hpcrl.weights.sharded_delta)")
     if not _SAFETENSORS_DTYPES:
         _SAFETENSORS_DTYPES.update(_dtype_codes())
     handles: dict[str, Any] = {}

@@ -68,6 +68,8 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
     par.barrier()
     group = None
     transport, _, port = transport.partition(":")
+    delta = transport == "filesystem-delta"
+    transport = transport.removesuffix("-delta")
     if transport == "collective" and env.rank == 0:  # trainer rank 0 hosts the weight group
         from hpcrl.weights.collective import init_group
 
@@ -77,6 +79,21 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
             paths, bus, env.rank, transport, keep=100, weight_group=group, bucket_mb=BUCKET_MB,
             dtype="bfloat16", sharded=True, shard_bucket_mb=BUCKET_MB,
         )  # fmt: skip
+        if delta:  # one model, 3 policies: full, then deltas per piece
+            pub.delta = True
+            model = _model("dense", models[0].split("=", 1)[1])
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)  # most bf16 bits stay
+            ids = torch.arange(3, 35).reshape(2, 16)
+            for step in range(3):
+                if step:
+                    model(input_ids=ids).logits.float().pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                full = {k: v.contiguous() for k, v in hf_named_tensors(model, dtype="bfloat16")}
+                if env.rank == 0:
+                    save_file(full, str(Path(out_dir) / f"delta{step}.safetensors"))
+                pub.publish(model, step)
+            models = ()
         for step, spec in enumerate(models):
             kind, model_dir = spec.split("=", 1)
             model = _model(kind, model_dir)
@@ -254,3 +271,42 @@ def test_collective_stream_sends_the_full_export_without_a_gather(
         assert checksum == state_dict_checksum(ref) == state_dict_checksum(tensors), kind
         assert sorted(tensors) == sorted(ref)
         assert all(torch_equal_bits(tensors[k], v) for k, v in ref.items()), kind
+
+
+@pytest.mark.timeout(300)
+def test_delta_per_shard_rebuilds_each_policy_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """trainer.broadcast.delta with the sharded publish: each rank encodes its own pieces against its
+    own previous ones; a server merges the ranks' deltas per tensor and rebuilds each policy bit for bit
+    (checksums equal to the full exports'), sending a fraction of the bytes."""
+    from safetensors.torch import load_file
+
+    from hpcrl.bus import PolicyReady, read_message
+    from hpcrl.inference.loading import load_safetensors_dir, read_delta
+    from hpcrl.paths import RunPaths
+    from hpcrl.weights.checksum import state_dict_checksum
+    from hpcrl.weights.delta import apply_delta
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    run_ranks(__file__, 2, str(run), str(out), "-1", "filesystem-delta", f"dense={tiny_model_dir}")
+    paths = RunPaths(run)
+    served = load_safetensors_dir(str(paths.broadcast_dir(0)))
+    assert read_delta(str(paths.broadcast_dir(0))) is None  # policy 0 is full
+    for step in (1, 2):
+        msg = read_message(paths.policy_file(step), PolicyReady)
+        assert msg.base_step == step - 1 and msg.sync_bytes < 0.2 * msg.num_bytes, (
+            msg.sync_bytes,
+            msg.num_bytes,
+        )
+        assert sorted(p.name for p in paths.broadcast_dir(step).glob("*.delta.safetensors")) == [
+            "rank00000.delta.safetensors",
+            "rank00001.delta.safetensors",
+        ]
+        delta = read_delta(str(paths.broadcast_dir(step)))
+        assert (
+            delta is not None
+            and delta.base_checksum == read_message(paths.policy_file(step - 1), PolicyReady).checksum
+        )
+        apply_delta(served, delta)
+        ref = load_file(str(out / f"delta{step}.safetensors"))
+        assert state_dict_checksum(served) == msg.checksum == state_dict_checksum(ref)
