@@ -175,7 +175,7 @@ def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step
         return publish_sharded(pub, model, step)
     t0 = time.perf_counter()
     world = _world()
-    st = stream_to_rank0(model, pub.rank, pub.dtype)
+    st = stream_to_rank0(model, pub.rank, pub.dtype, chunk_bytes=max(1, int(pub.bucket_mb * 2**20)))
     pub.last_rank_bytes = st.sent_bytes
     if pub.rank != 0:
         for _ in st.tensors:  # sends this rank's pieces to rank 0

@@ -8,7 +8,8 @@ transport broadcasts and what the checkpoint's HF export writes (hpcrl.trainer.s
 2. rank 0 iterates the tensors in name order: for each it receives the other ranks' rows point to
    point (trainer group; NCCL on GPUs), copies its own, and yields the tensor; every other rank's
    iterator sends its pieces in the same order and yields nothing.
-Memory: a rank's pieces (its shard in the policy dtype); rank 0 also the tensor being yielded.
+Memory: a rank's pieces (its shard in the policy dtype); rank 0 also one part (<= chunk_bytes) and
+the bytes being sent (a RowSource slice), or, for the export, the tensor being written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from hpcrl.trainer.pieces import policy_pieces
 from hpcrl.weights.checksum import MOD, combine, rows_digest, tensor_record
-from hpcrl.weights.shards import Piece
+from hpcrl.weights.shards import Piece, split_bounds, split_rows
 
 
 def world_size() -> int:
@@ -56,9 +57,14 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def stream_to_rank0(model: torch.nn.Module, rank: int, dtype: str | torch.dtype | None) -> Stream:
+def stream_to_rank0(
+    model: torch.nn.Module, rank: int, dtype: str | torch.dtype | None, chunk_bytes: int = 256 * 2**20
+) -> Stream:
     """Collective over trainer ranks (pieces, all_gather_object); then every rank must run its
-    `tensors` to the end (rank 0 consuming, the others sending)."""
+    `tensors` to the end (rank 0 consuming, the others sending). Pieces travel to rank 0 in parts of
+    at most `chunk_bytes`; rank 0's iterator yields, per tensor, the tensor itself when rank 0 holds
+    all of it, else a `RowSource` (its bytes in increasing order, one part held at a time; `.full()`
+    assembles the tensor)."""
     import torch.distributed as dist
 
     mine = sorted(policy_pieces(model, rank, dtype=dtype), key=lambda p: (p.name, p.row0))
@@ -77,18 +83,70 @@ def stream_to_rank0(model: torch.nn.Module, rank: int, dtype: str | torch.dtype 
             digests[name] = (digests.get(name, 0) + d) % MOD
     checksum = combine((n, tensor_record(n, *layout[n], digests[n])) for n in layout)
     if rank != 0:
-        return Stream(layout, checksum, _send(mine), sum(p.nbytes for p in mine))
+        return Stream(layout, checksum, _send(mine, chunk_bytes), sum(p.nbytes for p in mine))
     device = mine[0].tensor.device if mine else next(model.parameters()).device
-    return Stream(layout, checksum, _receive(mine, owners, layout, device), 0)
+    return Stream(layout, checksum, _receive(mine, owners, layout, device, chunk_bytes), 0)
 
 
-def _send(mine: list[Piece]) -> Iterator[torch.Tensor]:
+def _send(mine: list[Piece], chunk_bytes: int) -> Iterator[torch.Tensor]:
     import torch.distributed as dist
 
-    for p in mine:  # in (name, row0) order: rank 0 receives in the same order
-        dist.send(p.tensor.contiguous(), dst=0)
+    for p in mine:  # in (name, row0) order, cut as rank 0 expects: it receives in the same order
+        for q in split_rows(p, chunk_bytes):
+            dist.send(q.tensor.contiguous(), dst=0)
     return
     yield  # a generator that yields nothing
+
+
+def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return numel(shape[1:]) * getattr(torch, dtype).itemsize
+
+
+class RowSource:
+    """One tensor's bytes, made in increasing order from its pieces' parts (rank 0's own: views; the
+    other ranks': received when reached). `src[a:b]` must continue where the last slice ended."""
+
+    def __init__(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        parts: list[tuple[int, int, int, torch.Tensor | None]],
+        device: torch.device,
+    ):
+        self.dtype, self.shape, self.device = getattr(torch, dtype), shape, device
+        self.nbytes = numel(shape) * self.dtype.itemsize
+        self._parts = iter(parts)
+        self._buf: torch.Tensor | None = None
+        self._at = 0  # position in _buf
+        self._pos = 0  # position in the tensor's bytes
+
+    def _next_part(self) -> None:
+        import torch.distributed as dist
+
+        _, rows, owner, t = next(self._parts)
+        if t is None:
+            t = torch.empty(
+                (rows, *self.shape[1:]) if self.shape else (), dtype=self.dtype, device=self.device
+            )
+            dist.recv(t, src=owner)
+        self._buf, self._at = t.contiguous().reshape(-1).view(torch.uint8), 0
+
+    def __getitem__(self, sl: slice) -> torch.Tensor:
+        a, b = sl.start or 0, sl.stop
+        assert a == self._pos and b <= self.nbytes, (a, b, self._pos)
+        out = []
+        while b - self._pos > 0:
+            if self._buf is None or self._at == self._buf.numel():
+                self._next_part()
+            assert self._buf is not None
+            take = min(b - self._pos, self._buf.numel() - self._at)
+            out.append(self._buf[self._at : self._at + take])
+            self._at += take
+            self._pos += take
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def full(self) -> torch.Tensor:
+        return self[0 : self.nbytes].view(self.dtype).reshape(self.shape)
 
 
 def _receive(
@@ -96,9 +154,8 @@ def _receive(
     owners: dict[str, list[tuple[int, int, int]]],
     layout: dict[str, tuple[str, tuple[int, ...]]],
     device: torch.device,
-) -> Iterator[torch.Tensor]:
-    import torch.distributed as dist
-
+    chunk_bytes: int,
+) -> Iterator[torch.Tensor | RowSource]:
     own = {(p.name, p.row0): p.tensor for p in mine}
     for name in sorted(layout):
         dtype, shape = layout[name]
@@ -106,14 +163,16 @@ def _receive(
         if len(pieces) == 1 and pieces[0][2] == 0:
             yield own.pop((name, 0))
             continue
-        out = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        parts: list[tuple[int, int, int, torch.Tensor | None]] = []
+        rb = _row_bytes(dtype, shape) if shape else 0
         for row0, rows, r in pieces:
-            dst = out[row0 : row0 + rows] if shape else out
-            if r == 0:
-                dst.copy_(own.pop((name, row0)))
-            else:
-                dist.recv(dst, src=r)  # dim-0 rows of a contiguous tensor: contiguous
-        yield out
+            t = own.pop((name, row0)) if r == 0 else None
+            if not shape:
+                parts.append((0, 1, r, t))
+                continue
+            for a, b in split_bounds(rows, rb, chunk_bytes):
+                parts.append((row0 + a, b - a, r, None if t is None else t[a:b]))
+        yield RowSource(dtype, shape, parts, device)
 
 
 def export_hf_streamed(
@@ -131,7 +190,10 @@ def export_hf_streamed(
     from hpcrl.trainer.model import export_hf
 
     st = stream_to_rank0(model, rank, dtype)
-    pairs = zip(st.names, st.tensors) if rank == 0 else ((None, t) for t in st.tensors)
+    if rank == 0:
+        pairs = ((n, t if isinstance(t, torch.Tensor) else t.full()) for n, t in zip(st.names, st.tensors))
+    else:
+        pairs = ((None, t) for t in st.tensors)
     return export_hf(
         model,
         tokenizer,

@@ -196,7 +196,7 @@ def _stream(
     for pieces in _chunks(sizes, bucket):
         if len(pieces) == 1:  # inside one tensor: no copy
             i, a, b = pieces[0]
-            _broadcast(group, views[i][a:b], src)
+            _broadcast(group, views[i][a:b].to(group.device), src)
             continue
         n = sum(b - a for _, a, b in pieces)
         if scratch is None:  # no bigger than the whole payload: small models stay small
@@ -254,7 +254,9 @@ def broadcast_weights(
 
 class _Lazy:
     """Byte views of tensors made one at a time by an iterator, asked for in non-decreasing index
-    order (what `_chunks` does): only the newest tensor is held."""
+    order (what `_chunks` does): only the newest tensor is held. The iterator may also yield an object
+    whose `[a:b]` gives those bytes (uint8, on the group's device), asked in increasing order: then
+    not even one tensor is held whole."""
 
     def __init__(self, tensors: Iterator[torch.Tensor], device: Any):
         self._it, self._device, self._i, self._cur = tensors, device, -1, None
@@ -265,8 +267,11 @@ class _Lazy:
         assert i >= self._i, (i, self._i)
         while self._i < i:
             self._cur = None
-            t = next(self._it).detach().to(self._device).contiguous()
-            self._cur = t.reshape(-1).view(torch.uint8)
+            t = next(self._it)
+            if isinstance(t, torch.Tensor):
+                self._cur = t.detach().to(self._device).contiguous().reshape(-1).view(torch.uint8)
+            else:  # a byte source sliced in increasing order (hpcrl.trainer.stream.RowSource)
+                self._cur = t
             self._i += 1
         return self._cur
 

@@ -104,10 +104,17 @@ def buckets(pieces: Iterable[Piece], bucket_bytes: int) -> Iterator[list[Piece]]
 def split_rows(p: Piece, max_bytes: int) -> Iterator[Piece]:
     """A piece cut into pieces of at most `max_bytes` (whole rows; at least one row each): a 600 MB
     embedding does not become one 600 MB bucket."""
-    if p.tensor.dim() == 0 or p.nbytes <= max_bytes:
+    if p.tensor.dim() == 0:
         yield p
         return
-    row_bytes = max(1, p.nbytes // p.rows)
-    step = max(1, max_bytes // row_bytes)
-    for a in range(0, p.rows, step):
-        yield Piece(p.name, p.shape, p.row0 + a, p.tensor[a : a + step])
+    for a, b in split_bounds(p.rows, p.nbytes // max(1, p.rows), max_bytes):
+        yield Piece(p.name, p.shape, p.row0 + a, p.tensor[a:b])
+
+
+def split_bounds(rows: int, row_bytes: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Where `split_rows` cuts `rows` rows of `row_bytes` each: [(start, end)] relative to the piece
+    (a receiver computes the same cuts from the shape alone)."""
+    if rows * row_bytes <= max_bytes:
+        return [(0, rows)]
+    step = max(1, max_bytes // max(1, row_bytes))
+    return [(a, min(rows, a + step)) for a in range(0, rows, step)]
