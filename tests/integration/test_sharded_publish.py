@@ -1,8 +1,10 @@
 """Sharded publish (trainer.broadcast.sharded) on real gloo ranks: the policy a server assembles from
 every rank's pieces is bit-identical to today's full export (same tensors, equal checksums) for the
 tiny dense model (1 and 2 ranks, FSDP2), the tiny MoE under ep = 2 and LoRA (merged on each rank's
-rows); a rank killed with SIGKILL mid-publish leaves no manifest, no announcement, and a directory
-every loader refuses, while the last complete policy still loads.
+rows), with the checkpoint's streamed HF export equal too; delta sync per shard rebuilds each policy
+exactly; the collective stream delivers the same bytes to a receiver; a rank killed with SIGKILL
+mid-publish leaves no manifest, no announcement, and a directory every loader refuses, while the
+last complete policy still loads.
 
 A worker (this file run as a script on N ranks) builds each model, takes one optimizer step (so fp32
 master weights differ from their bf16 cast), saves the gathered full export (``hf_named_tensors``, the
@@ -68,8 +70,6 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
     par.barrier()
     group = None
     transport, _, port = transport.partition(":")
-    delta = transport == "filesystem-delta"
-    transport = transport.removesuffix("-delta")
     if transport == "collective" and env.rank == 0:  # trainer rank 0 hosts the weight group
         from hpcrl.weights.collective import init_group
 
@@ -79,23 +79,11 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
             paths, bus, env.rank, transport, keep=100, weight_group=group, bucket_mb=BUCKET_MB,
             dtype="bfloat16", sharded=True, shard_bucket_mb=BUCKET_MB,
         )  # fmt: skip
-        if delta:  # one model, 3 policies: full, then deltas per piece
-            pub.delta = True
-            model = _model("dense", models[0].split("=", 1)[1])
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)  # most bf16 bits stay
-            ids = torch.arange(3, 35).reshape(2, 16)
-            for step in range(3):
-                if step:
-                    model(input_ids=ids).logits.float().pow(2).mean().backward()
-                    opt.step()
-                    opt.zero_grad()
-                full = {k: v.contiguous() for k, v in hf_named_tensors(model, dtype="bfloat16")}
-                if env.rank == 0:
-                    save_file(full, str(Path(out_dir) / f"delta{step}.safetensors"))
-                pub.publish(model, step)
-            models = ()
         for step, spec in enumerate(models):
             kind, model_dir = spec.split("=", 1)
+            if kind == "delta":  # last: policies step.. step + 2, a full one then deltas per piece
+                _delta_policies(pub, env.rank, model_dir, out_dir, step)
+                break
             model = _model(kind, model_dir)
             full = {k: v.contiguous() for k, v in hf_named_tensors(model, dtype="bfloat16")}
             if env.rank == 0:
@@ -114,6 +102,27 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
                 )  # fmt: skip
     par.barrier()
     par.destroy_distributed()
+
+
+def _delta_policies(pub, rank: int, model_dir: str, out_dir: str, first: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from hpcrl.trainer.model import hf_named_tensors
+
+    pub.delta, pub.base_sent = True, False
+    model = _model("dense", model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)  # most bf16 bits stay
+    ids = torch.arange(3, 35).reshape(2, 16)
+    for k in range(3):
+        if k:
+            model(input_ids=ids).logits.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        full = {n: v.contiguous() for n, v in hf_named_tensors(model, dtype="bfloat16")}
+        if rank == 0:
+            save_file(full, str(Path(out_dir) / f"delta{first + k}.safetensors"))
+        pub.publish(model, first + k)
 
 
 def _die_mid_publish(rank: int, after: int) -> None:
@@ -197,8 +206,10 @@ def test_sharded_policy_is_bit_identical_to_the_full_export(tiny_model_dir: Path
         f"dense={tiny_model_dir}",
         f"moe={moe}",
         f"lora={tiny_model_dir}",
+        f"delta={tiny_model_dir}",
     )
     _check_same(two, out2, ["dense", "moe", "lora"], 2)
+    _check_deltas(two, out2, first=3)
 
 
 @pytest.mark.timeout(300)
@@ -273,11 +284,10 @@ def test_collective_stream_sends_the_full_export_without_a_gather(
         assert all(torch_equal_bits(tensors[k], v) for k, v in ref.items()), kind
 
 
-@pytest.mark.timeout(300)
-def test_delta_per_shard_rebuilds_each_policy_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """trainer.broadcast.delta with the sharded publish: each rank encodes its own pieces against its
-    own previous ones; a server merges the ranks' deltas per tensor and rebuilds each policy bit for bit
-    (checksums equal to the full exports'), sending a fraction of the bytes."""
+def _check_deltas(run: Path, out: Path, first: int) -> None:
+    """trainer.broadcast.delta with the sharded publish: each rank encoded its own pieces against its
+    own previous ones; a server merges the ranks' deltas per tensor and rebuilds each policy bit for
+    bit (checksums equal to the full exports'), from a fraction of the bytes."""
     from safetensors.torch import load_file
 
     from hpcrl.bus import PolicyReady, read_message
@@ -286,13 +296,10 @@ def test_delta_per_shard_rebuilds_each_policy_exactly(tiny_model_dir: Path, tmp_
     from hpcrl.weights.checksum import state_dict_checksum
     from hpcrl.weights.delta import apply_delta
 
-    run, out = tmp_path / "run", tmp_path / "out"
-    out.mkdir()
-    run_ranks(__file__, 2, str(run), str(out), "-1", "filesystem-delta", f"dense={tiny_model_dir}")
     paths = RunPaths(run)
-    served = load_safetensors_dir(str(paths.broadcast_dir(0)))
-    assert read_delta(str(paths.broadcast_dir(0))) is None  # policy 0 is full
-    for step in (1, 2):
+    served = load_safetensors_dir(str(paths.broadcast_dir(first)))
+    assert read_delta(str(paths.broadcast_dir(first))) is None  # the first is full
+    for step in (first + 1, first + 2):
         msg = read_message(paths.policy_file(step), PolicyReady)
         assert msg.base_step == step - 1 and msg.sync_bytes < 0.2 * msg.num_bytes, (
             msg.sync_bytes,
@@ -303,10 +310,8 @@ def test_delta_per_shard_rebuilds_each_policy_exactly(tiny_model_dir: Path, tmp_
             "rank00001.delta.safetensors",
         ]
         delta = read_delta(str(paths.broadcast_dir(step)))
-        assert (
-            delta is not None
-            and delta.base_checksum == read_message(paths.policy_file(step - 1), PolicyReady).checksum
-        )
+        base = read_message(paths.policy_file(step - 1), PolicyReady)
+        assert delta is not None and delta.base_checksum == base.checksum
         apply_delta(served, delta)
         ref = load_file(str(out / f"delta{step}.safetensors"))
         assert state_dict_checksum(served) == msg.checksum == state_dict_checksum(ref)
