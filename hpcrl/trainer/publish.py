@@ -9,6 +9,11 @@ over exactly the tensors sent, and every server's checksum of what it loaded is 
 The tensors are in ``dtype``, the trainer's compute dtype (bf16 over fp32 master weights on GPU):
 what inference runs, cast once here, so the checksum covers the bytes sent and not the master copy.
 
+Sharded (trainer.broadcast.sharded, the default): no rank gathers the policy; every rank writes its
+own rows as files with a manifest, or streams them through rank 0 (hpcrl.trainer.sharded_publish,
+docs/weights.md). What follows describes the gathered path (`sharded = false`), which delta sync over
+the collective transport still takes.
+
 LoRA: after the first (full, merged) policy, only the adapter travels, over either transport.
 
 Delta sync (trainer.broadcast.delta): instead of the full weights, only the elements that changed
