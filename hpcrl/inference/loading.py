@@ -21,6 +21,8 @@ def load_safetensors_dir(path: str, param: str = "path") -> dict[str, torch.Tens
     from safetensors.torch import load_file
 
     p = files.resolve(path, param)
+    if p.is_dir() and _sharded(p):
+        return load_sharded_dir(str(p), param)
     if p.is_dir():
         try:
             found = sorted(p.glob("*.safetensors"))
@@ -44,6 +46,24 @@ def load_safetensors_dir(path: str, param: str = "path") -> dict[str, torch.Tens
                 )
             out[k] = v
     return out
+
+
+def _sharded(p: os.PathLike[str]) -> bool:
+    from hpcrl.weights.manifest import is_sharded
+
+    return is_sharded(p)
+
+
+def load_sharded_dir(path: str, param: str = "path") -> dict[str, torch.Tensor]:
+    """A policy written by the sharded publish (hpcrl.weights.manifest), assembled tensor by tensor and
+    verified piece by piece; a missing manifest (the publish did not complete), a missing or corrupt
+    piece is a 400 and nothing is loaded."""
+    from hpcrl.weights.manifest import assemble
+
+    try:
+        return dict(assemble(path))
+    except (OSError, ValueError) as e:
+        raise APIError(f"cannot load the sharded policy under {files.show(path)}: {e}", param=param) from e
 
 
 def check_compatible(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
@@ -107,6 +127,13 @@ def read_delta(path: str) -> Delta | None:
     from hpcrl.weights.delta import DELTA_FILE, read_delta_dir
 
     p = files.resolve(path, "path")
+    if p.is_dir() and _sharded(p):  # every trainer rank's delta of its own pieces, merged per tensor
+        from hpcrl.weights.sharded_delta import read_sharded_delta
+
+        try:
+            return read_sharded_delta(str(p))
+        except (OSError, ValueError) as e:
+            raise APIError(f"bad sharded weight delta under {files.show(path)}: {e}", param="path") from e
     if p.is_dir() and os.path.lexists(p / DELTA_FILE):
         files.regular_file(p / DELTA_FILE, "path")
     try:

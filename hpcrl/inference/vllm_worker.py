@@ -76,12 +76,37 @@ class HpcrlWorkerExtension:
         self._hpcrl_checksum = state_dict_checksum(full)  # type: ignore[attr-defined]
         return self._hpcrl_checksum  # type: ignore[attr-defined]
 
+    def _hpcrl_load_sharded(self, path: str) -> str:
+        """A sharded publish (hpcrl.weights.manifest): vLLM's `load_weights` takes the assembled tensors
+        one at a time (each verified piece by piece; the policy checksum once the last is in), so the
+        worker builds no second copy; the tensors are kept as the base of later deltas (as a full load
+        from one file keeps them)."""
+        from hpcrl.weights.manifest import assemble, read_manifest
+
+        m = read_manifest(path)
+        full: dict[str, Any] = {}
+
+        def tensors() -> Any:
+            for name, t in assemble(path, m):
+                full[name] = t
+                yield name, t
+
+        self._hpcrl_model().load_weights(weights=tensors())
+        if len(full) != len(m.tensors):
+            raise RuntimeError(f"vLLM's load_weights stopped before the last tensor of {path}")
+        self._hpcrl_full = full  # type: ignore[attr-defined]
+        self._hpcrl_checksum = m.checksum  # type: ignore[attr-defined]
+        return m.checksum
+
     def hpcrl_update_from_path(self, path: str) -> str:
         from hpcrl.inference.loading import load_safetensors_dir, read_delta
+        from hpcrl.weights.manifest import is_sharded
 
-        delta = read_delta(path)
+        delta = read_delta(path)  # one file, or every trainer rank's pieces merged per tensor
         if delta is not None:  # applied where the base lives (apply_delta moves the few changed values)
             return self._hpcrl_apply_delta(delta)
+        if is_sharded(path):
+            return self._hpcrl_load_sharded(path)
         return self._hpcrl_load(load_safetensors_dir(path))
 
     def hpcrl_update_collective(self) -> tuple[int, str, str | None]:

@@ -146,11 +146,13 @@ class Checkpointer:
         return True
 
     def _save_weights(self, step: int) -> None:
-        from hpcrl.trainer.model import export_hf, is_peft_model, save_adapter
+        from hpcrl.trainer.model import is_peft_model, save_adapter
+        from hpcrl.trainer.stream import export_hf_streamed
 
         tr, rank = self.tr, self.tr.dist.rank
-        export_hf(
-            tr.model, tr.tokenizer, self.paths.weights_dir(step), write=rank == 0, dtype=tr.precision.compute
+        # no rank gathers the model: rank 0 writes the tensors as the ranks' rows arrive (hpcrl.trainer.stream)
+        export_hf_streamed(
+            tr.model, tr.tokenizer, str(self.paths.weights_dir(step)), rank=rank, dtype=tr.precision.compute
         )
         if (
             rank == 0

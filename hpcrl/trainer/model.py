@@ -357,42 +357,56 @@ def export_hf(
     write: bool = True,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: str | torch.dtype | None = None,
+    tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Atomic: everything goes to a temporary sibling directory that is renamed into place, so a reader
     never sees a partial export. Under FSDP every rank must call this (weights are gathered); pass
     ``write = is_rank0()`` so only one rank touches the filesystem. ``dtype``: floating weights are
-    written in it and config.json says so (the published policy's dtype)."""
+    written in it and config.json says so (the published policy's dtype). ``tensors``: the (name,
+    tensor) pairs to write instead of ``hf_named_tensors`` (hpcrl.trainer.stream streams them to rank 0
+    without a gather; every rank must still run it to the end). Each safetensors file is written as
+    soon as it holds ``max_shard_bytes``: the writer holds at most one file's tensors."""
     from safetensors.torch import save_file
 
     base = base_model(model)
     out = Path(out_dir)
-    tensors = hf_named_tensors(model, dtype=dtype)
+    if tensors is None:
+        tensors = hf_named_tensors(model, dtype=dtype)
     if not write:
         for _ in tensors:  # take part in the gathers
             pass
         return out
     with atomic_dir(out) as tmp:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
+        shard: dict[str, torch.Tensor] = {}
+        files: list[tuple[str, list[str]]] = []
+        size = total = 0
+
+        def flush() -> None:
+            part = f"part-{len(files):05d}.safetensors"
+            save_file(shard, str(tmp / part), metadata={"format": "pt"})
+            files.append((part, list(shard)))
+            shard.clear()
+
         for name, t in tensors:
             nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
+            if shard and size + nbytes > max_shard_bytes:
+                flush()
                 size = 0
-            shards[-1][name] = t.contiguous()
+            shard[name] = t.contiguous()
             size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            total += nbytes
+        if shard or not files:
+            flush()
+        if len(files) == 1:
+            (tmp / files[0][0]).rename(tmp / "model.safetensors")
         else:
-            weight_map, total = {}, 0
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                for k, v in shard.items():
-                    weight_map[k] = fname
-                    total += v.numel() * v.element_size()
+            weight_map = {}
+            for i, (part, names) in enumerate(files):
+                fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                (tmp / part).rename(tmp / fname)
+                weight_map.update(dict.fromkeys(names, fname))
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         cfg = base.config

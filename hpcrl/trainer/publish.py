@@ -9,6 +9,11 @@ over exactly the tensors sent, and every server's checksum of what it loaded is 
 The tensors are in ``dtype``, the trainer's compute dtype (bf16 over fp32 master weights on GPU):
 what inference runs, cast once here, so the checksum covers the bytes sent and not the master copy.
 
+Sharded (trainer.broadcast.sharded, the default): no rank gathers the policy; every rank writes its
+own rows as files with a manifest, or streams them through rank 0 (hpcrl.trainer.sharded_publish,
+docs/weights.md). What follows describes the gathered path (`sharded = false`), which delta sync over
+the collective transport still takes.
+
 LoRA: after the first (full, merged) policy, only the adapter travels, over either transport.
 
 Delta sync (trainer.broadcast.delta): instead of the full weights, only the elements that changed
@@ -53,6 +58,8 @@ class PolicyPublisher:
         *,
         delta: bool = False,
         full_every: int = 20,
+        sharded: bool = False,
+        shard_bucket_mb: float = 256,
         resume_lag: int | None = None,
     ):
         assert transport in ("filesystem", "collective"), transport
@@ -79,6 +86,11 @@ class PolicyPublisher:
         self._last_full = -1
         self._adapter_base: int | None = None  # LoRA: the full policy the adapters apply to
         self.last_sync_bytes = 0  # `weights/sync_bytes` of the newest publish (rank 0)
+        # Sharded publish (filesystem, full policies): every rank writes its own rows
+        # (hpcrl.trainer.sharded_publish); `last_rank_bytes` is what this rank wrote.
+        self.sharded = sharded
+        self.shard_bucket_mb = shard_bucket_mb
+        self.last_rank_bytes = 0
 
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_sync_bytes` is what
@@ -92,6 +104,12 @@ class PolicyPublisher:
                 return self._publish_adapter(model, step)
             self._adapter_base = step
         self.base_sent = True
+        if self.sharded and (self.transport == "filesystem" or not self.delta):
+            from hpcrl.trainer.sharded_publish import publish_collective_stream, publish_sharded
+
+            if self.transport == "filesystem":
+                return publish_sharded(self, model, step)
+            return publish_collective_stream(self, model, step)
         t0 = time.perf_counter()
         named = dict(hf_named_tensors(model, dtype=self.dtype))  # every rank iterates: shards are gathered
         if self.rank != 0:

@@ -176,6 +176,8 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str
         dtype=dtype,
         delta=b.delta,
         full_every=b.full_every,
+        sharded=b.sharded,
+        shard_bucket_mb=b.bucket_mb,
         resume_lag=cfg.orchestrator.max_async_level,
     )
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -180,15 +180,23 @@ def _chunks(sizes: list[int], bucket: int) -> Iterable[list[tuple[int, int, int]
             yield pieces
 
 
-def _stream(group: WeightGroup, views: list[torch.Tensor], bucket: int, src: int, sending: bool) -> None:
+def _stream(
+    group: WeightGroup,
+    views: Any,
+    bucket: int,
+    src: int,
+    sending: bool,
+    sizes: list[int] | None = None,
+) -> None:
+    """`views`: byte views indexed in non-decreasing order (a list, or `_Lazy` with `sizes` given)."""
     import torch
 
-    sizes = [v.numel() for v in views]
+    sizes = [v.numel() for v in views] if sizes is None else sizes
     scratch: torch.Tensor | None = None
     for pieces in _chunks(sizes, bucket):
         if len(pieces) == 1:  # inside one tensor: no copy
             i, a, b = pieces[0]
-            _broadcast(group, views[i][a:b], src)
+            _broadcast(group, views[i][a:b].to(group.device), src)
             continue
         n = sum(b - a for _, a, b in pieces)
         if scratch is None:  # no bigger than the whole payload: small models stay small
@@ -242,6 +250,62 @@ def broadcast_weights(
     _broadcast(group, torch.tensor([raw.numel()], dtype=torch.int64, device=group.device), src)
     _broadcast(group, raw, src)
     _stream(group, _byte_views(tensors), bucket, src, sending=True)
+
+
+class _Lazy:
+    """Byte views of tensors made one at a time by an iterator, asked for in non-decreasing index
+    order (what `_chunks` does): only the newest tensor is held. The iterator may also yield an object
+    whose `[a:b]` gives those bytes (uint8, on the group's device), asked in increasing order: then
+    not even one tensor is held whole."""
+
+    def __init__(self, tensors: Iterator[torch.Tensor], device: Any):
+        self._it, self._device, self._i, self._cur = tensors, device, -1, None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import torch
+
+        assert i >= self._i, (i, self._i)
+        while self._i < i:
+            self._cur = None
+            t = next(self._it)
+            if isinstance(t, torch.Tensor):
+                self._cur = t.detach().to(self._device).contiguous().reshape(-1).view(torch.uint8)
+            else:  # a byte source sliced in increasing order (hpcrl.trainer.stream.RowSource)
+                self._cur = t
+            self._i += 1
+        return self._cur
+
+
+def broadcast_stream(
+    group: WeightGroup,
+    layout: list[tuple[str, str, tuple[int, ...]]],
+    tensors: Iterator[torch.Tensor],
+    step: int,
+    *,
+    src: int = 0,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    checksum: str | None = None,
+) -> None:
+    """`broadcast_weights` with the tensors made one at a time (the same wire protocol, so receivers
+    are unchanged): `layout` gives (name, dtype, shape) of each, in the order `tensors` yields them.
+    The sender holds one tensor and one scratch bucket, never the whole policy."""
+    import torch
+
+    bucket = max(1, int(bucket_mb * 2**20))
+    header = {
+        "version": PROTOCOL_VERSION,
+        "step": int(step),
+        "bucket_bytes": bucket,
+        "checksum": checksum,
+        "delta": None,
+        "adapter": None,
+        "tensors": [[n, d, list(s)] for n, d, s in layout],
+    }
+    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(group.device)
+    _broadcast(group, torch.tensor([raw.numel()], dtype=torch.int64, device=group.device), src)
+    _broadcast(group, raw, src)
+    sizes = [_nbytes(d, s) for _, d, s in layout]
+    _stream(group, _Lazy(tensors, group.device), bucket, src, sending=True, sizes=sizes)
 
 
 def receive_header(group: WeightGroup, *, src: int = 0) -> WeightsHeader:

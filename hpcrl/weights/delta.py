@@ -212,11 +212,17 @@ def read_delta_dir(path: str) -> Delta | None:
     """The delta in a broadcast dir (`delta.safetensors` + its manifest), or None for a full one."""
     from pathlib import Path
 
-    from safetensors import safe_open
-
     f = Path(path) / DELTA_FILE
     if not f.is_file():
         return None
+    return read_delta_file(str(f))
+
+
+def read_delta_file(path: str) -> Delta:
+    """One delta file (tensors + its manifest in the safetensors metadata)."""
+    from safetensors import safe_open
+
+    f = path
     with safe_open(str(f), framework="pt") as fh:
         meta = fh.metadata() or {}
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__

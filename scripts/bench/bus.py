@@ -190,12 +190,21 @@ def fanout_reader_main(root: str, topic: str, ranks: str, steps: int, out: str) 
             with Bus(paths, role, rank, poll_interval=0.5) as bus:
                 ready.wait()
                 for step in range(steps):
+                    if f"{step}:{rank}" in held:  # a newer policy already answered for this step
+                        continue
                     if topic == "rollouts":
                         msg = bus.wait_batch(step, timeout=120)
-                    else:
-                        msg = bus.wait_policy(step, timeout=120)
-                    held[f"{step}:{rank}"] = time.time()
-                    assert msg.step == step
+                        assert msg.step == step, (msg.step, step)
+                        held[f"{step}:{rank}"] = time.time()
+                        continue
+                    # wait_policy(step) returns the newest policy >= step (a subscriber that falls
+                    # behind skips ahead, as the orchestrator does): that policy holds for every
+                    # step up to its own
+                    msg = bus.wait_policy(step, timeout=120)
+                    assert msg.step >= step, (msg.step, step)
+                    now = time.time()
+                    for s in range(step, min(msg.step, steps - 1) + 1):
+                        held.setdefault(f"{s}:{rank}", now)
         except BaseException as e:  # noqa: BLE001 - reported by the parent
             errors.append(e)
             ready.abort()

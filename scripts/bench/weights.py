@@ -2,6 +2,8 @@
 
     python scripts/bench/weights.py --quick          # 10 / 64 / 256 MiB, ~1-2 min on 2 loaded cores
     python scripts/bench/weights.py                  # 10 MiB .. 1 GiB, --plot docs/weights_curve.png
+    python scripts/bench/weights.py --ranks 1,2,4    # sharded publish vs today's, per trainer rank
+                                                     # (scripts/bench/weights_sharded.py, its flags)
 
 Synthetic bf16 state dicts shaped like a transformer (embedding, per layer q/k/v/o, gate/up/down, norms).
 Each row is verified end to end: the receiver's checksum of what it loaded must equal the sender's.
@@ -378,6 +380,11 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def main() -> None:
+    if "--ranks" in sys.argv:  # sharded publish vs today's gather, 1/2/4 trainer ranks: its own script
+        os.execv(
+            sys.executable,
+            [sys.executable, str(Path(__file__).with_name("weights_sharded.py")), *sys.argv[1:]],
+        )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10 / 64 / 256 MiB only")
     ap.add_argument("--sizes", type=str, default=None, help="comma-separated MiB, e.g. 10,100,1024")

@@ -95,13 +95,12 @@ def test_trainer_process_trains_publishes_and_checkpoints(tmp_path: Path, tiny_m
     )
     bus = Bus(paths, role="orchestrator")
     try:
-        from safetensors.torch import load_file
-
+        from hpcrl.inference.loading import load_safetensors_dir  # a sharded dir or one file
         from hpcrl.models.resolve import resolve_model  # noqa: F401  (model is a local dir here)
         from hpcrl.weights.checksum import state_dict_checksum
 
         p0 = bus.wait_policy(0, timeout=120)
-        base = load_file(str(Path(p0.path) / "model.safetensors"))
+        base = load_safetensors_dir(p0.path)
         assert p0.checksum == state_dict_checksum(base)
         rng = np.random.default_rng(0)
         checksums = [p0.checksum]
@@ -109,7 +108,7 @@ def test_trainer_process_trains_publishes_and_checkpoints(tmp_path: Path, tiny_m
             bus.publish_batch(step, 0, _batch(step, rng, poison=step == 2))
             pol = bus.wait_policy(step, timeout=120)
             assert pol.step == step
-            assert state_dict_checksum(load_file(str(Path(pol.path) / "model.safetensors"))) == pol.checksum
+            assert state_dict_checksum(load_safetensors_dir(pol.path)) == pol.checksum
             checksums.append(pol.checksum)
             # The trainer's part is written; COMPLETE must wait for ours.
             deadline = time.monotonic() + 60

@@ -260,6 +260,34 @@ def test_update_from_path_through_the_route(server, wrapper, model_dir, tmp_path
     assert ("reset_prefix_cache", {}) in engine.calls
 
 
+def test_update_from_a_sharded_publish_through_the_route(server, wrapper, model_dir, tmp_path):
+    """broadcasts/step_N written by two trainer ranks (pieces + manifest.json): vLLM's load_weights
+    takes the assembled tensors one at a time; the checksum is the full export's."""
+    from hpcrl.weights.manifest import finish, write_pieces
+    from hpcrl.weights.shards import Piece
+
+    opts, _, _ = server
+    tensors = _perturbed(model_dir, tmp_path / "full", 1.25)
+    d = tmp_path / "sharded"
+    for rank in range(2):
+        pieces = []
+        for name, t in tensors.items():
+            a = -(-t.shape[0] // 2) if t.dim() else 0
+            rows = (t[:a] if rank == 0 else t[a:]) if t.dim() else t
+            if t.dim() or rank == 0:
+                pieces.append(Piece(name, tuple(t.shape), 0 if rank == 0 else a, rows))
+        write_pieces(d, rank, pieces, bucket_bytes=1 << 16)
+    expected = state_dict_checksum(tensors)
+    assert finish(d, 3, world=2).checksum == expected
+
+    async def go():
+        async with InferenceClient(f"http://127.0.0.1:{opts.port}") as c:
+            return await c.update_weights(3, path=str(d), expected_checksum=expected)
+
+    assert _run(go()) == {"step": 3, "checksum": expected}
+    _assert_loaded(wrapper, tensors)
+
+
 def test_update_over_a_gloo_broadcast_through_the_routes(server, wrapper, model_dir, tmp_path):
     from hpcrl.weights.collective import broadcast_weights, destroy_group, init_group
 

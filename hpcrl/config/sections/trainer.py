@@ -68,6 +68,20 @@ class BroadcastConfig(Section):
         ),
     ] = False
     full_every: Annotated[int, D("With delta: a full sync every N policies (1 = always full).", ge=1)] = 20
+    sharded: Annotated[
+        bool,
+        D(
+            "No rank gathers the policy. Filesystem: every trainer rank writes only its own rows of each "
+            "tensor into broadcasts/step_N/ (files of bucket_mb) and rank 0 writes manifest.json last. "
+            "Collective: rank 0 streams the policy tensor by tensor, receiving the other ranks' rows. "
+            "false: every rank gathers the whole policy (the old path). Delta sync and LoRA adapters "
+            "still take the gathered path."
+        ),
+    ] = True
+    bucket_mb: Annotated[
+        int,
+        D("Sharded publish: MiB of pieces a rank holds and writes per file (host memory: 2 buckets).", ge=1),
+    ] = 256
 
 
 class TrainerConfig(Section):

@@ -1,0 +1,96 @@
+"""The policy as this rank's pieces (hpcrl.weights.shards): what the sharded publish sends.
+
+The same tensors as ``hf_named_tensors`` (same HF names, dtypes, values: tests prove the assembled
+policy bit-identical), but each rank yields only the rows it holds:
+- an FSDP2 parameter: this rank's run of rows (``to_local()``, offset from its placement);
+- stacked experts (the custom MoE): this rank's experts (ep position, and its FSDP rows of them) under
+  their per-expert HF names, each expert its own piece;
+- LoRA (peft): W's rows merged with B's same rows @ A (A is r x in: gathered, small), cast once;
+- a plain (replicated) tensor: rank 0 only;
+- any other layout: gathered (every rank, in step) and sent by rank 0.
+Collective under FSDP: every rank must iterate to the end, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from hpcrl.trainer.model import (
+    _full,
+    _lora_scalings,
+    _strip_peft,
+    _tied_names,
+    is_peft_model,
+    parse_dtype,
+)
+from hpcrl.weights.shards import Piece, local_rows
+
+
+def policy_pieces(model: nn.Module, rank: int, *, dtype: str | torch.dtype | None = None) -> Iterator[Piece]:
+    """Yield this rank's pieces of the policy, cast to `dtype` (floating tensors), on their device."""
+    sd = model.state_dict()
+    skip = _tied_names(model)
+    want = parse_dtype(dtype) if dtype is not None else None
+    peft = is_peft_model(model)
+    scalings = _lora_scalings(model) if peft else {}
+    family = getattr(model, "hpcrl_family", None)
+    adapter = None
+    if family is not None:
+        from hpcrl.models import registry
+
+        adapter = registry.family(family)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.to(want) if want is not None and t.is_floating_point() else t
+
+    for name, t in sd.items():
+        if peft and ".lora_" in name:
+            continue
+        hf = _strip_peft(name) if peft else name
+        got = local_rows(t)
+        if got == "gather":
+            full = _full(t).detach()
+            got = (full, 0) if rank == 0 else None
+        elif got is not None and not hasattr(t, "device_mesh") and rank != 0:
+            got = None  # a plain tensor: every rank has it, rank 0 sends it
+        lora = _lora_of(sd, name, hf, scalings) if peft else None
+        if lora is not None:
+            # B (out x r) is sharded like W (same dim 0): its local rows are W's; A (r x in) is small
+            a_full = _full(lora[0]).detach()
+            b_got = local_rows(lora[1])
+            b_rows = _full(lora[1]).detach() if b_got == "gather" else None
+            if got is None:
+                continue
+            local, row0 = got
+            if b_rows is not None:
+                b_loc = b_rows[row0 : row0 + local.shape[0]]
+            else:
+                assert isinstance(b_got, tuple) and b_got[1] == row0, (name, b_got, row0)
+                b_loc = b_got[0]
+            merged = local.float() + (b_loc.float() @ a_full.float()) * lora[2]
+            got = (merged.to(local.dtype), row0)
+        if got is None or hf in skip:
+            continue
+        local, row0 = got
+        if adapter is not None:
+            names = [n for n, _ in adapter.to_hf([(hf, torch.empty(tuple(t.shape), device="meta"))])]
+            if len(names) > 1:  # stacked experts: this rank's experts, each its own tensor
+                for e in range(local.shape[0]):
+                    yield Piece(names[row0 + e], tuple(t.shape[1:]), 0, cast(local[e]))
+                continue
+            hf = names[0]
+        yield Piece(hf, tuple(t.shape), row0, cast(local))
+
+
+def _lora_of(
+    sd: dict[str, torch.Tensor], name: str, hf: str, scalings: dict[str, float]
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    mod = hf.rsplit(".", 1)[0]
+    if not (hf.endswith(".weight") and mod in scalings):
+        return None
+    prefix = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else mod
+    return sd[f"{prefix}.lora_A.default.weight"], sd[f"{prefix}.lora_B.default.weight"], scalings[mod]

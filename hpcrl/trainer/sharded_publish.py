@@ -1,0 +1,225 @@
+"""Sharded publish over the filesystem: every trainer rank writes its own rows, rank 0 the manifest.
+
+    rank 0 clears broadcasts/step_N (a partial one left by a killed run) -> barrier
+    every rank: policy_pieces (its rows, cast to the policy dtype) -> buckets of bucket_mb -> one
+        fsynced safetensors file per bucket -> rankR.json (its entries)             -> barrier
+    rank 0: manifest.json from every rank's entries (checked: each tensor covered once; the policy
+        checksum from the pieces' digests) -> PolicyReady(path, checksum) on the bus
+
+No rank holds more than its shard in the policy dtype (the cast; none when the master weights are
+already in it) and one bucket being written. A rank killed mid-publish leaves no manifest.json and
+no announcement: servers never load a partial policy (hpcrl.weights.manifest refuses the directory)
+and keep the last complete one; the next complete publish of that step starts by clearing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from typing import TYPE_CHECKING, Any
+
+from hpcrl.bus import PolicyReady
+from hpcrl.trainer.pieces import policy_pieces
+from hpcrl.weights.manifest import delta_file, finish, write_delta, write_pieces
+from hpcrl.weights.shards import Piece
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpcrl.trainer.publish import PolicyPublisher
+
+log = logging.getLogger("hpcrl.trainer")
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> float:
+    """Collective over trainer ranks. Returns seconds spent."""
+    t0 = time.perf_counter()
+    world = _world()
+    final = pub.paths.broadcast_dir(step)
+    if pub.rank == 0 and final.exists():
+        shutil.rmtree(final)  # a partial publish of this step (a killed run): never mixed with this one
+    _barrier()
+    bucket = max(1, int(pub.shard_bucket_mb * 2**20))
+    pieces = policy_pieces(model, pub.rank, dtype=pub.dtype)
+    delta_meta, sync_bytes = None, None
+    if pub.delta:  # O(shard): this rank's pieces on the host, and its previous ones
+        held = [Piece(p.name, p.shape, p.row0, p.tensor.detach().to("cpu", copy=True)) for p in pieces]
+        delta, sync_bytes = _shard_delta(pub, held, step, world)
+        if delta is not None:
+            written = write_delta(final, pub.rank, delta, held)
+            delta_meta = {
+                "base_step": pub._prev_step,
+                "base_checksum": pub._prev_checksum,
+                "files": [delta_file(r) for r in range(world)],
+            }
+        else:
+            written = write_pieces(final, pub.rank, held, bucket)
+        _remember(pub, held, step, delta)
+    else:
+        written = write_pieces(final, pub.rank, pieces, bucket)
+    pub.last_rank_bytes = written.nbytes
+    _barrier()  # every rank's pieces and entries are durable
+    if pub.rank != 0:
+        return time.perf_counter() - t0
+    m = finish(final, step, world, delta=delta_meta)
+    pub.last_sync_bytes = m.num_bytes if sync_bytes is None else sync_bytes
+    pub._bases[step] = None if delta_meta is None else delta_meta["base_step"]
+    if pub.delta:
+        pub._prev_checksum = m.checksum
+    pub.bus.publish_policy(
+        PolicyReady(
+            step=step,
+            transport="filesystem",
+            path=str(final),
+            checksum=m.checksum,
+            num_params=m.num_params,
+            num_bytes=m.num_bytes,
+            base_step=pub._bases[step],
+            sync_bytes=pub.last_sync_bytes,
+        )
+    )
+    pub._clean_behind(step)
+    dt = time.perf_counter() - t0
+    log.info(
+        "policy %d published (filesystem, sharded over %d rank(s), %.1f MB, rank 0 wrote %.1f MB in %d "
+        "file(s), %.2fs, checksum %s)",
+        step,
+        world,
+        m.num_bytes / 1e6,
+        written.nbytes / 1e6,
+        written.files,
+        dt,
+        m.checksum[:12],
+    )
+    return dt
+
+
+def _shard_delta(pub: PolicyPublisher, pieces: list[Piece], step: int, world: int) -> tuple[Any, int | None]:
+    """This rank's delta against its previous pieces, or None for a full sync: the first, every
+    `full_every`, and whenever the ranks' deltas together would not be smaller (the same answer on
+    every rank: the sizes go to all). Also the bytes every rank sends together (None: full)."""
+    import torch.distributed as dist
+
+    from hpcrl.weights.delta import encode_delta
+
+    if pub._prev is None or pub._prev_step >= step or step - pub._last_full >= pub.full_every:
+        return None, None
+    delta = encode_delta(pub._prev, {p.key: p.tensor for p in pieces}, pub._prev_step, "")
+    sizes = [(delta.nbytes, sum(p.nbytes for p in pieces))]
+    if world > 1:
+        sizes = [None] * world
+        dist.all_gather_object(sizes, (delta.nbytes, sum(p.nbytes for p in pieces)))
+    total, full = sum(a for a, _ in sizes), sum(b for _, b in sizes)
+    return (delta, total) if total < full else (None, None)
+
+
+def _remember(pub: PolicyPublisher, pieces: list[Piece], step: int, delta: Any) -> None:
+    """Keep this rank's policy pieces as the next delta's base (applying the delta touches only the
+    changed elements)."""
+    from hpcrl.weights.delta import apply_delta
+
+    if delta is None or pub._prev is None:
+        pub._prev = {p.key: p.tensor for p in pieces}
+        pub._last_full = step
+    else:
+        apply_delta(pub._prev, delta)
+    pub._prev_step = step
+
+
+def _decide(pub: PolicyPublisher) -> str:
+    """Rank 0's choice of transport for this policy, the same on every rank (one tiny collective):
+    files once the orchestrator reported a dead server of the weight group."""
+    import torch.distributed as dist
+
+    choice = [pub.transport]
+    if pub.rank == 0 and pub.transport == "collective" and pub.paths.weights_fallback_file.exists():
+        log.warning("a server of the weight group died: publishing policies as files from now on")
+        choice = ["filesystem"]
+    if _world() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> float:
+    """Collective transport, bounded memory: no rank gathers the policy. Collective over trainer ranks.
+
+    Rank 0 sends the header (checksum from every rank's row digests), then streams the tensors as
+    `stream_to_rank0` assembles them, one at a time, into the weight broadcast (`broadcast_stream`:
+    the same wire protocol, receivers unchanged). A failed broadcast (a server died) is told to every
+    rank and all publish the same policy as sharded files, as the gathered path falls back.
+    Host/device memory: a rank's shard in the policy dtype; rank 0 also one tensor and one bucket.
+    Rank 0's link still carries every byte to the servers (see docs/weights.md)."""
+    import torch.distributed as dist
+
+    from hpcrl.trainer.stream import stream_to_rank0
+
+    if _decide(pub) == "filesystem":
+        if pub.rank == 0:
+            pub._fall_back_to_files()
+        else:
+            pub.transport = "filesystem"
+        return publish_sharded(pub, model, step)
+    t0 = time.perf_counter()
+    world = _world()
+    st = stream_to_rank0(model, pub.rank, pub.dtype, chunk_bytes=max(1, int(pub.bucket_mb * 2**20)))
+    pub.last_rank_bytes = st.sent_bytes
+    if pub.rank != 0:
+        for _ in st.tensors:  # sends this rank's pieces to rank 0
+            pass
+        failed = [False]
+        dist.broadcast_object_list(failed, src=0)
+        if failed[0]:
+            pub.transport = "filesystem"
+            return publish_sharded(pub, model, step)
+        return time.perf_counter() - t0
+    from hpcrl.weights.collective import broadcast_stream
+
+    checksum, names, layout, nbytes = st.checksum, st.names, st.layout, st.num_bytes
+    pub.last_sync_bytes = pub.last_rank_bytes = nbytes
+    pub._bases[step] = None
+    pub.bus.publish_policy(
+        PolicyReady(
+            step=step,
+            transport="collective",
+            checksum=checksum,
+            num_params=st.num_params,
+            num_bytes=nbytes,
+            base_step=None,
+            sync_bytes=nbytes,
+        )
+    )
+    gen = st.tensors
+    failed = [False]
+    try:
+        broadcast_stream(pub.group, [(n, *layout[n]) for n in names], gen, step, bucket_mb=pub.bucket_mb,
+                         checksum=checksum)  # fmt: skip
+    except RuntimeError as e:  # a receiver died mid-broadcast: drain the other ranks' sends, then files
+        log.warning("weight broadcast of policy %d failed (%s): publishing it and every later policy as "
+                    "files", step, str(e).splitlines()[0][:200])  # fmt: skip
+        for _ in gen:
+            pass
+        failed = [True]
+    if world > 1:
+        dist.broadcast_object_list(failed, src=0)
+    if failed[0]:
+        pub._fall_back_to_files()
+        return publish_sharded(pub, model, step)
+    pub._clean_behind(step)
+    dt = time.perf_counter() - t0
+    log.info("policy %d published (collective, streamed from %d rank(s), %.1f MB, %.2fs, checksum %s)",
+             step, world, nbytes / 1e6, dt, checksum[:12])  # fmt: skip
+    return dt
