@@ -169,6 +169,14 @@ class Metrics:
         self.jsonl.write(self._record(step, {EXTRA_KEY: "distribution", "name": name, **h}))
         return h
 
+    def log_finished(self, step: int) -> None:
+        """This role has logged everything of its run (a normal finish): a W&B sink in another
+        process keeps following metrics.jsonl until it sees this (the orchestrator's final eval
+        comes after its last training record)."""
+        if self.enabled:
+            assert self.jsonl is not None
+            self.jsonl.write(self._record(step, {EXTRA_KEY: "finished"}))
+
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()

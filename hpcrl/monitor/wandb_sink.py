@@ -113,8 +113,10 @@ class WandbSink:
         multi_role: bool = True,
         poll_s: float = 2.0,
         mode: str | None = None,
+        role: str = "orchestrator",
     ):
         self.cfg = wandb_cfg
+        self.role = role  # the process this sink runs in
         self.paths = paths
         self.name = name
         self.multi_role = multi_role
@@ -125,6 +127,7 @@ class WandbSink:
         self.error: BaseException | None = None
         self.logged = 0
         self.last_step: dict[str, int] = {}
+        self.finished: set[str] = set()  # roles that logged their "finished" record
         self._stop = threading.Event()
         self._wait_for: int | None = None
         self._deadline = 0.0
@@ -176,7 +179,14 @@ class WandbSink:
         wandb.teardown()
 
     def _done(self, step: int) -> bool:
-        return bool(self.last_step) and all(s >= step for s in self.last_step.values())
+        """Every role seen has logged `step`, and the orchestrator (its final eval follows its last
+        training record) has said it is finished when another process writes W&B."""
+        waits = "orchestrator" in self.last_step and self.role != "orchestrator"
+        return (
+            bool(self.last_step)
+            and all(s >= step for s in self.last_step.values())
+            and (not waits or "orchestrator" in self.finished)
+        )
 
     # -- W&B -------------------------------------------------------------------------------------
     def _init(self) -> Any:
@@ -238,6 +248,9 @@ class WandbSink:
             return
         self.last_step[role] = max(step, self.last_step.get(role, step))
         kind = rec.get(EXTRA_KEY)
+        if kind == "finished":
+            self.finished.add(role)
+            return
         if kind is None:
             payload: dict[str, Any] = scalar_payload(rec, self.multi_role)
         elif kind == "distribution" and rec.get("counts") and rec.get("edges"):
@@ -295,4 +308,6 @@ def start_wandb_sink(
     if wandb_cfg is None or not is_writer(cfg, role):
         return _NoSink()
     name = getattr(cfg, "name", None) or Path(paths.root).name
-    return WandbSink(wandb_cfg, paths, name, multi_role=hasattr(cfg, "orchestrator"), poll_s=poll_s).start()
+    return WandbSink(
+        wandb_cfg, paths, name, multi_role=hasattr(cfg, "orchestrator"), poll_s=poll_s, role=role
+    ).start()

@@ -465,6 +465,7 @@ class Orchestrator:
         if self.orch_cfg.eval is not None and self.setup.eval_envs:
             await self.maybe_eval()
         log.info("done: %d steps published", self.cfg.max_steps)
+        self.metrics.log_finished(self.cfg.max_steps)  # a W&B sink in the trainer waits for this
         self.wandb_sink.close(wait_for_step=self.cfg.max_steps)
 
     async def drain(self) -> None:

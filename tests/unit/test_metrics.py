@@ -241,3 +241,26 @@ def test_console_progress_bar(run_dir: Path) -> None:
     console.finish()
     text = buf.getvalue()
     assert "step    2/4 | reward -" in text and "training" in text  # the line, then the bar
+
+
+def test_a_trainer_side_wandb_sink_waits_for_the_orchestrators_finish(tmp_path) -> None:
+    """With HPCRL_WANDB_WRITER=trainer the sink must not stop at the orchestrator's last training
+    record: its final eval (same step) comes after it, then its `finished` record."""
+    from types import SimpleNamespace
+
+    from hpcrl.monitor.metrics import EXTRA_KEY
+    from hpcrl.monitor.wandb_sink import WandbSink
+    from hpcrl.paths import RunPaths
+
+    sink = WandbSink(SimpleNamespace(offline=True), RunPaths(tmp_path), "run", role="trainer")
+    sink.run = SimpleNamespace(log=lambda payload: None)
+    sink._log({"role": "trainer", "step": 3, "loss/mean": 1.0})
+    sink._log({"role": "orchestrator", "step": 3, "reward/all/mean": 0.5})
+    assert not sink._done(3)  # the orchestrator's eval of step 3 may still come
+    sink._log({"role": "orchestrator", "step": 3, EXTRA_KEY: "finished"})
+    assert sink._done(3)
+    own = WandbSink(SimpleNamespace(offline=True), RunPaths(tmp_path), "run", role="orchestrator")
+    own.run = sink.run
+    own._log({"role": "trainer", "step": 3, "loss/mean": 1.0})
+    own._log({"role": "orchestrator", "step": 3, "reward/all/mean": 0.5})
+    assert own._done(3)  # in the orchestrator, close() comes after its own eval
