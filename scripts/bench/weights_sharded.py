@@ -187,9 +187,9 @@ def receive(path: str, checksum: str, out: str) -> None:
 
 def run_one(world: int, spec: str, args: argparse.Namespace, scratch: Path) -> dict:
     from hpcrl.bus import PolicyReady, read_message
-    from hpcrl.runtime import rank_env
     from hpcrl.net import free_port
     from hpcrl.paths import RunPaths
+    from hpcrl.runtime import rank_env
 
     mode, transport = spec.split(":")
     tag = f"{mode}_{transport}_w{world}"
