@@ -173,7 +173,7 @@ def host_plan(cfg: Config, placement: Placement, compute: str = "bfloat16") -> H
     collective = b.transport != "filesystem"  # auto picks collective
     nbytes = BYTES.get(compute, 2)
     ranks, rpn = placement.trainer_ranks, placement.ranks_per_train_node
-    largest = max(arch.vocab * arch.hidden, arch.expert_layer_params if arch.moe else 0)
+    largest = arch.hidden * max(arch.vocab, arch.intermediate)  # experts go under per-expert names
     kw = dict(
         sharded=b.sharded, collective=collective, delta=b.delta, bucket_mb=b.bucket_mb, largest_tensor=largest
     )
