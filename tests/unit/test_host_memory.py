@@ -137,3 +137,29 @@ def test_submit_dry_run_prints_the_host_lines(tmp_path):
         pytest.skip("the local SLURM has no fake GPUs")
     assert r.returncode == 0, out[-2000:]
     assert "host memory per node" in out and "trainer node:" in out and "inference node:" in out, out[-2000:]
+
+
+def test_the_shipped_seed_config_fits_its_1tb_nodes(monkeypatch):
+    """configs/hosted/full_ft_multi_node.toml through submit's plan, sinfo answered with seed 000's
+    nodes (8 GPUs, 1 TiB); with 256 GiB nodes and `sharded = false` it is refused."""
+    from hpcrl.launch import submit
+
+    nodes = [NodeOffer(f"n{i}", 16, 2**20, 8, ("h100",)) for i in range(4)]
+    monkeypatch.setattr(submit, "partition_nodes", lambda partition: nodes)
+    cfg = load(["configs/hosted/full_ft_multi_node.toml", "--slurm.time", "01:00:00"]).config
+    _, lines = submit.slurm_plan(cfg, None)
+    assert any("trainer node: 64.7 GiB of 1024 GiB" in x for x in lines)
+    assert any("inference node: 34.0 GiB of 1024 GiB" in x for x in lines)
+    small = [NodeOffer(f"n{i}", 16, 256 * 1024, 8, ("h100",)) for i in range(4)]
+    monkeypatch.setattr(submit, "partition_nodes", lambda partition: small)
+    gather = load(
+        [
+            "configs/hosted/full_ft_multi_node.toml",
+            "--slurm.time",
+            "01:00:00",
+            "--no-trainer.broadcast.sharded",
+        ]
+    ).config
+    with pytest.raises(ConfigError) as e:
+        submit.slurm_plan(gather, None)
+    assert e.value.path == "trainer.broadcast.sharded"
