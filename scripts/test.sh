@@ -23,10 +23,11 @@ workers=${HPCRL_TEST_WORKERS:-2}
 # Seed 000's multi-node layout (2 + 2 nodes x 8 GPUs) needs a cluster of that shape: the whole run
 # reshapes the fake one for its dry-run test (required to pass then), and puts it back.
 if [ -z "$*" ] && [ -n "$slurm" ]; then
-  if bash scripts/slurm/up.sh --gpus 8 --cpus 16; then
+  # 1 TiB nodes (--mem, MB): the host-memory plan checks a trainer node's sync copies against it
+  if bash scripts/slurm/up.sh --gpus 8 --cpus 16 --mem 1048576; then
     HPCRL_SEED000_CLUSTER=1 .venv/bin/python -m pytest -q tests/integration/test_seed000_dry_run.py || status=$?
   else
-    echo "warning: could not reshape the local SLURM to 8 GPUs x 16 CPUs; seed 000's dry run did not run"
+    echo "warning: could not reshape the local SLURM to 8 GPUs x 16 CPUs x 1 TiB; seed 000's dry run did not run"
   fi
   bash scripts/slurm/up.sh --gpus 4 || true
 fi

@@ -1,7 +1,7 @@
 """Seed 000's multi-node example (2 train + 2 inference nodes x 8 GPUs; impl custom, ep 8,
 flash_attention_3, tp 8) through `hpcrl submit --dry-run` on the GPU-shaped SLURM
-(`sudo bash scripts/slurm/up.sh --gpus 8 --cpus 16`): the placement plan, the memory plan and the
-ep groups print, and sbatch --test-only accepts the job.
+(`sudo bash scripts/slurm/up.sh --gpus 8 --cpus 16 --mem 1048576`): the placement plan, the memory plan,
+the host-memory plan per node and the ep groups print, and sbatch --test-only accepts the job.
 
 configs/hosted/full_ft_multi_node.toml is that example (impl custom, ep 8, flash_attention_3, tp 8).
 The full_finetune shape turns activation checkpointing on unless told otherwise, and the trainer
@@ -28,8 +28,8 @@ SEED: list[str] = []
 @pytest.fixture(scope="module")
 def seed_cluster(cluster):  # noqa: F811
     nodes = partition_nodes(None) or []
-    if len([n for n in nodes if n.gpus >= 8 and n.cpus >= 16]) < 4:
-        why = "needs 4 nodes x 8 fake GPUs x 16 CPUs (sudo bash scripts/slurm/up.sh --gpus 8 --cpus 16)"
+    if len([n for n in nodes if n.gpus >= 8 and n.cpus >= 16 and n.mem_mb >= 2**20]) < 4:
+        why = "needs 4 nodes x 8 fake GPUs x 16 CPUs x 1 TiB (sudo bash scripts/slurm/up.sh --gpus 8 --cpus 16 --mem 1048576)"
         if os.environ.get("HPCRL_SEED000_CLUSTER"):  # scripts/test.sh shaped the cluster for this test
             pytest.fail(why)
         pytest.skip(why)
@@ -55,5 +55,7 @@ def test_seed000_multi_node_dry_run_prints_plan_memory_and_ep_groups(seed_cluste
     assert "trainer rank (16 ranks, FSDP 16, ep 8; bf16 compute, fp32 master)" in out and " of 80 GiB" in out
     assert "inference GPU (tp 8, bf16" in out and "KV cache" in out
     # ep groups: one per trainer node
+    # host memory per node at a weight sync (sharded, collective): docs/memory.md's figures
+    assert "trainer node: 64.7 GiB of 1024 GiB" in out and "inference node: 34.0 GiB of 1024 GiB" in out
     assert "ep groups:  2 x 8 ranks" in out and "[0-7] [8-15]" in out
     assert "sbatch --test-only: OK" in out

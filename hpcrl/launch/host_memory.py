@@ -1,0 +1,228 @@
+"""The dry-run host-memory plan: what a trainer node and an inference node hold in host memory at a
+weight sync and a checkpoint, against the node's memory (sinfo) and `slurm.mem`.
+
+    host = host_plan(cfg, placement)           # HostPlan, or None when the architecture is unknown
+    host.lines()                               # the dry-run lines: one per trainer / inference node
+    host.check(limit_mb_trainer, limit_mb_inference)   # ConfigError (one line) when a node cannot fit
+
+Pure functions of the config, the placement and the model's parameter count P (hpcrl.models.arch),
+in the policy dtype (the trainer's compute dtype: the publish and the HF export cast to it).
+Per trainer rank, S = P / ranks x dtype bytes its shard, B = trainer.broadcast.bucket_mb:
+  sharded publish, filesystem      S + 2 B               (hpcrl/trainer/sharded_publish.py; an upper
+                                                           bound: docs/weights.md measured ~2 B of host
+                                                           memory, the cast shard lives on the device)
+    + delta                        + S                   (each rank keeps its previous pieces)
+  sharded publish, collective      rank 0: S + 3 B, others S + 2 B  (rank 0 also one received part and
+                                                           one outgoing bucket: measured ~2-3 B)
+  gathered (sharded = false, or delta over the collective transport, which still gathers)
+                                   P on every rank, + P on rank 0 with delta (its previous policy)
+  checkpoint HF export             rank 0: one file (EXPORT_FILE_BYTES) + the largest tensor it is
+                                   assembling (hpcrl/trainer/stream.py export_hf_streamed); other ranks
+                                   send their rows from the device
+A rank's figure is the larger of its publish and its checkpoint (they run one after the other; the
+allocator reuses the first publish's memory).
+Per inference server while loading (hpcrl/inference/loading.py, vllm_worker.py):
+  vLLM, filesystem                 every one of its tp workers keeps the whole policy on the host (the
+                                   base of later deltas, `_hpcrl_full`): tp x P
+  vLLM, collective                 the received tensors stay on the device: one bucket (chunk_mb)
+  hf engine                        the assembled policy: P
+Every process adds PROCESS_BASE_GIB. A node's figure: the processes placed on it (ranks per trainer
+node, servers x tp workers per inference node), rank 0's node for the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpcrl.errors import ConfigError
+from hpcrl.models.arch import find_arch
+
+if TYPE_CHECKING:
+    from hpcrl.config.schema import Config
+    from hpcrl.launch.placement import Placement
+
+GIB = 1024**3
+MIB = 1024**2
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Per process (trainer rank or inference worker): Python + torch + the CUDA context's host side.
+# Issue 39 measured a 302 M-parameter trainer rank (gloo, CPU) at 3.0 GB peak RSS of which 0.6 GB was
+# the publish: ~2.4 GB of interpreter, torch and the training step; the CUDA context and its pinned
+# staging add ~1 GB of host memory per process on a GPU. Rounded up.
+PROCESS_BASE_GIB = 4.0
+EXPORT_FILE_BYTES = 2**30  # export_hf_streamed's max_shard_bytes: rank 0 holds one file's tensors
+
+
+@dataclass(frozen=True)
+class NodeHost:
+    role: str  # trainer / inference
+    processes: int
+    held_gib: float  # what the syncs hold on the node, all processes
+    base_gib: float  # processes x PROCESS_BASE_GIB
+    note: str
+
+    @property
+    def total_gib(self) -> float:
+        return self.held_gib + self.base_gib
+
+
+def trainer_rank_gib(
+    params: int,
+    ranks: int,
+    dtype_bytes: int,
+    *,
+    sharded: bool = True,
+    collective: bool = False,
+    delta: bool = False,
+    bucket_mb: int = 256,
+    rank0: bool = False,
+    largest_tensor: int = 0,
+) -> float:
+    """GiB of host memory one trainer rank holds at a publish or a checkpoint's HF export, whichever is
+    larger (see the module docstring)."""
+    policy = params * dtype_bytes
+    shard, bucket = policy / ranks, bucket_mb * MIB
+    if not sharded or (delta and collective):  # the gathered path
+        publish = policy + (policy if delta and rank0 else 0)
+    elif collective:
+        publish = shard + (3 if rank0 else 2) * bucket
+    else:
+        publish = shard + 2 * bucket + (shard if delta else 0)
+    export = EXPORT_FILE_BYTES + largest_tensor * dtype_bytes if rank0 else 0
+    return max(publish, export) / GIB
+
+
+def server_gib(
+    params: int, dtype_bytes: int, *, tp: int, vllm: bool, collective: bool, chunk_mb: int
+) -> float:
+    """GiB of host memory one inference server holds while loading a policy (all its tp workers)."""
+    if not vllm:
+        return params * dtype_bytes / GIB
+    if collective:
+        return tp * chunk_mb * MIB / GIB
+    return tp * params * dtype_bytes / GIB
+
+
+@dataclass
+class HostPlan:
+    trainer: NodeHost
+    inference: NodeHost
+    sharded: bool
+    delta: bool
+    collective: bool
+
+    def lines(self, limits_mb: tuple[int | None, int | None] = (None, None)) -> list[str]:
+        out = ["  host memory per node (syncs + checkpoint HF export; "
+               f"{PROCESS_BASE_GIB:g} GiB a process for Python, torch, CUDA):"]  # fmt: skip
+        for node, limit in zip((self.trainer, self.inference), limits_mb):
+            of = f" of {limit / 1024:.0f} GiB" if limit else ""
+            out.append(
+                f"    {node.role} node: {node.total_gib:.1f} GiB{of} ({node.processes} processes: "
+                f"{node.held_gib:.1f} held by syncs, {node.base_gib:.1f} baseline; {node.note})"
+            )
+        return out
+
+    def check(self, limits_mb: tuple[int | None, int | None], mem_set: bool = False) -> None:
+        """One-line refusal when a trainer or inference node's host memory cannot hold the plan.
+        A limit of None or 0 (no memory information) is not checked."""
+        for node, limit in zip((self.trainer, self.inference), limits_mb):
+            if not limit or node.total_gib * 1024 <= limit:
+                continue
+            field, fix = self._fix(node, mem_set)
+            raise ConfigError(
+                field,
+                f"{'an' if node.role == 'inference' else 'a'} {node.role} node needs {node.total_gib:.0f} GiB of host memory at a weight sync "
+                f"({node.note}) but has {limit / 1024:.0f} GiB: {fix}",
+            )
+
+    def _fix(self, node: NodeHost, mem_set: bool) -> tuple[str, str]:
+        more = "or more nodes"
+        if mem_set:
+            more = "raise slurm.mem (0 = all of a node's memory) " + more
+        if node.role == "trainer":
+            if not self.sharded:
+                return (
+                    "trainer.broadcast.sharded",
+                    f"trainer.broadcast.sharded = true (O(shard) per rank), {more}",
+                )
+            if self.delta:
+                return (
+                    "trainer.broadcast.delta",
+                    f"trainer.broadcast.delta = false or transport = filesystem (delta per shard), {more}",
+                )
+            return (
+                "trainer.broadcast.bucket_mb",
+                f"a smaller trainer.broadcast.bucket_mb, {more} (deployment.num_train_nodes)",
+            )
+        if not self.collective:
+            return (
+                "trainer.broadcast.transport",
+                f"trainer.broadcast.transport = collective (vLLM keeps no host copy), {more}",
+            )
+        return "inference.parallel.tp", f"fewer servers per node (inference.parallel.tp), {more}"
+
+
+def host_plan(cfg: Config, placement: Placement, compute: str = "bfloat16") -> HostPlan | None:
+    """The host-memory plan of `cfg` placed as `placement`, the policy in `compute` (the trainer's
+    compute dtype); None when the model's architecture is unknown here."""
+    model = cfg.trainer.model or cfg.model
+    arch = find_arch(model.name or cfg.model.name)
+    if arch is None:
+        return None
+    b = cfg.trainer.broadcast
+    collective = b.transport != "filesystem"  # auto picks collective
+    nbytes = BYTES.get(compute, 2)
+    ranks, rpn = placement.trainer_ranks, placement.ranks_per_train_node
+    largest = arch.hidden * max(arch.vocab, arch.intermediate)  # experts go under per-expert names
+    kw = dict(
+        sharded=b.sharded, collective=collective, delta=b.delta, bucket_mb=b.bucket_mb, largest_tensor=largest
+    )
+    r0 = trainer_rank_gib(arch.params, ranks, nbytes, rank0=True, **kw)
+    other = trainer_rank_gib(arch.params, ranks, nbytes, **kw)
+    path = "gathered" if not b.sharded or (b.delta and collective) else "sharded"
+    how = f"{path}, {'collective' if collective else 'filesystem'}" + (", delta" if b.delta else "")
+    trainer = NodeHost(
+        "trainer", rpn, r0 + (rpn - 1) * other, rpn * PROCESS_BASE_GIB,
+        f"{how}: rank 0 {r0:.1f} + {rpn - 1} x {other:.1f} GiB",
+    )  # fmt: skip
+    tp, servers = cfg.inference.parallel.tp, placement.servers_per_infer_node
+    vllm = cfg.inference.backend == "vllm" or (
+        cfg.inference.backend == "auto" and placement.uses_gpus and not placement.cpu_compute
+    )
+    idtype = getattr(cfg.inference.model, "dtype", None) or cfg.model.dtype
+    per = server_gib(
+        arch.params, BYTES.get(idtype, 2), tp=tp, vllm=vllm, collective=collective, chunk_mb=b.chunk_mb
+    )
+    workers = servers * (tp if vllm else 1)
+    kind = ("vLLM" if vllm else "hf") + (", collective" if collective else ", filesystem")
+    inference = NodeHost(
+        "inference", workers, servers * per, workers * PROCESS_BASE_GIB,
+        f"{kind}: {servers} server(s) x {per:.1f} GiB",
+    )  # fmt: skip
+    return HostPlan(trainer, inference, b.sharded, b.delta, collective)
+
+
+def node_limits_mb(requests: list, offer: list | None) -> tuple[int | None, int | None]:
+    """Per role (trainer, inference): the memory a node gives the job, in MB: slurm.mem when set (not 0),
+    else the most any offered node has (sinfo); None when neither is known."""
+    most = max((n.mem_mb for n in offer or []), default=0) or None
+    out: dict[str, int | None] = {}
+    for r in requests:
+        out[r.role] = r.mem_mb if r.mem_mb else most
+    return out.get("trainer", most), out.get("inference", most)
+
+
+def dry_run_lines(cfg: Config, placement: Placement, offer: list | None) -> list[str]:
+    """The host lines of the submit summary; refuses (ConfigError) a plan a node cannot hold when the
+    job computes on GPUs and the node's memory is known (sinfo or slurm.mem)."""
+    from hpcrl.launch.checks import trainer_precision
+    from hpcrl.launch.partition import component_requests
+
+    plan = host_plan(cfg, placement, trainer_precision(cfg, on_gpu=True).compute)
+    if plan is None:
+        return []
+    limits = node_limits_mb(component_requests(cfg, placement), offer) if cfg.slurm else (None, None)
+    if placement.uses_gpus and not placement.cpu_compute:
+        plan.check(limits, mem_set=bool(cfg.slurm and cfg.slurm.mem and cfg.slurm.mem.strip() != "0"))
+        return plan.lines(limits)
+    return plan.lines(limits) + ["    note: CPU compute: the host plan is information, not checked"]
