@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpcrl.monitor.progress import WRITE_EVERY_S, read_progress
+from hpcrl.monitor.progress import STALE_S, read_progress
 from hpcrl.paths import RunPaths
-
-STALE_S = 3 * WRITE_EVERY_S + 2  # a report older than this: the process cannot run its threads
 
 
 def health_lines(paths: RunPaths, running: bool) -> list[str]:

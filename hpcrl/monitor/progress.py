@@ -36,6 +36,7 @@ from pathlib import Path
 log = logging.getLogger("hpcrl.progress")
 
 WRITE_EVERY_S = 2.0  # logs/progress/<role>.json refresh: what `hpcrl status` reads
+STALE_S = 2.5 * WRITE_EVERY_S  # a report older than this: the process cannot run its threads
 STEP_FACTOR = 3.0  # the bound grows to this many times the recent (median) step time
 
 
@@ -154,7 +155,7 @@ class Progress:
         if self.stalls_dir is None:
             return None
         self.stalls_dir.mkdir(parents=True, exist_ok=True)
-        path = self.stalls_dir / f"{_safe(self.role)}-{os.getpid()}-{_safe(why)}.txt"
+        path = self.stalls_dir / f"{_safe(self.role)}-{os.getpid()}-{_safe(why)}-{int(time.time())}.txt"
         with open(path, "w") as f:
             f.write(f"# {self.role} pid {os.getpid()} at {time.strftime('%H:%M:%S')}: {why}\n")
             f.flush()
@@ -273,7 +274,7 @@ def report_of(progress_dir: Path, role_prefix: str) -> str:
     if not rows:
         return f"the {role_prefix} has not reported progress"
     r = max(rows, key=lambda r: r["age_s"])  # the one that reported longest ago
-    state = "unresponsive" if r["age_s"] > 3 * WRITE_EVERY_S + 2 else r.get("state", "running")
+    state = "unresponsive" if r["age_s"] > STALE_S else r.get("state", "running")
     return f"{r['role']} {state}, last reported {r['age_s']:.0f} s ago (last: {r.get('last')})"
 
 

@@ -20,8 +20,9 @@ import json
 import logging
 import re
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("hpcrl.orchestrator")
 
@@ -161,3 +162,27 @@ def _power_of_ten(n: int) -> bool:
     while n >= 10 and n % 10 == 0:
         n //= 10
     return n == 1
+
+
+def check_tools(envs: Mapping[str, Any], renderers: Any, tokenizer: Any) -> None:
+    """Before the first rollout: an env that declares tools under a renderer that cannot render them
+    would error every rollout; a one-line ConfigError instead (the same fix FIXES names)."""
+    from hpcrl.config.errors import ConfigError
+
+    for name, env in sorted(envs.items()):
+        if not getattr(env, "tools", None):
+            continue
+        if renderers is not None:
+            renderer = renderers.get(None)
+            ok, what = getattr(renderer, "supports_tools", True), f"renderer {type(renderer).__name__}"
+        else:
+            ok, what = (
+                "tools" in (getattr(tokenizer, "chat_template", None) or ""),
+                "the tokenizer's chat template",
+            )
+        if not ok:
+            raise ConfigError(
+                "orchestrator.renderer.name",
+                f"env {name} declares {len(env.tools)} tool(s) and {what} cannot render tools: "
+                'name a renderer that can, e.g. orchestrator.renderer.name = "qwen3"',
+            )

@@ -122,6 +122,7 @@ class Orchestrator:
         self.stalls: StallWatch | None = None
 
     async def run(self) -> int:
+        progress.waiting("its own set-up (environments, env servers, tokenizer)")
         self.setup = setup.build(
             self.cfg, self.paths
         )  # fails in one line on a bad env id / args, before any work
@@ -184,6 +185,7 @@ class Orchestrator:
 
     async def connect(self) -> PolicySync:
         wanted, timeout = self.setup.num_servers, self.orch_cfg.policy_timeout_s
+        progress.waiting(f"{wanted} inference server(s) to announce themselves ({self.paths.root / 'bus'})")
         self.bus = Bus(self.paths, role="orchestrator", timeout=timeout)
         servers = self.bus.wait_servers(wanted, timeout=timeout)[:wanted]
         log.info("inference servers: %s", ", ".join(x.base_url for x in servers))

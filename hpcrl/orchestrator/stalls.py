@@ -31,7 +31,7 @@ from typing import Any
 
 from hpcrl.monitor import progress
 from hpcrl.monitor.progress import stacks_of_other
-from hpcrl.orchestrator.servers import ServerSet, is_dead
+from hpcrl.orchestrator.servers import PROBE_TIMEOUT_S, ServerSet, is_dead
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
@@ -50,6 +50,7 @@ class StallWatch:
         self.tick = time.monotonic()
         self.lag_max = 0.0  # since the last metrics()
         self._spied: set[int] = set()
+        self._told: set[int] = set()  # unresponsive servers whose WARNING was logged
 
     # -- the asyncio task ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -89,8 +90,9 @@ class StallWatch:
             if client is None:
                 return
             if await is_dead(client):
-                if pos not in s.unresponsive:
-                    s.unresponsive[pos] = now - age
+                if pos not in s.unresponsive or pos not in self._told:
+                    self._told.add(pos)
+                    s.unresponsive.setdefault(pos, now - age)
                     others = [i for i in s.live() if i != pos and i not in s.unresponsive]
                     log.warning(
                         "%s does not answer /health: %d request(s) unanswered for %.0f s; %s",
@@ -102,6 +104,7 @@ class StallWatch:
                 elif now - s.unresponsive[pos] > s.down_timeout_s:
                     self.kill(pos, now - s.unresponsive[pos])
             elif pos in s.unresponsive:
+                self._told.discard(pos)
                 since = s.unresponsive.pop(pos)
                 log.warning(
                     "%s answers /health again after %.0f s: it takes requests again", s.name(pos), now - since
@@ -111,6 +114,7 @@ class StallWatch:
         """Frozen past the down deadline: end the process so its supervisor restarts it."""
         s, info = self.servers, self.servers.infos[pos]
         s.unresponsive.pop(pos, None)
+        self._told.discard(pos)
         local = info.host in ("127.0.0.1", "localhost", socket.gethostname(), socket.getfqdn())
         if local:
             try:
@@ -135,6 +139,12 @@ class StallWatch:
         if now - self.tick > LOOP_BLOCKED_S:
             parts.append(f"its event loop has not run for {now - self.tick:.0f} s")
         for pos, (n, age) in sorted(self.waiting().items()):
+            if (
+                pos not in s.unresponsive
+                and age >= self.probe_after_s
+                and not health_answers(s.infos[pos].base_url)
+            ):
+                s.unresponsive.setdefault(pos, now - age)  # probe() logs it and takes it back if it answers
             health = "/health unanswered" if pos in s.unresponsive else "/health answers"
             parts.append(f"{n} requests to {s.name(pos)} unanswered for {age:.0f} s; {health}")
             if pos in s.unresponsive and s.infos[pos].pid not in self._spied:
@@ -151,7 +161,7 @@ class StallWatch:
             parts.append(wait)
         return "; ".join(parts) or None
 
-    def extra(self) -> dict[str, Any]:
+    def extra(self) -> dict[str, Any]:  # noqa: D102 - fields of logs/progress/orchestrator.json
         s = self.servers
         return {
             "event_loop_lag_s": round(max(0.0, time.monotonic() - self.tick - TICK_S), 2),
@@ -168,3 +178,17 @@ class StallWatch:
         out = {"orchestrator/event_loop_lag_s": round(self.lag_max, 4)}
         self.lag_max = 0.0
         return out
+
+
+def health_answers(base_url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """GET /health from the progress thread (the event loop may be the thing that is stuck)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/health", timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True  # an error answer (503 while loading) is still an answer
+    except (OSError, ValueError):
+        return False

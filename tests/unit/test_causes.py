@@ -62,3 +62,23 @@ def test_occasional_errors_are_tolerated() -> None:
     c.observe("env", ["ValueError: flaky"] * 8)  # after successes: 8 in a row still end it
     with pytest.raises(SystematicFailure, match="in its last 8 rollouts"):
         c.check()
+
+
+def test_tools_under_a_renderer_without_them_are_refused_at_start_up() -> None:
+    from types import SimpleNamespace
+
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.orchestrator.causes import check_tools
+
+    tool_env = SimpleNamespace(tools=[{"type": "function", "function": {"name": "add"}}])
+    plain_env = SimpleNamespace(tools=None)
+    no_tools = SimpleNamespace(get=lambda kw: SimpleNamespace(supports_tools=False))
+    with_tools = SimpleNamespace(get=lambda kw: SimpleNamespace(supports_tools=True))
+    check_tools({"calc": tool_env, "plain": plain_env}, with_tools, None)
+    check_tools({"plain": plain_env}, no_tools, None)
+    with pytest.raises(ConfigError, match=r'env calc declares 1 tool\(s\) .*renderer.name = "qwen3"'):
+        check_tools({"calc": tool_env}, no_tools, None)
+    template = SimpleNamespace(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ConfigError, match="the tokenizer's chat template cannot render tools"):
+        check_tools({"calc": tool_env}, None, template)
+    check_tools({"calc": tool_env}, None, SimpleNamespace(chat_template="{% if tools %}...{% endif %}"))

@@ -40,10 +40,10 @@ def test_stall_named_once_with_peer_and_stacks(tmp_path, caplog: pytest.LogCaptu
         assert "waiting on policy 16 from the trainer (policy/step_16.msgpack) for 1 s" in line
         assert "trainer_0 running, last reported" in line and "trained step 15" in line
         dumps = sorted(x.name for x in stalls.iterdir())
-        assert any(d.startswith("orchestrator-") and d.endswith("-stall.txt") for d in dumps)
+        assert any(d.startswith("orchestrator-") and "-stall-" in d for d in dumps)
         assert (
             "in test_stall_named_once_with_peer_and_stacks"
-            in next(stalls.glob("orchestrator-*-stall.txt")).read_text()
+            in next(stalls.glob("orchestrator-*-stall-*.txt")).read_text()
         )
         _wait(lambda: json.loads((prog / "orchestrator.json").read_text())["state"] == "stalled")
         p.done()
@@ -51,7 +51,7 @@ def test_stall_named_once_with_peer_and_stacks(tmp_path, caplog: pytest.LogCaptu
         _wait(lambda: any("moving again" in r.getMessage() for r in caplog.records))
     rows = {r["role"]: r for r in read_progress(prog)}
     assert rows["orchestrator"]["stall"] is not None or rows["orchestrator"]["state"] == "running"
-    time.sleep(2 * 2.0 + 2.5)
+    time.sleep(6.0)
     assert "trainer_0 unresponsive" in report_of(prog, "trainer")
     p.stop()
 
