@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("hpcrl.progress")
 
@@ -61,6 +62,9 @@ class Progress:
         self._step_at: float | None = None
         self.culprit: Callable[[float], str | None] = lambda idle: None
         self.extra: Callable[[], dict] = dict  # more fields for the progress file (loop lag, servers)
+        self.dumpers: list[
+            Callable[[Any], None]
+        ] = []  # more stacks for a dump (asyncio tasks), given the file
         self.stalled_since: float | None = None  # monotonic time the stall was named
         self.named_at: float | None = None  # seconds of no progress when it was named (measured)
         self._seen_requests: set[str] = set()
@@ -160,6 +164,11 @@ class Progress:
             f.write(f"# {self.role} pid {os.getpid()} at {time.strftime('%H:%M:%S')}: {why}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+            for dump in self.dumpers:
+                try:
+                    dump(f)
+                except Exception as e:  # noqa: BLE001 - best effort, from another thread
+                    f.write(f"\n(could not dump more: {type(e).__name__}: {e})\n")
         return path
 
     def _request_stacks(self) -> None:

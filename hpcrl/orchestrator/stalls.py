@@ -54,6 +54,9 @@ class StallWatch:
 
     # -- the asyncio task ----------------------------------------------------------------------------
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        if (me := progress.current()) is not None:
+            me.dumpers.append(lambda f: dump_tasks(loop, f))
         next_probe = 0.0
         while True:
             before = time.monotonic()
@@ -192,3 +195,13 @@ def health_answers(base_url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
         return True  # an error answer (503 while loading) is still an answer
     except (OSError, ValueError):
         return False
+
+
+def dump_tasks(loop: asyncio.AbstractEventLoop, f: Any) -> None:
+    """Where each asyncio task of the orchestrator awaits (a thread stack shows only the selector).
+    Read from the progress thread: a diagnostic snapshot, not synchronized with the loop."""
+    tasks = list(asyncio.all_tasks(loop))
+    f.write(f"\n# {len(tasks)} asyncio tasks\n")
+    for t in tasks:
+        f.write(f"\n{t.get_name()} {t.get_coro()!r}\n")
+        t.print_stack(limit=12, file=f)

@@ -62,6 +62,11 @@ class Run:
         return len(p.read_text().splitlines()) if p.exists() else 0
 
     def pid(self, role: str) -> int:
+        if role.startswith("env-"):  # env-server / env-worker of the train env (hpcrl components)
+            doc = json.loads(
+                (self.paths.env_server_dir("train", "reverse-text") / "components.json").read_text()
+            )
+            return doc["server"]["pid"] if role == "env-server" else doc["workers"][0]["pid"]
         return json.loads(self.paths.placement_file(role, 0).read_text())["pid"]
 
     def log(self, role: str) -> str:
@@ -186,8 +191,23 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             ["waiting on batch", "orchestrator unresponsive"],
             past=True,
         )
-        freeze(
-            run, "env server", "env-server-train", "orchestrator", ["rollouts of ['reverse-text']"], past=True
+        freeze(run, "env worker", "env-worker", "orchestrator", ["rollouts of ['reverse-text']"], past=True)
+        # The env server runs no rollout code (its workers do): frozen, it stalls nothing.
+        pid = run.pid("env-server")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            run.wait_steps(3)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        ROWS.append(
+            {
+                "component": "env server",
+                "fault": "SIGSTOP past the bound",
+                "named_s": None,
+                "named_by": "- (not a stall)",
+                "line": "it runs no rollout code: 3 steps published while it was frozen",
+                "outcome": "run goes on",
+            }
         )
         # An inference server frozen past server_down_timeout_s: killed, restarted, brought back.
         pid, mark = run.pid("inference"), len(run.log("orchestrator"))
@@ -263,3 +283,52 @@ def _write_table() -> None:
         for r in ROWS
     )
     Path(target).write_text(head + rows)
+
+
+BROKEN_ENVS = {
+    "every reward raises": (
+        'id = "tests.integration.faulty_env"\nname = "faulty"\nargs = {do = "raise", num_examples = 16}\n',
+        ["env faulty: every rollout fails", "reward function raised on purpose"],
+    ),
+    "env cannot import": (
+        'id = "tests.integration.no_such_env_module"\n',
+        ["no_such_env_module"],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(BROKEN_ENVS))
+def test_broken_env_ends_the_run_naming_env_and_cause(tmp_path: Path, case: str) -> None:
+    table, expected = BROKEN_ENVS[case]
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(
+        rl_toml(20, seq_len=64, max_tokens=8, top=f"stall_warning_s = {BOUND}\n").replace(
+            'id = "reverse-text"\n', table
+        )
+    )
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    res = subprocess.run(
+        _hpcrl("run", str(cfg), "--output-dir", str(out)),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    took = time.monotonic() - t0
+    assert res.returncode != 0, res.stdout[-2000:]
+    last = (res.stderr.strip() or res.stdout.strip()).splitlines()[-1]
+    assert all(e in last for e in expected), last
+    ROWS.append(
+        {
+            "component": "env",
+            "fault": case,
+            "named_s": round(took, 1),
+            "named_by": "orchestrator" if "every rollout" in last else "start-up",
+            "line": last[:260],
+            "outcome": f"run ends (exit {res.returncode})",
+        }
+    )
+    _write_table()
