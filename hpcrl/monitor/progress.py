@@ -37,6 +37,7 @@ from typing import Any
 log = logging.getLogger("hpcrl.progress")
 
 WRITE_EVERY_S = 2.0  # logs/progress/<role>.json refresh: what `hpcrl status` reads
+SELF_FROZEN_S = 5.0  # the thread itself slept this much longer than asked: the process was stopped
 STALE_S = 2.5 * WRITE_EVERY_S  # a report older than this: the process cannot run its threads
 STEP_FACTOR = 3.0  # the bound grows to this many times the recent (median) step time
 
@@ -103,10 +104,21 @@ class Progress:
         return max(self.bound_s, STEP_FACTOR * recent)
 
     def _watch(self) -> None:
-        next_write = 0.0
+        next_write, before = 0.0, time.monotonic()
         while not self._stop.wait(self._poll):
             try:
                 now = time.monotonic()
+                if now - before > max(SELF_FROZEN_S, 5 * self._poll):
+                    # This thread did not run either: the whole process was stopped (SIGSTOP) or
+                    # starved; blaming whoever it waited on would be wrong. Its clock restarts.
+                    log.warning(
+                        "%s: this process did not run for %.0f s (stopped, or starved of CPU)",
+                        self.role,
+                        now - before,
+                    )
+                    self.last = max(self.last, now)
+                    self.on_since = now
+                before = now
                 idle = now - self.last
                 if self.bound_s > 0:
                     self._check(now, idle)

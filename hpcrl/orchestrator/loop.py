@@ -207,7 +207,7 @@ class Orchestrator:
             await sync.join_group(servers)
         self.setup.attach_servers(self.servers, lambda: sync.loaded or 0, lambda: sync.adapter)
         self.stalls = StallWatch(
-            self.paths, self.servers, self.setup.pools, min(10.0, self.cfg.stall_warning_s / 2)
+            self.paths, self.servers, self.setup.pools, min(10.0, self.cfg.stall_warning_s / 2), sync
         )
         if (me := progress.current()) is not None:
             me.culprit, me.extra = self.stalls.culprit, self.stalls.extra

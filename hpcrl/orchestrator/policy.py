@@ -75,6 +75,7 @@ class PolicySync:
         self.adapter: str | None = None
         self.newest_seen = -1  # newest PolicyReady observed (for checkpoint triggers)
         self.load_time = 0.0
+        self.loading: dict[int, tuple[int, float]] = {}  # position -> (policy step, since): stall reports
         self._lock = asyncio.Lock()
         self._bell: asyncio.Event | None = None
         self._bell_fd: int | None = None
@@ -299,9 +300,17 @@ class PolicySync:
     async def _load_or_lose(self, pos: int, msg: PolicyReady) -> None:
         """Load into server `pos`; a server that died meanwhile is marked down instead of failing the run
         (its policy is loaded when it comes back)."""
-        import httpx
 
         client = self.clients[pos]
+        self.loading[pos] = (msg.step, time.monotonic())
+        try:
+            await self._load_with_retries(pos, client, msg)
+        finally:
+            self.loading.pop(pos, None)
+
+    async def _load_with_retries(self, pos: int, client, msg: PolicyReady) -> None:
+        import httpx
+
         for attempt in range(LOAD_TRIES):
             try:
                 await self._load_one(client, msg)

@@ -43,8 +43,15 @@ LOOP_BLOCKED_S = 5.0  # the culprit names the event loop once it has not run for
 
 
 class StallWatch:
-    def __init__(self, paths: RunPaths, servers: ServerSet, pools: Sequence[Any], probe_after_s: float):
-        self.paths, self.servers = paths, servers
+    def __init__(
+        self,
+        paths: RunPaths,
+        servers: ServerSet,
+        pools: Sequence[Any],
+        probe_after_s: float,
+        sync: Any = None,
+    ):
+        self.paths, self.servers, self.sync = paths, servers, sync
         self.pools = [p for p in pools if getattr(p, "servers", None) is servers]
         self.probe_after_s = probe_after_s
         self.tick = time.monotonic()
@@ -71,8 +78,11 @@ class StallWatch:
                     log.debug("stall probe failed: %s", e)
 
     def waiting(self) -> dict[int, tuple[int, float]]:
-        """position -> (requests in flight, seconds since they last had an answer)."""
+        """position -> (requests in flight, seconds since they last had an answer); a policy load
+        in flight counts as one request."""
         now, out = time.monotonic(), {}
+        for pos, (_, since) in list(getattr(self.sync, "loading", {}).items()):
+            out[pos] = (1, now - since)
         for pool in self.pools:
             for pos, n in enumerate(pool.inflight):
                 if n:
@@ -149,7 +159,9 @@ class StallWatch:
             ):
                 s.unresponsive.setdefault(pos, now - age)  # probe() logs it and takes it back if it answers
             health = "/health unanswered" if pos in s.unresponsive else "/health answers"
-            parts.append(f"{n} requests to {s.name(pos)} unanswered for {age:.0f} s; {health}")
+            load = getattr(self.sync, "loading", {}).get(pos)
+            what = f"{n} requests" + (f" (loading policy {load[0]})" if load else "")
+            parts.append(f"{what} to {s.name(pos)} unanswered for {age:.0f} s; {health}")
             if pos in s.unresponsive and s.infos[pos].pid not in self._spied:
                 self._spied.add(s.infos[pos].pid)
                 parts.append(
