@@ -172,7 +172,7 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             "inference server",
             "inference",
             "orchestrator",
-            ["requests to inference server 0", "/health unanswered"],
+            ["to inference server 0", "unanswered for", "/health unanswered"],
             past=True,
         )
         freeze(
