@@ -230,6 +230,21 @@ class RunPaths:
         return self.logs_dir / "placement" / f"{role}_{rank}.json"
 
     @property
+    def causes_file(self) -> Path:
+        """Errored rollouts by env and cause, totals (orchestrator; `hpcrl status` shows the top)."""
+        return self.logs_dir / "causes.json"
+
+    @property
+    def progress_dir(self) -> Path:
+        """logs/progress/<role>.json: what each role last did and what it waits on (stall reports)."""
+        return self.logs_dir / "progress"
+
+    @property
+    def stalls_dir(self) -> Path:
+        """logs/stalls/: Python stacks of every live process, written when a stall is named."""
+        return self.logs_dir / "stalls"
+
+    @property
     def prompts_log(self) -> Path:
         """One JSON line per published step: the example ids trained on (orchestrator)."""
         return self.logs_dir / "prompts.jsonl"

@@ -12,7 +12,7 @@ Paths are prefixes: "trainer" is the whole section, "model.name" one field.
 
 from __future__ import annotations
 
-_COMMON_TOP = ("deterministic", "watchdog_s", "env_files", "log")
+_COMMON_TOP = ("deterministic", "watchdog_s", "stall_warning_s", "env_files", "log")
 
 VIEWS: dict[str, tuple[str, ...]] = {
     "trainer": (

@@ -136,6 +136,15 @@ class Config(Section):
             ge=0,
         ),
     ] = 1800.0
+    stall_warning_s: Annotated[
+        float,
+        D(
+            "A role whose progress stops for this many seconds (or 3x its recent step time, if longer) "
+            "says once, at WARNING, whom it waits on and since when, and writes Python stacks to "
+            "logs/stalls/ (0 = off). Nothing ends: watchdog_s and the timeouts do that.",
+            ge=0,
+        ),
+    ] = 60.0
     env_files: Annotated[
         list[str], D("Files of KEY=VALUE secrets loaded into the environment (never logged).")
     ] = msgspec.field(default_factory=list)

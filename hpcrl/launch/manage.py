@@ -76,7 +76,10 @@ def status(argv: list[str]) -> int:
 
     envs = [r for r in component_rows(paths) if r["env"] != "-"]
     env_lines = ["env servers:", *("  " + line for line in table(envs))] if envs else []
-    print("\n".join(lines + placement_table(paths) + env_lines))
+    from hpcrl.launch.stallview import health_lines
+
+    health = health_lines(paths, job_state(job) == "running" or job.get("target") == "slurm")
+    print("\n".join(lines + health + placement_table(paths) + env_lines))
     return 0
 
 

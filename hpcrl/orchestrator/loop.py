@@ -30,7 +30,7 @@ from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
 from hpcrl.envs.errors import EnvServerFailed
 from hpcrl.errors import UserError
-from hpcrl.monitor import watchdog
+from hpcrl.monitor import progress, watchdog
 from hpcrl.monitor.logging import ENV_LEVEL_VAR, setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
@@ -45,12 +45,14 @@ from hpcrl.orchestrator.batch import (
     repack_batches,
     to_samples,
 )
+from hpcrl.orchestrator.causes import Causes, SystematicFailure
 from hpcrl.orchestrator.eval import run_eval, run_val
 from hpcrl.orchestrator.metrics import PromptsLog, sample_rows, step_metrics
 from hpcrl.orchestrator.packing import PackStats
 from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync
 from hpcrl.orchestrator.pool import teacher_logprobs
 from hpcrl.orchestrator.servers import InferenceUnavailable, ServerSet
+from hpcrl.orchestrator.stalls import StallWatch
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState, check_compatible, load_part, save_part
 from hpcrl.paths import RunPaths
 
@@ -76,6 +78,8 @@ def main(cfg: Config) -> int:
     # Beaten by answered requests, policy loads, published batches and waits on the trainer: a blocked
     # event loop or a wait that never ends stops all of them.
     watchdog.start("orchestrator", cfg.watchdog_s)
+    paths = RunPaths(cfg.output_dir)
+    progress.start("orchestrator", paths.progress_dir, paths.stalls_dir, cfg.stall_warning_s)
     try:
         return asyncio.run(Orchestrator(cfg).run())
     except ShutdownRequested as e:
@@ -84,6 +88,7 @@ def main(cfg: Config) -> int:
     except (
         PolicyMismatch,
         InferenceUnavailable,
+        SystematicFailure,
         EnvServerFailed,
         BusTimeout,
         TimeoutError,
@@ -114,8 +119,11 @@ class Orchestrator:
         self.start = 0  # the checkpoint step this run continues from (0: fresh)
         self.next_ready: list[GroupRecord] = []  # groups carried to the next batch, committed by publish()
         self.pack_stats: PackStats | None = None  # of the batch being published, for its metrics
+        self.causes = Causes(self.orch_cfg.systematic_error_rollouts)  # why rollouts error, per env
+        self.stalls: StallWatch | None = None
 
     async def run(self) -> int:
+        progress.waiting("its own set-up (environments, env servers, tokenizer)")
         self.setup = setup.build(
             self.cfg, self.paths
         )  # fails in one line on a bad env id / args, before any work
@@ -152,7 +160,7 @@ class Orchestrator:
     def start_watchers(self) -> list[asyncio.Task]:
         """Background tasks whose failure ends the run: the reviver of dead servers, and (unless
         deterministic) the loader of every new policy."""
-        tasks = [asyncio.create_task(self.sync.revive())]
+        tasks = [asyncio.create_task(self.sync.revive()), asyncio.create_task(self.stalls.run())]
         if not self.cfg.deterministic:
             tasks.append(asyncio.create_task(self.sync.watch()))
         return tasks
@@ -178,6 +186,7 @@ class Orchestrator:
 
     async def connect(self) -> PolicySync:
         wanted, timeout = self.setup.num_servers, self.orch_cfg.policy_timeout_s
+        progress.waiting(f"{wanted} inference server(s) to announce themselves ({self.paths.root / 'bus'})")
         self.bus = Bus(self.paths, role="orchestrator", timeout=timeout)
         servers = self.bus.wait_servers(wanted, timeout=timeout)[:wanted]
         log.info("inference servers: %s", ", ".join(x.base_url for x in servers))
@@ -198,6 +207,11 @@ class Orchestrator:
         if self.setup.transport == "collective":
             await sync.join_group(servers)
         self.setup.attach_servers(self.servers, lambda: sync.loaded or 0, lambda: sync.adapter)
+        self.stalls = StallWatch(
+            self.paths, self.servers, self.setup.pools, min(10.0, self.cfg.stall_warning_s / 2), sync
+        )
+        if (me := progress.current()) is not None:
+            me.culprit, me.extra = self.stalls.culprit, self.stalls.extra
         self.metrics = Metrics.for_run(self.cfg, self.paths, "orchestrator")
         self.wandb_sink = start_wandb_sink(self.cfg, self.paths, "orchestrator")
         self.prompts = PromptsLog(self.paths)
@@ -287,8 +301,13 @@ class Orchestrator:
             refs = buffer.next_tasks(
                 buffer.num_tasks_to_request(-(-missing // self.orch_cfg.rollouts_per_example))
             )
+            progress.waiting(
+                f"step {step}: rollouts of {sorted({r.env for r in refs})} (env servers, inference)"
+            )
             new = await self.setup.generate(refs, step)
+            progress.done()
             generated += new
+            self.observe_errors(new)
             for ref, g in zip(refs, new):
                 buffer.complete(ref)
                 if judge_group(g, buffer, self.setup.advantage, self.orch_cfg.training_mode, counts):
@@ -313,6 +332,14 @@ class Orchestrator:
         if self.orch_cfg.training_mode == "opd":
             await self.add_teacher_logprobs(groups)
         return groups, generated, counts, time.perf_counter() - t0
+
+    def observe_errors(self, groups: list[GroupRecord]) -> None:
+        """Name each new cause of errored rollouts; end the run on a systematic one (causes.py)."""
+        for g in groups:
+            self.causes.observe(g.env, [r.error for r in g.rollouts])
+        if any(r.errored for g in groups for r in g.rollouts):
+            self.causes.write(self.paths.causes_file)
+        self.causes.check()
 
     def publish(self, step: int, groups: list[GroupRecord], counts: StepCounts) -> list[TrainBatch]:
         samples = to_samples(
@@ -364,10 +391,13 @@ class Orchestrator:
             "policy/loaded": self.sync.loaded,
             "progress/total_samples": p["total_samples"],
             **self.server_metrics(),
+            **self.causes.metrics(),
+            **self.stalls.metrics(),
         }
         m = step_metrics(groups, generated, step, counts, t_policy, t_gen, n_samples, n_tokens, extra)
         self.metrics.log(step, m)
         watchdog.beat(f"published batch {step}")
+        progress.step(step, f"published batch {step}")
         if self.metrics.samples_due(step):
             self.metrics.log_samples(step, sample_rows(groups, self.setup.tokenizer, step))
         if self.metrics.distributions_due(step):

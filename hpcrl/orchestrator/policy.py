@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from hpcrl.bus import Bus, BusTimeout, PolicyReady, ServerInfo, ShutdownRequested, read_message
 from hpcrl.bus.messages import ADAPTER_NAME
-from hpcrl.monitor import watchdog
+from hpcrl.monitor import progress, watchdog
 from hpcrl.orchestrator.servers import ServerSet, is_dead
 from hpcrl.paths import RunPaths
 
@@ -35,8 +35,17 @@ REPUBLISH_S = 60.0  # a failed broadcast is re-published as files within a secon
 BACK_HEALTH_S = 30.0  # a restarted server announces itself once it listens: /health answers at once
 
 
+LOAD_TRIES = 3  # a policy load that fails on the connection, without a session (servers): tries
+
+
 class PolicyMismatch(RuntimeError):
     """A server does not hold the weights the trainer published."""
+
+
+def _reason(e: BaseException) -> str:
+    """`Type: message`, never empty: httpx.ReadError() has no message, its type says what happened."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (no message)"
 
 
 class PolicySync:
@@ -66,6 +75,7 @@ class PolicySync:
         self.adapter: str | None = None
         self.newest_seen = -1  # newest PolicyReady observed (for checkpoint triggers)
         self.load_time = 0.0
+        self.loading: dict[int, tuple[int, float]] = {}  # position -> (policy step, since): stall reports
         self._lock = asyncio.Lock()
         self._bell: asyncio.Event | None = None
         self._bell_fd: int | None = None
@@ -175,7 +185,9 @@ class PolicySync:
             if msg is not None:
                 self.newest_seen = max(self.newest_seen, msg.step)
                 if msg.step >= step:
+                    progress.done()
                     return msg
+            progress.waiting(f"policy {step} from the trainer ({self.paths.policy_file(step)})", "trainer")
             if (stop := self.bus.poll_control()) is not None:
                 raise ShutdownRequested(stop)
             watchdog.beat(f"waiting for policy {step}")  # the trainer's own watchdog covers its stalls
@@ -258,6 +270,7 @@ class PolicySync:
             raise errors[0]
         self.loaded = msg.step
         watchdog.beat(f"loaded policy {msg.step}")
+        progress.moved(f"loaded policy {msg.step}")
         self.adapter = ADAPTER_NAME if msg.adapter else None  # only once every server holds it
         self.load_time += time.perf_counter() - t0
         log.info(
@@ -287,20 +300,40 @@ class PolicySync:
     async def _load_or_lose(self, pos: int, msg: PolicyReady) -> None:
         """Load into server `pos`; a server that died meanwhile is marked down instead of failing the run
         (its policy is loaded when it comes back)."""
-        import httpx
 
         client = self.clients[pos]
+        self.loading[pos] = (msg.step, time.monotonic())
         try:
-            await self._load_one(client, msg)
-        except (httpx.TransportError, PolicyMismatch) as e:
-            if self.servers is None or not await is_dead(client):
-                if isinstance(e, PolicyMismatch):
-                    raise
-                raise PolicyMismatch(
-                    f"server {client.base_url} failed to load policy {msg.step}: {e}"
-                ) from None
-            self.servers.mark_down(pos, f"policy {msg.step} load failed: {e}")
-            self.fall_back_to_files()
+            await self._load_with_retries(pos, client, msg)
+        finally:
+            self.loading.pop(pos, None)
+
+    async def _load_with_retries(self, pos: int, client, msg: PolicyReady) -> None:
+        import httpx
+
+        for attempt in range(LOAD_TRIES):
+            try:
+                await self._load_one(client, msg)
+                return
+            except (httpx.TransportError, PolicyMismatch) as e:
+                if isinstance(e, PolicyMismatch) and (self.servers is None or not await is_dead(client)):
+                    raise  # it answers and holds other weights: that is a real mismatch
+                why = f"policy {msg.step} load failed: {_reason(e)}"
+                if self.servers is None:
+                    if attempt + 1 < LOAD_TRIES:
+                        await asyncio.sleep(1.0 * 2**attempt)
+                        continue
+                    raise PolicyMismatch(
+                        f"server {client.base_url} failed to load policy {msg.step}: {why}"
+                    ) from None
+                # Dead, frozen, or slow once: never the end of the run. It is marked down; `revive`
+                # loads and verifies the current policy once it (or its restarted process) answers.
+                log.warning(
+                    "%s: %s; it takes no requests until it holds the policy", self.servers.name(pos), why
+                )
+                self.servers.mark_down(pos, why)
+                self.fall_back_to_files()
+                return
 
     async def _load_one(self, client, msg: PolicyReady) -> None:
         from hpcrl.inference.client import WeightSyncError
@@ -310,7 +343,7 @@ class PolicySync:
                 r = await client.load_lora_adapter(ADAPTER_NAME, str(msg.path), step=msg.step)
             except WeightSyncError as e:
                 raise PolicyMismatch(
-                    f"server {client.base_url} failed to load the adapter of policy {msg.step}: {e}"
+                    f"server {client.base_url} failed to load the adapter of policy {msg.step}: {_reason(e)}"
                 ) from None
             if r.get("checksum") != msg.checksum:
                 raise PolicyMismatch(
@@ -331,7 +364,9 @@ class PolicySync:
             else:
                 r = await client.update_weights(msg.step, path=msg.path, expected_checksum=msg.checksum)
         except WeightSyncError as e:
-            raise PolicyMismatch(f"server {client.base_url} failed to load policy {msg.step}: {e}") from None
+            raise PolicyMismatch(
+                f"server {client.base_url} failed to load policy {msg.step}: {_reason(e)}"
+            ) from None
         if r.get("checksum") != msg.checksum:
             raise PolicyMismatch(
                 f"server {client.base_url} holds checksum {r.get('checksum')} after loading "
@@ -396,6 +431,9 @@ class PolicySync:
             self.servers.check_deadline()
             for pos in list(self.servers.down):
                 info = self.servers.restarted(pos)
+                same = info is None and self.servers.announced(pos) == self.servers.infos[pos]
+                if same and not await is_dead(self.clients[pos]):
+                    info = self.servers.infos[pos]  # the same process answers again (it was frozen)
                 if info is not None:
                     await self._bring_back(pos, info)
             await asyncio.sleep(poll)

@@ -4,10 +4,11 @@ retries with backoff, moving requests off a dead server, and one clear error whe
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hpcrl.monitor import watchdog
+from hpcrl.monitor import progress, watchdog
 from hpcrl.orchestrator.servers import InferenceUnavailable, ServerSet, is_dead
 
 RETRIES = 5
@@ -48,6 +49,9 @@ class ServerPool:
         self.adapter: Callable[[], str | None] = lambda: None
         self.sem = asyncio.Semaphore(max_concurrent)
         self.inflight = [0] * len(self.clients)
+        # Per server: since when its in-flight requests have had no answer (the last answer, or the
+        # first request sent while none was in flight); read by the stall report (hpcrl.orchestrator.stalls).
+        self.quiet_since = [0.0] * len(self.clients)
         self.retries, self.backoff = retries, backoff
         self.failure_streak = 0
         self.servers = servers
@@ -83,8 +87,10 @@ class ServerPool:
         return [c.base_url for c in self.clients]
 
     def pick(self) -> int:
-        live = self.servers.live() if self.servers is not None else range(len(self.clients))
-        return min(live or range(len(self.clients)), key=lambda i: (self.inflight[i], i))
+        live = self.servers.live() if self.servers is not None else list(range(len(self.clients)))
+        # An unresponsive (frozen) server gets no new requests while another one answers.
+        answering = [i for i in live if self.servers is None or i not in self.servers.unresponsive]
+        return min(answering or live or range(len(self.clients)), key=lambda i: (self.inflight[i], i))
 
     async def call(self, server: int, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """`InferenceClient.<method>(*args, **kwargs)` on one server, retried; see the class doc."""
@@ -98,11 +104,15 @@ class ServerPool:
             while attempt <= self.retries:
                 server = await self._route(server)
                 client = self.clients[server]
+                if not self.inflight[server]:
+                    self.quiet_since[server] = time.monotonic()
                 self.inflight[server] += 1
                 try:
                     out = await getattr(client, method)(*args, **kwargs)
                     self.failure_streak = 0
+                    self.quiet_since[server] = time.monotonic()
                     watchdog.beat("inference answered")
+                    progress.moved("inference answered")
                     return out
                 except httpx.TransportError as e:
                     err = f"{type(e).__name__}: {e}"

@@ -39,6 +39,9 @@ class ServerSet:
         self.infos = list(infos)
         self.down_timeout_s = down_timeout_s
         self.down: dict[int, float] = {}  # position -> time.monotonic() it was marked down
+        # Alive (same process) but not answering /health: no new requests while others answer
+        # (position -> since when; hpcrl.orchestrator.stalls keeps it).
+        self.unresponsive: dict[int, float] = {}
         self.restarts = 0  # servers that came back as a new process (metric inference/server_restarts)
         self.on_address: list[Callable[[int, str], None]] = []  # (position, new base_url) subscribers
         self._up_event: asyncio.Event | None = None
@@ -103,13 +106,21 @@ class ServerSet:
             for notify in self.on_address:
                 notify(pos, info.base_url)
         self.down.pop(pos, None)
-        self.restarts += 1
-        log.warning(
-            "%s is back (pid %d, was %d): policy loaded and verified; sending it requests again",
-            self.name(pos),
-            info.pid,
-            old.pid,
-        )
+        self.unresponsive.pop(pos, None)
+        if info.pid == old.pid and info.created_at == old.created_at:  # the same process answers again
+            log.warning(
+                "%s answers again (pid %d, same process): policy loaded and verified; it rejoins",
+                self.name(pos),
+                info.pid,
+            )
+        else:
+            self.restarts += 1
+            log.warning(
+                "%s is back (pid %d, was %d): policy loaded and verified; sending it requests again",
+                self.name(pos),
+                info.pid,
+                old.pid,
+            )
         if self._up_event is not None:
             self._up_event.set()
 

@@ -324,10 +324,14 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
         )
     eval_sampling = eval_sampling_of(o)
     tokenizer = load_tokenizer(cfg)
+    renderers = load_renderers(cfg, tokenizer)
+    from hpcrl.orchestrator.causes import check_tools
+
+    check_tools({**envs, **{e.env.name: e.env for e in eval_envs}}, renderers, tokenizer)
     return Setup(
         cfg=cfg,
         tokenizer=tokenizer,
-        renderers=load_renderers(cfg, tokenizer),
+        renderers=renderers,
         envs=envs,
         tasks=tasks,
         buffer=buffer,

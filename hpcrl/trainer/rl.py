@@ -18,6 +18,7 @@ import torch
 from hpcrl import checkpoint, runtime
 from hpcrl.bus import Bus, TrainBatch
 from hpcrl.config.schema import Config
+from hpcrl.monitor import progress as role_progress
 from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
@@ -123,6 +124,7 @@ def main(cfg: Config) -> int:
             perf,
         )
         watchdog.beat(f"trained and published step {step}")
+        role_progress.step(step, f"trained and published step {step}")
         if stopping:
             log.warning("stop requested: %s, exiting", ckpt.stop_summary(step))
             announce_stop(bus, tr.dist.rank, ckpt.stop_summary(step))
@@ -144,6 +146,7 @@ def start_rank(cfg: Config, paths: RunPaths) -> Training:
     denv = parallel.dist_env()
     # From here on: a rendezvous, collective or step that never returns ends the process (exit 3).
     watchdog.start(f"trainer[{denv.rank}]", cfg.watchdog_s)
+    role_progress.start(f"trainer_{denv.rank}", paths.progress_dir, paths.stalls_dir, cfg.stall_warning_s)
     watchdog.beat(f"joining the trainer group ({denv.world_size} rank(s)) and loading the model")
     runtime.start_process(cfg, paths, "trainer", denv.rank, port=denv.master_port)  # before CUDA starts
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
@@ -207,6 +210,9 @@ def wait_for_batch(
     while True:
         stopping = parallel.all_reduce(float(stop.is_set()), op="max") > 0
         watchdog.beat(f"waiting for batch {step}")  # waiting on the orchestrator is not a stall of ours
+        role_progress.waiting(
+            f"batch {step} from the orchestrator ({bus.paths.rollout_file(step, ranks[0])})", "orchestrator"
+        )
         if stopping:
             return None, time.perf_counter() - t0
         try:
@@ -219,6 +225,7 @@ def wait_for_batch(
         # Every rank leaves together: a rank that returned while another's wait slice timed out would
         # start the step's collectives (FSDP all-gathers) against that rank's next all-reduce here.
         if parallel.all_reduce(float(len(got) < len(ranks)), op="max") == 0:
+            role_progress.done()
             return merge_batches([got[r] for r in ranks]), time.perf_counter() - t0
 
 

@@ -180,6 +180,15 @@ class OrchestratorConfig(Section):
             gt=0,
         ),
     ] = 300.0
+    systematic_error_rollouts: Annotated[
+        int,
+        D(
+            "End the run when this many rollouts of one env in a row fail with the same cause (never a "
+            "success since the start, or none in that window); the last line names env, cause and fix "
+            "(0 = count errors only).",
+            ge=0,
+        ),
+    ] = 64
     log: Annotated[LogConfig | None, D("Orchestrator log overrides.")] = None
     wandb: Annotated[
         RoleWandbConfig | None,

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The fault matrix of issue 40 (tests/integration/test_fault_matrix.py), and its table in
+# docs/fault_matrix.md: component x fault -> time to name it, what named it and what it said,
+# outcome, data check. About 3-4 minutes on 2 CPU cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+table=$(mktemp)
+HPCRL_FAULT_TABLE="$table" python -m pytest -q -m slow tests/integration/test_fault_matrix.py -p no:cacheprovider "$@"
+python - "$table" <<'PY'
+import re, sys
+from pathlib import Path
+doc = Path("docs/fault_matrix.md")
+text = doc.read_text()
+table = Path(sys.argv[1]).read_text()
+start, end = "<!-- table -->\n", "<!-- /table -->\n"
+doc.write_text(text[: text.index(start) + len(start)] + table + text[text.index(end):])
+PY
+echo "docs/fault_matrix.md updated"

@@ -1,0 +1,76 @@
+"""hpcrl.monitor.progress: a stall is named once within its bound, with whom the role waits on, the
+peer's own report quoted, stacks written; progress afterwards is said once; the bound follows the
+step time; the hot-path report is cheap."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+
+from hpcrl.monitor.progress import Progress, read_progress, report_of
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_stall_named_once_with_peer_and_stacks(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    prog, stalls = tmp_path / "progress", tmp_path / "stalls"
+    peer = Progress("trainer_0", prog, stalls, bound_s=0)  # reports, never names
+    peer.moved("trained step 15")
+    _wait(lambda: (prog / "trainer_0.json").exists())
+    peer.stop()  # a frozen trainer: its file stops being refreshed
+    p = Progress("orchestrator", prog, stalls, bound_s=1.0, poll_s=0.1)
+    with caplog.at_level(logging.WARNING, "hpcrl.progress"):
+        p.waiting("policy 16 from the trainer (policy/step_16.msgpack)", "trainer")
+        t0 = time.monotonic()
+        _wait(lambda: any("no progress" in r.getMessage() for r in caplog.records))
+        named = time.monotonic() - t0
+        time.sleep(0.5)
+        stalls_lines = [r.getMessage() for r in caplog.records if "no progress" in r.getMessage()]
+        assert len(stalls_lines) == 1 and named < 3.0
+        line = stalls_lines[0]
+        assert "orchestrator: no progress for 1 s" in line
+        assert "waiting on policy 16 from the trainer (policy/step_16.msgpack) for 1 s" in line
+        assert "trainer_0 running, last reported" in line and "trained step 15" in line
+        dumps = sorted(x.name for x in stalls.iterdir())
+        assert any(d.startswith("orchestrator-") and "-stall-" in d for d in dumps)
+        assert (
+            "in test_stall_named_once_with_peer_and_stacks"
+            in next(stalls.glob("orchestrator-*-stall-*.txt")).read_text()
+        )
+        _wait(lambda: json.loads((prog / "orchestrator.json").read_text())["state"] == "stalled")
+        p.done()
+        p.moved("loaded policy 16")
+        _wait(lambda: any("moving again" in r.getMessage() for r in caplog.records))
+    rows = {r["role"]: r for r in read_progress(prog)}
+    assert rows["orchestrator"]["stall"] is not None or rows["orchestrator"]["state"] == "running"
+    time.sleep(6.0)
+    assert "trainer_0 unresponsive" in report_of(prog, "trainer")
+    p.stop()
+
+
+def test_bound_follows_step_time() -> None:
+    p = Progress("x", None, None, bound_s=1.0, poll_s=5)
+    for _ in range(4):
+        p._step_at = time.monotonic() - 2.0
+        p.step(1)
+    assert 5.9 < p.bound() < 6.5  # 3x the 2 s steps
+    p.stop()
+
+
+def test_report_cost_is_tiny() -> None:
+    p = Progress("x", None, None, bound_s=0, poll_s=5)
+    n = 200_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        p.moved("inference answered")
+    per_call = (time.perf_counter() - t0) / n
+    assert per_call < 5e-6, per_call
+    p.stop()
