@@ -95,19 +95,19 @@ def test_eval_keeps_the_train_switches_unless_it_sets_its_own() -> None:
         "hpcrl/tiny-qwen3",
         "--orchestrator.train.env",
         '[{id = "reverse-text"}]',
-        "--orchestrator.train.sampling.enable-thinking",
-        "false",
-        "--orchestrator.train.sampling.reasoning-effort",
-        "high",
         "--orchestrator.eval.sampling.temperature",
         "0",
     ]
-    cfg = load(base).config
     from hpcrl.orchestrator.setup import eval_sampling_of
 
-    s = eval_sampling_of(cfg.orchestrator)
-    assert (s.temperature, s.enable_thinking, s.reasoning_effort) == (0, False, "high")
-    cfg = load([*base, "--orchestrator.eval.sampling.enable-thinking", "true"]).config
+    # enable_thinking and reasoning_effort exclude each other (seed docs): one switch at a time
+    thinking = [*base, "--orchestrator.train.sampling.enable-thinking", "false"]
+    s = eval_sampling_of(load(thinking).config.orchestrator)
+    assert (s.temperature, s.enable_thinking, s.reasoning_effort) == (0, False, None)
+    effort = [*base, "--orchestrator.train.sampling.reasoning-effort", "high"]
+    s = eval_sampling_of(load(effort).config.orchestrator)
+    assert (s.temperature, s.enable_thinking, s.reasoning_effort) == (0, None, "high")
+    cfg = load([*thinking, "--orchestrator.eval.sampling.enable-thinking", "true"]).config
     assert eval_sampling_of(cfg.orchestrator).enable_thinking is True
 
 
