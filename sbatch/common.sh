@@ -1,4 +1,4 @@
-# Sourced by sbatch/{trainer,inference,orchestrator}.sh: the contract every role script shares.
+# Sourced by sbatch/{trainer,sft,inference,orchestrator,envs}.sh: the contract every role script shares.
 #
 # Environment (set by the rendered hetjob script, see hpcrl/launch/hetjob.py):
 #   HPCRL_RUN_DIR   (required) the run's output directory on the shared filesystem
@@ -15,6 +15,14 @@
 HPCRL_PYTHON=${HPCRL_PYTHON:-python3}
 export HPCRL_BUS_HOST=${HPCRL_BUS_HOST:-auto}
 export PYTHONUNBUFFERED=1
+
+export_rank_env() {  # the torchrun-style variables of this srun task (trainer and SFT ranks)
+  export RANK=${SLURM_PROCID:?run me under srun}
+  export WORLD_SIZE=${SLURM_STEP_NUM_TASKS:-$SLURM_NTASKS}
+  export LOCAL_RANK=${SLURM_LOCALID:-0}
+  local tasks_per_node=${SLURM_STEP_TASKS_PER_NODE:-1}
+  export LOCAL_WORLD_SIZE=${tasks_per_node%%[(,]*}  # "2(x3)" or "2,1" -> 2
+}
 
 role_config() {  # role_config ROLE -> the config file that role reads
   echo "${HPCRL_CONFIG:-$HPCRL_RUN_DIR/configs/$1.toml}"

@@ -8,11 +8,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-export RANK=${SLURM_PROCID:?run me under srun}
-export WORLD_SIZE=${SLURM_STEP_NUM_TASKS:-$SLURM_NTASKS}
-export LOCAL_RANK=${SLURM_LOCALID:-0}
-tasks_per_node=${SLURM_STEP_TASKS_PER_NODE:-1}
-export LOCAL_WORLD_SIZE=${tasks_per_node%%[(,]*}  # "2(x3)" or "2,1" -> 2
+export_rank_env
 export HPCRL_SFT_CHILD=1
 resume=()
 if [[ ${SLURM_RESTART_COUNT:-0} -gt 0 ]] && compgen -G "$HPCRL_RUN_DIR/checkpoints/step_*/COMPLETE" >/dev/null; then

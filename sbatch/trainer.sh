@@ -8,11 +8,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-export RANK=${SLURM_PROCID:?run me under srun}
-export WORLD_SIZE=${SLURM_STEP_NUM_TASKS:-$SLURM_NTASKS}
-export LOCAL_RANK=${SLURM_LOCALID:-0}
-tasks_per_node=${SLURM_STEP_TASKS_PER_NODE:-1}
-export LOCAL_WORLD_SIZE=${tasks_per_node%%[(,]*}  # "2(x3)" or "2,1" -> 2
+export_rank_env
 config=$(role_config trainer)
 redirect_to_role_log trainer "$RANK"
 exec "$HPCRL_PYTHON" -m hpcrl.cli trainer @ "$config" "$@"
