@@ -81,7 +81,9 @@ def build_training(
     parallel.init_distributed(device)
     if device.type == "cpu":
         # Same numerics on every run of the same config: needed for bitwise-identical resumes.
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # The eager switch alone: torch.use_deterministic_algorithms also imports torch._inductor
+        # to set its config (about 2 s of CPU per rank at start-up), and hpcrl never compiles.
+        torch._C._set_deterministic_algorithms(True, warn_only=True)
     cp = make_cp_group(model_cfg.cp) if model_cfg.cp > 1 else None
     seed_everything(seed, env.rank)
     prec = precision.of_model(model_cfg, on_gpu=device.type == "cuda")

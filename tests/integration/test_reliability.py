@@ -132,38 +132,47 @@ def reference(
     return cfg, weights, prompts, tail
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(3600)
-def test_sigkill_random_role_then_resume_is_lossless(reference, tmp_path: Path) -> None:
-    cfg, ref_weights, ref_prompts, tail = reference
-    rng = random.Random(1234)
-    report = []
-    for trial in range(TRIALS):
-        out = tmp_path / f"trial_{trial}"
-        role = ROLES[trial % len(ROLES)] if trial < len(ROLES) else rng.choice(ROLES)
-        launcher = subprocess.Popen(
-            _hpcrl("run", str(cfg), "--output-dir", str(out)),
-            env=_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        paths = RunPaths(out)
-        # A random moment after the first checkpoint exists (before it there is nothing to resume:
-        # a rerun from scratch is the answer, which needs no test) and before the run could end:
-        # within the first 60 % of what the reference's trainer ran after its first checkpoint.
-        _until_first_checkpoint(paths, launcher)
-        time.sleep(rng.uniform(0.0, 0.6 * tail))
-        victims = [launcher.pid] if role == "launcher" else _role_pids(out, role)
-        killed = launcher.poll() is None and bool(victims)
-        kill_and_reap(victims, launcher, out, f"trial {trial}: processes outlived the launcher")
-        resumed = resume_run(out)
-        detail = f"trial {trial} (killed {role}: {killed}): {resumed.stdout[-1500:]}{resumed.stderr[-1500:]}"
-        assert resumed.returncode == 0, detail
-        weights, prompts = _final_state(out)
-        assert prompts == ref_prompts, f"{detail}\nprompt sequence differs"
-        assert weights.keys() == ref_weights.keys()
-        assert all(weights[k] == ref_weights[k] for k in weights), f"{detail}\nfinal weights differ"
-        report.append((trial, role, killed))
-    assert sum(k for _, _, k in report) >= TRIALS * 3 // 4, (
-        f"too few trials actually killed something: {report}"
+def _trial(cfg: Path, out: Path, role: str, delay: float) -> bool:
+    """Start the run, wait for its first complete checkpoint, sleep `delay`, SIGKILL `role`'s
+    processes (or the launcher) and reap. Returns whether anything was killed."""
+    launcher = subprocess.Popen(
+        _hpcrl("run", str(cfg), "--output-dir", str(out)),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
+    # A moment after the first checkpoint exists (before it there is nothing to resume: a rerun
+    # from scratch is the answer, which needs no test) and before the run could end.
+    _until_first_checkpoint(RunPaths(out), launcher)
+    time.sleep(delay)
+    victims = [launcher.pid] if role == "launcher" else _role_pids(out, role)
+    killed = launcher.poll() is None and bool(victims)
+    kill_and_reap(victims, launcher, out, f"{out.name}: processes outlived the launcher")
+    return killed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_sigkill_random_role_then_resume_is_lossless(reference, tmp_path: Path, trial: int) -> None:
+    """One trial per test item, so pytest-xdist spreads the trials over its workers. The first
+    four trials kill each role in turn, the others a random one, at a random moment within the
+    first 60 % of what the reference's trainer ran after its first checkpoint. A trial whose run
+    ended before the kill landed is run again with the kill right after the first checkpoint:
+    every trial resumes from a real SIGKILL."""
+    cfg, ref_weights, ref_prompts, tail = reference
+    rng = random.Random(1234 + trial)
+    role = ROLES[trial] if trial < len(ROLES) else rng.choice(ROLES)
+    out = tmp_path / f"trial_{trial}"
+    killed = _trial(cfg, out, role, rng.uniform(0.0, 0.6 * tail))
+    if not killed:
+        out = tmp_path / f"trial_{trial}_again"
+        killed = _trial(cfg, out, role, 0.0)
+    assert killed, f"trial {trial}: the run ended before {role} could be killed, twice"
+    resumed = resume_run(out)
+    detail = f"trial {trial} (killed {role}): {resumed.stdout[-1500:]}{resumed.stderr[-1500:]}"
+    assert resumed.returncode == 0, detail
+    weights, prompts = _final_state(out)
+    assert prompts == ref_prompts, f"{detail}\nprompt sequence differs"
+    assert weights.keys() == ref_weights.keys()
+    assert all(weights[k] == ref_weights[k] for k in weights), f"{detail}\nfinal weights differ"
