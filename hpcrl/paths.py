@@ -10,7 +10,8 @@ Nobody else joins path strings for run files. Layout (docs/architecture.md §4):
       bus/moved_aside/<tag>/   bus files newer than a resumed checkpoint
       rollouts/step_N/rank_R.msgpack
       policy/step_N.msgpack
-      control/                 control messages (stop, shutdown, ...)
+      control/                 control messages (stop, shutdown, ...); kill_inference_I.txt: the
+                               orchestrator's order to a server's keepalive to kill frozen pid
       broadcasts/step_N/       filesystem weight broadcast, cleaned behind
       checkpoints/step_N/{trainer,orchestrator}/ + COMPLETE
       weights/step_N/          HF model dir
@@ -150,6 +151,12 @@ class RunPaths:
 
     def control_file(self, name: str) -> Path:
         return self.control_dir / f"{name}.msgpack"
+
+    def kill_order_file(self, index: int) -> Path:
+        """The orchestrator's order to server `index`'s keepalive (hpcrl.launch.keepalive, on the
+        server's node) to SIGKILL the pid written in it: a server frozen past
+        orchestrator.server_down_timeout_s on another host, where the orchestrator cannot kill it."""
+        return self.control_dir / f"kill_inference_{index}.txt"
 
     # -- weights ---------------------------------------------------------------------------
     @property

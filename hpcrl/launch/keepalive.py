@@ -10,6 +10,11 @@ this a dying server task ended the whole hetjob (srun --kill-on-bad-exit); with 
 when the restarts are used up (this process then exits with the server's code). SIGTERM / SIGINT /
 SIGUSR2 are forwarded to the server and stop the restarting. `hpcrl run` applies the same policy to its
 own children (hpcrl.launch.local).
+
+A server frozen past orchestrator.server_down_timeout_s on another host cannot be killed by the
+orchestrator: it writes a kill order (RunPaths.kill_order_file: the frozen pid) instead, which this
+process, on the server's node, carries out; the kill then counts as a crash (restart, backoff).
+An order naming another pid (a process already replaced) is dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 
 RESTART_BACKOFF_S = 1.0  # first restart delay; doubles with each restart
 RESTART_BACKOFF_MAX_S = 30.0
+ORDER_POLL_S = 0.5  # how often a running server's kill order is looked for
 
 
 def restart_delay(restarts: int) -> float:
@@ -43,7 +49,35 @@ def why(rc: int) -> str:
     return f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
 
 
-def keep_alive(cmd: list[str], max_restarts: int, server_file: Path | None, label: str) -> int:
+def ordered_pid(order: Path | None) -> int | None:
+    """The pid a kill order names, or None (no order, or unreadable: a half-written order is read
+    again at the next poll; orders are written atomically, so that is only a foreign file)."""
+    if order is None:
+        return None
+    try:
+        return int(order.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def wait_or_kill(proc: subprocess.Popen, order: Path | None, label: str) -> int:
+    """Wait for the server to exit; carry out a kill order naming it (and drop one naming another
+    pid: an order for a process already replaced)."""
+    while (rc := proc.poll()) is None:
+        pid = ordered_pid(order)
+        if pid is not None and order is not None:
+            order.unlink(missing_ok=True)
+            if pid == proc.pid:
+                print(f"[keepalive] {label}: the orchestrator found pid {pid} frozen; killing it", flush=True)
+                proc.kill()
+                return proc.wait()
+        time.sleep(ORDER_POLL_S)
+    return rc
+
+
+def keep_alive(
+    cmd: list[str], max_restarts: int, server_file: Path | None, label: str, order: Path | None = None
+) -> int:
     stopping: dict[str, int | None] = {"sig": None}
     proc: subprocess.Popen | None = None
 
@@ -57,7 +91,7 @@ def keep_alive(cmd: list[str], max_restarts: int, server_file: Path | None, labe
     restarts = 0
     while True:
         proc = subprocess.Popen(cmd)
-        rc = proc.wait()
+        rc = wait_or_kill(proc, order, label)
         if stopping["sig"] is not None:
             return rc
         if restarts >= max_restarts:
@@ -97,12 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --config or --max-restarts")
     if limit < 0:
         p.error(f"--max-restarts must be >= 0, got {limit}")
-    server_file = None
+    server_file = order = None
     if args.run_dir:
         from hpcrl.paths import RunPaths
 
         server_file = RunPaths(args.run_dir).server_file(args.server_index)
-    return keep_alive(cmd, limit, server_file, f"inference server {args.server_index}")
+        order = RunPaths(args.run_dir).kill_order_file(args.server_index)
+    return keep_alive(cmd, limit, server_file, f"inference server {args.server_index}", order)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ of each server whose in-flight requests have had no answer for PROBE_AFTER_S:
   runs again); it answers again: one line, it takes requests again;
 - unresponsive for longer than orchestrator.server_down_timeout_s: it is killed (SIGKILL, where it
   runs on this host) and marked down, so its supervisor restarts it like a dead one and `revive`
-  brings it back with the current policy; on another host it is marked down and the run ends at
-  the down deadline naming it.
+  brings it back with the current policy; on another host the orchestrator cannot signal it, so it
+  writes a kill order that the server's keepalive on that node carries out (RunPaths.kill_order_file,
+  hpcrl.launch.keepalive), with the same outcome.
 
 `culprit` runs on the progress thread (it works while the event loop is blocked) and names what the
 orchestrator waits on: unanswered requests per server with the age and whether /health answers, a
@@ -29,6 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hpcrl.fileio import write_text
 from hpcrl.monitor import progress
 from hpcrl.monitor.progress import stacks_of_other
 from hpcrl.orchestrator.servers import PROBE_TIMEOUT_S, ServerSet, is_dead
@@ -135,8 +137,13 @@ class StallWatch:
                 what = f"killed pid {info.pid} so that its supervisor restarts it"
             except OSError as e:
                 what = f"could not kill pid {info.pid} ({e})"
-        else:
-            what = f"it runs on {info.host}, not here: it cannot be killed from the orchestrator"
+        else:  # its keepalive on that node carries the order out (hpcrl.launch.keepalive)
+            order = self.paths.kill_order_file(info.index)
+            try:
+                write_text(order, f"{info.pid}\n")
+                what = f"it runs on {info.host}: ordered its keepalive there to kill pid {info.pid} ({order})"
+            except OSError as e:
+                what = f"it runs on {info.host} and the kill order could not be written ({e})"
         log.warning(
             "%s frozen for %.0f s (> orchestrator.server_down_timeout_s = %.0f): %s",
             s.name(pos),

@@ -98,3 +98,49 @@ def test_a_server_that_keeps_dying_ends_the_task_after_its_restarts(tmp_path: Pa
 
 def test_restart_backoff_doubles_and_is_capped() -> None:
     assert [restart_delay(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+# Never exits by itself: it appends its pid to runs.txt and sleeps until killed or stopped.
+FOREVER = """
+import os, signal, sys, time
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+time.sleep(120)
+"""
+
+
+def _wait_runs(tmp: Path, n: int, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while len(_runs(tmp)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _runs(tmp)
+
+
+@pytest.mark.timeout(60)
+def test_a_kill_order_for_the_running_pid_kills_and_restarts_it_and_a_stale_one_is_dropped(
+    tmp_path: Path,
+) -> None:
+    """What the orchestrator's kill order does on the server's node (a server frozen past
+    orchestrator.server_down_timeout_s on another host): the named pid is killed and restarted as a
+    crashed one; an order naming a pid that is not the running server is removed unexecuted."""
+    order = RunPaths(tmp_path / "run").kill_order_file(0)
+    order.parent.mkdir(parents=True)
+    ka = _keepalive(tmp_path, FOREVER, "--max-restarts", "3")
+    (first,) = _wait_runs(tmp_path, 1)
+    order.write_text("999999999\n")  # an older process's pid: dropped, nothing killed
+    deadline = time.monotonic() + 10
+    while order.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not order.exists()
+    time.sleep(1.0)
+    assert _runs(tmp_path) == [first]
+    order.write_text(f"{first}\n")
+    runs = _wait_runs(tmp_path, 2)
+    assert len(runs) == 2 and runs[0] == first and runs[1] != first, runs
+    assert not order.exists()
+    ka.send_signal(signal.SIGTERM)
+    out, _ = ka.communicate(timeout=20)
+    assert ka.returncode == 143, out
+    assert f"inference server 0: the orchestrator found pid {first} frozen; killing it" in out
+    assert "inference server 0 was killed by signal 9; restarting it (1/3) in 1s" in out
