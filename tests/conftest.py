@@ -138,11 +138,56 @@ def inference_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     server.stop()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (scripts/test.sh runs the suite on two workers), the tests that submit jobs
-    to the one local SLURM cluster run on one worker, one after another (`--dist loadgroup`)."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("slurm") is not None:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+# Test files whose items use a module-scoped fixture but are spread over both workers on purpose: each
+# reliability trial is its own item so the 20 trials run on both workers (the reference run twice).
+_SPREAD = {"tests/integration/test_reliability.py"}
+
+
+def _module_fixture_user(item: pytest.Item) -> bool:
+    """Whether the test uses a module-scoped fixture (a run, a server, a model built once per file)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name)
+        if defs and defs[-1].scope == "module":
+            return True
+    return False
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    """Under pytest-xdist (scripts/test.sh runs the suite on two workers, `--dist loadgroup`):
+    - the tests that submit jobs to the one local SLURM cluster run on one worker, one after another;
+    - the tests of a file that share a module-scoped fixture (a whole run, a server, a built model)
+      run on one worker, so the fixture is set up once, not once per worker (xdist hands out the
+      first quarter of the suite round-robin, one test at a time: a file's tests land on both).
+    A test that names its own xdist_group keeps it (one group per test: xdist joins several names)."""
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            if item.get_closest_marker("xdist_group") is not None:
+                continue
+            if item.get_closest_marker("slurm") is not None:
+                item.add_marker(pytest.mark.xdist_group("slurm"))
+                continue
+            path = item.nodeid.split("::")[0]
+            if path not in _SPREAD and _module_fixture_user(item):
+                item.add_marker(pytest.mark.xdist_group(path))
+    result = yield
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        for item in items:
+            _stick_group(item)
+    return result
+
+
+def _stick_group(item: pytest.Item) -> None:
+    """xdist (3.8) groups a test by a "@group" suffix it writes to `item._nodeid`; pytest 9 keeps the
+    id in `item._id`, so that write is lost and every group was spread over both workers (SLURM
+    jobs at the same time, shared fixtures set up twice). Write the suffix where pytest 9 reads it."""
+    names = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+    if not names or "@" in item.nodeid.rpartition("]")[2].rpartition("::")[2]:
+        return  # no group, or xdist's own suffix took (pytest before 9)
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")

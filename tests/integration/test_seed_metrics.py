@@ -1,6 +1,8 @@
 """What the seeds promise, shown on real processes: a demo RL run (hosted shape, `[eval]` with no
 `[[eval.env]]`) logs every metric name tests/seed_names.toml marks rl-cpu, eval of the training env
-included; seed 004's self-hosted example passes `hpcrl run --dry-run` and says how its GPUs were split."""
+included; seed 004's self-hosted example passes `hpcrl run --dry-run` and says how its GPUs were split.
+The demo run also names its model by a Hub id that exists only in a local Hugging Face cache, with
+HF_HUB_OFFLINE=1 (test_hub_run.py's training run, folded into this one: one run, not two)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.models.hub import seed_cache
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
 from tests.unit.test_seed_names import rl_cpu_metric_names
 
 REPO = Path(__file__).resolve().parents[2]
+HUB_ID = "tiny-org/tiny-qwen3"
 HOSTED_WITH_EVAL = """
 model = "{model}"
 max_steps = 2
@@ -35,8 +39,11 @@ eval_base_model = false
 """
 
 
-def _hpcrl(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def _hpcrl(*args: str, cwd: Path, timeout: float, hf_home: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOME": str(cwd)}
+    if hf_home is not None:  # only the local cache, offline: no network, no user HF settings
+        env = {k: v for k, v in env.items() if not k.startswith("HF_")}
+        env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     env |= {"WANDB_SILENT": "true", "WANDB_MODE": "offline"}
     for var in ("WANDB_API_KEY", "WANDB_DIR"):
         env.pop(var, None)
@@ -51,17 +58,33 @@ def _hpcrl(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess
     )
 
 
-@pytest.mark.timeout(300)
-def test_demo_rl_run_logs_every_seed_metric_name(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def demo_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """(the finished `hpcrl run`, its output dir, the cached snapshot its model id resolves to).
+
+    One run checked by both tests below. The model is named by a Hub id seeded into a local HF cache
+    and resolved offline; it is the same tiny model either way, and the metric names, W&B sink and
+    log levels checked do not depend on where the weights were found."""
+    tmp_path = tmp_path_factory.mktemp("seed_metrics")
+    hf_home = tmp_path / "hf"
+    snap = seed_cache(tiny_model_dir, HUB_ID, hf_home / "hub")
     cfg = tmp_path / "hosted.toml"
-    cfg.write_text(HOSTED_WITH_EVAL.format(model=tiny_model_dir))
+    cfg.write_text(HOSTED_WITH_EVAL.format(model=HUB_ID))
     out = tmp_path / "run"
     extras = (  # per-role log extras do what they say: trainer tables at half the rows, none from the orchestrator
         *("--wandb", "--wandb.offline", "--wandb.log-extras.interval", "1"),
         *("--trainer.wandb.log-extras.sample-ratio", "0.5", "--no-orchestrator.wandb.log-extras.samples"),
         *("--orchestrator.log.vf-level", "warning"),  # env servers and workers log at it (seed: info)
     )
-    proc = _hpcrl("run", str(cfg), "--output-dir", str(out), *extras, cwd=tmp_path, timeout=280)
+    proc = _hpcrl(
+        "run", str(cfg), "--output-dir", str(out), *extras, cwd=tmp_path, timeout=280, hf_home=hf_home
+    )
+    return proc, out, snap
+
+
+@pytest.mark.timeout(300)
+def test_demo_rl_run_logs_every_seed_metric_name(demo_run) -> None:
+    proc, out, _ = demo_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[eval] has no [[eval.env]]: evaluating the training env(s) reverse-text" in proc.stdout
     records = read_metrics(RunPaths(out).metrics_file)
@@ -94,6 +117,15 @@ def test_demo_rl_run_logs_every_seed_metric_name(tiny_model_dir: Path, tmp_path:
     assert run.exited
     logged = {k for h in run.history for k in h}
     assert {"loss/mean", "reward/all/mean", "policy/kl", "eval/reverse-text/avg@2"} <= logged, sorted(logged)
+
+
+@pytest.mark.timeout(300)
+def test_demo_runs_two_steps_from_a_hub_id_in_the_cache(demo_run) -> None:
+    proc, out, snap = demo_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "step    2/2" in proc.stdout and "hpcrl: run finished" in proc.stdout
+    # The trainer really loaded the cached snapshot (not a built-in tiny model).
+    assert f"model {snap}" in (out / "logs" / "trainer.log").read_text()
 
 
 def test_seed004_self_hosted_example_dry_run(tmp_path: Path) -> None:

@@ -71,11 +71,28 @@ def _hpcrl(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
-    cfg, out = tmp_path / "vf1.toml", tmp_path / "run"
-    cfg.write_text(CONFIG)
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One v1-env training run shared by the tests below (it used to be two runs, 3 steps on the dense
+    tiny-qwen3-think and 2 on a tiny MoE): 3 steps on a tiny MoE with the same Qwen3 template. The
+    dense run's checks hold on it unchanged: the v1 path (verifiers' env server and workers, the
+    harness, the qwen3 renderer's bridge, the traces hpcrl turns into samples) never looks at the
+    MLP, and router replay only adds the routing rows to the same samples; token exactness
+    (mismatch_kl) is what replay is for. The dense model's own RL path stays covered by
+    test_renderer_rollouts (tool-think, qwen3 renderer, token-exact)."""
+    tmp = tmp_path_factory.mktemp("vf1_moe")
+    model = tmp / "tiny-moe-qwen3"
+    made = _hpcrl("make-tiny-model", str(model), "--preset", "tiny-moe", "--template", "qwen3")
+    assert made.returncode == 0, made.stderr[-2000:]
+    cfg, out = tmp / "vf1.toml", tmp / "run"
+    cfg.write_text(CONFIG.replace("hpcrl/tiny-qwen3-think", str(model)))
     proc = _hpcrl("run", str(cfg), "--output-dir", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_a_v1_env_trains_to_max_steps(moe_run: Path) -> None:
+    out = moe_run
     rows = read_metrics(RunPaths(out).metrics_file)
     orch = [m for m in rows if m.get("role") == "orchestrator" and "reward/vf1_tool_env/mean" in m]
     assert [m["step"] for m in orch] == [1, 2, 3]
@@ -96,6 +113,19 @@ def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
     orch_log = (out / "logs" / "orchestrator.log").read_text()
     assert orch_log.count("running it in the local 'subprocess' runtime") == 1
 
+
+def test_a_v1_env_on_an_moe_model_replays_the_servers_routing(moe_run: Path) -> None:
+    """verifiers' training client asks /inference/v1/generate for the routing (bridged turns send
+    routed_experts_prompt_start), its traces keep it per node, hpcrl turns them into per-turn rows and
+    the trainer replays them: the replay hit rate is reported, i.e. replayed slots reached the trainer."""
+    assert not _surviving_servers(moe_run)
+    rows = read_metrics(RunPaths(moe_run).metrics_file)
+    trainer = [m for m in rows if m.get("role") == "trainer" and "moe/replay_hit_rate" in m]
+    assert [m["step"] for m in trainer] == [1, 2, 3], [m for m in rows if m.get("role") == "trainer"][:1]
+    assert all(0.0 < m["moe/replay_hit_rate"] <= 1.0 for m in trainer)
+
+
+def test_hpcrl_eval_runs_a_v1_env(tmp_path: Path) -> None:
     ev = tmp_path / "eval"
     proc = _hpcrl("eval", ENV_ID, "-m", "hpcrl/tiny-qwen3-think", "-n", "4", "-r", "2", "-t", "16",
                   "--renderer.name", "qwen3", "--output-dir", str(ev))  # fmt: skip
@@ -105,26 +135,6 @@ def test_a_v1_env_trains_to_max_steps_and_evals(tmp_path: Path) -> None:
     assert all(r["num_turns"] == 3 and r["completion_tokens"] > 0 for r in results)
     assert all({"correct", "digits", "turns"} <= set(r["metrics"]) for r in results)
     assert all(r["completion"] and r["completion"][0]["role"] == "assistant" for r in results)
-
-
-def test_a_v1_env_on_an_moe_model_replays_the_servers_routing(tmp_path: Path) -> None:
-    """verifiers' training client asks /inference/v1/generate for the routing (bridged turns send
-    routed_experts_prompt_start), its traces keep it per node, hpcrl turns them into per-turn rows and
-    the trainer replays them: the replay hit rate is reported, i.e. replayed slots reached the trainer."""
-    model = tmp_path / "tiny-moe-qwen3"
-    made = _hpcrl("make-tiny-model", str(model), "--preset", "tiny-moe", "--template", "qwen3")
-    assert made.returncode == 0, made.stderr[-2000:]
-    cfg, out = tmp_path / "vf1.toml", tmp_path / "run"
-    cfg.write_text(
-        CONFIG.replace("max_steps = 3", "max_steps = 2").replace("hpcrl/tiny-qwen3-think", str(model))
-    )
-    proc = _hpcrl("run", str(cfg), "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not _surviving_servers(out)
-    rows = read_metrics(RunPaths(out).metrics_file)
-    trainer = [m for m in rows if m.get("role") == "trainer" and "moe/replay_hit_rate" in m]
-    assert [m["step"] for m in trainer] == [1, 2], [m for m in rows if m.get("role") == "trainer"][:1]
-    assert all(0.0 < m["moe/replay_hit_rate"] <= 1.0 for m in trainer)
 
 
 @pytest.mark.parametrize(
