@@ -22,8 +22,10 @@ Per trainer rank, S = P / ranks x dtype bytes its shard, B = trainer.broadcast.b
 A rank's figure is the larger of its publish and its checkpoint (they run one after the other; the
 allocator reuses the first publish's memory).
 Per inference server while loading (hpcrl/inference/loading.py, vllm_worker.py):
-  vLLM, filesystem                 every one of its tp workers keeps the whole policy on the host (the
+  vLLM, filesystem, delta          every one of its tp workers keeps the whole policy on the host (the
                                    base of later deltas, `_hpcrl_full`): tp x P
+  vLLM, filesystem, no delta       sharded publish: each worker holds the tensor being loaded (the
+                                   largest tensor); one file (sharded = false): the whole dict, tp x P
   vLLM, collective                 the received tensors stay on the device: one bucket (chunk_mb)
   hf engine                        the assembled policy: P
 Every process adds PROCESS_BASE_GIB. A node's figure: the processes placed on it (ranks per trainer
@@ -93,14 +95,25 @@ def trainer_rank_gib(
 
 
 def server_gib(
-    params: int, dtype_bytes: int, *, tp: int, vllm: bool, collective: bool, chunk_mb: int
+    params: int,
+    dtype_bytes: int,
+    *,
+    tp: int,
+    vllm: bool,
+    collective: bool,
+    chunk_mb: int,
+    delta: bool = True,
+    sharded: bool = False,
+    largest_tensor: int = 0,
 ) -> float:
     """GiB of host memory one inference server holds while loading a policy (all its tp workers)."""
     if not vllm:
         return params * dtype_bytes / GIB
     if collective:
         return tp * chunk_mb * MIB / GIB
-    return tp * params * dtype_bytes / GIB
+    if delta or not sharded:  # the base of deltas, or one file's whole dict
+        return tp * params * dtype_bytes / GIB
+    return tp * largest_tensor * dtype_bytes / GIB  # one assembled tensor at a time
 
 
 @dataclass
@@ -154,10 +167,15 @@ class HostPlan:
                 "trainer.broadcast.bucket_mb",
                 f"a smaller trainer.broadcast.bucket_mb, {more} (deployment.num_train_nodes)",
             )
-        if not self.collective:
+        if not self.collective and self.delta:
             return (
-                "trainer.broadcast.transport",
-                f"trainer.broadcast.transport = collective (vLLM keeps no host copy), {more}",
+                "trainer.broadcast.delta",
+                f"trainer.broadcast.delta = false (vLLM then keeps no host copy of the policy), {more}",
+            )
+        if not self.collective and not self.sharded:
+            return (
+                "trainer.broadcast.sharded",
+                f"trainer.broadcast.sharded = true (vLLM then loads one tensor at a time), {more}",
             )
         return "inference.parallel.tp", f"fewer servers per node (inference.parallel.tp), {more}"
 
@@ -191,8 +209,9 @@ def host_plan(cfg: Config, placement: Placement, compute: str = "bfloat16") -> H
     )
     idtype = getattr(cfg.inference.model, "dtype", None) or cfg.model.dtype
     per = server_gib(
-        arch.params, BYTES.get(idtype, 2), tp=tp, vllm=vllm, collective=collective, chunk_mb=b.chunk_mb
-    )
+        arch.params, BYTES.get(idtype, 2), tp=tp, vllm=vllm, collective=collective, chunk_mb=b.chunk_mb,
+        delta=b.delta, sharded=b.sharded, largest_tensor=largest,
+    )  # fmt: skip
     workers = servers * (tp if vllm else 1)
     kind = ("vLLM" if vllm else "hf") + (", collective" if collective else ", filesystem")
     inference = NodeHost(
