@@ -149,6 +149,9 @@ def cmd_run(argv: list[str]) -> int:
         from hpcrl.launch.memory_plan import dry_run_lines
 
         memory = dry_run_lines(loaded.config, placement)
+    from hpcrl.launch.host_memory import local_check
+
+    memory += local_check(loaded.config, placement)  # every process on this machine: refused if it cannot fit
     prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config, dry_run=dry)
     if dry:
