@@ -29,6 +29,7 @@ commands:
   components       every process of a run: role, env, pid, node, state, restarts
   cancel           stop the job that owns a run directory
   checkpoints      list a run directory's checkpoints and their ids (for checkpoint_id / ckpt.warm_start)
+  export           write HF weights (safetensors + config + tokenizer) from a checkpoint (STEP_DIR [--out DIR])
   plot             write PNG plots from a run's metrics.jsonl
   make-tiny-model  build a tiny Qwen3-style model (--preset tiny-moe: Qwen3-MoE) + tokenizer locally
   eval             score a model on environments: results.jsonl, avg@k / pass@k (ENV_ID -m MODEL -n N -r K)
@@ -297,6 +298,12 @@ def cmd_checkpoints(argv: list[str]) -> int:
     return main(argv)
 
 
+def cmd_export(argv: list[str]) -> int:
+    from hpcrl.trainer.export import main
+
+    return main(argv)
+
+
 def cmd_plot(argv: list[str]) -> int:
     from hpcrl.monitor.plots import main
 
@@ -344,6 +351,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
     "components": (cmd_components, None),
     "cancel": (cmd_cancel, None),
     "checkpoints": (cmd_checkpoints, None),
+    "export": (cmd_export, None),
     "plot": (cmd_plot, None),
     "make-tiny-model": (cmd_make_tiny_model, None),
     "eval": (cmd_eval, "EvalRunConfig"),

@@ -18,7 +18,8 @@ Per trainer rank, S = P / ranks x dtype bytes its shard, B = trainer.broadcast.b
                                    P on every rank, + P on rank 0 with delta (its previous policy)
   checkpoint HF export             rank 0: one file (EXPORT_FILE_BYTES) + the largest tensor it is
                                    assembling (hpcrl/trainer/stream.py export_hf_streamed); other ranks
-                                   send their rows from the device
+                                   send their rows from the device. Only when the checkpoint writes HF
+                                   weights (ckpt set, ckpt.hf_weights: auto = a policy <= 16 GiB)
 A rank's figure is the larger of its publish and its checkpoint (they run one after the other; the
 allocator reuses the first publish's memory).
 Per inference server while loading (hpcrl/inference/loading.py, vllm_worker.py):
@@ -89,6 +90,7 @@ def trainer_rank_gib(
     bucket_mb: int = 256,
     rank0: bool = False,
     largest_tensor: int = 0,
+    hf_weights: bool = True,
 ) -> float:
     """GiB of host memory one trainer rank holds at a publish or a checkpoint's HF export, whichever is
     larger (see the module docstring)."""
@@ -100,7 +102,7 @@ def trainer_rank_gib(
         publish = shard + (3 if rank0 else 2) * bucket
     else:
         publish = shard + 2 * bucket + (shard if delta else 0)
-    export = min(EXPORT_FILE_BYTES, policy) + largest_tensor * dtype_bytes if rank0 else 0
+    export = min(EXPORT_FILE_BYTES, policy) + largest_tensor * dtype_bytes if rank0 and hf_weights else 0
     return max(publish, export) / GIB
 
 
@@ -204,9 +206,14 @@ def host_plan(
     nbytes = BYTES.get(compute, 2)
     ranks, rpn = placement.trainer_ranks, placement.ranks_per_train_node
     largest = arch.hidden * max(arch.vocab, arch.intermediate)  # experts go under per-expert names
+    from hpcrl.checkpoint import writes_hf_weights
+
+    c = cfg.ckpt  # the checkpoint's HF weights (rank 0 alone) only when ckpt.hf_weights writes them
+    hf = c is not None and writes_hf_weights(c.hf_weights, c.weights_only, arch.params * nbytes)
     kw = dict(
-        sharded=b.sharded, collective=collective, delta=b.delta, bucket_mb=b.bucket_mb, largest_tensor=largest
-    )
+        sharded=b.sharded, collective=collective, delta=b.delta, bucket_mb=b.bucket_mb, largest_tensor=largest,
+        hf_weights=hf,
+    )  # fmt: skip
     r0 = trainer_rank_gib(arch.params, ranks, nbytes, rank0=True, **kw)
     other = trainer_rank_gib(arch.params, ranks, nbytes, **kw)
     path = "gathered" if not b.sharded or (b.delta and collective) else "sharded"
