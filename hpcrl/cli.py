@@ -298,7 +298,18 @@ def cmd_checkpoints(argv: list[str]) -> int:
     return main(argv)
 
 
+EXPORT_USAGE = """usage: hpcrl export STEP_DIR [--out DIR] [--dtype policy|master|bfloat16|float32|float16]
+
+Write Hugging Face weights (safetensors + config.json + tokenizer) from a training checkpoint
+(<run>/checkpoints/step_N), one tensor at a time, in bounded memory (one 1 GiB file + one tensor).
+  --out DIR    default <run>/weights/step_N (where ckpt.hf_weights would have written them)
+  --dtype D    policy (default: what the run published to inference) or master (the saved weights)"""
+
+
 def cmd_export(argv: list[str]) -> int:
+    if not argv or "-h" in argv or "--help" in argv:
+        print(EXPORT_USAGE)
+        return 0 if argv else 2
     from hpcrl.trainer.export import main
 
     return main(argv)

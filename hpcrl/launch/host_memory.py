@@ -37,6 +37,8 @@ node, servers x tp workers per inference node), rank 0's node for the trainer.
 node's figures above, the orchestrator, and, computing on CPU, each trainer rank's training state
 (the memory plan's per-rank parameters, gradients, optimizer, activations and logits, in the CPU
 dtypes: on CPU the "device" is host memory). A CPU process counts CPU_PROCESS_BASE_GIB (no CUDA).
+Refused (one line) when the processes compute on GPUs; computing on CPU the lines inform, as every
+other memory plan does on CPU (`LocalPlan.check` is the same either way).
 """
 
 from __future__ import annotations
@@ -375,5 +377,9 @@ def local_check(cfg: Config, placement: Placement, limit_mb: int | None = None) 
     if plan is None:
         return []
     limit = machine_memory_mb() if limit_mb is None else limit_mb
+    if not placement.uses_gpus or placement.cpu_compute:
+        # As the dry run's GPU and SLURM host plans: on CPU the lines inform (a GPU or hosted config
+        # rehearsed on a CPU machine still dry-runs; the activation constants are calibrated on GPUs)
+        return [*plan.lines(limit), "    note: CPU compute: the host plan is information, not checked"]
     plan.check(limit)
     return plan.lines(limit)

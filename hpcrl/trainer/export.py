@@ -206,18 +206,9 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-USAGE = """usage: hpcrl export STEP_DIR [--out DIR] [--dtype policy|master|bfloat16|float32]
-
-Write Hugging Face weights (safetensors + config.json + tokenizer) from a training checkpoint
-(<run>/checkpoints/step_N), one tensor at a time. --out: default <run>/weights/step_N. --dtype:
-policy (default: what the run published to inference), master (the saved master weights)."""
-
-
 def main(argv: list[str]) -> int:
+    """`hpcrl export STEP_DIR [--out DIR] [--dtype ...]` (its usage: hpcrl.cli.EXPORT_USAGE)."""
     args = list(argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if args else 2
     out = dtype = None
     rest: list[str] = []
     while args:
