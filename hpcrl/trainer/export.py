@@ -42,18 +42,10 @@ class ExportError(UserError, ValueError):
 
 def names_record(model: torch.nn.Module, dtype: str | torch.dtype | None) -> dict[str, Any]:
     """What `hf_named_tensors(model, dtype)` yields, as a plan over the model's state keys."""
-    from hpcrl.trainer.model import _lora_scalings, _strip_peft, _tied_names, is_peft_model
+    from hpcrl.trainer.model import _strip_peft
+    from hpcrl.trainer.pieces import hf_view, lora_keys
 
-    sd = model.state_dict()
-    skip = _tied_names(model)
-    peft = is_peft_model(model)
-    scalings = _lora_scalings(model) if peft else {}
-    family = getattr(model, "hpcrl_family", None)
-    adapter = None
-    if family is not None:
-        from hpcrl.models import registry
-
-        adapter = registry.family(family)
+    sd, skip, peft, scalings, adapter = hf_view(model)
     tensors: list[dict[str, Any]] = []
     for name, t in sd.items():
         if peft and ".lora_" in name:
@@ -62,14 +54,9 @@ def names_record(model: torch.nn.Module, dtype: str | torch.dtype | None) -> dic
         if hf in skip:
             continue
         entry: dict[str, Any] = {"key": name, "hf": hf}
-        mod = hf.rsplit(".", 1)[0]
-        if peft and hf.endswith(".weight") and mod in scalings:
-            prefix = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else mod
-            entry["lora"] = [
-                f"{prefix}.lora_A.default.weight",
-                f"{prefix}.lora_B.default.weight",
-                scalings[mod],
-            ]
+        lora = lora_keys(name, hf, scalings) if peft else None
+        if lora is not None:
+            entry["lora"] = list(lora)
         if adapter is not None:
             names = [n for n, _ in adapter.to_hf([(hf, torch.empty(tuple(t.shape), device="meta"))])]
             entry["hf"] = names if len(names) > 1 else names[0]  # stacked experts: one name per row
