@@ -152,27 +152,27 @@ def export(
         for f in (d / "hf").iterdir():
             if f.name != NAMES and f.is_file():
                 shutil.copy2(f, tmp / f.name)
-        if dtype not in ("policy", None) or dtype is None:  # config.json says the weights' dtype
+        if dtype != "policy":  # config.json (written in the policy dtype) says the weights' dtype
             _set_config_dtype(tmp / "config.json", dtype or _master_dtype(d))
     return dest
 
 
 def _master_dtype(d: Path) -> str:
+    """The dtype the trainer saved its weights in (the first floating tensor of rank 0's file)."""
     from safetensors import safe_open
 
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     with safe_open(str(d / "rank_0.model.safetensors"), framework="pt") as f:
         for k in f.keys():  # noqa: SIM118
-            t = f.get_slice(k)
-            if t.get_dtype().startswith("F") or t.get_dtype().startswith("BF"):
-                return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(t.get_dtype(), "float32")
+            if f.get_slice(k).get_dtype() in names:
+                return names[f.get_slice(k).get_dtype()]
     return "float32"
 
 
 def _set_config_dtype(path: Path, dtype: str) -> None:
     cfg = json.loads(path.read_text())
-    for k in ("dtype", "torch_dtype"):
-        if k in cfg:
-            cfg[k] = dtype
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+    cfg.update(dict.fromkeys(keys, dtype))
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
