@@ -56,7 +56,6 @@ VIEWS: dict[str, tuple[str, ...]] = {
         "deployment.compute",
         "inference",
         "server",
-        "trainer.broadcast.delta",  # vLLM workers keep a base for deltas only then (ServeOptions.delta_base)
     ),
 }
 

@@ -128,15 +128,21 @@ def test_update_rpc_tells_the_workers_whether_to_keep_a_delta_base():
     assert update_weights_rpc({"transport": "collective"}) == ("hpcrl_update_collective", (False,))
 
 
-def test_serve_config_passes_the_delta_setting_to_the_server(monkeypatch):
+def test_serve_config_passes_the_delta_setting_to_the_server(monkeypatch, tmp_path):
+    """The launchers give every role the whole resolved run file: the server takes
+    trainer.broadcast.delta from it (a role flag for it stays the trainer's)."""
     from hpcrl.inference import server
     from hpcrl.launch.checks import load
 
     seen = []
     monkeypatch.setattr(server, "serve", seen.append)
     monkeypatch.setattr(server, "_has_cuda_and_vllm", lambda: False)
-    base = ["--model.name", "hpcrl/tiny-qwen3"]
-    for flags, want in (([], False), (["--trainer.broadcast.delta"], True)):
-        cfg = load([*base, *flags], require_envs=False, role="inference").config
+    for delta in (False, True):
+        f = tmp_path / f"run_{delta}.toml"
+        f.write_text(
+            '[model]\nname = "hpcrl/tiny-qwen3"\n[[orchestrator.train.env]]\nid = "reverse-text"\n'
+            f"[trainer.broadcast]\ndelta = {str(delta).lower()}\n"
+        )
+        cfg = load(["@", str(f)], require_envs=False, role="inference").config
         server.serve_config(cfg)
-        assert seen[-1].delta_base is want
+        assert seen[-1].delta_base is delta
