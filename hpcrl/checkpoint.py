@@ -251,6 +251,20 @@ def apply_retention(
     return removed
 
 
+# ckpt.hf_weights = "auto": rank 0 writes the HF weights of every checkpoint alone (a 16 GiB policy is
+# ~13 s at the 1.3 GB/s one writer reached here, docs/weights.md; Qwen3-30B-A3B's 61 GB would hold every
+# rank ~47 s per checkpoint and add 12 % to its disk): above this size `hpcrl export` writes them on demand.
+HF_WEIGHTS_AUTO_MAX_BYTES = 16 * 2**30
+
+
+def writes_hf_weights(setting: str, weights_only: bool, policy_bytes: int) -> bool:
+    """Does a checkpoint write weights/step_N? ckpt.hf_weights: always / never / auto (a policy of at
+    most HF_WEIGHTS_AUTO_MAX_BYTES); a weights_only checkpoint is nothing else."""
+    if weights_only or setting == "always":
+        return True
+    return setting == "auto" and policy_bytes <= HF_WEIGHTS_AUTO_MAX_BYTES
+
+
 def is_due(step: int, max_steps: int, interval: int | None) -> bool:
     """Checkpoint after this step? Every `interval` steps, and always at the final step."""
     return step == max_steps or (interval is not None and step % interval == 0)
@@ -274,4 +288,5 @@ __all__ = [
     "retention_keep",
     "verify",
     "write_complete",
+    "writes_hf_weights",
 ]

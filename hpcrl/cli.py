@@ -29,6 +29,7 @@ commands:
   components       every process of a run: role, env, pid, node, state, restarts
   cancel           stop the job that owns a run directory
   checkpoints      list a run directory's checkpoints and their ids (for checkpoint_id / ckpt.warm_start)
+  export           write HF weights (safetensors + config + tokenizer) from a checkpoint (STEP_DIR [--out DIR])
   plot             write PNG plots from a run's metrics.jsonl
   make-tiny-model  build a tiny Qwen3-style model (--preset tiny-moe: Qwen3-MoE) + tokenizer locally
   eval             score a model on environments: results.jsonl, avg@k / pass@k (ENV_ID -m MODEL -n N -r K)
@@ -149,6 +150,9 @@ def cmd_run(argv: list[str]) -> int:
         from hpcrl.launch.memory_plan import dry_run_lines
 
         memory = dry_run_lines(loaded.config, placement)
+    from hpcrl.launch.host_memory import local_check
+
+    memory += local_check(loaded.config, placement)  # every process on this machine: refused if it cannot fit
     prepare.apply_placement(loaded.config, placement)
     prepare.prepare_output_dir(loaded.config, dry_run=dry)
     if dry:
@@ -294,6 +298,23 @@ def cmd_checkpoints(argv: list[str]) -> int:
     return main(argv)
 
 
+EXPORT_USAGE = """usage: hpcrl export STEP_DIR [--out DIR] [--dtype policy|master|bfloat16|float32|float16]
+
+Write Hugging Face weights (safetensors + config.json + tokenizer) from a training checkpoint
+(<run>/checkpoints/step_N), one tensor at a time, in bounded memory (one 1 GiB file + one tensor).
+  --out DIR    default <run>/weights/step_N (where ckpt.hf_weights would have written them)
+  --dtype D    policy (default: what the run published to inference) or master (the saved weights)"""
+
+
+def cmd_export(argv: list[str]) -> int:
+    if not argv or "-h" in argv or "--help" in argv:
+        print(EXPORT_USAGE)
+        return 0 if argv else 2
+    from hpcrl.trainer.export import main
+
+    return main(argv)
+
+
 def cmd_plot(argv: list[str]) -> int:
     from hpcrl.monitor.plots import main
 
@@ -341,6 +362,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
     "components": (cmd_components, None),
     "cancel": (cmd_cancel, None),
     "checkpoints": (cmd_checkpoints, None),
+    "export": (cmd_export, None),
     "plot": (cmd_plot, None),
     "make-tiny-model": (cmd_make_tiny_model, None),
     "eval": (cmd_eval, "EvalRunConfig"),

@@ -6,9 +6,9 @@ A checkpoint is named by its directory (`<run_dir>/checkpoints/step_N`), by its 
 (`<run_dir>/weights/step_N`, or any HF model dir), or by an id that `hpcrl checkpoints <run_dir>`
 lists (`ckpt_<12 hex>`, stable for a given run directory and step). Listing records the ids in an
 index in the hpcrl cache ($HPCRL_CACHE or ~/.cache/hpcrl/checkpoint_ids.json), so an id works from
-any directory of this machine or cluster home. Weights are always read from the HF `weights/step_N`
-directory that every checkpoint writes (never from the trainer's sharded state), so the trainer's
-checkpoint format can change without touching this.
+any directory of this machine or cluster home. Weights are read from the HF `weights/step_N`
+directory when the checkpoint has one; without it (ckpt.hf_weights) the trainer reads the checkpoint's
+sharded state under HF names (hpcrl.trainer.export, what `hpcrl export` writes).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ FIELD = "ckpt.warm_start"
 
 @dataclass(frozen=True)
 class Source:
-    weights_dir: Path  # HF dir: config.json + *.safetensors
+    weights_dir: Path  # HF dir (config.json + *.safetensors), or a checkpoint step dir without one
     run_dir: Path | None  # the run it came from (None: a bare HF dir)
     step: int | None
 
@@ -124,11 +124,19 @@ def _from_checkpoint(run_dir: Path, step: int, ref: str) -> Source:
     problem = checkpoint.verify(paths, step, deep=False)
     if problem is not None:
         raise ConfigError(FIELD, f"checkpoint '{ref}' is not complete: {problem}")
-    return Source(_weights(paths.weights_dir(step), ref), paths.root, step)
+    w = paths.weights_dir(step)
+    if not _has_weights(w) and (paths.trainer_ckpt_dir(step) / "hf" / "names.json").is_file():
+        # no weights/step_N (ckpt.hf_weights): the trainer reads the sharded state under HF names
+        return Source(paths.checkpoint_dir(step), paths.root, step)
+    return Source(_weights(w, ref), paths.root, step)
+
+
+def _has_weights(d: Path) -> bool:
+    return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
 
 
 def _weights(d: Path, ref: str) -> Path:
-    if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
+    if not _has_weights(d):
         raise ConfigError(FIELD, f"'{ref}': {d} holds no HF weights (config.json + *.safetensors)")
     return d
 
@@ -255,6 +263,10 @@ def check_same_adapter(paths: RunPaths, lora: dict[str, Any] | None) -> None:
         )
 
 
+def paths_of(run: Path, step: int) -> Path:
+    return RunPaths(run).checkpoint_dir(step)
+
+
 def main(argv: list[str]) -> int:
     """`hpcrl checkpoints RUN_DIR`: the run's checkpoints and their ids (usable as checkpoint_id)."""
     if len(argv) != 1 or argv[0].startswith("-"):
@@ -268,7 +280,10 @@ def main(argv: list[str]) -> int:
     print(f"run {RunPaths(run).root} (model {model})")
     print(f"{'id':<18} {'step':>6}  {'status':<10} weights")
     for c in rows:
-        print(f"{c.id:<18} {c.step:>6}  {'ready' if c.complete else 'incomplete':<10} {c.weights_dir}")
+        where = (
+            c.weights_dir if _has_weights(c.weights_dir) else f"(none: hpcrl export {paths_of(run, c.step)})"
+        )
+        print(f"{c.id:<18} {c.step:>6}  {'ready' if c.complete else 'incomplete':<10} {where}")
     if not rows:
         print("(no checkpoints)")
     return 0

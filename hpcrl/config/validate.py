@@ -271,6 +271,11 @@ def _ckpt_fields(c: CkptConfig | None, max_steps: int) -> None:
         )
     if c.resume_step is not None and c.resume_step > max_steps:
         raise ConfigError("ckpt.resume_step", f"{c.resume_step} is beyond max_steps ({max_steps})")
+    if c.weights_only and c.hf_weights == "never":
+        raise ConfigError(
+            "ckpt.hf_weights",
+            "'never' with ckpt.weights_only would save nothing (weights_only writes only the HF weights)",
+        )
 
 
 def _slurm(cfg: Config) -> None:

@@ -41,6 +41,9 @@ class ServeOptions:
     gpu_memory_utilization: float | None = None  # None: vLLM's default
     enforce_eager: bool = False
     vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags
+    # vllm: every worker keeps the full weights it loaded (host memory from a path) as the base of
+    # delta syncs; off, a worker holds one tensor at a time while loading and refuses deltas (409)
+    delta_base: bool = False
     api_key: str | None = None  # bearer token for every route but /health (guard.py); None: $HPCRL_API_KEY
     allow_open: bool = False  # serve a non-loopback address without a key
     allow_any_weights_path: bool = False  # weight/LoRA loads outside run_dir

@@ -59,6 +59,7 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         lora_rank=mcfg.max_lora_rank,
         gpu_memory_utilization=inf.gpu_memory_utilization,
         enforce_eager=inf.enforce_eager,
+        delta_base=cfg.trainer.broadcast.delta,  # only a delta-syncing run needs the vLLM workers' host copy
         api_key=resolve_api_key(cfg.server.api_key),
         allow_open=cfg.server.allow_open,
         allow_any_weights_path=cfg.server.allow_any_weights_path,
@@ -259,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="allow_any_weights_path",
         action="store_true",
         help="let /update_weights and /load_lora_adapter read outside --run-dir",
+    )
+    p.add_argument(
+        "--delta-base",
+        dest="delta_base",
+        action="store_true",
+        help="vllm: keep the loaded weights as the base of delta syncs (tp x the policy in host memory)",
     )
     p.add_argument(
         "--server.control-timeout-s",

@@ -97,7 +97,9 @@ def _is_moe(model_path: str) -> bool:
     return arch is not None and arch.moe
 
 
-def _install_routes(run_server_worker: Any, status: dict[str, Any], control_timeout_s: float = 8.0) -> None:
+def _install_routes(
+    run_server_worker: Any, status: dict[str, Any], control_timeout_s: float = 8.0, delta_base: bool = False
+) -> None:
     """Wrap build_app where run_server_worker's module looks it up, so the served app has hpcrl's routes."""
     from hpcrl.inference.vllm_routes import add_policy_steps, router
 
@@ -106,7 +108,7 @@ def _install_routes(run_server_worker: Any, status: dict[str, Any], control_time
 
     def build_app(*args: Any, **kwargs: Any) -> Any:
         app = original(*args, **kwargs)
-        app.include_router(router(status, control_timeout_s))
+        app.include_router(router(status, control_timeout_s, delta_base))
         add_policy_steps(app, status)
         return app
 
@@ -168,7 +170,7 @@ def serve(opts: "ServeOptions", model_path: str) -> None:
     sock, opts, args = prepare(opts, model_path)
     run_server_worker = vllm_symbol("run_server_worker")
     status = initial_status()
-    _install_routes(run_server_worker, status, opts.control_timeout_s)
+    _install_routes(run_server_worker, status, opts.control_timeout_s, opts.delta_base)
     install_as_auto()  # vLLM's uvicorn config asks for "auto": answer clients that half-close too
     threading.Thread(target=_announce_when_ready, args=(opts,), daemon=True).start()
     host = f"[{opts.host}]" if ":" in opts.host else opts.host

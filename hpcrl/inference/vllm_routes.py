@@ -36,12 +36,14 @@ def init_broadcaster_rpc(
     )
 
 
-def update_weights_rpc(body: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
-    """(method, args) of the collective_rpc that /update_weights sends; ValueError for a bad body."""
+def update_weights_rpc(body: dict[str, Any], delta_base: bool = False) -> tuple[str, tuple[Any, ...]]:
+    """(method, args) of the collective_rpc that /update_weights sends; ValueError for a bad body.
+    `delta_base` (ServeOptions.delta_base: the run syncs deltas) tells every worker to keep the full
+    weights it loads as the base of later deltas; without it a worker keeps no copy."""
     if body.get("transport") == "collective":
-        return "hpcrl_update_collective", ()
+        return "hpcrl_update_collective", (delta_base,)
     if isinstance(body.get("path"), str):
-        return "hpcrl_update_from_path", (body["path"],)
+        return "hpcrl_update_from_path", (body["path"], delta_base)
     raise ValueError('give `path` or `transport: "collective"`')
 
 
@@ -104,7 +106,9 @@ def collective_result(results: list[Any], step: int) -> tuple[str, str | None]:
     return results[0][1], results[0][2]
 
 
-def router(status: dict[str, Any], control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> Any:
+def router(
+    status: dict[str, Any], control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, delta_base: bool = False
+) -> Any:
     from fastapi import APIRouter, Depends, HTTPException, Request
     from fastapi.responses import JSONResponse
 
@@ -204,7 +208,7 @@ def router(status: dict[str, Any], control_timeout_s: float = DEFAULT_CONTROL_TI
         if not isinstance(step, int) or step < 0:
             return err("`step` (an integer >= 0) is required", 400, "BadRequestError")
         try:
-            method, args = update_weights_rpc(body)
+            method, args = update_weights_rpc(body, delta_base)
         except ValueError as e:
             return err(str(e), 400, "BadRequestError")
         try:

@@ -39,15 +39,16 @@ class HpcrlWorkerExtension:
             join_timeout_s=join_timeout,
         )
 
-    def _hpcrl_load(self, tensors: dict[str, Any]) -> str:
-        """Load full weights (HF names); keep them as the base of later deltas (where they arrived: host
-        memory from a path, the worker's device from a broadcast)."""
+    def _hpcrl_load(self, tensors: dict[str, Any], keep_base: bool) -> str:
+        """Load full weights (HF names). With `keep_base` (the server was started for delta sync:
+        trainer.broadcast.delta) keep them as the base of later deltas, where they arrived: host memory
+        from a path, the worker's device from a broadcast; else they are dropped once loaded."""
         from hpcrl.weights.checksum import state_dict_checksum
 
         self._hpcrl_model().load_weights(
             weights=list(tensors.items())
         )  # vLLM maps HF names onto fused params
-        self._hpcrl_full = tensors  # type: ignore[attr-defined]
+        self._hpcrl_full = tensors if keep_base else None  # type: ignore[attr-defined]
         self._hpcrl_checksum = state_dict_checksum(tensors)  # type: ignore[attr-defined]
         return self._hpcrl_checksum  # type: ignore[attr-defined]
 
@@ -66,6 +67,11 @@ class HpcrlWorkerExtension:
         from hpcrl.weights.delta import apply_delta
 
         full = getattr(self, "_hpcrl_full", None)
+        if full is None and getattr(self, "_hpcrl_checksum", None) is not None:
+            raise RuntimeError(
+                "weight delta refused: this server keeps no base for deltas (started without "
+                "trainer.broadcast.delta / --delta-base): a full update is needed"
+            )
         if full is None or getattr(self, "_hpcrl_checksum", None) != delta.base_checksum:
             raise RuntimeError(
                 f"weight delta applies to policy {delta.base_step}; this worker holds another "
@@ -76,29 +82,33 @@ class HpcrlWorkerExtension:
         self._hpcrl_checksum = state_dict_checksum(full)  # type: ignore[attr-defined]
         return self._hpcrl_checksum  # type: ignore[attr-defined]
 
-    def _hpcrl_load_sharded(self, path: str) -> str:
+    def _hpcrl_load_sharded(self, path: str, keep_base: bool) -> str:
         """A sharded publish (hpcrl.weights.manifest): vLLM's `load_weights` takes the assembled tensors
         one at a time (each verified piece by piece; the policy checksum once the last is in), so the
-        worker builds no second copy; the tensors are kept as the base of later deltas (as a full load
-        from one file keeps them)."""
+        worker holds one tensor at a time on the host; with `keep_base` (delta sync) the tensors are
+        kept as the base of later deltas (tp x P of host memory per server)."""
         from hpcrl.weights.manifest import assemble, read_manifest
 
         m = read_manifest(path)
         full: dict[str, Any] = {}
+        seen = 0
 
         def tensors() -> Any:
+            nonlocal seen
             for name, t in assemble(path, m):
-                full[name] = t
+                seen += 1
+                if keep_base:
+                    full[name] = t
                 yield name, t
 
         self._hpcrl_model().load_weights(weights=tensors())
-        if len(full) != len(m.tensors):
+        if seen != len(m.tensors):
             raise RuntimeError(f"vLLM's load_weights stopped before the last tensor of {path}")
-        self._hpcrl_full = full  # type: ignore[attr-defined]
+        self._hpcrl_full = full if keep_base else None  # type: ignore[attr-defined]
         self._hpcrl_checksum = m.checksum  # type: ignore[attr-defined]
         return m.checksum
 
-    def hpcrl_update_from_path(self, path: str) -> str:
+    def hpcrl_update_from_path(self, path: str, keep_base: bool = True) -> str:
         from hpcrl.inference.loading import load_safetensors_dir, read_delta
         from hpcrl.weights.manifest import is_sharded
 
@@ -106,10 +116,10 @@ class HpcrlWorkerExtension:
         if delta is not None:  # applied where the base lives (apply_delta moves the few changed values)
             return self._hpcrl_apply_delta(delta)
         if is_sharded(path):
-            return self._hpcrl_load_sharded(path)
-        return self._hpcrl_load(load_safetensors_dir(path))
+            return self._hpcrl_load_sharded(path, keep_base)
+        return self._hpcrl_load(load_safetensors_dir(path), keep_base)
 
-    def hpcrl_update_collective(self) -> tuple[int, str, str | None]:
+    def hpcrl_update_collective(self, keep_base: bool = True) -> tuple[int, str, str | None]:
         from hpcrl.weights.collective import receive_header, receive_tensors
         from hpcrl.weights.delta import Delta
 
@@ -129,4 +139,4 @@ class HpcrlWorkerExtension:
                 self._hpcrl_apply_delta(Delta.from_manifest(header.delta, tensors)),
                 header.checksum,
             )
-        return header.step, self._hpcrl_load(tensors), header.checksum
+        return header.step, self._hpcrl_load(tensors, keep_base), header.checksum

@@ -18,16 +18,27 @@ Per trainer rank, S = P / ranks x dtype bytes its shard, B = trainer.broadcast.b
                                    P on every rank, + P on rank 0 with delta (its previous policy)
   checkpoint HF export             rank 0: one file (EXPORT_FILE_BYTES) + the largest tensor it is
                                    assembling (hpcrl/trainer/stream.py export_hf_streamed); other ranks
-                                   send their rows from the device
+                                   send their rows from the device. Only when the checkpoint writes HF
+                                   weights (ckpt set, ckpt.hf_weights: auto = a policy <= 16 GiB)
 A rank's figure is the larger of its publish and its checkpoint (they run one after the other; the
 allocator reuses the first publish's memory).
 Per inference server while loading (hpcrl/inference/loading.py, vllm_worker.py):
-  vLLM, filesystem                 every one of its tp workers keeps the whole policy on the host (the
+  vLLM, filesystem, delta          every one of its tp workers keeps the whole policy on the host (the
                                    base of later deltas, `_hpcrl_full`): tp x P
+  vLLM, filesystem, no delta       sharded publish: each worker holds the tensor being loaded (the
+                                   largest tensor); one file (sharded = false): the whole dict, tp x P
   vLLM, collective                 the received tensors stay on the device: one bucket (chunk_mb)
   hf engine                        the assembled policy: P
 Every process adds PROCESS_BASE_GIB. A node's figure: the processes placed on it (ranks per trainer
 node, servers x tp workers per inference node), rank 0's node for the trainer.
+
+`hpcrl run` (one machine, `local_check`): every process it starts shares this machine's memory
+(/proc/meminfo MemTotal, or the cgroup's limit when lower): the trainer node's and the inference
+node's figures above, the orchestrator, and, computing on CPU, each trainer rank's training state
+(the memory plan's per-rank parameters, gradients, optimizer, activations and logits, in the CPU
+dtypes: on CPU the "device" is host memory). A CPU process counts CPU_PROCESS_BASE_GIB (no CUDA).
+Refused (one line) when the processes compute on GPUs; computing on CPU the lines inform, as every
+other memory plan does on CPU (`LocalPlan.check` is the same either way).
 """
 
 from __future__ import annotations
@@ -50,6 +61,10 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the publish: ~2.4 GB of interpreter, torch and the training step; the CUDA context and its pinned
 # staging add ~1 GB of host memory per process on a GPU. Rounded up.
 PROCESS_BASE_GIB = 4.0
+# A process computing on CPU (no CUDA context, no pinned staging): Python + torch + transformers with
+# the tiny model loaded measured 0.36 GB peak RSS here; rounded up for the training step, the bus and a
+# server's HTTP stack.
+CPU_PROCESS_BASE_GIB = 1.0
 EXPORT_FILE_BYTES = 2**30  # export_hf_streamed's max_shard_bytes: rank 0 holds one file's tensors
 
 
@@ -77,30 +92,42 @@ def trainer_rank_gib(
     bucket_mb: int = 256,
     rank0: bool = False,
     largest_tensor: int = 0,
+    hf_weights: bool = True,
 ) -> float:
     """GiB of host memory one trainer rank holds at a publish or a checkpoint's HF export, whichever is
     larger (see the module docstring)."""
     policy = params * dtype_bytes
-    shard, bucket = policy / ranks, bucket_mb * MIB
+    shard, bucket = policy / ranks, min(bucket_mb * MIB, policy)  # a bucket never exceeds the policy
     if not sharded or (delta and collective):  # the gathered path
         publish = policy + (policy if delta and rank0 else 0)
     elif collective:
         publish = shard + (3 if rank0 else 2) * bucket
     else:
         publish = shard + 2 * bucket + (shard if delta else 0)
-    export = EXPORT_FILE_BYTES + largest_tensor * dtype_bytes if rank0 else 0
+    export = min(EXPORT_FILE_BYTES, policy) + largest_tensor * dtype_bytes if rank0 and hf_weights else 0
     return max(publish, export) / GIB
 
 
 def server_gib(
-    params: int, dtype_bytes: int, *, tp: int, vllm: bool, collective: bool, chunk_mb: int
+    params: int,
+    dtype_bytes: int,
+    *,
+    tp: int,
+    vllm: bool,
+    collective: bool,
+    chunk_mb: int,
+    delta: bool = True,
+    sharded: bool = False,
+    largest_tensor: int = 0,
 ) -> float:
     """GiB of host memory one inference server holds while loading a policy (all its tp workers)."""
     if not vllm:
         return params * dtype_bytes / GIB
     if collective:
         return tp * chunk_mb * MIB / GIB
-    return tp * params * dtype_bytes / GIB
+    if delta or not sharded:  # the base of deltas, or one file's whole dict
+        return tp * params * dtype_bytes / GIB
+    return tp * largest_tensor * dtype_bytes / GIB  # one assembled tensor at a time
 
 
 @dataclass
@@ -154,17 +181,24 @@ class HostPlan:
                 "trainer.broadcast.bucket_mb",
                 f"a smaller trainer.broadcast.bucket_mb, {more} (deployment.num_train_nodes)",
             )
-        if not self.collective:
+        if not self.collective and self.delta:
             return (
-                "trainer.broadcast.transport",
-                f"trainer.broadcast.transport = collective (vLLM keeps no host copy), {more}",
+                "trainer.broadcast.delta",
+                f"trainer.broadcast.delta = false (vLLM then keeps no host copy of the policy), {more}",
+            )
+        if not self.collective and not self.sharded:
+            return (
+                "trainer.broadcast.sharded",
+                f"trainer.broadcast.sharded = true (vLLM then loads one tensor at a time), {more}",
             )
         return "inference.parallel.tp", f"fewer servers per node (inference.parallel.tp), {more}"
 
 
-def host_plan(cfg: Config, placement: Placement, compute: str = "bfloat16") -> HostPlan | None:
+def host_plan(
+    cfg: Config, placement: Placement, compute: str = "bfloat16", base_gib: float = PROCESS_BASE_GIB
+) -> HostPlan | None:
     """The host-memory plan of `cfg` placed as `placement`, the policy in `compute` (the trainer's
-    compute dtype); None when the model's architecture is unknown here."""
+    compute dtype), `base_gib` a process; None when the model's architecture is unknown here."""
     model = cfg.trainer.model or cfg.model
     arch = find_arch(model.name or cfg.model.name)
     if arch is None:
@@ -174,15 +208,20 @@ def host_plan(cfg: Config, placement: Placement, compute: str = "bfloat16") -> H
     nbytes = BYTES.get(compute, 2)
     ranks, rpn = placement.trainer_ranks, placement.ranks_per_train_node
     largest = arch.hidden * max(arch.vocab, arch.intermediate)  # experts go under per-expert names
+    from hpcrl.checkpoint import writes_hf_weights
+
+    c = cfg.ckpt  # the checkpoint's HF weights (rank 0 alone) only when ckpt.hf_weights writes them
+    hf = c is not None and writes_hf_weights(c.hf_weights, c.weights_only, arch.params * nbytes)
     kw = dict(
-        sharded=b.sharded, collective=collective, delta=b.delta, bucket_mb=b.bucket_mb, largest_tensor=largest
-    )
+        sharded=b.sharded, collective=collective, delta=b.delta, bucket_mb=b.bucket_mb, largest_tensor=largest,
+        hf_weights=hf,
+    )  # fmt: skip
     r0 = trainer_rank_gib(arch.params, ranks, nbytes, rank0=True, **kw)
     other = trainer_rank_gib(arch.params, ranks, nbytes, **kw)
     path = "gathered" if not b.sharded or (b.delta and collective) else "sharded"
     how = f"{path}, {'collective' if collective else 'filesystem'}" + (", delta" if b.delta else "")
     trainer = NodeHost(
-        "trainer", rpn, r0 + (rpn - 1) * other, rpn * PROCESS_BASE_GIB,
+        "trainer", rpn, r0 + (rpn - 1) * other, rpn * base_gib,
         f"{how}: rank 0 {r0:.1f} + {rpn - 1} x {other:.1f} GiB",
     )  # fmt: skip
     tp, servers = cfg.inference.parallel.tp, placement.servers_per_infer_node
@@ -191,12 +230,13 @@ def host_plan(cfg: Config, placement: Placement, compute: str = "bfloat16") -> H
     )
     idtype = getattr(cfg.inference.model, "dtype", None) or cfg.model.dtype
     per = server_gib(
-        arch.params, BYTES.get(idtype, 2), tp=tp, vllm=vllm, collective=collective, chunk_mb=b.chunk_mb
-    )
+        arch.params, BYTES.get(idtype, 2), tp=tp, vllm=vllm, collective=collective, chunk_mb=b.chunk_mb,
+        delta=b.delta, sharded=b.sharded, largest_tensor=largest,
+    )  # fmt: skip
     workers = servers * (tp if vllm else 1)
     kind = ("vLLM" if vllm else "hf") + (", collective" if collective else ", filesystem")
     inference = NodeHost(
-        "inference", workers, servers * per, workers * PROCESS_BASE_GIB,
+        "inference", workers, servers * per, workers * base_gib,
         f"{kind}: {servers} server(s) x {per:.1f} GiB",
     )  # fmt: skip
     return HostPlan(trainer, inference, b.sharded, b.delta, collective)
@@ -226,3 +266,120 @@ def dry_run_lines(cfg: Config, placement: Placement, offer: list | None) -> list
         plan.check(limits, mem_set=bool(cfg.slurm and cfg.slurm.mem and cfg.slurm.mem.strip() != "0"))
         return plan.lines(limits)
     return plan.lines(limits) + ["    note: CPU compute: the host plan is information, not checked"]
+
+
+# -- hpcrl run: every process on this one machine -------------------------------------------------
+def machine_memory_mb(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """This machine's memory for a run, in MB (MiB): MemTotal, or the cgroup's limit (v2 memory.max,
+    v1 memory.limit_in_bytes) when lower; None when neither can be read."""
+    from pathlib import Path
+
+    found: list[int] = []
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                found.append(int(line.split()[1]) // 1024)  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    for f in (Path(cgroup, "memory.max"), Path(cgroup, "memory", "memory.limit_in_bytes")):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # "max" / a huge number: no limit
+            found.append(int(text) // MIB)
+    return min(found) if found else None
+
+
+@dataclass(frozen=True)
+class Term:
+    what: str
+    gib: float
+    field: str  # the field that shrinks it
+    fix: str
+
+
+@dataclass
+class LocalPlan:
+    processes: int
+    terms: list[Term]
+
+    @property
+    def total_gib(self) -> float:
+        return sum(t.gib for t in self.terms)
+
+    def lines(self, limit_mb: int | None) -> list[str]:
+        of = f" of {limit_mb / 1024:.1f} GiB" if limit_mb else ""
+        parts = ", ".join(f"{t.what} {t.gib:.1f}" for t in self.terms if t.gib > 0)
+        return [
+            f"  host memory (this machine): {self.total_gib:.1f} GiB{of} ({self.processes} processes: {parts})"
+        ]
+
+    def check(self, limit_mb: int | None) -> None:
+        """One-line refusal naming the biggest term's field when the machine cannot hold the run."""
+        if not limit_mb or self.total_gib * 1024 <= limit_mb:
+            return
+        big = max(self.terms, key=lambda t: t.gib)
+        raise ConfigError(
+            big.field,
+            f"this machine needs {self.total_gib:.1f} GiB of host memory for the processes `hpcrl run` "
+            f"starts (biggest: {big.what} {big.gib:.1f} GiB) but has {limit_mb / 1024:.1f} GiB: {big.fix}, "
+            "or run on a larger machine (hpcrl submit)",
+        )
+
+
+def local_plan(cfg: Config, placement: Placement) -> LocalPlan | None:
+    """What the processes of `hpcrl run` hold on this machine (see the module docstring); None when the
+    model's architecture is unknown here."""
+    from hpcrl.launch.checks import trainer_precision
+    from hpcrl.launch.memory_plan import plan_for
+
+    gpu = placement.uses_gpus and not placement.cpu_compute
+    base = PROCESS_BASE_GIB if gpu else CPU_PROCESS_BASE_GIB
+    plan = host_plan(cfg, placement, trainer_precision(cfg, on_gpu=gpu).compute, base_gib=base)
+    if plan is None:
+        return None
+    ranks = placement.trainer_ranks
+    ranks_field = "deployment.num_train_gpus" if placement.uses_gpus else "deployment.num_trainer_ranks"
+    servers_field = "deployment.num_infer_gpus" if placement.uses_gpus else "deployment.num_inference_servers"
+    tfield, tfix = plan._fix(plan.trainer, False)
+    ifield, ifix = plan._fix(plan.inference, False)
+    procs = plan.trainer.processes + plan.inference.processes + 1  # + the orchestrator
+    terms = [
+        Term("trainer syncs", plan.trainer.held_gib, tfield, tfix.split(", or more nodes")[0]),
+        Term("inference loads", plan.inference.held_gib, ifield, ifix.split(", or more nodes")[0]),
+        Term(
+            "process baselines",
+            procs * base - base + CPU_PROCESS_BASE_GIB,  # the orchestrator computes on CPU
+            ranks_field,
+            f"fewer trainer ranks ({ranks_field}) or inference servers ({servers_field})",
+        ),
+    ]
+    if not gpu:  # computing on CPU, the training state is host memory
+        mp = plan_for(cfg, placement, on_gpu=False)
+        if mp is not None:
+            terms.append(
+                Term(
+                    "CPU training state",
+                    ranks * mp.trainer_gib,
+                    "trainer.micro_batch_tokens",
+                    "a smaller model or trainer.micro_batch_tokens, or fewer trainer ranks "
+                    f"({ranks_field}: each holds its activations)",
+                )
+            )
+    return LocalPlan(procs, terms)
+
+
+def local_check(cfg: Config, placement: Placement, limit_mb: int | None = None) -> list[str]:
+    """`hpcrl run`'s host lines; refuses (ConfigError, one line) a run this machine's memory cannot
+    hold. `limit_mb`: this machine's memory (default: machine_memory_mb())."""
+    plan = local_plan(cfg, placement)
+    if plan is None:
+        return []
+    limit = machine_memory_mb() if limit_mb is None else limit_mb
+    if not placement.uses_gpus or placement.cpu_compute:
+        # As the dry run's GPU and SLURM host plans: on CPU the lines inform (a GPU or hosted config
+        # rehearsed on a CPU machine still dry-runs; the activation constants are calibrated on GPUs)
+        return [*plan.lines(limit), "    note: CPU compute: the host plan is information, not checked"]
+    plan.check(limit)
+    return plan.lines(limit)

@@ -384,16 +384,17 @@ def lora_param_count(a: Arch, rank: int, targets: list[str]) -> int:
     return a.layers * sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
 
 
-def plan_for(cfg: Config, placement: Placement) -> MemoryPlan | None:
-    """The memory plan of `cfg` placed as `placement` (GPU dtypes: bf16 compute unless set), or None
-    when the model's architecture is unknown here."""
+def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPlan | None:
+    """The memory plan of `cfg` placed as `placement` (GPU dtypes: bf16 compute unless set; `on_gpu =
+    False`: the CPU trainer's dtypes, for the host plan of `hpcrl run` on CPU), or None when the
+    model's architecture is unknown here."""
     from hpcrl.launch.checks import trainer_precision
 
     model = cfg.trainer.model or cfg.model
     arch = find_arch(model.name or cfg.model.name)
     if arch is None:
         return None
-    prec = trainer_precision(cfg, on_gpu=True)
+    prec = trainer_precision(cfg, on_gpu=on_gpu)
     ep, cp = int(getattr(model, "ep", 1) or 1), int(getattr(model, "cp", 1) or 1)
     ranks = placement.trainer_ranks
     ep_text = ep_lines(ranks, ep, placement.ranks_per_train_node, arch.num_experts)

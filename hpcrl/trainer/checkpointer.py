@@ -4,7 +4,8 @@ finalisation that writes COMPLETE last (in the spirit of torchtitan's Checkpoint
     restore(initial)          -> (step, Progress) of ckpt.resume_step, state loaded into the model;
                                  (0, initial) else, with a warm start's optimizer state when asked
     maybe_save(step, progress, force)   every ckpt.interval steps, at the final step, and when forced
-      -> weights/step_N (HF dir) + checkpoints/step_N/trainer/ -> rank 0: finaliser thread waits for
+      -> weights/step_N (HF dir, per ckpt.hf_weights) + checkpoints/step_N/trainer/ (+ trainer/hf/:
+         what `hpcrl export` needs) -> rank 0: finaliser thread waits for
          every part (RL: trainer + orchestrator; SFT: trainer), writes COMPLETE, applies retention
     maybe_save_adapter(step)  LoRA adapters/step_N every ckpt.adapter_interval steps and at the end
     close()                   waits for the finalisers still running
@@ -49,6 +50,7 @@ class Checkpointer:
         self._finalizing: set[int] = set()  # steps whose COMPLETE this process has yet to write
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._hf: bool | None = None  # ckpt.hf_weights, decided at the first save
 
     # -- restore -----------------------------------------------------------------------------
     def restore(self, initial: Progress) -> tuple[int, Progress]:
@@ -116,6 +118,10 @@ class Checkpointer:
         rank, world, paths, tr = self.tr.dist.rank, self.tr.dist.world_size, self.paths, self.tr
         if rank == 0:
             checkpoint.begin_part(paths, step, "trainer", clear=True)
+            # config, tokenizer and the HF names of every state key: `hpcrl export` needs nothing else
+            from hpcrl.trainer.export import write_meta
+
+            write_meta(tr.model, tr.tokenizer, paths.trainer_ckpt_dir(step) / "hf", tr.precision.compute)
         parallel.barrier()
         save_trainer_state(
             paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress.to_saved()
@@ -145,10 +151,31 @@ class Checkpointer:
         save_adapter(self.tr.model, self.paths.adapter_dir(step), write=self.tr.dist.rank == 0)
         return True
 
+    def writes_hf_weights(self) -> bool:
+        """ckpt.hf_weights for this run's policy size (hpcrl.checkpoint.writes_hf_weights), said once."""
+        if self._hf is None:
+            assert self.cfg is not None
+            tr = self.tr
+            from hpcrl.trainer.model import parse_dtype
+
+            size = sum(p.numel() for p in tr.model.parameters()) * parse_dtype(tr.precision.compute).itemsize
+            self._hf = checkpoint.writes_hf_weights(self.cfg.hf_weights, self.cfg.weights_only, size)
+            if not self._hf and tr.dist.rank == 0:
+                log.info(
+                    "checkpoints: no weights/step_N (ckpt.hf_weights = %s, policy %.1f GB): "
+                    "`hpcrl export %s/step_N` writes them from a checkpoint",
+                    self.cfg.hf_weights,
+                    size / 1e9,
+                    self.paths.checkpoints_dir,
+                )
+        return self._hf
+
     def _save_weights(self, step: int) -> None:
         from hpcrl.trainer.model import is_peft_model, save_adapter
         from hpcrl.trainer.stream import export_hf_streamed
 
+        if not self.writes_hf_weights():
+            return
         tr, rank = self.tr, self.tr.dist.rank
         # no rank gathers the model: rank 0 writes the tensors as the ranks' rows arrive (hpcrl.trainer.stream)
         export_hf_streamed(

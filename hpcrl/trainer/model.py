@@ -368,9 +368,6 @@ def export_hf(
     tensor) pairs to write instead of ``hf_named_tensors`` (hpcrl.trainer.stream streams them to rank 0
     without a gather; every rank must still run it to the end). Each safetensors file is written as
     soon as it holds ``max_shard_bytes``: the writer holds at most one file's tensors."""
-    from safetensors.torch import save_file
-
-    base = base_model(model)
     out = Path(out_dir)
     if tensors is None:
         tensors = hf_named_tensors(model, dtype=dtype)
@@ -379,44 +376,62 @@ def export_hf(
             pass
         return out
     with atomic_dir(out) as tmp:
-        shard: dict[str, torch.Tensor] = {}
-        files: list[tuple[str, list[str]]] = []
-        size = total = 0
-
-        def flush() -> None:
-            part = f"part-{len(files):05d}.safetensors"
-            save_file(shard, str(tmp / part), metadata={"format": "pt"})
-            files.append((part, list(shard)))
-            shard.clear()
-
-        for name, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            if shard and size + nbytes > max_shard_bytes:
-                flush()
-                size = 0
-            shard[name] = t.contiguous()
-            size += nbytes
-            total += nbytes
-        if shard or not files:
-            flush()
-        if len(files) == 1:
-            (tmp / files[0][0]).rename(tmp / "model.safetensors")
-        else:
-            weight_map = {}
-            for i, (part, names) in enumerate(files):
-                fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-                (tmp / part).rename(tmp / fname)
-                weight_map.update(dict.fromkeys(names, fname))
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        cfg = base.config
-        if dtype is not None:
-            cfg = copy.deepcopy(cfg)
-            cfg.dtype = parse_dtype(dtype)
-        cfg.save_pretrained(str(tmp))
-        gen = getattr(base, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+        write_weight_files(tmp, tensors, max_shard_bytes)
+        save_hf_meta(model, tokenizer, tmp, dtype)
     return out
+
+
+def write_weight_files(
+    out: Path, tensors: Iterator[tuple[str, torch.Tensor]], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
+    """Write (name, tensor) pairs into `out` as HF safetensors: model.safetensors, or numbered files
+    + model.safetensors.index.json. A file is written as soon as it holds `max_shard_bytes`: the
+    writer holds at most one file's tensors."""
+    from safetensors.torch import save_file
+
+    shard: dict[str, torch.Tensor] = {}
+    files: list[tuple[str, list[str]]] = []
+    size = total = 0
+
+    def flush() -> None:
+        part = f"part-{len(files):05d}.safetensors"
+        save_file(shard, str(out / part), metadata={"format": "pt"})
+        files.append((part, list(shard)))
+        shard.clear()
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shard[name] = t.contiguous()
+        size += nbytes
+        total += nbytes
+    if shard or not files:
+        flush()
+    if len(files) == 1:
+        (out / files[0][0]).rename(out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (part, names) in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        (out / part).rename(out / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def save_hf_meta(model: nn.Module, tokenizer: Any, out: Path, dtype: str | torch.dtype | None) -> None:
+    """config.json (saying `dtype` when given: the weights' dtype), generation_config.json and the
+    tokenizer's files: what an HF directory holds besides its weights."""
+    base = base_model(model)
+    cfg = base.config
+    if dtype is not None:
+        cfg = copy.deepcopy(cfg)
+        cfg.dtype = parse_dtype(dtype)
+    cfg.save_pretrained(str(out))
+    gen = getattr(base, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))

@@ -14,6 +14,7 @@ Collective under FSDP: every rank must iterate to the end, in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,17 +32,8 @@ from hpcrl.weights.shards import Piece, local_rows
 
 def policy_pieces(model: nn.Module, rank: int, *, dtype: str | torch.dtype | None = None) -> Iterator[Piece]:
     """Yield this rank's pieces of the policy, cast to `dtype` (floating tensors), on their device."""
-    sd = model.state_dict()
-    skip = _tied_names(model)
+    sd, skip, peft, scalings, adapter = hf_view(model)
     want = parse_dtype(dtype) if dtype is not None else None
-    peft = is_peft_model(model)
-    scalings = _lora_scalings(model) if peft else {}
-    family = getattr(model, "hpcrl_family", None)
-    adapter = None
-    if family is not None:
-        from hpcrl.models import registry
-
-        adapter = registry.family(family)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -86,11 +78,30 @@ def policy_pieces(model: nn.Module, rank: int, *, dtype: str | torch.dtype | Non
         yield Piece(hf, tuple(t.shape), row0, cast(local))
 
 
-def _lora_of(
-    sd: dict[str, torch.Tensor], name: str, hf: str, scalings: dict[str, float]
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+def hf_view(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str], bool, dict[str, float], Any]:
+    """What turns the model's state into HF tensors (as ``hf_named_tensors``): its state dict, the
+    tied names to skip, peft or not, the LoRA scalings, and the model family's HF adapter (or None)."""
+    peft = is_peft_model(model)
+    family = getattr(model, "hpcrl_family", None)
+    adapter = None
+    if family is not None:
+        from hpcrl.models import registry
+
+        adapter = registry.family(family)
+    return model.state_dict(), _tied_names(model), peft, _lora_scalings(model) if peft else {}, adapter
+
+
+def lora_keys(name: str, hf: str, scalings: dict[str, float]) -> tuple[str, str, float] | None:
+    """The state keys of LoRA's A and B merged into weight `name` (HF name `hf`) and its scaling."""
     mod = hf.rsplit(".", 1)[0]
     if not (hf.endswith(".weight") and mod in scalings):
         return None
     prefix = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else mod
-    return sd[f"{prefix}.lora_A.default.weight"], sd[f"{prefix}.lora_B.default.weight"], scalings[mod]
+    return f"{prefix}.lora_A.default.weight", f"{prefix}.lora_B.default.weight", scalings[mod]
+
+
+def _lora_of(
+    sd: dict[str, torch.Tensor], name: str, hf: str, scalings: dict[str, float]
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    keys = lora_keys(name, hf, scalings)
+    return None if keys is None else (sd[keys[0]], sd[keys[1]], keys[2])

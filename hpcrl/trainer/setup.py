@@ -277,18 +277,11 @@ def attn_impl_for(model_cfg: TrainerModelConfig) -> str | None:
 
 
 def load_warm_start(model: torch.nn.Module, path: str) -> None:
-    """Initialise weights from an HF weights dir (e.g. weights/step_N of an earlier run)."""
-    from pathlib import Path
+    """Initialise weights from an HF weights dir (e.g. weights/step_N of an earlier run) or a checkpoint
+    step dir without one (its sharded trainer state, read under HF names: hpcrl.trainer.export)."""
+    from hpcrl.trainer.export import read_weights
 
-    from safetensors.torch import load_file
-
-    d = Path(path)
-    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
-    if not files:
-        raise ValueError(f"ckpt.warm_start: {path} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    state = read_weights(path)
     if getattr(model, "hpcrl_family", None) is not None:
         from hpcrl.models.custom import load_hf_into
 

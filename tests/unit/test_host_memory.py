@@ -95,11 +95,28 @@ def test_delta_adds_the_previous_shard():
     assert gap == pytest.approx(8 * SHARD)
 
 
-def test_vllm_over_files_keeps_a_host_copy_per_worker():
-    cfg, pl = seed("--trainer.broadcast.transport", "filesystem")
+def test_vllm_over_files_keeps_a_host_copy_per_worker_only_with_delta():
+    """vLLM workers keep the loaded policy as the base of deltas only when the run syncs deltas: with
+    delta, 8 workers x 56.9 GiB + 8 x 4 GiB baseline = 487 GiB, refused on 256 GiB naming
+    trainer.broadcast.delta; without, each worker holds one tensor while loading (the largest: the
+    embedding, 151936 x 2048 x 2 B = 0.58 GiB): 8 x 0.58 + 32 = 36.6 GiB."""
+    cfg, pl = seed("--trainer.broadcast.transport", "filesystem", "--trainer.broadcast.delta")
     with pytest.raises(ConfigError) as e:
         hm.dry_run_lines(cfg, pl, node(256))
-    assert e.value.path == "trainer.broadcast.transport" and "an inference node needs 487 GiB" in str(e.value)
+    assert e.value.path == "trainer.broadcast.delta" and "an inference node needs 487 GiB" in str(e.value)
+    cfg, pl = seed("--trainer.broadcast.transport", "filesystem")
+    embed = 151936 * 2048 * 2 / GIB
+    assert round(embed, 2) == 0.58
+    assert hm.host_plan(cfg, pl).inference.total_gib == pytest.approx(8 * embed + 32)
+    hm.dry_run_lines(cfg, pl, node(256))  # fits
+    # one file per policy (sharded = false): each worker reads the whole dict
+    assert hm.server_gib(P, 2, tp=8, vllm=True, collective=False, chunk_mb=256, delta=False) == (
+        pytest.approx(8 * 56.87, abs=0.1)
+    )
+    assert hm.server_gib(
+        P, 2, tp=8, vllm=True, collective=False, chunk_mb=256, delta=False, sharded=True,
+        largest_tensor=151936 * 2048,
+    ) == pytest.approx(8 * embed)  # fmt: skip
 
 
 def test_no_memory_information_is_not_refused():

@@ -115,3 +115,34 @@ def test_moe_model_asks_vllm_for_routed_experts():
     moe, dense = resolve_model("hpcrl/tiny-qwen3-moe"), resolve_model("hpcrl/tiny-qwen3")
     assert "--enable-return-routed-experts" in vb.vllm_serve_argv(ServeOptions(model_name=moe), moe)
     assert "--enable-return-routed-experts" not in vb.vllm_serve_argv(ServeOptions(model_name=dense), dense)
+
+
+def test_update_rpc_tells_the_workers_whether_to_keep_a_delta_base():
+    """The workers keep the loaded policy (host memory per tp worker) only on a server started for
+    delta sync (ServeOptions.delta_base, from trainer.broadcast.delta)."""
+    from hpcrl.inference.vllm_routes import update_weights_rpc
+
+    assert update_weights_rpc({"path": "/r/b/step_1"}) == ("hpcrl_update_from_path", ("/r/b/step_1", False))
+    assert update_weights_rpc({"path": "/p"}, delta_base=True) == ("hpcrl_update_from_path", ("/p", True))
+    assert update_weights_rpc({"transport": "collective"}, True) == ("hpcrl_update_collective", (True,))
+    assert update_weights_rpc({"transport": "collective"}) == ("hpcrl_update_collective", (False,))
+
+
+def test_serve_config_passes_the_delta_setting_to_the_server(monkeypatch, tmp_path):
+    """The launchers give every role the whole resolved run file: the server takes
+    trainer.broadcast.delta from it (a role flag for it stays the trainer's)."""
+    from hpcrl.inference import server
+    from hpcrl.launch.checks import load
+
+    seen = []
+    monkeypatch.setattr(server, "serve", seen.append)
+    monkeypatch.setattr(server, "_has_cuda_and_vllm", lambda: False)
+    for delta in (False, True):
+        f = tmp_path / f"run_{delta}.toml"
+        f.write_text(
+            '[model]\nname = "hpcrl/tiny-qwen3"\n[[orchestrator.train.env]]\nid = "reverse-text"\n'
+            f"[trainer.broadcast]\ndelta = {str(delta).lower()}\n"
+        )
+        cfg = load(["@", str(f)], require_envs=False, role="inference").config
+        server.serve_config(cfg)
+        assert seen[-1].delta_base is delta

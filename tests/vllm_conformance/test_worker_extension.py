@@ -288,6 +288,24 @@ def test_update_from_a_sharded_publish_through_the_route(server, wrapper, model_
     _assert_loaded(wrapper, tensors)
 
 
+def test_workers_keep_a_delta_base_only_when_asked(wrapper, model_dir, tmp_path):
+    """Without delta sync (the route's default: ServeOptions.delta_base off) a worker keeps no host copy
+    of the policy and refuses a delta in one line; with it, the loaded tensors stay as the base."""
+    from types import SimpleNamespace
+
+    w = wrapper.worker
+    tensors = _perturbed(model_dir, tmp_path / "a", 1.1)
+    checksum = state_dict_checksum(tensors)
+    assert w.hpcrl_update_from_path(str(tmp_path / "a"), False) == checksum
+    assert w._hpcrl_full is None
+    _assert_loaded(wrapper, tensors)
+    with pytest.raises(RuntimeError, match="keeps no base for deltas"):
+        w._hpcrl_apply_delta(SimpleNamespace(base_checksum=checksum, base_step=1))
+    assert w.hpcrl_update_from_path(str(tmp_path / "a"), True) == checksum
+    assert sorted(w._hpcrl_full) == sorted(tensors)
+    assert all(torch.equal(w._hpcrl_full[k], v) for k, v in tensors.items())
+
+
 def test_update_over_a_gloo_broadcast_through_the_routes(server, wrapper, model_dir, tmp_path):
     from hpcrl.weights.collective import broadcast_weights, destroy_group, init_group
 

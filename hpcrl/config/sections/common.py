@@ -25,6 +25,13 @@ class CkptConfig(Section):
     weights_only: Annotated[
         bool, D("Write only weights/step_N (HF dir), no optimizer/orchestrator state.")
     ] = False
+    hf_weights: Annotated[
+        Literal["auto", "always", "never"],
+        D(
+            "Write weights/step_N (HF safetensors, rank 0 alone) at each checkpoint: auto = when the "
+            "policy is at most 16 GiB; otherwise `hpcrl export STEP_DIR` writes them from the checkpoint."
+        ),
+    ] = "auto"
     save_adapter_separately: Annotated[bool, D("LoRA: also write the raw adapter beside merged weights.")] = (
         False
     )
