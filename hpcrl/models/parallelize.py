@@ -93,7 +93,9 @@ def untied_input_embeddings(model: nn.Module) -> nn.Module | None:
 def apply_cp(model: nn.Module, group: Any) -> int:
     """Bind the cp process group to every decoder layer's attention module (hpcrl's own and
     transformers' alike): the cp kernels read it from the module they run for, and the micro-batch's
-    layout comes with each forward (``cp_batch=``). Returns how many modules were bound."""
+    layout comes with each forward (``cp_batch=``). Returns how many modules were bound. A layer
+    without such a module is left alone: a cp kernel run on an unbound module refuses to attend
+    (``ring_attention.cp_group_of``), so nothing computes over its own slice alone unnoticed."""
     from hpcrl.models.ring_attention import bind_cp_group
 
     bound = 0
@@ -101,10 +103,9 @@ def apply_cp(model: nn.Module, group: Any) -> int:
         attn = next(
             (getattr(layer, n) for n in ("self_attn", "attn", "attention") if hasattr(layer, n)), None
         )
-        if attn is None:
-            raise ValueError(f"context parallelism: {type(layer).__name__} has no attention module to bind")
-        bind_cp_group(attn, group)
-        bound += 1
+        if attn is not None:
+            bind_cp_group(attn, group)
+            bound += 1
     return bound
 
 
