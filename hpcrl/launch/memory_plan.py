@@ -22,7 +22,7 @@ position. Every rank stores S = (D + X) / N = P / N, with or without ep:
                resharded after the forward (hpcrl/trainer/parallel.py), so it is not gathered at the
                step's peak (the LM head's backward); a tied one is the head. Under cp with
                trainer.model.vocab_parallel (the default; not with LoRA on them) a rank gathers vocab / cp
-               rows of it (hpcrl/trainer/vocab_parallel.py)
+               rows of it (hpcrl/models/vocab_parallel.py)
   activations  T = micro_batch_tokens / cp tokens (a packed micro-batch; context parallelism splits
                it) x layers x per-token-per-layer elements x compute bytes, where the elements are
                  A = ACT_HIDDEN x hidden + ACT_ATTN x (q_dim + 2 kv_dim) + ACT_MLP x mlp_width

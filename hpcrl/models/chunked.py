@@ -185,7 +185,7 @@ def head_logprobs(
     LM head, tied embeddings) for the forward and again before the backward of the root's output;
     outside the forward the weight is a sharded DTensor. The model's ``logits`` output is then the
     ``[K, 1]`` logprobs, so FSDP's backward hooks sit on what the loss uses. A head made
-    vocabulary-parallel (:mod:`hpcrl.trainer.vocab_parallel`) computes its own columns over the cp
+    vocabulary-parallel (:mod:`hpcrl.models.vocab_parallel`) computes its own columns over the cp
     group's rows."""
     head = lm_head(model)
     vocab = getattr(head, "hpcrl_vocab_shard", None)
@@ -246,6 +246,6 @@ def prompt_logprobs(model: torch.nn.Module, ids: Tensor, chunk: int = DEFAULT_CH
 
 
 def vocab_parallel(model: torch.nn.Module) -> bool:
-    """Whether the model's LM head is vocabulary-parallel (:mod:`hpcrl.trainer.vocab_parallel`)."""
+    """Whether the model's LM head is vocabulary-parallel (:mod:`hpcrl.models.vocab_parallel`)."""
     head = lm_head(model)
     return getattr(head, "hpcrl_vocab_shard", None) is not None

@@ -109,6 +109,27 @@ def load_custom(
     return _finish(model, activation_checkpointing, offload)
 
 
+def build_custom(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    attn: str | None = None,
+    activation_checkpointing: bool = False,
+    activation_offload: bool = False,
+    lora: object = None,
+    trust_remote_code: bool = False,
+    meta: bool = False,
+) -> nn.Module:
+    """A custom family's ``build`` (the spec's signature): no LoRA (peft wraps transformers' modules);
+    the attention kernel is chosen here once (:func:`custom_attention`), activation checkpointing
+    is a flag the model's forward reads."""
+    registry.refuse_lora_on_custom("custom", lora is not None)
+    return load_custom(
+        path, dtype, device, attn or "auto", activation_checkpointing, meta, offload=activation_offload
+    )
+
+
 def _finish(model: nn.Module, activation_checkpointing: bool, offload: bool) -> nn.Module:
     model.config.use_cache = False
     model.activation_checkpointing = activation_checkpointing

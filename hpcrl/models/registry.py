@@ -1,11 +1,12 @@
 """Which model families have hpcrl's own training implementation (``trainer.model.impl = "custom"``).
 
 A family is a package under hpcrl/models/ exposing ``MODEL_TYPES`` (HF ``config.model_type`` values it
-serves), ``build(hf_config) -> nn.Module``, ``from_hf(state) -> state``, ``to_hf(named) -> named``,
-``apply_ep(model, ep, device, param_dtype, reduce_dtype) -> expert params`` (expert parallelism)
-and ``unsupported(config dict) -> reason | None`` (what of a config it does not compute as transformers does:
-``auto`` then keeps transformers, ``custom`` refuses in one line). Adding a family: one package and one
-line here.
+serves), ``SPEC`` (its :class:`hpcrl.models.spec.ModelSpec`: build, parallelize with its expert
+parallelism, the state-dict adapter ``from_hf`` / ``to_hf``, checks), the same ``build``, ``from_hf``,
+``to_hf``, ``apply_ep`` by name, and ``unsupported(config dict) -> reason | None`` (what of a config it
+does not compute as transformers does: ``auto`` then keeps transformers, ``custom`` refuses in one
+line; importable without torch, for the dry run). Adding a family: one package and one line here.
+Every other model takes transformers' generic path (``hpcrl.models.spec.HF``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,6 @@ from typing import Any
 from hpcrl.errors import ConfigError
 
 FAMILIES = {"qwen3": "hpcrl.models.qwen3", "qwen3_moe": "hpcrl.models.qwen3"}
-
-
-def family_of(model: Any) -> ModuleType | None:
-    """The family package of a model built by hpcrl's own implementation (None: transformers')."""
-    model_type = getattr(model, "hpcrl_family", None)
-    return None if model_type is None else family(model_type)
 
 
 def config_of(path: str | Path) -> dict[str, Any]:

@@ -31,9 +31,7 @@ tensors and the group, so hpcrl's own models and the Hugging Face ones (:func:`r
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,44 +269,57 @@ def ring_attention(
     return _RingAttention.apply(query, key, value, segments, positions, group, float(s), tile, h // hkv)
 
 
-# ------------------------------------------------------------------------------ Hugging Face hook
+# ------------------------------------------------------------------------------ model hook
 
 
-@dataclass
-class CPContext:
-    group: Any  # the context-parallel process group (None: a single rank)
+@dataclass(frozen=True)
+class CPBatch:
+    """One micro-batch's layout under context parallelism, passed to the model's forward as
+    ``cp_batch=`` (transformers hands unknown forward arguments down to the attention function;
+    hpcrl's own model threads it to its layers): no state outside the call."""
+
     segments: Tensor  # [S_local] sample id of each local token
     positions: Tensor  # [S_local] index of each local token in the whole packed row
 
 
-_STATE = threading.local()
+CP_GROUP_ATTR = "hpcrl_cp_group"  # set on each attention module by hpcrl.models.parallelize.apply_cp
+_UNBOUND = object()
 
 
-@contextmanager
-def cp_context(ctx: CPContext):
-    """Within this block, attention implemented by :data:`HF_NAME` attends over ``ctx``."""
-    prev = getattr(_STATE, "ctx", None)
-    _STATE.ctx = ctx
-    try:
-        yield
-    finally:
-        _STATE.ctx = prev
+def bind_cp_group(attention: torch.nn.Module, group: Any) -> None:
+    """Bind the cp process group (None: a single rank) to one attention module, once, when cp is
+    applied (:func:`hpcrl.models.parallelize.apply_cp`)."""
+    setattr(attention, CP_GROUP_ATTR, group)
 
 
-def current_context() -> CPContext:
-    """The context of the enclosing :func:`cp_context` (the model's attention is called inside it)."""
-    ctx: CPContext | None = getattr(_STATE, "ctx", None)
-    if ctx is None:
-        raise RuntimeError(f"attention '{HF_NAME}' runs only inside hpcrl.models.ring_attention.cp_context")
-    return ctx
+def cp_group_of(attention: torch.nn.Module) -> Any:
+    """The cp group bound to ``attention``; a module cp was never applied to is refused (it would
+    attend over its own slice alone)."""
+    group = getattr(attention, CP_GROUP_ATTR, _UNBOUND)
+    if group is _UNBOUND:
+        raise RuntimeError(
+            "context-parallel attention on a module with no cp group: apply cp to the model first "
+            "(hpcrl.models.parallelize.apply_cp)"
+        )
+    return group
+
+
+def need_batch(kind: str, cp_batch: CPBatch | None) -> CPBatch:
+    if cp_batch is None:
+        raise RuntimeError(
+            f"{kind} attention needs the micro-batch's layout: call the model with cp_batch= "
+            "(hpcrl.trainer.context_parallel.forward_cp passes it)"
+        )
+    return cp_batch
 
 
 def hf_adapter(
-    kind: str, run: Callable[[Tensor, Tensor, Tensor, CPContext, float | None], Tensor]
+    kind: str, run: Callable[[Tensor, Tensor, Tensor, CPBatch, Any, float | None], Tensor]
 ) -> Callable:
-    """transformers' AttentionInterface signature around a cp kernel ``run(q, k, v, ctx, scale)``
-    (ring here, Ulysses in hpcrl.models.ulysses): the samples and the group come from
-    :func:`cp_context`, not from a mask."""
+    """transformers' AttentionInterface signature around a cp kernel ``run(q, k, v, batch, group,
+    scale)`` (ring here, Ulysses in hpcrl.models.ulysses): the samples come from the forward's
+    ``cp_batch`` argument and the group from the attention module (bound when cp was applied), not
+    from a mask."""
 
     def attention(
         module: torch.nn.Module,
@@ -318,11 +329,12 @@ def hf_adapter(
         attention_mask: Tensor | None,
         scaling: float | None = None,
         dropout: float = 0.0,
+        cp_batch: CPBatch | None = None,
         **_: Any,
     ) -> tuple[Tensor, None]:
         if dropout:
             raise ValueError(f"{kind} attention has no dropout")
-        out = run(query, key, value, current_context(), scaling)
+        out = run(query, key, value, need_batch(kind, cp_batch), cp_group_of(module), scaling)
         return out.transpose(1, 2).contiguous(), None
 
     return attention
@@ -338,8 +350,8 @@ def register_kernel(name: str, attention: Callable) -> str:
 
 hf_ring_attention = hf_adapter(
     "ring",
-    lambda q, k, v, ctx, scale: ring_attention(
-        q, k, v, segments=ctx.segments, positions=ctx.positions, group=ctx.group, scale=scale
+    lambda q, k, v, batch, group, scale: ring_attention(
+        q, k, v, segments=batch.segments, positions=batch.positions, group=group, scale=scale
     ),
 )
 

@@ -15,9 +15,10 @@ It needs the heads to divide by N: query heads always, key/value heads too or th
 the query heads first (grouped-query attention with fewer KV heads than ranks). The dry run refuses a
 cp that does not divide the query heads (:func:`hpcrl.launch.checks.context_parallel`).
 
-The packed row's samples come from the same :class:`~hpcrl.models.ring_attention.CPContext` ring
-attention reads (``segments``: the sample id of each local token); samples are contiguous, so after
-the exchange each one is a slice of the whole row.
+The packed row's samples come from the same :class:`~hpcrl.models.ring_attention.CPBatch` ring
+attention reads (``segments``: the sample id of each local token, a forward argument); samples are
+contiguous, so after the exchange each one is a slice of the whole row. The group is the one bound
+to the attention module when cp was applied.
 """
 
 from __future__ import annotations
@@ -111,10 +112,11 @@ def ulysses_attention(
 
 
 def register_hf() -> str:
-    """Register Ulysses attention with transformers (samples and group from the cp context); its name."""
+    """Register Ulysses attention with transformers (samples from ``cp_batch``, group from the
+    attention module); its name."""
     from hpcrl.models.ring_attention import hf_adapter, register_kernel
 
-    run = lambda q, k, v, ctx, scale: ulysses_attention(  # noqa: E731
-        q, k, v, segments=ctx.segments, group=ctx.group, scale=scale
+    run = lambda q, k, v, batch, group, scale: ulysses_attention(  # noqa: E731
+        q, k, v, segments=batch.segments, group=group, scale=scale
     )
     return register_kernel(HF_NAME, hf_adapter("ulysses", run))

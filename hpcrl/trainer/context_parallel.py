@@ -18,42 +18,19 @@ token ``t`` comes from the rank that holds position ``t-1`` (it owns the hidden 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hpcrl.bus.messages import SAMPLE_FIELDS, TOKEN_FIELDS, compact_routes
 from hpcrl.models.chunked import DEFAULT_CHUNK, can_chunk, head_logprobs, kept_logits, vocab_parallel
-from hpcrl.models.ring_attention import CPContext, cp_context
+from hpcrl.models.parallelize import CPGroup, make_cp_group  # noqa: F401 - the cp "mesh", re-exported
+from hpcrl.models.ring_attention import CPBatch
 from hpcrl.trainer.packing import ForwardOutput, PackedBatch, next_token_logprobs, sample_starts
-
-
-@dataclass(frozen=True)
-class CPGroup:
-    size: int
-    rank: int  # this rank's index in its cp group
-    group: Any  # torch.distributed process group of the cp group
-    members: tuple[int, ...]  # global ranks of the group, in cp order
-
-
-def make_cp_group(cp: int) -> CPGroup:
-    """The cp group of this rank (every rank must call this: new_group is collective)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % cp:
-        raise ValueError(f"trainer.model.cp = {cp} must divide the number of trainer ranks ({world})")
-    mine = None
-    for g in range(world // cp):
-        members = tuple(range(g * cp, (g + 1) * cp))
-        pg = dist.new_group(list(members))
-        if rank in members:
-            mine = CPGroup(cp, rank - g * cp, pg, members)
-    assert mine is not None
-    return mine
 
 
 def merge_batches(batches: list[Any]) -> Any:
@@ -144,27 +121,27 @@ def forward_cp(
     pred = tok - 1  # their predicting positions, all in [lo, hi)
     keep = torch.zeros(1, hi - lo, dtype=torch.bool, device=dev)
     keep[0, pred - lo] = True
-    inputs = {"input_ids": ids[None, lo:hi], "position_ids": pos[None, lo:hi]}
+    # the layout travels with the call; the group was bound to the attention when cp was applied
+    batch = CPBatch(seg[lo:hi], torch.arange(lo, hi, device=dev))
+    inputs = {"input_ids": ids[None, lo:hi], "position_ids": pos[None, lo:hi], "cp_batch": batch}
     if mb.routed_experts is not None:  # router replay: this rank's tokens' routes (padding routes freely)
         inputs["routed_experts"] = local_routes(mb.routed_experts, pad, lo, hi)
     if mb.temperatures is None:
         temp: Tensor | float = 1.0
     else:
         temp = mb.temperatures.to(dev)[seg[pred]]
-    ctx = CPContext(g.group, seg[lo:hi], torch.arange(lo, hi, device=dev))
-    with cp_context(ctx):
-        if vocab_parallel(model):  # no rank holds the whole head: chunked always
-            chunk = chunk_tokens or DEFAULT_CHUNK
-            picked, ent_p = head_logprobs(
-                model, inputs, keep, ids[tok], temp, chunk=chunk, entropy=compute_entropy
-            )
-        elif chunk_tokens > 0 and can_chunk(model):
-            picked, ent_p = head_logprobs(
-                model, inputs, keep, ids[tok], temp, chunk=chunk_tokens, entropy=compute_entropy
-            )
-        else:
-            logits = kept_logits(model, inputs, keep)
-            picked, ent_p = next_token_logprobs(logits, ids[tok], temp, entropy=compute_entropy)
+    if vocab_parallel(model):  # no rank holds the whole head: chunked always
+        chunk = chunk_tokens or DEFAULT_CHUNK
+        picked, ent_p = head_logprobs(
+            model, inputs, keep, ids[tok], temp, chunk=chunk, entropy=compute_entropy
+        )
+    elif chunk_tokens > 0 and can_chunk(model):
+        picked, ent_p = head_logprobs(
+            model, inputs, keep, ids[tok], temp, chunk=chunk_tokens, entropy=compute_entropy
+        )
+    else:
+        logits = kept_logits(model, inputs, keep)
+        picked, ent_p = next_token_logprobs(logits, ids[tok], temp, entropy=compute_entropy)
     lp = torch.zeros(t, dtype=picked.dtype, device=dev).index_copy(0, tok, picked)
     ent = None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, tok, ent_p)
     return ForwardOutput(logprobs=lp, entropy=ent, slots=hi - lo, padding=max(0, hi - max(lo, t)))

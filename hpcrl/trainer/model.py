@@ -1,4 +1,6 @@
-"""Model and tokenizer loading, LoRA, and export of Hugging Face weights.
+"""The tokenizer, and export of Hugging Face weights (the trained model is built by its family spec,
+:mod:`hpcrl.models.spec`; ``load_model``, ``LoraParams``, ``apply_lora`` and ``parse_dtype`` are
+re-exported here from :mod:`hpcrl.models` for the callers that load a model by hand).
 
 ``hf_named_tensors`` is the single source of "the policy's weights by Hugging Face name": the
 weight broadcast and ``export_hf`` both read it, so inference always loads exactly what the trainer
@@ -8,13 +10,10 @@ merged here).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,206 +22,18 @@ from torch import nn
 
 from hpcrl.fileio import atomic_dir
 from hpcrl.models.embeddings import base_model, lm_head
+from hpcrl.models.load import (  # noqa: F401 - re-exported: tests, scripts and benchmarks load by hand
+    LoraParams,
+    apply_lora,
+    default_attn_impl,
+    enable_checkpointing,
+    is_peft_model,
+    parse_dtype,
+)
+from hpcrl.models.spec import load_model  # noqa: F401 - re-exported, as above
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 _PEFT_PREFIX = "base_model.model."
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-
-
-@dataclass(frozen=True)
-class LoraParams:
-    """LoRA adapter shape. ``target_modules`` are module-name suffixes (Qwen/Llama projections)."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
-    # Seeds the adapter's random init: every rank must start from the same adapter (FSDP shards
-    # each rank's own copy, so different inits would silently mix) and so must a rerun.
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank: {self.rank} must be >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout: {self.dropout} must be in [0, 1)")
-        if not self.target_modules:
-            raise ValueError("lora.target_modules must name at least one module")
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def default_attn_impl(device: torch.device | str) -> str:
-    """flash_attention_2 on CUDA when flash-attn is installed, else PyTorch SDPA (CPU, tests)."""
-    if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
-def load_model(
-    path: str | os.PathLike[str],
-    dtype: str | torch.dtype = "float32",
-    device: torch.device | str = "cpu",
-    attn_impl: str | None = None,
-    activation_checkpointing: bool = False,
-    activation_offload: bool = False,
-    lora: LoraParams | None = None,
-    trust_remote_code: bool = False,
-    meta: bool = False,
-    impl: str = "hf",
-) -> nn.Module:
-    """Load a causal LM from a local Hugging Face directory, ready to train (``train()`` mode).
-
-    ``impl``: 'hf' (transformers), 'custom' (hpcrl.models.registry's own implementation; no LoRA) or
-    'auto' (custom where one exists and no LoRA is asked for).
-
-    ``meta``: build the same architecture (and LoRA adapter) on the meta device without reading any
-    weight: it costs no memory, and ``parallel.fill_from_rank0`` fills it after sharding.
-
-    ``activation_offload`` (with ``activation_checkpointing``): what each checkpointed decoder layer
-    keeps for its backward (its input) is packed into pinned CPU memory by
-    ``torch.autograd.graph.save_on_cpu`` and copied back when the layer is recomputed; meant for CUDA
-    (on CPU it only copies). The caller decides the device (the trainer passes it for CUDA only)."""
-    if activation_offload and not activation_checkpointing:
-        raise ValueError(
-            "activation_offload needs activation_checkpointing (it offloads the checkpointed inputs)"
-        )
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if not Path(path, "config.json").is_file():
-        raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
-    from hpcrl.models import registry
-
-    hf_config = registry.config_of(path)
-    model_type = str(hf_config.get("model_type", ""))
-    attn_asked = attn_impl
-    # attn auto on a GPU without FA3: a dense model keeps transformers' FA2 varlen kernel where
-    # flash-attn is installed (the custom model would run SDPA with dense masks there)
-    gpu_without_fa3 = (
-        torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn_interface") is None
-    )
-    if attn_impl is None and impl == "auto" and not model_type.endswith("_moe") and gpu_without_fa3:
-        attn_asked = default_attn_impl(device)
-    if (
-        registry.pick_impl(impl, model_type, lora=lora is not None, attn=attn_asked, config=hf_config)
-        == "custom"
-    ):
-        from hpcrl.models.custom import load_custom
-
-        return load_custom(
-            path,
-            parse_dtype(dtype),
-            device,
-            attn_impl or "auto",
-            activation_checkpointing,
-            meta,
-            offload=activation_offload,
-        )
-    kwargs = {
-        "dtype": parse_dtype(dtype),
-        "attn_implementation": attn_impl or default_attn_impl(device),
-        "trust_remote_code": trust_remote_code,
-    }
-    if meta:
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-        model.to(device)
-    # The KV cache is useless for training forwards and conflicts with checkpointing.
-    model.config.use_cache = False
-    if activation_checkpointing:
-        enable_checkpointing(model, activation_offload)
-    if lora is not None:
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            model = apply_lora(model, lora)
-    model.train()
-    return model
-
-
-def enable_checkpointing(model: nn.Module, offload: bool) -> None:
-    """transformers' activation checkpointing of every decoder layer, non-reentrant (it composes with
-    FSDP2 and with frozen LoRA base weights); ``offload``: each layer's ``checkpoint`` call runs
-    inside ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, so the inputs it saves go to pinned
-    CPU memory. (transformers >= 5.2x has ``activation_checkpointing_enable(offload=True)`` for the same
-    wrapper, but it asks for pinned memory on CPU-only machines too, where torch refuses; ours leaves
-    pinning to torch's CUDA check and works with every transformers version.)"""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if not offload:
-        return
-    wrapped = 0
-    for mod in model.modules():
-        inner = getattr(mod, "_gradient_checkpointing_func", None)
-        if inner is not None:
-            mod._gradient_checkpointing_func = _offloading(inner)
-            wrapped += 1
-    if not wrapped:
-        raise ValueError(f"activation_offload: {type(model).__name__} has no checkpointed layers to offload")
-
-
-def _offloading(checkpoint_fn: Any) -> Any:
-    from torch.autograd.graph import save_on_cpu
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with save_on_cpu(pin_memory=True):
-            return checkpoint_fn(*args, **kwargs)
-
-    return run
-
-
-def apply_lora(model: nn.Module, lora: LoraParams) -> nn.Module:
-    """Wrap with a peft LoRA adapter; only adapter weights stay trainable."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ValueError("LoRA needs the 'peft' package: pip install 'hpcrl[lora]'") from e
-    cfg = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
-    checkpointing = getattr(model, "is_activation_checkpointing", None)
-    if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if checkpointing:
-        # Checkpointed blocks need an input that requires grad when the embeddings are frozen.
-        model.enable_input_require_grads()
-    device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(lora.seed)
-        return get_peft_model(model, cfg)
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def load_tokenizer(path: str | os.PathLike[str], trust_remote_code: bool = False) -> Any:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from hpcrl.models.qwen3.moe import MoE, RoutingStats
 
-
-def moe_layers(model: torch.nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MoE layers that keep routing statistics (a family's MoE module says so with the
+    class attribute ``hpcrl_moe``, as hpcrl.models.qwen3.moe.MoE does)."""
+    return [m for m in model.modules() if getattr(m, "hpcrl_moe", False)]
 
 
 def set_aux_coef(model: torch.nn.Module, coef: float) -> None:
@@ -64,7 +64,7 @@ def collect(model: torch.nn.Module) -> dict[str, float]:
     )  # fmt: skip
     flat = all_reduce_sum(torch.cat([torch.stack(rows).reshape(-1), extra]))
     for m in layers:
-        m.stats = RoutingStats()
+        m.stats = type(m.stats)()
     table = flat[: len(layers) * (e + 2)].view(len(layers), e + 2)
     out: dict[str, float] = {}
     vios, confs = [], []

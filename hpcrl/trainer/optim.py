@@ -127,7 +127,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return 0.0
-    from hpcrl.models.qwen3.parallelize import is_expert_sharded
+    from hpcrl.models.parallelize import is_expert_sharded
 
     if any(is_expert_sharded(p) for p in params):
         return _clip_mixed_meshes(params, max_norm)

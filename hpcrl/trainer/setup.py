@@ -10,14 +10,13 @@ from typing import Any
 import torch
 
 from hpcrl.config.schema import LossConfig, OptimConfig, TrainerModelConfig
-from hpcrl.errors import ConfigError
-from hpcrl.models import registry
+from hpcrl.models import spec as model_spec
 from hpcrl.models.chunked import chunk_rows
 from hpcrl.models.embeddings import base_model, lm_head
+from hpcrl.models.parallelize import CPGroup, make_cp_group
 from hpcrl.trainer import model as model_lib
 from hpcrl.trainer import optim as optim_lib
 from hpcrl.trainer import parallel, precision
-from hpcrl.trainer.context_parallel import CPGroup, make_cp_group
 from hpcrl.trainer.loss import LossParams
 
 log = logging.getLogger("hpcrl.trainer")
@@ -71,8 +70,8 @@ def build_training(
     warm_start: str | None = None,
     meta_init: bool = True,
 ) -> Training:
-    """Distributed init, model (sharded with FSDP2 when world > 1 or mixed precision), optimizer and
-    scheduler. ``meta_init = False`` makes every rank read the whole model (the old path, kept for the
+    """Distributed init and the cp groups, the model (its family spec builds and parallelizes it:
+    :func:`build_model`), optimizer and scheduler. ``meta_init = False`` makes every rank read the whole model (the old path, kept for the
     memory benchmark's baseline)."""
     from hpcrl.models.resolve import resolve_model
 
@@ -155,147 +154,16 @@ def build_model(
     meta_init: bool = True,
     cp: CPGroup | None = None,
 ) -> torch.nn.Module:
-    """The trainable model, sharded. Over several ranks with ``meta_init``, only rank 0 reads the
-    weights (into CPU memory): the others build the model on the meta device, every rank shards it
-    (FSDP2), and rank 0 broadcasts one tensor at a time, each rank keeping its rows. Rank 0 then drops
-    its whole copy, so no rank holds more than one model plus its shard at any moment."""
-    lora = None
-    if model_cfg.lora is not None:
-        lc = model_cfg.lora
-        lora = model_lib.LoraParams(
-            rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=tuple(lc.target_modules)
-        )
-    registry.refuse_lora_on_custom(model_cfg.impl, lora is not None)  # before a warm start drops `lora` below
-    from_rank0 = meta_init and parallel.get_world_size() > 1
-    on_meta = from_rank0 and not parallel.is_rank0()
-    model = model_lib.load_model(
-        path,
-        dtype=prec.master,
-        device="cpu" if from_rank0 else device,
-        attn_impl=attn_impl_for(model_cfg),
-        activation_checkpointing=model_cfg.activation_checkpointing,
-        # On CPU the activations are in CPU memory already (the dry run says so in one line)
-        activation_offload=model_cfg.activation_offload and device.type == "cuda",
-        lora=None if warm_start else lora,
-        trust_remote_code=model_cfg.trust_remote_code,
-        meta=on_meta,
-        # LoRA (also when a warm start applies it after loading) runs on transformers' model (peft)
-        impl=model_cfg.impl if lora is None else "hf",
+    """The trainable model, parallelized, through its family spec's one construction path
+    (:func:`hpcrl.models.spec.build`: build on meta or rank 0, warm start, ep, cp, FSDP2,
+    vocab-parallel, fill from rank 0). The trainer only passes its process layout and dtypes."""
+    mesh = model_spec.Mesh(device, parallel.get_world_size(), parallel.get_rank(), cp)
+    dtypes = model_spec.Dtypes(prec.master, prec.compute, prec.reduce, mixed=prec.mixed)
+    from hpcrl.trainer.export import read_weights  # an HF weights dir or a checkpoint step dir
+
+    return model_spec.build(
+        model_cfg, path, mesh, dtypes, warm_start=warm_start, meta_init=meta_init, read_weights=read_weights
     )
-    if warm_start:
-        # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are
-        # merged), and the new adapter starts at zero on top of them. Meta ranks get it from rank 0.
-        if not on_meta:
-            load_warm_start(model, warm_start)
-        if lora is not None:
-            model = model_lib.apply_lora(model, lora)
-    whole = parallel.local_tensors(model) if from_rank0 and not on_meta else {}
-    experts = apply_moe_options(model, model_cfg, device, prec)
-    model = shard_model(
-        model,
-        param_dtype=model_lib.parse_dtype(prec.compute),
-        reduce_dtype=model_lib.parse_dtype(prec.reduce),
-        force=prec.mixed or bool(experts),
-        experts=experts,
-        cp=cp,
-        vocab_parallel=model_cfg.vocab_parallel,
-    )
-    if from_rank0:
-        if on_meta:
-            model.to_empty(device=device)
-        parallel.fill_from_rank0(model, whole)  # consumes rank 0's whole copy, tensor by tensor
-    return model
-
-
-def apply_moe_options(
-    model: torch.nn.Module, model_cfg: TrainerModelConfig, device: torch.device, prec: precision.Precision
-) -> set:
-    """Expert parallelism (trainer.model.ep) on the custom implementation; returns the expert
-    parameters FSDP must leave alone (empty without EP)."""
-    if model_cfg.ep == 1:
-        return set()
-    spec = registry.family_of(model)
-    if spec is None:
-        raise ConfigError(
-            "trainer.model.ep",
-            f"{model_cfg.ep} needs the custom implementation of a MoE model "
-            f"(impl = 'custom' or 'auto'; this run uses transformers')",
-        )
-    dtypes = model_lib.parse_dtype(prec.compute), model_lib.parse_dtype(prec.reduce)
-    return spec.apply_ep(model, model_cfg.ep, device, *dtypes)
-
-
-def shard_model(
-    model: torch.nn.Module,
-    *,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    force: bool = False,
-    experts: set | None = None,
-    cp: CPGroup | None = None,
-    vocab_parallel: bool = True,
-) -> torch.nn.Module:
-    """FSDP2 over all ranks (:func:`parallel.apply_fsdp`), the ``experts`` left to expert
-    parallelism, and under ``cp`` with ``vocab_parallel`` the input embedding and LM head split over
-    the vocabulary within each cp group (:mod:`hpcrl.trainer.vocab_parallel`; said in one line when
-    the model's layers cannot be). Collective."""
-    vocab: set = set()
-    if cp is not None and vocab_parallel:
-        from hpcrl.trainer import vocab_parallel as vp
-
-        why = vp.supported(model)
-        if why is None:
-            vocab = vp.parameters(model)
-        else:
-            log.info("trainer.model.vocab_parallel: off, %s; FSDP gathers the embedding and head whole", why)
-    ignored = (experts or set()) | vocab
-    model = parallel.apply_fsdp(
-        model, param_dtype=param_dtype, reduce_dtype=reduce_dtype, force=force, ignored_params=ignored or None
-    )
-    if vocab and cp is not None:
-        vs = vp.shard(model, cp.size, cp.rank, cp.group, param_dtype)
-        log.info(
-            "vocab-parallel embedding and LM head: %d of %d rows per rank within the cp group (FSDP "
-            "leaves them alone)",
-            vs.dp * vs.block,
-            vs.vocab,
-        )
-    return model
-
-
-def attn_impl_for(model_cfg: TrainerModelConfig) -> str | None:
-    """The attention implementation to load the model with: ring attention under cp."""
-    if model_cfg.cp > 1 and model_cfg.cp_mode == "ulysses":
-        from hpcrl.models import ulysses
-
-        return ulysses.register_hf()
-    if model_cfg.cp > 1:
-        from hpcrl.models.ring_attention import register_hf
-
-        return register_hf()
-    return None if model_cfg.attn == "auto" else model_cfg.attn
-
-
-def load_warm_start(model: torch.nn.Module, path: str) -> None:
-    """Initialise weights from an HF weights dir (e.g. weights/step_N of an earlier run) or a checkpoint
-    step dir without one (its sharded trainer state, read under HF names: hpcrl.trainer.export)."""
-    from hpcrl.trainer.export import read_weights
-
-    state = read_weights(path)
-    if getattr(model, "hpcrl_family", None) is not None:
-        from hpcrl.models.custom import load_hf_into
-
-        load_hf_into(model, state, "ckpt.warm_start")
-        log.info("warm start from %s", path)
-        return
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
-    if real_missing or unexpected:
-        raise ValueError(
-            f"ckpt.warm_start: weights do not match the model (missing {real_missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
-        )
-    log.info("warm start from %s", path)
 
 
 def loss_params(loss: LossConfig, mode: str) -> LossParams:

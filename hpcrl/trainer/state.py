@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hpcrl.models.parallelize import row_range
 from hpcrl.paths import RunPaths
 
 FORMAT = 2  # 1: same world size only (no "shards"); still loaded when N = M
@@ -39,25 +40,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def row_range(t: torch.Tensor) -> tuple[list[int], int, int]:
-    """(global shape, first row, row count) of the part of ``t`` this rank holds. A DTensor sharded
-    by FSDP2 holds ``torch.chunk(whole, world, dim=0)[rank]``; expert-parallel experts FSDP-sharded
-    within their ep position (``Shard(0)`` over ep, then FSDP over dp_ep) hold one contiguous run of
-    rows too; a plain tensor holds everything."""
-    shape = list(t.shape)
-    if not hasattr(t, "device_mesh") or t.dim() == 0:
-        return shape, 0, shape[0] if shape else 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    local_rows = t.to_local().shape[0]
-    assert list(local_shape[1:]) == shape[1:] and not any(offset[1:]), (
-        f"only dim-0 sharding is supported, got {t.placements}"
-    )
-    assert local_shape[0] == local_rows, (shape, t.placements, local_shape, local_rows)
-    return shape, int(offset[0]) if local_rows else min(int(offset[0]), shape[0]), local_rows
 
 
 def _shard_entry(t: torch.Tensor) -> list[Any]:

@@ -174,7 +174,7 @@ def one_step(
     )
     # bf16 compute over fp32 master weights on GPU (what the trainer's precision does there); under
     # cp the embedding and head vocabulary-parallel (the trainer's default) unless cp2_gathered.
-    from hpcrl.trainer.setup import shard_model
+    from hpcrl.models.parallelize import parallelize as shard_model
 
     model = shard_model(
         model,

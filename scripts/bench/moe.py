@@ -106,6 +106,7 @@ def part_step() -> None:
 def ep_worker(out: str) -> None:
     import torch
 
+    from hpcrl.models import parallelize as mp
     from hpcrl.models.qwen3.parallelize import apply_ep
     from hpcrl.trainer import parallel as par
     from hpcrl.trainer.model import load_model
@@ -115,7 +116,7 @@ def ep_worker(out: str) -> None:
     model = load_model(_model_dir("small-moe"), "float32", "cpu", impl="custom")
     ep = env.world_size
     experts = apply_ep(model, ep, torch.device("cpu")) if ep > 1 else set()
-    model = par.apply_fsdp(model, ignored_params=experts or None)
+    model = mp.apply_fsdp(model, ignored_params=experts or None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (BATCH, SEQ), generator=g)

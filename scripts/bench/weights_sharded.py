@@ -65,7 +65,7 @@ def build_model(layers: int):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from hpcrl.trainer import parallel as par
+    from hpcrl.models import parallelize as mp
 
     cfg = Qwen3Config(
         hidden_size=1024,
@@ -79,7 +79,7 @@ def build_model(layers: int):
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model = par.apply_fsdp(model)
+    model = mp.apply_fsdp(model)
     model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(
         1 + (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)

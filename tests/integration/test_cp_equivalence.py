@@ -87,12 +87,12 @@ def worker(model_dir: str, out: str, mode: str = "ring") -> None:
     import torch
 
     from hpcrl.models import ulysses
+    from hpcrl.models.parallelize import parallelize as shard_model
     from hpcrl.models.ring_attention import register_hf
     from hpcrl.trainer import parallel
     from hpcrl.trainer.context_parallel import forward_cp, make_cp_group, restrict
     from hpcrl.trainer.model import load_model
     from hpcrl.trainer.packing import forward_packed, micro_batches
-    from hpcrl.trainer.setup import shard_model
 
     parallel.init_distributed(torch.device("cpu"))
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -196,6 +196,7 @@ def _check_equivalence(model_dir: Path, tmp_path: Path, impl: str, ep: int, worl
 def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
     import torch
 
+    from hpcrl.models import parallelize as mp
     from hpcrl.trainer import optim
     from hpcrl.trainer import parallel as par
     from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
@@ -230,7 +231,7 @@ def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
     from hpcrl.models.qwen3.parallelize import apply_ep
 
     experts = apply_ep(model, ep, torch.device("cpu")) if ep > 1 else set()
-    model = par.apply_fsdp(model, ignored_params=experts or None)
+    model = mp.apply_fsdp(model, ignored_params=experts or None)
     if ep > 1:  # every rank stores E / world experts: FSDP-sharded within an ep position when dp_ep > 1
         moe = model.moe_layers()[0]
         assert moe.experts.gate_proj.to_local().shape[0] == moe.num_experts // env.world_size
@@ -278,7 +279,7 @@ def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
         opt.zero_grad(set_to_none=True)
         history.append(metrics)
 
-    tied = par.untied_input_embeddings(model) is None
+    tied = mp.untied_input_embeddings(model) is None
     full = par.full_state_dict(model)
     export_hf(model, None, Path(out) / "export", write=par.is_rank0())
     if par.is_rank0():

@@ -102,7 +102,7 @@ def _observe(model, opt) -> dict[str, set]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    from hpcrl.trainer.parallel import decoder_layers
+    from hpcrl.models.parallelize import decoder_layers
 
     seen: dict[str, set] = {
         k: set() for k in ("forward_weight_dtypes", "reduce_scatter_dtypes", "grad_dtypes", "param_dtypes")

@@ -109,6 +109,7 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from hpcrl.models import parallelize as mp
     from hpcrl.paths import RunPaths
     from hpcrl.trainer import optim
     from hpcrl.trainer import parallel as par
@@ -121,10 +122,10 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
     vp = flag == "vp"
     ids = torch.arange(3, 35).reshape(2, 16)
     if vp:  # cp = 2, the embedding and head vocabulary-parallel: the step runs forward_cp
+        from hpcrl.models.parallelize import parallelize as shard_model
         from hpcrl.models.ring_attention import register_hf
         from hpcrl.trainer.context_parallel import forward_cp, make_cp_group
         from hpcrl.trainer.packing import PackedBatch
-        from hpcrl.trainer.setup import shard_model
 
         cp = make_cp_group(2)
         model = shard_model(load_model(model_dir, attn_impl=register_hf()), param_dtype=None, cp=cp)
@@ -146,13 +147,13 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
 
         model = load_model(model_dir, impl="custom")
         experts = apply_ep(model, 2, torch.device("cpu")) if flag == "ep2" else set()
-        model = par.apply_fsdp(model, ignored_params=experts or None)
+        model = mp.apply_fsdp(model, ignored_params=experts or None)
 
         def loss() -> torch.Tensor:
             return model(input_ids=ids).logits.float().pow(2).mean()
 
     else:
-        model = par.apply_fsdp(load_model(model_dir))
+        model = mp.apply_fsdp(load_model(model_dir))
 
         def loss() -> torch.Tensor:
             return model(input_ids=ids).logits.float().pow(2).mean()

@@ -27,7 +27,7 @@ BUCKET_MB = 0.03  # ~31 KiB: several files per rank and embeddings cut into row 
 def _model(kind: str, model_dir: str):
     import torch
 
-    from hpcrl.trainer import parallel as par
+    from hpcrl.models import parallelize as mp
     from hpcrl.trainer.model import LoraParams, load_model
 
     torch.manual_seed(0)
@@ -36,16 +36,16 @@ def _model(kind: str, model_dir: str):
 
         model = load_model(model_dir, impl="custom")
         experts = apply_ep(model, 2, torch.device("cpu"))
-        model = par.apply_fsdp(model, ignored_params=experts)
+        model = mp.apply_fsdp(model, ignored_params=experts)
     elif kind == "lora":
         model = load_model(model_dir, lora=LoraParams(rank=4, alpha=8, target_modules=("q_proj", "v_proj")))
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.05)  # peft starts B at zero: the merge would change nothing
-        model = par.apply_fsdp(model)
+        model = mp.apply_fsdp(model)
     else:
-        model = par.apply_fsdp(load_model(model_dir))
+        model = mp.apply_fsdp(load_model(model_dir))
     ids = torch.arange(3, 35).reshape(2, 16)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model(input_ids=ids).logits.float().pow(2).mean().backward()

@@ -1,4 +1,4 @@
-"""The vocabulary-parallel embedding and LM head (hpcrl.trainer.vocab_parallel) on real gloo ranks
+"""The vocabulary-parallel embedding and LM head (hpcrl.models.vocab_parallel) on real gloo ranks
 against one rank's plain computation of the same numbers.
 
 Every rank builds the same tied ``[37, 8]`` embedding / head (37 rows: no world divides it, so
@@ -76,9 +76,9 @@ def worker(out: str, dtype: str = "") -> None:
     import torch.nn.functional as F
 
     from hpcrl.models.chunked import chunked_token_logprobs
+    from hpcrl.models.parallelize import parallelize as shard_model
     from hpcrl.trainer import parallel
     from hpcrl.trainer.context_parallel import make_cp_group
-    from hpcrl.trainer.setup import shard_model
 
     parallel.init_distributed(torch.device("cpu"))
     torch.use_deterministic_algorithms(True, warn_only=True)

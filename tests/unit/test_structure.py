@@ -240,3 +240,96 @@ def test_upward_import_finder_names_the_arrow() -> None:
     assert bad == [
         "hpcrl.config.validate -> hpcrl.trainer.precision: config may not import trainer, which stands above it"
     ]
+
+
+# ------------------------------------------------------------------ one construction path per family
+# What only a model family's spec (hpcrl/models/spec.py, hpcrl/models/parallelize.py) may do: shard,
+# apply expert parallelism, bind the cp group, switch checkpointing on, or reach a family's internals.
+MODEL_BUILDING_CALLS = {
+    "fully_shard",
+    "apply_fsdp",
+    "apply_ep",
+    "apply_cp",
+    "bind_cp_group",
+    "parallelize",
+    "enable_checkpointing",
+    "gradient_checkpointing_enable",
+    "activation_checkpointing_enable",
+    "fill_from_rank0",
+    "cp_context",
+}
+
+
+def _calls(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            out.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return out
+
+
+def test_trainer_builds_models_only_through_the_family_spec() -> None:
+    """trainer/ imports no family's internals (models.qwen3, models.custom: a family is reached through
+    the registry and its spec) and applies no FSDP, ep, cp or checkpointing itself: it calls
+    hpcrl.models.spec.build with its process groups."""
+    graph = import_graph()
+    internals = ("hpcrl.models.qwen3", "hpcrl.models.custom")
+    bad = [
+        f"{src} -> {dst}"
+        for src, targets in sorted(graph.items())
+        if src.startswith("hpcrl.trainer")
+        for dst in sorted(targets)
+        if dst.startswith(internals)
+    ]
+    assert not bad, "trainer/ reaches past the family spec:\n" + "\n".join(bad)
+    applied = {
+        f"{f.relative_to(REPO)}: {name}"
+        for f in sorted((REPO / "hpcrl" / "trainer").rglob("*.py"))
+        for name in _calls(f) & MODEL_BUILDING_CALLS
+    }
+    assert not applied, f"trainer/ parallelizes a model itself (the spec's job): {sorted(applied)}"
+    assert "build" in {
+        n.func.attr
+        for n in ast.walk(ast.parse((REPO / "hpcrl/trainer/setup.py").read_text()))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and getattr(n.func.value, "id", "") == "model_spec"
+    }, "trainer/setup.py builds its model through hpcrl.models.spec.build"
+
+
+def test_cp_attention_reads_no_global_context() -> None:
+    """The cp group is bound to the attention modules when cp is applied and the micro-batch's layout
+    is a forward argument: no thread-local or module-global context is read in forward."""
+    for rel in ("hpcrl/models/ring_attention.py", "hpcrl/models/ulysses.py", "hpcrl/models/qwen3/model.py"):
+        src = (REPO / rel).read_text()
+        for word in ("threading", "current_context", "cp_context", "contextvars"):
+            assert word not in src, f"{rel} still holds a global cp context ({word!r})"
+        assert not any(isinstance(n, ast.Global) for n in ast.walk(ast.parse(src))), f"{rel} sets a global"
+
+
+def test_each_family_spec_exposes_the_whole_construction_path(tmp_path: Path) -> None:
+    """Every registered family (hpcrl's Qwen3 / Qwen3-MoE, transformers' generic path) has config
+    args, build, parallelize, a state-dict adapter and checks; the built-in tiny models (dense and MoE
+    presets) reach a registered spec through the registry, custom or transformers' as asked."""
+    import json
+
+    from hpcrl.models import registry, spec
+    from hpcrl.models.tiny import MOE_PRESETS, PRESETS
+
+    families = {registry.family(t).SPEC for t in registry.FAMILIES}
+    for s in (spec.HF, *families):
+        for part in ("config_args", "build", "parallelize", "from_hf", "to_hf", "unsupported"):
+            assert callable(getattr(s, part)), f"spec {s.name} has no {part}"
+    (qwen3,) = families
+    assert set(qwen3.model_types) == set(registry.FAMILIES) and qwen3.apply_ep is not None
+    assert spec.HF.apply_ep is None and spec.HF.unsupported({"model_type": "llama"}) is None
+    for preset, shape in {**PRESETS, **MOE_PRESETS}.items():
+        d = tmp_path / preset
+        d.mkdir()
+        model_type = "qwen3_moe" if preset in MOE_PRESETS else "qwen3"
+        (d / "config.json").write_text(json.dumps({"model_type": model_type, **shape}))
+        assert spec.spec_for(d, "auto") is qwen3 and spec.spec_for(d, "custom") is qwen3, preset
+        assert spec.spec_for(d, "hf") is spec.HF and spec.spec_for(d, "auto", lora=True) is spec.HF, preset
+    with __import__("pytest").raises(Exception, match="trainer.model.ep"):
+        spec.HF.parallelize(object(), device="cpu", param_dtype=None, reduce_dtype=None, ep=2)

@@ -9,7 +9,7 @@ from hpcrl.models.qwen3.args import unsupported
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 
-__all__ = ["MODEL_TYPES", "Qwen3ForTraining", "apply_ep", "build", "from_hf", "to_hf", "unsupported"]
+__all__ = ["MODEL_TYPES", "SPEC", "Qwen3ForTraining", "apply_ep", "build", "from_hf", "to_hf", "unsupported"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from hpcrl.models.qwen3 import state_dict_adapter
 
         return getattr(state_dict_adapter, name)
+    if name == "SPEC":  # the family's construction path (hpcrl.models.spec)
+        from hpcrl.models.qwen3.spec import SPEC
+
+        return SPEC
     if name == "apply_ep":
         from hpcrl.models.qwen3.parallelize import apply_ep
 

@@ -88,7 +88,7 @@ class Rotary(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor, cp: Any, module: Any) -> Tensor:
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(
@@ -101,25 +101,27 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> 
     )
 
 
-def _fa3(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> Tensor:
+def _fa3(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor, cp: Any, module: Any) -> Tensor:
     return flash_attention_3(q, k, v, pos)
 
 
-def _ring(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> Tensor:
-    """cp: this rank's time slice attends over the whole row (the micro-batch's cp context)."""
-    from hpcrl.models.ring_attention import current_context, ring_attention
+def _ring(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor, cp: Any, module: Any) -> Tensor:
+    """cp: this rank's time slice attends over the whole row (``cp``: the micro-batch's layout, a
+    forward argument; the group: bound to the module when cp was applied)."""
+    from hpcrl.models.ring_attention import cp_group_of, need_batch, ring_attention
 
-    ctx = current_context()
-    return ring_attention(q, k, v, segments=ctx.segments, positions=ctx.positions, group=ctx.group)
+    b = need_batch("ring", cp)
+    return ring_attention(q, k, v, segments=b.segments, positions=b.positions, group=cp_group_of(module))
 
 
-def _ulysses(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor) -> Tensor:
-    """cp: all-to-all over heads, then the whole row (the micro-batch's cp context)."""
-    from hpcrl.models.ring_attention import current_context
+def _ulysses(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, pos: Tensor, cp: Any, module: Any
+) -> Tensor:
+    """cp: all-to-all over heads, then the whole row (layout and group as :func:`_ring`'s)."""
+    from hpcrl.models.ring_attention import cp_group_of, need_batch
     from hpcrl.models.ulysses import ulysses_attention
 
-    ctx = current_context()
-    return ulysses_attention(q, k, v, segments=ctx.segments, group=ctx.group)
+    return ulysses_attention(q, k, v, segments=need_batch("ulysses", cp).segments, group=cp_group_of(module))
 
 
 # The attention kernels of the custom model, chosen once when the model is built (set_attention).
@@ -159,14 +161,16 @@ class Attention(nn.Module):
         self.kernel = "sdpa"
         self.attend = _sdpa  # set_attention chooses the kernel once, at build
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, pos: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, pos: Tensor, cp: Any = None
+    ) -> Tensor:
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        out = self.attend(q, k, v, mask, pos)
+        out = self.attend(q, k, v, mask, pos, cp, self)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -200,9 +204,11 @@ class Block(nn.Module):
         mask: Tensor | None,
         pos: Tensor,
         replay: Tensor | None = None,
+        cp: Any = None,
     ) -> Tensor:
-        """``replay``: [tokens, k] expert ids for this layer's MoE (router replay), -1 = route freely."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, pos)
+        """``replay``: [tokens, k] expert ids for this layer's MoE (router replay), -1 = route freely;
+        ``cp``: the micro-batch's context-parallel layout (``ring_attention.CPBatch``; None without cp)."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, pos, cp)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, replay) if isinstance(self.mlp, MoE) else self.mlp(h))
 
@@ -257,6 +263,7 @@ class Qwen3ForTraining(nn.Module):
         logits_to_keep: Tensor | int | None = None,
         routed_experts: Tensor | None = None,
         use_cache: bool = False,
+        cp_batch: Any = None,
         **_: Any,
     ) -> CausalLMOutput:
         b, t = input_ids.shape
@@ -276,9 +283,11 @@ class Qwen3ForTraining(nn.Module):
 
                 # save_on_cpu packs what checkpoint saves (the layer's input) into pinned CPU memory
                 with save_on_cpu(pin_memory=True) if self.activation_offload else contextlib.nullcontext():
-                    h = checkpoint(layer, h, rope, attention_mask, position_ids, replay, use_reentrant=False)
+                    h = checkpoint(
+                        layer, h, rope, attention_mask, position_ids, replay, cp_batch, use_reentrant=False
+                    )
             else:
-                h = layer(h, rope, attention_mask, position_ids, replay)
+                h = layer(h, rope, attention_mask, position_ids, replay, cp_batch)
         h = self.model.norm(h)
         if isinstance(logits_to_keep, Tensor) and logits_to_keep.dtype == torch.bool:
             h = h[logits_to_keep]

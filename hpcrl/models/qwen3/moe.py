@@ -104,6 +104,8 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
+    hpcrl_moe = True  # routing statistics and the aux loss: what hpcrl.trainer.moe_metrics reads
+
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob

@@ -10,8 +10,8 @@ Layout over a trainer world of W ranks with ``ep = N`` (N divides W and the expe
   and optimizer state, as FSDP stores the rest; with dp_ep = 1 they are stored whole (E / N = E / W)
   and FSDP leaves them alone;
 - everything else (attention, router, norms, embeddings, dense MLPs) is FSDP2-sharded over all W
-  ranks as without EP (``hpcrl.trainer.parallel.apply_fsdp``).
-Checkpoints record the experts' global rows like any FSDP shard (``trainer.state.row_range``: each
+  ranks as without EP (``hpcrl.models.parallelize.apply_fsdp``).
+Checkpoints record the experts' global rows like any FSDP shard (``models.parallelize.row_range``: each
 rank's rows are one contiguous run), so they reshard to any other world size / ep.
 """
 
@@ -23,13 +23,6 @@ from torch import nn
 
 from hpcrl.models.qwen3.moe import MoE
 from hpcrl.models.rules import check_ep
-
-
-def is_expert_sharded(t: torch.Tensor) -> bool:
-    """A DTensor on the ep mesh or the (dp_ep, ep) mesh (an expert parameter or its gradient under
-    expert parallelism)."""
-    mesh = getattr(t, "device_mesh", None)
-    return mesh is not None and "ep" in (mesh.mesh_dim_names or ())
 
 
 def apply_ep(

@@ -291,11 +291,11 @@ def shard(
     from torch.distributed.tensor import DTensor, Shard
 
     emb, head = embeddings(model)
-    from hpcrl.models.qwen3.parallelize import is_expert_sharded
-
-    # FSDP's mesh of all ranks (not an expert-parallel mesh: experts may come first in some model)
+    # FSDP's mesh of all ranks (not an expert-parallel mesh, named "ep": experts may come first)
     mesh = next(
-        p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and not is_expert_sharded(p)
+        p.device_mesh
+        for p in model.parameters()
+        if isinstance(p, DTensor) and "ep" not in (p.device_mesh.mesh_dim_names or ())
     )
     world, me = dist.get_world_size(), dist.get_rank()
     dp_group = None
