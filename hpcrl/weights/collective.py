@@ -451,7 +451,7 @@ def receive_tensors(
     run_schedule(group, header, out=out)
     if header.delta is None and header.checksum is not None and checksum != header.checksum:
         raise CorruptBucket(
-            f"policy {header.step}: the pieces' digests add up to {checksum}, the header says {header.checksum}"
+            f"policy {header.step}: the received pieces' checksum {checksum} != the sender's {header.checksum}"
         )
     return out
 
