@@ -171,21 +171,22 @@ def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) 
     2. the part records (a few bytes each) go to every rank (`all_gather_object`): every rank knows
        the schedule (round robin over the ranks' buckets, hpcrl.weights.collective.schedule); rank 0
        computes the policy checksum from the digests, announces PolicyReady and sends the header;
-    3. every rank takes part in every bucket's broadcast: it sends its own (src = its group rank) and
-       drops the others' (one scratch bucket); receivers check each part against its digest.
+    3. every rank sends its own buckets to every receiver, point to point, in the schedule's order
+       (and sees nothing of the others'); receivers check each part against its digest.
     A broadcast that fails on any rank (a server died) is told to every rank (one all-reduce) and all
     of them publish the same policy as sharded files. Memory per rank: its shard in the policy dtype
-    and two buckets (one to pack its own parts, one for the others'); no rank holds another's rows."""
+    and one scratch bucket (to pack its multi-part buckets); no rank holds another's rows."""
     from hpcrl.weights import collective as coll
 
     if _decide(pub) == "filesystem":
-        if pub.rank == 0:
-            pub._fall_back_to_files()
-        else:
-            pub.transport = "filesystem"
+        pub._fall_back_to_files()
         return publish_sharded(pub, model, step)
     t0 = time.perf_counter()
     world = _world()
+    if pub.group.senders != world:
+        raise RuntimeError(
+            f"the weight group counts {pub.group.senders} trainer rank(s), the trainer has {world}"
+        )
     bucket = max(1, int(pub.bucket_mb * 2**20))
     pieces = sorted(policy_pieces(model, pub.rank, dtype=pub.dtype), key=lambda p: (p.name, p.row0))
     mine = coll.plan_buckets(pieces, bucket)
@@ -214,7 +215,7 @@ def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) 
                 sync_bytes=nbytes,
             )
         )
-        header = coll.make_header(step, bucket, checksum, tensors, sched)
+        header = coll.make_header(step, bucket, checksum, tensors, sched, senders=world)
     failed = False
     try:
         if header is not None:

@@ -7,18 +7,19 @@ rank) from a TCPStore that trainer rank 0 hosts: a raw ProcessGroupGloo (CPU) or
 
 Wire protocol (version 3; one update):
 
-1. from group rank 0: header length, an int64 tensor of shape [1];
-2. from group rank 0: the header, a uint8 tensor holding UTF-8 JSON
-   {"version": 3, "step": N, "bucket_bytes": B, "checksum": str | null,
+1. broadcast from group rank 0: header length, an int64 tensor of shape [1];
+2. broadcast from group rank 0: the header, a uint8 tensor holding UTF-8 JSON
+   {"version": 3, "senders": T, "step": N, "bucket_bytes": B, "checksum": str | null,
     "delta": manifest | null, "adapter": peft adapter config | null,
     "tensors": [[hf_name, dtype, shape], ...],
     "buckets": [[src, [[hf_name, dtype, shape, row0, rows, digest], ...]], ...]};
    with "adapter" the tensors are a LoRA adapter's (peft names, what adapter_model.safetensors holds)
    and the receiver merges them onto its base weights instead of replacing the weights;
-3. the buckets, in the header's order: bucket k is one broadcast from group rank `src` of the raw
-   bytes of its parts (each a run of whole rows of one tensor), concatenated; at most B bytes.
-   Every trainer rank sends its own pieces (`src` = its group rank), so no rank holds or forwards
-   another's rows; a bucket with one part goes straight from / into the tensor's own rows.
+3. the buckets, in the header's order: bucket k goes from group rank `src` to every receiver (group
+   ranks `senders`..world-1), point to point (send/recv, tag k): the raw bytes of its parts (each a
+   run of whole rows of one tensor), concatenated; at most B bytes. Every trainer rank sends its own
+   pieces (`src` = its group rank); no rank holds, forwards or even sees another trainer rank's rows;
+   a bucket with one part goes straight from / into the tensor's own rows.
 
 `digest` is the part's row digest (hpcrl.weights.checksum.rows_digest, 32 hex digits): a receiver
 checks every part as its bucket arrives and refuses the update (CorruptBucket, naming the bucket, its
@@ -56,6 +57,7 @@ class WeightGroup:
     backend: str
     device: Any  # torch.device the payload lives on (cpu for gloo, cuda for nccl)
     store: Any = field(repr=False)  # keep the store alive as long as the group
+    senders: int = 1  # group ranks 0..senders-1 are the trainer ranks
 
 
 @dataclass
@@ -67,6 +69,7 @@ class WeightsHeader:
     delta: dict[str, Any] | None = None  # hpcrl.weights.delta manifest: the tensors encode a delta
     adapter: dict[str, Any] | None = None  # LoRA: the adapter's peft config; the tensors are its weights
     buckets: list[Any] | None = None  # [[src, [[name, dtype, shape, row0, rows, digest], ...]], ...]
+    senders: int = 1  # group ranks 0..senders-1 send; the others receive every bucket
 
     @property
     def total_bytes(self) -> int:
@@ -82,6 +85,7 @@ def init_group(
     backend: str | None = None,
     timeout_s: float = 300.0,
     join_timeout_s: float | None = None,
+    senders: int = 1,
 ) -> WeightGroup:
     """Join (rank 0: host) the weight-broadcast group. Blocks until all `world_size` ranks joined.
 
@@ -120,7 +124,9 @@ def init_group(
     else:
         raise ValueError(f"unknown weight broadcast backend {backend!r}; allowed: gloo, nccl")
     store.set_timeout(timeout)
-    return WeightGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, device=device, store=store)
+    return WeightGroup(
+        pg=pg, rank=rank, world_size=world_size, backend=backend, device=device, store=store, senders=senders
+    )
 
 
 def destroy_group(group: WeightGroup) -> None:
@@ -256,9 +262,11 @@ def make_header(
     *,
     delta: dict[str, Any] | None = None,
     adapter: dict[str, Any] | None = None,
+    senders: int = 1,
 ) -> dict[str, Any]:
     return {
         "version": PROTOCOL_VERSION,
+        "senders": int(senders),
         "step": int(step),
         "bucket_bytes": int(bucket_bytes),
         "checksum": checksum,
@@ -269,11 +277,23 @@ def make_header(
     }
 
 
-def send_bucket(group: WeightGroup, parts: list[Piece], scratch: torch.Tensor | None) -> None:
-    """One bucket from this rank (its group rank is the source): a single part straight from its own
-    memory, several packed into `scratch`."""
+def _send(group: WeightGroup, tensor: torch.Tensor, dsts: range, tag: int) -> None:
+    works = [group.pg.send([tensor], dst, tag) for dst in dsts]
+    for w in works:
+        w.wait()
+
+
+def _recv(group: WeightGroup, tensor: torch.Tensor, src: int, tag: int) -> None:
+    group.pg.recv([tensor], src, tag).wait()
+
+
+def send_bucket(
+    group: WeightGroup, parts: list[Piece], scratch: torch.Tensor | None, dsts: range, tag: int
+) -> None:
+    """One bucket from this rank to every receiver (`dsts`), point to point: a single part straight
+    from its own memory, several packed into `scratch`."""
     if len(parts) == 1:
-        _broadcast(group, _bytes(parts[0].tensor).to(group.device), group.rank)
+        _send(group, _bytes(parts[0].tensor).to(group.device), dsts, tag)
         return
     assert scratch is not None
     pos = 0
@@ -281,7 +301,7 @@ def send_bucket(group: WeightGroup, parts: list[Piece], scratch: torch.Tensor | 
         b = _bytes(p.tensor)
         scratch[pos : pos + b.numel()].copy_(b)
         pos += b.numel()
-    _broadcast(group, scratch[:pos], group.rank)
+    _send(group, scratch[:pos], dsts, tag)
 
 
 def run_schedule(
@@ -290,13 +310,13 @@ def run_schedule(
     mine: Iterable[list[Piece]] = (),
     out: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Take part in every bucket of `header`'s schedule: send this rank's buckets (`mine`, in order)
-    when the schedule names its group rank, receive the others' into `out`'s rows (a receiver), or
-    into a scratch bucket that is dropped (`out` None: another trainer rank; NCCL and gloo broadcasts
-    need every member of the group). A receiver verifies every part against its sender's digest as
-    its bucket arrives, goes on to the end (the senders are never left hanging) and then raises
-    CorruptBucket naming the first bad part; the caller's served weights are never touched here.
-    Memory: `out` and one scratch bucket (plus, on a sender, its pieces)."""
+    """Take part in every bucket of `header`'s schedule: a trainer rank (group rank < senders) sends its
+    own buckets (`mine`, in order) to every receiver, point to point, and takes no part in the other
+    ranks' buckets; a receiver receives each bucket from its source into `out`'s rows, verifies every
+    part against its sender's digest as the bucket arrives, goes on to the end (the senders are never
+    left hanging) and then raises CorruptBucket naming the first bad part; the caller's served weights
+    are never touched here. `out` None on a receiver: received and dropped (a refused plan).
+    Memory: `out` and one scratch bucket; on a sender its pieces and one scratch bucket."""
     import torch
 
     from hpcrl.weights.checksum import rows_digest
@@ -304,27 +324,36 @@ def run_schedule(
     sched = header.buckets or []
     sizes = [sum(_nbytes(d, tuple(s)) // max(1, (s[0] if s else 1)) * r for _, d, s, _, r, _ in recs)
              for _, recs in sched]  # fmt: skip
-    need = max((n for (src, recs), n in zip(sched, sizes) if len(recs) > 1 or src != group.rank), default=0)
+    sender = group.rank < header.senders
+    dsts = range(header.senders, group.world_size)
+    if sender:  # a scratch bucket to pack its own multi-part buckets
+        need = max(
+            (n for (src, recs), n in zip(sched, sizes) if src == group.rank and len(recs) > 1), default=0
+        )
+    else:  # one to receive any bucket that does not go straight into one tensor's rows
+        need = max(sizes, default=0)
     scratch = torch.empty(need, dtype=torch.uint8, device=group.device) if need else None
     mine = iter(mine)
     bad: list[str] = []
     for k, ((src, recs), n) in enumerate(zip(sched, sizes)):
-        if src == group.rank:
+        if sender:
+            if src != group.rank:
+                continue
             parts = next(mine)
             if [(p.name, p.row0, p.rows) for p in parts] != [(r[0], r[3], r[4]) for r in recs]:
                 raise RuntimeError(f"bucket {k}: this rank's pieces are not the ones the header lists")
-            send_bucket(group, parts, scratch)
+            send_bucket(group, parts, scratch, dsts, k)
             continue
         if out is None:
             assert scratch is not None
-            _broadcast(group, scratch[:n], src)
+            _recv(group, scratch[:n], src, k)
             continue
         views = [_rows(out[name], row0, rows) for name, _, _, row0, rows, _ in recs]
         if len(views) == 1 and views[0].device == group.device:
-            _broadcast(group, _bytes(views[0]), src)  # straight into the tensor's rows
+            _recv(group, _bytes(views[0]), src, k)  # straight into the tensor's rows
         else:
             assert scratch is not None
-            _broadcast(group, scratch[:n], src)
+            _recv(group, scratch[:n], src, k)
             pos = 0
             for v in views:
                 b = _bytes(v)
@@ -351,7 +380,7 @@ def broadcast_weights(
     adapter: dict[str, Any] | None = None,
 ) -> None:
     """Group rank 0 alone sends `named_tensors` (HF names, whole tensors) as policy `step` (the other
-    trainer ranks of the group, if any, run `relay`); with `delta` (a Delta manifest) they are that
+    trainer ranks of the group, if any, run `relay`: they take the header and nothing else); with `delta` (a Delta manifest) they are that
     delta's encoded tensors and `checksum` the full result's; with `adapter` (a JSON-able peft LoRA
     config) they are that adapter's tensors and `checksum` theirs."""
     from hpcrl.weights.shards import full_piece
@@ -365,13 +394,16 @@ def broadcast_weights(
     from hpcrl.weights.checksum import dtype_name
 
     tensors = [(n, dtype_name(t), tuple(t.shape)) for n, t in items]
-    header = make_header(step, bucket, checksum, tensors, sched, delta=delta, adapter=adapter)
+    header = make_header(
+        step, bucket, checksum, tensors, sched, delta=delta, adapter=adapter, senders=group.senders
+    )
     send_header(group, header)
     run_schedule(group, _parse_header(header), bkts)
 
 
 def relay(group: WeightGroup) -> WeightsHeader:
-    """A trainer rank other than the sender(s) of this update: take part in its broadcasts, keep nothing."""
+    """A trainer rank that sends nothing in this update (rank 0 alone does): takes part in the header's
+    broadcast, the only collective of the update it is needed in."""
     header = receive_header(group)
     run_schedule(group, header)
     return header
@@ -388,6 +420,7 @@ def _parse_header(meta: dict[str, Any]) -> WeightsHeader:
         delta=meta.get("delta"),
         adapter=meta.get("adapter"),
         buckets=meta["buckets"],
+        senders=int(meta.get("senders", 1)),
     )
 
 

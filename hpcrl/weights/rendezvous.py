@@ -163,7 +163,9 @@ def trainer_join_weight_group(
     if share is not None:
         address = share(address)
     assert address is not None, "trainer ranks other than 0 need `share` to learn the group's address"
-    return init_group(address.host, address.port, address.world_size, rank, timeout_s=timeout_s)
+    return init_group(
+        address.host, address.port, address.world_size, rank, timeout_s=timeout_s, senders=address.senders
+    )
 
 
 def read_weight_group_address(paths: RunPaths, timeout_s: float, poll: float = 0.2) -> WeightGroupAddress:

@@ -14,8 +14,8 @@ written. Then one receiver process loads the newest policy as the hf server does
 checksum against the announced one; "seconds to verified" = the slowest rank's publish + that load.
 Collective: one receiver process joins the weight group (gloo) with every trainer rank, receives
 every policy, verified bucket by bucket on receipt and against the policy checksum; "seconds to
-verified" = from the publish's start to the end of that receive; "sent" is what each rank broadcast as
-a source (sharded: its own pieces; today: rank 0 everything, the other ranks relay).
+verified" = from the publish's start to the end of that receive; "sent" is what each rank sent as a
+source (sharded: its own pieces, point to point to the receiver; today: rank 0 everything).
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def worker(spec: str, layers: int, steps: int, bucket_mb: float, run_dir: str, o
         from hpcrl.weights.collective import init_group
 
         group = init_group(
-            "127.0.0.1", int(port), env.world_size + 1, env.rank, backend="gloo", timeout_s=600
-        )
+            "127.0.0.1", int(port), env.world_size + 1, env.rank, backend="gloo", timeout_s=600,
+            senders=env.world_size,
+        )  # fmt: skip
     model = build_model(layers)
     paths = RunPaths(run_dir)
     if env.rank == 0:

@@ -73,7 +73,15 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
     if transport == "collective":  # every trainer rank is a sender; one receiver after them
         from hpcrl.weights.collective import init_group
 
-        group = init_group("127.0.0.1", int(port), env.world_size + 1, env.rank, backend="gloo", timeout_s=60)
+        group = init_group(
+            "127.0.0.1",
+            int(port),
+            env.world_size + 1,
+            env.rank,
+            backend="gloo",
+            timeout_s=60,
+            senders=env.world_size,
+        )
     with Bus(paths, "trainer", env.rank) as bus:
         pub = PolicyPublisher(
             paths, bus, env.rank, transport, keep=100, weight_group=group, bucket_mb=BUCKET_MB,
