@@ -12,9 +12,11 @@ Per trainer rank, S = P / ranks x dtype bytes its shard, B = trainer.broadcast.b
                                                            bound: docs/weights.md measured ~2 B of host
                                                            memory, the cast shard lives on the device)
     + delta                        + S                   (each rank keeps its previous pieces)
-  sharded publish, collective      S + 2 C on every rank, C = trainer.broadcast.chunk_mb (each rank
-                                                           broadcasts its own buckets: one to pack its
-                                                           parts, one to take part in the others')
+  sharded publish, collective      S + 2 C on every rank, C = trainer.broadcast.chunk_mb (an upper
+                                                           bound: each rank sends its own buckets; as
+                                                           built one scratch bucket to pack its parts
+                                                           and, on a GPU, one part copied to the host to
+                                                           be digested; the shard itself is on the GPU)
   gathered (sharded = false)       P on every rank, + P on rank 0 with delta (its previous policy)
 (delta sync travels as files only: the config refuses it with the collective transport)
   checkpoint HF export             rank 0: one file (EXPORT_FILE_BYTES) + the largest tensor it is

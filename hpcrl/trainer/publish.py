@@ -13,7 +13,7 @@ Sharded (trainer.broadcast.sharded, the default): no rank gathers the policy; ev
 own rows as files with a manifest, or broadcasts them to the servers itself: every trainer rank is a
 member of the weight group (hpcrl.trainer.sharded_publish, docs/weights.md). What follows describes
 the gathered path (`sharded = false`); over the collective transport the other trainer ranks take
-part in rank 0's broadcasts (`_relay`). Delta sync travels as files only (config refuses it with the
+part in the header's broadcast only (`_relay`). Delta sync travels as files only (config refuses it with the
 collective transport).
 
 LoRA: after the first (full, merged) policy, only the adapter travels, over either transport.
@@ -132,8 +132,8 @@ class PolicyPublisher:
             self._fall_back_to_files()
 
     def _relay(self) -> None:
-        """Collective transport, a broadcast that rank 0 alone sends (the gathered path, a LoRA adapter):
-        every other trainer rank is a member of the weight group and takes part in it. Afterwards all
+        """Collective transport, an update that rank 0 alone sends (the gathered path, a LoRA adapter):
+        every other trainer rank is a member of the weight group and takes part in its header. Afterwards all
         ranks agree whether it failed somewhere; if so the later policies travel as files."""
         from hpcrl.trainer.sharded_publish import _any
 

@@ -379,10 +379,11 @@ def broadcast_weights(
     delta: dict[str, Any] | None = None,
     adapter: dict[str, Any] | None = None,
 ) -> None:
-    """Group rank 0 alone sends `named_tensors` (HF names, whole tensors) as policy `step` (the other
-    trainer ranks of the group, if any, run `relay`: they take the header and nothing else); with `delta` (a Delta manifest) they are that
-    delta's encoded tensors and `checksum` the full result's; with `adapter` (a JSON-able peft LoRA
-    config) they are that adapter's tensors and `checksum` theirs."""
+    """Group rank 0 alone sends `named_tensors` (HF names, whole tensors) as policy `step`; the other
+    trainer ranks of the group, if any, run `relay` (they take the header and nothing else). With
+    `delta` (a Delta manifest) the tensors are that delta's encoded tensors and `checksum` the full
+    result's; with `adapter` (a JSON-able peft LoRA config) they are that adapter's tensors and
+    `checksum` theirs."""
     from hpcrl.weights.shards import full_piece
 
     if delta is not None and adapter is not None:
