@@ -2,9 +2,9 @@
 every rank's pieces is bit-identical to today's full export (same tensors, equal checksums) for the
 tiny dense model (1 and 2 ranks, FSDP2), the tiny MoE under ep = 2 and LoRA (merged on each rank's
 rows), with the checkpoint's streamed HF export equal too; delta sync per shard rebuilds each policy
-exactly; the collective stream delivers the same bytes to a receiver; a rank killed with SIGKILL
-mid-publish leaves no manifest, no announcement, and a directory every loader refuses, while the
-last complete policy still loads.
+exactly; over the collective every rank sends its own pieces and a receiver gets the same bytes; a
+rank killed with SIGKILL mid-publish leaves no manifest, no announcement, and a directory every
+loader refuses (files), or a failed receive (collective), while the last complete policy still loads.
 
 A worker (this file run as a script on N ranks) builds each model, takes one optimizer step (so fp32
 master weights differ from their bf16 cast), saves the gathered full export (``hf_named_tensors``, the
@@ -99,7 +99,7 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
             del full
             pub.base_sent = False  # each model is a new trainer: its first policy goes in full
             if int(kill_after) >= 0 and step == len(models) - 1:
-                _die_mid_publish(env.rank, int(kill_after), transport)
+                _die_mid_publish(env.rank, int(kill_after), transport, out_dir)
             pub.publish(model, step)
             if transport == "filesystem":  # the checkpoint's HF export, streamed to rank 0 (no gather)
                 from hpcrl.trainer.stream import export_hf_streamed
@@ -133,7 +133,7 @@ def _delta_policies(pub, rank: int, model_dir: str, out_dir: str, first: int) ->
         pub.publish(model, first + k)
 
 
-def _die_mid_publish(rank: int, after: int, transport: str) -> None:
+def _die_mid_publish(rank: int, after: int, transport: str, out_dir: str) -> None:
     """Rank 1 SIGKILLs itself after writing (filesystem) or broadcasting (collective) `after` buckets
     of its pieces."""
     if rank != 1:
@@ -143,11 +143,12 @@ def _die_mid_publish(rank: int, after: int, transport: str) -> None:
 
         real_send, sent = coll.send_bucket, [0]
 
-        def dying_send(group, parts, scratch):
+        def dying_send(*args, **kwargs):
             if sent[0] == after:
+                (Path(out_dir) / "killed").write_text(f"after {after} bucket(s)")
                 os.kill(os.getpid(), signal.SIGKILL)
             sent[0] += 1
-            real_send(group, parts, scratch)
+            real_send(*args, **kwargs)
 
         coll.send_bucket = dying_send
         return
@@ -331,12 +332,13 @@ def test_rank_killed_mid_broadcast_leaves_no_partial_policy(tiny_model_dir: Path
     port, got = free_port(), []
     t = threading.Thread(target=_receiver, args=(port, 3, 2, got), daemon=True)
     t.start()
-    with pytest.raises(AssertionError, match=r"rank \d exited"):
+    with pytest.raises(AssertionError, match=r"rank \d exited -9"):
         run_ranks(
             __file__, 2, str(run), str(out), "1", f"collective:{port}",
             f"dense={tiny_model_dir}", f"dense={tiny_model_dir}",
         )  # fmt: skip
     t.join(90)
+    assert (out / "killed").read_text() == "after 1 bucket(s)"  # SIGKILLed mid-broadcast, not a crash
     assert not t.is_alive() and len(got) == 2, got
     checksum, tensors = got[0]
     assert (
