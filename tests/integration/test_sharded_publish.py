@@ -332,12 +332,12 @@ def test_rank_killed_mid_broadcast_leaves_no_partial_policy(tiny_model_dir: Path
     port, got = free_port(), []
     t = threading.Thread(target=_receiver, args=(port, 3, 2, got), daemon=True)
     t.start()
-    with pytest.raises(AssertionError, match=r"rank \d exited -9"):
+    with pytest.raises(AssertionError, match=r"rank \d exited"):  # rank 1 killed, rank 0 then fails
         run_ranks(
             __file__, 2, str(run), str(out), "1", f"collective:{port}",
             f"dense={tiny_model_dir}", f"dense={tiny_model_dir}",
         )  # fmt: skip
-    t.join(90)
+    t.join(150)  # a recv from the dead rank may only end at the group's timeout (120 s)
     assert (out / "killed").read_text() == "after 1 bucket(s)"  # SIGKILLed mid-broadcast, not a crash
     assert not t.is_alive() and len(got) == 2, got
     checksum, tensors = got[0]
