@@ -118,12 +118,15 @@ def use_cuda(cfg: Config | None = None) -> bool:
 
 def weight_transport(cfg: Config, uses_gpus: bool | None = None) -> str:
     """`trainer.broadcast.transport` with "auto" decided, the one rule: collective when the trainer
-    computes on GPUs (NCCL), safetensors files on CPU. The launcher decides once from its placement
+    computes on GPUs (NCCL), safetensors files on CPU or with delta sync. The launcher decides once
+    from its placement
     (`uses_gpus`) and records the answer in the resolved configs, so launched roles never see "auto"
     and always agree; a role started by hand decides from what its own process sees (use_cuda)."""
     transport = cfg.trainer.broadcast.transport
     if transport != "auto":
         return transport
+    if cfg.trainer.broadcast.delta:  # delta sync travels as files only (config refuses it collective)
+        return "filesystem"
     if uses_gpus is None:
         uses_gpus = use_cuda(cfg)
     return "collective" if uses_gpus else "filesystem"

@@ -268,7 +268,8 @@ class WeightGroupAddress(msgspec.Struct, kw_only=True):
 
     The layout it was sized for travels with it, so whoever joins servers to it can check that the
     servers it sees are the ones the group counts: server `server_indices[i]` brings `receivers[i]`
-    ranks, and world_size = 1 + sum(receivers).
+    ranks after the `senders` trainer ranks (group ranks 0..senders-1), and
+    world_size = senders + sum(receivers).
     """
 
     host: str
@@ -276,15 +277,18 @@ class WeightGroupAddress(msgspec.Struct, kw_only=True):
     world_size: int
     server_indices: list[int]
     receivers: list[int]
+    senders: int = 1  # trainer ranks in the group: every one sends its own pieces
     created_at: float = msgspec.field(default_factory=_now)
 
     def __post_init__(self) -> None:
         if len(self.server_indices) != len(self.receivers):
             raise ValueError("WeightGroupAddress: server_indices and receivers differ in length")
-        if self.world_size != 1 + sum(self.receivers):
+        if self.senders < 1:
+            raise ValueError(f"WeightGroupAddress.senders must be >= 1, got {self.senders}")
+        if self.world_size != self.senders + sum(self.receivers):
             raise ValueError(
-                f"WeightGroupAddress.world_size {self.world_size} != 1 + sum(receivers) "
-                f"= {1 + sum(self.receivers)}"
+                f"WeightGroupAddress.world_size {self.world_size} != senders + sum(receivers) "
+                f"= {self.senders + sum(self.receivers)}"
             )
 
 

@@ -20,6 +20,7 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
     _buffer(cfg)
     _envs(cfg, require_envs)
     _deployment(cfg)
+    _broadcast(cfg)
     _ckpt(cfg)
     _slurm(cfg)
     for role in ("trainer", "orchestrator"):
@@ -207,6 +208,20 @@ def _unique_names(envs: list[EnvConfig], path: str) -> None:
                 f"{path}[{i}].name", f"duplicate env name '{name}'; give each env a distinct name"
             )
         seen.add(name)
+
+
+def _broadcast(cfg: Config) -> None:
+    b = cfg.trainer.broadcast
+    if b.delta and b.transport == "collective":
+        # Delta saves the bytes of a shared filesystem that every server node reads. Over the
+        # collective each byte crosses a receiver's link once (~0.2 s for 61 GB at 8 NICs a node), the
+        # encode and apply cost more than that (docs/weights.md), and a vLLM worker would keep its
+        # delta base, a whole policy, in GPU memory.
+        raise ConfigError(
+            "trainer.broadcast.delta",
+            "true needs policies as files: allowed with trainer.broadcast.transport = 'filesystem' or "
+            "'auto' (which then picks files); with 'collective' set delta = false",
+        )
 
 
 def _deployment(cfg: Config) -> None:

@@ -501,16 +501,19 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _receive_and_load(state: ServerState, step: int) -> tuple[str, str | None]:
-    from hpcrl.weights.collective import receive_header, receive_tensors
+    from hpcrl.weights.collective import CorruptBucket, receive_header, receive_tensors
     from hpcrl.weights.delta import Delta
 
     header = receive_header(state.group)
-    if (
-        header.delta is not None or header.adapter is not None
-    ):  # small: no staging buffer (it holds full weights)
-        tensors = receive_tensors(state.group, header)
-    else:
-        tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
+    try:
+        if (
+            header.delta is not None or header.adapter is not None
+        ):  # small: no staging buffer (it holds full weights)
+            tensors = receive_tensors(state.group, header)
+        else:
+            tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
+    except CorruptBucket as e:  # every bucket was received; nothing reached the served weights
+        raise APIError(str(e), status=409, type="WeightSyncError") from e
     if header.step != step:
         raise APIError(
             f"the broadcast carried step {header.step}, the request said {step}",

@@ -12,10 +12,13 @@ Per trainer rank, S = P / ranks x dtype bytes its shard, B = trainer.broadcast.b
                                                            bound: docs/weights.md measured ~2 B of host
                                                            memory, the cast shard lives on the device)
     + delta                        + S                   (each rank keeps its previous pieces)
-  sharded publish, collective      rank 0: S + 3 B, others S + 2 B  (rank 0 also one received part and
-                                                           one outgoing bucket: measured ~2-3 B)
-  gathered (sharded = false, or delta over the collective transport, which still gathers)
-                                   P on every rank, + P on rank 0 with delta (its previous policy)
+  sharded publish, collective      S + 2 C on every rank, C = trainer.broadcast.chunk_mb (an upper
+                                                           bound: each rank sends its own buckets; as
+                                                           built one scratch bucket to pack its parts
+                                                           and, on a GPU, one part copied to the host to
+                                                           be digested; the shard itself is on the GPU)
+  gathered (sharded = false)       P on every rank, + P on rank 0 with delta (its previous policy)
+(delta sync travels as files only: the config refuses it with the collective transport)
   checkpoint HF export             rank 0: one file (EXPORT_FILE_BYTES) + the largest tensor it is
                                    assembling (hpcrl/trainer/stream.py export_hf_streamed); other ranks
                                    send their rows from the device. Only when the checkpoint writes HF
@@ -93,15 +96,16 @@ def trainer_rank_gib(
     rank0: bool = False,
     largest_tensor: int = 0,
     hf_weights: bool = True,
+    chunk_mb: int = 256,
 ) -> float:
     """GiB of host memory one trainer rank holds at a publish or a checkpoint's HF export, whichever is
     larger (see the module docstring)."""
     policy = params * dtype_bytes
     shard, bucket = policy / ranks, min(bucket_mb * MIB, policy)  # a bucket never exceeds the policy
-    if not sharded or (delta and collective):  # the gathered path
+    if not sharded:  # the gathered path
         publish = policy + (policy if delta and rank0 else 0)
     elif collective:
-        publish = shard + (3 if rank0 else 2) * bucket
+        publish = shard + 2 * min(chunk_mb * MIB, policy)
     else:
         publish = shard + 2 * bucket + (shard if delta else 0)
     export = min(EXPORT_FILE_BYTES, policy) + largest_tensor * dtype_bytes if rank0 and hf_weights else 0
@@ -175,7 +179,7 @@ class HostPlan:
             if self.delta:
                 return (
                     "trainer.broadcast.delta",
-                    f"trainer.broadcast.delta = false or transport = filesystem (delta per shard), {more}",
+                    f"trainer.broadcast.delta = false (each rank keeps its previous shard), {more}",
                 )
             return (
                 "trainer.broadcast.bucket_mb",
@@ -204,7 +208,7 @@ def host_plan(
     if arch is None:
         return None
     b = cfg.trainer.broadcast
-    collective = b.transport != "filesystem"  # auto picks collective
+    collective = b.transport != "filesystem" and not b.delta  # auto: collective, or files with delta
     nbytes = BYTES.get(compute, 2)
     ranks, rpn = placement.trainer_ranks, placement.ranks_per_train_node
     largest = arch.hidden * max(arch.vocab, arch.intermediate)  # experts go under per-expert names
@@ -214,11 +218,11 @@ def host_plan(
     hf = c is not None and writes_hf_weights(c.hf_weights, c.weights_only, arch.params * nbytes)
     kw = dict(
         sharded=b.sharded, collective=collective, delta=b.delta, bucket_mb=b.bucket_mb, largest_tensor=largest,
-        hf_weights=hf,
+        hf_weights=hf, chunk_mb=b.chunk_mb,
     )  # fmt: skip
     r0 = trainer_rank_gib(arch.params, ranks, nbytes, rank0=True, **kw)
     other = trainer_rank_gib(arch.params, ranks, nbytes, **kw)
-    path = "gathered" if not b.sharded or (b.delta and collective) else "sharded"
+    path = "gathered" if not b.sharded else "sharded"
     how = f"{path}, {'collective' if collective else 'filesystem'}" + (", delta" if b.delta else "")
     trainer = NodeHost(
         "trainer", rpn, r0 + (rpn - 1) * other, rpn * base_gib,

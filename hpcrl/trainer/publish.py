@@ -10,9 +10,11 @@ The tensors are in ``dtype``, the trainer's compute dtype (bf16 over fp32 master
 what inference runs, cast once here, so the checksum covers the bytes sent and not the master copy.
 
 Sharded (trainer.broadcast.sharded, the default): no rank gathers the policy; every rank writes its
-own rows as files with a manifest, or streams them through rank 0 (hpcrl.trainer.sharded_publish,
-docs/weights.md). What follows describes the gathered path (`sharded = false`), which delta sync over
-the collective transport still takes.
+own rows as files with a manifest, or broadcasts them to the servers itself: every trainer rank is a
+member of the weight group (hpcrl.trainer.sharded_publish, docs/weights.md). What follows describes
+the gathered path (`sharded = false`); over the collective transport the other trainer ranks take
+part in the header's broadcast only (`_relay`). Delta sync travels as files only (config refuses it with the
+collective transport).
 
 LoRA: after the first (full, merged) policy, only the adapter travels, over either transport.
 
@@ -105,17 +107,47 @@ class PolicyPublisher:
             self._adapter_base = step
         self.base_sent = True
         if self.sharded and (self.transport == "filesystem" or not self.delta):
-            from hpcrl.trainer.sharded_publish import publish_collective_stream, publish_sharded
+            from hpcrl.trainer.sharded_publish import publish_collective, publish_sharded
 
             if self.transport == "filesystem":
                 return publish_sharded(self, model, step)
-            return publish_collective_stream(self, model, step)
+            return publish_collective(self, model, step)
         t0 = time.perf_counter()
+        collective = self.transport == "collective"
+        if collective:
+            self._agree_on_transport()
+            collective = self.transport == "collective" or self.rank == 0
         named = dict(hf_named_tensors(model, dtype=self.dtype))  # every rank iterates: shards are gathered
-        if self.rank != 0:
-            return time.perf_counter() - t0
-        self.publish_named(named, step)
+        if self.rank == 0:
+            self.publish_named(named, step)
+        if collective:
+            self._relay()
         return time.perf_counter() - t0
+
+    def _agree_on_transport(self) -> None:
+        """Every trainer rank is in the weight group: all switch to files when rank 0 does."""
+        from hpcrl.trainer.sharded_publish import _decide
+
+        if _decide(self) == "filesystem" and self.rank != 0:
+            self._fall_back_to_files()
+
+    def _relay(self) -> None:
+        """Collective transport, an update that rank 0 alone sends (the gathered path, a LoRA adapter):
+        every other trainer rank is a member of the weight group and takes part in its header. Afterwards all
+        ranks agree whether it failed somewhere; if so the later policies travel as files."""
+        from hpcrl.trainer.sharded_publish import _any
+
+        failed = self.transport != "collective"  # rank 0 fell back to files during this publish
+        if self.rank != 0:
+            from hpcrl.weights.collective import relay
+
+            try:
+                relay(self.group)
+            except RuntimeError as e:
+                log.warning("relaying rank 0's weight broadcast failed (%s)", str(e).splitlines()[0][:200])
+                failed = True
+        if _any(failed) and self.transport == "collective":
+            self._fall_back_to_files()
 
     def publish_named(self, named: dict[str, torch.Tensor], step: int) -> float:
         """Rank 0 only: send `named` (HF names, full tensors) as policy `step`. Seconds spent."""
@@ -226,6 +258,7 @@ class PolicyPublisher:
         else:
             tensors = adapter_tensors(model)  # collective under FSDP
             if self.rank != 0:
+                self._relay()  # a member of the weight group: takes part in rank 0's broadcast
                 return time.perf_counter() - t0
             path, self.last_sync_bytes = None, payload_bytes(tensors)
         checksum = state_dict_checksum(tensors)
@@ -252,6 +285,7 @@ class PolicyPublisher:
                 checksum=checksum,
                 adapter=adapter_config(model),
             )
+            self._relay()
         self._clean_behind(step)
         dt = time.perf_counter() - t0
         log.info(

@@ -163,10 +163,22 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str
     transport = runtime.weight_transport(cfg)
     keep = cfg.orchestrator.max_async_level + 2
     group = None
-    if transport == "collective" and rank == 0:
+    if transport == "collective":  # every trainer rank is a sender of the weight group
         from hpcrl.weights.rendezvous import num_servers, trainer_join_weight_group
 
-        group = trainer_join_weight_group(paths, bus, num_servers(cfg), cfg.trainer.broadcast.timeout_s)
+        world = parallel.dist_env().world_size
+
+        def share(address: object) -> object:
+            import torch.distributed as dist
+
+            box = [address]
+            if world > 1:
+                dist.broadcast_object_list(box, src=0)
+            return box[0]
+
+        group = trainer_join_weight_group(
+            paths, bus, num_servers(cfg), cfg.trainer.broadcast.timeout_s, rank, world, share
+        )
     b = cfg.trainer.broadcast
     return PolicyPublisher(
         paths,

@@ -1,4 +1,4 @@
-"""Sharded publish over the filesystem: every trainer rank writes its own rows, rank 0 the manifest.
+"""Sharded publish: every trainer rank writes (filesystem) or broadcasts (collective) its own rows.
 
     rank 0 clears broadcasts/step_N (a partial one left by a killed run) -> barrier
     every rank: policy_pieces (its rows, cast to the policy dtype) -> buckets of bucket_mb -> one
@@ -154,72 +154,93 @@ def _decide(pub: PolicyPublisher) -> str:
     return choice[0]
 
 
-def publish_collective_stream(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> float:
-    """Collective transport, bounded memory: no rank gathers the policy. Collective over trainer ranks.
+def _any(flag: bool) -> bool:
+    """Whether any trainer rank says `flag` (the same answer on every rank)."""
+    if _world() == 1:
+        return flag
+    from hpcrl.trainer.parallel import all_reduce
 
-    Rank 0 sends the header (checksum from every rank's row digests), then streams the tensors as
-    `stream_to_rank0` assembles them, one at a time, into the weight broadcast (`broadcast_stream`:
-    the same wire protocol, receivers unchanged). A failed broadcast (a server died) is told to every
-    rank and all publish the same policy as sharded files, as the gathered path falls back.
-    Host/device memory: a rank's shard in the policy dtype; rank 0 also one tensor and one bucket.
-    Rank 0's link still carries every byte to the servers (see docs/weights.md)."""
-    import torch.distributed as dist
+    return bool(all_reduce(float(flag), op="max").item() > 0)
 
-    from hpcrl.trainer.stream import stream_to_rank0
+
+def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> float:
+    """Collective transport, sharded: every trainer rank broadcasts its own pieces to the servers.
+    Collective over trainer ranks; every trainer rank is a member (a sender) of the weight group.
+
+    1. every rank casts its pieces, cuts them into buckets of `chunk_mb` and digests every part;
+    2. the part records (a few bytes each) go to every rank (`all_gather_object`): every rank knows
+       the schedule (round robin over the ranks' buckets, hpcrl.weights.collective.schedule); rank 0
+       computes the policy checksum from the digests, announces PolicyReady and sends the header;
+    3. every rank sends its own buckets to every receiver, point to point, in the schedule's order
+       (and sees nothing of the others'); receivers check each part against its digest.
+    A broadcast that fails on any rank (a server died) is told to every rank (one all-reduce) and all
+    of them publish the same policy as sharded files. Memory per rank: its shard in the policy dtype
+    and one scratch bucket (to pack its multi-part buckets); no rank holds another's rows."""
+    from hpcrl.weights import collective as coll
 
     if _decide(pub) == "filesystem":
-        if pub.rank == 0:
-            pub._fall_back_to_files()
-        else:
-            pub.transport = "filesystem"
+        pub._fall_back_to_files()
         return publish_sharded(pub, model, step)
     t0 = time.perf_counter()
     world = _world()
-    st = stream_to_rank0(model, pub.rank, pub.dtype, chunk_bytes=max(1, int(pub.bucket_mb * 2**20)))
-    pub.last_rank_bytes = st.sent_bytes
-    if pub.rank != 0:
-        for _ in st.tensors:  # sends this rank's pieces to rank 0
-            pass
-        failed = [False]
-        dist.broadcast_object_list(failed, src=0)
-        if failed[0]:
-            pub.transport = "filesystem"
-            return publish_sharded(pub, model, step)
-        return time.perf_counter() - t0
-    from hpcrl.weights.collective import broadcast_stream
-
-    checksum, names, layout, nbytes = st.checksum, st.names, st.layout, st.num_bytes
-    pub.last_sync_bytes = pub.last_rank_bytes = nbytes
-    pub._bases[step] = None
-    pub.bus.publish_policy(
-        PolicyReady(
-            step=step,
-            transport="collective",
-            checksum=checksum,
-            num_params=st.num_params,
-            num_bytes=nbytes,
-            base_step=None,
-            sync_bytes=nbytes,
+    if pub.group.senders != world:
+        raise RuntimeError(
+            f"the weight group counts {pub.group.senders} trainer rank(s), the trainer has {world}"
         )
-    )
-    gen = st.tensors
-    failed = [False]
-    try:
-        broadcast_stream(pub.group, [(n, *layout[n]) for n in names], gen, step, bucket_mb=pub.bucket_mb,
-                         checksum=checksum)  # fmt: skip
-    except RuntimeError as e:  # a receiver died mid-broadcast: drain the other ranks' sends, then files
-        log.warning("weight broadcast of policy %d failed (%s): publishing it and every later policy as "
-                    "files", step, str(e).splitlines()[0][:200])  # fmt: skip
-        for _ in gen:
-            pass
-        failed = [True]
+    bucket = max(1, int(pub.bucket_mb * 2**20))
+    pieces = sorted(policy_pieces(model, pub.rank, dtype=pub.dtype), key=lambda p: (p.name, p.row0))
+    mine = coll.plan_buckets(pieces, bucket)
+    everyone = [coll.bucket_records(mine)]
     if world > 1:
-        dist.broadcast_object_list(failed, src=0)
-    if failed[0]:
+        import torch.distributed as dist
+
+        everyone = [None] * world
+        dist.all_gather_object(everyone, coll.bucket_records(mine))
+    sched = coll.schedule(everyone)
+    pub.last_rank_bytes = sum(p.nbytes for b in mine for p in b)
+    header = None
+    if pub.rank == 0:
+        tensors, checksum = coll.layout_and_checksum(sched)
+        nbytes = sum(coll._nbytes(d, s) for _, d, s in tensors)
+        pub.last_sync_bytes = nbytes
+        pub._bases[step] = None
+        pub.bus.publish_policy(
+            PolicyReady(
+                step=step,
+                transport="collective",
+                checksum=checksum,
+                num_params=sum(nbytes_to_numel(d, s) for _, d, s in tensors),
+                num_bytes=nbytes,
+                base_step=None,
+                sync_bytes=nbytes,
+            )
+        )
+        header = coll.make_header(step, bucket, checksum, tensors, sched, senders=world)
+    failed = False
+    try:
+        if header is not None:
+            coll.send_header(pub.group, header)
+            parsed = coll._parse_header(header)
+        else:
+            parsed = coll.receive_header(pub.group)
+        coll.run_schedule(pub.group, parsed, mine)
+    except RuntimeError as e:  # a receiver died mid-broadcast (gloo/NCCL: connection closed, timeout)
+        log.warning("weight broadcast of policy %d failed on trainer rank %d (%s): publishing it and every "
+                    "later policy as files", step, pub.rank, str(e).splitlines()[0][:200])  # fmt: skip
+        failed = True
+    if _any(failed):
         pub._fall_back_to_files()
         return publish_sharded(pub, model, step)
-    pub._clean_behind(step)
     dt = time.perf_counter() - t0
-    log.info("policy %d published (collective, streamed from %d rank(s), %.1f MB, %.2fs, checksum %s)",
-             step, world, nbytes / 1e6, dt, checksum[:12])  # fmt: skip
+    if pub.rank == 0:
+        pub._clean_behind(step)
+        log.info("policy %d published (collective, every one of %d rank(s) sending its own pieces, %.1f MB, "
+                 "%.2fs, checksum %s)", step, world, pub.last_sync_bytes / 1e6, dt, parsed.checksum[:12])  # fmt: skip
     return dt
+
+
+def nbytes_to_numel(dtype: str, shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

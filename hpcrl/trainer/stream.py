@@ -1,6 +1,6 @@
-"""The policy streamed to trainer rank 0 tensor by tensor, no rank gathering it: what the collective
-transport broadcasts and what the checkpoint's HF export writes (hpcrl.trainer.sharded_publish,
-``export_hf_streamed``).
+"""The policy streamed to trainer rank 0 tensor by tensor, no rank gathering it: what the checkpoint's
+HF export writes (``export_hf_streamed``). The collective transport no longer goes through rank 0:
+every rank broadcasts its own pieces (hpcrl.trainer.sharded_publish.publish_collective).
 
 1. every rank casts its pieces (hpcrl.trainer.pieces: its rows, in the policy dtype) and digests them;
    the (name, dtype, shape, rows, digest) records go to every rank (``all_gather_object``: a few bytes

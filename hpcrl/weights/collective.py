@@ -1,22 +1,29 @@
 """Weight broadcast over a torch.distributed group between the trainer and inference servers.
 
-The group is made between independently started processes (the trainer and every server rank) from a
-TCPStore that the trainer hosts: a raw ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPU) on a
-PrefixStore, so it never touches the trainer's default (FSDP) process group.
+The group is made between independently started processes (every trainer rank and every server
+rank) from a TCPStore that trainer rank 0 hosts: a raw ProcessGroupGloo (CPU) or ProcessGroupNCCL
+(GPU) on a PrefixStore, so it never touches the trainer's default (FSDP) process group. Group ranks
+0..T-1 are the T trainer ranks (the senders), then the receivers (hpcrl.weights.rendezvous).
 
-Wire protocol (one update; rank `src` sends, every other rank receives):
+Wire protocol (version 3; one update):
 
-1. header length: int64 tensor of shape [1];
-2. header: uint8 tensor holding UTF-8 JSON
-   {"version": 2, "step": N, "bucket_bytes": B, "checksum": str | null,
+1. broadcast from group rank 0: header length, an int64 tensor of shape [1];
+2. broadcast from group rank 0: the header, a uint8 tensor holding UTF-8 JSON
+   {"version": 3, "senders": T, "step": N, "bucket_bytes": B, "checksum": str | null,
     "delta": manifest | null, "adapter": peft adapter config | null,
-    "tensors": [[hf_name, dtype, shape], ...]};
+    "tensors": [[hf_name, dtype, shape], ...],
+    "buckets": [[src, [[hf_name, dtype, shape, row0, rows, digest], ...]], ...]};
    with "adapter" the tensors are a LoRA adapter's (peft names, what adapter_model.safetensors holds)
    and the receiver merges them onto its base weights instead of replacing the weights;
-3. payload: the tensors' raw bytes, concatenated in header order, sent as consecutive chunks of at
-   most B bytes. A tensor of PACK_BELOW bytes or more is sent straight from / received straight into
-   its own memory; smaller consecutive tensors are packed together into a scratch bucket.
+3. the buckets, in the header's order: bucket k goes from group rank `src` to every receiver (group
+   ranks `senders`..world-1), point to point (send/recv, tag k): the raw bytes of its parts (each a
+   run of whole rows of one tensor), concatenated; at most B bytes. Every trainer rank sends its own
+   pieces (`src` = its group rank); no rank holds, forwards or even sees another trainer rank's rows;
+   a bucket with one part goes straight from / into the tensor's own rows.
 
+`digest` is the part's row digest (hpcrl.weights.checksum.rows_digest, 32 hex digits): a receiver
+checks every part as its bucket arrives and refuses the update (CorruptBucket, naming the bucket, its
+sender and the part) without loading anything; the digests add up to the policy checksum.
 Names are Hugging Face parameter names (what `save_pretrained` writes), so the receiver loads them
 like a safetensors file. No pickle anywhere: the header is JSON and the payload raw bytes.
 """
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -33,15 +40,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 2  # 2: tensors >= PACK_BELOW bytes are never packed with others
-PACK_BELOW = 256 * 2**10
+    from hpcrl.weights.shards import Piece
+
+PROTOCOL_VERSION = 3  # 3: every trainer rank sends its own pieces, each verified on receipt
 DEFAULT_BUCKET_MB = 128
 _PREFIX = "hpcrl-weights"
 
 
 @dataclass
 class WeightGroup:
-    """A process group used only for weight broadcast (rank 0 is the trainer by convention)."""
+    """A process group used only for weight broadcast (ranks 0..T-1: the trainer ranks)."""
 
     pg: Any
     rank: int
@@ -49,6 +57,7 @@ class WeightGroup:
     backend: str
     device: Any  # torch.device the payload lives on (cpu for gloo, cuda for nccl)
     store: Any = field(repr=False)  # keep the store alive as long as the group
+    senders: int = 1  # group ranks 0..senders-1 are the trainer ranks
 
 
 @dataclass
@@ -59,6 +68,8 @@ class WeightsHeader:
     tensors: list[tuple[str, str, tuple[int, ...]]]
     delta: dict[str, Any] | None = None  # hpcrl.weights.delta manifest: the tensors encode a delta
     adapter: dict[str, Any] | None = None  # LoRA: the adapter's peft config; the tensors are its weights
+    buckets: list[Any] | None = None  # [[src, [[name, dtype, shape, row0, rows, digest], ...]], ...]
+    senders: int = 1  # group ranks 0..senders-1 send; the others receive every bucket
 
     @property
     def total_bytes(self) -> int:
@@ -74,6 +85,7 @@ def init_group(
     backend: str | None = None,
     timeout_s: float = 300.0,
     join_timeout_s: float | None = None,
+    senders: int = 1,
 ) -> WeightGroup:
     """Join (rank 0: host) the weight-broadcast group. Blocks until all `world_size` ranks joined.
 
@@ -112,7 +124,9 @@ def init_group(
     else:
         raise ValueError(f"unknown weight broadcast backend {backend!r}; allowed: gloo, nccl")
     store.set_timeout(timeout)
-    return WeightGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, device=device, store=store)
+    return WeightGroup(
+        pg=pg, rank=rank, world_size=world_size, backend=backend, device=device, store=store, senders=senders
+    )
 
 
 def destroy_group(group: WeightGroup) -> None:
@@ -150,68 +164,209 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return n
 
 
-def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _bytes(t: torch.Tensor) -> torch.Tensor:
     import torch
 
-    return [t.reshape(-1).view(torch.uint8) for t in tensors]
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _chunks(sizes: list[int], bucket: int) -> Iterable[list[tuple[int, int, int]]]:
-    """Split the concatenated byte stream into chunks; yield [(tensor index, start, end), ...] per chunk.
-
-    Only tensors below PACK_BELOW share a chunk (packed through a scratch bucket); a larger tensor is
-    sent straight from its own memory in pieces of at most `bucket` bytes. Packing a 100 MB tensor
-    would cost a copy on each side (~0.1 s each on a loaded CPU) to save one broadcast call (~0.1 ms).
-    """
-    i = 0
-    while i < len(sizes):
-        if sizes[i] >= PACK_BELOW or sizes[i] >= bucket:
-            for a in range(0, sizes[i], bucket):
-                yield [(i, a, min(sizes[i], a + bucket))]
-            i += 1
-            continue
-        pieces, room = [], bucket
-        while i < len(sizes) and sizes[i] < PACK_BELOW and sizes[i] <= room:
-            if sizes[i]:
-                pieces.append((i, 0, sizes[i]))
-            room -= sizes[i]
-            i += 1
-        if pieces:
-            yield pieces
+def _rows(t: torch.Tensor, row0: int, rows: int) -> torch.Tensor:
+    """Rows [row0, row0 + rows) of `t` as a view (a 0-dim tensor is one row)."""
+    return t.reshape(1) if t.dim() == 0 else t[row0 : row0 + rows]
 
 
-def _stream(
-    group: WeightGroup,
-    views: Any,
-    bucket: int,
-    src: int,
-    sending: bool,
-    sizes: list[int] | None = None,
+class CorruptBucket(ValueError):
+    """A received bucket's bytes do not hash to what its sender hashed (or the pieces do not add up to
+    the announced policy): nothing received may be served."""
+
+
+def plan_buckets(pieces: Iterable[Piece], bucket_bytes: int) -> list[list[Piece]]:
+    """A sender's pieces cut into parts of at most `bucket_bytes` (whole rows), grouped into buckets
+    of at most `bucket_bytes` (a part with one row larger than that goes alone)."""
+    from hpcrl.weights.shards import buckets, split_rows
+
+    parts = (q for p in pieces for q in split_rows(p, bucket_bytes))
+    return list(buckets(parts, bucket_bytes))
+
+
+def bucket_records(bkts: list[list[Piece]]) -> list[list[list[Any]]]:
+    """What the header says of a sender's buckets: per part [name, dtype, shape, row0, rows, digest]
+    (digest: hpcrl.weights.checksum.rows_digest of the part's rows, 32 hex digits)."""
+    from hpcrl.weights.checksum import rows_digest
+
+    return [
+        [[p.name, p.dtype, list(p.shape), p.row0, p.rows, f"{rows_digest(p.tensor, p.row0):032x}"] for p in b]
+        for b in bkts
+    ]
+
+
+def schedule(per_sender: list[list[list[list[Any]]]]) -> list[list[Any]]:
+    """The order the buckets travel in: round robin over the senders (group ranks 0..T-1), bucket k of
+    every sender before bucket k + 1 of any. Under FSDP every rank holds the same share of each
+    tensor, so bucket k of each rank covers about the same tensors and a tensor is complete soon after
+    its first rows arrive. [[src, records of one bucket], ...]."""
+    out = []
+    for k in range(max((len(b) for b in per_sender), default=0)):
+        for src, b in enumerate(per_sender):
+            if k < len(b):
+                out.append([src, b[k]])
+    return out
+
+
+def layout_and_checksum(sched: list[list[Any]]) -> tuple[list[tuple[str, str, tuple[int, ...]]], str]:
+    """The tensors (name order) and the policy checksum the schedule's digests add up to (the same string
+    as `state_dict_checksum` of the assembled tensors). ValueError when the pieces do not cover every
+    tensor's rows exactly once."""
+    from hpcrl.weights.checksum import MOD, combine, tensor_record
+
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    digests: dict[str, int] = {}
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for _, recs in sched:
+        for name, dtype, shape, row0, rows, digest in recs:
+            shape = tuple(int(x) for x in shape)
+            if layout.setdefault(name, (dtype, shape)) != (dtype, shape):
+                raise ValueError(f"tensor {name!r}: pieces disagree on dtype/shape")
+            digests[name] = (digests.get(name, 0) + int(digest, 16)) % MOD
+            runs.setdefault(name, []).append((int(row0), int(rows)))
+    for name, (_, shape) in layout.items():
+        want, at = (shape[0] if shape else 1), 0
+        for row0, rows in sorted(runs[name]):
+            if row0 != at:
+                raise ValueError(
+                    f"tensor {name!r}: rows {at}..{row0} are {'missing' if row0 > at else 'sent twice'}"
+                )
+            at += rows
+        if at != want:
+            raise ValueError(f"tensor {name!r}: pieces cover {at} of {want} rows")
+    names = sorted(layout)
+    checksum = combine((n, tensor_record(n, *layout[n], digests[n])) for n in names)
+    return [(n, *layout[n]) for n in names], checksum
+
+
+def send_header(group: WeightGroup, header: dict[str, Any]) -> None:
+    """Group rank 0: the JSON header (length, then bytes)."""
+    import torch
+
+    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(group.device)
+    _broadcast(group, torch.tensor([raw.numel()], dtype=torch.int64, device=group.device), 0)
+    _broadcast(group, raw, 0)
+
+
+def make_header(
+    step: int,
+    bucket_bytes: int,
+    checksum: str | None,
+    tensors: list[tuple[str, str, tuple[int, ...]]],
+    sched: list[list[Any]],
+    *,
+    delta: dict[str, Any] | None = None,
+    adapter: dict[str, Any] | None = None,
+    senders: int = 1,
+) -> dict[str, Any]:
+    return {
+        "version": PROTOCOL_VERSION,
+        "senders": int(senders),
+        "step": int(step),
+        "bucket_bytes": int(bucket_bytes),
+        "checksum": checksum,
+        "delta": delta,
+        "adapter": adapter,
+        "tensors": [[n, d, list(s)] for n, d, s in tensors],
+        "buckets": sched,
+    }
+
+
+def _send(group: WeightGroup, tensor: torch.Tensor, dsts: range, tag: int) -> None:
+    works = [group.pg.send([tensor], dst, tag) for dst in dsts]
+    for w in works:
+        w.wait()
+
+
+def _recv(group: WeightGroup, tensor: torch.Tensor, src: int, tag: int) -> None:
+    group.pg.recv([tensor], src, tag).wait()
+
+
+def send_bucket(
+    group: WeightGroup, parts: list[Piece], scratch: torch.Tensor | None, dsts: range, tag: int
 ) -> None:
-    """`views`: byte views indexed in non-decreasing order (a list, or `_Lazy` with `sizes` given)."""
+    """One bucket from this rank to every receiver (`dsts`), point to point: a single part straight
+    from its own memory, several packed into `scratch`."""
+    if len(parts) == 1:
+        _send(group, _bytes(parts[0].tensor).to(group.device), dsts, tag)
+        return
+    assert scratch is not None
+    pos = 0
+    for p in parts:
+        b = _bytes(p.tensor)
+        scratch[pos : pos + b.numel()].copy_(b)
+        pos += b.numel()
+    _send(group, scratch[:pos], dsts, tag)
+
+
+def run_schedule(
+    group: WeightGroup,
+    header: WeightsHeader,
+    mine: Iterable[list[Piece]] = (),
+    out: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Take part in every bucket of `header`'s schedule: a trainer rank (group rank < senders) sends its
+    own buckets (`mine`, in order) to every receiver, point to point, and takes no part in the other
+    ranks' buckets; a receiver receives each bucket from its source into `out`'s rows, verifies every
+    part against its sender's digest as the bucket arrives, goes on to the end (the senders are never
+    left hanging) and then raises CorruptBucket naming the first bad part; the caller's served weights
+    are never touched here. `out` None on a receiver: received and dropped (a refused plan).
+    Memory: `out` and one scratch bucket; on a sender its pieces and one scratch bucket."""
     import torch
 
-    sizes = [v.numel() for v in views] if sizes is None else sizes
-    scratch: torch.Tensor | None = None
-    for pieces in _chunks(sizes, bucket):
-        if len(pieces) == 1:  # inside one tensor: no copy
-            i, a, b = pieces[0]
-            _broadcast(group, views[i][a:b].to(group.device), src)
+    from hpcrl.weights.checksum import rows_digest
+
+    sched = header.buckets or []
+    sizes = [sum(_nbytes(d, tuple(s)) // max(1, (s[0] if s else 1)) * r for _, d, s, _, r, _ in recs)
+             for _, recs in sched]  # fmt: skip
+    sender = group.rank < header.senders
+    dsts = range(header.senders, group.world_size)
+    if sender:  # a scratch bucket to pack its own multi-part buckets
+        need = max(
+            (n for (src, recs), n in zip(sched, sizes) if src == group.rank and len(recs) > 1), default=0
+        )
+    else:  # one to receive any bucket that does not go straight into one tensor's rows
+        need = max(sizes, default=0)
+    scratch = torch.empty(need, dtype=torch.uint8, device=group.device) if need else None
+    mine = iter(mine)
+    bad: list[str] = []
+    for k, ((src, recs), n) in enumerate(zip(sched, sizes)):
+        if sender:
+            if src != group.rank:
+                continue
+            parts = next(mine)
+            if [(p.name, p.row0, p.rows) for p in parts] != [(r[0], r[3], r[4]) for r in recs]:
+                raise RuntimeError(f"bucket {k}: this rank's pieces are not the ones the header lists")
+            send_bucket(group, parts, scratch, dsts, k)
             continue
-        n = sum(b - a for _, a, b in pieces)
-        if scratch is None:  # no bigger than the whole payload: small models stay small
-            scratch = torch.empty(min(bucket, sum(sizes)), dtype=torch.uint8, device=group.device)
-        buf = scratch[:n]
-        pos = 0
-        if sending:
-            for i, a, b in pieces:
-                buf[pos : pos + b - a].copy_(views[i][a:b])
-                pos += b - a
-        _broadcast(group, buf, src)
-        if not sending:
-            for i, a, b in pieces:
-                views[i][a:b].copy_(buf[pos : pos + b - a])
-                pos += b - a
+        if out is None:
+            assert scratch is not None
+            _recv(group, scratch[:n], src, k)
+            continue
+        views = [_rows(out[name], row0, rows) for name, _, _, row0, rows, _ in recs]
+        if len(views) == 1 and views[0].device == group.device:
+            _recv(group, _bytes(views[0]), src, k)  # straight into the tensor's rows
+        else:
+            assert scratch is not None
+            _recv(group, scratch[:n], src, k)
+            pos = 0
+            for v in views:
+                b = _bytes(v)
+                b.copy_(scratch[pos : pos + b.numel()])
+                pos += b.numel()
+        for v, (name, _, _, row0, rows, digest) in zip(views, recs):
+            if len(bad) < 3 and rows_digest(v, row0) != int(digest, 16):
+                bad.append(f"bucket {k} from sender rank {src}: {name} rows {row0}..{row0 + rows}")
+    if bad:
+        raise CorruptBucket(
+            f"policy {header.step}: received bytes differ from what the trainer hashed in "
+            f"{'; '.join(bad)} (nothing of this update is loaded)"
+        )
 
 
 def broadcast_weights(
@@ -219,104 +374,43 @@ def broadcast_weights(
     named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     step: int,
     *,
-    src: int = 0,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     checksum: str | None = None,
     delta: dict[str, Any] | None = None,
     adapter: dict[str, Any] | None = None,
 ) -> None:
-    """Send `named_tensors` (HF names) as policy `step` to every other rank of `group`; with `delta`
-    (a Delta manifest) they are that delta's encoded tensors and `checksum` the full result's; with
-    `adapter` (a JSON-able peft LoRA config) they are that adapter's tensors and `checksum` theirs."""
+    """Group rank 0 alone sends `named_tensors` (HF names, whole tensors) as policy `step`; the other
+    trainer ranks of the group, if any, run `relay` (they take the header and nothing else). With
+    `delta` (a Delta manifest) the tensors are that delta's encoded tensors and `checksum` the full
+    result's; with `adapter` (a JSON-able peft LoRA config) they are that adapter's tensors and
+    `checksum` theirs."""
+    from hpcrl.weights.shards import full_piece
+
     if delta is not None and adapter is not None:
         raise ValueError("a broadcast carries either a weight delta or a LoRA adapter, not both")
-    import torch
-
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-    tensors = [t.detach().to(group.device).contiguous() for _, t in items]
     bucket = max(1, int(bucket_mb * 2**20))
-    header = {
-        "version": PROTOCOL_VERSION,
-        "step": int(step),
-        "bucket_bytes": bucket,
-        "checksum": checksum,
-        "delta": delta,
-        "adapter": adapter,
-        "tensors": [
-            [name, str(t.dtype).removeprefix("torch."), list(t.shape)] for (name, _), t in zip(items, tensors)
-        ],
-    }
-    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(group.device)
-    _broadcast(group, torch.tensor([raw.numel()], dtype=torch.int64, device=group.device), src)
-    _broadcast(group, raw, src)
-    _stream(group, _byte_views(tensors), bucket, src, sending=True)
+    bkts = plan_buckets((full_piece(n, t.detach()) for n, t in items), bucket)
+    sched = schedule([bucket_records(bkts)])
+    from hpcrl.weights.checksum import dtype_name
+
+    tensors = [(n, dtype_name(t), tuple(t.shape)) for n, t in items]
+    header = make_header(
+        step, bucket, checksum, tensors, sched, delta=delta, adapter=adapter, senders=group.senders
+    )
+    send_header(group, header)
+    run_schedule(group, _parse_header(header), bkts)
 
 
-class _Lazy:
-    """Byte views of tensors made one at a time by an iterator, asked for in non-decreasing index
-    order (what `_chunks` does): only the newest tensor is held. The iterator may also yield an object
-    whose `[a:b]` gives those bytes (uint8, on the group's device), asked in increasing order: then
-    not even one tensor is held whole."""
-
-    def __init__(self, tensors: Iterator[torch.Tensor], device: Any):
-        self._it, self._device, self._i, self._cur = tensors, device, -1, None
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        import torch
-
-        assert i >= self._i, (i, self._i)
-        while self._i < i:
-            self._cur = None
-            t = next(self._it)
-            if isinstance(t, torch.Tensor):
-                self._cur = t.detach().to(self._device).contiguous().reshape(-1).view(torch.uint8)
-            else:  # a byte source sliced in increasing order (hpcrl.trainer.stream.RowSource)
-                self._cur = t
-            self._i += 1
-        return self._cur
+def relay(group: WeightGroup) -> WeightsHeader:
+    """A trainer rank that sends nothing in this update (rank 0 alone does): takes part in the header's
+    broadcast, the only collective of the update it is needed in."""
+    header = receive_header(group)
+    run_schedule(group, header)
+    return header
 
 
-def broadcast_stream(
-    group: WeightGroup,
-    layout: list[tuple[str, str, tuple[int, ...]]],
-    tensors: Iterator[torch.Tensor],
-    step: int,
-    *,
-    src: int = 0,
-    bucket_mb: float = DEFAULT_BUCKET_MB,
-    checksum: str | None = None,
-) -> None:
-    """`broadcast_weights` with the tensors made one at a time (the same wire protocol, so receivers
-    are unchanged): `layout` gives (name, dtype, shape) of each, in the order `tensors` yields them.
-    The sender holds one tensor and one scratch bucket, never the whole policy."""
-    import torch
-
-    bucket = max(1, int(bucket_mb * 2**20))
-    header = {
-        "version": PROTOCOL_VERSION,
-        "step": int(step),
-        "bucket_bytes": bucket,
-        "checksum": checksum,
-        "delta": None,
-        "adapter": None,
-        "tensors": [[n, d, list(s)] for n, d, s in layout],
-    }
-    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(group.device)
-    _broadcast(group, torch.tensor([raw.numel()], dtype=torch.int64, device=group.device), src)
-    _broadcast(group, raw, src)
-    sizes = [_nbytes(d, s) for _, d, s in layout]
-    _stream(group, _Lazy(tensors, group.device), bucket, src, sending=True, sizes=sizes)
-
-
-def receive_header(group: WeightGroup, *, src: int = 0) -> WeightsHeader:
-    """First half of a receive: the header (step, names, dtypes, shapes, optional checksum)."""
-    import torch
-
-    length = torch.zeros(1, dtype=torch.int64, device=group.device)
-    _broadcast(group, length, src)
-    raw = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
-    _broadcast(group, raw, src)
-    meta = json.loads(bytes(raw.cpu().numpy()).decode())
+def _parse_header(meta: dict[str, Any]) -> WeightsHeader:
     if meta.get("version") != PROTOCOL_VERSION:
         raise ValueError(f"weights protocol version {meta.get('version')} != {PROTOCOL_VERSION}")
     return WeightsHeader(
@@ -326,7 +420,20 @@ def receive_header(group: WeightGroup, *, src: int = 0) -> WeightsHeader:
         tensors=[(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in meta["tensors"]],
         delta=meta.get("delta"),
         adapter=meta.get("adapter"),
+        buckets=meta["buckets"],
+        senders=int(meta.get("senders", 1)),
     )
+
+
+def receive_header(group: WeightGroup, *, src: int = 0) -> WeightsHeader:
+    """First half of a receive: the header (step, names, dtypes, shapes, checksum, the buckets' plan)."""
+    import torch
+
+    length = torch.zeros(1, dtype=torch.int64, device=group.device)
+    _broadcast(group, length, src)
+    raw = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
+    _broadcast(group, raw, src)
+    return _parse_header(json.loads(bytes(raw.cpu().numpy()).decode()))
 
 
 def matches(header: WeightsHeader, tensors: Mapping[str, torch.Tensor] | None, device: Any = None) -> bool:
@@ -349,11 +456,12 @@ def receive_tensors(
     group: WeightGroup,
     header: WeightsHeader,
     *,
-    src: int = 0,
     device: Any = None,
     into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Second half of a receive: the payload, into tensors on `device` (default: the group's).
+    """Second half of a receive: every sender's buckets, each verified as it arrives, assembled into
+    whole tensors on `device` (default: the group's). Raises CorruptBucket (after the last bucket)
+    when a part's bytes or the policy checksum differ from the senders'.
 
     `into` (the previous update's result, kept by the caller) is reused when it has the header's
     layout: a steady-state receive then allocates nothing and takes no page faults.
@@ -367,20 +475,22 @@ def receive_tensors(
         out = {
             name: torch.empty(shape, dtype=_dtype(dtype), device=dev) for name, dtype, shape in header.tensors
         }
-    views = _byte_views(list(out.values()))
-    if dev != group.device:  # e.g. NCCL into GPU buffers, then the caller wants CPU tensors
-        staged = [torch.empty_like(v, device=group.device) for v in views]
-        _stream(group, staged, header.bucket_bytes, src, sending=False)
-        for v, s in zip(views, staged):
-            v.copy_(s)
-    else:
-        _stream(group, views, header.bucket_bytes, src, sending=False)
+    try:
+        tensors, checksum = layout_and_checksum(header.buckets or [])
+        if sorted(tensors) != sorted(header.tensors):
+            raise ValueError("the pieces' tensors are not the header's")
+    except ValueError as e:  # still take part in every broadcast, then refuse
+        run_schedule(group, header)
+        raise CorruptBucket(f"policy {header.step}: bad plan of pieces: {e}") from None
+    run_schedule(group, header, out=out)
+    if header.delta is None and header.checksum is not None and checksum != header.checksum:
+        raise CorruptBucket(
+            f"policy {header.step}: the received pieces' checksum {checksum} != the sender's {header.checksum}"
+        )
     return out
 
 
-def receive_weights(
-    group: WeightGroup, *, src: int = 0, device: Any = None
-) -> tuple[int, dict[str, torch.Tensor]]:
-    """Receive one update sent by `broadcast_weights`: (step, {hf_name: tensor})."""
-    header = receive_header(group, src=src)
-    return header.step, receive_tensors(group, header, src=src, device=device)
+def receive_weights(group: WeightGroup, *, device: Any = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """Receive one update sent by `broadcast_weights` or a sharded publish: (step, {hf_name: tensor})."""
+    header = receive_header(group)
+    return header.step, receive_tensors(group, header, device=device)

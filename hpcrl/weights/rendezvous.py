@@ -1,24 +1,26 @@
 """Rendezvous of the weight-broadcast group (collective transport) through the run directory.
 
-Who is in the group: trainer rank 0 (group rank 0, the sender) and every process of every inference
-server that receives weights. That is not one per server: a vLLM server with tensor parallelism tp
+Who is in the group: every trainer rank (group ranks 0..T-1, the senders: each broadcasts its own
+pieces, hpcrl.weights.collective) and every process of every inference server that receives weights. That is not one per server: a vLLM server with tensor parallelism tp
 runs tp workers and each holds its own shard of the model, so each joins (tp x pp with pipeline
 parallelism); the embedded hf engine receives in one process however many GPUs it spans. Each server
 announces its count in its ServerInfo (`weight_receivers`), and one pure function, `group_layout`,
 turns the announcements (ordered by server index) into the group:
 
-    world_size       = 1 + sum(receivers)
-    rank_offset[i]   = 1 + sum(receivers of the servers before server i)
+    world_size       = T + sum(receivers)
+    rank_offset[i]   = T + sum(receivers of the servers before server i)
 
-and a server's worker w joins as rank_offset[i] + w. E.g. servers with [2, 1] receivers: world 4,
-offsets [1, 3] (server 0's workers are ranks 1 and 2, server 1 is rank 3).
+and a server's worker w joins as rank_offset[i] + w. E.g. one trainer rank and servers with [2, 1]
+receivers: world 4, offsets [1, 3] (server 0's workers are ranks 1 and 2, server 1 is rank 3); with
+2 trainer ranks: world 5, offsets [2, 4].
 
 Why the trainer sizes the group from the announcements rather than from the config: the backend,
 and with it the receiver count, is resolved by each server at runtime (`inference.backend = "auto"`
 picks vLLM only where CUDA and vllm exist, and extra vLLM flags may set tp), so only the running
 server knows what it brings. Trainer rank 0 therefore waits (bounded) for all
 `deployment.num_inference_servers` announcements, computes the layout, writes it with the group's
-address to bus/endpoints/weights.json (WeightGroupAddress) and hosts the TCPStore as rank 0. The
+address to bus/endpoints/weights.json (WeightGroupAddress), tells the other trainer ranks (the
+trainer's own group) and hosts the TCPStore as rank 0; trainer rank r joins as group rank r. The
 orchestrator reads the same announcements, recomputes the layout with the same function, and
 refuses in one line if it disagrees with what the trainer sized (`check_layout`), instead of
 letting the group time out; it then asks server i to POST /init_broadcaster with rank_offset[i].
@@ -50,18 +52,23 @@ class WeightGroupMismatch(ValueError):
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Ranks of the weight group: rank 0 is the trainer, server i owns ranks [offset, offset + receivers)."""
+    """Ranks of the weight group: ranks 0..senders-1 are the trainer ranks, server i owns ranks
+    [offset, offset + receivers)."""
 
     world_size: int
     rank_offsets: tuple[int, ...]
     receivers: tuple[int, ...]
+    senders: int = 1
 
 
-def group_layout(receivers: Sequence[int]) -> GroupLayout:
-    """The group for servers bringing `receivers[i]` ranks each (in server-index order)."""
+def group_layout(receivers: Sequence[int], senders: int = 1) -> GroupLayout:
+    """The group for `senders` trainer ranks and servers bringing `receivers[i]` ranks each (in
+    server-index order)."""
     if not receivers:
         raise ValueError("weight group: there must be at least one inference server")
-    offsets, nxt = [], 1
+    if not isinstance(senders, int) or senders < 1:
+        raise ValueError(f"weight group: {senders!r} trainer ranks; must be an integer >= 1")
+    offsets, nxt = [], senders
     for i, r in enumerate(receivers):
         if not isinstance(r, int) or r < 1:
             raise ValueError(
@@ -69,21 +76,23 @@ def group_layout(receivers: Sequence[int]) -> GroupLayout:
             )
         offsets.append(nxt)
         nxt += r
-    return GroupLayout(world_size=nxt, rank_offsets=tuple(offsets), receivers=tuple(receivers))
+    return GroupLayout(
+        world_size=nxt, rank_offsets=tuple(offsets), receivers=tuple(receivers), senders=senders
+    )
 
 
 def by_index(servers: Sequence[ServerInfo]) -> list[ServerInfo]:
     return sorted(servers, key=lambda s: s.index)
 
 
-def layout_of(servers: Sequence[ServerInfo]) -> GroupLayout:
-    return group_layout([s.weight_receivers for s in by_index(servers)])
+def layout_of(servers: Sequence[ServerInfo], senders: int = 1) -> GroupLayout:
+    return group_layout([s.weight_receivers for s in by_index(servers)], senders)
 
 
 def check_layout(address: WeightGroupAddress, servers: Sequence[ServerInfo]) -> GroupLayout:
     """The layout of `servers`, if it is the one trainer rank 0 sized `address` for; else one line."""
     ordered = by_index(servers)
-    mine = layout_of(ordered)
+    mine = layout_of(ordered, address.senders)
     where = f"the trainer's weight group at {address.host}:{address.port}"
     indices = [s.index for s in ordered]
     if indices != list(address.server_indices):
@@ -105,38 +114,58 @@ def num_servers(cfg: Config) -> int:
     return cfg.deployment.num_inference_servers or 1
 
 
-def trainer_join_weight_group(paths: RunPaths, bus: Bus, num_servers: int, timeout_s: float) -> Any:
-    """Trainer rank 0: wait for the servers' announcements, size and announce the group, host it.
+def trainer_join_weight_group(
+    paths: RunPaths,
+    bus: Bus | None,
+    num_servers: int,
+    timeout_s: float,
+    rank: int = 0,
+    senders: int = 1,
+    share: Any = None,
+) -> Any:
+    """Every trainer rank (collective over them): rank 0 waits for the servers' announcements, sizes
+    the group for `senders` trainer ranks plus the servers' receivers, announces it and hosts it;
+    `share(address or None) -> address` hands rank 0's address to the others (the trainer's own group,
+    e.g. broadcast_object_list; with one rank it may be None). Trainer rank r joins as group rank r.
 
-    Blocks until every receiver joined (the orchestrator sends the servers in) or `timeout_s`.
+    Blocks until every member joined (the orchestrator sends the servers in) or `timeout_s`.
     """
     from hpcrl.bus import WeightGroupAddress
     from hpcrl.bus.messages import encode_json
     from hpcrl.fileio import write_atomic
     from hpcrl.weights.collective import init_group
 
-    servers = by_index(bus.wait_servers(num_servers, timeout=timeout_s))[:num_servers]
-    layout = layout_of(servers)
-    host = host_address()
-    port = free_port(host)
-    address = WeightGroupAddress(
-        host=host,
-        port=port,
-        world_size=layout.world_size,
-        server_indices=[s.index for s in servers],
-        receivers=list(layout.receivers),
+    address = None
+    if rank == 0:
+        assert bus is not None
+        servers = by_index(bus.wait_servers(num_servers, timeout=timeout_s))[:num_servers]
+        layout = layout_of(servers, senders)
+        host = host_address()
+        address = WeightGroupAddress(
+            host=host,
+            port=free_port(host),
+            world_size=layout.world_size,
+            server_indices=[s.index for s in servers],
+            receivers=list(layout.receivers),
+            senders=senders,
+        )
+        path = paths.endpoint_file(ENDPOINT)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, [encode_json(address)])
+        log.info(
+            "weight group at %s:%d: world_size %d = %d trainer rank(s) + receivers %s",
+            host,
+            address.port,
+            layout.world_size,
+            senders,
+            list(layout.receivers),
+        )
+    if share is not None:
+        address = share(address)
+    assert address is not None, "trainer ranks other than 0 need `share` to learn the group's address"
+    return init_group(
+        address.host, address.port, address.world_size, rank, timeout_s=timeout_s, senders=address.senders
     )
-    path = paths.endpoint_file(ENDPOINT)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, [encode_json(address)])
-    log.info(
-        "weight group at %s:%d: world_size %d = 1 + receivers %s",
-        host,
-        port,
-        layout.world_size,
-        list(layout.receivers),
-    )
-    return init_group(host, port, layout.world_size, 0, timeout_s=timeout_s)
 
 
 def read_weight_group_address(paths: RunPaths, timeout_s: float, poll: float = 0.2) -> WeightGroupAddress:

@@ -12,9 +12,10 @@ RSS above the RSS before the publish (sampled every 5 ms: what the publish holds
 written. Then one receiver process loads the newest policy as the hf server does
 (``load_safetensors_dir``: assembled and verified piece by piece for the sharded one) and checks its
 checksum against the announced one; "seconds to verified" = the slowest rank's publish + that load.
-Collective: one receiver process joins the weight group (gloo) with trainer rank 0, receives every
-policy and checks its checksum; "seconds to verified" = from the publish's start to that check;
-"sent" is what rank 0 broadcast (and, sharded, what the other ranks sent rank 0).
+Collective: one receiver process joins the weight group (gloo) with every trainer rank, receives
+every policy, verified bucket by bucket on receipt and against the policy checksum; "seconds to
+verified" = from the publish's start to the end of that receive; "sent" is what each rank sent as a
+source (sharded: its own pieces, point to point to the receiver; today: rank 0 everything).
 """
 
 from __future__ import annotations
@@ -104,10 +105,13 @@ def worker(spec: str, layers: int, steps: int, bucket_mb: float, run_dir: str, o
     env = par.init_distributed(torch.device("cpu"))
     mode, transport, port = spec.split(":")
     group = None
-    if transport == "collective" and env.rank == 0:
+    if transport == "collective":  # every trainer rank is a member (a sender); the receiver is the last
         from hpcrl.weights.collective import init_group
 
-        group = init_group("127.0.0.1", int(port), 2, 0, backend="gloo", timeout_s=600)
+        group = init_group(
+            "127.0.0.1", int(port), env.world_size + 1, env.rank, backend="gloo", timeout_s=600,
+            senders=env.world_size,
+        )  # fmt: skip
     model = build_model(layers)
     paths = RunPaths(run_dir)
     if env.rank == 0:
@@ -128,11 +132,11 @@ def worker(spec: str, layers: int, steps: int, bucket_mb: float, run_dir: str, o
                 pub.publish(model, step)
                 par.barrier()
                 dt = time.perf_counter() - t0
-            if transport == "collective":  # what this rank sent: to the servers, or to rank 0
+            if transport == "collective":  # what this rank broadcast as a source (its own pieces)
                 written = (
-                    pub.last_sync_bytes
-                    if env.rank == 0
-                    else (pub.last_rank_bytes if mode == "sharded" else 0)
+                    pub.last_rank_bytes
+                    if mode == "sharded"
+                    else (pub.last_sync_bytes if env.rank == 0 else 0)
                 )
             elif mode == "sharded":
                 written = pub.last_rank_bytes
@@ -154,19 +158,19 @@ def worker(spec: str, layers: int, steps: int, bucket_mb: float, run_dir: str, o
     par.destroy_distributed()
 
 
-def receive_collective(port: str, steps: str, out: str) -> None:
-    """A server of the weight group: receive --steps policies, verify each, note when."""
-    from hpcrl.weights.checksum import state_dict_checksum
+def receive_collective(port: str, world: str, steps: str, out: str) -> None:
+    """A server of the weight group (its last rank): receive --steps policies, each verified bucket by
+    bucket as it arrives and against the policy checksum (receive_tensors raises otherwise); note when."""
     from hpcrl.weights.collective import init_group, receive_header, receive_tensors
 
-    group = init_group("127.0.0.1", int(port), 2, 1, backend="gloo", timeout_s=600)
+    group = init_group("127.0.0.1", int(port), int(world), int(world) - 1, backend="gloo", timeout_s=600)
     done, held = [], 0
     for _ in range(int(steps)):
         with PeakRSS() as m:
             header = receive_header(group)
             t0 = time.perf_counter()
             got = receive_tensors(group, header)
-            ok = state_dict_checksum(got) == header.checksum
+            ok = header.checksum is not None and len(got) == len(header.tensors)
             done.append({"at": time.time(), "ok": ok, "s": time.perf_counter() - t0})
             del got
         held = max(held, m.peak - m.base)
@@ -201,7 +205,15 @@ def run_one(world: int, spec: str, args: argparse.Namespace, scratch: Path) -> d
     wport = free_port() if transport == "collective" else 0
     if transport == "collective":
         receiver = subprocess.Popen(
-            [sys.executable, __file__, "--receive-collective", str(wport), str(args.steps), str(rec_out)]
+            [
+                sys.executable,
+                __file__,
+                "--receive-collective",
+                str(wport),
+                str(world + 1),
+                str(args.steps),
+                str(rec_out),
+            ]  # fmt: skip
         )
     for r in range(world):
         out = scratch / f"{tag}_r{r}.json"
@@ -280,7 +292,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--receive", nargs=3, help=argparse.SUPPRESS)
-    ap.add_argument("--receive-collective", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--receive-collective", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         mode, layers, steps, bucket, run, out = args.worker

@@ -135,6 +135,51 @@ def test_update_over_gloo_changes_outputs_and_checksum(server, other_weights) ->
     asyncio.run(run())
 
 
+def test_corrupt_bucket_fails_the_update_naming_it_and_keeps_the_policy(server, other_weights) -> None:
+    """Protocol 3: a bucket whose bytes differ from what the sender hashed (flipped after hashing) fails
+    the update with 409 naming the bucket, its sender and the piece; the server keeps serving the last
+    complete policy, and the next good broadcast loads."""
+    from hpcrl.weights import collective as coll
+    from hpcrl.weights.shards import full_piece
+
+    sd = {k: v.clone() for k, v in load_sd(other_weights[1]).items()}
+
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            before, out_before = await c.weights(), (await greedy(c))["out"]
+            step = before["step"] + 1
+            port = free_port()
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(init_group, "127.0.0.1", port, 2, 0, timeout_s=60),
+                c.init_broadcaster("127.0.0.1", port, 2, 1, timeout=60),
+            )
+            bkts = coll.plan_buckets((full_piece(n, t) for n, t in sd.items()), 64 * 1024)
+            sched = coll.schedule([coll.bucket_records(bkts)])
+            tensors, checksum = coll.layout_and_checksum(sched)
+            header = coll.make_header(step, 64 * 1024, checksum, tensors, sched)
+            bad = bkts[3][-1]
+            bad.tensor.view(-1)[-1] += 1  # after hashing: the wire carries other bytes than the digest's
+
+            def send() -> None:
+                coll.send_header(group, header)
+                coll.run_schedule(group, coll._parse_header(header), bkts)
+
+            with pytest.raises(WeightSyncError) as e:
+                await asyncio.gather(asyncio.to_thread(send), c.update_weights(step, collective=True))
+            where = f"bucket 3 from sender rank 0: {bad.name} rows {bad.row0}..{bad.row0 + bad.rows}"
+            assert where in str(e.value), str(e.value)
+            assert await c.weights() == before and (await c.health())["status"] == "ok"
+            assert (await greedy(c))["out"] == out_before
+            bad.tensor.view(-1)[-1] -= 1
+            _, r = await asyncio.gather(
+                asyncio.to_thread(broadcast_weights, group, sd, step, bucket_mb=0.25, checksum=checksum),
+                c.update_weights(step, collective=True, expected_checksum=checksum),
+            )
+            assert r["checksum"] == checksum == state_dict_checksum(sd)
+
+    asyncio.run(run())
+
+
 def test_checksum_mismatch_is_loud_until_a_good_update(server, other_weights) -> None:
     async def run() -> None:
         async with InferenceClient(server.base_url) as c:

@@ -2,9 +2,9 @@
 every rank's pieces is bit-identical to today's full export (same tensors, equal checksums) for the
 tiny dense model (1 and 2 ranks, FSDP2), the tiny MoE under ep = 2 and LoRA (merged on each rank's
 rows), with the checkpoint's streamed HF export equal too; delta sync per shard rebuilds each policy
-exactly; the collective stream delivers the same bytes to a receiver; a rank killed with SIGKILL
-mid-publish leaves no manifest, no announcement, and a directory every loader refuses, while the
-last complete policy still loads.
+exactly; over the collective every rank sends its own pieces and a receiver gets the same bytes; a
+rank killed with SIGKILL mid-publish leaves no manifest, no announcement, and a directory every
+loader refuses (files), or a failed receive (collective), while the last complete policy still loads.
 
 A worker (this file run as a script on N ranks) builds each model, takes one optimizer step (so fp32
 master weights differ from their bf16 cast), saves the gathered full export (``hf_named_tensors``, the
@@ -70,10 +70,18 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
     par.barrier()
     group = None
     transport, _, port = transport.partition(":")
-    if transport == "collective" and env.rank == 0:  # trainer rank 0 hosts the weight group
+    if transport == "collective":  # every trainer rank is a sender; one receiver after them
         from hpcrl.weights.collective import init_group
 
-        group = init_group("127.0.0.1", int(port), 2, 0, backend="gloo", timeout_s=120)
+        group = init_group(
+            "127.0.0.1",
+            int(port),
+            env.world_size + 1,
+            env.rank,
+            backend="gloo",
+            timeout_s=60,
+            senders=env.world_size,
+        )
     with Bus(paths, "trainer", env.rank) as bus:
         pub = PolicyPublisher(
             paths, bus, env.rank, transport, keep=100, weight_group=group, bucket_mb=BUCKET_MB,
@@ -91,7 +99,7 @@ def _worker(run_dir: str, out_dir: str, kill_after: str, transport: str, *models
             del full
             pub.base_sent = False  # each model is a new trainer: its first policy goes in full
             if int(kill_after) >= 0 and step == len(models) - 1:
-                _die_mid_publish(env.rank, int(kill_after))
+                _die_mid_publish(env.rank, int(kill_after), transport, out_dir)
             pub.publish(model, step)
             if transport == "filesystem":  # the checkpoint's HF export, streamed to rank 0 (no gather)
                 from hpcrl.trainer.stream import export_hf_streamed
@@ -125,9 +133,24 @@ def _delta_policies(pub, rank: int, model_dir: str, out_dir: str, first: int) ->
         pub.publish(model, first + k)
 
 
-def _die_mid_publish(rank: int, after: int) -> None:
-    """Rank 1 SIGKILLs itself after writing `after` bucket files of its pieces."""
+def _die_mid_publish(rank: int, after: int, transport: str, out_dir: str) -> None:
+    """Rank 1 SIGKILLs itself after writing (filesystem) or broadcasting (collective) `after` buckets
+    of its pieces."""
     if rank != 1:
+        return
+    if transport == "collective":
+        import hpcrl.weights.collective as coll
+
+        real_send, sent = coll.send_bucket, [0]
+
+        def dying_send(*args, **kwargs):
+            if sent[0] == after:
+                (Path(out_dir) / "killed").write_text(f"after {after} bucket(s)")
+                os.kill(os.getpid(), signal.SIGKILL)
+            sent[0] += 1
+            real_send(*args, **kwargs)
+
+        coll.send_bucket = dying_send
         return
     import hpcrl.weights.manifest as manifest
 
@@ -240,12 +263,30 @@ def test_rank_killed_mid_publish_leaves_no_partial_policy(tiny_model_dir: Path, 
     assert load_safetensors_dir(str(paths.broadcast_dir(0)))  # the last complete policy still loads
 
 
+def _receiver(port: int, world: int, policies: int, got: list) -> None:
+    """A server of the weight group (group rank `world - 1`): receive `policies` updates; each one is
+    (checksum, tensors) or the exception its receive raised."""
+    from hpcrl.weights.collective import init_group, receive_header, receive_tensors
+
+    try:
+        group = init_group("127.0.0.1", port, world, world - 1, backend="gloo", timeout_s=120)
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        got.append(e)
+        return
+    for _ in range(policies):
+        try:
+            header = receive_header(group)
+            got.append((header.checksum, receive_tensors(group, header)))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            got.append(e)
+            return
+
+
 @pytest.mark.timeout(300)
-def test_collective_stream_sends_the_full_export_without_a_gather(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """Collective transport, sharded: rank 0 streams tensor by tensor (its rows and rank 1's, received
-    point to point); a receiver in this process gets exactly today's full export, checksum included."""
+def test_collective_every_rank_sends_its_own_pieces(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Collective transport, sharded: both trainer ranks are members of the weight group and broadcast
+    their own buckets (no rank forwards another's rows); a receiver in this process assembles exactly
+    today's full export, checksum included, for the dense model, the tiny MoE under ep = 2 and LoRA."""
     import threading
 
     from safetensors.torch import load_file
@@ -253,35 +294,59 @@ def test_collective_stream_sends_the_full_export_without_a_gather(
     from hpcrl.models.tiny import build_tiny_model
     from hpcrl.net import free_port
     from hpcrl.weights.checksum import state_dict_checksum
-    from hpcrl.weights.collective import init_group, receive_header, receive_tensors
 
     moe = build_tiny_model(tmp_path / "moe", preset="tiny-moe", seed=0)
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    port = free_port()
-    got: list = []
-
-    def receiver() -> None:
-        try:
-            group = init_group("127.0.0.1", port, 2, 1, backend="gloo", timeout_s=120)
-            for _ in range(2):
-                header = receive_header(group)
-                got.append((header.checksum, receive_tensors(group, header)))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            got.append(e)
-
-    t = threading.Thread(target=receiver, daemon=True)
+    port, got = free_port(), []
+    t = threading.Thread(target=_receiver, args=(port, 3, 3, got), daemon=True)
     t.start()
+    kinds = ["dense", "moe", "lora"]
     run_ranks(
-        __file__, 2, str(run), str(out), "-1", f"collective:{port}", f"dense={tiny_model_dir}", f"moe={moe}"
-    )
+        __file__, 2, str(run), str(out), "-1", f"collective:{port}",
+        f"dense={tiny_model_dir}", f"moe={moe}", f"lora={tiny_model_dir}",
+    )  # fmt: skip
     t.join(60)
-    assert len(got) == 2 and not isinstance(got[-1], BaseException), got[-1:]
-    for kind, (checksum, tensors) in zip(["dense", "moe"], got, strict=True):
+    assert len(got) == 3 and not any(isinstance(g, BaseException) for g in got), got[-1:]
+    for kind, (checksum, tensors) in zip(kinds, got, strict=True):
         ref = load_file(str(out / f"{kind}.safetensors"))
         assert checksum == state_dict_checksum(ref) == state_dict_checksum(tensors), kind
         assert sorted(tensors) == sorted(ref)
         assert all(torch_equal_bits(tensors[k], v) for k, v in ref.items()), kind
+
+
+@pytest.mark.timeout(300)
+def test_rank_killed_mid_broadcast_leaves_no_partial_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Collective transport: trainer rank 1 is SIGKILLed after broadcasting one bucket of policy 1. The
+    receiver's update fails (nothing assembled is returned, so a server loads nothing) and policy 0,
+    received whole before, is intact."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from hpcrl.net import free_port
+    from hpcrl.weights.checksum import state_dict_checksum
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    port, got = free_port(), []
+    t = threading.Thread(target=_receiver, args=(port, 3, 2, got), daemon=True)
+    t.start()
+    with pytest.raises(AssertionError, match=r"rank \d exited"):  # rank 1 killed, rank 0 then fails
+        run_ranks(
+            __file__, 2, str(run), str(out), "1", f"collective:{port}",
+            f"dense={tiny_model_dir}", f"dense={tiny_model_dir}",
+        )  # fmt: skip
+    t.join(150)  # a recv from the dead rank may only end at the group's timeout (120 s)
+    assert (out / "killed").read_text() == "after 1 bucket(s)"  # SIGKILLed mid-broadcast, not a crash
+    assert not t.is_alive() and len(got) == 2, got
+    checksum, tensors = got[0]
+    assert (
+        checksum
+        == state_dict_checksum(load_file(str(out / "dense.safetensors")))
+        == state_dict_checksum(tensors)
+    )
+    assert isinstance(got[1], RuntimeError), got[1]  # the update of policy 1 failed: nothing to load
 
 
 def _check_deltas(run: Path, out: Path, first: int) -> None:

@@ -1,4 +1,4 @@
-"""The weight group counts every receiving worker: world = 1 + sum of each server's receivers.
+"""The weight group counts every receiving worker: world = 1 trainer rank + sum of each server's receivers.
 
 Real processes on CPU with gloo: trainer rank 0 (tp_roles trainer: the real group hosting and
 PolicyPublisher send path), a "vLLM server with tp = 2" = the real vLLM admin router over HTTP whose

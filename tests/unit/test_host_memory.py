@@ -43,16 +43,14 @@ def test_per_rank_figures_by_hand():
     assert hm.trainer_rank_gib(P, 16, 2, **fs) == pytest.approx(SHARD + 0.5)
     # delta per shard adds the previous shard
     assert hm.trainer_rank_gib(P, 16, 2, delta=True, **fs) == pytest.approx(2 * SHARD + 0.5)
-    # collective: rank 0 one bucket more; a smaller bucket_mb shrinks it
-    assert hm.trainer_rank_gib(P, 16, 2, collective=True, rank0=True) == pytest.approx(SHARD + 0.75)
-    assert hm.trainer_rank_gib(P, 16, 2, collective=True, bucket_mb=64) == pytest.approx(SHARD + 0.125)
+    # collective: every rank (rank 0 too) sends its own pieces: shard + 2 chunks of chunk_mb
+    assert hm.trainer_rank_gib(P, 16, 2, collective=True, rank0=True) == pytest.approx(SHARD + 0.5)
+    assert hm.trainer_rank_gib(P, 16, 2, collective=True, chunk_mb=64) == pytest.approx(SHARD + 0.125)
     # the gathered path: the whole policy on every rank, and the previous one on rank 0 with delta
     assert hm.trainer_rank_gib(P, 16, 2, sharded=False) == pytest.approx(56.87, abs=0.01)
     assert hm.trainer_rank_gib(P, 16, 2, sharded=False, delta=True, rank0=True) == pytest.approx(
         2 * 56.87, abs=0.02
     )
-    # delta over the collective transport still gathers
-    assert hm.trainer_rank_gib(P, 16, 2, collective=True, delta=True) == pytest.approx(56.87, abs=0.01)
     # a checkpoint's HF export: rank 0 holds one 1 GiB file + the largest tensor; the publish is larger here
     big = hm.trainer_rank_gib(P, 1024, 2, rank0=True, largest_tensor=151936 * 2048)
     assert big == pytest.approx(1 + 151936 * 2048 * 2 / GIB)  # 1.58 GiB > 56.9 / 1024 + 0.5
@@ -70,11 +68,11 @@ def test_seed_layout_sharded_fits_a_1tb_node():
     cfg, pl = seed()
     lines = hm.dry_run_lines(cfg, pl, node(1024))
     plan = hm.host_plan(cfg, pl)
-    # collective (auto): rank 0 3.55 + 0.75, 7 others 3.55 + 0.5, 8 x 4 GiB baseline
-    assert plan.trainer.held_gib == pytest.approx(SHARD + 0.75 + 7 * (SHARD + 0.5))
-    assert plan.trainer.total_gib == pytest.approx(64.7, abs=0.05)
+    # collective (auto): every rank 3.55 + 2 x 0.25, 8 x 4 GiB baseline
+    assert plan.trainer.held_gib == pytest.approx(8 * (SHARD + 0.5))
+    assert plan.trainer.total_gib == pytest.approx(64.4, abs=0.05)
     assert plan.inference.total_gib == pytest.approx(8 * 0.25 + 8 * hm.PROCESS_BASE_GIB)
-    assert any("trainer node: 64.7 GiB of 1024 GiB" in x for x in lines)
+    assert any("trainer node: 64.4 GiB of 1024 GiB" in x for x in lines)
     assert any("inference node: 34.0 GiB of 1024 GiB" in x for x in lines)
 
 
@@ -93,6 +91,19 @@ def test_delta_adds_the_previous_shard():
     delta, _ = seed("--trainer.broadcast.transport", "filesystem", "--trainer.broadcast.delta")
     gap = hm.host_plan(delta, pl).trainer.held_gib - hm.host_plan(plain, pl).trainer.held_gib
     assert gap == pytest.approx(8 * SHARD)
+
+
+def test_delta_is_files_only():
+    """auto picks files with delta (the plan counts files); delta with transport = collective is
+    refused at load in one line naming the field."""
+    from hpcrl.runtime import weight_transport
+
+    cfg, pl = seed("--trainer.broadcast.delta")
+    assert not hm.host_plan(cfg, pl).collective and weight_transport(cfg, uses_gpus=True) == "filesystem"
+    with pytest.raises(ConfigError) as e:
+        seed("--trainer.broadcast.transport", "collective", "--trainer.broadcast.delta")
+    assert e.value.path == "trainer.broadcast.delta" and "\n" not in str(e.value)
+    assert "transport = 'filesystem' or 'auto'" in str(e.value)
 
 
 def test_vllm_over_files_keeps_a_host_copy_per_worker_only_with_delta():
@@ -129,7 +140,7 @@ def test_no_memory_information_is_not_refused():
 def test_slurm_mem_is_the_limit_when_set():
     cfg, pl = seed("--slurm.mem", "128G")
     lines = hm.dry_run_lines(cfg, pl, node(1024))
-    assert any("trainer node: 64.7 GiB of 128 GiB" in x for x in lines)
+    assert any("trainer node: 64.4 GiB of 128 GiB" in x for x in lines)
     cfg, pl = seed("--slurm.mem", "64G")
     with pytest.raises(ConfigError) as e:
         hm.dry_run_lines(cfg, pl, node(1024))
@@ -165,7 +176,7 @@ def test_the_shipped_seed_config_fits_its_1tb_nodes(monkeypatch):
     monkeypatch.setattr(submit, "partition_nodes", lambda partition: nodes)
     cfg = load(["configs/hosted/full_ft_multi_node.toml", "--slurm.time", "01:00:00"]).config
     _, lines = submit.slurm_plan(cfg, None)
-    assert any("trainer node: 64.7 GiB of 1024 GiB" in x for x in lines)
+    assert any("trainer node: 64.4 GiB of 1024 GiB" in x for x in lines)
     assert any("inference node: 34.0 GiB of 1024 GiB" in x for x in lines)
     small = [NodeOffer(f"n{i}", 16, 256 * 1024, 8, ("h100",)) for i in range(4)]
     monkeypatch.setattr(submit, "partition_nodes", lambda partition: small)

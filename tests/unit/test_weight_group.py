@@ -70,6 +70,27 @@ def test_group_layout_rejects_nonsense(receivers, match) -> None:
         group_layout(receivers)
 
 
+@pytest.mark.parametrize(
+    "senders, receivers, world, offsets",
+    [
+        (2, [1], 3, (2,)),  # 2 trainer ranks (group ranks 0, 1), the hf server rank 2
+        (4, [2, 1], 7, (4, 6)),  # tp=2 server takes ranks 4, 5; the hf server rank 6
+        (16, [8, 8], 32, (16, 24)),  # seed 000: 2 x 8 trainer ranks, 2 vLLM servers at tp 8
+    ],
+)
+def test_group_layout_counts_every_trainer_rank(senders, receivers, world, offsets) -> None:
+    layout = group_layout(receivers, senders)
+    assert (layout.world_size, layout.rank_offsets, layout.senders) == (world, offsets, senders)
+    a = WeightGroupAddress(
+        host="t", port=1, world_size=world, server_indices=list(range(len(receivers))), receivers=receivers,
+        senders=senders,
+    )  # fmt: skip
+    assert decode_json(encode_json(a), WeightGroupAddress) == a
+    assert check_layout(a, [info(i, r) for i, r in enumerate(receivers)]).rank_offsets == offsets
+    with pytest.raises(ValueError, match="0 trainer ranks; must be an integer >= 1"):
+        group_layout(receivers, 0)
+
+
 def test_layout_follows_server_index_not_discovery_order() -> None:
     layout = layout_of([info(1, 1), info(0, 2)])
     assert (layout.world_size, layout.rank_offsets, layout.receivers) == (4, (1, 3), (2, 1))
@@ -103,7 +124,7 @@ def test_server_info_reads_old_files_and_rejects_zero_receivers() -> None:
 def test_weight_group_address_round_trip_and_consistency() -> None:
     a = address([0, 1], [2, 1])
     assert decode_json(encode_json(a), WeightGroupAddress) == a
-    with pytest.raises(ValueError, match=r"world_size 3 != 1 \+ sum\(receivers\) = 4"):
+    with pytest.raises(ValueError, match=r"world_size 3 != senders \+ sum\(receivers\) = 4"):
         WeightGroupAddress(host="t", port=1, world_size=3, server_indices=[0, 1], receivers=[2, 1])
     with pytest.raises(ValueError, match="differ in length"):
         WeightGroupAddress(host="t", port=1, world_size=3, server_indices=[0], receivers=[1, 1])

@@ -56,15 +56,21 @@ class LossConfig(Section):
 class BroadcastConfig(Section):
     transport: Annotated[
         Literal["auto", "filesystem", "collective"],
-        D("How weights reach inference: collective (NCCL/gloo) or safetensors files; auto picks collective."),
+        D(
+            "How weights reach inference: collective (NCCL/gloo, every trainer rank sends its own pieces) "
+            "or safetensors files; auto: collective on GPUs, files on CPU or with delta."
+        ),
     ] = "auto"
-    chunk_mb: Annotated[int, D("Bucket size of the collective broadcast in MiB.", ge=1)] = 256
+    chunk_mb: Annotated[
+        int, D("Bucket size of the collective broadcast in MiB (a sending rank holds two).", ge=1)
+    ] = 256
     timeout_s: Annotated[float, D("Seconds to wait for inference servers to load a policy.", gt=0)] = 300.0
     delta: Annotated[
         bool,
         D(
             "Send only the elements that changed since the previous policy (verified against the checksum of "
-            "the full new weights); a full sync whenever the delta is not smaller."
+            "the full new weights); a full sync whenever the delta is not smaller. Files only: refused "
+            "with transport = collective."
         ),
     ] = False
     full_every: Annotated[int, D("With delta: a full sync every N policies (1 = always full).", ge=1)] = 20
@@ -73,9 +79,9 @@ class BroadcastConfig(Section):
         D(
             "No rank gathers the policy. Filesystem: every trainer rank writes only its own rows of each "
             "tensor into broadcasts/step_N/ (files of bucket_mb) and rank 0 writes manifest.json last. "
-            "Collective: rank 0 streams the policy tensor by tensor, receiving the other ranks' rows. "
-            "false: every rank gathers the whole policy (the old path). Delta sync and LoRA adapters "
-            "still take the gathered path."
+            "Collective: every trainer rank broadcasts its own rows in buckets of chunk_mb, each verified "
+            "on receipt. false: every rank gathers the whole policy (the old path). LoRA adapters after "
+            "the first policy still take the gathered path (small)."
         ),
     ] = True
     bucket_mb: Annotated[
