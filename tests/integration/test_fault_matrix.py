@@ -16,22 +16,25 @@ rewrites the table in docs (scripts/fault_matrix.sh).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
 
 BOUND = 6.0  # stall_warning_s of these runs (the default is 60 s)
-DOWN_S = 25.0  # orchestrator.server_down_timeout_s
+DOWN_S = 40.0  # orchestrator.server_down_timeout_s (a restart on 2 busy cores can take 25 s)
 MAX_STEPS = 100000  # run 1 and 2 end by kill -9; the last resume sets its own max_steps
 CONFIG = rl_toml(
     "{steps}",
@@ -110,10 +113,91 @@ def _new_lines(text: str, since: int) -> str:
     return text[since:]
 
 
+def _mount_tmpfs(d: Path, size: str) -> str | None:
+    """A small tmpfs at `d` (the disk that fills up); None, or why it cannot be mounted here."""
+    d.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True
+    )
+    return None if res.returncode == 0 else f"mount -t tmpfs refused: {(res.stderr or res.stdout).strip()}"
+
+
+class Filler:
+    """Keeps the filesystem of `d` full (write(2) says ENOSPC) until stop(): a thread tops the
+    filler file up, since a reader deleting old files (the trainer's bus cleanup) frees space."""
+
+    def __init__(self, d: Path):
+        self.path, self.done = d / "filler", threading.Event()
+        self.f = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed by stop()
+        self._top_up()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _top_up(self) -> None:
+        for size in (1 << 20, 4096):
+            try:
+                while True:
+                    self.f.write(b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+
+    def _run(self) -> None:
+        while not self.done.wait(0.05):
+            self._top_up()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self.f.close()
+        self.path.unlink()
+
+
+def _make_unwritable(d: Path) -> tuple[str, list[str]]:
+    """(how, the command that undoes it). As root chmod does not stop a write: `chattr +i` (the
+    directory immutable: no entry can be created in it, whoever asks) does; as a user, chmod 0555."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(d)], check=True)
+        return "chattr +i", ["chattr", "-i", str(d)]
+    d.chmod(0o555)
+    return "chmod 0555", ["chmod", "0755", str(d)]
+
+
+def refused(run: Run, component: str, fault: str, make, undo, names: list[str], hold: float) -> None:
+    """Make the orchestrator's rollout writes fail (make()), until its log names the write (all of
+    `names`) - timed - and `hold` s have passed; then undo() and the run must go on."""
+    mark = len(run.log("orchestrator"))
+    make()
+    t0 = time.monotonic()
+    try:
+
+        def named() -> str | None:
+            new = _new_lines(run.log("orchestrator"), mark).splitlines()
+            return next((x for x in new if "cannot write" in x and all(n in x for n in names)), None)
+
+        took = _until(lambda: named() is not None, BOUND + 60, f"the orchestrator naming {fault}")
+        line = named()
+        time.sleep(max(0.0, hold - (time.monotonic() - t0)))
+    finally:
+        undo()
+    _until(lambda: "wrote rollouts step" in run.log("orchestrator")[mark:], 60, "the write going through")
+    run.wait_steps(2)
+    ROWS.append(
+        {
+            "component": component,
+            "fault": fault,
+            "named_s": round(took, 1),
+            "named_by": "orchestrator",
+            "line": line.split("] ", 1)[-1][:220],
+            "outcome": "retried; the batch written once it cleared, run goes on",
+        }
+    )
+
+
 def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *, past: bool) -> None:
     """SIGSTOP `role`'s process; past the bound: until `namer`'s log names it (all of `names`), the
     time measured from the SIGSTOP; briefly: half the bound, and nothing may be named."""
     pid = run.pid(role)
+    names = [n.format(pid=pid) for n in names]
     mark = len(run.log(namer))
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -158,12 +242,116 @@ def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(CONFIG.format(steps=MAX_STEPS))
     out = tmp_path / "run"
-    run = _start(out, "run", str(cfg), "--output-dir", str(out))
+    # The disks that fill up: rollouts/ and checkpoints/ each a small tmpfs of its own (as root).
+    no_tmpfs = _mount_tmpfs(out / "rollouts", "64m") or _mount_tmpfs(out / "checkpoints", "256m")
+    try:
+        faults_of_run_1(_start(out, "run", str(cfg), "--output-dir", str(out)), out, no_tmpfs)
+        if no_tmpfs is None:
+            checkpoint_disk_full(out)
+        else:
+            ROWS.append(_not_run("trainer / orchestrator", "disk full writing a checkpoint", no_tmpfs))
+        resumed_then(out, "trainer", "trainer was killed by signal 9", lambda run: run.pid("trainer"))
+        stopped_at = RunPaths(out).prompts_log.read_text().count("\n")
+        final = stopped_at + 6
+        res = subprocess.run(
+            _hpcrl("resume", "--step", "-1", "--output-dir", str(out), "--max-steps", str(final)),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    finally:
+        for d in (out / "rollouts", out / "checkpoints"):
+            if os.path.ismount(d):
+                subprocess.run(["umount", "-l", str(d)], check=False)
+    prompts = [json.loads(x) for x in RunPaths(out).prompts_log.read_text().splitlines()]
+    steps = [p["step"] for p in prompts]
+    assert steps == list(range(1, final + 1)), steps
+    ids = [i for p in prompts for i in p["example_ids"]]
+    assert len(ids) == len(set(ids)), "a prompt was trained on twice"
+    data = f"after every resume: steps 1..{final} each once, {len(ids)} prompts, none repeated"
+    for r in ROWS:
+        if r["outcome"].startswith("run ends"):
+            r["data"] = data
+    _write_table()
+
+
+def frozen_env_worker_replaced(run: Run) -> None:
+    """An env worker stopped past 2x the bound: its env server kills it and starts another, as for a
+    dead one; the rollouts it held are errored (counted), the run goes on."""
+    pid = run.pid("env-worker")
+    server_log = run.paths.env_server_dir("train", "reverse-text") / "server.log"
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    _until(
+        lambda: f"(pid {pid}) frozen (process stopped)" in server_log.read_text(),
+        2 * BOUND + 60,
+        "the env server replacing its frozen worker",
+    )
+    took = time.monotonic() - t0
+    line = next(x for x in server_log.read_text().splitlines() if f"(pid {pid}) frozen" in x)
+    run.wait_steps(2)
+    assert run.pid("env-worker") != pid
+    ROWS.append(
+        {
+            "component": "env worker",
+            "fault": f"SIGSTOP past 2x the bound ({2 * BOUND:.0f} s)",
+            "named_s": round(took, 1),
+            "named_by": "env server",
+            "line": line.split("] ", 1)[-1][:220],
+            "outcome": "killed, replaced like a dead one (its rollouts errored, counted); run goes on",
+        }
+    )
+
+
+def frozen_env_server_restarted(run: Run) -> None:
+    """An env server stopped past 2x the bound answers no ping: the orchestrator kills it and starts
+    it again as it does a crashed one; the run goes on."""
+    pid, mark = run.pid("env-server"), len(run.log("orchestrator"))
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    _until(
+        lambda: "answered no ping" in run.log("orchestrator")[mark:],
+        2 * BOUND + 60,
+        "the frozen server named",
+    )
+    took = time.monotonic() - t0
+    _until(lambda: "restarted (restart 1)" in run.log("orchestrator")[mark:], 120, "the env server restarted")
+    line = next(x for x in run.log("orchestrator")[mark:].splitlines() if "answered no ping" in x)
+    run.wait_steps(2)
+    assert run.pid("env-server") != pid
+    ROWS.append(
+        {
+            "component": "env server",
+            "fault": f"SIGSTOP past 2x the bound ({2 * BOUND:.0f} s)",
+            "named_s": round(took, 1),
+            "named_by": "orchestrator",
+            "line": line.split("] ", 1)[-1][:220],
+            "outcome": "killed, restarted like a crashed one (its rollouts errored, counted); run goes on",
+        }
+    )
+
+
+def _not_run(component: str, fault: str, why: str) -> dict:
+    return {
+        "component": component,
+        "fault": fault,
+        "named_s": None,
+        "named_by": "-",
+        "line": why,
+        "outcome": "not run here",
+    }
+
+
+def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
+    """Every freeze in turn, the bus directory unwritable, its disk full; kill -9 of the orchestrator
+    ends the run."""
     try:
         _until(lambda: run.steps() >= 3, 240, "three published batches")
         freeze(run, "inference server", "inference", "orchestrator", ["inference server 0"], past=False)
@@ -191,24 +379,43 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             ["waiting on batch", "orchestrator unresponsive"],
             past=True,
         )
-        freeze(run, "env worker", "env-worker", "orchestrator", ["rollouts of ['reverse-text']"], past=True)
-        # The env server runs no rollout code (its workers do): frozen, it stalls nothing.
-        pid = run.pid("env-server")
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            run.wait_steps(3)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        ROWS.append(
-            {
-                "component": "env server",
-                "fault": "SIGSTOP past the bound",
-                "named_s": None,
-                "named_by": "- (not a stall)",
-                "line": "it runs no rollout code: 3 steps published while it was frozen",
-                "outcome": "run goes on",
-            }
+        freeze(
+            run,
+            "env worker",
+            "env-worker",
+            "orchestrator",
+            ["env reverse-text worker 0 (pid {pid})", "in env code"],
+            past=True,
         )
+        frozen_env_worker_replaced(run)
+        frozen_env_server_restarted(run)
+        # The bus directory unwritable for a while, then its disk full: the writer names the path
+        # and the cause at once, retries, and the batch is written once it clears.
+        rollouts, undo = run.paths.rollouts_dir, []
+        hold = BOUND + 3
+        how = "chattr +i" if os.geteuid() == 0 else "chmod 0555"
+        refused(
+            run,
+            "bus (orchestrator writing rollouts/)",
+            f"rollouts/ unwritable ({how}) for {hold:.0f} s",
+            lambda: undo.append(_make_unwritable(rollouts)[1]),
+            lambda: subprocess.run(undo[-1], check=True),
+            ["not writable", str(rollouts)],
+            hold,
+        )
+        if no_tmpfs is None:
+            filler: list[Filler] = []
+            refused(
+                run,
+                "bus (orchestrator writing rollouts/)",
+                f"disk full (rollouts/ a 64 MB tmpfs, filled) for {hold:.0f} s",
+                lambda: filler.append(Filler(rollouts)),
+                lambda: filler[-1].stop(),
+                ["disk full at", str(rollouts)],
+                hold,
+            )
+        else:
+            ROWS.append(_not_run("bus (orchestrator writing rollouts/)", "disk full", no_tmpfs))
         # An inference server frozen past server_down_timeout_s: killed, restarted, brought back.
         pid, mark = run.pid("inference"), len(run.log("orchestrator"))
         os.kill(pid, signal.SIGSTOP)
@@ -231,9 +438,9 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             }
         )
         # kill -9 of the orchestrator: the run ends with one line naming it.
-        _until(lambda: (run.paths.checkpoint_dir(5) / "COMPLETE").exists(), 120, "a checkpoint")
+        _until(lambda: checkpoint.latest_complete(run.paths) is not None, 120, "a checkpoint")
         os.kill(run.pid("orchestrator"), signal.SIGKILL)
-        stdout, stderr = run.proc.communicate(timeout=120)
+        _, stderr = run.proc.communicate(timeout=120)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
@@ -250,23 +457,79 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             "outcome": "run ends (exit 1); resume continues",
         }
     )
-    stopped_at = run.steps()
-    final = stopped_at + 6
-    res = subprocess.run(
-        _hpcrl("resume", "--step", "-1", "--output-dir", str(out), "--max-steps", str(final)),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+
+
+def _resume(out: Path) -> tuple[Run, int]:
+    """`hpcrl resume --step -1`, once it trained 3 steps past the checkpoint it resumed from."""
+    start = checkpoint.latest_complete(RunPaths(out))
+    assert start is not None
+    run = _start(out, "resume", "--step", "-1", "--output-dir", str(out))
+    _until(lambda: run.steps() >= start + 3 or run.proc.poll() is not None, 240, "3 steps after resuming")
+    assert run.proc.poll() is None, run.output()
+    return run, start
+
+
+def resumed_then(out: Path, role: str, expected: str, pid_of) -> None:
+    """Resume, then kill -9 `role`: the run ends with one line naming it."""
+    run, _ = _resume(out)
+    try:
+        os.kill(pid_of(run), signal.SIGKILL)
+        _, stderr = run.proc.communicate(timeout=120)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    last = (stderr.strip().splitlines() or ["-"])[-1]
+    assert run.proc.returncode != 0 and expected in last, last
+    ROWS.append(
+        {
+            "component": role,
+            "fault": "kill -9",
+            "named_s": 0,
+            "named_by": "launcher",
+            "line": last[:220],
+            "outcome": f"run ends (exit {run.proc.returncode}); resume continues",
+        }
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    prompts = [json.loads(x) for x in RunPaths(out).prompts_log.read_text().splitlines()]
-    steps = [p["step"] for p in prompts]
-    assert steps == list(range(1, final + 1)), steps
-    ids = [i for p in prompts for i in p["example_ids"]]
-    assert len(ids) == len(set(ids)), "a prompt was trained on twice"
-    ROWS[-1]["data"] = f"resume: steps 1..{final} each once, {len(ids)} prompts, none repeated"
-    _write_table()
+
+
+def checkpoint_disk_full(out: Path) -> None:
+    """Resume; once it wrote a checkpoint of its own, fill checkpoints/ (its tmpfs): the next
+    checkpoint fails, the run ends with one line naming the writer and `disk full at PATH`, the
+    half-written step never counts as complete, and the next resume starts from the last good one."""
+    run, start = _resume(out)
+    paths = run.paths
+    try:
+        _until(lambda: (checkpoint.latest_complete(paths) or 0) > start, 240, "a checkpoint after resuming")
+        good = checkpoint.latest_complete(paths)
+        filler = Filler(paths.checkpoints_dir)
+        t0 = time.monotonic()
+        try:
+            _, stderr = run.proc.communicate(timeout=240)
+        finally:
+            filler.stop()
+        took = time.monotonic() - t0
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    last = (stderr.strip().splitlines() or ["-"])[-1]
+    assert run.proc.returncode != 0, last
+    assert "disk full at " + str(paths.checkpoints_dir) in last and "No space left on device" in last, last
+    assert "trainer failed" in last or "orchestrator failed" in last, last
+    partial = [s for s in checkpoint.list_steps(paths) if s > good]
+    assert partial, "the failed checkpoint left no step_N behind: the case did not happen"
+    assert all(not paths.complete_file(s).exists() for s in partial), partial
+    assert checkpoint.latest_complete(paths) == good
+    ROWS.append(
+        {
+            "component": "trainer / orchestrator (checkpoint part)",
+            "fault": "disk full writing a checkpoint (checkpoints/ a 256 MB tmpfs, filled)",
+            "named_s": round(took, 1),
+            "named_by": "launcher (the writer's last ERROR line)",
+            "line": last[:260],
+            "outcome": f"run ends (exit {run.proc.returncode}); step_{partial[0]} never COMPLETE; "
+            f"resume continues from step_{good}",
+        }
+    )
 
 
 def _write_table() -> None:
@@ -328,6 +591,66 @@ def test_broken_env_ends_the_run_naming_env_and_cause(tmp_path: Path, case: str)
             "named_s": round(took, 1),
             "named_by": "orchestrator" if "every rollout" in last else "start-up",
             "line": last[:260],
+            "outcome": f"run ends (exit {res.returncode})",
+        }
+    )
+    _write_table()
+
+
+VF1_TOOLS_UNDER_DEFAULT = """max_steps = 20
+seq_len = 1024
+stall_warning_s = 6.0
+[model]
+name = "hpcrl/tiny-qwen3-think"
+[orchestrator]
+batch_size = 8
+rollouts_per_example = 4
+[orchestrator.renderer]
+name = "default"
+[orchestrator.train.sampling]
+max_tokens = 16
+[[orchestrator.train.env]]
+id = "vf1_tool_env"
+workers = 2
+args = { num_tasks = 4 }
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tool_env_under_the_default_renderer_ends_naming_env_cause_and_fix(tmp_path: Path) -> None:
+    """The issue's must-show run: a verifiers 0.4 tool-calling env (its tools appear only at
+    runtime, in the harness program's requests: no start-up check can see them) with the `default`
+    renderer. Every model call fails in verifiers' interception server; the run ends within a few
+    minutes, its last line naming the env, the cause and the fix."""
+    from hpcrl.envs.verifiers.versions import installed, major_minor
+
+    if (major_minor(installed()) or (0, 0)) < (0, 4):
+        pytest.skip("needs verifiers 0.4")
+    root = Path(__file__).resolve().parents[2]
+    cfg, out = tmp_path / "cfg.toml", tmp_path / "run"
+    cfg.write_text(VF1_TOOLS_UNDER_DEFAULT)
+    t0 = time.monotonic()
+    res = subprocess.run(
+        _hpcrl("run", str(cfg), "--output-dir", str(out)),
+        env={**_env(), "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'vf1_envs'}"},
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    took = time.monotonic() - t0
+    assert res.returncode != 0, res.stdout[-2000:]
+    last = (res.stderr.strip() or res.stdout.strip()).splitlines()[-1]
+    for part in ("env vf1_tool_env", "DefaultRenderer does not support tools", 'renderer.name = "qwen3"'):
+        assert part in last, last
+    assert took < 300, f"took {took:.0f} s to end"
+    ROWS.append(
+        {
+            "component": "env (verifiers 0.4, tools at runtime)",
+            "fault": 'tool env under renderer "default"',
+            "named_s": round(took, 1),
+            "named_by": "orchestrator",
+            "line": last[:330],
             "outcome": f"run ends (exit {res.returncode})",
         }
     )
