@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -103,17 +104,24 @@ REFUSED = {
     errno.EPERM: "not writable (operation not permitted)",
     errno.EROFS: "read-only filesystem",
 }
+_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")  # how Rust's std::io::Error prints
 _RUST_IO = {"StorageFull": errno.ENOSPC, "QuotaExceeded": errno.EDQUOT, "PermissionDenied": errno.EACCES}
 
 
 def refused_error(e: BaseException, path: Path | str | None = None) -> OSError | None:
     """`e` as a plain OSError naming its file when it is a write the filesystem refused (REFUSED),
-    else None. Also reads Rust I/O errors that libraries wrap (safetensors:
-    `IoError(Os { code: 28, kind: StorageFull, ... })`). `path` stands in when `e` names no file."""
+    else None. Also reads Rust I/O errors that libraries wrap (safetensors: `I/O error: No space left
+    on device (os error 28)`, `Os { code: 28, kind: StorageFull }`). `path` stands in when `e` names
+    no file."""
     code = e.errno if isinstance(e, OSError) else None
     if code is None:
         text = str(e)
-        code = next((c for kind, c in _RUST_IO.items() if kind in text), None)
+        m = _OS_ERROR.search(text)
+        code = (
+            int(m.group(1) or m.group(2))
+            if m
+            else next((c for kind, c in _RUST_IO.items() if kind in text), None)
+        )
     if code not in REFUSED:
         return None
     where = getattr(e, "filename", None) or path

@@ -35,6 +35,8 @@ def test_refused_write_reads_oserrors_and_wrapped_rust_io_errors() -> None:
         'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No ..." })'
     )
     assert fileio.refused_write(rust, "/c/step_5") == "disk full at /c/step_5 (No space left on device)"
+    safetensors = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert fileio.refused_write(safetensors, "/c/s") == "disk full at /c/s (No space left on device)"
     err = fileio.refused_error(rust, "/c/step_5")
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC and err.filename == "/c/step_5"
     assert (
