@@ -154,7 +154,12 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             checkpoint_disk_full(out)
         else:
             ROWS.append(_not_run("trainer / orchestrator", "disk full writing a checkpoint", no_tmpfs))
-        resumed_then(out, "trainer", "trainer was killed by signal 9", lambda run: run.pid("trainer"))
+        resumed_then(
+            out,
+            "trainer",
+            "trainer was killed by signal 9",
+            lambda run: json.loads((run.paths.progress_dir / "trainer_0.json").read_text())["pid"],
+        )
         stopped_at = RunPaths(out).prompts_log.read_text().count("\n")
         final = stopped_at + 6
         res = subprocess.run(
@@ -348,11 +353,22 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
 
 
 def _resume(out: Path) -> tuple[Run, int]:
-    """`hpcrl resume --step -1`, once it trained 3 steps past the checkpoint it resumed from."""
-    start = checkpoint.latest_complete(RunPaths(out))
+    """`hpcrl resume --step -1`, once its own trainer (a new pid) trained 2 steps past the
+    checkpoint it resumed from."""
+    paths = RunPaths(out)
+    start = checkpoint.latest_complete(paths)
     assert start is not None
+    old = json.loads(paths.placement_file("trainer", 0).read_text())["pid"]
     run = _start(out, "resume", "--step", "-1", "--output-dir", str(out))
-    _until(lambda: run.steps() >= start + 3 or run.proc.poll() is not None, 240, "3 steps after resuming")
+
+    def trained() -> bool:
+        try:
+            doc = json.loads((paths.progress_dir / "trainer_0.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return doc["pid"] != old and (doc.get("step") or 0) >= start + 2
+
+    _until(lambda: trained() or run.proc.poll() is not None, 240, "2 steps after resuming")
     assert run.proc.poll() is None, run.output()
     return run, start
 
