@@ -157,7 +157,7 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
         resumed_then(
             out,
             "trainer",
-            "trainer was killed by signal 9",
+            "trainer[0] was killed by signal 9; see",  # its own cause only: none (no ERROR line)
             lambda run: json.loads((run.paths.progress_dir / "trainer_0.json").read_text())["pid"],
         )
         stopped_at = RunPaths(out).prompts_log.read_text().count("\n")
