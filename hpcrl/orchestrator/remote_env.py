@@ -264,7 +264,8 @@ class RemoteEnvironment(Environment):
                 self.pong_at = time.monotonic()
         elif isinstance(msg, wire.WorkerDied):
             self._fail(self.router.gone(msg.ident.encode()), msg.why)
-            log.error("env %s/%s: %s", self.spec.kind, self.name, msg.why)
+            # WARNING, not ERROR: survived; the launcher quotes a role's last ERROR line as why it ended
+            log.warning("env %s/%s: %s", self.spec.kind, self.name, msg.why)
 
     def _fail(self, rids: list[int], why: str) -> None:
         for rid in rids:
@@ -329,7 +330,7 @@ class RemoteEnvironment(Environment):
         assert self.ready is not None
         self.ready.clear()
         why = why or self._gone_msg("died")
-        log.error("%s; %d rollout(s) errored", why, len(self.calls))
+        log.warning("%s; %d rollout(s) errored", why, len(self.calls))  # survived (see WorkerDied)
         self.router.clear()
         for fut, _, _ in self.calls.values():
             if not fut.done():

@@ -538,7 +538,7 @@ def test_tool_env_under_the_default_renderer_ends_naming_env_cause_and_fix(tmp_p
             "fault": 'tool env under renderer "default"',
             "named_s": round(took, 1),
             "named_by": "orchestrator",
-            "line": last[:330],
+            "line": f"{last[:200]} … {last[-160:]}",  # the end holds the fix
             "outcome": f"run ends (exit {res.returncode})",
         }
     )
