@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -73,8 +74,8 @@ def write_renamed(path: Path, parts: list[Any], *, durable: bool = True) -> floa
     may not survive a node crash; the file's content is durable and a reader sees all or nothing.
     Returns time.time() right after the rename."""
     tmp = tmp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for part in parts:
                 _write_all(fd, part)
@@ -83,13 +84,56 @@ def write_renamed(path: Path, parts: list[Any], *, durable: bool = True) -> floa
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.filename is None:  # write(2)/fsync(2) name no file: name it
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     return time.time()
+
+
+# A write the filesystem refused for a reason outside the program: each errno and what it means.
+REFUSED = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit exceeded",
+    errno.EACCES: "not writable (permission denied)",
+    errno.EPERM: "not writable (operation not permitted)",
+    errno.EROFS: "read-only filesystem",
+}
+_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")  # how Rust's std::io::Error prints
+_RUST_IO = {"StorageFull": errno.ENOSPC, "QuotaExceeded": errno.EDQUOT, "PermissionDenied": errno.EACCES}
+
+
+def refused_error(e: BaseException, path: Path | str | None = None) -> OSError | None:
+    """`e` as a plain OSError naming its file when it is a write the filesystem refused (REFUSED),
+    else None. Also reads Rust I/O errors that libraries wrap (safetensors: `I/O error: No space left
+    on device (os error 28)`, `Os { code: 28, kind: StorageFull }`). `path` stands in when `e` names
+    no file."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None:
+        text = str(e)
+        m = _OS_ERROR.search(text)
+        code = (
+            int(m.group(1) or m.group(2))
+            if m
+            else next((c for kind, c in _RUST_IO.items() if kind in text), None)
+        )
+    if code not in REFUSED:
+        return None
+    where = getattr(e, "filename", None) or path
+    return OSError(code, os.strerror(code), None if where is None else str(where))
+
+
+def refused_write(e: BaseException, path: Path | str | None = None) -> str | None:
+    """`disk full at PATH (No space left on device)` for a refused write (refused_error), else None."""
+    err = refused_error(e, path)
+    if err is None:
+        return None
+    return f"{REFUSED[err.errno]} at {err.filename or 'an unnamed file'} ({err.strerror})"
 
 
 def _write_all(fd: int, part: Any) -> None:

@@ -19,6 +19,7 @@ RunPaths.rejected_dir, logged, listed in `Bus.rejected`, and the wait goes on.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -435,6 +436,10 @@ class Bus:
                 os.replace(src, dst)
             except FileNotFoundError:
                 continue
+            except OSError as e:  # rollouts/ or policy/ on a filesystem of its own (a tmpfs, a link)
+                if e.errno != errno.EXDEV:
+                    raise
+                shutil.move(src, dst)  # a copy, then the source removed: moved aside all the same
             fsync_dir(src.parent)
             fsync_dir(dst.parent)
             moved.append(dst)

@@ -55,6 +55,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict, repr=False)
     restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of a scheduled restart
+    log_start: int = 0  # the log's size when this process started: older ERROR lines are not its own
 
 
 def _threads_per_process(placement: Placement) -> int:
@@ -94,6 +95,7 @@ def spawn(
     """`hpcrl <kind> <args>` as a child; its output goes to `log_path`, or with ``capture = False``
     to our own stdout/stderr (the child then writes `log_path` itself)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = log_path.stat().st_size if log_path.exists() else 0  # a resumed run appends to the old log
     fh = open(log_path, "ab", buffering=0) if capture else None  # noqa: SIM115 - closed in stop_children
     cmd = [sys.executable, "-m", "hpcrl.cli", kind, *args]
     # Own session: the whole subtree can be signalled, and a Ctrl-C reaches only the launcher.
@@ -105,7 +107,7 @@ def spawn(
         start_new_session=True,
         preexec_fn=_die_with_parent_usr2_blocked if kind in CHECKPOINTING_KINDS else _die_with_parent,
     )
-    return Child(role, kind, proc, log_path, fh, args, env)
+    return Child(role, kind, proc, log_path, fh, args, env, log_start=start)
 
 
 def respawn(child: Child) -> None:
@@ -116,7 +118,7 @@ def respawn(child: Child) -> None:
     new = spawn(
         child.kind, child.role, child.args, child.log_path, child.env, capture=child.log_fh is not None
     )
-    child.proc, child.log_fh, child.restart_at = new.proc, new.log_fh, None
+    child.proc, child.log_fh, child.restart_at, child.log_start = new.proc, new.log_fh, None, new.log_start
     child.restarts += 1
 
 
@@ -244,7 +246,7 @@ def supervise(
             why = f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
             if c.kind != "inference" or c.restarts >= max_restarts:
                 more = f" ({c.restarts} restart(s) used)" if c.kind == "inference" else ""
-                error = last_error(c.log_path)
+                error = last_error(c.log_path, since=c.log_start)
                 return 1, f"hpcrl: {c.role} {why}{more}{': ' + error if error else ''}; see {c.log_path}"
             if c.restart_at is None:
                 c.restart_at = time.monotonic() + restart_delay(c.restarts)
@@ -287,11 +289,13 @@ def supervise_then_stop(
             signal.signal(s, h)
 
 
-def last_error(log_path: Path, tail: int = 65536) -> str:
-    """The role's last ERROR log line (its one-line reason), without the timestamp prefix; "" if none."""
+def last_error(log_path: Path, tail: int = 65536, since: int = 0) -> str:
+    """The role's last ERROR log line (its one-line reason), without the timestamp prefix; "" if none.
+    Only lines past byte `since` count: those before were written by an earlier process (a resumed
+    run appends to the same log), and a process killed by a signal writes no ERROR line at all."""
     try:
         with open(log_path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            f.seek(max(since, f.seek(0, os.SEEK_END) - tail))
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""

@@ -30,6 +30,7 @@ from hpcrl.bus import Bus, BusTimeout, ShutdownRequested, TrainBatch
 from hpcrl.config.schema import Config
 from hpcrl.envs.errors import EnvServerFailed
 from hpcrl.errors import UserError
+from hpcrl.fileio import refused_write
 from hpcrl.monitor import progress, watchdog
 from hpcrl.monitor.logging import ENV_LEVEL_VAR, setup_logging
 from hpcrl.monitor.metrics import Metrics
@@ -54,6 +55,7 @@ from hpcrl.orchestrator.pool import teacher_logprobs
 from hpcrl.orchestrator.servers import InferenceUnavailable, ServerSet
 from hpcrl.orchestrator.stalls import StallWatch
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState, check_compatible, load_part, save_part
+from hpcrl.orchestrator.writes import WriteRefused, write_retrying
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
@@ -94,6 +96,12 @@ def main(cfg: Config) -> int:
         TimeoutError,
     ) as e:  # the run failed, not the code
         log.error("orchestrator failed: %s: %s", type(e).__name__, e)
+        return 1
+    except OSError as e:  # a write the filesystem refused (disk full, not writable): one line
+        if (why := str(e) if isinstance(e, WriteRefused) else refused_write(e)) is None:
+            raise
+        log.info("the refused write", exc_info=True)
+        log.error("orchestrator failed: %s", why)
         return 1
 
 
@@ -138,7 +146,7 @@ class Orchestrator:
                 for step in range(self.state.step + 1, self.cfg.max_steps + 1):
                     t_policy = await self.guard(self.policy_for(step), watchers)
                     groups, generated, counts, t_gen = await self.guard(self.collect(step), watchers)
-                    batches = self.publish(step, groups, counts)
+                    batches = await self.publish(step, groups, counts)
                     self.log_step(step, groups, generated, counts, batches, t_policy, t_gen)
                     await self.guard(self.at_boundary(step), watchers)
                 await self.guard(self.finish(), watchers)
@@ -208,7 +216,12 @@ class Orchestrator:
             await sync.join_group(servers)
         self.setup.attach_servers(self.servers, lambda: sync.loaded or 0, lambda: sync.adapter)
         self.stalls = StallWatch(
-            self.paths, self.servers, self.setup.pools, min(10.0, self.cfg.stall_warning_s / 2), sync
+            self.paths,
+            self.servers,
+            self.setup.pools,
+            min(10.0, self.cfg.stall_warning_s / 2),
+            sync,
+            envs=[*self.setup.envs.values(), *(e.env for e in self.setup.eval_envs)],
         )
         if (me := progress.current()) is not None:
             me.culprit, me.extra = self.stalls.culprit, self.stalls.extra
@@ -341,7 +354,7 @@ class Orchestrator:
             self.causes.write(self.paths.causes_file)
         self.causes.check()
 
-    def publish(self, step: int, groups: list[GroupRecord], counts: StepCounts) -> list[TrainBatch]:
+    async def publish(self, step: int, groups: list[GroupRecord], counts: StepCounts) -> list[TrainBatch]:
         samples = to_samples(
             groups,
             step,
@@ -358,7 +371,12 @@ class Orchestrator:
             self.cfg.seq_len,
             created_at=0.0 if self.cfg.deterministic else None,
         )
-        self.bus.publish_batches(step, batches)  # the ranks' files concurrently (docs/bus.md)
+        # The ranks' files concurrently (docs/bus.md); a refused write is named and retried (writes.py).
+        await write_retrying(
+            f"rollouts step {step}",  # the refusal names the path
+            lambda: self.bus.publish_batches(step, batches),
+            self.cfg.trainer.batch_timeout_s,
+        )
         self.published[step] = batches
         # The boundary: everything a checkpoint saves is taken here, together. The live buffer runs
         # ahead during the next batch's generation; a forced (SIGTERM/preemption) checkpoint taken

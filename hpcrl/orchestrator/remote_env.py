@@ -37,6 +37,7 @@ from hpcrl.envs.wire.frames import Outbox, drain
 log = logging.getLogger("hpcrl.orchestrator.remote_env")
 HELLO_TIMEOUT_S = 300.0  # loading an env may download/prepare data: generous, but not forever
 WATCH_S = 0.2
+PING_S = 1.0  # the server is asked `Ping` this often (spec.frozen_s > 0): no Pong for frozen_s = frozen
 
 
 class EnvRolloutError(RuntimeError):
@@ -76,6 +77,9 @@ class RemoteEnvironment(Environment):
         self.router = Router()
         self.checked = 0.0
         self.fatal: EnvServerFailed | None = None
+        self.pids: dict[bytes, int] = {}  # worker ident -> pid (from its Ready): stall lines name it
+        self.pinged = self.pong_at = 0.0
+        self.ping_seq = 0
         self.reader: asyncio.Task | None = None
         self.ready: asyncio.Event | None = None
         self.outbox = Outbox(self.sock, routed=True)
@@ -207,6 +211,7 @@ class RemoteEnvironment(Environment):
         if self.reader is None:
             self.ready = asyncio.Event()
             self.ready.set()
+            self.pong_at = time.monotonic()
             self.reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
@@ -218,9 +223,13 @@ class RemoteEnvironment(Environment):
             now = time.monotonic()
             if now - self.checked < WATCH_S:
                 continue
+            if now - self.checked > 5 * PING_S:  # this process did not run (stopped): no Pong could come
+                self.pong_at = now
             self.checked = now
             if self.server.exit_code() is not None:
                 await self._restart()
+            elif self.spec.frozen_s > 0:
+                await self._check_alive(now)
             for ident in self.router.overdue(now, self.spec.rollout_timeout_s):
                 why = (
                     f"env worker {ident.decode()} killed: a rollout spent more than "
@@ -244,14 +253,19 @@ class RemoteEnvironment(Environment):
                 call[0].set_result(msg)
         elif isinstance(msg, wire.Ready):
             if ident.startswith(f"w{self.restarts}.".encode()):  # not a worker of a dead server
+                self.pids[ident] = msg.pid
                 for run in self.router.ready(ident):
                     if run.rid in self.calls:
                         held = self.router.assign(run.rid, run, time.monotonic())
                         assert held is not None
                         self._send(held, run)
+        elif isinstance(msg, wire.Pong):
+            if ident == server_ident(self.restarts):
+                self.pong_at = time.monotonic()
         elif isinstance(msg, wire.WorkerDied):
             self._fail(self.router.gone(msg.ident.encode()), msg.why)
-            log.error("env %s/%s: %s", self.spec.kind, self.name, msg.why)
+            # WARNING, not ERROR: survived; the launcher quotes a role's last ERROR line as why it ended
+            log.warning("env %s/%s: %s", self.spec.kind, self.name, msg.why)
 
     def _fail(self, rids: list[int], why: str) -> None:
         for rid in rids:
@@ -276,12 +290,47 @@ class RemoteEnvironment(Environment):
         if ident is not None:  # else its worker is gone and the rollout already errored
             self._send(ident, reply)
 
-    async def _restart(self) -> None:
-        """The server died: error what it held, start it again (or give up past max_restarts)."""
+    async def _check_alive(self, now: float) -> None:
+        """Ping the server; one that answered none for spec.frozen_s (stopped, hung) is killed and
+        restarted like a crashed one."""
+        if now - self.pinged >= PING_S:
+            self.pinged, self.ping_seq = now, self.ping_seq + 1
+            self._send(server_ident(self.restarts), wire.Ping(self.ping_seq))
+        silent = now - self.pong_at
+        if silent <= self.spec.frozen_s:
+            return
+        pid = self.server.pid
+        self.server.kill()
+        await self._restart(
+            f"env server for {self.spec.kind} env {self.spec.name!r} (pid {pid}) answered no ping for "
+            f"{silent:.0f} s (> {self.spec.frozen_s:g} s, 2x stall_warning_s): frozen, killed; "
+            f"see {server_log(self.spec.log_dir)}"
+        )
+
+    def busy_workers(self, now: float) -> list[tuple[str, float]]:
+        """(description, seconds) of each worker holding a rollout in env code, longest first (read
+        by the progress thread)."""
+        ages: dict[bytes, tuple[int, float]] = {}
+        for h in list(self.router.held.values()):
+            if h.in_env_since is not None:
+                n, age = ages.get(h.ident, (0, 0.0))
+                ages[h.ident] = (n + 1, max(age, now - h.in_env_since))
+        return [
+            (
+                f"env {self.name} worker {ident.decode().split('.')[1]} (pid {self.pids.get(ident, '?')}): "
+                f"{n} rollout(s) in env code for {age:.0f} s",
+                age,
+            )
+            for ident, (n, age) in sorted(ages.items(), key=lambda kv: -kv[1][1])
+        ]
+
+    async def _restart(self, why: str | None = None) -> None:
+        """The server died (or was killed frozen: `why`): error what it held, start it again (or
+        give up past max_restarts)."""
         assert self.ready is not None
         self.ready.clear()
-        why = self._gone_msg("died")
-        log.error("%s; %d rollout(s) errored", why, len(self.calls))
+        why = why or self._gone_msg("died")
+        log.warning("%s; %d rollout(s) errored", why, len(self.calls))  # survived (see WorkerDied)
         self.router.clear()
         for fut, _, _ in self.calls.values():
             if not fut.done():
@@ -304,6 +353,7 @@ class RemoteEnvironment(Environment):
                         self._early_ready(ident, msg)
                     elif isinstance(msg, (wire.Hello, wire.LoadFailed)):
                         self._apply(self._check_hello(msg))
+                        self.pong_at = time.monotonic()
                         self.ready.set()
                         log.info(
                             "env server %s/%s restarted (restart %d)",
@@ -357,6 +407,7 @@ def server_spec(
     log_dir: Path,
     run_dir: str = "",
     index: int = 0,
+    frozen_s: float = 0.0,
 ) -> wire.ServerSpec:
     return wire.ServerSpec(
         env_id=env_id,
@@ -370,4 +421,5 @@ def server_spec(
         status_file=str(status_file(log_dir)),
         run_dir=run_dir,
         index=index,
+        frozen_s=frozen_s,
     )

@@ -31,6 +31,9 @@ from hpcrl.orchestrator.state import GroupRecord, OrchestratorState
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
+# An env worker stopped, or an env server unanswering, for this many times stall_warning_s is killed
+# and replaced like a crashed one (named as a stall at 1x; the rollout timeout is 600 s by default).
+FROZEN_FACTOR = 2.0
 
 
 def env_name(e: EnvConfig) -> str:
@@ -48,12 +51,15 @@ def load_envs(
     max_restarts: int = 3,
     env_nodes: int = 0,
     first: int = 0,
+    frozen_s: float = 0.0,
 ) -> dict[str, Environment]:
     """Every env of a list, each in its own env server (`server_dir(kind, name)` holds its logs) with
     `workers` (or `default_workers`) worker processes; in this process when workers = 0 or no
     `server_dir` is given (data-only uses such as SFT task lists). `env_nodes` > 0: the servers run
     on the SLURM job's env nodes (env `first + i` on node `(first + i) % env_nodes`), ordered
-    through the run directory (hpcrl.envs.runtime.hosting) instead of started here."""
+    through the run directory (hpcrl.envs.runtime.hosting) instead of started here. `frozen_s` > 0:
+    a worker stopped that long, or a server that answers no ping that long, is killed and replaced
+    like a crashed one (ServerSpec.frozen_s)."""
     out: dict[str, Environment] = {}
     starting: list[tuple[int, Any]] = []
     try:
@@ -91,7 +97,16 @@ def load_envs(
 
                     where_logs = server_dir(kind, name)
                     spec = server_spec(
-                        e.id, e.args, name, kind, workers, e.rollout_timeout_s, where_logs, run_dir, i
+                        e.id,
+                        e.args,
+                        name,
+                        kind,
+                        workers,
+                        e.rollout_timeout_s,
+                        where_logs,
+                        run_dir,
+                        i,
+                        frozen_s,
                     )
                     env = RemoteEnvironment(
                         spec, max_restarts, wait=False, **hosted(run_dir, kind, name, first + i, env_nodes)
@@ -276,6 +291,7 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
         "default_workers": o.env_workers,
         "max_restarts": o.env_server_max_restarts,
         "env_nodes": cfg.deployment.env_nodes,
+        "frozen_s": FROZEN_FACTOR * cfg.stall_warning_s,
     }
     envs = load_envs(o.train.env, "orchestrator.train.env", kind="train", **served)
     if not envs:

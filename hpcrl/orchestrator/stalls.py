@@ -16,7 +16,8 @@ of each server whose in-flight requests have had no answer for PROBE_AFTER_S:
 
 `culprit` runs on the progress thread (it works while the event loop is blocked) and names what the
 orchestrator waits on: unanswered requests per server with the age and whether /health answers, a
-blocked event loop, the trainer (with the age of its own progress report) while a policy is awaited.
+blocked event loop, the env worker (env, index, pid) whose rollouts sit in env code, the trainer (with
+the age of its own progress report) while a policy is awaited.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ class StallWatch:
         pools: Sequence[Any],
         probe_after_s: float,
         sync: Any = None,
+        envs: Sequence[Any] = (),
     ):
         self.paths, self.servers, self.sync = paths, servers, sync
+        # env servers' workers (RemoteEnvironment.busy_workers): a stall names a worker by pid
+        self.envs = [e for e in envs if hasattr(e, "busy_workers")]
         self.pools = [p for p in pools if getattr(p, "servers", None) is servers]
         self.probe_after_s = probe_after_s
         self.tick = time.monotonic()
@@ -178,6 +182,11 @@ class StallWatch:
                 )
         for pos in sorted(s.down):
             parts.append(f"{s.name(pos)} is down since {now - s.down[pos]:.0f} s")
+        for env in self.envs:  # workers whose rollouts sat in env code for half the stall or more
+            try:
+                parts += [w for w, age in env.busy_workers(now) if age >= idle / 2][:3]
+            except RuntimeError:  # the event loop changed the table while this thread read it
+                pass
         me = progress.current()
         if me is not None and (wait := me.describe_wait(now)) is not None:
             parts.append(wait)

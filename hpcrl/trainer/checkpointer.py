@@ -23,6 +23,7 @@ import time
 
 from hpcrl import checkpoint
 from hpcrl.config.schema import CkptConfig
+from hpcrl.fileio import refused_error
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer.core import Progress
@@ -123,9 +124,15 @@ class Checkpointer:
 
             write_meta(tr.model, tr.tokenizer, paths.trainer_ckpt_dir(step) / "hf", tr.precision.compute)
         parallel.barrier()
-        save_trainer_state(
-            paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress.to_saved()
-        )
+        try:
+            save_trainer_state(
+                paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress.to_saved()
+            )
+        except Exception as e:  # safetensors wraps I/O errors in its own type: name a refused write
+            # step_N has no COMPLETE and never gets one: a resume skips it (hpcrl.checkpoint)
+            if (err := refused_error(e, paths.trainer_ckpt_dir(step))) is None:
+                raise
+            raise err from e
         checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
         if rank == 0:
             self._start_finalizer(step)

@@ -18,6 +18,7 @@ import torch
 from hpcrl import checkpoint, runtime
 from hpcrl.bus import Bus, TrainBatch
 from hpcrl.config.schema import Config
+from hpcrl.fileio import refused_write
 from hpcrl.monitor import progress as role_progress
 from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
@@ -56,6 +57,17 @@ log = logging.getLogger("hpcrl.trainer")
 
 def main(cfg: Config) -> int:
     setup_logging("trainer", (cfg.trainer.log or cfg.log).level)
+    try:
+        return _main(cfg)
+    except OSError as e:  # a write the filesystem refused (disk full, not writable): one line
+        if (why := refused_write(e)) is None:
+            raise
+        log.info("the refused write", exc_info=True)
+        log.error("trainer failed: %s", why)
+        return 1
+
+
+def _main(cfg: Config) -> int:
     stop = install_stop_handler()  # first: a stop asked for during start-up is honoured at batch 1
     paths = RunPaths(cfg.output_dir)
     tr = start_rank(cfg, paths)

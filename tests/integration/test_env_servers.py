@@ -227,3 +227,73 @@ def test_servers_start_together_and_a_bad_entry_is_named(tmp_path: Path) -> None
     assert e.value.path == "orchestrator.train.env[1]"
     in_process = load_envs([EnvConfig(id="reverse-text", workers=0)], "x", server_dir=lambda k, n: tmp_path)
     assert type(in_process["reverse-text"]).__name__ == "ReverseTextEnv"
+
+
+def _frozen_remote(tmp_path: Path, frozen_s: float) -> RemoteEnvironment:
+    spec = server_spec(ENV, {"dos": DOS}, "faulty", "train", 1, 60.0, tmp_path / "faulty", frozen_s=frozen_s)
+    return RemoteEnvironment(spec, max_restarts=2)
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_named_by_pid_then_killed_and_replaced_past_frozen_s(tmp_path: Path) -> None:
+    """SIGSTOP of the worker mid-rollout: the orchestrator's stall line names it (env, index, pid),
+    and past frozen_s (far below rollout_timeout_s = 60 s) its server replaces it like a dead one."""
+    env = _frozen_remote(tmp_path, frozen_s=2.0)
+
+    async def main() -> tuple[str, list, str]:
+        assert await _one(env, 0) == "reward 1.0"
+        pid = _status(tmp_path)["workers"][0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        held = asyncio.ensure_future(_one(env, 0))
+        await asyncio.sleep(1.0)
+        busy = env.busy_workers(time.monotonic())
+        t0 = time.monotonic()
+        out = await held
+        assert time.monotonic() - t0 < 15, "not replaced within frozen_s and a few checks"
+        again = await _one(env, 0)
+        await env.aclose()
+        return out, busy, again + f" pid {pid}"
+
+    out, busy, again = asyncio.run(main())
+    pid = int(again.rsplit(" ", 1)[1])
+    assert len(busy) == 1 and busy[0][0].startswith(
+        f"env faulty worker 0 (pid {pid}): 1 rollout(s) in env code"
+    )
+    assert f"env worker 0 (pid {pid}) frozen (process stopped) for" in out, out
+    assert again.startswith("reward 1.0")
+    assert _status(tmp_path)["workers"][0]["restarts"] == 1 and not _alive(pid)
+
+
+@pytest.mark.slow
+def test_a_stopped_server_answers_no_ping_and_is_restarted_like_a_crashed_one(tmp_path: Path) -> None:
+    env = _frozen_remote(tmp_path, frozen_s=2.0)
+
+    async def main() -> tuple[str, int, str]:
+        assert await _one(env, 0) == "reward 1.0"
+        pid = env.pid
+        os.kill(pid, signal.SIGSTOP)
+        held = asyncio.ensure_future(_one(env, 4))  # hangs in env code: only the restart ends it
+        out = await asyncio.wait_for(held, 30)
+        again = await _one(env, 0)
+        await env.aclose()
+        return out, pid, again
+
+    out, pid, again = asyncio.run(main())
+    assert f"env server for train env 'faulty' (pid {pid}) answered no ping for" in out, out
+    assert "frozen, killed" in out and again == "reward 1.0"
+    assert _status(tmp_path)["server"]["restarts"] == 1 and not _alive(pid)
+
+
+def test_a_server_that_answers_its_pings_is_left_alone(tmp_path: Path) -> None:
+    """frozen_s shorter than the test: a live server answers every ping and is never restarted."""
+    env = _frozen_remote(tmp_path, frozen_s=1.5)
+
+    async def main() -> list[str]:
+        out = [await _one(env, 0)]
+        await asyncio.sleep(4.0)
+        out.append(await _one(env, 0))
+        await env.aclose()
+        return out
+
+    assert asyncio.run(main()) == ["reward 1.0", "reward 1.0"]
+    assert _status(tmp_path)["server"]["restarts"] == 0 and env.ping_seq >= 3

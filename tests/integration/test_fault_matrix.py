@@ -2,13 +2,17 @@
 its bound, the run surviving what it can, and `hpcrl resume --step -1` continuing without a prompt
 skipped or repeated.
 
-The cases share runs (a run per case would cost minutes each on 2 cores): run 1 goes through every
-freeze in turn (SIGSTOP shorter than the stall bound, SIGSTOP past it, SIGSTOP of an inference server
-past server_down_timeout_s) and kill -9 of the processes that are restarted (inference server, env
-worker, env server), then kill -9 of the orchestrator ends it; `hpcrl resume --step -1` continues
-(run 2), where kill -9 of the trainer ends it; the last resume reaches max_steps with exit 0.
-A second group of cases is one short run each: an env whose every reward raises, an env that cannot
-import.
+The cases share runs (a run per case would cost minutes each on 2 cores). Run 1 goes through every
+freeze in turn (SIGSTOP shorter than the stall bound, past it, an env worker and an env server past
+2x the bound, an inference server past server_down_timeout_s), then makes rollouts/ unwritable for
+a while (root: `chattr +i`, since chmod does not stop root; else chmod 0555) and then its disk
+full (rollouts/ is a 64 MB tmpfs, filled), and kill -9 of the orchestrator ends it. Resume A fills
+checkpoints/ (a 256 MB tmpfs) once it wrote a checkpoint: the next one fails and ends the run in
+one line. Resume B is ended by kill -9 of the trainer. Resume C reaches max_steps with exit 0, and
+the prompts log then holds every step once and no prompt twice. Where tmpfs cannot be mounted (not
+root) the disk-full cases are rows saying so. A second group of cases is one short run each: an
+env whose every reward raises, an env that cannot import, a verifiers 0.4 tool env under the
+`default` renderer.
 
 `HPCRL_FAULT_TABLE=docs/fault_matrix.md python -m pytest -m slow tests/integration/test_fault_matrix.py`
 rewrites the table in docs (scripts/fault_matrix.sh).
@@ -20,18 +24,32 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
+from tests.integration.faults import (
+    ROWS,
+    Filler,
+    Run,
+    _env,
+    _hpcrl,
+    _make_unwritable,
+    _mount_tmpfs,
+    _new_lines,
+    _not_run,
+    _start,
+    _status,
+    _until,
+    _write_table,
+)
 
 BOUND = 6.0  # stall_warning_s of these runs (the default is 60 s)
-DOWN_S = 25.0  # orchestrator.server_down_timeout_s
+DOWN_S = 60.0  # orchestrator.server_down_timeout_s (a restart on 2 busy cores took 25 to 40+ s)
 MAX_STEPS = 100000  # run 1 and 2 end by kill -9; the last resume sets its own max_steps
 CONFIG = rl_toml(
     "{steps}",
@@ -41,79 +59,44 @@ CONFIG = rl_toml(
     orchestrator=f"server_down_timeout_s = {DOWN_S}\n",
     tables="[ckpt]\ninterval = 5\n",
 )
-ROWS: list[dict] = []  # the table: one row per case
 
 
-def _hpcrl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hpcrl.cli", *args]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-@dataclass
-class Run:
-    proc: subprocess.Popen
-    paths: RunPaths
-
-    def steps(self) -> int:
-        p = self.paths.prompts_log
-        return len(p.read_text().splitlines()) if p.exists() else 0
-
-    def pid(self, role: str) -> int:
-        if role.startswith("env-"):  # env-server / env-worker of the train env (hpcrl components)
-            doc = json.loads(
-                (self.paths.env_server_dir("train", "reverse-text") / "components.json").read_text()
-            )
-            return doc["server"]["pid"] if role == "env-server" else doc["workers"][0]["pid"]
-        return json.loads(self.paths.placement_file(role, 0).read_text())["pid"]
-
-    def log(self, role: str) -> str:
-        p = self.paths.log_file(role)
-        return p.read_text(errors="replace") if p.exists() else ""
-
-    def wait_steps(self, n: int, timeout: float = 120) -> None:
-        target = self.steps() + n
-        _until(lambda: self.steps() >= target or self.proc.poll() is not None, timeout, f"{n} more steps")
-        assert self.proc.poll() is None, self.output()
-
-    def output(self) -> str:
-        if self.proc.poll() is None:
-            return ""
-        out, err = self.proc.communicate()
-        return (out or "")[-3000:] + (err or "")[-3000:]
-
-
-def _until(cond, timeout: float, what: str) -> float:
+def refused(run: Run, component: str, fault: str, make, undo, names: list[str], hold: float) -> None:
+    """Make the orchestrator's rollout writes fail (make()), until its log names the write (all of
+    `names`) - timed - and `hold` s have passed; then undo() and the run must go on."""
+    mark = len(run.log("orchestrator"))
+    make()
     t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, f"timed out ({timeout:.0f} s) waiting for {what}"
-        time.sleep(0.1)
-    return time.monotonic() - t0
+    try:
 
+        def named() -> str | None:
+            new = _new_lines(run.log("orchestrator"), mark).splitlines()
+            return next((x for x in new if "cannot write" in x and all(n in x for n in names)), None)
 
-def _start(root: Path, *args: str) -> Run:
-    proc = subprocess.Popen(
-        _hpcrl(*args), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        took = _until(lambda: named() is not None, BOUND + 60, f"the orchestrator naming {fault}")
+        line = named()
+        time.sleep(max(0.0, hold - (time.monotonic() - t0)))
+    finally:
+        undo()
+    _until(lambda: "wrote rollouts step" in run.log("orchestrator")[mark:], 60, "the write going through")
+    run.wait_steps(2)
+    ROWS.append(
+        {
+            "component": component,
+            "fault": fault,
+            "named_s": round(took, 1),
+            "named_by": "orchestrator",
+            "line": line.split("] ", 1)[-1][:220],
+            "outcome": "retried; the batch written once it cleared, run goes on",
+        }
     )
-    return Run(proc, RunPaths(root))
-
-
-def _status(out: Path) -> str:
-    return subprocess.run(
-        _hpcrl("status", str(out)), env=_env(), capture_output=True, text=True, timeout=60
-    ).stdout
-
-
-def _new_lines(text: str, since: int) -> str:
-    return text[since:]
 
 
 def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *, past: bool) -> None:
     """SIGSTOP `role`'s process; past the bound: until `namer`'s log names it (all of `names`), the
     time measured from the SIGSTOP; briefly: half the bound, and nothing may be named."""
     pid = run.pid(role)
+    names = [n.format(pid=pid) for n in names]
     mark = len(run.log(namer))
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -158,12 +141,110 @@ def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(CONFIG.format(steps=MAX_STEPS))
     out = tmp_path / "run"
-    run = _start(out, "run", str(cfg), "--output-dir", str(out))
+    # The disks that fill up: rollouts/ and checkpoints/ each a small tmpfs of its own (as root).
+    no_tmpfs = _mount_tmpfs(out / "rollouts", "64m") or _mount_tmpfs(out / "checkpoints", "256m")
+    try:
+        faults_of_run_1(_start(out, "run", str(cfg), "--output-dir", str(out)), out, no_tmpfs)
+        if no_tmpfs is None:
+            checkpoint_disk_full(out)
+        else:
+            ROWS.append(_not_run("trainer / orchestrator", "disk full writing a checkpoint", no_tmpfs))
+        resumed_then(
+            out,
+            "trainer",
+            "trainer[0] was killed by signal 9; see",  # its own cause only: none (no ERROR line)
+            lambda run: json.loads((run.paths.progress_dir / "trainer_0.json").read_text())["pid"],
+        )
+        stopped_at = RunPaths(out).prompts_log.read_text().count("\n")
+        final = stopped_at + 6
+        res = subprocess.run(
+            _hpcrl("resume", "--step", "-1", "--output-dir", str(out), "--max-steps", str(final)),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    finally:
+        for d in (out / "rollouts", out / "checkpoints"):
+            if os.path.ismount(d):
+                subprocess.run(["umount", "-l", str(d)], check=False)
+    prompts = [json.loads(x) for x in RunPaths(out).prompts_log.read_text().splitlines()]
+    steps = [p["step"] for p in prompts]
+    assert steps == list(range(1, final + 1)), steps
+    ids = [i for p in prompts for i in p["example_ids"]]
+    assert len(ids) == len(set(ids)), "a prompt was trained on twice"
+    data = f"after every resume: steps 1..{final} each once, {len(ids)} prompts, none repeated"
+    for r in ROWS:
+        if r["outcome"].startswith("run ends"):
+            r["data"] = data
+    _write_table()
+
+
+def frozen_env_worker_replaced(run: Run) -> None:
+    """An env worker stopped past 2x the bound: its env server kills it and starts another, as for a
+    dead one; the rollouts it held are errored (counted), the run goes on."""
+    pid = run.pid("env-worker")
+    server_log = run.paths.env_server_dir("train", "reverse-text") / "server.log"
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    _until(
+        lambda: f"(pid {pid}) frozen (process stopped)" in server_log.read_text(),
+        2 * BOUND + 60,
+        "the env server replacing its frozen worker",
+    )
+    took = time.monotonic() - t0
+    line = next(x for x in server_log.read_text().splitlines() if f"(pid {pid}) frozen" in x)
+    run.wait_steps(2)
+    assert run.pid("env-worker") != pid
+    ROWS.append(
+        {
+            "component": "env worker",
+            "fault": f"SIGSTOP past 2x the bound ({2 * BOUND:.0f} s)",
+            "named_s": round(took, 1),
+            "named_by": "env server",
+            "line": line.split("] ", 1)[-1][:220],
+            "outcome": "killed, replaced like a dead one (its rollouts errored, counted); run goes on",
+        }
+    )
+
+
+def frozen_env_server_restarted(run: Run) -> None:
+    """An env server stopped past 2x the bound answers no ping: the orchestrator kills it and starts
+    it again as it does a crashed one; the run goes on."""
+    pid, mark = run.pid("env-server"), len(run.log("orchestrator"))
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    _until(
+        lambda: "answered no ping" in run.log("orchestrator")[mark:],
+        2 * BOUND + 60,
+        "the frozen server named",
+    )
+    took = time.monotonic() - t0
+    _until(lambda: "restarted (restart 1)" in run.log("orchestrator")[mark:], 120, "the env server restarted")
+    line = next(x for x in run.log("orchestrator")[mark:].splitlines() if "answered no ping" in x)
+    run.wait_steps(2)
+    assert run.pid("env-server") != pid
+    ROWS.append(
+        {
+            "component": "env server",
+            "fault": f"SIGSTOP past 2x the bound ({2 * BOUND:.0f} s)",
+            "named_s": round(took, 1),
+            "named_by": "orchestrator",
+            "line": line.split("] ", 1)[-1][:220],
+            "outcome": "killed, restarted like a crashed one (its rollouts errored, counted); run goes on",
+        }
+    )
+
+
+def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
+    """Every freeze in turn, the bus directory unwritable, its disk full; kill -9 of the orchestrator
+    ends the run."""
     try:
         _until(lambda: run.steps() >= 3, 240, "three published batches")
         freeze(run, "inference server", "inference", "orchestrator", ["inference server 0"], past=False)
@@ -191,24 +272,43 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             ["waiting on batch", "orchestrator unresponsive"],
             past=True,
         )
-        freeze(run, "env worker", "env-worker", "orchestrator", ["rollouts of ['reverse-text']"], past=True)
-        # The env server runs no rollout code (its workers do): frozen, it stalls nothing.
-        pid = run.pid("env-server")
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            run.wait_steps(3)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        ROWS.append(
-            {
-                "component": "env server",
-                "fault": "SIGSTOP past the bound",
-                "named_s": None,
-                "named_by": "- (not a stall)",
-                "line": "it runs no rollout code: 3 steps published while it was frozen",
-                "outcome": "run goes on",
-            }
+        freeze(
+            run,
+            "env worker",
+            "env-worker",
+            "orchestrator",
+            ["env reverse-text worker 0 (pid {pid})", "in env code"],
+            past=True,
         )
+        frozen_env_worker_replaced(run)
+        frozen_env_server_restarted(run)
+        # The bus directory unwritable for a while, then its disk full: the writer names the path
+        # and the cause at once, retries, and the batch is written once it clears.
+        rollouts, undo = run.paths.rollouts_dir, []
+        hold = BOUND + 3
+        how = "chattr +i" if os.geteuid() == 0 else "chmod 0555"
+        refused(
+            run,
+            "bus (orchestrator writing rollouts/)",
+            f"rollouts/ unwritable ({how}) for {hold:.0f} s",
+            lambda: undo.append(_make_unwritable(rollouts)[1]),
+            lambda: subprocess.run(undo[-1], check=True),
+            ["not writable", str(rollouts)],
+            hold,
+        )
+        if no_tmpfs is None:
+            filler: list[Filler] = []
+            refused(
+                run,
+                "bus (orchestrator writing rollouts/)",
+                f"disk full (rollouts/ a 64 MB tmpfs, filled) for {hold:.0f} s",
+                lambda: filler.append(Filler(rollouts)),
+                lambda: filler[-1].stop(),
+                ["disk full at", str(rollouts)],
+                hold,
+            )
+        else:
+            ROWS.append(_not_run("bus (orchestrator writing rollouts/)", "disk full", no_tmpfs))
         # An inference server frozen past server_down_timeout_s: killed, restarted, brought back.
         pid, mark = run.pid("inference"), len(run.log("orchestrator"))
         os.kill(pid, signal.SIGSTOP)
@@ -231,9 +331,9 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             }
         )
         # kill -9 of the orchestrator: the run ends with one line naming it.
-        _until(lambda: (run.paths.checkpoint_dir(5) / "COMPLETE").exists(), 120, "a checkpoint")
+        _until(lambda: checkpoint.latest_complete(run.paths) is not None, 120, "a checkpoint")
         os.kill(run.pid("orchestrator"), signal.SIGKILL)
-        stdout, stderr = run.proc.communicate(timeout=120)
+        _, stderr = run.proc.communicate(timeout=120)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
@@ -250,39 +350,90 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             "outcome": "run ends (exit 1); resume continues",
         }
     )
-    stopped_at = run.steps()
-    final = stopped_at + 6
-    res = subprocess.run(
-        _hpcrl("resume", "--step", "-1", "--output-dir", str(out), "--max-steps", str(final)),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    prompts = [json.loads(x) for x in RunPaths(out).prompts_log.read_text().splitlines()]
-    steps = [p["step"] for p in prompts]
-    assert steps == list(range(1, final + 1)), steps
-    ids = [i for p in prompts for i in p["example_ids"]]
-    assert len(ids) == len(set(ids)), "a prompt was trained on twice"
-    ROWS[-1]["data"] = f"resume: steps 1..{final} each once, {len(ids)} prompts, none repeated"
-    _write_table()
 
 
-def _write_table() -> None:
-    target = os.environ.get("HPCRL_FAULT_TABLE")
-    if not target:
-        return
-    head = (
-        "| component | fault | named after (s) | named by | what it said / outcome |\n|---|---|---|---|---|\n"
+def _resume(out: Path) -> tuple[Run, int]:
+    """`hpcrl resume --step -1`, once its own trainer (a new pid) trained 2 steps past the
+    checkpoint it resumed from."""
+    paths = RunPaths(out)
+    start = checkpoint.latest_complete(paths)
+    assert start is not None
+    old = json.loads(paths.placement_file("trainer", 0).read_text())["pid"]
+    run = _start(out, "resume", "--step", "-1", "--output-dir", str(out))
+
+    def trained() -> bool:
+        try:
+            doc = json.loads((paths.progress_dir / "trainer_0.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return doc["pid"] != old and (doc.get("step") or 0) >= start + 2
+
+    _until(lambda: trained() or run.proc.poll() is not None, 240, "2 steps after resuming")
+    assert run.proc.poll() is None, run.output()
+    return run, start
+
+
+def resumed_then(out: Path, role: str, expected: str, pid_of) -> None:
+    """Resume, then kill -9 `role`: the run ends with one line naming it."""
+    run, _ = _resume(out)
+    try:
+        os.kill(pid_of(run), signal.SIGKILL)
+        _, stderr = run.proc.communicate(timeout=120)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    last = (stderr.strip().splitlines() or ["-"])[-1]
+    assert run.proc.returncode != 0 and expected in last, last
+    ROWS.append(
+        {
+            "component": role,
+            "fault": "kill -9",
+            "named_s": 0,
+            "named_by": "launcher",
+            "line": last[:220],
+            "outcome": f"run ends (exit {run.proc.returncode}); resume continues",
+        }
     )
-    rows = "".join(
-        f"| {r['component']} | {r['fault']} | {r['named_s'] if r['named_s'] is not None else '-'} | "
-        f"{r['named_by']} | {r['line'].replace('|', '/')} — {r['outcome']}"
-        f"{'; ' + r['data'] if r.get('data') else ''} |\n"
-        for r in ROWS
+
+
+def checkpoint_disk_full(out: Path) -> None:
+    """Resume; once it wrote a checkpoint of its own, fill checkpoints/ (its tmpfs): the next
+    checkpoint fails, the run ends with one line naming the writer and `disk full at PATH`, the
+    half-written step never counts as complete, and the next resume starts from the last good one."""
+    run, start = _resume(out)
+    paths = run.paths
+    try:
+        _until(lambda: (checkpoint.latest_complete(paths) or 0) > start, 240, "a checkpoint after resuming")
+        good = checkpoint.latest_complete(paths)
+        filler = Filler(paths.checkpoints_dir)
+        t0 = time.monotonic()
+        try:
+            _, stderr = run.proc.communicate(timeout=240)
+        finally:
+            filler.stop()
+        took = time.monotonic() - t0
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    last = (stderr.strip().splitlines() or ["-"])[-1]
+    assert run.proc.returncode != 0, last
+    assert "disk full at " + str(paths.checkpoints_dir) in last and "No space left on device" in last, last
+    assert "trainer failed" in last or "orchestrator failed" in last, last
+    partial = [s for s in checkpoint.list_steps(paths) if s > good]
+    assert partial, "the failed checkpoint left no step_N behind: the case did not happen"
+    assert all(not paths.complete_file(s).exists() for s in partial), partial
+    assert checkpoint.latest_complete(paths) == good
+    ROWS.append(
+        {
+            "component": "trainer / orchestrator (checkpoint part)",
+            "fault": "disk full writing a checkpoint (checkpoints/ a 256 MB tmpfs, filled)",
+            "named_s": round(took, 1),
+            "named_by": "launcher (the writer's last ERROR line)",
+            "line": last[:260],
+            "outcome": f"run ends (exit {run.proc.returncode}); step_{partial[0]} never COMPLETE; "
+            f"resume continues from step_{good}",
+        }
     )
-    Path(target).write_text(head + rows)
 
 
 BROKEN_ENVS = {
@@ -328,6 +479,66 @@ def test_broken_env_ends_the_run_naming_env_and_cause(tmp_path: Path, case: str)
             "named_s": round(took, 1),
             "named_by": "orchestrator" if "every rollout" in last else "start-up",
             "line": last[:260],
+            "outcome": f"run ends (exit {res.returncode})",
+        }
+    )
+    _write_table()
+
+
+VF1_TOOLS_UNDER_DEFAULT = """max_steps = 20
+seq_len = 1024
+stall_warning_s = 6.0
+[model]
+name = "hpcrl/tiny-qwen3-think"
+[orchestrator]
+batch_size = 8
+rollouts_per_example = 4
+[orchestrator.renderer]
+name = "default"
+[orchestrator.train.sampling]
+max_tokens = 16
+[[orchestrator.train.env]]
+id = "vf1_tool_env"
+workers = 2
+args = { num_tasks = 4 }
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tool_env_under_the_default_renderer_ends_naming_env_cause_and_fix(tmp_path: Path) -> None:
+    """The issue's must-show run: a verifiers 0.4 tool-calling env (its tools appear only at
+    runtime, in the harness program's requests: no start-up check can see them) with the `default`
+    renderer. Every model call fails in verifiers' interception server; the run ends within a few
+    minutes, its last line naming the env, the cause and the fix."""
+    from hpcrl.envs.verifiers.versions import installed, major_minor
+
+    if (major_minor(installed()) or (0, 0)) < (0, 4):
+        pytest.skip("needs verifiers 0.4")
+    root = Path(__file__).resolve().parents[2]
+    cfg, out = tmp_path / "cfg.toml", tmp_path / "run"
+    cfg.write_text(VF1_TOOLS_UNDER_DEFAULT)
+    t0 = time.monotonic()
+    res = subprocess.run(
+        _hpcrl("run", str(cfg), "--output-dir", str(out)),
+        env={**_env(), "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests' / 'vf1_envs'}"},
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    took = time.monotonic() - t0
+    assert res.returncode != 0, res.stdout[-2000:]
+    last = (res.stderr.strip() or res.stdout.strip()).splitlines()[-1]
+    for part in ("env vf1_tool_env", "DefaultRenderer does not support tools", 'renderer.name = "qwen3"'):
+        assert part in last, last
+    assert took < 300, f"took {took:.0f} s to end"
+    ROWS.append(
+        {
+            "component": "env (verifiers 0.4, tools at runtime)",
+            "fault": 'tool env under renderer "default"',
+            "named_s": round(took, 1),
+            "named_by": "orchestrator",
+            "line": f"{last[:200]} … {last[-160:]}",  # the end holds the fix
             "outcome": f"run ends (exit {res.returncode})",
         }
     )

@@ -218,6 +218,26 @@ def test_move_aside_after_resume_step(buses, paths):
         orch.move_aside_after(3, tag="../x")
 
 
+def test_move_aside_works_across_filesystems(buses, paths, monkeypatch):
+    """rollouts/ on a filesystem of its own (a tmpfs, a symlink to local disk): rename(2) says
+    EXDEV, and the step is copied aside and removed instead of ending the resume."""
+    import errno as errno_
+
+    from hpcrl.bus import api
+
+    orch = buses("orchestrator")
+    for s in range(1, 4):
+        orch.publish_batch(s, 0, make_batch(step=s))
+
+    def exdev(src, dst):
+        raise OSError(errno_.EXDEV, "Invalid cross-device link", str(src), None, str(dst))
+
+    monkeypatch.setattr(api.os, "replace", exdev)
+    moved = orch.move_aside_after(1, tag="resume_1")
+    assert [p.name for p in moved] == ["step_2", "step_3"] and all(p.is_dir() for p in moved)
+    assert RunPaths.steps_in(paths.rollouts_dir) == [1]
+
+
 def test_restarted_reader_is_found_by_the_writer(buses, paths):
     orch = buses("orchestrator")
     first = buses("trainer", poll_interval=SLOW_POLL)

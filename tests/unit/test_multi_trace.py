@@ -75,6 +75,24 @@ def _trace(reward: float, ids: list[int], mask: list[bool], trainable: bool = Tr
         rewards={},
         reward=reward,
         errors=[],
+        calls=[],  # verifiers' Trace.calls: one record per model call, with the error that ended it
+    )
+
+
+def test_a_failed_model_call_is_the_cause_before_the_harness_failure_it_caused() -> None:
+    """verifiers' interception answers a failed model call 502 (the reason only in its log); the
+    harness then exits with a traceback. The rollout's error names the model call's reason first."""
+    trace = _trace(0.0, [1, 2], [False, True])
+    err = SimpleNamespace(type="ValueError", message="DefaultRenderer does not support tools.")
+    trace.calls = [SimpleNamespace(error=err), SimpleNamespace(error=err), SimpleNamespace(error=None)]
+    harness = SimpleNamespace(
+        type="HarnessError", message="harness 'h' exited 1: Traceback (most recent call last)"
+    )
+    episode = SimpleNamespace(ok=False, errors=[harness], traces=[trace])
+    traj = episode_trajectory(TASK, episode, policy=3)
+    assert traj.error == (
+        "ValueError: DefaultRenderer does not support tools.; "
+        "HarnessError: harness 'h' exited 1: Traceback (most recent call last)"
     )
 
 

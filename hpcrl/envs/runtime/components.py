@@ -52,6 +52,14 @@ def alive(pid: int | None, node: str | None) -> str:
         return "running"
 
 
+def stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, SIGTSTP, a tracer): it runs no code until SIGCONT."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):  # gone, or no /proc: not known to be stopped
+        return False
+
+
 def env_rows(envs_dir: Path) -> list[dict[str, Any]]:
     """One row per env server and worker found under logs/envs/{train,eval}/<env>/components.json."""
     rows: list[dict[str, Any]] = []

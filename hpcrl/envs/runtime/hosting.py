@@ -62,6 +62,12 @@ class LocalServer:
             self.proc.kill()
             self.proc.wait()
 
+    def kill(self) -> None:
+        """At once (a frozen server answers nothing, a stopped one not even SIGTERM)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
@@ -124,6 +130,10 @@ class HostedServer:
         deadline = time.monotonic() + timeout
         while self.exit_code() is None and time.monotonic() < deadline:
             time.sleep(0.1)
+        self.order.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """Withdraw the order without waiting: the host stops a server whose order is gone."""
         self.order.unlink(missing_ok=True)
 
     @property

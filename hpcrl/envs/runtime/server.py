@@ -30,6 +30,7 @@ from pathlib import Path
 
 import msgspec
 
+from hpcrl.envs.runtime.components import stopped
 from hpcrl.envs.wire import messages as wire
 
 log = logging.getLogger("hpcrl.envs.runtime.server")
@@ -39,6 +40,7 @@ PARENT_VAR = (
     "HPCRL_ENV_SERVER_PID"  # a worker dies with this process (hpcrl.envs.runtime.lifeline.die_with_parent)
 )
 RESTART_GAP_S = 0.5  # a worker that dies at start-up is restarted at most this often
+FROZEN_CHECK_S = 1.0  # how often the workers' process state is read (/proc/<pid>/stat)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Worker:
     ident: bytes = b""
     restarts: int = 0
     started: float = 0.0
+    stopped_since: float | None = None  # when it was first seen stopped (SIGSTOP): frozen_s applies
 
 
 def worker_log(spec: wire.ServerSpec, index: int) -> Path:
@@ -86,6 +89,7 @@ class EnvServer:
         self.up.connect(spec.connect)
         self.workers = [Worker(i) for i in range(spec.workers)]
         self.parent = os.getppid()
+        self.checked = 0.0
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -139,7 +143,9 @@ class EnvServer:
 
     # -- messages -------------------------------------------------------------------------------
     def from_orchestrator(self, msg: wire.Msg) -> bool:
-        if isinstance(msg, wire.Kill):
+        if isinstance(msg, wire.Ping):
+            self.up.send(wire.encode(wire.Pong(msg.seq)))
+        elif isinstance(msg, wire.Kill):
             w = next((w for w in self.workers if w.ident.decode() == msg.ident), None)
             if w is not None and w.proc is not None:  # else: already replaced
                 w.proc.kill()
@@ -178,6 +184,31 @@ class EnvServer:
             code = w.proc.poll()
             if code is not None and now - w.started >= RESTART_GAP_S:
                 self.replace(w, f"env worker {w.index} (pid {w.proc.pid}) died: {describe_exit(code)}")
+        if self.spec.frozen_s > 0 and now - self.checked >= FROZEN_CHECK_S:
+            self.checked = now
+            for w in self.workers:
+                self.check_frozen(w, now)
+
+    def check_frozen(self, w: Worker, now: float) -> None:
+        """A worker stopped for longer than spec.frozen_s is killed and replaced like a dead one (a
+        slow one is not: rollout_timeout_s bounds the time a rollout spends in env code)."""
+        assert w.proc is not None
+        if w.proc.poll() is not None or not stopped(w.proc.pid):
+            w.stopped_since = None
+            return
+        if w.stopped_since is None:
+            w.stopped_since = now
+            log.warning("env worker %d (pid %d) is stopped (frozen)", w.index, w.proc.pid)
+        elif now - w.stopped_since > self.spec.frozen_s:
+            pid, frozen = w.proc.pid, now - w.stopped_since
+            w.proc.kill()
+            w.proc.wait()
+            w.stopped_since = None
+            self.replace(
+                w,
+                f"env worker {w.index} (pid {pid}) frozen (process stopped) for {frozen:.0f} s "
+                f"(> {self.spec.frozen_s:g} s, 2x stall_warning_s): killed",
+            )
 
     def replace(self, w: Worker, why: str) -> None:
         """Tell the orchestrator (it errors the worker's rollouts), then start its successor."""

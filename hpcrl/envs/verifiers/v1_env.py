@@ -149,8 +149,12 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
         for k, r in trace.rewards.items():
             if r is not None:
                 metrics[k] = metrics.get(k, 0.0) + float(r.score) / len(traces)
-    errors = [*episode.errors, *(e for t in traces for e in t.errors)]
-    error = None if episode.ok and not errors else "; ".join(f"{e.type}: {e.message}" for e in errors)[:500]
+    # A failed model call first: it is the cause (verifiers' interception answers the harness 502 and
+    # logs it; the harness then fails as a consequence, e.g. `HarnessError: ... exited 1: Traceback`).
+    calls = [c.error for t in episode.traces for c in t.calls if c.error is not None]
+    errors = [*calls, *episode.errors, *(e for t in traces for e in t.errors)]
+    said = list(dict.fromkeys(f"{e.type}: {e.message}" for e in errors))
+    error = None if episode.ok and not errors else "; ".join(said)[:500]
     if error is None and not traces:
         error = "the episode has no trained trace"
     metrics["num_traces"] = float(len(traces))

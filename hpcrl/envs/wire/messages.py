@@ -133,6 +133,18 @@ class Kill(msgspec.Struct, tag=True):
     why: str
 
 
+class Ping(msgspec.Struct, tag=True):
+    """Orchestrator -> server: are you running? (a stopped or hung server never answers)"""
+
+    seq: int
+
+
+class Pong(msgspec.Struct, tag=True):
+    """Server -> orchestrator: the answer to Ping `seq`."""
+
+    seq: int
+
+
 class ServerSpec(msgspec.Struct, kw_only=True):
     """What an env server (and each of its workers) is started with: JSON on its command line."""
 
@@ -148,9 +160,12 @@ class ServerSpec(msgspec.Struct, kw_only=True):
     status_file: str = ""  # components.json of this server (written by the server)
     run_dir: str = ""  # the training run it serves: it records itself in logs/placement.jsonl
     index: int = 0  # its place in orchestrator.{train,eval}.env (its placement rank)
+    # A worker stopped (SIGSTOP, a debugger) this long is killed and replaced like a dead one; the
+    # orchestrator does the same to a server that answers no Ping this long. 0: never.
+    frozen_s: float = 0.0
 
 
-Msg = Hello | LoadFailed | Run | Chat | ChatReply | Done | Stop | Ready | WorkerDied | Kill
+Msg = Hello | LoadFailed | Run | Chat | ChatReply | Done | Stop | Ready | WorkerDied | Kill | Ping | Pong
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=repr)  # non-msgpack values in env state travel as text
 _DECODER = msgspec.msgpack.Decoder(list[Msg])
