@@ -11,7 +11,9 @@ those by env and by a key with the numbers masked (ports, pids, ids differ; the 
 - `check()` raises SystematicFailure when an env's last `window` rollouts all failed with the same
   cause and it never succeeded since the run started, or its last `window` rollouts all failed the
   same way. Occasional errors only count. The message names the env, the cause and the fix where
-  one is known (FIXES).
+  one is known (FIXES). A lost worker or env server (EnvComponentLost, its message naming the lost
+  pid) errors every rollout it held at once: all of them are counted, but the event enters the
+  window once, so one restart never ends a run while a worker that dies on every rollout still does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 log = logging.getLogger("hpcrl.orchestrator")
 
 MAX_CAUSE = 300  # characters of a cause kept (first line only)
+LOST = "EnvComponentLost: "  # hpcrl.orchestrator.remote_env.EnvComponentLost, as a rollout's error reads
 
 # (pattern on the cause, the fix to name). Checked in order; the first match wins.
 FIXES: list[tuple[re.Pattern[str], str]] = [
@@ -84,6 +87,7 @@ class _EnvCauses:
         self.example: dict[str, str] = {}  # cause key -> the first cause seen under it (for messages)
         self.recent: deque[str | None] = deque(maxlen=max(1, window))  # None = a rollout that succeeded
         self.successes = 0
+        self.lost: deque[str] = deque(maxlen=64)  # the latest lost-component events (their causes)
 
 
 class Causes:
@@ -104,7 +108,12 @@ class Causes:
             key = cause_key(cause)
             e.example.setdefault(key, cause)
             e.counts[key] += 1
-            e.recent.append(key)
+            if cause.startswith(LOST):  # one event (a lost pid) errors all it held: it enters once
+                if cause not in e.lost:
+                    e.lost.append(cause)
+                    e.recent.append(key)
+            else:
+                e.recent.append(key)
             self.new[(env, key)] += 1
             n = e.counts[key]
             if n == 1 or _power_of_ten(n):

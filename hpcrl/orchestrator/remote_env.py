@@ -44,6 +44,13 @@ class EnvRolloutError(RuntimeError):
     """A rollout the env server answered with an error (the env raised, a worker died or hung)."""
 
 
+class EnvComponentLost(EnvRolloutError):
+    """A rollout errored because the worker or env server holding it died or was killed frozen. One
+    such event errors every rollout it held at once; its message names the lost process (pid), so
+    hpcrl.orchestrator.causes counts each event once towards a systematic failure: a restart that
+    errors 64 rollouts in flight does not end the run, a worker dying on every rollout still does."""
+
+
 class RemoteEnvironment(Environment):
     def __init__(
         self,
@@ -271,7 +278,7 @@ class RemoteEnvironment(Environment):
         for rid in rids:
             call = self.calls.get(rid)
             if call is not None and not call[0].done():
-                call[0].set_exception(EnvRolloutError(why))
+                call[0].set_exception(EnvComponentLost(why))
 
     async def _answer(self, client: ChatClient, msg: wire.Chat) -> None:
         from hpcrl.orchestrator.servers import InferenceUnavailable
@@ -329,12 +336,14 @@ class RemoteEnvironment(Environment):
         give up past max_restarts)."""
         assert self.ready is not None
         self.ready.clear()
-        why = why or self._gone_msg("died")
+        if why is None:  # named by its pid (or which start it was): one death, one event (causes.py)
+            pid = self.server.pid
+            why = f"{self._gone_msg('died')} ({f'it was pid {pid}' if pid else f'start {self.restarts + 1}'})"
         log.warning("%s; %d rollout(s) errored", why, len(self.calls))  # survived (see WorkerDied)
         self.router.clear()
         for fut, _, _ in self.calls.values():
             if not fut.done():
-                fut.set_exception(EnvRolloutError(why))
+                fut.set_exception(EnvComponentLost(why))
         if self.restarts >= self.max_restarts:
             self.fatal = EnvServerFailed(
                 f"{why}; restarted {self.restarts} time(s), the limit "

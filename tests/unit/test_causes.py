@@ -82,3 +82,27 @@ def test_tools_under_a_renderer_without_them_are_refused_at_start_up() -> None:
     with pytest.raises(ConfigError, match="the tokenizer's chat template cannot render tools"):
         check_tools({"calc": tool_env}, None, template)
     check_tools({"calc": tool_env}, None, SimpleNamespace(chat_template="{% if tools %}...{% endif %}"))
+
+
+def test_one_lost_worker_erroring_all_it_held_is_one_event_but_a_worker_dying_on_every_rollout_ends_it() -> (
+    None
+):
+    """Window 8. A restart errors 20 rollouts in flight with one message (the lost pid): counted 20
+    times, one window entry, and the next 7 successes fill the rest: no end. Eight different lost
+    pids in a row (a worker that dies on every rollout): eight entries of one masked cause: the end."""
+    lost = "EnvComponentLost: env worker 0 (pid {}) died: killed by signal 9"
+    c = Causes(window=8)
+    c.observe("e", [None])
+    c.observe("e", [lost.format(4242)] * 20)
+    assert c.metrics() == {f"errors/e/{cause_key(lost.format(1))}": 20.0}
+    assert len(c.envs["e"].recent) == 2  # the success and the one event
+    c.check()
+    c.observe("e", [None] * 7)
+    c.check()
+    c.observe("e", [lost.format(100 + i) for i in range(7)])
+    c.check()  # a success is still in the window: 1 + 7 events
+    c.observe("e", [lost.format(200)])
+    with pytest.raises(
+        SystematicFailure, match=r"env e: every rollout fails \(28 errored, none succeeded in its last 8"
+    ):
+        c.check()
