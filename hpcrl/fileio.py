@@ -128,8 +128,43 @@ def refused_error(e: BaseException, path: Path | str | None = None) -> OSError |
     return OSError(code, os.strerror(code), None if where is None else str(where))
 
 
+class WriteRefused(OSError):
+    """A write the filesystem kept refusing past its bound (Refusals): str() is the one line."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class Refusals:
+    """The bookkeeping of one write retried while the filesystem refuses it (REFUSED: a full disk or
+    an unwritable directory is often fixed within minutes), shared by the orchestrator's asyncio loop
+    (hpcrl.orchestrator.writes) and the trainer's blocking one (Bus.publish_policy)."""
+
+    def __init__(self, what: str, give_up_s: float):
+        self.what, self.give_up_s = what, give_up_s
+        self.t0 = time.monotonic()
+        self.named: str | None = None  # the cause last named
+
+    def waited(self) -> float:
+        return time.monotonic() - self.t0
+
+    def refused(self, e: OSError) -> str | None:
+        """After a failed write: the cause to name now (None: the one named already). Raises `e`
+        when it is not a refusal, WriteRefused (one line: what, for how long, why) past give_up_s."""
+        why = refused_write(e)
+        if why is None:
+            raise e
+        new, self.named = (None if why == self.named else why), why
+        if self.waited() >= self.give_up_s:
+            raise WriteRefused(e.errno, f"cannot write {self.what} for {self.waited():.0f} s: {why}") from e
+        return new
+
+
 def refused_write(e: BaseException, path: Path | str | None = None) -> str | None:
-    """`disk full at PATH (No space left on device)` for a refused write (refused_error), else None."""
+    """`disk full at PATH (No space left on device)` for a refused write (refused_error), else None;
+    a WriteRefused is its own line."""
+    if isinstance(e, WriteRefused):
+        return str(e)
     err = refused_error(e, path)
     if err is None:
         return None

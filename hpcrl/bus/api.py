@@ -54,6 +54,7 @@ from hpcrl.bus.messages import (
     TrainBatch,
     encode_json,
 )
+from hpcrl.bus.retry import write_retrying_blocking
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.bus")
@@ -146,6 +147,7 @@ class Bus:
         stale_tmp_age: float = 600.0,
         control_every: int = 4,
         publish_threads: int = 16,
+        refused_retry_s: float = 0.0,
     ):
         if not _SAFE_NAME.match(role):
             raise ValueError(f"bus role must match {_SAFE_NAME.pattern}, got {role!r}")
@@ -167,6 +169,10 @@ class Bus:
         # Without a doorbell a Shutdown is only ever found by scanning, so scan on every poll.
         self.control_interval = poll_interval * (control_every if listen else 1)
         self.publish_threads = publish_threads
+        # How long publish_policy retries a write the filesystem refuses (disk full, unwritable
+        # policy/), naming it at once; 0 = raise at once. The trainer sets the orchestrator's
+        # policy_timeout_s: past it, nobody waits for the policy any more.
+        self.refused_retry_s = refused_retry_s
         self.timeout = _check_timeout(timeout)
         self.check_shutdown = check_shutdown
         self.durable = durable
@@ -266,6 +272,14 @@ class Bus:
 
     # -- policy: trainer -> orchestrator ------------------------------------------------------
     def publish_policy(self, msg: PolicyReady) -> Path:
+        """Announce policy `msg.step` (policy/step_N + the LATEST hint + rings). A write the filesystem
+        refuses is named at once and retried for up to refused_retry_s (hpcrl.bus.retry)."""
+        return write_retrying_blocking(
+            f"{self.name}: ", f"policy step {msg.step}", lambda: self._publish_policy(msg),
+            self.refused_retry_s, "orchestrator.policy_timeout_s",
+        )  # fmt: skip
+
+    def _publish_policy(self, msg: PolicyReady) -> Path:
         path = self.paths.policy_file(msg.step)
         self.last_renamed_at = write_message(path, msg, checksum=self.checksum, durable=self.durable)
         # The hint that makes latest_policy O(1); written after the file, so it never names a step

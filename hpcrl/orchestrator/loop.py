@@ -55,7 +55,7 @@ from hpcrl.orchestrator.pool import teacher_logprobs
 from hpcrl.orchestrator.servers import InferenceUnavailable, ServerSet
 from hpcrl.orchestrator.stalls import StallWatch
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState, check_compatible, load_part, save_part
-from hpcrl.orchestrator.writes import WriteRefused, write_retrying
+from hpcrl.orchestrator.writes import write_retrying
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.orchestrator")
@@ -98,7 +98,7 @@ def main(cfg: Config) -> int:
         log.error("orchestrator failed: %s: %s", type(e).__name__, e)
         return 1
     except OSError as e:  # a write the filesystem refused (disk full, not writable): one line
-        if (why := str(e) if isinstance(e, WriteRefused) else refused_write(e)) is None:
+        if (why := refused_write(e)) is None:
             raise
         log.info("the refused write", exc_info=True)
         log.error("orchestrator failed: %s", why)

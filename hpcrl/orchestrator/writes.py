@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from hpcrl.fileio import refused_write
+from hpcrl.fileio import Refusals, WriteRefused
 from hpcrl.monitor import progress
 
 log = logging.getLogger("hpcrl.orchestrator")
@@ -26,29 +25,19 @@ log = logging.getLogger("hpcrl.orchestrator")
 RETRY_EVERY_S = 1.0
 T = TypeVar("T")
 
-
-class WriteRefused(OSError):
-    """A bus write refused past its bound: str() is the one line."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
+__all__ = ["RETRY_EVERY_S", "WriteRefused", "write_retrying"]
 
 
 async def write_retrying(
     what: str, write: Callable[[], T], give_up_s: float, every_s: float = RETRY_EVERY_S
 ) -> T:
     """`write()` until it goes through; a refused write is named, retried, and raised past give_up_s."""
-    t0, named = time.monotonic(), None
+    r = Refusals(what, give_up_s)
     while True:
         try:
             out = write()
         except OSError as e:
-            why = refused_write(e)
-            if why is None:
-                raise
-            waited = time.monotonic() - t0
-            if named != why:
-                named = why
+            if (why := r.refused(e)) is not None:
                 log.warning(
                     "orchestrator: cannot write %s: %s; retrying every %.0f s for up to %.0f s "
                     "(trainer.batch_timeout_s)",
@@ -58,13 +47,9 @@ async def write_retrying(
                     give_up_s,
                 )
                 progress.waiting(f"writing {what}: {why}")
-            if waited >= give_up_s:
-                raise WriteRefused(e.errno, f"cannot write {what} for {waited:.0f} s: {why}") from e
             await asyncio.sleep(every_s)
             continue
-        if named is not None:
-            log.warning(
-                "orchestrator: wrote %s after %.0f s (it was: %s)", what, time.monotonic() - t0, named
-            )
+        if r.named is not None:
+            log.warning("orchestrator: wrote %s after %.0f s (it was: %s)", what, r.waited(), r.named)
             progress.done()
         return out

@@ -80,7 +80,7 @@ def _main(cfg: Config) -> int:
         finalize_timeout_s=cfg.orchestrator.policy_timeout_s,
     )
     start, progress = ckpt.restore(Progress())
-    bus = Bus(paths, role="trainer", rank=tr.dist.rank)
+    bus = Bus(paths, role="trainer", rank=tr.dist.rank, refused_retry_s=cfg.orchestrator.policy_timeout_s)
     publisher = make_publisher(cfg, paths, bus, tr.dist.rank, tr.precision.compute)
     publisher.publish(tr.model, start)  # policy `start` (0 = base weights): servers verify against it
     watchdog.beat(f"published policy {start}")

@@ -80,3 +80,48 @@ def test_write_retrying_gives_up_in_one_line_past_its_bound_and_passes_other_err
 
     with pytest.raises(FileNotFoundError):
         asyncio.run(write_retrying("x", bug, give_up_s=30, every_s=0.01))
+
+
+def _policy(step: int):
+    from hpcrl.bus.messages import PolicyReady
+
+    return PolicyReady(step=step, transport="collective", checksum=f"c{step}", num_params=1, num_bytes=4)
+
+
+def test_the_trainers_policy_publish_waits_out_an_unwritable_policy_dir(tmp_path, caplog) -> None:
+    """policy/ unwritable for ~2 s (chattr +i as root, chmod 0555 as a user: a real refusal by the
+    filesystem): the trainer names it at once, retries, and publishes when it clears; with no time to
+    wait the refusal is one line (what, how long, cause and path)."""
+    import subprocess
+    import threading
+
+    from hpcrl.bus.api import Bus
+    from hpcrl.fileio import WriteRefused
+    from hpcrl.paths import RunPaths
+    from tests.integration.faults import _make_unwritable
+
+    paths = RunPaths(tmp_path / "run")
+    bus = Bus(paths, role="trainer", listen=False, refused_retry_s=60)
+    how, undo = _make_unwritable(paths.policy_dir)
+    clear = threading.Timer(2.0, lambda: subprocess.run(undo, check=True))
+    try:
+        clear.start()
+        with caplog.at_level(logging.WARNING, "hpcrl.bus"):
+            assert bus.publish_policy(_policy(3)) == paths.policy_file(3)
+        assert bus.latest_policy().step == 3
+        lines = [r.getMessage() for r in caplog.records]
+        assert (
+            lines[0].startswith("trainer_0: cannot write policy step 3: not writable (")
+            and str(paths.policy_dir) in lines[0]
+        ), (how, lines)
+        assert "retrying every 1 s for up to 60 s (orchestrator.policy_timeout_s)" in lines[0]
+        assert lines[1].startswith("trainer_0: wrote policy step 3 after") and len(lines) == 2
+        _make_unwritable(paths.policy_dir)
+        impatient = Bus(paths, role="trainer", listen=False)  # refused_retry_s = 0: no waiting
+        with pytest.raises(WriteRefused) as got:
+            impatient.publish_policy(_policy(4))
+        assert str(got.value).startswith("cannot write policy step 4 for 0 s: not writable (")
+        assert fileio.refused_write(got.value) == str(got.value)  # the trainer's last line
+    finally:
+        clear.cancel()
+        subprocess.run(undo, check=False)
