@@ -287,6 +287,30 @@ def _recv(group: WeightGroup, tensor: torch.Tensor, src: int, tag: int) -> None:
     group.pg.recv([tensor], src, tag).wait()
 
 
+class _Arrival:
+    """A bucket whose receive is posted: `land` waits for it, unpacks a packed one from its scratch
+    buffer into the tensors' rows and checks every part against its sender's digest (the first 3 bad
+    parts are named in `bad`). Posting bucket k+1 before landing bucket k lets its bytes arrive while
+    bucket k is digested (the senders wait for a posted receive, not for the digest)."""
+
+    def __init__(self, k: int, src: int, recs: list, views: list, packed: Any, work: Any):
+        self.k, self.src, self.recs, self.views, self.packed, self.work = k, src, recs, views, packed, work
+
+    def land(self, bad: list[str]) -> None:
+        from hpcrl.weights.checksum import rows_digest
+
+        self.work.wait()
+        if self.packed is not None:
+            pos = 0
+            for v in self.views:
+                b = _bytes(v)
+                b.copy_(self.packed[pos : pos + b.numel()])
+                pos += b.numel()
+        for v, (name, _, _, row0, rows, digest) in zip(self.views, self.recs):
+            if len(bad) < 3 and rows_digest(v, row0) != int(digest, 16):
+                bad.append(f"bucket {self.k} from sender rank {self.src}: {name} rows {row0}..{row0 + rows}")
+
+
 def send_bucket(
     group: WeightGroup, parts: list[Piece], scratch: torch.Tensor | None, dsts: range, tag: int
 ) -> None:
@@ -316,10 +340,9 @@ def run_schedule(
     part against its sender's digest as the bucket arrives, goes on to the end (the senders are never
     left hanging) and then raises CorruptBucket naming the first bad part; the caller's served weights
     are never touched here. `out` None on a receiver: received and dropped (a refused plan).
-    Memory: `out` and one scratch bucket; on a sender its pieces and one scratch bucket."""
+    Memory: `out` and two scratch buckets (double-buffered: bucket k+1 arrives while bucket k is
+    digested); on a sender its pieces and one scratch bucket."""
     import torch
-
-    from hpcrl.weights.checksum import rows_digest
 
     sched = header.buckets or []
     sizes = [sum(_nbytes(d, tuple(s)) // max(1, (s[0] if s else 1)) * r for _, d, s, _, r, _ in recs)
@@ -330,11 +353,15 @@ def run_schedule(
         need = max(
             (n for (src, recs), n in zip(sched, sizes) if src == group.rank and len(recs) > 1), default=0
         )
-    else:  # one to receive any bucket that does not go straight into one tensor's rows
+        scratch = [torch.empty(need, dtype=torch.uint8, device=group.device)] if need else []
+    else:  # two (double-buffered) for buckets that do not go straight into one tensor's rows
         need = max(sizes, default=0)
-    scratch = torch.empty(need, dtype=torch.uint8, device=group.device) if need else None
+        scratch = (
+            [torch.empty(need, dtype=torch.uint8, device=group.device) for _ in range(2)] if need else []
+        )
     mine = iter(mine)
     bad: list[str] = []
+    pending: _Arrival | None = None  # the bucket received before this one: digested while this one arrives
     for k, ((src, recs), n) in enumerate(zip(sched, sizes)):
         if sender:
             if src != group.rank:
@@ -342,26 +369,20 @@ def run_schedule(
             parts = next(mine)
             if [(p.name, p.row0, p.rows) for p in parts] != [(r[0], r[3], r[4]) for r in recs]:
                 raise RuntimeError(f"bucket {k}: this rank's pieces are not the ones the header lists")
-            send_bucket(group, parts, scratch, dsts, k)
+            send_bucket(group, parts, scratch[0] if scratch else None, dsts, k)
             continue
         if out is None:
-            assert scratch is not None
-            _recv(group, scratch[:n], src, k)
+            _recv(group, scratch[0][:n], src, k)
             continue
         views = [_rows(out[name], row0, rows) for name, _, _, row0, rows, _ in recs]
-        if len(views) == 1 and views[0].device == group.device:
-            _recv(group, _bytes(views[0]), src, k)  # straight into the tensor's rows
-        else:
-            assert scratch is not None
-            _recv(group, scratch[:n], src, k)
-            pos = 0
-            for v in views:
-                b = _bytes(v)
-                b.copy_(scratch[pos : pos + b.numel()])
-                pos += b.numel()
-        for v, (name, _, _, row0, rows, digest) in zip(views, recs):
-            if len(bad) < 3 and rows_digest(v, row0) != int(digest, 16):
-                bad.append(f"bucket {k} from sender rank {src}: {name} rows {row0}..{row0 + rows}")
+        direct = len(views) == 1 and views[0].device == group.device  # straight into the tensor's rows
+        buf = _bytes(views[0]) if direct else scratch[k % 2][:n]
+        arrival = _Arrival(k, src, recs, views, None if direct else buf, group.pg.recv([buf], src, k))
+        if pending is not None:
+            pending.land(bad)
+        pending = arrival
+    if pending is not None:
+        pending.land(bad)
     if bad:
         raise CorruptBucket(
             f"policy {header.step}: received bytes differ from what the trainer hashed in "
