@@ -20,6 +20,9 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from hpcrl import checkpoint
 from hpcrl.config.schema import CkptConfig
@@ -31,6 +34,19 @@ from hpcrl.trainer.setup import Training
 from hpcrl.trainer.state import load_trainer_state, save_trainer_state
 
 log = logging.getLogger("hpcrl.trainer")
+
+
+@contextmanager
+def refusal_named(path: Path) -> Iterator[None]:
+    """A write the filesystem refuses in the block (libraries wrap it: safetensors' own error type,
+    tokenizers' save without a file name) leaves as an OSError naming `path` where it names none,
+    so the trainer's last line says what was full and where."""
+    try:
+        yield
+    except Exception as e:
+        if (err := refused_error(e, path)) is None:
+            raise
+        raise err from e
 
 
 class Checkpointer:
@@ -113,26 +129,23 @@ class Checkpointer:
         assert self.cfg is not None
         t0 = time.perf_counter()
         self.last_saved = step
-        self._save_weights(step)
+        rank, world, paths, tr = self.tr.dist.rank, self.tr.dist.world_size, self.paths, self.tr
+        with refusal_named(paths.weights_dir(step)):
+            self._save_weights(step)
         if self.cfg.weights_only:
             return time.perf_counter() - t0
-        rank, world, paths, tr = self.tr.dist.rank, self.tr.dist.world_size, self.paths, self.tr
-        if rank == 0:
-            checkpoint.begin_part(paths, step, "trainer", clear=True)
-            # config, tokenizer and the HF names of every state key: `hpcrl export` needs nothing else
-            from hpcrl.trainer.export import write_meta
+        # step_N has no COMPLETE and never gets one if any of this is refused: a resume skips it
+        with refusal_named(paths.trainer_ckpt_dir(step)):
+            if rank == 0:
+                checkpoint.begin_part(paths, step, "trainer", clear=True)
+                # config, tokenizer and the HF names of every state key: `hpcrl export` needs no more
+                from hpcrl.trainer.export import write_meta
 
-            write_meta(tr.model, tr.tokenizer, paths.trainer_ckpt_dir(step) / "hf", tr.precision.compute)
-        parallel.barrier()
-        try:
+                write_meta(tr.model, tr.tokenizer, paths.trainer_ckpt_dir(step) / "hf", tr.precision.compute)
+            parallel.barrier()
             save_trainer_state(
                 paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress.to_saved()
             )
-        except Exception as e:  # safetensors wraps I/O errors in its own type: name a refused write
-            # step_N has no COMPLETE and never gets one: a resume skips it (hpcrl.checkpoint)
-            if (err := refused_error(e, paths.trainer_ckpt_dir(step))) is None:
-                raise
-            raise err from e
         checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
         if rank == 0:
             self._start_finalizer(step)

@@ -56,6 +56,6 @@ def test_seed000_multi_node_dry_run_prints_plan_memory_and_ep_groups(seed_cluste
     assert "inference GPU (tp 8, bf16" in out and "KV cache" in out
     # ep groups: one per trainer node
     # host memory per node at a weight sync (sharded, collective): docs/memory.md's figures
-    assert "trainer node: 64.7 GiB of 1024 GiB" in out and "inference node: 34.0 GiB of 1024 GiB" in out
+    assert "trainer node: 64.4 GiB of 1024 GiB" in out and "inference node: 34.0 GiB of 1024 GiB" in out
     assert "ep groups:  2 x 8 ranks" in out and "[0-7] [8-15]" in out
     assert "sbatch --test-only: OK" in out
