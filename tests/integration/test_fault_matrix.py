@@ -4,7 +4,8 @@ skipped or repeated.
 
 The cases share runs (a run per case would cost minutes each on 2 cores). Run 1 goes through every
 freeze in turn (SIGSTOP shorter than the stall bound, past it, an env worker and an env server past
-2x the bound, an inference server past server_down_timeout_s), then makes rollouts/ unwritable for
+2x the bound, every component briefly), kill -9 of the env worker, the env server and the inference
+server (each named and replaced), an inference server past server_down_timeout_s, then makes rollouts/ unwritable for
 a while (root: `chattr +i`, since chmod does not stop root; else chmod 0555) and then its disk
 full (rollouts/ is a 64 MB tmpfs, filled), and kill -9 of the orchestrator ends it. Resume A fills
 checkpoints/ (a 256 MB tmpfs) once it wrote a checkpoint: the next one fails and ends the run in
@@ -186,6 +187,36 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
     _write_table()
 
 
+def killed(run: Run, component: str, role: str, names: list[str], back: str | None = None) -> None:
+    """kill -9 of `role`'s process mid-run: the orchestrator's log names it (a line with all of
+    `names`, timed from the kill), `back` appears where the replacement says so, the run goes on."""
+    pid = run.pid(role)
+    names = [n.format(pid=pid) for n in names]
+    mark = len(run.log("orchestrator"))
+    os.kill(pid, signal.SIGKILL)
+
+    def named() -> str | None:
+        new = _new_lines(run.log("orchestrator"), mark).splitlines()
+        return next((x for x in new if all(n in x for n in names)), None)
+
+    took = _until(lambda: named() is not None, BOUND + 60, f"the orchestrator naming the killed {component}")
+    line = named()
+    if back is not None:
+        _until(lambda: back in run.log("orchestrator")[mark:], DOWN_S + 120, f"the {component} back")
+    run.wait_steps(2)
+    assert run.pid(role) != pid
+    ROWS.append(
+        {
+            "component": component,
+            "fault": "kill -9",
+            "named_s": round(took, 1),
+            "named_by": "orchestrator",
+            "line": (line or "-").split("] ", 1)[-1][:220],
+            "outcome": "replaced like a dead one (its rollouts errored, counted); run goes on",
+        }
+    )
+
+
 def frozen_env_worker_replaced(run: Run) -> None:
     """An env worker stopped past 2x the bound: its env server kills it and starts another, as for a
     dead one; the rollouts it held are errored (counted), the run goes on."""
@@ -282,6 +313,23 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
         )
         frozen_env_worker_replaced(run)
         frozen_env_server_restarted(run)
+        # Every other component frozen briefly (under the bound): not a stall, the run goes on.
+        for component, role, namer in (
+            ("trainer", "trainer", "orchestrator"),
+            ("orchestrator", "orchestrator", "trainer"),
+            ("env worker", "env-worker", "orchestrator"),
+            ("env server", "env-server", "orchestrator"),
+        ):
+            freeze(run, component, role, namer, [], past=False)
+        # kill -9 of each component the run survives: named, replaced, the run goes on.
+        killed(run, "env worker", "env-worker", ["env worker 0 (pid {pid}) died", "signal 9"])
+        killed(
+            run,
+            "env server",
+            "env-server",
+            ["env server for train env 'reverse-text' died", "(it was pid {pid})"],
+        )
+        killed(run, "inference server", "inference", ["inference server 0", "is down"], "is back (pid")
         # The bus directory unwritable for a while, then its disk full: the writer names the path
         # and the cause at once, retries, and the batch is written once it clears.
         rollouts, undo = run.paths.rollouts_dir, []
