@@ -4,9 +4,11 @@
 # outcome, data check. About 7 minutes on 2 CPU cores (as root: tmpfs and chattr cases).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+[ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}  # the project's venv (scripts/setup.sh) when there is one
 table=$(mktemp)
-HPCRL_FAULT_TABLE="$table" python -m pytest -q -m slow tests/integration/test_fault_matrix.py -p no:cacheprovider "$@"
-python - "$table" <<'PY'
+HPCRL_FAULT_TABLE="$table" "$PY" -m pytest -q -m slow tests/integration/test_fault_matrix.py -p no:cacheprovider "$@"
+"$PY" - "$table" <<'PY'
 import re, sys
 from pathlib import Path
 doc = Path("docs/fault_matrix.md")
