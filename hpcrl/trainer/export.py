@@ -179,18 +179,12 @@ def _set_config_dtype(path: Path, dtype: str) -> None:
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The warm start's weights (master dtype for a checkpoint): an HF directory's safetensors, or a
     checkpoint step directory's sharded trainer state (hpcrl.warm_start names either)."""
-    from safetensors.torch import load_file
+    from hpcrl.models.load import read_hf_dir
 
     p = Path(path)
     if (p / "trainer" / "rank_0.json").is_file() or (p / "rank_0.json").is_file():
         return dict(checkpoint_tensors(p, dtype=None))
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
-    if not files:
-        raise ValueError(f"ckpt.warm_start: {path} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    return read_hf_dir(str(p))
 
 
 def main(argv: list[str]) -> int:
