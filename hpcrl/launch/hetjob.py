@@ -438,26 +438,36 @@ def requeue_now(job_id: str) -> None:
     release_now(job_id)
 
 
-def release_now(job_id: str, wait_s: float = 20.0) -> bool:
+def release_now(job_id: str, wait_s: float = 20.0, settle_s: float = 2.0) -> bool:
     """Clear the requeue delay (EligibleTime) of a requeued job so the scheduler starts it now.
 
     The components of a hetjob are requeued one after the other, and each requeue pushes the
     begin time ~120 s out again; so wait until every component is PENDING, then set StartTime=now
     until no component waits for its begin time. False when that did not happen within `wait_s`.
+
+    SLURM's hold is there for a reason: the nodes revoke the credential of the killed instance,
+    and a new start whose credential dates from the same second is refused ("Job credential
+    revoked") and ends the job for good. So the begin time is cleared only `settle_s` after every
+    component was first seen PENDING.
     """
     deadline = time.monotonic() + wait_s
+    pending_since: float | None = None
     while time.monotonic() < deadline:
         comps = _components(job_id)
         if comps and all(c.get("JobState") == "PENDING" for c in comps):
             if not any(c.get("Reason") == "BeginTime" for c in comps):
                 return True
-            subprocess.run(
-                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                check=False,
-                capture_output=True,
-                timeout=30,
-            )
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since >= settle_s:
+                subprocess.run(
+                    ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                    check=False,
+                    capture_output=True,
+                    timeout=30,
+                )
         elif comps and any(c.get("JobState") == "RUNNING" for c in comps):
             return True
+        else:
+            pending_since = None
         time.sleep(0.5)
     return False

@@ -168,7 +168,8 @@ def test_usr2_checkpoints_then_requeues(cluster, jobs, tmp_path):
     wait_for(lambda: (out / "checkpoint.0").exists(), 30, "the trainer to checkpoint on USR2")
     wait_for(lambda: restarts(jid) >= 1, 30, "the job to requeue itself")
     # SLURM would hold a requeued job ~120 s (EligibleTime); the components requeue one after the
-    # other, which on a loaded machine took longer than release_now's default 20 s once.
+    # other, which on a loaded machine took longer than release_now's default 20 s once; release_now
+    # clears the hold only 2 s after, as a start in the second of the kill is refused for good.
     assert release_now(jid, wait_s=90)
     wait_for(lambda: (out / "start.1").exists(), 60, "the requeued job to start again")
     log = (tmp_path / "slurm" / f"hetjob_{jid}.log").read_text()
