@@ -4,19 +4,19 @@
 #   bash scripts/check_base_install.sh          # ~1-2 min; leaves nothing behind
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PYTHON:-python3}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$PY" -m venv "$WORK/venv"
+. "$REPO/scripts/pip.sh"  # make_venv, pip_into: uv when it can be had, else pip
+make_venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
 # CPU torch first: an unpinned torch would pull a multi-GB CUDA build (ENVIRONMENT.md).
-"$VPY" -m pip install -q "torch==${HPCRL_TORCH_VERSION:-2.13.0}"
+pip_into "$VPY" "torch==${HPCRL_TORCH_VERSION:-2.13.0}"
 # A copy of the source, installed non-editable: only what the wheel really ships is importable.
 mkdir "$WORK/src"
 # Only the source: the venvs (.venv-vllm is 3.5 GB), caches and outputs stay behind.
 tar -C "$REPO" --exclude='./.venv*' --exclude=./.cache --exclude=./outputs --exclude=./.git -cf - . | tar -C "$WORK/src" -xf -
-"$VPY" -m pip install -q "$WORK/src"
+pip_into "$VPY" "$WORK/src"
 cd "$WORK"  # not the repo: `import hpcrl` must find the installed package
 HPCRL="$WORK/venv/bin/hpcrl"
 "$VPY" -c "import hpcrl, sys; assert '$WORK/venv' in hpcrl.__file__, hpcrl.__file__"

@@ -12,12 +12,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+. scripts/pip.sh  # pip_into: uv when it can be had, else pip
 if ! python -c "import torch" 2>/dev/null; then
-  pip install -q "torch==${HPCRL_TORCH_VERSION:-2.13.0}"
+  pip_into .venv/bin/python "torch==${HPCRL_TORCH_VERSION:-2.13.0}"
 fi
 if ! python -c "import hpcrl, pytest, xdist, verifiers, openai, peft, gepa" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.hpcrl-installed ]; then
-  pip install -q -e '.[dev,verifiers]'
+  pip_into .venv/bin/python -e '.[dev,verifiers]'
   touch .venv/.hpcrl-installed
 fi
 python - <<'PY'

@@ -8,7 +8,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HPCRL_VF03_VENV:-.venv-vf03}
 TORCH_VERSION=${HPCRL_TORCH_VERSION:-2.13.0}
-PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 start=$(date +%s)
 stamp=$(cat scripts/verifiers03_check.sh pyproject.toml | sha256sum | cut -d' ' -f1)
@@ -29,9 +28,10 @@ if [ -x "$vpy" ] && [ "$(cat "$VENV/.hpcrl-stamp" 2>/dev/null)" = "$stamp" ] && 
   echo "verifiers 0.3 venv $VENV: up to date"
 else
   echo "verifiers 0.3 venv $VENV: installing (CPU torch $TORCH_VERSION, hpcrl[dev,verifiers03])"
-  [ -x "$vpy" ] || "$PY" -m venv "$VENV"
+  . scripts/pip.sh
+  [ -x "$vpy" ] || make_venv "$VENV"
   rm -f "$VENV/.hpcrl-stamp"
-  pip_() { "$vpy" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }; }
+  pip_() { pip_into "$vpy" "$@"; }
   pip_ "torch==$TORCH_VERSION"  # first: nothing below may pull a CUDA build
   pip_ -e '.[dev,verifiers03]'
   venv_complete || { echo "error: $VENV is still incomplete after installing (see pip output above)" >&2; exit 1; }

@@ -11,7 +11,6 @@ cd "$(dirname "$0")/.."
 VENV=${HPCRL_VLLM_VENV:-.venv-vllm}
 VLLM_VERSION=${HPCRL_VLLM_VERSION:-0.33.0}
 TORCH_VERSION=${HPCRL_TORCH_VERSION:-2.13.0}
-PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 # vLLM picks its platform at import time; without this it looks for CUDA and degrades to "unspecified".
 export VLLM_TARGET_DEVICE=cpu
@@ -35,11 +34,12 @@ if [ -x "$vpy" ] && [ "$(cat "$VENV/.hpcrl-stamp" 2>/dev/null)" = "$stamp" ] && 
   echo "vllm conformance venv $VENV: up to date (vllm $VLLM_VERSION, torch $TORCH_VERSION)"
 else
   echo "vllm conformance venv $VENV: installing (vllm $VLLM_VERSION without deps, CPU torch $TORCH_VERSION)"
-  [ -x "$vpy" ] || "$PY" -m venv "$VENV"
+  . scripts/pip.sh
+  [ -x "$vpy" ] || make_venv "$VENV"
   rm -f "$VENV/.hpcrl-stamp"
   # The package mirror's find-links entries make pip warn once per package: noise, filtered out.
   # pip's closing "dependency conflicts" list (the CUDA packages left out, torch 2.13 vs 2.14) is expected.
-  pip_() { "$vpy" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }; }
+  pip_() { pip_into "$vpy" "$@"; }
   # torch first and pinned: anything below that names torch must not pull a multi-GB CUDA build.
   pinned=$(mktemp)
   trap 'rm -f "$pinned" "${reqs:-}"' EXIT
