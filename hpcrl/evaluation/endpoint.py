@@ -135,13 +135,12 @@ def _tail(child: Child, chars: int = 2000) -> str:
 
 def load_tokenizer(model: str, client: ClientConfig, trust_remote_code: bool) -> Any:
     """The tokenizer rollouts use for prompt lengths and exact multi-turn stitching."""
-    from transformers import AutoTokenizer
-
     from hpcrl.models.resolve import resolve_model
+    from hpcrl.models.tokenizer import load_tokenizer as load
 
     name = client.tokenizer or model
     try:
-        return AutoTokenizer.from_pretrained(resolve_model(name), trust_remote_code=trust_remote_code)
+        return load(resolve_model(name), trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any loading failure is the same user error
         field = "client.tokenizer" if client.tokenizer else "model"
         raise ConfigError(

@@ -109,7 +109,9 @@ class HFEngine:
         device: str | None = None,
         trust_remote_code: bool = False,
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from hpcrl.models.tokenizer import load_tokenizer
 
         if device is None:
             from hpcrl.runtime import use_cuda
@@ -122,7 +124,7 @@ class HFEngine:
         if dtype != "auto":
             kwargs["dtype"] = _DTYPES[dtype]
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            self.tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
             self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(self.device).eval()
         except (OSError, ValueError) as e:  # a user error (wrong path / hub id offline): one line, exit 2
             raise ConfigError("model.name", f"cannot load {model_path!r}: {str(e).splitlines()[0]}") from e

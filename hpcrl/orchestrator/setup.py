@@ -405,11 +405,8 @@ def load_renderers(cfg: Config, tokenizer: Any) -> Any:
 
 
 def load_tokenizer(cfg: Config) -> Any:
-    from transformers import AutoTokenizer
-
     from hpcrl.models.resolve import resolve_model
+    from hpcrl.models.tokenizer import load_tokenizer as load
 
     model = cfg.orchestrator.model or cfg.model
-    return AutoTokenizer.from_pretrained(
-        resolve_model(model.name or ""), trust_remote_code=model.trust_remote_code
-    )
+    return load(resolve_model(model.name or ""), trust_remote_code=model.trust_remote_code)

@@ -147,9 +147,9 @@ def local_tokenizer_loader(model_name: str) -> Callable[[], Any] | None:
             from hpcrl.models.tiny import build_tokenizer
 
             return build_tokenizer(BUILTIN_MODELS[model_name].partition(":")[2] or "chatml")
-        from transformers import AutoTokenizer
+        from hpcrl.models.tokenizer import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(model_name)
+        return load_tokenizer(model_name)
 
     return load
 

@@ -37,9 +37,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def load_tokenizer(path: str | os.PathLike[str], trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
+    from hpcrl.models.tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return load(path, trust_remote_code=trust_remote_code)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
