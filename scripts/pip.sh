@@ -58,7 +58,7 @@ pip_into() {
     settings=$(_pip_settings_for_uv)
     eval "\"\$uv\" pip install -q --python \"\$py\" $settings \"\$@\""
   else
-    "$py" -m pip --version >/dev/null 2>&1 || "$py" -m ensurepip -q  # a venv uv made has no pip
+    "$py" -m pip --version >/dev/null 2>&1 || "$py" -m ensurepip >/dev/null  # a venv uv made has no pip
     "$py" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
   fi
 }
