@@ -2,7 +2,7 @@
 # One installer for every venv the scripts build (sourced, not run):
 #   . scripts/pip.sh; make_venv VENV; pip_into VENV/bin/python ARGS...   # ARGS as for `pip install`
 # uv (installed from PyPI into the main venv, .venv) resolves, downloads and unpacks in parallel: the
-# main venv's install took 170 s with pip and 12 s with uv on this 2-core machine. It reads none of
+# main venv's install took 170 s with pip and 12 s with uv on this 2-core machine (plus the .pyc). It reads none of
 # pip's configuration, so the machine's pip find-links and constraint files are handed to it. Falls
 # back to pip when uv cannot be had (HPCRL_NO_UV=1 forces pip). Both drop the package mirror's
 # one-warning-per-package noise.
@@ -56,7 +56,9 @@ pip_into() {
   if [ -n "$uv" ]; then
     local settings
     settings=$(_pip_settings_for_uv)
-    eval "\"\$uv\" pip install -q --python \"\$py\" $settings \"\$@\""
+    # --compile-bytecode: as pip does. Without it no module has a .pyc, and where
+    # PYTHONDONTWRITEBYTECODE=1 (this machine sets it) every process compiles torch from source.
+    eval "\"\$uv\" pip install -q --compile-bytecode --python \"\$py\" $settings \"\$@\""
   else
     "$py" -m pip --version >/dev/null 2>&1 || "$py" -m ensurepip >/dev/null  # a venv uv made has no pip
     "$py" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
