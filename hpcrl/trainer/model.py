@@ -31,15 +31,10 @@ from hpcrl.models.load import (  # noqa: F401 - re-exported: tests, scripts and 
     parse_dtype,
 )
 from hpcrl.models.spec import load_model  # noqa: F401 - re-exported, as above
+from hpcrl.models.tokenizer import load_tokenizer  # noqa: F401 - re-exported: the trainer-side name tests use
 
 _PEFT_PREFIX = "base_model.model."
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-
-
-def load_tokenizer(path: str | os.PathLike[str], trust_remote_code: bool = False) -> Any:
-    from hpcrl.models.tokenizer import load_tokenizer as load
-
-    return load(path, trust_remote_code=trust_remote_code)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
