@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 
 from hpcrl.net import free_port
 from hpcrl.runtime import rank_env
+from tests.integration.ranks import start_rank
 
 REPO = Path(__file__).resolve().parents[2]
 LENS = [9, 5, 12, 3, 7, 8]
@@ -36,7 +36,7 @@ STEPS = 2
 ATOL = 1e-5
 
 
-def _launch(world: int, model_dir: Path, out: Path, impl: str = "hf", ep: int = 1) -> list[subprocess.Popen]:
+def _launch(world: int, model_dir: Path, out: Path, impl: str = "hf", ep: int = 1) -> list:
     port = free_port()
     procs = []
     for rank in range(world):
@@ -46,15 +46,8 @@ def _launch(world: int, model_dir: Path, out: Path, impl: str = "hf", ep: int = 
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         )
-        log = open(out.parent / f"{out.name}.rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(model_dir), str(out), impl, str(ep)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
+        log = out.parent / f"{out.name}.rank{rank}.log"
+        procs.append(start_rank(__file__, [str(model_dir), str(out), impl, str(ep)], env, str(log)))
     return procs
 
 
