@@ -105,47 +105,40 @@ def panels(records: list[dict[str, Any]]) -> list[Panel]:
 
 
 def render(panel: Panel, path: Path) -> Path:
-    """Draw one panel into a PNG at `path`."""
-    import matplotlib
+    """Draw one panel into a PNG at `path`. Matplotlib's object API on the Agg canvas: no pyplot (its
+    import and figure manager cost a short run's launcher about a CPU-second), fixed margins instead
+    of tight_layout."""
+    from matplotlib import rcParams
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    try:
-        ax.set_title(panel.title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(panel.ylabel)
-        if not panel.has_data:
-            ax.text(
-                0.5,
-                0.5,
-                "no data",
-                ha="center",
-                va="center",
-                fontsize=16,
-                color="gray",
-                transform=ax.transAxes,
-            )
-        axes = {0: ax}
-        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        for i, s in enumerate(s for s in panel.series if s.steps):
-            if s.axis not in axes:
-                axes[s.axis] = ax.twinx()
-                axes[s.axis].set_ylabel(panel.ylabel2)
-            axes[s.axis].plot(
-                s.steps, s.values, s.style, label=s.label, color=colors[i % len(colors)], markersize=3
-            )
-        handles = [h for a in axes.values() for h in a.get_legend_handles_labels()[0]]
-        if handles:
-            ax.legend(handles=handles, fontsize=8, loc="best")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        png = io.BytesIO()
-        fig.savefig(png, format="png")
-        write_atomic(path, [png.getbuffer()], durable=False)  # a viewer refreshing never sees half a PNG
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    fig.subplots_adjust(left=0.11, right=0.87 if panel.ylabel2 else 0.96, top=0.91, bottom=0.13)
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(panel.ylabel)
+    if not panel.has_data:
+        ax.text(
+            0.5, 0.5, "no data", ha="center", va="center", fontsize=16, color="gray", transform=ax.transAxes
+        )
+    axes = {0: ax}
+    colors = rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, s in enumerate(s for s in panel.series if s.steps):
+        if s.axis not in axes:
+            axes[s.axis] = ax.twinx()
+            axes[s.axis].set_ylabel(panel.ylabel2)
+        axes[s.axis].plot(
+            s.steps, s.values, s.style, label=s.label, color=colors[i % len(colors)], markersize=3
+        )
+    handles = [h for a in axes.values() for h in a.get_legend_handles_labels()[0]]
+    if handles:
+        ax.legend(handles=handles, fontsize=8, loc="best")
+    ax.grid(alpha=0.3)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    write_atomic(path, [png.getbuffer()], durable=False)  # a viewer refreshing never sees half a PNG
     return path
 
 
