@@ -213,6 +213,31 @@ def resolve_resume_step(paths: RunPaths, requested: int) -> int:
     return requested
 
 
+def clear_after(paths: RunPaths, step: int, tag: str) -> tuple[list[int], list[int]]:
+    """Before a launch resumes from `step` (0: a fresh start in a used directory), take away every
+    step_M directory with M > step: they are the interrupted launch's. Left in place, a part of one
+    (the orchestrator runs a step ahead of the trainer, so step N+1's orchestrator part is often
+    DONE) and the resumed launch's other part of the same step would be finalized together: a
+    COMPLETE mixing two launches' states, which the next resume would trust (a prompt skipped).
+    Incomplete ones are deleted (COMPLETE-less, nothing can resume from them); complete ones (an
+    explicit older --step) move to checkpoints/moved_aside/<tag>/, nothing of them lost.
+    Returns (deleted, moved) steps."""
+    deleted, moved = [], []
+    for s in list_steps(paths):
+        if s <= step:
+            continue
+        src = paths.checkpoint_dir(s)
+        if paths.complete_file(s).is_file():
+            dst = paths.checkpoints_moved_aside_dir(tag) / src.name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            moved.append(s)
+        else:
+            shutil.rmtree(src, ignore_errors=True)
+            deleted.append(s)
+    return deleted, moved
+
+
 def retention_keep(steps: list[int], keep_last: int | None, keep_interval: int | None) -> set[int]:
     """Pure: which complete steps to keep (newest keep_last, plus every keep_interval-th)."""
     if keep_last is None:

@@ -14,6 +14,7 @@ Nobody else joins path strings for run files. Layout (docs/architecture.md §4):
                                orchestrator's order to a server's keepalive to kill frozen pid
       broadcasts/step_N/       filesystem weight broadcast, cleaned behind
       checkpoints/step_N/{trainer,orchestrator}/ + COMPLETE
+      checkpoints/moved_aside/<tag>/step_N/  complete checkpoints newer than a resumed one
       weights/step_N/          HF model dir
       logs/{trainer,orchestrator,inference}.log, logs/envs/{train,eval}/<env>.log, logs/slurm/
       metrics.jsonl
@@ -188,6 +189,9 @@ class RunPaths:
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints_dir / f"step_{step}"
+
+    def checkpoints_moved_aside_dir(self, tag: str) -> Path:
+        return self.checkpoints_dir / "moved_aside" / tag
 
     def trainer_ckpt_dir(self, step: int) -> Path:
         return self.checkpoint_dir(step) / "trainer"

@@ -1,6 +1,7 @@
 """What every (re)start of a run directory does before its roles start, shared by `hpcrl run`,
 `hpcrl resume`, `hpcrl submit` and the batch script's `prepare-resume`: validate the checkpoint to
-resume from, move bus files newer than it aside, forget addresses of processes that are gone.
+resume from, move bus files and checkpoint directories newer than it aside, forget addresses of
+processes that are gone.
 
 The `hpcrl resume` command itself is hpcrl/launch/resume.py; it imports the launchers, which import
 this module (never the other way round).
@@ -31,15 +32,29 @@ def clear_stale_addresses(paths: RunPaths) -> None:
 
 
 def move_bus_aside(paths: RunPaths, step: int) -> list:
-    """Move bus files newer than `step` aside (they belong to steps that are generated again), and the
-    announcement of policy `step`, which the resumed trainer publishes again from the checkpoint."""
+    """Move what the interrupted launch wrote after `step` aside: bus files newer than it, the
+    announcement of policy `step` (the resumed trainer publishes it again from the checkpoint), and
+    checkpoint directories newer than it (checkpoint.clear_after: incomplete ones deleted, complete
+    ones kept under checkpoints/moved_aside/). Returns the bus files' new locations."""
     from hpcrl.bus import Bus
 
+    tag = f"resume_{step}_{int(time.time())}"
     bus = Bus(paths, role="launcher", listen=False)
     try:
-        return bus.move_aside_after(step, tag=f"resume_{step}_{int(time.time())}", republished=True)
+        moved = bus.move_aside_after(step, tag=tag, republished=True)
     finally:
         bus.close()
+    deleted, kept = checkpoint.clear_after(paths, step, tag)
+    if deleted or kept:
+        print(
+            f"hpcrl: checkpoint dir(s) newer than step {step}: "
+            + ", ".join(
+                [f"step_{s} (incomplete) removed" for s in deleted]
+                + [f"step_{s} moved to {paths.checkpoints_moved_aside_dir(tag)}" for s in kept]
+            ),
+            flush=True,
+        )
+    return moved
 
 
 def check_old_policies(cfg: Config, paths: RunPaths, step: int) -> None:
@@ -72,9 +87,9 @@ def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
     """If the config asks to resume, validate the checkpoint, move newer bus files aside and return
     the flags that pin every role to that exact step; else []."""
     if cfg.ckpt is None or cfg.ckpt.resume_step is None:
-        if any(paths.bus_dir.glob("*/*")):
+        if any(paths.bus_dir.glob("*/*")) or checkpoint.list_steps(paths):
             # A fresh run in a used directory (as `hpcrl prepare-resume` starts a fresh SLURM job):
-            # the old run's rollouts, policies and stop announcements are not this run's.
+            # the old run's rollouts, policies, stop announcements and checkpoints are not this run's.
             moved = move_bus_aside(paths, 0)
             if moved:
                 print(

@@ -181,3 +181,27 @@ def test_retention_never_deletes_the_checkpoint_a_resume_would_pick(paths: RunPa
     (paths.trainer_ckpt_dir(6) / "state.bin").unlink()
     assert ck.apply_retention(paths, keep_last=1, keep_interval=None) == [2]
     assert ck.list_steps(paths) == [4, 6] and ck.resolve_resume_step(paths, -1) == 4
+
+
+def test_clear_after_takes_away_every_newer_step_dir(paths: RunPaths) -> None:
+    """A killed launch leaves step 3 half written (the orchestrator, a step ahead, already DONE) and
+    an explicit older resume finds step 4 complete: after clear_after(2) the resumed trainer's part of
+    step 3 can never be finalized with the dead launch's orchestrator part (a mixed COMPLETE)."""
+    for s in (1, 2, 4):
+        _save(paths, s)
+    d = ck.begin_part(paths, 3, "orchestrator")
+    (d / "state.bin").write_bytes(b"old launch")
+    ck.mark_part_done(paths, 3, "orchestrator")
+    deleted, moved = ck.clear_after(paths, 2, "resume_2_1")
+    assert (deleted, moved) == ([3], [4])
+    assert ck.list_steps(paths) == [1, 2] and ck.latest_complete(paths) == 2
+    kept = paths.checkpoints_moved_aside_dir("resume_2_1") / "step_4"
+    assert (kept / "COMPLETE").is_file() and (
+        kept / "trainer" / "state.bin"
+    ).read_bytes() == b"weightstrainer"
+    # The resumed launch writes its trainer part of step 3: alone it is not a checkpoint.
+    d = ck.begin_part(paths, 3, "trainer")
+    ck.mark_part_done(paths, 3, "trainer")
+    assert ck.finalize_when_ready(paths, 3, ck.PARTS, trainer_ranks=None, timeout=0.3) is None  # type: ignore[arg-type]
+    assert ck.clear_after(paths, 5, "x") == ([], [])  # nothing newer: nothing touched
+    assert ck.list_steps(paths) == [1, 2, 3]

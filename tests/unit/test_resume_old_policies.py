@@ -60,3 +60,38 @@ def test_not_deterministic_or_no_lag_needs_nothing(tmp_path: Path, paths: RunPat
     check_old_policies(
         config(tmp_path, "--deterministic", "true", "--orchestrator.max-async-level", "0"), paths, 10
     )
+
+
+def _checkpoint(paths: RunPaths, step: int, parts: tuple[str, ...] = ("trainer", "orchestrator")) -> None:
+    from hpcrl import checkpoint as ck
+
+    for part in parts:
+        ck.begin_part(paths, step, part)
+        ck.mark_part_done(paths, step, part)
+    if len(parts) == 2:
+        ck.write_complete(paths, step)
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_restart_takes_away_the_dead_launchs_newer_checkpoint_dirs(
+    tmp_path: Path, paths: RunPaths, resume: bool, capsys
+) -> None:
+    """`hpcrl resume --step -1` after a kill that left step 3's orchestrator part DONE (the orchestrator
+    runs ahead): step_3 goes, so the resumed trainer's part of it is never finalized with the dead
+    launch's. A fresh run in the used directory keeps nothing of the old run's checkpoints in place
+    (a later resume would pick the old run's newest); complete ones are moved aside, not deleted."""
+    from hpcrl import checkpoint as ck
+    from hpcrl.launch.restart import prepare_resume
+
+    _checkpoint(paths, 2)
+    _checkpoint(paths, 3, parts=("orchestrator",))
+    flags = ["--ckpt.resume-step", "-1"] if resume else []
+    args = prepare_resume(config(tmp_path, *flags), paths)
+    out = capsys.readouterr().out
+    assert "step_3 (incomplete) removed" in out
+    if resume:
+        assert args == ["--ckpt.resume-step", "2"] and ck.list_steps(paths) == [2]
+    else:
+        assert args == [] and ck.list_steps(paths) == []
+        (aside,) = paths.checkpoints_dir.glob("moved_aside/*/step_2")
+        assert (aside / "COMPLETE").is_file() and "step_2 moved to" in out
