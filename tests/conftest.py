@@ -139,7 +139,8 @@ def inference_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
 
 
 # Test files whose items use a module-scoped fixture but are spread over both workers on purpose: each
-# reliability trial is its own item so the 20 trials run on both workers (the reference run twice).
+# reliability chain is its own item so the chains run on both workers (they share one reference run
+# through a file lock).
 _SPREAD = {"tests/integration/test_reliability.py"}
 
 
