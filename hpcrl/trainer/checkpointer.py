@@ -112,7 +112,7 @@ class Checkpointer:
         return force or checkpoint.is_due(step, self.max_steps, self.cfg.interval)
 
     def adapter_due(self, step: int) -> bool:
-        from hpcrl.trainer.model import is_peft_model
+        from hpcrl.models.load import is_peft_model
 
         c = self.cfg
         if c is None or not c.adapter_interval or not is_peft_model(self.tr.model):
@@ -176,7 +176,7 @@ class Checkpointer:
         if self._hf is None:
             assert self.cfg is not None
             tr = self.tr
-            from hpcrl.trainer.model import parse_dtype
+            from hpcrl.models.load import parse_dtype
 
             size = sum(p.numel() for p in tr.model.parameters()) * parse_dtype(tr.precision.compute).itemsize
             self._hf = checkpoint.writes_hf_weights(self.cfg.hf_weights, self.cfg.weights_only, size)
@@ -191,7 +191,8 @@ class Checkpointer:
         return self._hf
 
     def _save_weights(self, step: int) -> None:
-        from hpcrl.trainer.model import is_peft_model, save_adapter
+        from hpcrl.models.load import is_peft_model
+        from hpcrl.trainer.model import save_adapter
         from hpcrl.trainer.stream import export_hf_streamed
 
         if not self.writes_hf_weights():

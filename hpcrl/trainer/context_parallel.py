@@ -28,7 +28,7 @@ from torch import Tensor
 
 from hpcrl.bus.messages import SAMPLE_FIELDS, TOKEN_FIELDS, compact_routes
 from hpcrl.models.chunked import DEFAULT_CHUNK, can_chunk, head_logprobs, kept_logits, vocab_parallel
-from hpcrl.models.parallelize import CPGroup, make_cp_group  # noqa: F401 - the cp "mesh", re-exported
+from hpcrl.models.parallelize import CPGroup
 from hpcrl.models.ring_attention import CPBatch
 from hpcrl.trainer.packing import ForwardOutput, PackedBatch, next_token_logprobs, sample_starts
 

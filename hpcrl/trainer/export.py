@@ -98,7 +98,7 @@ def checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's weights under their HF names, one tensor at a time. `dtype`: "policy" (what
     the run published: its compute dtype), None (the master weights as saved), or a dtype name."""
-    from hpcrl.trainer.model import parse_dtype
+    from hpcrl.models.load import parse_dtype
     from hpcrl.trainer.state import _open_layouts, _Saved
 
     d = trainer_dir(step_dir)

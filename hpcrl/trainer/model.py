@@ -1,6 +1,5 @@
-"""The tokenizer, and export of Hugging Face weights (the trained model is built by its family spec,
-:mod:`hpcrl.models.spec`; ``load_model``, ``LoraParams``, ``apply_lora`` and ``parse_dtype`` are
-re-exported here from :mod:`hpcrl.models` for the callers that load a model by hand).
+"""Export of Hugging Face weights and LoRA adapters from a trained model (the model itself is built by
+its family spec, :mod:`hpcrl.models.spec`; the tokenizer is :mod:`hpcrl.models.tokenizer`).
 
 ``hf_named_tensors`` is the single source of "the policy's weights by Hugging Face name": the
 weight broadcast and ``export_hf`` both read it, so inference always loads exactly what the trainer
@@ -22,16 +21,7 @@ from torch import nn
 
 from hpcrl.fileio import atomic_dir
 from hpcrl.models.embeddings import base_model, lm_head
-from hpcrl.models.load import (  # noqa: F401 - re-exported: tests, scripts and benchmarks load by hand
-    LoraParams,
-    apply_lora,
-    default_attn_impl,
-    enable_checkpointing,
-    is_peft_model,
-    parse_dtype,
-)
-from hpcrl.models.spec import load_model  # noqa: F401 - re-exported, as above
-from hpcrl.models.tokenizer import load_tokenizer  # noqa: F401 - re-exported: the trainer-side name tests use
+from hpcrl.models.load import is_peft_model, parse_dtype
 
 _PEFT_PREFIX = "base_model.model."
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3

@@ -97,7 +97,7 @@ class PolicyPublisher:
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_sync_bytes` is what
         travelled (metric weights/sync_bytes)."""
-        from hpcrl.trainer.model import is_peft_model
+        from hpcrl.models.load import is_peft_model
 
         # The first policy of a process goes in full (merged): the servers' base must be this trainer's
         # base (a warm start changes it); after that only the adapter changes.

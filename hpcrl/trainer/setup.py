@@ -14,7 +14,7 @@ from hpcrl.models import spec as model_spec
 from hpcrl.models.chunked import chunk_rows
 from hpcrl.models.embeddings import base_model, lm_head
 from hpcrl.models.parallelize import CPGroup, make_cp_group
-from hpcrl.trainer import model as model_lib
+from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.trainer import optim as optim_lib
 from hpcrl.trainer import parallel, precision
 from hpcrl.trainer.loss import LossParams
@@ -88,7 +88,7 @@ def build_training(
     prec = precision.of_model(model_cfg, on_gpu=device.type == "cuda")
     path = resolve_model(model_cfg.name or "", field="trainer.model.name")
     model = build_model(path, model_cfg, prec, device, warm_start, meta_init=meta_init, cp=cp)
-    tokenizer = model_lib.load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
     optimizer = optim_lib.build_optimizer(
         model,
         optim_cfg.type,

@@ -323,7 +323,7 @@ def make_model(source: str, dev: torch.device, ac: bool, offload: bool = False) 
         model.activation_checkpointing = ac
         model.activation_offload = offload
         return model
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
     return load_model(source, dtype, dev, attn_impl="sdpa", impl="custom", activation_checkpointing=ac)

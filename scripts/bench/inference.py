@@ -91,7 +91,9 @@ async def sync_rows(c, model_dir: Path, tmp: Path, args: argparse.Namespace) -> 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from hpcrl.trainer.model import LoraParams, apply_lora, load_model, merged_state_dict, save_adapter
+    from hpcrl.models.load import LoraParams, apply_lora
+    from hpcrl.models.spec import load_model
+    from hpcrl.trainer.model import merged_state_dict, save_adapter
     from hpcrl.weights.checksum import state_dict_checksum
 
     model = apply_lora(load_model(model_dir), LoraParams(rank=args.lora_rank, alpha=2.0 * args.lora_rank))

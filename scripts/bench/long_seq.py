@@ -145,8 +145,8 @@ def one_step(
     """Run in a fresh process (rank of a process group for cp): build, then one measured step."""
     import torch
 
+    from hpcrl.models.spec import load_model
     from hpcrl.trainer import parallel
-    from hpcrl.trainer.model import load_model
     from hpcrl.trainer.packing import PackedBatch, forward_packed
 
     torch.manual_seed(0)
@@ -157,8 +157,8 @@ def one_step(
     group = None
     attn = None
     if cp > 1:
+        from hpcrl.models.parallelize import make_cp_group
         from hpcrl.models.ring_attention import register_hf
-        from hpcrl.trainer.context_parallel import make_cp_group
 
         parallel.init_distributed(device)
         group = make_cp_group(cp)

@@ -55,7 +55,7 @@ def one_step(impl: str, preset: str) -> dict:
     """Runs in its own process (peak memory is per process)."""
     import torch
 
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if dev == "cuda" else "float32"
@@ -108,8 +108,8 @@ def ep_worker(out: str) -> None:
 
     from hpcrl.models import parallelize as mp
     from hpcrl.models.qwen3.parallelize import apply_ep
+    from hpcrl.models.spec import load_model
     from hpcrl.trainer import parallel as par
-    from hpcrl.trainer.model import load_model
     from hpcrl.trainer.moe_metrics import collect
 
     env = par.init_distributed(torch.device("cpu"))

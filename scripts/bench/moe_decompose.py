@@ -147,7 +147,7 @@ def decompose(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     device: str = "cpu",
 ) -> list[dict[str, Any]]:
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
     from hpcrl.trainer.packing import forward_packed
 
     torch.manual_seed(0)
@@ -183,7 +183,7 @@ def bitwise(preset_dir: str, device: str, lens: tuple[int, ...] = (24, 40, 64, 3
     whole vocabulary, the largest logprob difference and the share of bit-identical logprobs."""
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     hf = AutoModelForCausalLM.from_pretrained(preset_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     hf = hf.to(device).eval()

@@ -87,11 +87,12 @@ def worker(model_dir: str, out: str, mode: str = "ring") -> None:
     import torch
 
     from hpcrl.models import ulysses
+    from hpcrl.models.parallelize import make_cp_group
     from hpcrl.models.parallelize import parallelize as shard_model
     from hpcrl.models.ring_attention import register_hf
+    from hpcrl.models.spec import load_model
     from hpcrl.trainer import parallel
-    from hpcrl.trainer.context_parallel import forward_cp, make_cp_group, restrict
-    from hpcrl.trainer.model import load_model
+    from hpcrl.trainer.context_parallel import forward_cp, restrict
     from hpcrl.trainer.packing import forward_packed, micro_batches
 
     parallel.init_distributed(torch.device("cpu"))

@@ -190,10 +190,11 @@ def _worker(model_dir: str, out: str, impl: str, ep: int) -> None:
     import torch
 
     from hpcrl.models import parallelize as mp
+    from hpcrl.models.spec import load_model
     from hpcrl.trainer import optim
     from hpcrl.trainer import parallel as par
     from hpcrl.trainer.loss import LossParams, add_stats, compute_loss, stack_stats, summarize, unstack_stats
-    from hpcrl.trainer.model import export_hf, load_model
+    from hpcrl.trainer.model import export_hf
     from hpcrl.trainer.packing import PackedBatch, dummy_micro_batch, forward_packed, micro_batches
 
     env = par.init_distributed(torch.device("cpu"))

@@ -89,8 +89,10 @@ def test_lora_over_gloo_broadcasts_only_the_adapter(tiny_model_dir: Path, tmp_pa
     from hpcrl.bus import Bus
     from hpcrl.bus.messages import ADAPTER_NAME
     from hpcrl.inference.client import InferenceClient, WeightSyncError
+    from hpcrl.models.load import LoraParams
+    from hpcrl.models.spec import load_model
     from hpcrl.orchestrator.policy import PolicySync
-    from hpcrl.trainer.model import LoraParams, adapter_tensors, load_model, save_adapter
+    from hpcrl.trainer.model import adapter_tensors, save_adapter
     from hpcrl.trainer.publish import PolicyPublisher
     from hpcrl.weights.checksum import payload_bytes, state_dict_checksum
     from hpcrl.weights.collective import broadcast_weights, init_group

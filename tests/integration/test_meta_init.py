@@ -78,9 +78,9 @@ def _worker(variant: str, model_dir: str, warm_dir: str, out: str) -> None:
     import torch
 
     from hpcrl.config.schema import LoraConfig, TrainerModelConfig
+    from hpcrl.models.load import is_peft_model
     from hpcrl.trainer import optim, parallel, precision
     from hpcrl.trainer.loss import LossParams
-    from hpcrl.trainer.model import is_peft_model
     from hpcrl.trainer.rl import train_step
     from hpcrl.trainer.setup import Training, build_model
 

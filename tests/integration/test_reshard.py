@@ -110,10 +110,10 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
     from safetensors.torch import save_file
 
     from hpcrl.models import parallelize as mp
+    from hpcrl.models.spec import load_model
     from hpcrl.paths import RunPaths
     from hpcrl.trainer import optim
     from hpcrl.trainer import parallel as par
-    from hpcrl.trainer.model import load_model
     from hpcrl.trainer.state import load_optimizer_moments, load_trainer_state, save_trainer_state
 
     env = par.init_distributed(torch.device("cpu"))
@@ -122,9 +122,10 @@ def _worker(mode: str, model_dir: str, run_dir: str, out: str) -> None:
     vp = flag == "vp"
     ids = torch.arange(3, 35).reshape(2, 16)
     if vp:  # cp = 2, the embedding and head vocabulary-parallel: the step runs forward_cp
+        from hpcrl.models.parallelize import make_cp_group
         from hpcrl.models.parallelize import parallelize as shard_model
         from hpcrl.models.ring_attention import register_hf
-        from hpcrl.trainer.context_parallel import forward_cp, make_cp_group
+        from hpcrl.trainer.context_parallel import forward_cp
         from hpcrl.trainer.packing import PackedBatch
 
         cp = make_cp_group(2)

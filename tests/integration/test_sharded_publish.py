@@ -28,7 +28,8 @@ def _model(kind: str, model_dir: str):
     import torch
 
     from hpcrl.models import parallelize as mp
-    from hpcrl.trainer.model import LoraParams, load_model
+    from hpcrl.models.load import LoraParams
+    from hpcrl.models.spec import load_model
 
     torch.manual_seed(0)
     if kind == "moe":

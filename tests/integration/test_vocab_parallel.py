@@ -76,9 +76,9 @@ def worker(out: str, dtype: str = "") -> None:
     import torch.nn.functional as F
 
     from hpcrl.models.chunked import chunked_token_logprobs
+    from hpcrl.models.parallelize import make_cp_group
     from hpcrl.models.parallelize import parallelize as shard_model
     from hpcrl.trainer import parallel
-    from hpcrl.trainer.context_parallel import make_cp_group
 
     parallel.init_distributed(torch.device("cpu"))
     torch.use_deterministic_algorithms(True, warn_only=True)

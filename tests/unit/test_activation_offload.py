@@ -13,7 +13,7 @@ import torch
 
 from hpcrl.config import ConfigError
 from hpcrl.launch.checks import activation_offload_note, load
-from hpcrl.trainer.model import load_model
+from hpcrl.models.spec import load_model
 
 BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']
 

@@ -12,7 +12,7 @@ import torch
 
 from hpcrl.models import chunked
 from hpcrl.models.chunked import chunk_rows, chunked_token_logprobs
-from hpcrl.trainer.model import load_model
+from hpcrl.models.spec import load_model
 from hpcrl.trainer.packing import PackedBatch, forward_packed, next_token_logprobs, with_shared_prefixes
 
 VOCAB = 97

@@ -23,7 +23,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pair(path: Path):
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     hf = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="sdpa"
@@ -112,7 +112,7 @@ def test_moe_activation_checkpointing_matches_plain(moe_dir: Path, replay: bool,
     did (replay routes every token to experts the trainer's router would not all pick, so a recompute
     that routed freely would differ) and save the same tensors (routing statistics, aux loss):
     gradients with checkpointing equal those without."""
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     ids = _ids(256)
     grads = []
@@ -137,8 +137,8 @@ def test_moe_activation_checkpointing_matches_plain(moe_dir: Path, replay: bool,
 def test_shared_prefix_stops_where_replayed_routes_differ(moe_dir: Path) -> None:
     """Two samples with the same first 6 tokens, replayed with the same routes except at position 3:
     they share 3 tokens, not 6, and every logprob equals the unshared forward's."""
+    from hpcrl.models.spec import load_model
     from hpcrl.trainer.layout import common_prefix
-    from hpcrl.trainer.model import load_model
     from hpcrl.trainer.packing import PackedBatch, forward_packed, with_shared_prefixes
 
     ids = torch.tensor([7, 8, 9, 10, 11, 12, 20, 21, 7, 8, 9, 10, 11, 12, 30, 31, 32])
@@ -188,7 +188,7 @@ def test_bf16_logits_are_bitwise_transformers(
     an H200 with ``python scripts/bench/moe.py --part bitwise``; this CPU test cannot see that one.)"""
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     path = {0: tiny_model_dir, 2: moe_dir}.get(top_k) or _top8_dir(tmp_path, moe_dir)  # 0: dense
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation="sdpa")

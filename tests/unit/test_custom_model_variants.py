@@ -173,7 +173,8 @@ def test_logits_and_export_match_transformers(name: str, model_dir) -> None:
     from safetensors import safe_open
 
     from hpcrl.models.qwen3.model import Qwen3ForTraining
-    from hpcrl.trainer.model import hf_named_tensors, load_model
+    from hpcrl.models.spec import load_model
+    from hpcrl.trainer.model import hf_named_tensors
 
     path = model_dir(name)
     hf = _hf(path)
@@ -198,7 +199,7 @@ def test_logits_and_export_match_transformers(name: str, model_dir) -> None:
 @pytest.mark.parametrize("name", list(SERVED))
 def test_gradients_match_transformers(name: str, model_dir) -> None:
     from hpcrl.models.qwen3.state_dict_adapter import from_hf
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     path = model_dir(name)
     hf = _hf(path)
@@ -222,7 +223,7 @@ def test_gradients_match_transformers(name: str, model_dir) -> None:
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_unservable_configs_are_refused_and_auto_falls_back(name: str, model_dir) -> None:
     from hpcrl.models.qwen3.model import Qwen3ForTraining
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     path = model_dir(name)
     with pytest.raises(ValueError) as info:

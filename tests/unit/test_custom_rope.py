@@ -45,7 +45,7 @@ def test_scaled_rope_is_bitwise_transformers_in_bf16(
     from transformers import AutoModelForCausalLM
 
     from hpcrl.models.qwen3.model import Qwen3ForTraining
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     path = _variant(tiny_model_dir, tmp_path / "m", rope_parameters=rope, max_position_embeddings=4096)
     hf = AutoModelForCausalLM.from_pretrained(
@@ -148,7 +148,7 @@ def test_pick_impl_reads_the_config(case: str) -> None:
 
 def test_auto_loads_transformers_where_custom_cannot(tiny_model_dir: Path, tmp_path: Path) -> None:
     from hpcrl.models.qwen3.model import Qwen3ForTraining
-    from hpcrl.trainer.model import load_model
+    from hpcrl.models.spec import load_model
 
     path = _variant(tiny_model_dir, tmp_path / "bias", attention_bias=True)
     assert not isinstance(load_model(path, impl="auto"), Qwen3ForTraining)

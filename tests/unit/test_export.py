@@ -45,9 +45,12 @@ def _trained(model):
 def test_export_equals_the_live_policy(tiny_model_dir: Path, tmp_path: Path, kind: str) -> None:
     from safetensors.torch import load_file
 
+    from hpcrl.models.load import LoraParams
+    from hpcrl.models.spec import load_model
     from hpcrl.models.tiny import build_tiny_model
+    from hpcrl.models.tokenizer import load_tokenizer
     from hpcrl.trainer.export import checkpoint_tensors, export, read_weights
-    from hpcrl.trainer.model import LoraParams, hf_named_tensors, load_model, load_tokenizer
+    from hpcrl.trainer.model import hf_named_tensors
     from hpcrl.weights.checksum import state_dict_checksum
 
     torch.manual_seed(0)
@@ -87,7 +90,8 @@ def test_export_equals_the_live_policy(tiny_model_dir: Path, tmp_path: Path, kin
 
 def test_unexportable_checkpoints_are_one_line_errors(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     from hpcrl.cli import main
-    from hpcrl.trainer.model import load_model, load_tokenizer
+    from hpcrl.models.spec import load_model
+    from hpcrl.models.tokenizer import load_tokenizer
 
     model = load_model(tiny_model_dir)
     step_dir = _checkpoint(model, load_tokenizer(tiny_model_dir), tmp_path / "run", 2, "float32")

@@ -18,7 +18,8 @@ def test_hub_id_resolves_from_the_cache_offline(
     snap = seed_cache(tiny_model_dir, "tiny-org/tiny-qwen3", cache)
     got = resolve_hub("tiny-org/tiny-qwen3", cache_dir=str(cache))
     assert Path(got) == Path(snap) and (Path(got) / "config.json").is_file()
-    from hpcrl.trainer.model import load_model, load_tokenizer
+    from hpcrl.models.spec import load_model
+    from hpcrl.models.tokenizer import load_tokenizer
 
     assert load_model(got) is not None and load_tokenizer(got) is not None
 

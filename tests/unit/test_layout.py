@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpcrl.models.spec import load_model
 from hpcrl.trainer.layout import (
     choose_width,
     common_prefix,
@@ -19,7 +20,6 @@ from hpcrl.trainer.layout import (
     unit_slots,
     units_of,
 )
-from hpcrl.trainer.model import load_model
 from hpcrl.trainer.packing import PackedBatch, forward_packed, micro_batches, with_shared_prefixes
 
 VOCAB = 64

@@ -15,7 +15,7 @@ ASSISTANT_ONLY = {"system": False, "user": False, "assistant": True, "tool": Fal
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir: Path):
-    from hpcrl.trainer.model import load_tokenizer
+    from hpcrl.models.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)
 
@@ -87,7 +87,7 @@ def test_masks_by_role_multi_turn_with_tools(tok):
 
 
 def test_template_that_rewrites_history_is_rejected(tiny_model_dir):
-    from hpcrl.trainer.model import load_tokenizer
+    from hpcrl.models.tokenizer import load_tokenizer
 
     bad = load_tokenizer(tiny_model_dir)
     # Like Qwen3 dropping past reasoning: only the last message keeps its content.

@@ -12,11 +12,12 @@ import torch
 
 from hpcrl import checkpoint as ck
 from hpcrl.config.schema import CkptConfig, TrainerModelConfig
+from hpcrl.models.spec import load_model
+from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import optim, precision
 from hpcrl.trainer.checkpointer import Checkpointer
 from hpcrl.trainer.core import Progress, StepResult
-from hpcrl.trainer.model import load_model, load_tokenizer
 from hpcrl.trainer.parallel import DistEnv
 from hpcrl.trainer.setup import Training
 from hpcrl.trainer.state import save_trainer_state

@@ -73,9 +73,10 @@ def test_every_table_row_is_a_real_field() -> None:
 def test_adapter_interval_needs_lora_and_writes_adapters(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^ckpt\.adapter_interval: 2 needs LoRA"):
         load([*BASE, "--ckpt.adapter-interval", "2"])
+    from hpcrl.models.load import LoraParams
+    from hpcrl.models.spec import load_model
     from hpcrl.paths import RunPaths
     from hpcrl.trainer.checkpointer import Checkpointer
-    from hpcrl.trainer.model import LoraParams, load_model
 
     cfg = load([*BASE, "--model.lora", "--ckpt.adapter-interval", "2"]).config
     tr = SimpleNamespace(

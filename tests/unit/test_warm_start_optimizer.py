@@ -18,11 +18,13 @@ from safetensors.torch import load_file
 from hpcrl import checkpoint as ck
 from hpcrl.config.schema import CkptConfig, TrainerModelConfig
 from hpcrl.errors import ConfigError
+from hpcrl.models.load import LoraParams
+from hpcrl.models.spec import load_model
+from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import optim, precision
 from hpcrl.trainer.checkpointer import Checkpointer
 from hpcrl.trainer.core import Progress
-from hpcrl.trainer.model import LoraParams, load_model, load_tokenizer
 from hpcrl.trainer.parallel import DistEnv
 from hpcrl.trainer.setup import Training
 from tests.conftest import rl_toml
