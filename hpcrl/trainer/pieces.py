@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcrl.models.load import is_peft_model, parse_dtype
 from hpcrl.trainer.model import (
     _full,
     _lora_scalings,
     _strip_peft,
     _tied_names,
-    is_peft_model,
-    parse_dtype,
 )
 from hpcrl.weights.shards import Piece, local_rows
 

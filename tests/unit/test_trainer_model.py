@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcrl.models.load import LoraParams
+from hpcrl.models.spec import load_model
 from hpcrl.trainer import optim as O
 from hpcrl.trainer.model import (
-    LoraParams,
     export_hf,
     hf_named_tensors,
-    load_model,
     merged_state_dict,
     save_adapter,
 )
