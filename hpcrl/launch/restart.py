@@ -31,7 +31,7 @@ def clear_stale_addresses(paths: RunPaths) -> None:
         f.unlink(missing_ok=True)
 
 
-def move_bus_aside(paths: RunPaths, step: int) -> list:
+def set_aside_after(paths: RunPaths, step: int) -> list:
     """Move what the interrupted launch wrote after `step` aside: bus files newer than it, the
     announcement of policy `step` (the resumed trainer publishes it again from the checkpoint), and
     checkpoint directories newer than it (checkpoint.clear_after: incomplete ones deleted, complete
@@ -90,7 +90,7 @@ def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
         if any(paths.bus_dir.glob("*/*")) or checkpoint.list_steps(paths):
             # A fresh run in a used directory (as `hpcrl prepare-resume` starts a fresh SLURM job):
             # the old run's rollouts, policies, stop announcements and checkpoints are not this run's.
-            moved = move_bus_aside(paths, 0)
+            moved = set_aside_after(paths, 0)
             if moved:
                 print(
                     f"hpcrl: starting fresh in a used directory: moved {len(moved)} old bus file(s) aside",
@@ -110,7 +110,7 @@ def prepare_resume(cfg: Config, paths: RunPaths) -> list[str]:
             "max_steps", f"{cfg.max_steps} is below the resumed step {step} (max_steps is the final step)"
         )
     check_old_policies(cfg, paths, step)
-    moved = move_bus_aside(paths, step)
+    moved = set_aside_after(paths, step)
     # Policy files below N stay (a deterministic orchestrator reloads N - max_async_level ..); the
     # trainer re-publishes N; weights/broadcasts newer than N are stale.
     print(

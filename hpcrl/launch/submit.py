@@ -146,7 +146,7 @@ def prepare_resume_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from hpcrl import checkpoint  # after parsing: --help stays light
     from hpcrl.launch.checks import load
-    from hpcrl.launch.restart import clear_stale_addresses, move_bus_aside
+    from hpcrl.launch.restart import clear_stale_addresses, set_aside_after
 
     paths = RunPaths(Path(args.output_dir))
     loaded = load(["@", str(paths.resolved_config)])
@@ -158,7 +158,7 @@ def prepare_resume_main(argv: list[str]) -> int:
             print(f"hpcrl: error: {e}", file=sys.stderr)
             return 2
         step = 0
-    move_bus_aside(paths, step)
+    set_aside_after(paths, step)
     clear_stale_addresses(paths)
     # An earlier `cancel --checkpoint` must not keep this job from requeueing.
     paths.stop_request_file.unlink(missing_ok=True)
