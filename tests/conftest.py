@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +194,26 @@ def _stick_group(item: pytest.Item) -> None:
         from _pytest.nodeid import NodeId
 
         item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """HPCRL_TEST_TIMELINE=FILE: one JSON line per test (worker, start, wall, CPU of this process and
+    of the children it reaped), for scripts/bench/test_timeline.py: which tests wait, which compute."""
+    path = os.environ.get("HPCRL_TEST_TIMELINE")
+    if not path:
+        return (yield)
+    t0, c0 = time.time(), os.times()
+    try:
+        return (yield)
+    finally:
+        c1 = os.times()
+        row = {
+            "test": item.nodeid,
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            "start": round(t0, 2),
+            "wall": round(time.time() - t0, 2),
+            "cpu": round(sum(c1[:4]) - sum(c0[:4]), 2),
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
