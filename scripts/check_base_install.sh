@@ -3,6 +3,9 @@
 # --help and the demo dry runs. Catches a dependency only an extra happens to pull in (tomli_w was one).
 #   bash scripts/check_base_install.sh          # ~1-2 min; leaves nothing behind
 set -euo pipefail
+# Python writes the .pyc of what it imports (PYTHONDONTWRITEBYTECODE=1 on some machines): venvs are
+# installed without them (scripts/pip.sh).
+unset PYTHONDONTWRITEBYTECODE
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT

@@ -12,6 +12,9 @@
 # shortened test: DEMO_OUT (default outputs), DEMO_SFT_STEPS / DEMO_RL_STEPS (override the configs'
 # max_steps), DEMO_RL_ARGS (extra `hpcrl run` flags, word-split).
 set -euo pipefail
+# Python writes the .pyc of what it imports (PYTHONDONTWRITEBYTECODE=1 on some machines): venvs are
+# installed without them (scripts/pip.sh).
+unset PYTHONDONTWRITEBYTECODE
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 

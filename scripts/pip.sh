@@ -56,11 +56,36 @@ pip_into() {
   if [ -n "$uv" ]; then
     local settings
     settings=$(_pip_settings_for_uv)
-    # --compile-bytecode: as pip does. Without it no module has a .pyc, and where
-    # PYTHONDONTWRITEBYTECODE=1 (this machine sets it) every process compiles torch from source.
-    eval "\"\$uv\" pip install -q --compile-bytecode --python \"\$py\" $settings \"\$@\""
+    # No .pyc at install time: compiling every installed module (anthropic, openai, pandas, all of
+    # transformers' 2,600 model files...) cost 40-60 CPU-s per venv, and a run imports a small part of
+    # it. Python writes the .pyc of what is imported, once, where PYTHONDONTWRITEBYTECODE is unset:
+    # the scripts unset it (warm_bytecode below; scripts/test.sh).
+    eval "\"\$uv\" pip install -q --python \"\$py\" $settings \"\$@\""
   else
     "$py" -m pip --version >/dev/null 2>&1 || "$py" -m ensurepip >/dev/null  # a venv uv made has no pip
-    "$py" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
+    "$py" -m pip install -q --no-compile "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
   fi
+}
+
+# The .pyc of every module that hpcrl's own modules import, and of the lazily imported heavy ones its
+# processes need (the model code of the inference engine, the trainer's distributed stack): where
+# PYTHONDONTWRITEBYTECODE=1 a process writes none, and without a .pyc it compiles torch from source.
+warm_bytecode() {
+  env -u PYTHONDONTWRITEBYTECODE "$1" - <<'PY'
+import importlib, pkgutil, warnings
+
+import hpcrl
+
+warnings.simplefilter("ignore")
+names = [m.name for m in pkgutil.walk_packages(hpcrl.__path__, "hpcrl.")]
+names += ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.optim",
+          "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+          "safetensors.torch", "matplotlib.figure", "matplotlib.backends.backend_agg", "renderers",
+          "openai", "uvicorn", "httpx", "zmq"]
+for name in names:
+    try:
+        importlib.import_module(name)
+    except Exception:  # an optional backend's module (vLLM...) whose extra is not installed
+        pass
+PY
 }

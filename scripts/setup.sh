@@ -5,6 +5,9 @@
 # (scripts/verifiers03_check.sh). An older venv with 0.3 is upgraded when pyproject.toml changes.
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
+# Python writes the .pyc of what it imports (PYTHONDONTWRITEBYTECODE=1 on some machines): venvs are
+# installed without them (scripts/pip.sh).
+unset PYTHONDONTWRITEBYTECODE
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -19,6 +22,7 @@ fi
 if ! python -c "import hpcrl, pytest, xdist, verifiers, openai, peft, gepa" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.hpcrl-installed ]; then
   pip_into .venv/bin/python -e '.[dev,verifiers]'
+  warm_bytecode .venv/bin/python
   touch .venv/.hpcrl-installed
 fi
 python - <<'PY'

@@ -5,6 +5,9 @@
 # runs every test that needs the classic API (they skip under 0.4) plus the version refusals.
 # Idempotent (a stamp); extra args go to pytest; exit code is pytest's.
 set -euo pipefail
+# Python writes the .pyc of what it imports (PYTHONDONTWRITEBYTECODE=1 on some machines): venvs are
+# installed without them (scripts/pip.sh).
+unset PYTHONDONTWRITEBYTECODE
 cd "$(dirname "$0")/.."
 VENV=${HPCRL_VF03_VENV:-.venv-vf03}
 TORCH_VERSION=${HPCRL_TORCH_VERSION:-2.13.0}

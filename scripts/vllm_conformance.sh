@@ -7,6 +7,9 @@
 # the deps of hpcrl that vllm's set lacks. Idempotent: a second run only checks the stamp and runs
 # the tests. Extra args go to pytest. Exit code: pytest's (non-zero on any failure).
 set -euo pipefail
+# Python writes the .pyc of what it imports (PYTHONDONTWRITEBYTECODE=1 on some machines): venvs are
+# installed without them (scripts/pip.sh).
+unset PYTHONDONTWRITEBYTECODE
 cd "$(dirname "$0")/.."
 VENV=${HPCRL_VLLM_VENV:-.venv-vllm}
 VLLM_VERSION=${HPCRL_VLLM_VERSION:-0.33.0}

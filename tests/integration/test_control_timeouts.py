@@ -17,7 +17,7 @@ import pytest
 
 from hpcrl.weights.collective import destroy_group, init_group
 
-pytestmark = pytest.mark.slow  # two joins wait out the 8 s default bound on purpose
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # two joins wait out the 8 s default bound on purpose
 
 
 def _free_port() -> int:

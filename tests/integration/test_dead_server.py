@@ -89,6 +89,7 @@ def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path, 
         assert paths.weights_fallback_file.exists()
 
 
+@pytest.mark.waits  # for server_down_timeout_s
 @pytest.mark.timeout(300)
 def test_the_only_server_never_answering_again_ends_the_run_naming_it(tmp_path: Path) -> None:
     # SIGSTOP: the process lives (so its supervisor does not restart it) but never answers again.

@@ -142,6 +142,7 @@ def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *,
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # freezes past their bounds, a server past server_down_timeout_s
 @pytest.mark.timeout(1200)
 def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
@@ -558,6 +559,7 @@ args = { num_tasks = 4 }
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 @pytest.mark.timeout(600)
 def test_tool_env_under_the_default_renderer_ends_naming_env_cause_and_fix(tmp_path: Path) -> None:
     """The issue's must-show run: a verifiers 0.4 tool-calling env (its tools appear only at

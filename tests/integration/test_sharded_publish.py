@@ -316,6 +316,7 @@ def test_collective_every_rank_sends_its_own_pieces(tiny_model_dir: Path, tmp_pa
         assert all(torch_equal_bits(tensors[k], v) for k, v in ref.items()), kind
 
 
+@pytest.mark.waits  # for the group's timeout
 @pytest.mark.timeout(300)
 def test_rank_killed_mid_broadcast_leaves_no_partial_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Collective transport: trainer rank 1 is SIGKILLed after broadcasting one bucket of policy 1. The

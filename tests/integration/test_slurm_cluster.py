@@ -5,10 +5,14 @@ Skipped, with the reason, when SLURM is not installed or the cluster is down.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,15 +34,41 @@ def _idle_nodes() -> int:
     return len(set(p.stdout.split())) if p.returncode == 0 else 0
 
 
+# One test module at a time on the one local cluster, across processes: the suite's SLURM tests, and
+# verifiers 0.3's, which .ci/run runs beside the suite from their own venv. scripts/test.sh holds it
+# while it reshapes the cluster for seed 000 (and sets HPCRL_SLURM_LOCK_HELD for the test it runs).
+SLURM_TEST_LOCK = Path(tempfile.gettempdir()) / "hpcrl-slurm-tests.lock"
+
+
+def _hold_cluster() -> int | None:
+    """The cluster lock (fcntl, freed when the holder dies), or None where the caller already holds it.
+    Blocks: the kernel wakes a waiter when the lock is freed, and the test's timeout bounds the wait."""
+    if os.environ.get("HPCRL_SLURM_LOCK_HELD"):
+        return None
+    fd = os.open(SLURM_TEST_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @pytest.fixture(scope="module")
 def cluster():
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         pytest.skip("SLURM is not installed (sudo bash scripts/slurm/up.sh installs and starts it)")
-    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
-    if ping.returncode != 0 or "UP" not in ping.stdout:
-        pytest.skip("SLURM controller is down (start it: sudo bash scripts/slurm/up.sh)")
-    if _idle_nodes() < 3:
-        pytest.skip("fewer than 3 idle SLURM nodes (scripts/slurm/up.sh starts 4)")
+    fd = _hold_cluster()
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+        if ping.returncode != 0 or "UP" not in ping.stdout:
+            pytest.skip("SLURM controller is down (start it: sudo bash scripts/slurm/up.sh)")
+        if _idle_nodes() < 3:
+            pytest.skip("fewer than 3 idle SLURM nodes (scripts/slurm/up.sh starts 4)")
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor frees the flock
 
 
 def wait_for(pred, timeout: float, what: str, every: float = 0.3):
@@ -78,7 +108,7 @@ def jobs():
 RECORD = 'echo "$SLURM_PROCID $SLURM_HET_SIZE $SLURMD_NODENAME $(hostname -s) ${SLURM_RESTART_COUNT:-0}" > "$OUT/$HPCRL_STEP.$SLURM_PROCID"'
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # its module waits here while another process holds the cluster (SLURM_TEST_LOCK)
 def test_hetjob_runs_components_on_distinct_nodes(cluster, jobs, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -234,6 +234,7 @@ def test_tp2_server_and_hf_server_share_one_group(cluster, tiny_model_dir: Path)
 
 
 @pytest.mark.slow  # the same check is unit-tested (test_weight_group.py::test_collective_result_...)
+@pytest.mark.waits
 def test_one_bad_worker_fails_the_update(cluster, tiny_model_dir: Path) -> None:
     """Worker 1 of the tp = 2 server mangles its shard: the router names it, the run stops."""
     run_dir, tp_server, _ = cluster({"corrupt_rank": 1})
