@@ -51,15 +51,61 @@ def resolve_name(name: str, model_name: str) -> tuple[str, str | None]:
     """(concrete renderer name, a note for the log or None). Pure apart from the package's map."""
     if name != "auto":
         return name, None
-    from renderers.base import MODEL_RENDERER_MAP
+    if not outside_the_map(model_name):
+        from renderers.base import MODEL_RENDERER_MAP
 
-    found = MODEL_RENDERER_MAP.get(model_name)
-    if found is not None:
-        return found, None
+        found = MODEL_RENDERER_MAP.get(model_name)
+        if found is not None:
+            return found, None
     return DEFAULT, (
         f"renderer auto: {model_name!r} is not in the renderers package's model map; using the tokenizer's "
         "own chat template (default). Set renderer.name (e.g. qwen3) for a typed renderer"
     )
+
+
+def outside_the_map(model_name: str) -> bool:
+    """Whether the package's model map (Hub ids: "Qwen/Qwen3-8B") cannot list ``model_name``, so that
+    ``auto`` resolves to default without importing the package (which imports openai: ~1.3 s of CPU
+    in every orchestrator, eval, SFT and dry run): hpcrl's built-in names, and paths that no Hub id
+    can be (absolute, ./ ../ ~, more than one "/")."""
+    from hpcrl.models.names import BUILTIN_MODELS
+
+    return (
+        not model_name
+        or model_name in BUILTIN_MODELS
+        or model_name.startswith(("/", "./", "../", "~"))
+        or model_name.count("/") > 1
+    )
+
+
+def auto_fallback(cfg: Any, model_name: str, field: str) -> str | None:
+    """auto's note when it falls back to default for a model outside the map (the fields checked as
+    :func:`renderer_config` checks them), without importing the package; None when it may not."""
+    if cfg.name != "auto" or not outside_the_map(model_name):
+        return None
+    _check_import_path(cfg, field)
+    name, note = resolve_name(cfg.name, model_name)
+    _check_retention(cfg, name, field)
+    return note
+
+
+def _check_import_path(cfg: Any, field: str) -> None:
+    if (cfg.name == "custom") != (cfg.import_path is not None):
+        raise ConfigError(
+            f"{field}.import_path",
+            "is required with name = 'custom' (a 'module.Class' or 'path/file.py:Class')"
+            if cfg.name == "custom"
+            else f"only applies to name = 'custom' (name is {cfg.name!r})",
+        )
+
+
+def _check_retention(cfg: Any, resolved: str, field: str) -> None:
+    if resolved == DEFAULT and cfg.thinking_retention is not None:
+        raise ConfigError(
+            f"{field}.thinking_retention",
+            "the default renderer (the tokenizer's template) cannot keep reasoning across turns; "
+            "choose a typed renderer (e.g. qwen3) or leave it unset",
+        )
 
 
 def renderer_config(cfg: Any, model_name: str, field: str) -> tuple[Any, str | None]:
@@ -72,20 +118,9 @@ def renderer_config(cfg: Any, model_name: str, field: str) -> tuple[Any, str | N
             "or one the renderers package ships "
             f"({', '.join(n for n in known_names() if n not in ('auto', 'default', 'custom'))})",
         )
-    if (cfg.name == "custom") != (cfg.import_path is not None):
-        raise ConfigError(
-            f"{field}.import_path",
-            "is required with name = 'custom' (a 'module.Class' or 'path/file.py:Class')"
-            if cfg.name == "custom"
-            else f"only applies to name = 'custom' (name is {cfg.name!r})",
-        )
+    _check_import_path(cfg, field)
     name, note = resolve_name(cfg.name, model_name)
-    if name == DEFAULT and cfg.thinking_retention is not None:
-        raise ConfigError(
-            f"{field}.thinking_retention",
-            "the default renderer (the tokenizer's template) cannot keep reasoning across turns; "
-            "choose a typed renderer (e.g. qwen3) or leave it unset",
-        )
+    _check_retention(cfg, name, field)
     from renderers.configs import config_from_name
 
     kwargs: dict[str, Any] = {}
@@ -165,6 +200,8 @@ def dry_run_check(cfg: Any) -> list[str]:
     model = cfg.model.name or ""
     if section.name == DEFAULT:
         return []
+    if (note := auto_fallback(section, model, field)) is not None:
+        return [note]
     try:
         import renderers  # noqa: F401
     except ImportError:
@@ -182,7 +219,11 @@ def typed_renderers(tokenizer: Any, section: Any, model_name: str, field: str) -
     tokenizer's own template (also `auto` without the package installed). Logs auto's note."""
     import logging
 
+    log = logging.getLogger("hpcrl.render")
     if section.name == DEFAULT:
+        return None
+    if (note := auto_fallback(section, model_name, field)) is not None:
+        log.info(note)
         return None
     try:
         import renderers  # noqa: F401
@@ -191,7 +232,6 @@ def typed_renderers(tokenizer: Any, section: Any, model_name: str, field: str) -
             return None
         require_renderers(f"{field}.name")
     renderer, note = create(tokenizer, section, model_name, field)
-    log = logging.getLogger("hpcrl.render")
     if note:
         log.info(note)
     if is_default(renderer):

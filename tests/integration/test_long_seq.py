@@ -53,7 +53,11 @@ def test_rl_run_8k_tokens_cp2(tmp_path: Path) -> None:
             batch_size=2,
             rollouts_per_example=2,
             max_tokens=16,
-            tables="args = { min_len = 8000, max_len = 8000 }\n",
+            # 8 tasks, not the default 10,000 (that many 8,000-letter texts took the env server 30 s
+            # of CPU to draw). 16 tokens never reverse 8,000 letters: both rollouts score 0, so such
+            # groups are kept (advantage 0) rather than refilled by 16 rounds of 8k-token prompts.
+            tables="args = { min_len = 8000, max_len = 8000, num_examples = 8, num_eval_examples = 0, "
+            'num_val_examples = 0 }\n[orchestrator.advantage]\nzero_advantage = "keep"\n',
         )
     )
     out = tmp_path / "run"

@@ -57,6 +57,8 @@ name = "hpcrl/tiny-qwen3"
 [orchestrator]
 batch_size = 8
 rollouts_per_example = 4
+[orchestrator.advantage]
+zero_advantage = "keep"  # the tiny model never reverses exactly: rewards are all 0 (no refill rounds)
 [orchestrator.train.sampling]
 max_tokens = 8
 [[orchestrator.train.env]]

@@ -25,6 +25,58 @@ def test_auto_uses_the_packages_exact_model_map_and_falls_back_with_a_note() -> 
     assert config.name == "qwen3"
 
 
+@pytest.mark.parametrize(
+    ("model", "outside"),
+    [
+        ("hpcrl/tiny-qwen3", True),
+        ("/models/my-finetune", True),
+        ("./runs/a/weights/step_5", True),
+        ("../weights", True),
+        ("~/models/x", True),
+        ("runs/a/weights/step_5", True),
+        ("", True),
+        ("Qwen/Qwen3-8B", False),
+        ("my-org/my-finetune", False),
+        ("gpt2", False),
+    ],
+)
+def test_outside_the_map_only_for_names_no_hub_id_can_be(model: str, outside: bool) -> None:
+    assert select.outside_the_map(model) is outside
+    if not outside:
+        return
+    from renderers.base import MODEL_RENDERER_MAP
+
+    assert model not in MODEL_RENDERER_MAP
+
+
+def test_auto_on_a_local_model_resolves_without_importing_the_package(tmp_path) -> None:
+    """The orchestrator of a run on a built-in or local model never imports renderers (nor openai)."""
+    import subprocess
+
+    code = (
+        "import sys, logging\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "from hpcrl.config.schema import RendererConfig\n"
+        "from hpcrl.render.select import typed_renderers, dry_run_check\n"
+        "assert typed_renderers(object(), RendererConfig(), 'hpcrl/tiny-qwen3', 'orchestrator.renderer') is None\n"
+        "class C: pass\n"
+        "c = C(); c.orchestrator = C(); c.orchestrator.renderer = RendererConfig(); c.model = C()\n"
+        f"c.model.name = {str(tmp_path)!r}\n"
+        "print(dry_run_check(c))\n"
+        "assert 'renderers' not in sys.modules and 'openai' not in sys.modules, 'imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("not in the renderers package's model map") == 2, r.stdout
+    with pytest.raises(ConfigError) as e:
+        select.auto_fallback(RendererConfig(thinking_retention="all"), "hpcrl/tiny-qwen3", F)
+    assert e.value.path == f"{F}.thinking_retention"
+    with pytest.raises(ConfigError) as e:
+        select.auto_fallback(RendererConfig(import_path="a.B"), "/m", F)
+    assert e.value.path == f"{F}.import_path"
+    assert select.auto_fallback(RendererConfig(), "Qwen/Qwen3-8B", F) is None
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen3.5", "glm-5", "gpt-oss", "default"])
 def test_every_shipped_renderer_name_is_accepted(name: str) -> None:
     assert select.renderer_config(RendererConfig(name=name), "m", F)[0].name == name
