@@ -172,9 +172,11 @@ def test_usr2_checkpoints_then_requeues(cluster, jobs, tmp_path):
     """Pre-timeout/preemption: USR2 reaches the trainer, it 'checkpoints', the job requeues itself."""
     out = tmp_path / "out"
     out.mkdir()
+    # The trap first: the test signals as soon as start.N exists, and a USR2 that lands before the
+    # trap takes bash's default action (the trainer dies, nothing is checkpointed).
     trainer = (
-        f'{RECORD}; cp "$OUT/trainer.0" "$OUT/start.${{SLURM_RESTART_COUNT:-0}}"; '
         "trap 'echo ckpt > \"$OUT/checkpoint.${SLURM_RESTART_COUNT:-0}\"; exit 0' USR2; "
+        f'{RECORD}; cp "$OUT/trainer.0" "$OUT/start.${{SLURM_RESTART_COUNT:-0}}"; '
         "sleep 300 & wait"
     )
     spec = HetJobSpec(
