@@ -21,6 +21,7 @@ def rl_toml(
     top: str = "",
     orchestrator: str = "",
     tables: str = "",
+    plots: bool = False,
 ) -> str:
     """The base RL config the tests share (tiny model, reverse-text), as TOML text.
 
@@ -28,9 +29,11 @@ def rl_toml(
     `tables`: appended after the environment (its `args = ...` first, then more tables). Give a
     str ("{steps}", "{model}") to leave a placeholder for str.format; braces in the extras then
     need doubling. With the defaults the text is exactly what test_config_errors' line numbers
-    expect."""
+    expect. `plots`: the end-of-run PNGs (`[log] plots`, ~1 CPU-second per run); off unless a test
+    looks at them, and then the text has no [log] table (a test may add its own)."""
+    log = "" if plots else "[log]\nplots = false\n"
     return (
-        f"max_steps = {max_steps}\nseq_len = {seq_len}\n{top}"
+        f"max_steps = {max_steps}\nseq_len = {seq_len}\n{top}{log}"
         f'[model]\nname = "{model}"\n'
         f"[orchestrator]\nbatch_size = {batch_size}\nrollouts_per_example = {rollouts_per_example}\n{orchestrator}"
         f"[orchestrator.train.sampling]\nmax_tokens = {max_tokens}\n"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpcrl.config.dicts import deep_merge, get_path, set_path
+from hpcrl.config.sections.common import LogConfig
 from hpcrl.errors import ConfigError
 
 # (prime-rl's path prefix, hpcrl's path prefix): a flag or table under the first lands under the second.
@@ -104,6 +105,7 @@ def merge_role_logs(merged: dict[str, Any]) -> None:
     base = merged.get("log")
     if not isinstance(base, dict):
         return
+    base = {k: v for k, v in base.items() if k in LogConfig.__struct_fields__}  # not the run's own (plots)
     for role in ("trainer", "orchestrator"):
         own = get_path(merged, [role, "log"])
         if isinstance(own, dict):

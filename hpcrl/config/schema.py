@@ -24,6 +24,7 @@ from hpcrl.config.sections.common import (
     LogLevels,
     RendererConfig,
     RoleWandbConfig,
+    RunLogConfig,
     WandbConfig,
 )
 from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
@@ -78,6 +79,7 @@ __all__ = [
     "InferenceModelConfig",
     "InferenceParallelConfig",
     "LogConfig",
+    "RunLogConfig",
     "LogExtrasConfig",
     "RoleWandbConfig",
     "LogLevels",
@@ -158,7 +160,7 @@ class Config(Section):
     wandb: Annotated[WandbConfig | None, D("Weights & Biases (off unless --wandb or a [wandb] table).")] = (
         None
     )
-    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    log: RunLogConfig = msgspec.field(default_factory=RunLogConfig)
 
 
 SHARED_FIELDS = ("max_steps", "seq_len")

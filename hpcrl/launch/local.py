@@ -425,6 +425,7 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
     console.finish()
     from hpcrl.monitor.plots import report_plots
 
-    report_plots(paths)  # also after a failure: the plots show how far it got
+    if cfg.log.plots:
+        report_plots(paths)  # also after a failure: the plots show how far it got
     print(line, file=sys.stderr if code else sys.stdout, flush=True)
     return code

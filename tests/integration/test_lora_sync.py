@@ -44,6 +44,8 @@ def test_lora_run_syncs_only_the_adapter(tmp_path: Path, transport: str) -> None
             "8",
             "--trainer.broadcast.transport",
             transport,
+            "--log.plots",
+            "false",
         ],
         capture_output=True,
         text=True,

@@ -24,6 +24,8 @@ pytest.importorskip("renderers")
 
 CONFIG = """max_steps = {steps}
 seq_len = 1024
+[log]
+plots = false
 [model]
 name = "hpcrl/tiny-qwen3-think"
 [orchestrator]

@@ -55,6 +55,8 @@ def test_two_fsdp_ranks_two_servers_collective_weights(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     paths = RunPaths(out)
     assert "step    3/3" in r.stdout and "hpcrl: run finished" in r.stdout
+    # [log] plots = false (the tests' base config): no PNGs, no "plots:" line; the demo test sees them
+    assert "plots:" not in r.stdout + r.stderr and not list(paths.plots_dir.glob("*.png"))
     assert checkpoint.latest_complete(paths) == 3
     assert sorted(p.name for p in paths.trainer_ckpt_dir(3).glob("rank_*.json")) == [
         "rank_0.json",

@@ -75,6 +75,7 @@ def demo_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         *("--wandb", "--wandb.offline", "--wandb.log-extras.interval", "1"),
         *("--trainer.wandb.log-extras.sample-ratio", "0.5", "--no-orchestrator.wandb.log-extras.samples"),
         *("--orchestrator.log.vf-level", "warning"),  # env servers and workers log at it (seed: info)
+        *("--log.plots", "false"),  # a run-only [log] field: [orchestrator.log] is merged without it
     )
     proc = _hpcrl(
         "run", str(cfg), "--output-dir", str(out), *extras, cwd=tmp_path, timeout=280, hf_home=hf_home

@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV_ID = "vf1_tool_env"  # an installed env package: tests/vf1_envs is on PYTHONPATH, not in hpcrl
 CONFIG = """max_steps = 3
 seq_len = 1024
+[log]
+plots = false
 [model]
 name = "hpcrl/tiny-qwen3-think"
 [orchestrator]

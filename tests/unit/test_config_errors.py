@@ -34,7 +34,7 @@ CASES: list[tuple[str, str, list[str], str, str]] = [
         BASE + "[trainer]\nseed = = 3\n",
         [],
         "{file}",
-        "invalid TOML: Invalid value (at line 13",
+        "invalid TOML: Invalid value (at line 15",
     ),
     ("toml-duplicate-key", "max_steps = 6\n" + BASE, [], "{file}", "line 2"),
     # wrong types

@@ -22,7 +22,8 @@ def test_level_falls_back_to_prime_log_level(monkeypatch):
 def test_role_log_table_overrides_log_field_by_field(tmp_path):
     p = tmp_path / "rl.toml"
     p.write_text(
-        rl_toml(2) + '[log]\nlevel = "debug"\nvf_level = "error"\n[orchestrator.log]\nvf_level = "debug"\n'
+        rl_toml(2, plots=True)
+        + '[log]\nlevel = "debug"\nvf_level = "error"\n[orchestrator.log]\nvf_level = "debug"\n'
     )
     c = load([str(p)]).config
     assert (c.orchestrator.log.level, c.orchestrator.log.vf_level) == ("debug", "debug")

@@ -90,6 +90,18 @@ class LogConfig(LogLevels):
     console_interval: Annotated[int, D("Print one console line every N steps.", ge=1)] = 1
 
 
+class RunLogConfig(LogConfig):
+    """A training run's [log]: a role's [trainer.log] / [orchestrator.log] has no plots of its own."""
+
+    plots: Annotated[
+        bool,
+        D(
+            "Write PNG plots of metrics.jsonl into <output_dir>/plots/ when `hpcrl run` ends (about a "
+            "CPU-second on the launching machine); `hpcrl plot DIR` writes them at any time."
+        ),
+    ] = True
+
+
 class RendererConfig(Section):
     """prime-rl's renderer section (hpcrl.render.select; docs/renderers.md)."""
 
