@@ -80,8 +80,11 @@ def outside_the_map(model_name: str) -> bool:
 
 def auto_fallback(cfg: Any, model_name: str, field: str) -> str | None:
     """auto's note when it falls back to default for a model outside the map (the fields checked as
-    :func:`renderer_config` checks them), without importing the package; None when it may not."""
-    if cfg.name != "auto" or not outside_the_map(model_name):
+    :func:`renderer_config` checks them), without importing the package; None when it may not.
+    Without the package installed, None too: the callers' own not-installed path says so."""
+    import importlib.util
+
+    if cfg.name != "auto" or not outside_the_map(model_name) or importlib.util.find_spec("renderers") is None:
         return None
     _check_import_path(cfg, field)
     name, note = resolve_name(cfg.name, model_name)

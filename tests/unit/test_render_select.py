@@ -77,6 +77,28 @@ def test_auto_on_a_local_model_resolves_without_importing_the_package(tmp_path) 
     assert select.auto_fallback(RendererConfig(), "Qwen/Qwen3-8B", F) is None
 
 
+def test_auto_without_the_package_installed_says_so_as_before() -> None:
+    """The short cut applies only where the package is installed: without it, auto's note names the
+    install command (a typed renderer could not be chosen there), and eval keeps falling back."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "sys.modules['renderers'] = None\n"  # as if not installed
+        "from hpcrl.config.schema import RendererConfig\n"
+        "from hpcrl.render import select\n"
+        "assert select.auto_fallback(RendererConfig(), 'hpcrl/tiny-qwen3', 'renderer') is None\n"
+        "section = RendererConfig(thinking_retention='all')\n"
+        "assert select.typed_renderers(object(), section, '/m', 'renderer') is None\n"
+        "class C: pass\n"
+        "c = C(); c.renderer = RendererConfig(); c.model = C(); c.model.name = 'hpcrl/tiny-qwen3'\n"
+        "print(select.dry_run_check(c))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "the renderers package is not installed" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen3.5", "glm-5", "gpt-oss", "default"])
 def test_every_shipped_renderer_name_is_accepted(name: str) -> None:
     assert select.renderer_config(RendererConfig(name=name), "m", F)[0].name == name
