@@ -542,8 +542,6 @@ def test_broken_env_ends_the_run_naming_env_and_cause(tmp_path: Path, case: str)
 VF1_TOOLS_UNDER_DEFAULT = """max_steps = 20
 seq_len = 1024
 stall_warning_s = 6.0
-[log]
-plots = false
 [model]
 name = "hpcrl/tiny-qwen3-think"
 [orchestrator]
