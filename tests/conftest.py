@@ -220,3 +220,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         }
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Torch in this process computes on one thread. The suite runs two workers, a waiting lane and
+    the processes they start on 2 cores: torch's default of a thread per core spun against the
+    others (tests/unit with -n 2: 116 -> 103 CPU-s). Processes the tests start keep their own
+    settings (the launcher's OMP_NUM_THREADS share, or the test's)."""
+    import sys
+
+    torch = sys.modules.get("torch")  # never imported here: a test that needs torch has imported it
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)

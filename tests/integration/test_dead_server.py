@@ -16,12 +16,12 @@ import pytest
 
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
-from tests.integration.tiny_run import TINY_RL
+from tests.integration.tiny_run import SLOW_RL, TINY_RL
 
 
-def _start(tmp: Path, steps: int, *flags: str) -> tuple[subprocess.Popen, RunPaths]:
+def _start(tmp: Path, steps: int, *flags: str, config: str = TINY_RL) -> tuple[subprocess.Popen, RunPaths]:
     cfg = tmp / "cfg.toml"
-    cfg.write_text(TINY_RL.format(steps=steps))
+    cfg.write_text(config.format(steps=steps))
     out = tmp / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpcrl.cli", "run", str(cfg), "--output-dir", str(out), *flags],
@@ -51,9 +51,15 @@ def _server_pid(paths: RunPaths, index: int) -> int:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("transport", ["filesystem", "collective"])
 def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path, transport: str) -> None:
-    steps = 200  # a tiny step takes ~0.15 s: long enough for the restarted server to come back
+    steps = 30  # ~50 s: long enough for the restarted server to come back
     launcher, paths = _start(
-        tmp_path, steps, "--deployment.num-inference-servers", "2", "--trainer.broadcast.transport", transport
+        tmp_path,
+        steps,
+        "--deployment.num-inference-servers",
+        "2",
+        "--trainer.broadcast.transport",
+        transport,
+        config=SLOW_RL,
     )
     try:
         _wait(lambda: _published_steps(paths) >= 2, 240, "two published batches")

@@ -59,14 +59,21 @@ def cluster():
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         pytest.skip("SLURM is not installed (sudo bash scripts/slurm/up.sh installs and starts it)")
     fd = _hold_cluster()
+    threads = pytest.MonkeyPatch()
     try:
         ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
         if ping.returncode != 0 or "UP" not in ping.stdout:
             pytest.skip("SLURM controller is down (start it: sudo bash scripts/slurm/up.sh)")
         if _idle_nodes() < 3:
             pytest.skip("fewer than 3 idle SLURM nodes (scripts/slurm/up.sh starts 4)")
+        # The fake nodes are processes of one machine. On a real node torch takes that node's cores;
+        # here every role of every fake node took all of this machine's and spun against the others
+        # (test_env_nodes_slurm's trainer under load: 30 CPU-s, 5 with one thread). One thread per
+        # task, as if each fake node had a core of its own: jobs inherit it (sbatch, srun --export=ALL).
+        threads.setenv("OMP_NUM_THREADS", "1")
         yield
     finally:
+        threads.undo()
         if fd is not None:
             os.close(fd)  # closing the last descriptor frees the flock
 

@@ -23,25 +23,23 @@ from hpcrl import checkpoint
 from hpcrl.launch.hetjob import release_now
 from hpcrl.paths import RunPaths
 from tests.integration.test_slurm_cluster import cluster, ended, jobs, restarts, wait_for  # noqa: F401
-from tests.integration.tiny_run import TINY_RL
+from tests.integration.tiny_run import SLOW_RL, TINY_RL
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-CONFIG = (
-    TINY_RL
-    + """
+SLURM = """
 [slurm]
 gpus_per_node = 0
 time = "00:20:00"
 [ckpt]
 interval = {interval}
 """
-)
+CONFIG = TINY_RL + SLURM
 
 
-def _submit(tmp: Path, steps: int, interval: int) -> tuple[RunPaths, str]:
+def _submit(tmp: Path, steps: int, interval: int, config: str = CONFIG) -> tuple[RunPaths, str]:
     cfg = tmp / "cfg.toml"
-    cfg.write_text(CONFIG.format(steps=steps, interval=interval))
+    cfg.write_text(config.format(steps=steps, interval=interval))
     out = tmp / "run"
     r = subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", "submit", str(cfg), "--nodes", "3", "--output-dir", str(out)],
@@ -185,8 +183,8 @@ def test_killing_the_trainer_ends_the_job(cluster, jobs, tmp_path: Path) -> None
 
 
 def test_killing_an_inference_server_restarts_it_and_the_job_completes(cluster, jobs, tmp_path: Path) -> None:  # noqa: F811
-    steps = 150  # long enough for the restarted server to come back before the end
-    paths, job_id = _submit(tmp_path, steps=steps, interval=steps)
+    steps = 30  # slow steps (~1.6 s, env code that sleeps): long enough for the restarted server to come back
+    paths, job_id = _submit(tmp_path, steps=steps, interval=steps, config=SLOW_RL + SLURM)
     jobs.append(job_id)
     wait_for(
         lambda: paths.prompts_log.exists() and len(_prompt_steps(paths)) >= 2, 300, "two batches", every=0.5
