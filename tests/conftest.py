@@ -225,7 +225,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Torch in this process computes on one thread. The suite runs two workers, a waiting lane and
     the processes they start on 2 cores: torch's default of a thread per core spun against the
-    others (tests/unit with -n 2: 116 -> 103 CPU-s). Processes the tests start keep their own
+    others (tests/unit with -n 2: 116 -> 91 CPU-s). Processes the tests start keep their own
     settings (the launcher's OMP_NUM_THREADS share, or the test's)."""
     import sys
 

@@ -49,6 +49,7 @@ def _server_pid(paths: RunPaths, index: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group("dead_server")  # one after the other: each mostly sleeps, beside busier tests
 @pytest.mark.parametrize("transport", ["filesystem", "collective"])
 def test_kill_9_of_one_of_two_servers_mid_run_reaches_max_steps(tmp_path: Path, transport: str) -> None:
     steps = 30  # ~50 s: long enough for the restarted server to come back
