@@ -222,6 +222,14 @@ def _broadcast(cfg: Config) -> None:
             "true needs policies as files: allowed with trainer.broadcast.transport = 'filesystem' or "
             "'auto' (which then picks files); with 'collective' set delta = false",
         )
+    if b.delta and cfg.inference.backend == "vllm":
+        # The base of a delta is the parameters a server already serves, updated in place: the hf
+        # engine's are the policy's own tensors; vLLM's are fused and sharded (qkv, gate_up, tp).
+        raise ConfigError(
+            "trainer.broadcast.delta",
+            "true needs servers that apply a delta in place to the weights they serve: the hf engine, not "
+            "vLLM (its parameters are fused and sharded); set delta = false or inference.backend = 'hf'",
+        )
 
 
 def _deployment(cfg: Config) -> None:

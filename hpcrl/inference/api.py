@@ -78,7 +78,6 @@ class ServerState:
         self.model_path = model_path
         self.group: Any = None
         self.sync_error: str | None = None  # set when a loaded update failed verification
-        self.staging: Any = None  # the last broadcast's receive buffers, reused by the next one
         self.update_lock = asyncio.Lock()
         self.max_body_bytes = max_body_bytes(engine.max_model_len)
         self.started = time.time()
@@ -501,34 +500,41 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _receive_and_load(state: ServerState, step: int) -> tuple[str, str | None]:
-    from hpcrl.weights.collective import CorruptBucket, receive_header, receive_tensors
+    from hpcrl.weights.collective import CorruptBucket, receive_header, receive_into, receive_tensors
     from hpcrl.weights.delta import Delta
+    from hpcrl.weights.rounds import receive_rounds
 
     header = receive_header(state.group)
-    try:
-        if (
-            header.delta is not None or header.adapter is not None
-        ):  # small: no staging buffer (it holds full weights)
-            tensors = receive_tensors(state.group, header)
-        else:
-            tensors = state.staging = receive_tensors(state.group, header, into=state.staging)
-    except CorruptBucket as e:  # every bucket was received; nothing reached the served weights
-        raise APIError(str(e), status=409, type="WeightSyncError") from e
-    if header.step != step:
+    if header.step != step:  # taken part in (no sender is left hanging), then refused
+        receive_rounds(state.group, header, None)
         raise APIError(
             f"the broadcast carried step {header.step}, the request said {step}",
             status=409,
             type="WeightSyncError",
         )
+    try:
+        if header.delta is None and header.adapter is None:  # bucket by bucket into the parameters
+            return (
+                state.engine.update_weights_streamed(
+                    header.tensors, step, lambda sink, rows: receive_into(state.group, header, sink, rows)
+                ),
+                header.checksum,
+            )
+        tensors = receive_tensors(state.group, header)  # small: an adapter or a delta, assembled whole
+    except CorruptBucket as e:  # every round was received: no sender is left hanging
+        state.sync_error = f"weight update to step {step} failed verification: {e}"
+        raise APIError(str(e), status=409, type="WeightSyncError") from e
+    except Exception as e:
+        if state.engine.checksum == "unverified":  # half written: refuse to generate until a good update
+            state.sync_error = f"weight update to step {step} failed midway: {type(e).__name__}: {e}"
+        raise
     if header.adapter is not None:  # LoRA RL: merged like /load_lora_adapter, checksum over the adapter
         return (
             state.engine.merge_lora(ADAPTER_NAME, f"broadcast:step_{step}", header.adapter, tensors, step),
             header.checksum,
         )
-    if header.delta is not None:
-        try:
-            delta = Delta.from_manifest(header.delta, tensors)
-        except ValueError as e:
-            raise APIError(str(e), status=409, type="WeightSyncError") from e
-        return state.engine.apply_delta(delta, step), header.checksum
-    return state.engine.update_weights(tensors, step), header.checksum
+    try:
+        delta = Delta.from_manifest(header.delta, tensors)
+    except ValueError as e:
+        raise APIError(str(e), status=409, type="WeightSyncError") from e
+    return state.engine.apply_delta(delta, step), header.checksum

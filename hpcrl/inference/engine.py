@@ -25,13 +25,11 @@ import torch
 from hpcrl.errors import ConfigError
 from hpcrl.inference import routing
 from hpcrl.inference.batch import DecodeBatch
-from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown, WeightSyncRefused
+from hpcrl.inference.engine_weights import EngineWeights
+from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown
 from hpcrl.inference.loading import (
-    check_compatible,
-    load_safetensors_dir,
     lora_deltas,
     read_adapter,
-    read_delta,
 )
 from hpcrl.inference.protocol import SamplingParams, SeqOutput
 from hpcrl.inference.routing import RoutingRecorder
@@ -40,19 +38,11 @@ from hpcrl.inference.tokens import Tokens
 from hpcrl.models.chunked import prompt_logprobs
 from hpcrl.models.qwen3.state_dict_adapter import hf_views
 from hpcrl.weights.checksum import state_dict_checksum
-from hpcrl.weights.delta import Delta, apply_delta
 
 log = logging.getLogger("hpcrl.inference.engine")
 
 IDLE_BEAT_S = 1.0  # an idle engine still beats the watchdog this often (hpcrl.monitor.watchdog)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype_of(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise InvalidRequest(f"unknown dtype {name!r} in a weight update")
-    return dt
 
 
 @dataclass(eq=False)
@@ -95,7 +85,7 @@ def _check_cache_layers(config: Any) -> None:
         )
 
 
-class HFEngine:
+class HFEngine(EngineWeights):
     """Serve one causal LM with batched sampling, live weight updates and per-token policy steps."""
 
     def __init__(
@@ -454,61 +444,7 @@ class HFEngine:
         self.stats["forward_steps"] += 1
         return out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1].float()
 
-    # -- weights ---------------------------------------------------------------------------------------
-    def update_weights(self, tensors: dict[str, torch.Tensor], step: int) -> str:
-        """Copy `tensors` (HF names) into the model between two decode steps; return the loaded checksum.
-
-        The checksum is computed from the model's own parameters after the copy, cast to each incoming
-        tensor's dtype, so it equals the sender's checksum only if the bytes really landed.
-        """
-        check_compatible(self._params, tensors)
-        with self._update_lock:
-            with self._weights_lock:
-                for name, t in tensors.items():
-                    self._params[name].copy_(t)
-                self.policy_step = int(step)
-                self._lora_base.clear()  # a full update replaces any merged adapter
-                self.lora_adapters.clear()
-                self.lora_checksum = None
-            loaded = {n: self._params[n].to(tensors[n].dtype) for n in tensors}
-            self.checksum = state_dict_checksum(loaded)
-            self._weight_names = list(tensors)
-            return self.checksum
-
-    def update_weights_from_path(self, path: str, step: int) -> str:
-        delta = read_delta(path)  # resolves `path`: a bad one is a 400 before anything is read
-        if delta is not None:
-            return self.apply_delta(delta, step)
-        return self.update_weights(load_safetensors_dir(path), step)
-
-    def apply_delta(self, delta: Delta, step: int) -> str:
-        """Apply a delta sync to the served weights in place; return the checksum of the FULL result.
-
-        Exact: changed elements are written with their new bits (the engine's dtype holds the sent
-        dtype's values exactly, or equals it). Refused (nothing changes) unless the served weights are
-        exactly the delta's base: same checksum, no LoRA merged in."""
-        if self.lora_adapters:
-            raise WeightSyncRefused(
-                "a weight delta cannot apply on top of a merged LoRA adapter; send a full update"
-            )
-        with self._update_lock:
-            if self.checksum != delta.base_checksum or set(self._weight_names) != set(delta.layout):
-                raise WeightSyncRefused(
-                    f"weight delta for step {step} applies to policy {delta.base_step} "
-                    f"({delta.base_checksum[:20]}), this server holds step {self.policy_step} "
-                    f"({self.checksum[:20]}): a full update is needed"
-                )
-            with self._weights_lock:
-                try:
-                    apply_delta(self._params, delta)
-                except ValueError as e:  # some tensors may be written already: nothing verified is served
-                    self.checksum = "unverified"
-                    raise WeightSyncRefused(str(e)) from e
-                self.policy_step = int(step)
-            loaded = {n: self._params[n].to(_dtype_of(d)) for n, (d, _, _) in delta.layout.items()}
-            self.checksum = state_dict_checksum(loaded)
-            return self.checksum
-
+    # -- weights: full updates and deltas in hpcrl.inference.engine_weights (EngineWeights) -----------
     def load_lora(self, name: str, path: str, step: int | None = None) -> str:
         """Merge the PEFT adapter under `path` into the base weights (replacing the previous adapter);
         return the checksum of its tensors. With `step` (LoRA RL: the adapter is policy `step`) the

@@ -66,8 +66,11 @@ def load_sharded_dir(path: str, param: str = "path") -> dict[str, torch.Tensor]:
         raise APIError(f"cannot load the sharded policy under {files.show(path)}: {e}", param=param) from e
 
 
-def check_compatible(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    """Refuse an update that names unknown parameters or has other shapes: nothing is loaded then."""
+def check_compatible(
+    params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], *, finite: bool = True
+) -> None:
+    """Refuse an update that names unknown parameters or has other shapes: nothing is loaded then.
+    `finite` False: `tensors` are only the layout (meta tensors); the values are checked as they land."""
     unknown = [k for k in tensors if k not in params]
     if unknown:
         raise APIError(
@@ -85,7 +88,8 @@ def check_compatible(params: dict[str, torch.Tensor], tensors: dict[str, torch.T
     if not tensors:
         raise APIError("the weight update holds no tensors", param="path")
     check_floating(tensors, "path", want=params)
-    check_finite(tensors, "path")
+    if finite:
+        check_finite(tensors, "path")
 
 
 def check_floating(

@@ -39,16 +39,13 @@ class HpcrlWorkerExtension:
             join_timeout_s=join_timeout,
         )
 
-    def _hpcrl_load(self, tensors: dict[str, Any], keep_base: bool) -> str:
-        """Load full weights (HF names). With `keep_base` (the server was started for delta sync:
-        trainer.broadcast.delta) keep them as the base of later deltas, where they arrived: host memory
-        from a path, the worker's device from a broadcast; else they are dropped once loaded."""
+    def _hpcrl_load(self, tensors: dict[str, Any]) -> str:
+        """Load full weights (HF names) from a file; the checksum is of the tensors load_weights read."""
         from hpcrl.weights.checksum import state_dict_checksum
 
         self._hpcrl_model().load_weights(
             weights=list(tensors.items())
         )  # vLLM maps HF names onto fused params
-        self._hpcrl_full = tensors if keep_base else None  # type: ignore[attr-defined]
         self._hpcrl_checksum = state_dict_checksum(tensors)  # type: ignore[attr-defined]
         return self._hpcrl_checksum  # type: ignore[attr-defined]
 
@@ -56,87 +53,68 @@ class HpcrlWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
-    def _hpcrl_apply_delta(self, delta: Any) -> str:
-        """Apply a delta sync. vLLM fuses (qkv_proj, gate_up_proj) and shards parameters, so the delta is
-        applied to this worker's copy of the last full HF-named weights (bit-exact: new bits written
-        where they changed), the touched tensors are loaded through vLLM's own `load_weights` (a copy
-        into the fused slices, exact as for a full load), and the checksum is over the whole copy.
-        The cost: one unsharded copy of the weights per worker (host memory for filesystem syncs, device
-        memory for broadcasts) — fine for 7B, not for 70B at tp=8: keep delta off there."""
-        from hpcrl.weights.checksum import state_dict_checksum
-        from hpcrl.weights.delta import apply_delta
-
-        full = getattr(self, "_hpcrl_full", None)
-        if full is None and getattr(self, "_hpcrl_checksum", None) is not None:
-            raise RuntimeError(
-                "weight delta refused: this server keeps no base for deltas (started without "
-                "trainer.broadcast.delta / --delta-base): a full update is needed"
-            )
-        if full is None or getattr(self, "_hpcrl_checksum", None) != delta.base_checksum:
-            raise RuntimeError(
-                f"weight delta applies to policy {delta.base_step}; this worker holds another "
-                "(or no) policy: a full update is needed"
-            )
-        touched = apply_delta(full, delta)
-        self._hpcrl_model().load_weights(weights=[(n, full[n]) for n in touched])
-        self._hpcrl_checksum = state_dict_checksum(full)  # type: ignore[attr-defined]
-        return self._hpcrl_checksum  # type: ignore[attr-defined]
-
-    def _hpcrl_load_sharded(self, path: str, keep_base: bool) -> str:
+    def _hpcrl_load_sharded(self, path: str) -> str:
         """A sharded publish (hpcrl.weights.manifest): vLLM's `load_weights` takes the assembled tensors
         one at a time (each verified piece by piece; the policy checksum once the last is in), so the
-        worker holds one tensor at a time on the host; with `keep_base` (delta sync) the tensors are
-        kept as the base of later deltas (tp x P of host memory per server)."""
+        worker holds one tensor at a time on the host."""
         from hpcrl.weights.manifest import assemble, read_manifest
 
         m = read_manifest(path)
-        full: dict[str, Any] = {}
         seen = 0
 
         def tensors() -> Any:
             nonlocal seen
             for name, t in assemble(path, m):
                 seen += 1
-                if keep_base:
-                    full[name] = t
                 yield name, t
 
         self._hpcrl_model().load_weights(weights=tensors())
         if seen != len(m.tensors):
             raise RuntimeError(f"vLLM's load_weights stopped before the last tensor of {path}")
-        self._hpcrl_full = full if keep_base else None  # type: ignore[attr-defined]
         self._hpcrl_checksum = m.checksum  # type: ignore[attr-defined]
         return m.checksum
 
-    def hpcrl_update_from_path(self, path: str, keep_base: bool = True) -> str:
+    def hpcrl_update_from_path(self, path: str, keep_base: bool = False) -> str:
+        """Full weights from files. `keep_base` (a server started for delta sync) is refused: vLLM's
+        parameters are fused, sharded over the TP workers and maybe quantized, so a delta in Hugging Face
+        names has no base on a worker short of a whole copy of the policy (tp x P per server), which
+        hpcrl does not keep (docs/weights.md, "Delta sync")."""
         from hpcrl.inference.loading import load_safetensors_dir, read_delta
         from hpcrl.weights.manifest import is_sharded
 
-        delta = read_delta(path)  # one file, or every trainer rank's pieces merged per tensor
-        if delta is not None:  # applied where the base lives (apply_delta moves the few changed values)
-            return self._hpcrl_apply_delta(delta)
+        if keep_base or read_delta(path) is not None:
+            raise RuntimeError(
+                "a weight delta cannot be applied by vLLM (fused, TP-sharded parameters: no base without a "
+                "whole copy of the policy); set trainer.broadcast.delta = false"
+            )
         if is_sharded(path):
-            return self._hpcrl_load_sharded(path, keep_base)
-        return self._hpcrl_load(load_safetensors_dir(path), keep_base)
+            return self._hpcrl_load_sharded(path)
+        return self._hpcrl_load(load_safetensors_dir(path))
 
-    def hpcrl_update_collective(self, keep_base: bool = True) -> tuple[int, str, str | None]:
-        from hpcrl.weights.collective import receive_header, receive_tensors
-        from hpcrl.weights.delta import Delta
+    def hpcrl_update_collective(self, keep_base: bool = False) -> tuple[int, str, str | None]:
+        """One update over the weight group: this worker's server receives each round once (worker 0
+        from every trainer rank at once, worker w from worker w - 1, hpcrl.weights.rounds), and every
+        worker hands `load_weights` whole tensors as they complete: a tensor that came in one part goes
+        straight from the round buffer, one whose rows span rounds is assembled first. Memory: two
+        round buffers and the tensors being assembled, on this worker's device; nothing of the policy is
+        kept. Each part is digested on the device after load_weights read it: that is the verification."""
+        from hpcrl.weights.collective import receive_header, receive_into
+        from hpcrl.weights.rounds import Assembler, receive_rounds
 
         group = getattr(self, "_hpcrl_group", None)
         if group is None:
             raise RuntimeError("no weight broadcast group: call /init_broadcaster first")
         header = receive_header(group)
-        tensors = receive_tensors(group, header, device=self.device)  # type: ignore[attr-defined]
-        if header.adapter is not None:  # received (the sender is not left hanging), then refused
+        if header.adapter is not None or header.delta is not None or keep_base:
+            receive_rounds(
+                group, header, None
+            )  # received and forwarded (no peer is left hanging), then refused
             raise RuntimeError(
-                "a LoRA adapter over the collective transport is merged by the hf backend only; "
-                'with vllm use trainer.broadcast.transport = "filesystem" (/load_lora_adapter)'
+                "over the collective transport vLLM takes full weights only: a LoRA adapter goes as files "
+                '(trainer.broadcast.transport = "filesystem", /load_lora_adapter); a delta not at all'
             )
-        if header.delta is not None:
-            return (
-                header.step,
-                self._hpcrl_apply_delta(Delta.from_manifest(header.delta, tensors)),
-                header.checksum,
-            )
-        return header.step, self._hpcrl_load(tensors, keep_base), header.checksum
+        model = self._hpcrl_model()
+        sink = Assembler(header, self.device, lambda done: model.load_weights(weights=done))  # type: ignore[attr-defined]
+        self._hpcrl_checksum = "unverified"  # type: ignore[attr-defined]
+        self._hpcrl_checksum = receive_into(group, header, sink)  # type: ignore[attr-defined]
+        return header.step, self._hpcrl_checksum, header.checksum  # type: ignore[attr-defined]

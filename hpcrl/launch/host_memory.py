@@ -7,31 +7,35 @@ weight sync and a checkpoint, against the node's memory (sinfo) and `slurm.mem`.
 
 Pure functions of the config, the placement and the model's parameter count P (hpcrl.models.arch),
 in the policy dtype (the trainer's compute dtype: the publish and the HF export cast to it).
-Per trainer rank, S = P / ranks x dtype bytes its shard, B = trainer.broadcast.bucket_mb:
-  sharded publish, filesystem      S + 2 B               (hpcrl/trainer/sharded_publish.py; an upper
-                                                           bound: docs/weights.md measured ~2 B of host
-                                                           memory, the cast shard lives on the device)
-    + delta                        + S                   (each rank keeps its previous pieces)
-  sharded publish, collective      S + 2 C on every rank, C = trainer.broadcast.chunk_mb (an upper
-                                                           bound: each rank sends its own buckets; as
-                                                           built one scratch bucket to pack its parts
-                                                           and, on a GPU, one part copied to the host to
-                                                           be digested; the shard itself is on the GPU)
+Per trainer rank, S = P / ranks x dtype bytes its shard, B = trainer.broadcast.bucket_mb (the
+protocol-4 weight sync of issue 49; the GPU side is hpcrl.launch.memory_plan's "weight publish"):
+  sharded publish, collective      0: every rank casts its pieces lazily and sends them from its GPU
+                                   (its largest cast piece + a scratch bucket of chunk_mb / ranks +
+                                   its communicators: the GPU plan)
+  sharded publish, filesystem      B: one bucket of pieces being written (its largest cast piece is
+                                   on the GPU)
+    + delta                        + S pieces on the host to diff + S "delta base (previous shard)"
+                                   (hpcrl/trainer/sharded_publish.py keeps both on the host)
   gathered (sharded = false)       P on every rank, + P on rank 0 with delta (its previous policy)
-(delta sync travels as files only: the config refuses it with the collective transport)
+(delta sync travels as files only: the config refuses it with the collective transport, and with
+inference.backend = "vllm")
   checkpoint HF export             rank 0: one file (EXPORT_FILE_BYTES) + the largest tensor it is
                                    assembling (hpcrl/trainer/stream.py export_hf_streamed); other ranks
                                    send their rows from the device. Only when the checkpoint writes HF
                                    weights (ckpt set, ckpt.hf_weights: auto = a policy <= 16 GiB)
 A rank's figure is the larger of its publish and its checkpoint (they run one after the other; the
 allocator reuses the first publish's memory).
-Per inference server while loading (hpcrl/inference/loading.py, vllm_worker.py):
-  vLLM, filesystem, delta          every one of its tp workers keeps the whole policy on the host (the
-                                   base of later deltas, `_hpcrl_full`): tp x P
-  vLLM, filesystem, no delta       sharded publish: each worker holds the tensor being loaded (the
-                                   largest tensor); one file (sharded = false): the whole dict, tp x P
-  vLLM, collective                 the received tensors stay on the device: one bucket (chunk_mb)
-  hf engine                        the assembled policy: P
+Per inference server while loading a policy (L = the largest tensor in the policy dtype):
+  collective                       0: one receiving process per server (vLLM: TP worker 0, which
+                                   forwards each round down a chain of its followers) holds its round
+                                   buffers, the assembly and its communicators on the GPU (the GPU
+                                   plan's "weight receive")
+  filesystem, sharded              vLLM: every tp worker assembles one whole tensor for load_weights:
+                                   tp x L; hf engine: copies each piece into its parameters: one piece,
+                                   at most B
+  filesystem, sharded = false      one file: the whole dict, tp x P (vLLM) or P (hf engine)
+  delta                            nothing more: the hf engine applies a delta in place to the
+                                   parameters it serves (its base); vLLM cannot (refused at load)
 Every process adds PROCESS_BASE_GIB. A node's figure: the processes placed on it (ranks per trainer
 node, servers x tp workers per inference node), rank 0's node for the trainer.
 
@@ -96,7 +100,6 @@ def trainer_rank_gib(
     rank0: bool = False,
     largest_tensor: int = 0,
     hf_weights: bool = True,
-    chunk_mb: int = 256,
 ) -> float:
     """GiB of host memory one trainer rank holds at a publish or a checkpoint's HF export, whichever is
     larger (see the module docstring)."""
@@ -104,10 +107,10 @@ def trainer_rank_gib(
     shard, bucket = policy / ranks, min(bucket_mb * MIB, policy)  # a bucket never exceeds the policy
     if not sharded:  # the gathered path
         publish = policy + (policy if delta and rank0 else 0)
-    elif collective:
-        publish = shard + 2 * min(chunk_mb * MIB, policy)
-    else:
-        publish = shard + 2 * bucket + (shard if delta else 0)
+    elif collective:  # sent from the GPU (the GPU plan's weight publish)
+        publish = 0.0
+    else:  # one bucket; with delta its pieces to diff and the delta base (previous shard)
+        publish = bucket + (2 * shard if delta else 0)
     export = min(EXPORT_FILE_BYTES, policy) + largest_tensor * dtype_bytes if rank0 and hf_weights else 0
     return max(publish, export) / GIB
 
@@ -119,19 +122,20 @@ def server_gib(
     tp: int,
     vllm: bool,
     collective: bool,
-    chunk_mb: int,
-    delta: bool = True,
-    sharded: bool = False,
+    bucket_mb: int = 256,
+    sharded: bool = True,
     largest_tensor: int = 0,
 ) -> float:
-    """GiB of host memory one inference server holds while loading a policy (all its tp workers)."""
-    if not vllm:
-        return params * dtype_bytes / GIB
-    if collective:
-        return tp * chunk_mb * MIB / GIB
-    if delta or not sharded:  # the base of deltas, or one file's whole dict
-        return tp * params * dtype_bytes / GIB
-    return tp * largest_tensor * dtype_bytes / GIB  # one assembled tensor at a time
+    """GiB of host memory one inference server holds while loading a policy (all its tp workers).
+    Delta sync adds nothing: the hf engine applies it in place (see the module docstring)."""
+    if collective:  # received on the GPU
+        return 0.0
+    policy = params * dtype_bytes
+    if not sharded:  # one file: the whole dict, in every worker
+        return (tp if vllm else 1) * policy / GIB
+    if vllm:  # one assembled tensor at a time, in every worker
+        return tp * largest_tensor * dtype_bytes / GIB
+    return min(bucket_mb * MIB, policy) / GIB  # hf engine: one piece (at most a bucket)
 
 
 @dataclass
@@ -174,26 +178,22 @@ class HostPlan:
             if not self.sharded:
                 return (
                     "trainer.broadcast.sharded",
-                    f"trainer.broadcast.sharded = true (O(shard) per rank), {more}",
+                    f"trainer.broadcast.sharded = true (one bucket per rank), {more}",
                 )
             if self.delta:
                 return (
                     "trainer.broadcast.delta",
-                    f"trainer.broadcast.delta = false (each rank keeps its previous shard), {more}",
+                    f"trainer.broadcast.delta = false (each rank keeps its pieces and the delta base "
+                    f"(previous shard) on the host), {more}",
                 )
             return (
                 "trainer.broadcast.bucket_mb",
                 f"a smaller trainer.broadcast.bucket_mb, {more} (deployment.num_train_nodes)",
             )
-        if not self.collective and self.delta:
-            return (
-                "trainer.broadcast.delta",
-                f"trainer.broadcast.delta = false (vLLM then keeps no host copy of the policy), {more}",
-            )
         if not self.collective and not self.sharded:
             return (
                 "trainer.broadcast.sharded",
-                f"trainer.broadcast.sharded = true (vLLM then loads one tensor at a time), {more}",
+                f"trainer.broadcast.sharded = true (a server then loads one tensor at a time), {more}",
             )
         return "inference.parallel.tp", f"fewer servers per node (inference.parallel.tp), {more}"
 
@@ -203,45 +203,59 @@ def host_plan(
 ) -> HostPlan | None:
     """The host-memory plan of `cfg` placed as `placement`, the policy in `compute` (the trainer's
     compute dtype), `base_gib` a process; None when the model's architecture is unknown here."""
+    from hpcrl.launch.memory_plan import largest_tensor, serves_with_vllm, sync_transport
+
     model = cfg.trainer.model or cfg.model
     arch = find_arch(model.name or cfg.model.name)
     if arch is None:
         return None
     b = cfg.trainer.broadcast
-    collective = b.transport != "filesystem" and not b.delta  # auto: collective, or files with delta
+    collective = sync_transport(cfg, placement) == "collective"  # auto: collective on GPUs, else files
     nbytes = BYTES.get(compute, 2)
     ranks, rpn = placement.trainer_ranks, placement.ranks_per_train_node
-    largest = arch.hidden * max(arch.vocab, arch.intermediate)  # experts go under per-expert names
+    largest = largest_tensor(arch)
     from hpcrl.checkpoint import writes_hf_weights
 
     c = cfg.ckpt  # the checkpoint's HF weights (rank 0 alone) only when ckpt.hf_weights writes them
     hf = c is not None and writes_hf_weights(c.hf_weights, c.weights_only, arch.params * nbytes)
     kw = dict(
         sharded=b.sharded, collective=collective, delta=b.delta, bucket_mb=b.bucket_mb, largest_tensor=largest,
-        hf_weights=hf, chunk_mb=b.chunk_mb,
+        hf_weights=hf,
     )  # fmt: skip
     r0 = trainer_rank_gib(arch.params, ranks, nbytes, rank0=True, **kw)
     other = trainer_rank_gib(arch.params, ranks, nbytes, **kw)
     path = "gathered" if not b.sharded else "sharded"
     how = f"{path}, {'collective' if collective else 'filesystem'}" + (", delta" if b.delta else "")
+    shard = arch.params * nbytes / ranks / GIB
+    if not b.sharded:
+        terms = "the whole policy" + (" (+ the previous one on rank 0)" if b.delta else "")
+    elif collective:
+        terms = "pieces sent from the GPU"
+    else:
+        terms = f"bucket {min(b.bucket_mb * MIB, arch.params * nbytes) / GIB:.2f}" + (
+            f" + pieces to diff {shard:.2f} + delta base (previous shard) {shard:.2f}" if b.delta else ""
+        )
     trainer = NodeHost(
         "trainer", rpn, r0 + (rpn - 1) * other, rpn * base_gib,
-        f"{how}: rank 0 {r0:.1f} + {rpn - 1} x {other:.1f} GiB",
+        f"{how}: rank 0 {r0:.1f} + {rpn - 1} x {other:.1f} GiB, {terms}",
     )  # fmt: skip
     tp, servers = cfg.inference.parallel.tp, placement.servers_per_infer_node
-    vllm = cfg.inference.backend == "vllm" or (
-        cfg.inference.backend == "auto" and placement.uses_gpus and not placement.cpu_compute
-    )
-    idtype = getattr(cfg.inference.model, "dtype", None) or cfg.model.dtype
+    vllm = serves_with_vllm(cfg, placement)
     per = server_gib(
-        arch.params, BYTES.get(idtype, 2), tp=tp, vllm=vllm, collective=collective, chunk_mb=b.chunk_mb,
-        delta=b.delta, sharded=b.sharded, largest_tensor=largest,
+        arch.params, nbytes, tp=tp, vllm=vllm, collective=collective, bucket_mb=b.bucket_mb,
+        sharded=b.sharded, largest_tensor=largest,
     )  # fmt: skip
     workers = servers * (tp if vllm else 1)
     kind = ("vLLM" if vllm else "hf") + (", collective" if collective else ", filesystem")
+    if collective:
+        what = "received on the GPU"
+    elif not b.sharded:
+        what = "one file: the whole dict" + (" per worker" if vllm else "")
+    else:
+        what = f"{tp} worker(s) x the largest tensor" if vllm else "one piece (<= bucket_mb)"
     inference = NodeHost(
         "inference", workers, servers * per, workers * base_gib,
-        f"{kind}: {servers} server(s) x {per:.1f} GiB",
+        f"{kind}: {servers} server(s) x {per:.1f} GiB, {what}",
     )  # fmt: skip
     return HostPlan(trainer, inference, b.sharded, b.delta, collective)
 

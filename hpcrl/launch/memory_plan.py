@@ -37,9 +37,31 @@ position. Every rank stores S = (D + X) / N = P / N, with or without ep:
                logprobs in chunks: chunk x vocab x (compute bytes + LOGIT_FP32_CHUNKED x 4) (one fp32
                buffer per chunk, hpcrl/models/chunked.py; vocab / cp columns when vocabulary-parallel,
                which always chunks).
+  weight publish  collective (protocol 4: the T trainer ranks send at once, in rounds of C =
+               trainer.broadcast.chunk_mb at a receiver): the pieces are cast and sent lazily, so a
+               rank holds its largest piece cast to the policy dtype (its rows of the largest tensor,
+               largest / T, or a whole expert's tensor when the custom MoE hands it whole experts) +
+               one scratch bucket of C / T + one NCCL communicator per inference server head it sends
+               to (servers x NCCL_P2P_GIB). Files: the largest cast piece (its bucket of
+               trainer.broadcast.bucket_mb is on the host: hpcrl.launch.host_memory). LoRA (and any
+               layout that is not rows) still materialises the cast shard: S = P / T in the policy
+               dtype instead of the piece. sharded = false: the largest tensor, gathered whole.
 Inference server GPU (tp GPUs per server): weights P x dtype bytes / tp; the KV cache gets
 gpu_memory_utilization x GPU memory - weights - INFER_RESERVE_GIB, at 2 x layers x kv heads per GPU
 (kv_heads / tp, at least 1: vLLM replicates them when tp > kv_heads) x head_dim x dtype bytes a token.
+  weight receive  collective: each server has one receiving process from the trainer (vLLM: TP worker
+               0, the head), which forwards every round to worker 1, and so on down a chain over
+               NVLink. Every receiving process holds 2 round buffers (2 x C) on its GPU, verifies each
+               part there, and loads per bucket: the hf engine copies each part straight into its
+               parameters; a vLLM worker hands load_weights whole HF tensors, so it assembles a tensor
+               whose rows span rounds in a buffer of its own: + the largest tensor (policy dtype).
+               NCCL: one 2-rank communicator per (sender, head) pair and per chain link, each
+               NCCL_P2P_GIB (an assumption, not a measurement); the head has T + 1 peers (T senders +
+               its follower; T when tp = 1 or hf), a follower 2 (the last 1). The plan counts the
+               head, the largest. It all sits OUTSIDE vLLM's pool: it must fit GPU memory x
+               (1 - gpu_memory_utilization), else `MemoryPlan.check` refuses naming
+               trainer.broadcast.chunk_mb (or inference.gpu_memory_utilization when even a 1 MiB
+               chunk cannot fit). Files: read on the host piece by piece (host plan): 0 on the GPU.
 
 The ACT_* constants count what a Qwen3 layer saves for backward with flash attention (no [s, s]
 scores); ACT_ATTN and ACT_CKPT are calibrated on a GPU (see their comments), ACT_ROUTED is counted.
@@ -76,7 +98,11 @@ ACT_CKPT = 1  # activation checkpointing: each layer keeps its input (measured 1
 PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and prefetches the next
 LOGIT_FP32_COPIES = 3  # fp32 upcast, log-softmax (kept for backward), its gradient
 LOGIT_FP32_CHUNKED = 1  # chunked: the chunk's fp32 logits, log-softmaxed and differentiated in place
-INFER_RESERVE_GIB = 2.0  # inference activations, CUDA graphs, NCCL buffers outside the KV cache
+INFER_RESERVE_GIB = 2.0  # inference activations, CUDA graphs inside vLLM's pool, beside the KV cache
+# One 2-rank NCCL communicator of the weight sync on a GPU. AN ASSUMPTION, not measured: NCCL_BUFFSIZE
+# (4 MiB, NCCL's default) x 2 directions x up to 8 p2p channels = 64 MiB.
+NCCL_P2P_GIB = 0.0625
+MIB = 1024**2
 # trainer.model fields from the long-sequence work (chunked logprobs, context parallelism), read
 # with getattr so this module works before and after they exist.
 # The chunk a vocabulary-parallel head runs with when chunking is off: hpcrl.models.chunked's
@@ -93,6 +119,36 @@ class Item:
     note: str = ""
 
 
+@dataclass(frozen=True)
+class Receive:
+    """The weight sync's GPU memory of an inference server's head (its receiving process from the
+    trainer), outside vLLM's pool (see the module docstring)."""
+
+    collective: bool
+    vllm: bool
+    chunk_mb: int  # C: one round at a receiver
+    assembly_gib: float  # vLLM: the largest tensor, assembled whole for load_weights (0: hf engine)
+    peers: int  # the head's 2-rank communicators: the senders + its follower
+    follower_peers: int  # a chain follower's (0: no follower)
+
+    def gib(self, chunk_mb: int | None = None) -> float:
+        if not self.collective:
+            return 0.0
+        c = self.chunk_mb if chunk_mb is None else chunk_mb
+        return 2 * c * MIB / GIB + self.assembly_gib + self.peers * NCCL_P2P_GIB
+
+    def arithmetic(self) -> str:
+        if not self.collective:
+            return "files: read on the host piece by piece (host plan)"
+        parts = [f"2 x {self.chunk_mb} MiB round buffers {2 * self.chunk_mb * MIB / GIB:.2f}"]
+        if self.vllm:
+            parts.append(f"assembly (largest tensor) {self.assembly_gib:.2f}")
+        parts.append(
+            f"{self.peers} NCCL communicators x {NCCL_P2P_GIB:g} (assumed) {self.peers * NCCL_P2P_GIB:.2f}"
+        )
+        return " + ".join(parts)
+
+
 @dataclass
 class MemoryPlan:
     model: str
@@ -107,6 +163,8 @@ class MemoryPlan:
     max_model_len: int
     ep_lines: list[str] = field(default_factory=list)
     ranks_field: str = "deployment.num_train_nodes"  # the field that adds trainer ranks
+    receive: Receive | None = None  # the weight sync on an inference GPU, outside vLLM's pool
+    utilization: float = 0.9  # inference.gpu_memory_utilization
 
     @property
     def trainer_gib(self) -> float:
@@ -153,6 +211,34 @@ class MemoryPlan:
                 "raise inference.parallel.tp or inference.gpu_memory_utilization, lower "
                 "inference.max_model_len, or raise deployment.gpu_memory_gib",
             )
+        self._check_receive(limit_gib)
+
+    def _check_receive(self, limit_gib: float) -> None:
+        """The weight receive must fit what vLLM leaves outside its pool: limit x (1 - utilization)."""
+        r = self.receive
+        if r is None or not r.collective or not r.vllm:
+            return
+        room, need = limit_gib * (1 - self.utilization), r.gib()
+        if need <= room + 1e-9:
+            return
+        head = (
+            f"an inference GPU's weight receive needs {need:.2f} GiB outside vLLM's pool ({r.arithmetic()}) "
+            f"but {limit_gib:g} GiB x (1 - inference.gpu_memory_utilization {self.utilization:g}) leaves {room:.2f} GiB"
+        )
+        fixed = r.gib(0)
+        most = int((room - fixed) * GIB / MIB // 2)  # the largest chunk_mb whose two buffers fit
+        if most >= 1:
+            raise ConfigError(
+                "trainer.broadcast.chunk_mb",
+                f"{head}: trainer.broadcast.chunk_mb <= {most} (a receiver holds 2 rounds of it), or a "
+                "lower inference.gpu_memory_utilization",
+            )
+        util = int((1 - r.gib(1) / limit_gib) * 100) / 100
+        raise ConfigError(
+            "inference.gpu_memory_utilization",
+            f"{head}, too little even at trainer.broadcast.chunk_mb = 1 ({r.gib(1):.2f} GiB): "
+            f"inference.gpu_memory_utilization <= {util:.2f}, or fewer trainer ranks (one communicator each)",
+        )
 
     def _fixes(self, item: str) -> list[tuple[str, str]]:
         if item in ("parameters", "gradients", "optimizer"):
@@ -171,6 +257,8 @@ class MemoryPlan:
                 ]
             )
             return out + [("trainer.model.cp", "trainer.model.cp or a smaller trainer.micro_batch_tokens")]
+        if item == "weight publish":  # a piece, a scratch bucket: smaller with more ranks (LoRA: S)
+            return [(self.ranks_field, f"more trainer ranks ({self.ranks_field})")]
         if item == "logits":
             return [(f"trainer.model.{CHUNK_FIELD}", f"chunked logprobs (trainer.model.{CHUNK_FIELD})")]
         return []
@@ -181,7 +269,7 @@ def _count(n: float) -> str:
 
 
 def _row(i: Item) -> str:
-    return f"    {i.name:<12} {i.dtype:<5} {i.gib:8.2f} GiB" + (f"  {i.note}" if i.note else "")
+    return f"    {i.name:<14} {i.dtype:<5} {i.gib:8.2f} GiB" + (f"  {i.note}" if i.note else "")
 
 
 def _biggest(items: list[Item]) -> str:
@@ -266,9 +354,11 @@ def trainer_items(
     lora_params: int = 0,
     offload: bool = False,
     vocab_parallel: bool = False,
+    publish: Item | None = None,
 ) -> list[Item]:
     """Per-GPU memory of one trainer rank (see the module docstring). `lora_params` > 0: only those
-    train (gradients and optimizer state), the base weights stay frozen."""
+    train (gradients and optimizer state), the base weights stay frozen. `publish`: the weight
+    publish's row (publish_item)."""
     split = cp if vocab_parallel and cp > 1 else 1  # the head's rows per rank: vocab / split
     if split > 1:
         chunk = chunk or VOCAB_PARALLEL_CHUNK
@@ -331,13 +421,101 @@ def trainer_items(
                 else ""
             ),
         ),
-    ]
+    ] + ([publish] if publish is not None else [])
+
+
+def largest_tensor(a: Arch) -> int:
+    """Elements of the policy's largest tensor: the embedding / LM head, or a dense MLP projection
+    (experts travel under per-expert names, each [moe_intermediate, hidden] or its transpose)."""
+    return a.hidden * max(a.vocab, a.intermediate)
+
+
+def largest_piece(a: Arch, ranks: int) -> int:
+    """Elements of a trainer rank's largest piece: its rows of the largest tensor, or a whole expert's
+    tensor (the custom MoE hands a rank whole experts, each its own piece)."""
+    return max(-(-largest_tensor(a) // ranks), a.hidden * a.moe_intermediate if a.moe else 0)
+
+
+def publish_item(
+    a: Arch,
+    *,
+    ranks: int,
+    servers: int,
+    collective: bool,
+    chunk_mb: int,
+    dtype: str,
+    lora: bool = False,
+    sharded: bool = True,
+) -> Item:
+    """GPU memory of one trainer rank's weight publish, in the policy dtype (see the module docstring)."""
+    b = BYTES[dtype]
+    if lora:  # LoRA merges its rows into a cast copy of the shard: S = P / ranks
+        held, what = a.params * b / ranks, f"cast shard S {_count(a.params)} / {ranks} (LoRA)"
+    elif not sharded:
+        held, what = largest_tensor(a) * b, "largest tensor gathered whole (sharded = false)"
+    else:
+        piece = largest_piece(a, ranks)
+        held = piece * b
+        rows = -(-largest_tensor(a) // ranks)
+        what = f"largest cast piece {held / GIB:.3f}" + (
+            f" ({max(a.vocab, a.intermediate):,} x {a.hidden:,} / {ranks} ranks)"
+            if piece == rows
+            else f" (a whole expert, {a.moe_intermediate:,} x {a.hidden:,})"
+        )
+    if not collective:
+        return Item("weight publish", SHORT[dtype], held / GIB, what + "; files: its bucket is on the host")
+    scratch = chunk_mb * MIB / ranks
+    comms = servers * NCCL_P2P_GIB
+    return Item(
+        "weight publish",
+        SHORT[dtype],
+        (held + scratch) / GIB + comms,
+        f"{what} + scratch bucket {chunk_mb} MiB / {ranks} {scratch / GIB:.3f} + {servers} server head(s) "
+        f"x {NCCL_P2P_GIB:g} GiB NCCL (assumed) {comms:.3f}",
+    )
+
+
+def receive_of(
+    a: Arch, *, senders: int, tp: int, vllm: bool, collective: bool, chunk_mb: int, dtype: str
+) -> Receive:
+    """The weight receive of an inference server's head (see the module docstring)."""
+    chain = vllm and tp > 1  # vLLM: every TP worker receives, down a chain from worker 0
+    return Receive(
+        collective=collective,
+        vllm=vllm,
+        chunk_mb=chunk_mb,
+        assembly_gib=largest_tensor(a) * BYTES[dtype] / GIB if vllm else 0.0,
+        peers=senders + (1 if chain else 0),
+        follower_peers=(2 if tp > 2 else 1) if chain else 0,
+    )
+
+
+def receive_item(r: Receive, dtype: str, room_gib: float) -> Item:
+    """The row of an inference GPU's weight receive; `room_gib`: what vLLM leaves outside its pool."""
+    if not r.collective:
+        return Item("weight receive", "", 0.0, r.arithmetic())
+    if not r.vllm:
+        return Item("weight receive", SHORT[dtype], r.gib(), f"{r.arithmetic()} (hf engine)")
+    follower = f"; a follower: {r.follower_peers} communicator(s)" if r.follower_peers else ""
+    return Item(
+        "weight receive",
+        SHORT[dtype],
+        r.gib(),
+        f"head: {r.arithmetic()}{follower}; outside vLLM's pool: {r.gib():.2f} of {room_gib:.2f} GiB",
+    )
 
 
 def inference_items(
-    a: Arch, *, tp: int, dtype: str, limit_gib: float, utilization: float
+    a: Arch,
+    *,
+    tp: int,
+    dtype: str,
+    limit_gib: float,
+    utilization: float,
+    receive: Receive | None = None,
+    policy_dtype: str = "bfloat16",
 ) -> tuple[list[Item], int]:
-    """(items, KV tokens) of one GPU of an inference server."""
+    """(items, KV tokens) of one GPU of an inference server; with `receive`, its weight sync's row."""
     b = BYTES[dtype]
     weights = a.params * b / tp / GIB
     kv_heads = max(1, a.kv_heads // tp)
@@ -353,7 +531,7 @@ def inference_items(
             kv,
             f"{tokens:,} tokens at {per_token / 1024:.1f} KiB/token ({kv_heads} kv head(s)/GPU)",
         ),
-    ], tokens
+    ] + ([receive_item(receive, policy_dtype, limit_gib * (1 - utilization))] if receive else []), tokens
 
 
 # -- from a config --------------------------------------------------------------------------------
@@ -382,6 +560,19 @@ def lora_param_count(a: Arch, rank: int, targets: list[str]) -> int:
         shapes.update(gate_proj=(a.hidden, a.intermediate), up_proj=(a.hidden, a.intermediate))
         shapes["down_proj"] = (a.intermediate, a.hidden)
     return a.layers * sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+
+
+def sync_transport(cfg: Config, placement: Placement) -> str:
+    """The weight sync's transport as the launcher decides it for `placement` (hpcrl.launch.prepare)."""
+    from hpcrl.runtime import weight_transport
+
+    return weight_transport(cfg, placement.uses_gpus)
+
+
+def serves_with_vllm(cfg: Config, placement: Placement) -> bool:
+    """The inference servers run vLLM: asked for, or `auto` where they compute on GPUs."""
+    backend = cfg.inference.backend
+    return backend == "vllm" or (backend == "auto" and placement.uses_gpus and not placement.cpu_compute)
 
 
 def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPlan | None:
@@ -413,15 +604,26 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
         chunk=chunk, lora_params=lora, offload=bool(getattr(model, "activation_offload", False)),
         vocab_parallel=vp,
     )  # fmt: skip
+    b = cfg.trainer.broadcast
+    collective = sync_transport(cfg, placement) == "collective"
+    tp = cfg.inference.parallel.tp
+    kw["publish"] = publish_item(
+        arch, ranks=ranks, servers=placement.inference_servers, collective=collective,
+        chunk_mb=b.chunk_mb, dtype=prec.compute, lora=bool(lora_cfg), sharded=b.sharded,
+    )  # fmt: skip
     trainer = trainer_items(arch, ac=ac, **kw)
     other = next(i.gib for i in trainer_items(arch, ac=not ac, **kw) if i.name == "activations")
-    tp = cfg.inference.parallel.tp
     idtype = getattr(cfg.inference.model, "dtype", None) or cfg.model.dtype
     idtype = idtype if idtype in BYTES else "bfloat16"  # auto: bf16 on GPU
     util = cfg.inference.gpu_memory_utilization
+    receive = receive_of(
+        arch, senders=ranks, tp=tp, vllm=serves_with_vllm(cfg, placement), collective=collective,
+        chunk_mb=b.chunk_mb, dtype=prec.compute,
+    )  # fmt: skip
     infer, kv_tokens = inference_items(
-        arch, tp=tp, dtype=idtype, limit_gib=cfg.deployment.gpu_memory_gib, utilization=util
-    )
+        arch, tp=tp, dtype=idtype, limit_gib=cfg.deployment.gpu_memory_gib, utilization=util,
+        receive=receive, policy_dtype=prec.compute,
+    )  # fmt: skip
     parallel = f"FSDP {ranks}" + (f", ep {ep}" if ep > 1 else "") + (f", cp {cp}" if cp > 1 else "")
     head = f"{ranks} ranks, {parallel}; {SHORT[prec.compute]} compute, {SHORT[prec.master]} master"
     return MemoryPlan(
@@ -436,6 +638,8 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
         kv_tokens=kv_tokens,
         max_model_len=cfg.inference.max_model_len or cfg.seq_len,
         ep_lines=ep_text,
+        receive=receive,
+        utilization=util,
         ranks_field=(
             "deployment.num_train_gpus"
             if cfg.deployment.num_train_gpus is not None or placement.target == "local"

@@ -77,6 +77,15 @@ def policy_pieces(model: nn.Module, rank: int, *, dtype: str | torch.dtype | Non
         yield Piece(hf, tuple(t.shape), row0, cast(local))
 
 
+def pieces_are_local(model: nn.Module) -> bool:
+    """Whether `policy_pieces` builds every piece from this rank's own memory, with no collective (no
+    LoRA A to gather, no layout to gather): then it may run lazily between a publish's sends, at a
+    different pace on each rank."""
+    if is_peft_model(model):
+        return False
+    return all(local_rows(t) != "gather" for t in model.state_dict().values())
+
+
 def hf_view(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str], bool, dict[str, float], Any]:
     """What turns the model's state into HF tensors (as ``hf_named_tensors``): its state dict, the
     tied names to skip, peft or not, the LoRA scalings, and the model family's HF adapter (or None)."""

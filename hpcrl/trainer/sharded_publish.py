@@ -164,19 +164,24 @@ def _any(flag: bool) -> bool:
 
 
 def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> float:
-    """Collective transport, sharded: every trainer rank broadcasts its own pieces to the servers.
-    Collective over trainer ranks; every trainer rank is a member (a sender) of the weight group.
+    """Collective transport, sharded: every trainer rank sends its own pieces to the servers, all at
+    once, in rounds (hpcrl.weights.rounds). Collective over trainer ranks; every trainer rank is a
+    member (a sender) of the weight group.
 
-    1. every rank casts its pieces, cuts them into buckets of `chunk_mb` and digests every part;
+    1. every rank casts its pieces one at a time, cuts them into buckets of chunk_mb / ranks and
+       digests every part (on the device; the cast piece is dropped again);
     2. the part records (a few bytes each) go to every rank (`all_gather_object`): every rank knows
-       the schedule (round robin over the ranks' buckets, hpcrl.weights.collective.schedule); rank 0
-       computes the policy checksum from the digests, announces PolicyReady and sends the header;
-    3. every rank sends its own buckets to every receiver, point to point, in the schedule's order
-       (and sees nothing of the others'); receivers check each part against its digest.
+       the rounds (bucket k of every rank in round k); rank 0 computes the policy checksum from the
+       digests, announces PolicyReady and sends the header;
+    3. every rank casts its pieces again, lazily, and sends each bucket to every server's head in its
+       round. A model whose pieces need collectives to build (LoRA, a layout that is not a run of rows)
+       is cast once and held instead: rank pieces are then built in step on every rank, before any send.
     A broadcast that fails on any rank (a server died) is told to every rank (one all-reduce) and all
-    of them publish the same policy as sharded files. Memory per rank: its shard in the policy dtype
-    and one scratch bucket (to pack its multi-part buckets); no rank holds another's rows."""
+    of them publish the same policy as sharded files. Memory per rank: its largest cast piece and one
+    bucket (the held shard for LoRA); no rank holds another's rows."""
+    from hpcrl.trainer.pieces import pieces_are_local
     from hpcrl.weights import collective as coll
+    from hpcrl.weights.rounds import send_rounds
 
     if _decide(pub) == "filesystem":
         pub._fall_back_to_files()
@@ -188,19 +193,30 @@ def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) 
             f"the weight group counts {pub.group.senders} trainer rank(s), the trainer has {world}"
         )
     bucket = max(1, int(pub.bucket_mb * 2**20))
-    pieces = sorted(policy_pieces(model, pub.rank, dtype=pub.dtype), key=lambda p: (p.name, p.row0))
-    mine = coll.plan_buckets(pieces, bucket)
-    everyone = [coll.bucket_records(mine)]
+    mine_bytes = max(1, bucket // world)  # a round (every rank's bucket k) stays within chunk_mb
+    if pieces_are_local(model):
+
+        def pieces():
+            return policy_pieces(model, pub.rank, dtype=pub.dtype)
+
+    else:  # built with collectives: once, in step on every rank, and held
+        held = list(policy_pieces(model, pub.rank, dtype=pub.dtype))
+
+        def pieces():
+            return iter(held)
+
+    records = coll.bucket_records(coll.iter_buckets(pieces(), mine_bytes))
+    everyone = [records]
     if world > 1:
         import torch.distributed as dist
 
         everyone = [None] * world
-        dist.all_gather_object(everyone, coll.bucket_records(mine))
-    sched = coll.schedule(everyone)
-    pub.last_rank_bytes = sum(p.nbytes for b in mine for p in b)
+        dist.all_gather_object(everyone, records)
+    rounds = coll.schedule(everyone)
+    pub.last_rank_bytes = sum(coll._nbytes(r[1], (r[4], *r[2][1:])) for b in records for r in b)
     header = None
     if pub.rank == 0:
-        tensors, checksum = coll.layout_and_checksum(sched)
+        tensors, checksum = coll.layout_and_checksum(rounds)
         nbytes = sum(coll._nbytes(d, s) for _, d, s in tensors)
         pub.last_sync_bytes = nbytes
         pub._bases[step] = None
@@ -215,7 +231,9 @@ def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) 
                 sync_bytes=nbytes,
             )
         )
-        header = coll.make_header(step, bucket, checksum, tensors, sched, senders=world)
+        header = coll.make_header(
+            step, bucket, checksum, tensors, rounds, senders=world, servers=pub.group.server_ranks()
+        )
     failed = False
     try:
         if header is not None:
@@ -223,7 +241,7 @@ def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) 
             parsed = coll._parse_header(header)
         else:
             parsed = coll.receive_header(pub.group)
-        coll.run_schedule(pub.group, parsed, mine)
+        send_rounds(pub.group, parsed, coll.iter_buckets(pieces(), mine_bytes))
     except RuntimeError as e:  # a receiver died mid-broadcast (gloo/NCCL: connection closed, timeout)
         log.warning("weight broadcast of policy %d failed on trainer rank %d (%s): publishing it and every "
                     "later policy as files", step, pub.rank, str(e).splitlines()[0][:200])  # fmt: skip
@@ -234,8 +252,9 @@ def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) 
     dt = time.perf_counter() - t0
     if pub.rank == 0:
         pub._clean_behind(step)
-        log.info("policy %d published (collective, every one of %d rank(s) sending its own pieces, %.1f MB, "
-                 "%.2fs, checksum %s)", step, world, pub.last_sync_bytes / 1e6, dt, parsed.checksum[:12])  # fmt: skip
+        log.info("policy %d published (collective, %d rank(s) sending at once in %d round(s), %.1f MB, "
+                 "%.2fs, checksum %s)", step, world, len(rounds), pub.last_sync_bytes / 1e6, dt,
+                 parsed.checksum[:12])  # fmt: skip
     return dt
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hpcrl.trainer.pieces import policy_pieces
-from hpcrl.weights.checksum import MOD, combine, rows_digest, tensor_record
+from hpcrl.weights.checksum import combine, digest_add, parts_digests, tensor_record
 from hpcrl.weights.shards import Piece, split_bounds, split_rows
 
 
@@ -68,20 +68,21 @@ def stream_to_rank0(
     import torch.distributed as dist
 
     mine = sorted(policy_pieces(model, rank, dtype=dtype), key=lambda p: (p.name, p.row0))
-    records = [(p.name, p.dtype, p.shape, p.row0, p.rows, rows_digest(p.tensor, p.row0)) for p in mine]
+    digests = parts_digests([(p.tensor, p.row0) for p in mine])
+    records = [(p.name, p.dtype, p.shape, p.row0, p.rows, d) for p, d in zip(mine, digests)]
     everyone: list = [records]
     if world_size() > 1:
         everyone = [None] * world_size()
         dist.all_gather_object(everyone, records)
     owners: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(row0, rows, rank)]
     layout: dict[str, tuple[str, tuple[int, ...]]] = {}
-    digests: dict[str, int] = {}
+    sums: dict[str, int] = {}
     for r, recs in enumerate(everyone):
         for name, dt, shape, row0, rows, d in recs:
             owners.setdefault(name, []).append((row0, rows, r))
             layout[name] = (dt, tuple(shape))
-            digests[name] = (digests.get(name, 0) + d) % MOD
-    checksum = combine((n, tensor_record(n, *layout[n], digests[n])) for n in layout)
+            sums[name] = digest_add(sums.get(name, 0), d)
+    checksum = combine((n, tensor_record(n, *layout[n], sums[n])) for n in layout)
     if rank != 0:
         return Stream(layout, checksum, _send(mine, chunk_bytes), sum(p.nbytes for p in mine))
     device = mine[0].tensor.device if mine else next(model.parameters()).device

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcrl.fileio import fsync_dir, fsync_file, tmp_name, write_atomic
-from hpcrl.weights.checksum import MOD, combine, rows_digest, tensor_record
+from hpcrl.weights.checksum import combine, digest_sum, parts_digests, rows_digest, tensor_record
 from hpcrl.weights.shards import Piece, buckets, split_rows
 
 if TYPE_CHECKING:
@@ -76,9 +76,10 @@ def write_pieces(
         if durable:
             fsync_file(tmp)
         os.replace(tmp, final)
-        for p in bucket:
+        digests = parts_digests([(tensors[p.key], p.row0) for p in bucket])
+        for p, d in zip(bucket, digests):
             out.entries.append(
-                [p.name, p.dtype, list(p.shape), fname, p.key, p.row0, p.row0 + p.rows, _hex(p, tensors)]
+                [p.name, p.dtype, list(p.shape), fname, p.key, p.row0, p.row0 + p.rows, f"{d:032x}"]
             )
         out.nbytes += final.stat().st_size
         out.files += 1
@@ -107,18 +108,10 @@ def write_delta(
         fsync_file(tmp)
     os.replace(tmp, final)
     out = Written(files=1, nbytes=final.stat().st_size)
-    for p in pieces:
+    digests = parts_digests([(p.tensor, p.row0) for p in pieces])
+    for p, d in zip(pieces, digests):
         out.entries.append(
-            [
-                p.name,
-                p.dtype,
-                list(p.shape),
-                fname,
-                p.key,
-                p.row0,
-                p.row0 + p.rows,
-                f"{rows_digest(p.tensor, p.row0):032x}",
-            ]
+            [p.name, p.dtype, list(p.shape), fname, p.key, p.row0, p.row0 + p.rows, f"{d:032x}"]
         )
     write_atomic(directory / rank_file(rank), [json.dumps(out.entries).encode()], durable=durable)
     return out
@@ -131,10 +124,6 @@ def delta_file(rank: int) -> str:
 def _host(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return (t if t.device.type == "cpu" else t.cpu()).contiguous()
-
-
-def _hex(p: Piece, tensors: dict[str, torch.Tensor]) -> str:
-    return f"{rows_digest(tensors[p.key], p.row0):032x}"
 
 
 @dataclass
@@ -150,7 +139,7 @@ class TensorEntry:
 
     @property
     def digest(self) -> int:
-        return sum(p[4] for p in self.pieces) % MOD
+        return digest_sum(p[4] for p in self.pieces)
 
 
 @dataclass

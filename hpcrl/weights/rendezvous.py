@@ -163,8 +163,15 @@ def trainer_join_weight_group(
     if share is not None:
         address = share(address)
     assert address is not None, "trainer ranks other than 0 need `share` to learn the group's address"
+    layout = group_layout(list(address.receivers), address.senders)
     return init_group(
-        address.host, address.port, address.world_size, rank, timeout_s=timeout_s, senders=address.senders
+        address.host,
+        address.port,
+        address.world_size,
+        rank,
+        timeout_s=timeout_s,
+        senders=address.senders,
+        servers=tuple(zip(layout.rank_offsets, layout.receivers)),
     )
 
 

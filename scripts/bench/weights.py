@@ -162,11 +162,28 @@ def _ack(group: coll.WeightGroup, ok: int = 0) -> int:
     return int(t[0])
 
 
+def _into(params: dict[str, torch.Tensor]):
+    """The hf engine's (sink, rows): large parts land in their rows of the served tensor, the small
+    ones are copied there from the round buffer."""
+
+    def rows(name: str, row0: int, n: int) -> torch.Tensor:
+        p = params[name]
+        return p if p.dim() == 0 else p[row0 : row0 + n]
+
+    def sink(parts: list) -> list:
+        out = []
+        for name, row0, view in parts:
+            dst = rows(name, row0, view.shape[0] if view.dim() else 1)
+            out.append(dst if dst.data_ptr() == view.data_ptr() else dst.copy_(view))
+        return out
+
+    return sink, rows
+
+
 def receiver_main(port: int) -> None:
     """Rank 1: what the hf server does for /update_weights {transport: collective}, in a loop."""
     group = coll.init_group("127.0.0.1", port, 2, 1, backend="gloo")
     params: dict[str, torch.Tensor] = {}
-    staging: dict[str, torch.Tensor] | None = None
     raw = torch.empty(0, dtype=torch.uint8)
     while True:
         kind, size = _control(group)
@@ -181,15 +198,15 @@ def receiver_main(port: int) -> None:
         header = coll.receive_header(group)
         if header.delta is not None:  # what the engine does: apply in place, checksum the full result
             apply_delta(params, Delta.from_manifest(header.delta, coll.receive_tensors(group, header)))
-        else:
-            tensors = staging = coll.receive_tensors(group, header, into=staging)
-            if {n: tuple(t.shape) for n, t in params.items()} != {
-                n: tuple(t.shape) for n, t in tensors.items()
+            ok = state_dict_checksum(params) == header.checksum
+        else:  # what the engine does: each part copied into the served tensor, digested where it landed
+            if {n: (d, tuple(s)) for n, d, s in header.tensors} != {
+                n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in params.items()
             }:
-                params = {n: torch.empty_like(t) for n, t in tensors.items()}
-            for n, t in tensors.items():
-                params[n].copy_(t)
-        _ack(group, int(state_dict_checksum(params) == header.checksum))
+                params = {n: torch.empty(s, dtype=getattr(torch, d)) for n, d, s in header.tensors}
+
+            ok = coll.receive_into(group, header, *_into(params)) == header.checksum
+        _ack(group, int(ok))
     coll.destroy_group(group)
 
 
@@ -216,8 +233,8 @@ def bench_collective(
 
             def hpcrl_sync(step: int, policy=policy) -> None:
                 _control(group, KIND_FULL, 0)
-                checksum = state_dict_checksum(policy)  # what PolicyPublisher does before broadcasting
-                coll.broadcast_weights(group, policy, step, bucket_mb=bucket_mb, checksum=checksum)
+                # the checksum comes from the parts' digests (one pass), as in the sharded publish
+                coll.broadcast_weights(group, policy, step, bucket_mb=bucket_mb)
                 assert _ack(group) == 1, "receiver's checksum differs from the sender's"
 
             def raw_sync(step: int, raw=raw) -> None:

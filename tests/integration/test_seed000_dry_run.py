@@ -55,7 +55,9 @@ def test_seed000_multi_node_dry_run_prints_plan_memory_and_ep_groups(seed_cluste
     assert "trainer rank (16 ranks, FSDP 16, ep 8; bf16 compute, fp32 master)" in out and " of 80 GiB" in out
     assert "inference GPU (tp 8, bf16" in out and "KV cache" in out
     # ep groups: one per trainer node
-    # host memory per node at a weight sync (sharded, collective): docs/memory.md's figures
-    assert "trainer node: 64.4 GiB of 1024 GiB" in out and "inference node: 34.0 GiB of 1024 GiB" in out
+    # the weight sync on the GPUs (protocol 4): docs/memory.md's figures
+    assert "weight publish bf16      0.18 GiB" in out and "weight receive bf16      2.14 GiB" in out
+    # host memory per node at a weight sync (sharded, collective: sent and received on the GPUs)
+    assert "trainer node: 32.0 GiB of 1024 GiB" in out and "inference node: 32.0 GiB of 1024 GiB" in out
     assert "ep groups:  2 x 8 ranks" in out and "[0-7] [8-15]" in out
     assert "sbatch --test-only: OK" in out

@@ -140,7 +140,7 @@ def _die_mid_publish(rank: int, after: int, transport: str, out_dir: str) -> Non
     if rank != 1:
         return
     if transport == "collective":
-        import hpcrl.weights.collective as coll
+        import hpcrl.weights.rounds as coll
 
         real_send, sent = coll.send_bucket, [0]
 
@@ -149,7 +149,7 @@ def _die_mid_publish(rank: int, after: int, transport: str, out_dir: str) -> Non
                 (Path(out_dir) / "killed").write_text(f"after {after} bucket(s)")
                 os.kill(os.getpid(), signal.SIGKILL)
             sent[0] += 1
-            real_send(*args, **kwargs)
+            return real_send(*args, **kwargs)
 
         coll.send_bucket = dying_send
         return

@@ -1,5 +1,5 @@
-"""Protocol 3's plan (hpcrl.weights.collective): buckets per sender, the round-robin schedule, and the
-policy checksum and row coverage computed from the parts' records alone."""
+"""Protocol 4's plan (hpcrl.weights.collective): buckets per sender, the rounds, and the policy
+checksum and row coverage computed from the parts' records alone."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ def rec(name: str, row0: int, rows: int, digest: int = 0, shape=(4, 2)) -> list:
     return [name, "float32", list(shape), row0, rows, f"{digest:032x}"]
 
 
-def test_schedule_is_round_robin_over_senders() -> None:
+def test_round_k_holds_bucket_k_of_every_sender() -> None:
     a0, a1, b0 = [rec("a", 0, 1)], [rec("a", 1, 1)], [rec("a", 2, 2)]
-    sched = coll.schedule([[a0, a1], [b0]])  # rank 0 has two buckets, rank 1 one
-    assert sched == [[0, a0], [1, b0], [0, a1]]
+    rounds = coll.schedule([[a0, a1], [b0]])  # rank 0 has two buckets, rank 1 one
+    assert rounds == [[[0, a0], [1, b0]], [[0, a1]]]
 
 
 def test_checksum_from_parts_equals_the_full_tensors() -> None:
@@ -45,6 +45,6 @@ def test_checksum_from_parts_equals_the_full_tensors() -> None:
     ],
 )
 def test_a_plan_that_does_not_cover_every_row_once_is_refused(runs, match) -> None:
-    sched = [[0, [rec("w", a, n) for a, n in runs]]]
+    rounds = [[[0, [rec("w", a, n) for a, n in runs]]]]
     with pytest.raises(ValueError, match=match):
-        coll.layout_and_checksum(sched)
+        coll.layout_and_checksum(rounds)

@@ -50,34 +50,39 @@ def test_the_cpu_demo_fits_and_a_2gb_machine_would_not_hold_it():
     assert "needs 3.1 GiB" in msg and "has 2.0 GiB" in msg and "biggest: process baselines 3.0 GiB" in msg
 
 
-def test_one_gpu_machine_with_vllm_delta_copies_is_refused_naming_delta():
-    """Qwen3-30B-A3B on one 8-GPU machine: 4 trainer GPUs, 4 inference GPUs (vLLM, tp 4), files + delta.
-    Trainer: 4 ranks x (2 x shard 14.22 + 2 x 256 MiB) = 115.7 GiB; inference: 4 workers x 56.87 =
-    227.5 GiB (the base of deltas); baselines 8 x 4 + 1 (orchestrator) = 33 GiB; total 376.2 GiB."""
+def test_one_gpu_machine_with_delta_is_refused_naming_delta():
+    """Qwen3-30B-A3B on one 8-GPU machine: 4 trainer GPUs, 4 inference GPUs (tp 4), files + delta.
+    vLLM cannot take a delta (refused at load); with the hf engine (one process, applying deltas in
+    place: no base) the trainer holds 4 ranks x (one 256 MiB bucket + its pieces to diff 14.22 + the
+    delta base (previous shard) 14.22) = 114.7 GiB, the server one piece (a bucket, 0.25 GiB), the
+    baselines 5 x 4 + 1 (orchestrator) = 21 GiB: 136.0 GiB, refused on 128 GiB."""
     args = ["--model.name", "Qwen/Qwen3-30B-A3B", "--orchestrator.train.env", '[{id = "reverse-text"}]',
             "--deployment.num-train-gpus", "4", "--deployment.num-infer-gpus", "4",
-            "--inference.parallel.tp", "4", "--inference.backend", "vllm",
-            "--trainer.broadcast.transport", "filesystem"]  # fmt: skip
+            "--inference.parallel.tp", "4", "--trainer.broadcast.transport", "filesystem"]  # fmt: skip
     policy, shard = P30 * 2 / GIB, P30 * 2 / 4 / GIB
     assert round(policy, 2) == 56.87 and round(shard, 2) == 14.22
-    delta = load([*args, "--trainer.broadcast.delta"]).config
+    with pytest.raises(ConfigError) as e:
+        load([*args, "--inference.backend", "vllm", "--trainer.broadcast.delta"])
+    assert e.value.path == "trainer.broadcast.delta"
+    delta = load([*args, "--inference.backend", "hf", "--trainer.broadcast.delta"]).config
     pl = local_placement(delta, gpus_available=8)
     plan = hm.local_plan(delta, pl)
     got = {t.what: t.gib for t in plan.terms}
-    assert got["trainer syncs"] == pytest.approx(4 * (2 * shard + 0.5))
-    assert got["inference loads"] == pytest.approx(4 * policy)
-    assert got["process baselines"] == 8 * 4 + 1
-    assert plan.total_gib == pytest.approx(376.2, abs=0.1)
+    assert got["trainer syncs"] == pytest.approx(4 * (0.25 + 2 * shard))
+    assert got["inference loads"] == 0.25
+    assert got["process baselines"] == 5 * 4 + 1
+    assert plan.total_gib == pytest.approx(136.0, abs=0.05)
     with pytest.raises(ConfigError) as e:
-        hm.local_check(delta, pl, limit_mb=256 * 1024)
-    assert e.value.path == "trainer.broadcast.delta" and "needs 376.2 GiB" in str(e.value)
-    # without delta the workers load one tensor at a time (embedding 151936 x 2048 x 2 B = 0.58 GiB each)
-    plain = load(args).config
+        hm.local_check(delta, pl, limit_mb=128 * 1024)
+    assert e.value.path == "trainer.broadcast.delta" and "needs 136.0 GiB" in str(e.value)
+    # vLLM without delta: one bucket per rank; each worker assembles one tensor at a time (embedding
+    # 151936 x 2048 x 2 B = 0.58 GiB); 8 processes x 4 + 1 = 33 GiB
+    plain = load([*args, "--inference.backend", "vllm"]).config
     plan = hm.local_plan(plain, local_placement(plain, gpus_available=8))
     embed = 151936 * 2048 * 2 / GIB
-    assert plan.total_gib == pytest.approx(4 * (shard + 0.5) + 4 * embed + 33)  # 94.2 GiB
-    assert plan.total_gib == pytest.approx(94.2, abs=0.05)
-    hm.local_check(plain, local_placement(plain, gpus_available=8), limit_mb=256 * 1024)
+    assert plan.total_gib == pytest.approx(4 * 0.25 + 4 * embed + 33)  # 36.3 GiB
+    assert plan.total_gib == pytest.approx(36.3, abs=0.05)
+    hm.local_check(plain, local_placement(plain, gpus_available=8), limit_mb=128 * 1024)
 
 
 def test_a_gpu_config_rehearsed_without_gpus_is_information_only():

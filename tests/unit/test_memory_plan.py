@@ -270,3 +270,132 @@ def test_chunk_is_bounded_in_bytes_as_the_trainer_bounds_it():
     assert mp.chunk_tokens(cfg, 151_936) == 55 and mp.chunk_tokens(cfg, 32_000) == 256
     assert mp.chunk_tokens(cfg_of(), 151_936) == 256  # default: no byte bound
     assert mp.chunk_tokens(cfg_of("--trainer.model.logprobs-chunk-tokens", "0"), 151_936) is None
+
+
+# -- the weight sync (issue 49, protocol 4): "weight publish" on a trainer GPU, "weight receive" on an
+# inference GPU, outside vLLM's pool ------------------------------------------------------------------
+Q235B = from_config(KNOWN["Qwen/Qwen3-235B-A22B"], "test")
+MIB = 1024**2
+
+
+def shipped(path, *args):
+    cfg = load([path, "--slurm.time", "01:00:00", *args]).config
+    return cfg, slurm_placement(cfg)
+
+
+def rows(plan):
+    return {i.name: i for i in plan.trainer}, {i.name: i for i in plan.inference}
+
+
+def test_weight_sync_items_of_the_30b_example_by_hand():
+    """configs/hosted/full_ft_multi_node.toml: 16 trainer ranks (2 x 8) send to 2 vLLM servers of tp 8,
+    C = chunk_mb = 256 MiB, bf16 policy."""
+    cfg, pl = shipped("configs/hosted/full_ft_multi_node.toml")
+    plan = mp.plan_for(cfg, pl)
+    trainer, infer = rows(plan)
+    # trainer rank: its rows of the embedding 151,936 x 2,048 / 16 = 19,447,808 elements x 2 B
+    # = 38,895,616 B + a scratch bucket 256 MiB / 16 = 16,777,216 B + 2 server heads x 0.0625 GiB
+    assert mp.largest_piece(Q30B, 16) == 19_447_808
+    assert trainer["weight publish"].gib == pytest.approx((38_895_616 + 16_777_216) / GIB + 2 * 0.0625)
+    assert round(trainer["weight publish"].gib, 3) == 0.177
+    # the head (vLLM TP worker 0): 2 x 256 MiB round buffers = 0.5 GiB + assembly (largest tensor)
+    # 151,936 x 2,048 x 2 B = 622,329,856 B = 0.580 GiB + (16 senders + 1 follower) x 0.0625 = 1.0625
+    receive = infer["weight receive"]
+    assert receive.gib == pytest.approx(0.5 + 622_329_856 / GIB + 17 * 0.0625)
+    assert round(receive.gib, 2) == 2.14
+    assert "assembly (largest tensor) 0.58" in receive.note and "17 NCCL communicators" in receive.note
+    assert "outside vLLM's pool: 2.14 of 8.00 GiB" in receive.note  # 80 x (1 - 0.9)
+    assert plan.receive.follower_peers == 2
+    lines = mp.dry_run_lines(cfg, pl)  # fits: checked, no refusal
+    assert any(x.startswith("    weight publish bf16      0.18 GiB") for x in lines)
+    assert any(x.startswith("    weight receive bf16      2.14 GiB") for x in lines)
+    assert lines[1].startswith(
+        "  trainer rank (16 ranks, FSDP 16, ep 8; bf16 compute, fp32 master): 42.0 GiB"
+    )
+    # KV cache unchanged: the receive sits outside vLLM's 72 GiB pool
+    assert infer["KV cache"].gib == pytest.approx(72 - Q30B.params * 2 / 8 / GIB - 2)
+
+
+def test_weight_sync_items_of_the_235b_example_by_hand():
+    """configs/multi_node/qwen3_235b.toml: 64 trainer ranks (8 x 8) send to 8 vLLM servers of tp 8."""
+    cfg, pl = shipped("configs/multi_node/qwen3_235b.toml")
+    assert (pl.trainer_ranks, pl.inference_servers, cfg.inference.parallel.tp) == (64, 8, 8)
+    plan = mp.plan_for(cfg, pl)
+    trainer, infer = rows(plan)
+    # trainer rank: 151,936 x 4,096 / 64 = 9,723,904 elements x 2 B = 19,447,808 B (a whole expert,
+    # 1,536 x 4,096 = 6,291,456 elements, is smaller) + 256 MiB / 64 = 4,194,304 B + 8 heads x 0.0625
+    assert mp.largest_piece(Q235B, 64) == 9_723_904 > 1536 * 4096
+    assert trainer["weight publish"].gib == pytest.approx((19_447_808 + 4_194_304) / GIB + 8 * 0.0625)
+    assert round(trainer["weight publish"].gib, 3) == 0.522
+    # head: 0.5 + 151,936 x 4,096 x 2 B = 1,244,659,712 B = 1.159 GiB + (64 + 1) x 0.0625 = 4.0625
+    assert infer["weight receive"].gib == pytest.approx(0.5 + 1_244_659_712 / GIB + 65 * 0.0625)
+    assert round(infer["weight receive"].gib, 2) == 5.72  # of 8 GiB outside the pool: fits
+    lines = mp.dry_run_lines(cfg, pl)
+    assert plan.trainer_gib < 80 and round(plan.trainer_gib, 1) == 76.7
+    assert any("65 NCCL communicators" in x for x in lines)
+
+
+def test_hf_engine_receives_without_assembly_or_chain():
+    r = mp.receive_of(Q30B, senders=16, tp=8, vllm=False, collective=True, chunk_mb=256, dtype="bfloat16")
+    assert (r.assembly_gib, r.peers, r.follower_peers) == (0.0, 16, 0)  # copies parts into its parameters
+    assert r.gib() == pytest.approx(0.5 + 16 * 0.0625)
+    one = mp.receive_of(Q30B, senders=16, tp=1, vllm=True, collective=True, chunk_mb=256, dtype="bfloat16")
+    assert one.peers == 16 and one.follower_peers == 0  # tp 1: no chain
+    files = mp.receive_of(Q30B, senders=16, tp=8, vllm=True, collective=False, chunk_mb=256, dtype="bfloat16")
+    assert files.gib() == 0  # read on the host (host plan)
+
+
+def test_publish_over_files_and_with_lora():
+    files = mp.publish_item(Q30B, ranks=16, servers=2, collective=False, chunk_mb=256, dtype="bfloat16")
+    assert files.gib * GIB == pytest.approx(19_447_808 * 2)  # the largest cast piece; its bucket is host's
+    # LoRA materialises the cast shard S = P / ranks in the policy dtype (+ scratch + communicators)
+    lora = mp.publish_item(
+        Q8B, ranks=8, servers=1, collective=True, chunk_mb=256, dtype="bfloat16", lora=True
+    )
+    assert lora.gib == pytest.approx(8_190_735_360 * 2 / 8 / GIB + 32 * MIB / GIB + 0.0625)
+
+
+def test_a_chunk_the_receivers_cannot_hold_is_refused_naming_chunk_mb():
+    """chunk_mb = 4096 at gpu_memory_utilization 0.95: 80 x 0.05 = 4 GiB outside vLLM's pool; the head
+    needs 2 x 4 GiB + 0.58 + 1.0625. The largest chunk that fits: (4 - 0.580 - 1.0625) / 2 GiB =
+    1,207 MiB."""
+    cfg, pl = shipped(
+        "configs/hosted/full_ft_multi_node.toml",
+        "--trainer.broadcast.chunk-mb", "4096", "--inference.gpu-memory-utilization", "0.95",
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        mp.dry_run_lines(cfg, pl)
+    msg = str(e.value)
+    assert e.value.path == "trainer.broadcast.chunk_mb" and "\n" not in msg
+    assert "needs 9.64 GiB outside vLLM's pool" in msg and "leaves 4.00 GiB" in msg
+    assert "trainer.broadcast.chunk_mb <= 1207" in msg
+    assert int((4 - 622_329_856 / GIB - 17 * 0.0625) * 1024 // 2) == 1207
+    ok, pl = shipped(
+        "configs/hosted/full_ft_multi_node.toml",
+        "--trainer.broadcast.chunk-mb", "1207", "--inference.gpu-memory-utilization", "0.95",
+    )  # fmt: skip
+    mp.dry_run_lines(ok, pl)
+    # over files nothing is received on the GPU: the same chunk is no concern
+    fs, pl = shipped(
+        "configs/hosted/full_ft_multi_node.toml", "--trainer.broadcast.transport", "filesystem",
+        "--trainer.broadcast.chunk-mb", "4096", "--inference.gpu-memory-utilization", "0.95",
+    )  # fmt: skip
+    mp.dry_run_lines(fs, pl)
+
+
+def test_when_no_chunk_fits_the_utilization_is_named():
+    """235B at gpu_memory_utilization 0.95: 4 GiB outside the pool, but the assembly (1.16) and 65
+    communicators (4.06) alone need 5.22: even chunk_mb = 1 cannot fit. At most
+    1 - (5.2217 + 2 MiB) / 80 = 0.934 -> 0.93."""
+    cfg, pl = shipped("configs/multi_node/qwen3_235b.toml", "--inference.gpu-memory-utilization", "0.95")
+    with pytest.raises(ConfigError) as e:
+        mp.dry_run_lines(cfg, pl)
+    assert e.value.path == "inference.gpu_memory_utilization" and "\n" not in str(e.value)
+    assert "inference.gpu_memory_utilization <= 0.93" in str(e.value)
+
+
+def test_delta_with_vllm_is_refused_at_load():
+    with pytest.raises(ConfigError) as e:
+        cfg_of("--inference.backend", "vllm", "--trainer.broadcast.delta")
+    assert e.value.path == "trainer.broadcast.delta" and "\n" not in str(e.value)
+    cfg_of("--inference.backend", "hf", "--trainer.broadcast.delta")  # the hf engine applies it in place

@@ -288,25 +288,25 @@ def test_update_from_a_sharded_publish_through_the_route(server, wrapper, model_
     _assert_loaded(wrapper, tensors)
 
 
-def test_workers_keep_a_delta_base_only_when_asked(wrapper, model_dir, tmp_path):
-    """Without delta sync (the route's default: ServeOptions.delta_base off) a worker keeps no host copy
-    of the policy and refuses a delta in one line; with it, the loaded tensors stay as the base."""
-    from types import SimpleNamespace
-
+def test_workers_keep_no_copy_of_the_policy_and_refuse_deltas(wrapper, model_dir, tmp_path):
+    """vLLM's parameters are fused and TP-sharded: a delta in HF names has no base there short of a
+    whole copy of the policy per worker, which hpcrl no longer keeps (issue 49): a worker loads full
+    weights and refuses a delta sync in one line."""
     w = wrapper.worker
     tensors = _perturbed(model_dir, tmp_path / "a", 1.1)
     checksum = state_dict_checksum(tensors)
     assert w.hpcrl_update_from_path(str(tmp_path / "a"), False) == checksum
-    assert w._hpcrl_full is None
+    assert not hasattr(w, "_hpcrl_full")
     _assert_loaded(wrapper, tensors)
-    with pytest.raises(RuntimeError, match="keeps no base for deltas"):
-        w._hpcrl_apply_delta(SimpleNamespace(base_checksum=checksum, base_step=1))
-    assert w.hpcrl_update_from_path(str(tmp_path / "a"), True) == checksum
-    assert sorted(w._hpcrl_full) == sorted(tensors)
-    assert all(torch.equal(w._hpcrl_full[k], v) for k, v in tensors.items())
+    with pytest.raises(RuntimeError, match="a weight delta cannot be applied by vLLM"):
+        w.hpcrl_update_from_path(str(tmp_path / "a"), True)
 
 
-def test_update_over_a_gloo_broadcast_through_the_routes(server, wrapper, model_dir, tmp_path):
+@pytest.mark.parametrize("bucket_mb", [128, 0.02])
+def test_update_over_a_gloo_broadcast_through_the_routes(server, wrapper, model_dir, tmp_path, bucket_mb):
+    """Protocol 4 into vLLM's real worker: one round (128 MiB), or ~20 KiB rounds where the embedding
+    and the MLP weights span rounds and are assembled whole for vLLM's own load_weights, the others go
+    straight from the round buffer; the fused qkv / gate_up slices equal a full load's."""
     from hpcrl.weights.collective import broadcast_weights, destroy_group, init_group
 
     opts, _, _ = server
@@ -317,7 +317,7 @@ def test_update_over_a_gloo_broadcast_through_the_routes(server, wrapper, model_
     def trainer():  # rank 0 of the weight group, as the trainer's broadcaster
         group = init_group("127.0.0.1", port, 2, 0, backend="gloo", timeout_s=60)
         time.sleep(0.5)
-        broadcast_weights(group, tensors, 5, checksum=checksum)
+        broadcast_weights(group, tensors, 5, checksum=checksum, bucket_mb=bucket_mb)
         sent["ok"] = True
         destroy_group(group)
 

@@ -62,7 +62,13 @@ class BroadcastConfig(Section):
         ),
     ] = "auto"
     chunk_mb: Annotated[
-        int, D("Bucket size of the collective broadcast in MiB (a sending rank holds two).", ge=1)
+        int,
+        D(
+            "Collective: MiB of one round at a receiver. All trainer ranks send at once, each a bucket of at "
+            "most chunk_mb / ranks per round; every receiving GPU holds 2 rounds (outside vLLM's "
+            "gpu_memory_utilization pool: the dry run checks it).",
+            ge=1,
+        ),
     ] = 256
     timeout_s: Annotated[float, D("Seconds to wait for inference servers to load a policy.", gt=0)] = 300.0
     delta: Annotated[
@@ -86,7 +92,11 @@ class BroadcastConfig(Section):
     ] = True
     bucket_mb: Annotated[
         int,
-        D("Sharded publish: MiB of pieces a rank holds and writes per file (host memory: 2 buckets).", ge=1),
+        D(
+            "Filesystem: MiB of pieces a rank holds on the host and writes per file (one bucket; its largest "
+            "cast piece is on the GPU).",
+            ge=1,
+        ),
     ] = 256
 
 
