@@ -435,7 +435,12 @@ def build_app(state: ServerState) -> FastAPI:
                 if not isinstance(body.get("path"), str):
                     raise APIError("`path` must be a string", param="path")
                 guard.check_weights_path(body["path"], state.run_dir, state.allow_any_weights_path)
-                checksum = await asyncio.to_thread(engine.update_weights_from_path, body["path"], step)
+                try:
+                    checksum = await asyncio.to_thread(engine.update_weights_from_path, body["path"], step)
+                except Exception as e:
+                    if engine.checksum == "unverified":  # a streamed load failed midway: refuse to serve
+                        state.sync_error = f"weight update to step {step} failed midway: {e}"
+                    raise
                 sent = None
             elif transport == "collective":
                 if state.group is None:

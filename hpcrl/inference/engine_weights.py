@@ -13,6 +13,7 @@ import torch
 
 from hpcrl.inference.errors import InvalidRequest, WeightSyncRefused
 from hpcrl.inference.loading import check_compatible, load_safetensors_dir, read_delta
+from hpcrl.inference.protocol import APIError
 from hpcrl.weights.checksum import state_dict_checksum
 from hpcrl.weights.delta import Delta, apply_delta
 
@@ -102,10 +103,37 @@ class EngineWeights:
             return checksum
 
     def update_weights_from_path(self, path: str, step: int) -> str:
+        """Full weights or a delta from a path. A sharded publish (manifest.json) streams: each tensor
+        is assembled from its pieces (verified piece by piece, the policy checksum at the end) and
+        copied into its parameter before the next is read, so the server holds one tensor beyond its
+        parameters, not the policy; a failure midway leaves the weights unverified (refused)."""
+        from hpcrl.inference import files
+        from hpcrl.weights.manifest import assemble, is_sharded, read_manifest
+
         delta = read_delta(path)  # resolves `path`: a bad one is a 400 before anything is read
         if delta is not None:
             return self.apply_delta(delta, step)
-        return self.update_weights(load_safetensors_dir(path), step)
+        if not is_sharded(files.resolve(path, "path")):
+            return self.update_weights(load_safetensors_dir(path), step)
+        try:
+            m = read_manifest(path)
+        except (OSError, ValueError) as e:
+            raise APIError(
+                f"cannot load the sharded policy under {files.show(path)}: {e}", param="path"
+            ) from e
+        layout = [(n, e.dtype, tuple(e.shape)) for n, e in sorted(m.tensors.items())]
+
+        def receive(sink: Any, rows: Any) -> str:
+            try:
+                for name, t in assemble(path, m):
+                    sink([(name, 0, t)])
+            except (OSError, ValueError) as e:
+                raise APIError(
+                    f"cannot load the sharded policy under {files.show(path)}: {e}", param="path"
+                ) from e
+            return m.checksum
+
+        return self.update_weights_streamed(layout, step, receive)
 
     def apply_delta(self, delta: Delta, step: int) -> str:
         """Apply a delta sync to the served weights in place; return the checksum of the FULL result.

@@ -333,3 +333,44 @@ def test_delta_sync_from_path_and_over_gloo_is_verified(server, other_weights, t
             assert r["checksum"] == msg.checksum == state_dict_checksum(p2) == (await c.weights())["checksum"]
 
     asyncio.run(run())
+
+
+def test_sharded_publish_streams_into_the_parameters(server, other_weights) -> None:
+    """A policy written by two trainer ranks (pieces + manifest.json) loads tensor by tensor into the
+    served parameters (no whole copy of the policy on the host), with the full export's checksum; a
+    piece corrupted on disk fails the load midway in one line, after which the half-written weights
+    are not served (503) until a good update lands."""
+    from hpcrl.weights.manifest import finish, write_pieces
+    from hpcrl.weights.shards import Piece
+
+    sd = load_sd(other_weights[1])
+    d = server.run_dir / "broadcasts" / "sharded_test"
+    for rank in range(2):
+        pieces = []
+        for name, t in sd.items():
+            a = -(-t.shape[0] // 2) if t.dim() else 0
+            if t.dim() or rank == 0:
+                rows = (t[:a] if rank == 0 else t[a:]) if t.dim() else t
+                pieces.append(Piece(name, tuple(t.shape), 0 if rank == 0 else a, rows))
+        write_pieces(d, rank, pieces, bucket_bytes=1 << 14)
+    expected = finish(d, 5, world=2).checksum
+    assert expected == state_dict_checksum(sd)
+
+    async def run() -> None:
+        async with InferenceClient(server.base_url) as c:
+            step = (await c.weights())["step"] + 1
+            r = await c.update_weights(step, path=str(d), expected_checksum=expected)
+            assert r["checksum"] == expected and (await c.health())["status"] == "ok"
+            last = sorted(d.glob("rank00001-*.safetensors"))[-1]
+            raw = bytearray(last.read_bytes())
+            raw[-1] ^= 0x10  # one bit of the last piece of rank 1
+            last.write_bytes(bytes(raw))
+            with pytest.raises(Exception, match="does not match its digest"):
+                await c.update_weights(step + 1, path=str(d))
+            assert (await c.health())["status"] == "weights_unverified"
+            r = await c._http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
+            assert r.status_code == 503
+            await c.update_weights(step + 2, path=str(other_weights[1]))
+            assert (await c.health())["status"] == "ok"
+
+    asyncio.run(run())
