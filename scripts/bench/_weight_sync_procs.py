@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from weights_sharded import PeakRSS  # noqa: E402  (the caller puts scripts/bench on sys.path)
+
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 REVERSE_PROMPTS = ["apple", "tiger", "house", "cloud", "river", "light", "stone", "green"]
@@ -103,33 +105,6 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _rss_self() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    """Peak RSS of this process while the block runs (a 5 ms sampling thread)."""
-
-    def __enter__(self) -> PeakRSS:
-        self.base = _rss_self()
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_self())
-            time.sleep(0.005)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss_self())
 
 
 # -- the model ---------------------------------------------------------------------------------------

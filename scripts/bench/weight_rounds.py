@@ -61,7 +61,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
-from weights import make_policy, nbytes  # noqa: E402
+from weights import _into, make_policy, nbytes  # noqa: E402  (_into: the hf engine's sink)
 
 from hpcrl.net import free_port  # noqa: E402
 from hpcrl.weights import collective as coll  # noqa: E402
@@ -74,24 +74,6 @@ SETUPS = {"1 process": 2, "ring of 2": 3}  # label: world size (rank 0 sends, th
 
 def servers(world: int) -> tuple[tuple[int, int], ...]:
     return ((1, world - 1),) if world > 2 else ()  # (): one server per receiving rank
-
-
-def _into(params: dict[str, torch.Tensor]):
-    """The hf engine's (sink, rows): large parts land in their rows of the served tensor, the small
-    ones are copied there from the round buffer (a copy of scripts/bench/weights.py's)."""
-
-    def rows(name: str, row0: int, n: int) -> torch.Tensor:
-        p = params[name]
-        return p if p.dim() == 0 else p[row0 : row0 + n]
-
-    def sink(parts: list) -> list:
-        out = []
-        for name, row0, view in parts:
-            dst = rows(name, row0, view.shape[0] if view.dim() else 1)
-            out.append(dst if dst.data_ptr() == view.data_ptr() else dst.copy_(view))
-        return out
-
-    return sink, rows
 
 
 def _control(group: coll.WeightGroup, go: int = 0) -> int:
