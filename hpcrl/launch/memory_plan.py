@@ -41,24 +41,25 @@ position. Every rank stores S = (D + X) / N = P / N, with or without ep:
                trainer.broadcast.chunk_mb at a receiver): the pieces are cast and sent lazily, so a
                rank holds its largest piece cast to the policy dtype (its rows of the largest tensor,
                largest / T, or a whole expert's tensor when the custom MoE hands it whole experts) +
-               one scratch bucket of C / T + one NCCL communicator per inference server head it sends
-               to (servers x NCCL_P2P_GIB). Files: the largest cast piece (its bucket of
+               one scratch bucket of C / T + one NCCL communicator per inference server (it sends to
+               one process of each: servers x NCCL_P2P_GIB). Files: the largest cast piece (its bucket of
                trainer.broadcast.bucket_mb is on the host: hpcrl.launch.host_memory). LoRA (and any
                layout that is not rows) still materialises the cast shard: S = P / T in the policy
                dtype instead of the piece. sharded = false: the largest tensor, gathered whole.
 Inference server GPU (tp GPUs per server): weights P x dtype bytes / tp; the KV cache gets
 gpu_memory_utilization x GPU memory - weights - INFER_RESERVE_GIB, at 2 x layers x kv heads per GPU
 (kv_heads / tp, at least 1: vLLM replicates them when tp > kv_heads) x head_dim x dtype bytes a token.
-  weight receive  collective: each server has one receiving process from the trainer (vLLM: TP worker
-               0, the head), which forwards every round to worker 1, and so on down a chain over
-               NVLink. Every receiving process holds 2 round buffers (2 x C) on its GPU, verifies each
-               part there, and loads per bucket: the hf engine copies each part straight into its
-               parameters; a vLLM worker hands load_weights whole HF tensors, so it assembles a tensor
+  weight receive  collective: every receiving process of a server (vLLM: its TP workers; the hf
+               engine: one) takes the buckets of the senders r with r mod tp = its worker index from
+               the network (every NIC of the node carries ~1 / tp of the policy), then the round's
+               segments go around the server's ring over NVLink (hpcrl/weights/rounds.py). Each
+               process holds 2 round buffers (2 x C) on its GPU, verifies each part there, and loads
+               per round: the hf engine copies the parts into its parameters (large ones land there
+               directly); a vLLM worker hands load_weights whole HF tensors, so it assembles a tensor
                whose rows span rounds in a buffer of its own: + the largest tensor (policy dtype).
-               NCCL: one 2-rank communicator per (sender, head) pair and per chain link, each
-               NCCL_P2P_GIB (an assumption, not a measurement); the head has T + 1 peers (T senders +
-               its follower; T when tp = 1 or hf), a follower 2 (the last 1). The plan counts the
-               head, the largest. It all sits OUTSIDE vLLM's pool: it must fit GPU memory x
+               NCCL: one 2-rank communicator per peer, each NCCL_P2P_GIB (an assumption, not a
+               measurement): ceil(T / tp) senders + its 2 ring neighbours (1 at tp 2, none at tp 1).
+               It all sits OUTSIDE vLLM's pool: it must fit GPU memory x
                (1 - gpu_memory_utilization), else `MemoryPlan.check` refuses naming
                trainer.broadcast.chunk_mb (or inference.gpu_memory_utilization when even a 1 MiB
                chunk cannot fit). Files: read on the host piece by piece (host plan): 0 on the GPU.
@@ -121,15 +122,15 @@ class Item:
 
 @dataclass(frozen=True)
 class Receive:
-    """The weight sync's GPU memory of an inference server's head (its receiving process from the
-    trainer), outside vLLM's pool (see the module docstring)."""
+    """The weight sync's GPU memory of one receiving process of an inference server, outside vLLM's
+    pool (see the module docstring)."""
 
     collective: bool
     vllm: bool
     chunk_mb: int  # C: one round at a receiver
     assembly_gib: float  # vLLM: the largest tensor, assembled whole for load_weights (0: hf engine)
-    peers: int  # the head's 2-rank communicators: the senders + its follower
-    follower_peers: int  # a chain follower's (0: no follower)
+    peers: int  # a process's 2-rank communicators: its senders + its ring neighbours
+    ring_peers: int  # of which ring neighbours (0: a server of one process)
 
     def gib(self, chunk_mb: int | None = None) -> float:
         if not self.collective:
@@ -470,7 +471,7 @@ def publish_item(
         "weight publish",
         SHORT[dtype],
         (held + scratch) / GIB + comms,
-        f"{what} + scratch bucket {chunk_mb} MiB / {ranks} {scratch / GIB:.3f} + {servers} server head(s) "
+        f"{what} + scratch bucket {chunk_mb} MiB / {ranks} {scratch / GIB:.3f} + {servers} server(s) "
         f"x {NCCL_P2P_GIB:g} GiB NCCL (assumed) {comms:.3f}",
     )
 
@@ -478,15 +479,16 @@ def publish_item(
 def receive_of(
     a: Arch, *, senders: int, tp: int, vllm: bool, collective: bool, chunk_mb: int, dtype: str
 ) -> Receive:
-    """The weight receive of an inference server's head (see the module docstring)."""
-    chain = vllm and tp > 1  # vLLM: every TP worker receives, down a chain from worker 0
+    """The weight receive of one receiving process of an inference server (see the module docstring)."""
+    workers = tp if vllm else 1  # the hf engine receives in one process whatever GPUs it spans
+    ring = 0 if workers == 1 else (1 if workers == 2 else 2)
     return Receive(
         collective=collective,
         vllm=vllm,
         chunk_mb=chunk_mb,
         assembly_gib=largest_tensor(a) * BYTES[dtype] / GIB if vllm else 0.0,
-        peers=senders + (1 if chain else 0),
-        follower_peers=(2 if tp > 2 else 1) if chain else 0,
+        peers=-(-senders // workers) + ring,
+        ring_peers=ring,
     )
 
 
@@ -496,12 +498,12 @@ def receive_item(r: Receive, dtype: str, room_gib: float) -> Item:
         return Item("weight receive", "", 0.0, r.arithmetic())
     if not r.vllm:
         return Item("weight receive", SHORT[dtype], r.gib(), f"{r.arithmetic()} (hf engine)")
-    follower = f"; a follower: {r.follower_peers} communicator(s)" if r.follower_peers else ""
+    ring = f" ({r.ring_peers} of them ring neighbours)" if r.ring_peers else ""
     return Item(
         "weight receive",
         SHORT[dtype],
         r.gib(),
-        f"head: {r.arithmetic()}{follower}; outside vLLM's pool: {r.gib():.2f} of {room_gib:.2f} GiB",
+        f"per worker: {r.arithmetic()}{ring}; outside vLLM's pool: {r.gib():.2f} of {room_gib:.2f} GiB",
     )
 
 

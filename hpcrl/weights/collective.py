@@ -16,12 +16,12 @@ Wire protocol (version 4; one update):
     "rounds": [[[src, [[hf_name, dtype, shape, row0, rows, digest], ...]], ...], ...]};
    with "adapter" the tensors are a LoRA adapter's (peft names, what adapter_model.safetensors holds)
    and the receiver merges them onto its base weights instead of replacing the weights;
-3. the rounds (hpcrl.weights.rounds): in round k every sender that has a bucket k sends it, point to
-   point, to the round's origin in each server (its processes take turns), all at once; the origin
-   passes the round on around the server's ring. A bucket is its parts' raw bytes (each a run of
-   whole rows of one tensor, aligned to its element size; parts of >= 64 KiB as messages of their
-   own, the smaller ones packed into one), at most C / T bytes; a round at most C. Every trainer rank
-   sends its own pieces; no rank holds, forwards or even sees another trainer rank's rows.
+3. the rounds (hpcrl.weights.rounds): in round k every sender r that has a bucket k sends it, point to
+   point, to worker r mod workers of each server, all at once; the server's processes then complete
+   the round with a ring all-gather. A bucket is its parts' raw bytes (each a run of whole rows of one
+   tensor, aligned to its element size; parts of >= 64 KiB as messages of their own, the smaller ones
+   packed into one), at most C / T bytes; a round at most C. Every trainer rank sends its own pieces;
+   no rank holds, forwards or even sees another trainer rank's rows.
 
 `digest` is the part's row digest (hpcrl.weights.checksum.rows_digest, 32 hex digits): every receiving
 process digests every part where it landed and, after the last round, refuses the update

@@ -3,17 +3,17 @@ once, in rounds; each server takes every byte once from the network and passes i
 part verified where it lands.
 
 Who does what in round k (`header.rounds[k]`: at most one bucket per sender, together <= bucket_bytes):
-- a sender (trainer rank) sends its bucket to the round's origin in every server, all messages posted
-  at once. A server's processes (vLLM: its TP workers; the hf engine: one) take turns as origins
-  (`origin`: process k mod workers), so every NIC of an inference node carries 1 / tp of the policy;
-- the origin posts the receives of round k from every sender at once into one round buffer (each
-  sender's bucket at its own offset): all links are busy. Every other process of the server posts one
-  receive of the whole round from the process before it in the server's ring (`ring`);
-- when round k has landed, a process passes the round buffer on to the next one in the ring (until it
-  is back at the origin's predecessor: tp - 1 hops over NVLink, loopback here), hands the parts to
-  its `sink` (the engine copies them into its parameters; a vLLM worker hands whole tensors to
-  load_weights) and digests the bytes the sink loaded (hpcrl.weights.checksum, on the device, one
-  batched pass): that is the verification, there is no second pass.
+- a sender (trainer rank r) sends its bucket to one process of every server, `holder`: worker
+  r mod workers (vLLM: its TP workers; the hf engine: its one process), all messages posted at once;
+  so every NIC of an inference node carries ~1 / tp of the policy and a sender talks to one process
+  per server;
+- each process posts the receives of its senders' buckets of round k at once into its round buffer,
+  where every worker's segment has its place (all links are busy);
+- when they have landed, the server's processes complete the round with a ring all-gather of the
+  segments (tp - 1 steps over NVLink, loopback here: each byte crosses the network once per server),
+  then each hands the parts to its `sink` (the engine copies them into its parameters; a vLLM worker
+  hands whole tensors to load_weights) and digests the bytes the sink loaded (hpcrl.weights.checksum,
+  on the device, one batched pass): that is the verification, there is no second pass.
 A part of at least DIRECT (64 KiB) bytes travels as a message of its own: straight from the sender's
 memory, and, in a server of one process (the hf engine), straight into its final place (the
 parameter's rows: nothing is copied); the smaller parts of a bucket travel packed in one message.
@@ -22,12 +22,12 @@ at most one round (what lands in place needs none); nothing else here. A sender 
 bucket's pieces and one scratch buffer for its small parts.
 
 Deadlock freedom: every receive a process posts for round k is matched by a send of round k, and
-every wait depends only on earlier rounds: a process posts round k + 1 before it loads round k, and
-reuses a round buffer (round k + 2) only once its forward of round k completed, which needs only the
-next process to have posted round k; senders move to round k + 1 only after their round-k sends
-completed. A peer that dies makes the others' send or receive fail (gloo: connection closed) or time
-out (`timeout_s` of the group); nothing waits unbounded, and a process whose next one died goes on
-taking its own rounds from the senders, so they are not left hanging.
+every wait depends only on round k or earlier: a process posts round k + 1 from its senders before it
+completes and loads round k; the ring steps of round k are posted send and receive together, and each
+step's segment is one its process already holds; senders move to round k + 1 only once their round-k
+sends completed. A peer that dies makes the others' send or receive fail (gloo: connection closed)
+or time out (`timeout_s` of the group); nothing waits unbounded, and a process whose ring broke goes
+on taking its own senders' buckets, so they are not left hanging, and fails the update at the end.
 """
 
 from __future__ import annotations
@@ -138,16 +138,17 @@ def send_rounds(group: WeightGroup, header: WeightsHeader, mine: Iterable[list[P
         size = layout([recs[i] for i in small[0]])[1] if small else 0
         if size and (scratch is None or scratch.numel() < size):
             scratch = torch.empty(size, dtype=torch.uint8, device=group.device)
-        heads = [origin(off, n, k) for off, n in header.servers]
+        heads = [holder(off, n, group.rank) for off, n in header.servers]
         group.stats["sent_bytes"] = group.stats.get("sent_bytes", 0) + me.send_bucket(
             group, parts, scratch, heads, k
         )
 
 
-def origin(first: int, workers: int, k: int) -> int:
-    """The group rank of the server's process that takes round k from the trainer: the server's
-    processes take turns, so every one of its NICs carries 1 / workers of the policy."""
-    return first + k % workers
+def holder(first: int, workers: int, src: int) -> int:
+    """The group rank of the server's process that takes sender `src`'s buckets from the network: the
+    senders are spread over the server's processes (src mod workers), so every NIC of an inference
+    node carries about 1 / workers of the policy and a sender talks to one process per server."""
+    return first + src % workers
 
 
 def _server(group: WeightGroup, header: WeightsHeader) -> tuple[int, int]:
@@ -155,16 +156,6 @@ def _server(group: WeightGroup, header: WeightsHeader) -> tuple[int, int]:
         if off <= group.rank < off + n:
             return off, n
     raise RuntimeError(f"group rank {group.rank} belongs to no server of the weights header {header.servers}")
-
-
-def ring(first: int, workers: int, me: int, k: int) -> tuple[int | None, int | None]:
-    """(where round k comes from: None = the senders, where it goes next: None = nowhere) for process
-    `me` of a server whose processes are ranks first .. first + workers - 1. The round goes around the
-    ring from its origin (`origin`) to the process before it: workers - 1 hops inside the server."""
-    o, w = origin(first, workers, k), me - first
-    prev = None if me == o else first + (w - 1) % workers
-    nxt = first + (w + 1) % workers
-    return prev, (None if nxt == o else nxt)
 
 
 def _buffers(group: WeightGroup, need: int) -> list[torch.Tensor]:
@@ -189,38 +180,48 @@ def _view(t: torch.Tensor, rec: list[Any]) -> torch.Tensor:
     return t.view(dtype_of(dtype)).reshape((int(rows), *shape[1:]) if shape else ())
 
 
-def plan_round(rnd: list[Any], dest: Dest | None) -> tuple[list[tuple[int, Any, int, list[Any]]], int]:
-    """How this process receives one round: per message (src, its target: a byte offset into the
-    round buffer or a destination tensor, its bytes, its records), and the round buffer bytes it
-    needs. Buckets start at ALIGN-aligned offsets; a follower receives the whole buffer as one."""
-    out, at = [], 0
-    for src, bucket in rnd:
-        for msg in messages(bucket):
-            recs = [bucket[i] for i in msg]
-            n = layout(recs)[1]
-            target = None
-            if dest is not None and len(msg) == 1:
-                name, dtype, _, row0, rows, _ = recs[0]
-                d = dest(name, int(row0), int(rows))
-                if d is not None and d.dtype == dtype_of(dtype) and d.is_contiguous():
-                    target = d
-            if target is None:
-                at = -(-at // ALIGN) * ALIGN
-                target, at = at, at + n
-            out.append((int(src), target, n, recs))
-    return out, at
+Msg = tuple[int, Any, int, list[Any], int]  # src, target (buffer offset or tensor), bytes, records, segment
 
 
-def _landing(
-    buf: torch.Tensor, plan: list[tuple[int, Any, int, list[Any]]]
-) -> list[tuple[int, list[Any], Any]]:
-    """Per message: (src, its records, the uint8 tensor it lands in)."""
+def plan_round(rnd: list[Any], workers: int, dest: Dest | None) -> tuple[list[Msg], list[tuple[int, int]]]:
+    """How a process of a server of `workers` processes receives one round: per message (src, target:
+    a byte offset into the round buffer or a destination tensor, bytes, records, the segment = the
+    process that takes it from the network), and each segment's [start, end) in the round buffer. The
+    buffer holds the segments in process order, each bucket ALIGN-aligned, so the processes can pass
+    whole segments around the server's ring."""
+    out: list[Msg] = []
+    bounds, at = [], 0
+    for w in range(workers):
+        start = at = -(-at // ALIGN) * ALIGN
+        for src, bucket in rnd:
+            if int(src) % workers != w:
+                continue
+            at = -(-at // ALIGN) * ALIGN
+            for msg in messages(bucket):
+                recs = [bucket[i] for i in msg]
+                n = layout(recs)[1]
+                target: Any = None
+                if dest is not None and len(msg) == 1:
+                    name, dtype, _, row0, rows, _ = recs[0]
+                    d = dest(name, int(row0), int(rows))
+                    if d is not None and d.dtype == dtype_of(dtype) and d.is_contiguous():
+                        target = d
+                if target is None:
+                    at = -(-at // ALIGN) * ALIGN
+                    target, at = at, at + n
+                out.append((int(src), target, n, recs, w))
+        bounds.append((start, at))
+    return out, bounds
+
+
+def _landing(buf: torch.Tensor, plan: list[Msg]) -> list[tuple[int, list[Any], Any, int]]:
+    """Per message: (src, its records, the uint8 tensor it lands in, its segment)."""
     out = []
-    for src, target, n, recs in plan:
+    for src, target, n, recs, w in plan:
         if isinstance(target, int):
-            out.append((src, recs, buf[target : target + n]))
+            out.append((src, recs, buf[target : target + n], w))
         else:
-            out.append((src, recs, target.reshape(-1).view(torch_uint8())))
+            out.append((src, recs, target.reshape(-1).view(torch_uint8()), w))
     return out
 
 
@@ -231,14 +232,17 @@ def torch_uint8() -> Any:
 
 
 class _Round:
-    """A round whose receives are posted; `land` waits for them, forwards, loads and verifies."""
+    """A round whose receives from the senders are posted; `land` waits for them, completes the round
+    around the server's ring, loads and verifies."""
 
-    def __init__(self, k: int, msgs: list[tuple[int, list[Any], Any]], buf: torch.Tensor, works: list[Any]):
-        self.k, self.msgs, self.buf, self.works = k, msgs, buf, works
+    def __init__(
+        self, k: int, msgs: list[Any], buf: torch.Tensor, bounds: list[tuple[int, int]], works: list[Any]
+    ):
+        self.k, self.msgs, self.buf, self.bounds, self.works = k, msgs, buf, bounds, works
 
     def parts(self) -> tuple[list[Part], list[list[Any]], list[int]]:
         out, recs, srcs = [], [], []
-        for src, mrecs, raw in self.msgs:
+        for src, mrecs, raw, _ in self.msgs:
             offs, _ = layout(mrecs)
             for off, rec in zip(offs, mrecs):
                 n = part_nbytes(rec[1], rec[2], rec[4])
@@ -252,65 +256,58 @@ def receive_rounds(
     group: WeightGroup, header: WeightsHeader, sink: Sink | None, dest: Dest | None = None
 ) -> tuple[dict[str, int], list[str]]:
     """A receiving process's part of every round (see the module docstring). `sink` None: received,
-    forwarded and dropped (a refused plan: no peer is left hanging). `dest`: where a part that travels
-    alone lands (ignored on a process that forwards). Returns the digest of every tensor from what
-    landed (summed over its parts) and the first bad parts (at most 3: a part whose digest differs from
-    its sender's), after the last round."""
+    passed on and dropped (a refused plan: no peer is left hanging). `dest`: where a part that travels
+    alone lands (a server of one process only). Returns the digest of every tensor from what landed
+    (summed over its parts) and the first bad parts (at most 3: a part whose digest differs from its
+    sender's), after the last round."""
     from hpcrl.weights.checksum import digest_add, parts_digests
 
     first, workers = _server(group, header)
-    plans = [  # a server of one process receives large parts in place; a ring keeps rounds whole
-        plan_round(r, dest if (workers == 1 and sink is not None) else None) for r in header.rounds
+    me = group.rank - first
+    plans = [
+        plan_round(r, workers, dest if (workers == 1 and sink is not None) else None) for r in header.rounds
     ]
-    bufs = _buffers(group, max((size for _, size in plans), default=0) or 1)
-    forwards: list[Any] = [None, None]
+    bufs = _buffers(group, max((b[-1][1] for _, b in plans), default=0) or 1)
     digests: dict[str, int] = {}
     bad: list[str] = []
-    lost: list[
-        str
-    ] = []  # the next worker stopped taking rounds: keep receiving (senders are not left hanging)
-    dead: set[int] = set()
-
-    def drop_next(e: Exception) -> None:
-        nxt = first + (group.rank - first + 1) % workers
-        if nxt not in dead:
-            dead.add(nxt)
-            lost.append(f"worker at group rank {nxt} stopped receiving ({str(e).splitlines()[0][:160]})")
-
-    def forwarded(i: int) -> None:
-        w, forwards[i] = forwards[i], None
-        if w is None:
-            return
-        try:
-            w.wait()
-        except RuntimeError as e:  # gloo: connection closed / timeout; NCCL: the communicator aborted
-            drop_next(e)
+    lost: list[str] = []  # the ring broke: keep taking this process's own buckets (no sender hangs)
 
     def post(k: int) -> _Round:
-        b = bufs[k % 2]
-        forwarded(k % 2)  # the buffer may still travel to the next worker
-        plan, size = plans[k]
-        msgs = _landing(b, plan)
-        prev, _ = ring(first, workers, group.rank, k)
-        if prev is None:  # this round's origin: every message of every sender's bucket, all at once
-            works = [group.pg.recv([raw], src, k) for src, _, raw in msgs]
-            n = sum(raw.numel() for _, _, raw in msgs)
-            group.stats["received_bytes"] = group.stats.get("received_bytes", 0) + n
-        else:  # the whole round buffer from the process before this one in the server's ring
-            works = [group.pg.recv([b[:size]], prev, k)]
-            group.stats["forwarded_in_bytes"] = group.stats.get("forwarded_in_bytes", 0) + size
-        return _Round(k, msgs, b[:size], works)
+        plan, bounds = plans[k]
+        msgs = _landing(bufs[k % 2], plan)
+        mine = [(src, raw) for src, _, raw, w in msgs if w == me]
+        works = [group.pg.recv([raw], src, k) for src, raw in mine]
+        group.stats["received_bytes"] = group.stats.get("received_bytes", 0) + sum(r.numel() for _, r in mine)
+        return _Round(k, msgs, bufs[k % 2], bounds, works)
+
+    def around(r: _Round) -> None:
+        """The ring all-gather of round k's segments: in step j process w passes on segment w - j + 1
+        and takes segment w - j from the process before it; workers - 1 steps."""
+        nxt, prev = first + (me + 1) % workers, first + (me - 1) % workers
+        for j in range(1, workers):
+            out_seg, in_seg = (me - j + 1) % workers, (me - j) % workers
+            (a, b), (c, d) = r.bounds[out_seg], r.bounds[in_seg]
+            tag = r.k * 1024 + j
+            try:
+                ops = ([group.pg.send([r.buf[a:b]], nxt, tag)] if b > a else []) + (
+                    [group.pg.recv([r.buf[c:d]], prev, tag)] if d > c else []
+                )
+                for op in ops:
+                    op.wait()
+            except RuntimeError as e:  # gloo: connection closed / timeout; NCCL: the communicator aborted
+                lost.append(
+                    f"ring step {j} of round {r.k} with group ranks {prev}/{nxt}: {str(e).splitlines()[0][:160]}"
+                )
+                return
+            group.stats["forwarded_in_bytes"] = group.stats.get("forwarded_in_bytes", 0) + (d - c)
 
     def land(r: _Round) -> None:
         for w in r.works:
             w.wait()
-        _, nxt = ring(first, workers, group.rank, r.k)
-        if nxt is not None and nxt not in dead:
-            try:
-                forwards[r.k % 2] = group.pg.send([r.buf], nxt, r.k)
-            except RuntimeError as e:
-                drop_next(e)
-        if sink is None:
+        if lost:  # the ring broke earlier: this process takes its own buckets and nothing else
+            return
+        around(r)
+        if sink is None or lost:
             return
         parts, recs, srcs = r.parts()
         landed = sink(parts) or [v for _, _, v in parts]
@@ -329,8 +326,6 @@ def receive_rounds(
         pending = arrival
     if pending is not None:
         land(pending)
-    forwarded(0)
-    forwarded(1)
     if lost:
         raise RuntimeError(f"policy {header.step}: this server's {lost[0]}; its weights are incomplete")
     return digests, bad

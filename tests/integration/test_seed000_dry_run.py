@@ -56,7 +56,7 @@ def test_seed000_multi_node_dry_run_prints_plan_memory_and_ep_groups(seed_cluste
     assert "inference GPU (tp 8, bf16" in out and "KV cache" in out
     # ep groups: one per trainer node
     # the weight sync on the GPUs (protocol 4): docs/memory.md's figures
-    assert "weight publish bf16      0.18 GiB" in out and "weight receive bf16      2.14 GiB" in out
+    assert "weight publish bf16      0.18 GiB" in out and "weight receive bf16      1.33 GiB" in out
     # host memory per node at a weight sync (sharded, collective: sent and received on the GPUs)
     assert "trainer node: 32.0 GiB of 1024 GiB" in out and "inference node: 32.0 GiB of 1024 GiB" in out
     assert "ep groups:  2 x 8 ranks" in out and "[0-7] [8-15]" in out

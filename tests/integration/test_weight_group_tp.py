@@ -197,11 +197,12 @@ def cluster(tiny_model_dir: Path, tmp_path: Path):
             m.stop()
 
 
-async def sync_of(paths: RunPaths) -> tuple[PolicySync, list]:
+async def sync_of(paths: RunPaths, timeout: float = 120) -> tuple[PolicySync, list]:
+    """The orchestrator's side; `timeout` is also each collective's in the servers' group."""
     bus = Bus(paths, role="orchestrator", listen=False)
     servers = bus.wait_servers(2, timeout=30)
     sync = PolicySync(
-        paths, bus, [s.base_url for s in servers], "collective", timeout=120, policy_timeout=120
+        paths, bus, [s.base_url for s in servers], "collective", timeout=timeout, policy_timeout=120
     )
     await sync.wait_healthy()
     return sync, servers
@@ -302,8 +303,8 @@ def test_tp2_server_takes_each_byte_once_in_two_round_buffers(
     cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Issue 49, the stand-in tp = 2 vLLM server: per sync the server receives the policy's P bytes
-    from the trainer once, its workers taking turns by round (each gets the other's rounds from it,
-    inside the server); the Python side of a worker
+    from the trainer once, each worker its own senders' buckets (sender r goes to worker r mod 2) and
+    the rest from the other worker inside the server; the Python side of a worker
     allocates nothing larger than two rounds (a round buffer, or the embedding assembled across
     rounds for load_weights; a tensor larger than two rounds is assembled alone, docs/weights.md); what each worker loaded is bit-identical to a full
     load of the policy."""
@@ -337,12 +338,10 @@ def test_tp2_server_takes_each_byte_once_in_two_round_buffers(
             {k: a["stats"].get(k, 0) - b.get(k, 0) for k in ("received_bytes", "forwarded_in_bytes")}
             for b, a in zip(before, after)
         ]
-        # the server takes the policy once from the trainer, each worker every other round (its NIC
-        # carries about half), and the other half from the other worker inside the server
+        # the server takes the policy once from the trainer; with one trainer rank its buckets all go to
+        # worker 0 (0 mod 2), and worker 1 gets every round from worker 0 inside the server
         assert got[0]["received_bytes"] + got[1]["received_bytes"] == msg.num_bytes, got
-        for g in got:
-            assert 0.3 * msg.num_bytes < g["received_bytes"] < 0.7 * msg.num_bytes, got
-            assert g["forwarded_in_bytes"] >= msg.num_bytes - g["received_bytes"], got
+        assert got[1]["received_bytes"] == 0 and got[1]["forwarded_in_bytes"] >= msg.num_bytes, got
         for a in after:
             # a round buffer (<= one round) or a tensor assembled across rounds (the embedding, 200 KB)
             assert 0 < a["largest_empty"] <= 2 * round_bytes, a
@@ -362,17 +361,20 @@ def torch_equal(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
+@pytest.mark.slow  # ~80 s, mostly the orchestrator's bounded wait for a re-published policy
 @pytest.mark.waits
 def test_a_worker_dying_mid_sync_ends_in_one_line_naming_the_server(cluster, tiny_model_dir: Path) -> None:
     """Worker 1 of the tp = 2 server exits (as if killed) when round 3 of policy 1 lands: the update
-    fails in one line naming the server, within the group's timeout, and the trainer, whose sends to
-    the dead worker fail, publishes the policy as files instead (exit 0: nothing hangs)."""
+    fails in one line naming the server, within the group's timeout; worker 0, whose ring step
+    fails, goes on taking the trainer's buckets (the one trainer rank sends to worker 0 only), so the
+    trainer's publish completes (exit 0: nothing hangs). A trainer rank whose sends fail publishes
+    files instead (test_rank_killed_mid_broadcast_leaves_no_partial_policy, docs/weights.md)."""
     run_dir, tp_server, _ = cluster({"dying_rank": 1, "die_at_round": 3})
     trainer = start_trainer(run_dir, tiny_model_dir, servers=2, steps=1, timeout=20)
     try:
 
         async def main() -> tuple[str, float]:
-            sync, servers = await sync_of(RunPaths(run_dir))
+            sync, servers = await sync_of(RunPaths(run_dir), timeout=20)
             await sync.join_group(servers)
             msg = await sync.exact(1)
             t0 = time.monotonic()
@@ -387,8 +389,8 @@ def test_a_worker_dying_mid_sync_ends_in_one_line_naming_the_server(cluster, tin
     finally:
         stop(trainer)
     # vLLM's executor reports the dead worker (the stand-in's: "worker process exited" / a broken pipe
-    # to it); the orchestrator tried the policy's files, which the dead worker cannot load either
+    # to it)
     assert f"server {tp_server.base_url} failed to load policy 1" in message, message
-    assert "publishing it and every later policy as files" in (run_dir / "trainer.log").read_text()
-    assert "\n" not in message.strip() and took < 90, (took, message)  # bounded by the timeouts
+    # bounded: the orchestrator waits up to REPUBLISH_S (60 s) for the policy as files, then names the server
+    assert "\n" not in message.strip() and took < 90, (took, message)
     assert tp_server.workers[0].call("group_rank") == [1, 4]  # worker 0 is alive and answers

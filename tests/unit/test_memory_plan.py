@@ -294,21 +294,23 @@ def test_weight_sync_items_of_the_30b_example_by_hand():
     plan = mp.plan_for(cfg, pl)
     trainer, infer = rows(plan)
     # trainer rank: its rows of the embedding 151,936 x 2,048 / 16 = 19,447,808 elements x 2 B
-    # = 38,895,616 B + a scratch bucket 256 MiB / 16 = 16,777,216 B + 2 server heads x 0.0625 GiB
+    # = 38,895,616 B + a scratch bucket 256 MiB / 16 = 16,777,216 B + one process in each of 2 servers
+    # x 0.0625 GiB
     assert mp.largest_piece(Q30B, 16) == 19_447_808
     assert trainer["weight publish"].gib == pytest.approx((38_895_616 + 16_777_216) / GIB + 2 * 0.0625)
     assert round(trainer["weight publish"].gib, 3) == 0.177
-    # the head (vLLM TP worker 0): 2 x 256 MiB round buffers = 0.5 GiB + assembly (largest tensor)
-    # 151,936 x 2,048 x 2 B = 622,329,856 B = 0.580 GiB + (16 senders + 1 follower) x 0.0625 = 1.0625
+    # every vLLM TP worker: 2 x 256 MiB round buffers = 0.5 GiB + assembly (largest tensor)
+    # 151,936 x 2,048 x 2 B = 622,329,856 B = 0.580 GiB + (16 / 8 = 2 senders + 2 ring neighbours)
+    # x 0.0625 = 0.25
     receive = infer["weight receive"]
-    assert receive.gib == pytest.approx(0.5 + 622_329_856 / GIB + 17 * 0.0625)
-    assert round(receive.gib, 2) == 2.14
-    assert "assembly (largest tensor) 0.58" in receive.note and "17 NCCL communicators" in receive.note
-    assert "outside vLLM's pool: 2.14 of 8.00 GiB" in receive.note  # 80 x (1 - 0.9)
-    assert plan.receive.follower_peers == 2
+    assert receive.gib == pytest.approx(0.5 + 622_329_856 / GIB + 4 * 0.0625)
+    assert round(receive.gib, 2) == 1.33
+    assert "assembly (largest tensor) 0.58" in receive.note and "4 NCCL communicators" in receive.note
+    assert "outside vLLM's pool: 1.33 of 8.00 GiB" in receive.note  # 80 x (1 - 0.9)
+    assert plan.receive.ring_peers == 2
     lines = mp.dry_run_lines(cfg, pl)  # fits: checked, no refusal
     assert any(x.startswith("    weight publish bf16      0.18 GiB") for x in lines)
-    assert any(x.startswith("    weight receive bf16      2.14 GiB") for x in lines)
+    assert any(x.startswith("    weight receive bf16      1.33 GiB") for x in lines)
     assert lines[1].startswith(
         "  trainer rank (16 ranks, FSDP 16, ep 8; bf16 compute, fp32 master): 42.0 GiB"
     )
@@ -323,24 +325,26 @@ def test_weight_sync_items_of_the_235b_example_by_hand():
     plan = mp.plan_for(cfg, pl)
     trainer, infer = rows(plan)
     # trainer rank: 151,936 x 4,096 / 64 = 9,723,904 elements x 2 B = 19,447,808 B (a whole expert,
-    # 1,536 x 4,096 = 6,291,456 elements, is smaller) + 256 MiB / 64 = 4,194,304 B + 8 heads x 0.0625
+    # 1,536 x 4,096 = 6,291,456 elements, is smaller) + 256 MiB / 64 = 4,194,304 B + 8 servers x 0.0625
     assert mp.largest_piece(Q235B, 64) == 9_723_904 > 1536 * 4096
     assert trainer["weight publish"].gib == pytest.approx((19_447_808 + 4_194_304) / GIB + 8 * 0.0625)
     assert round(trainer["weight publish"].gib, 3) == 0.522
-    # head: 0.5 + 151,936 x 4,096 x 2 B = 1,244,659,712 B = 1.159 GiB + (64 + 1) x 0.0625 = 4.0625
-    assert infer["weight receive"].gib == pytest.approx(0.5 + 1_244_659_712 / GIB + 65 * 0.0625)
-    assert round(infer["weight receive"].gib, 2) == 5.72  # of 8 GiB outside the pool: fits
+    # a worker: 0.5 + 151,936 x 4,096 x 2 B = 1,244,659,712 B = 1.159 GiB + (64 / 8 + 2) x 0.0625 = 0.625
+    assert infer["weight receive"].gib == pytest.approx(0.5 + 1_244_659_712 / GIB + 10 * 0.0625)
+    assert round(infer["weight receive"].gib, 2) == 2.28  # of 8 GiB outside the pool: fits
     lines = mp.dry_run_lines(cfg, pl)
     assert plan.trainer_gib < 80 and round(plan.trainer_gib, 1) == 76.7
-    assert any("65 NCCL communicators" in x for x in lines)
+    assert any("10 NCCL communicators" in x for x in lines)
 
 
-def test_hf_engine_receives_without_assembly_or_chain():
+def test_hf_engine_receives_without_assembly_or_ring():
     r = mp.receive_of(Q30B, senders=16, tp=8, vllm=False, collective=True, chunk_mb=256, dtype="bfloat16")
-    assert (r.assembly_gib, r.peers, r.follower_peers) == (0.0, 16, 0)  # copies parts into its parameters
+    assert (r.assembly_gib, r.peers, r.ring_peers) == (0.0, 16, 0)  # copies parts into its parameters
     assert r.gib() == pytest.approx(0.5 + 16 * 0.0625)
     one = mp.receive_of(Q30B, senders=16, tp=1, vllm=True, collective=True, chunk_mb=256, dtype="bfloat16")
-    assert one.peers == 16 and one.follower_peers == 0  # tp 1: no chain
+    assert one.peers == 16 and one.ring_peers == 0  # tp 1: no ring
+    two = mp.receive_of(Q30B, senders=3, tp=2, vllm=True, collective=True, chunk_mb=256, dtype="bfloat16")
+    assert (two.peers, two.ring_peers) == (2 + 1, 1)  # ceil(3 / 2) senders + the other worker
     files = mp.receive_of(Q30B, senders=16, tp=8, vllm=True, collective=False, chunk_mb=256, dtype="bfloat16")
     assert files.gib() == 0  # read on the host (host plan)
 
@@ -356,9 +360,9 @@ def test_publish_over_files_and_with_lora():
 
 
 def test_a_chunk_the_receivers_cannot_hold_is_refused_naming_chunk_mb():
-    """chunk_mb = 4096 at gpu_memory_utilization 0.95: 80 x 0.05 = 4 GiB outside vLLM's pool; the head
-    needs 2 x 4 GiB + 0.58 + 1.0625. The largest chunk that fits: (4 - 0.580 - 1.0625) / 2 GiB =
-    1,207 MiB."""
+    """chunk_mb = 4096 at gpu_memory_utilization 0.95: 80 x 0.05 = 4 GiB outside vLLM's pool; a worker
+    needs 2 x 4 GiB + 0.58 + 4 x 0.0625. The largest chunk that fits: (4 - 0.580 - 0.25) / 2 GiB =
+    1,623 MiB."""
     cfg, pl = shipped(
         "configs/hosted/full_ft_multi_node.toml",
         "--trainer.broadcast.chunk-mb", "4096", "--inference.gpu-memory-utilization", "0.95",
@@ -367,12 +371,12 @@ def test_a_chunk_the_receivers_cannot_hold_is_refused_naming_chunk_mb():
         mp.dry_run_lines(cfg, pl)
     msg = str(e.value)
     assert e.value.path == "trainer.broadcast.chunk_mb" and "\n" not in msg
-    assert "needs 9.64 GiB outside vLLM's pool" in msg and "leaves 4.00 GiB" in msg
-    assert "trainer.broadcast.chunk_mb <= 1207" in msg
-    assert int((4 - 622_329_856 / GIB - 17 * 0.0625) * 1024 // 2) == 1207
+    assert "needs 8.83 GiB outside vLLM's pool" in msg and "leaves 4.00 GiB" in msg
+    assert "trainer.broadcast.chunk_mb <= 1623" in msg
+    assert int((4 - 622_329_856 / GIB - 4 * 0.0625) * 1024 // 2) == 1623
     ok, pl = shipped(
         "configs/hosted/full_ft_multi_node.toml",
-        "--trainer.broadcast.chunk-mb", "1207", "--inference.gpu-memory-utilization", "0.95",
+        "--trainer.broadcast.chunk-mb", "1623", "--inference.gpu-memory-utilization", "0.95",
     )  # fmt: skip
     mp.dry_run_lines(ok, pl)
     # over files nothing is received on the GPU: the same chunk is no concern
@@ -384,14 +388,14 @@ def test_a_chunk_the_receivers_cannot_hold_is_refused_naming_chunk_mb():
 
 
 def test_when_no_chunk_fits_the_utilization_is_named():
-    """235B at gpu_memory_utilization 0.95: 4 GiB outside the pool, but the assembly (1.16) and 65
-    communicators (4.06) alone need 5.22: even chunk_mb = 1 cannot fit. At most
-    1 - (5.2217 + 2 MiB) / 80 = 0.934 -> 0.93."""
-    cfg, pl = shipped("configs/multi_node/qwen3_235b.toml", "--inference.gpu-memory-utilization", "0.95")
+    """235B at gpu_memory_utilization 0.98: 1.6 GiB outside the pool, but the assembly (1.159) and 10
+    communicators (0.625) alone need 1.784: even chunk_mb = 1 cannot fit. At most
+    1 - (1.7842 + 2 MiB) / 80 = 0.9777 -> 0.97."""
+    cfg, pl = shipped("configs/multi_node/qwen3_235b.toml", "--inference.gpu-memory-utilization", "0.98")
     with pytest.raises(ConfigError) as e:
         mp.dry_run_lines(cfg, pl)
     assert e.value.path == "inference.gpu_memory_utilization" and "\n" not in str(e.value)
-    assert "inference.gpu_memory_utilization <= 0.93" in str(e.value)
+    assert "inference.gpu_memory_utilization <= 0.97" in str(e.value)
 
 
 def test_delta_with_vllm_is_refused_at_load():
