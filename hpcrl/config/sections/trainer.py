@@ -75,8 +75,8 @@ class BroadcastConfig(Section):
         bool,
         D(
             "Send only the elements that changed since the previous policy (verified against the checksum of "
-            "the full new weights); a full sync whenever the delta is not smaller. Files only: refused "
-            "with transport = collective."
+            "the full new weights); a full sync whenever the delta is not smaller. Files and the hf "
+            "engine only: refused with transport = collective and with inference.backend = vllm."
         ),
     ] = False
     full_every: Annotated[int, D("With delta: a full sync every N policies (1 = always full).", ge=1)] = 20
@@ -85,8 +85,8 @@ class BroadcastConfig(Section):
         D(
             "No rank gathers the policy. Filesystem: every trainer rank writes only its own rows of each "
             "tensor into broadcasts/step_N/ (files of bucket_mb) and rank 0 writes manifest.json last. "
-            "Collective: every trainer rank broadcasts its own rows in buckets of chunk_mb, each verified "
-            "on receipt. false: every rank gathers the whole policy (the old path). LoRA adapters after "
+            "Collective: every trainer rank sends its own rows, all at once, in rounds of chunk_mb, each "
+            "part verified where it lands. false: every rank gathers the whole policy (the old path). LoRA adapters after "
             "the first policy still take the gathered path (small)."
         ),
     ] = True
