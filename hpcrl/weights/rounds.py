@@ -216,19 +216,15 @@ def plan_round(rnd: list[Any], workers: int, dest: Dest | None) -> tuple[list[Ms
 
 def _landing(buf: torch.Tensor, plan: list[Msg]) -> list[tuple[int, list[Any], Any, int]]:
     """Per message: (src, its records, the uint8 tensor it lands in, its segment)."""
+    import torch
+
     out = []
     for src, target, n, recs, w in plan:
         if isinstance(target, int):
             out.append((src, recs, buf[target : target + n], w))
         else:
-            out.append((src, recs, target.reshape(-1).view(torch_uint8()), w))
+            out.append((src, recs, target.reshape(-1).view(torch.uint8), w))
     return out
-
-
-def torch_uint8() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 class _Round:
