@@ -114,6 +114,9 @@ def build_spec(
         overlap=True,
         forward_signal=True,  # it checkpoints its part too
         env={GPUS_PER_TASK_ENV: "0"} if placement.uses_gpus else {},  # it computes nothing on GPUs
+        # Done after the last policy loads, the orchestrator exits while the trainer still logs its last
+        # step and writes its final checkpoint: the trainer's exit ends the job, not this one's.
+        end_job_on_success=False,
     )
     components = [trainer, inference]
     if placement.env_nodes:  # deployment.env_nodes: the env servers' own CPU nodes
