@@ -46,7 +46,7 @@ linear, so anyone can craft a collision.
 
 How: everything runs on the tensor's device (no host copy of a CUDA tensor; only 8 int64 per part
 come back, `.tolist()`). Units of one width go through `torch._int_mm(int8 [m, k], K[:k])` ->
-int32 [m, 8] in blocks of ~BLOCK_BYTES (4 MiB), straight from the tensor's memory (a view) where it
+int32 [m, 8] in blocks of ~BLOCK_BYTES (16 MiB), straight from the tensor's memory (a view) where it
 is contiguous; CUDA's constraints (m > 16, k and n multiples of 8, contiguous) are met on every
 device with zero units and zero bytes, which add nothing. As the lanes are linear in d, a part's
 8 sums P_l = sum_units M * d_l (int64, wrapping) are taken on the device, CHUNK_UNITS units at a
@@ -58,14 +58,15 @@ to be concatenated into one block, so small parts cost a few torch calls each, n
 exact float64 matmul instead (integers < 2**53). Non-contiguous tensors are made contiguous one
 block at a time.
 
-Speed (scripts/bench/digest.py, one torch thread, the shared 2-core AVX512-VNNI dev box; old = the
-former per-row xxh3-128 loop, in the same run): 1.5 KiB rows 7.1-8.4 GB/s against 2.9-3.3 (2.5x;
-under load 5.9-6.6 against 1.9-2.0, 3.2x), 4 KiB rows 6.5 against 4.5, 16 KiB rows 8.5 against 7.7,
-a bucket of 1,000 [768, 2048] bf16 parts 6.7 against 4.2, 1-D tensors (packed) 1.2 GB/s at 1 MiB
-and ~8 GB/s when large, against 0.004 (a Python call per element). That is the ceiling here:
-`torch._int_mm` alone streams the same bytes at 7.8-8.4 GB/s and one xxh3 over them at 7.7-10 GB/s
-(one core's read bandwidth), so the 5x over the old loop hoped for at 1.5 KiB rows is out of reach
-of any single-threaded digest on this CPU. The algorithm is the checksum's prefix
+Speed (scripts/bench/digest.py, torch's default threads = both cores of the shared AVX512-VNNI dev
+box; old = the former per-row xxh3-128 loop, in the same run, taking turns): 1.5 KiB rows 11.2-13.4
+GB/s against 1.7-3.3 (4.0-7.0x over five runs; 2.3-3.5x on one thread, 7.1-8.4 GB/s), 4 KiB rows 12.1
+against 3.3, 16 KiB rows 12.7 against 6.4, a bucket of 1,000 [768, 2048] bf16 parts 11.9 against 4.9,
+1-D tensors (packed) ~1 GB/s at 1 MiB and ~8 GB/s when large, against 0.003 (a Python call per
+element). That is the machine's ceiling: `torch._int_mm` alone streams the same bytes at 13.5-15.6
+GB/s on both cores and a plain int64 `sum` over them at 16 (one core: 8.4-9.5 and 10.6), so the 5x
+asked at 1.5 KiB rows sits at the edge of what any digest that reads every byte gets here, and the
+ratio moves with the load on the old loop's core. On a GPU the same code reads HBM (no host copy). The algorithm is the checksum's prefix
 ("rowdot1-xxh3_128:<32 hex digits>"), so two processes that disagree on it differ loudly.
 """
 
@@ -92,7 +93,7 @@ ALGO = f"{DIGEST}-{_COMBINE}"  # the checksum's prefix
 
 SEG = 1 << 16  # most bytes in one unit: |d| < 128 * 127 * SEG < 2**30 (int32-exact)
 UNIT = 1 << 13  # rows shorter than this are packed, G of them to a unit of ~UNIT bytes
-BLOCK_BYTES = 1 << 22  # bytes of units per _int_mm
+BLOCK_BYTES = 1 << 24  # bytes of units per _int_mm (16 MiB: the per-call overhead under 5%)
 DIRECT_BYTES = 1 << 18  # a piece this big gets its own _int_mm; smaller ones share a block (copied)
 CHUNK_UNITS = 1 << 14  # units whose multipliers and sums are taken at once
 SMALL_BYTES = 1 << 16  # blocks smaller than this take the float64 path

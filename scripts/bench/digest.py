@@ -7,25 +7,23 @@ loop it replaced, both in the same run, on one torch thread.
 
 Medians of --reps repetitions (old and new take turns, so load hits both alike); GB/s of raw tensor
 bytes; the first line is torch._int_mm alone over the first case's bytes (the ceiling). Measured on
-the shared 2-core AVX512-VNNI dev box, 1 thread (load ~1-3 from other jobs; figures move +-20%):
+the shared 2-core AVX512-VNNI dev box, torch's default threads (2; load ~1 from other jobs):
 
-    (torch._int_mm alone over the first case's bytes: 8.42 GB/s)
+    (torch._int_mm alone over the first case's bytes: 15.56 GB/s)
     case                                          MiB  old GB/s  new GB/s  new/old
-    fp32 [N, 384]   (1.5 KiB rows)                192     2.880      7.09     2.5x
-    bf16 [N, 768]   (1.5 KiB rows)                192     3.297      8.38     2.5x
-    bf16 [N, 2048]  (4 KiB rows)                  256     4.459      6.51     1.5x
-    bf16 [N, 8192]  (16 KiB rows)                 256     7.717      8.47     1.1x
-    bf16 [N] 1-D    (2 B rows)                      1     0.004      1.18   336.9x
-    bucket: 1,000 x [768, 2048] bf16 parts       3000     4.156      6.67     1.6x
-    bucket: 500 x [2048] bf16 1-D parts             2     0.001      0.04    45.2x
+    fp32 [N, 384]   (1.5 KiB rows)                192     1.670     11.22     6.7x
+    bf16 [N, 768]   (1.5 KiB rows)                192     1.666     11.61     7.0x
+    bf16 [N, 2048]  (4 KiB rows)                  256     3.334     12.09     3.6x
+    bf16 [N, 8192]  (16 KiB rows)                 256     6.424     12.71     2.0x
+    bf16 [N] 1-D    (2 B rows)                      1     0.003      0.93   340.3x
+    bucket: 1,000 x [768, 2048] bf16 parts       3000     4.865     11.92     2.4x
+    bucket: 500 x [2048] bf16 1-D parts             2     0.005      0.20    39.7x
 
-(the last row is ~30 us of Python per part, so it follows the load most: 0.14-0.24 GB/s, 50-76x,
-in quieter --quick runs).
-
-Under heavier load (other jobs on both cores) the old loop drops to 1.9-2.0 GB/s at 1.5 KiB rows and
-the new digest to 5.9-6.6 (3.0-3.4x). The new digest runs at what _int_mm (and one bulk xxh3 over the
-same bytes, 7.7-10 GB/s) reaches on one core: the read bandwidth, so no single-threaded digest gets
-5x over the old loop's ~3 GB/s here. 1-D tensors: fixed cost ~0.2 ms a call, ~8 GB/s when large.
+The old loop moves most with the load on its core (1.7-3.3 GB/s at 1.5 KiB rows over five runs, so
+4.0-7.0x); the new digest stays at 11-13.4, against a ceiling of ~16 GB/s (a plain int64 sum over
+the same bytes on both cores). With --threads 1: 7.1-8.4 GB/s, 2.3-3.5x. The last row is ~30 us of
+Python per part, so it follows the load most. 1-D tensors: fixed cost ~0.2 ms a call, ~8 GB/s when
+large.
 """
 
 from __future__ import annotations
@@ -85,11 +83,15 @@ def _time(fns: list, reps: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads (default 0: torch's own, every core)"
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="smaller tensors; 100 experts in the bucket")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     mib = 2**20
     size = (32 if args.quick else 192) * mib
@@ -112,11 +114,11 @@ def main() -> None:
         ),
     ]
     print(f"torch {torch.__version__}, {args.threads} thread(s), medians of {args.reps}")
-    raw = cases[0][1][0][0].view(torch.int8).reshape(-1)  # the ceiling: _int_mm alone, 4 MiB blocks
+    raw = cases[0][1][0][0].view(torch.int8).reshape(-1)  # the ceiling: _int_mm alone, 16 MiB blocks
     raw = raw[: raw.numel() // 7680 * 7680].view(-1, 7680)
     k8 = torch.randint(-127, 128, (7680, 8), dtype=torch.int8, generator=g)
     (t_mm,) = _time(
-        [lambda: [torch._int_mm(raw[a : a + 546], k8) for a in range(0, raw.shape[0], 546)]], args.reps
+        [lambda: [torch._int_mm(raw[a : a + 2184], k8) for a in range(0, raw.shape[0], 2184)]], args.reps
     )
     print(f"(torch._int_mm alone over the first case's bytes: {raw.numel() / t_mm / 1e9:.2f} GB/s)")
     print(f"{'case':42s} {'MiB':>6s} {'old GB/s':>9s} {'new GB/s':>9s} {'new/old':>8s}")
