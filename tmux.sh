@@ -98,6 +98,11 @@ else
   echo "tmux session '$session' exists: reusing it"
 fi
 
+# the run's web page (`hpcrl dashboard`, issue 51); from a laptop through an ssh tunnel to this host
+port=${HPCRL_DASHBOARD_PORT:-8765}
+echo "dashboard: hpcrl dashboard $out  ->  http://127.0.0.1:$port/"
+echo "  (from your laptop: ssh -N -L $port:127.0.0.1:$port $(hostname -f 2>/dev/null || hostname)  then http://127.0.0.1:$port/)"
+
 if [[ -n ${TMUX:-} || ${TMUX_NO_ATTACH:-0} == 1 ]]; then
   echo "attach with: ${tm[*]} attach -t $session"
 else

@@ -10,8 +10,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcrl.errors import UserError, user_errors
+
+if TYPE_CHECKING:
+    from hpcrl.config.loader import Loaded
 
 USAGE = """usage: hpcrl <command> [cfg.toml | @ a.toml @ b.toml] [--section.field value ...]
 
@@ -31,6 +35,7 @@ commands:
   checkpoints      list a run directory's checkpoints and their ids (for checkpoint_id / ckpt.warm_start)
   export           write HF weights (safetensors + config + tokenizer) from a checkpoint (STEP_DIR [--out DIR])
   plot             write PNG plots from a run's metrics.jsonl
+  dashboard        web page over run directories: overview, metrics, rollouts, logs, configs (DIR ...)
   make-tiny-model  build a tiny Qwen3-style model (--preset tiny-moe: Qwen3-MoE) + tokenizer locally
   eval             score a model on environments: results.jsonl, avg@k / pass@k (ENV_ID -m MODEL -n N -r K)
   gepa             optimise an environment's system prompt with GEPA (run ENV_ID -m MODEL -B CALLS)
@@ -105,18 +110,23 @@ def _config_help(command: str, root_name: str = "Config") -> str:
 
 
 _COMMAND_FLAGS = {
-    "run": "  --dry-run            resolve, validate, write <output_dir>/configs/, print a summary, exit",
+    "run": "  --dry-run            resolve, validate, check the models, write <output_dir>/configs/, print a summary, exit\n"
+    "  --dashboard          serve `hpcrl dashboard <output_dir>` beside the run (its URL is printed)",
     "submit": "  --nodes N  --partition P  --time T  --account A  --dry-run (renders sbatch, asks sbatch --test-only)",
     "resume": "  --step -1|N  --output-dir DIR  [--dry-run]  (plus any config flag, e.g. --max-steps 40)",
-    "inference": "  --run-dir DIR  --server-index N  (announce the server address in a run directory)",
-    "sft": "  --dry-run            resolve, validate, write <output_dir>/configs/sft.toml, print a summary, exit",
+    "trainer": "  --dry-run            validate as the trainer reads it, check the model, print what it would start, exit",
+    "orchestrator": "  --dry-run            validate as the orchestrator reads it, check its tokenizer's model, print a summary, exit",
+    "inference": "  --run-dir DIR  --server-index N  (announce the server address in a run directory)\n"
+    "  --dry-run            validate as the server reads it, check the model, print what it would serve, exit",
+    "sft": "  --dry-run            resolve, validate, check model and data, write <output_dir>/configs/sft.toml, print a summary, exit",
     "eval": """  ENV_ID ...              environments to evaluate (built-in, verifiers module, module:function)
   -m MODEL                model: local dir, hub id, a run's weights/step_N, or a name at -b
   -n N  -r R              examples per env (-1 = all), rollouts per example (the k of avg@k / pass@k)
   -a JSON                 environment arguments, e.g. '{"difficulty": "hard", "system_prompt_file": "p.txt"}'
   -b URL                  any OpenAI-compatible endpoint (default: start `hpcrl inference` for MODEL)
   -t N  -T X              sampling.max_tokens, sampling.temperature
-  --output-dir DIR        results.jsonl, summary.json (default: outputs/evals/<env>--<model>/<time>)""",
+  --output-dir DIR        results.jsonl, summary.json (default: outputs/evals/<env>--<model>/<time>)
+  --dry-run               validate, check the model (and tokenizer), print what it would run, exit""",
     "gepa": """  run ENV_ID              the environment whose system prompt is optimised (or [[env]] in @ cfg.toml)
   -m / --model MODEL      model for rollouts (as hpcrl eval); -b URL: an OpenAI-compatible endpoint
   -M / --reflection-model model that proposes prompts (default: MODEL)
@@ -140,6 +150,7 @@ def _load(argv: list[str], root_name: str = "Config", require_envs: bool = True,
 # ---------------------------------------------------------------------------------------------
 def cmd_run(argv: list[str]) -> int:
     dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
+    dashboard = bool(_pop_flag(argv, "--dashboard", takes_value=False))
     loaded = _load(argv)
     from hpcrl.launch import prepare, run_checks
 
@@ -170,7 +181,12 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     from hpcrl.launch.local import run_local
 
-    return run_local(loaded, placement)
+    if not dashboard:
+        return run_local(loaded, placement)
+    from hpcrl.dashboard.serve import beside
+
+    with beside(loaded.config.output_dir):
+        return run_local(loaded, placement)
 
 
 def cmd_submit(argv: list[str]) -> int:
@@ -213,8 +229,20 @@ def cmd_resume(argv: list[str]) -> int:
     return resume(Path(str(out)), -1 if step is None else step, argv, dry_run=dry)
 
 
+def _role_dry_run(loaded: Loaded, role: str, run_dir: str | None = None, server_index: int = 0) -> int:
+    """`hpcrl trainer | orchestrator | inference --dry-run`: the config as the role reads it, the model
+    checks and what it would start; writes and starts nothing."""
+    from hpcrl.launch.prepare import print_role_summary
+
+    print_role_summary(loaded, role, run_dir=run_dir, server_index=server_index)
+    return 0
+
+
 def cmd_trainer(argv: list[str]) -> int:
-    loaded = _load(argv, role="trainer")
+    dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
+    loaded = _load(argv, role="trainer", require_envs=False)  # a trainer alone reads no env
+    if dry:
+        return _role_dry_run(loaded, "trainer")
     from hpcrl.trainer import parallel
     from hpcrl.trainer.rl import main
 
@@ -225,17 +253,23 @@ def cmd_trainer(argv: list[str]) -> int:
 
 
 def cmd_orchestrator(argv: list[str]) -> int:
+    dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
     loaded = _load(argv, role="orchestrator")
+    if dry:
+        return _role_dry_run(loaded, "orchestrator")
     from hpcrl.orchestrator.loop import main
 
     return main(loaded.config)
 
 
 def cmd_inference(argv: list[str]) -> int:
+    dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
     run_dir = _pop_flag(argv, "--run-dir")
     index = _int_flag(argv, "--server-index") or 0
     # A bare `hpcrl inference --model.name DIR` needs no training environments.
     loaded = _load(argv, require_envs=False, role="inference")
+    if dry:
+        return _role_dry_run(loaded, "inference", None if run_dir is None else str(run_dir), index)
     from hpcrl.inference.server import serve_config
 
     return serve_config(loaded.config, run_dir=None if run_dir is None else str(run_dir), server_index=index)
@@ -321,11 +355,23 @@ def cmd_plot(argv: list[str]) -> int:
     return main(argv)
 
 
+def cmd_dashboard(argv: list[str]) -> int:
+    from hpcrl.dashboard.serve import main
+
+    return main(argv)
+
+
 def cmd_eval(argv: list[str]) -> int:
-    from hpcrl.evaluation.args import EVAL_FLAGS, load_run
+    dry = bool(_pop_flag(argv, "--dry-run", takes_value=False))
+    from hpcrl.evaluation.args import EVAL_FLAGS, load_run, print_dry_run
+
+    loaded = load_run(argv, _schema_root("EvalRunConfig"), EVAL_FLAGS)
+    if dry:
+        print_dry_run(loaded)
+        return 0
     from hpcrl.evaluation.run import main
 
-    return main(load_run(argv, _schema_root("EvalRunConfig"), EVAL_FLAGS).config)
+    return main(loaded.config)
 
 
 def cmd_gepa(argv: list[str]) -> int:
@@ -364,6 +410,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
     "checkpoints": (cmd_checkpoints, None),
     "export": (cmd_export, None),
     "plot": (cmd_plot, None),
+    "dashboard": (cmd_dashboard, None),
     "make-tiny-model": (cmd_make_tiny_model, None),
     "eval": (cmd_eval, "EvalRunConfig"),
     "gepa": (cmd_gepa, "GepaRunConfig"),

@@ -9,6 +9,7 @@ Nobody else joins path strings for run files. Layout (docs/architecture.md §4):
       bus/rejected/            corrupt or foreign bus files moved aside
       bus/moved_aside/<tag>/   bus files newer than a resumed checkpoint
       rollouts/step_N/rank_R.msgpack
+      rollouts/step_N/{train,eval}/traces.jsonl (+ traces.index.json)  every rollout, saved
       policy/step_N.msgpack
       control/                 control messages (stop, shutdown, ...); kill_inference_I.txt: the
                                orchestrator's order to a server's keepalive to kill frozen pid
@@ -19,6 +20,7 @@ Nobody else joins path strings for run files. Layout (docs/architecture.md §4):
       logs/{trainer,orchestrator,inference}.log, logs/envs/{train,eval}/<env>.log, logs/slurm/
       metrics.jsonl
       samples/step_N/<role>.jsonl  sampled rollouts (W&B log_extras), pointed to from metrics.jsonl
+      token_exports/step_N/rank_R.jsonl (+ STABLE)  trainer.enable_token_export: per-token numbers
       wandb/                   W&B run id, sink offset, W&B's own files
       plots/
 """
@@ -133,6 +135,20 @@ class RunPaths:
 
     def rollout_file(self, step: int, rank: int) -> Path:
         return self.rollout_step_dir(step) / f"rank_{rank}.msgpack"
+
+    def saved_rollouts_file(self, step: int, split: str) -> Path:
+        """Every rollout of one step and split ("train" / "eval"), one JSON object per line, kept
+        beside the bus batches by their own retention (hpcrl.orchestrator.rollout_log)."""
+        return self.rollout_step_dir(step) / split / "traces.jsonl"
+
+    def saved_rollouts_index(self, step: int, split: str) -> Path:
+        """The byte-offset index of saved_rollouts_file (hpcrl.monitor.rollout_files)."""
+        return self.rollout_step_dir(step) / split / "traces.index.json"
+
+    def token_export_file(self, step: int, rank: int) -> Path:
+        """trainer.enable_token_export: rank R's samples of step N with the trainer's per-token numbers
+        (hpcrl.trainer.token_export); ``STABLE`` beside it once every rank wrote its file."""
+        return self.root / "token_exports" / f"step_{step}" / f"rank_{rank}.jsonl"
 
     @property
     def policy_dir(self) -> Path:

@@ -77,7 +77,7 @@ import importlib, pkgutil, warnings
 import hpcrl
 
 warnings.simplefilter("ignore")
-names = [m.name for m in pkgutil.walk_packages(hpcrl.__path__, "hpcrl.")]
+names = [m.name for m in pkgutil.walk_packages(hpcrl.__path__, "hpcrl.") if not m.name.endswith(".__main__")]
 names += ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.optim",
           "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
           "safetensors.torch", "matplotlib.figure", "matplotlib.backends.backend_agg", "renderers",

@@ -19,11 +19,18 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! python -c "import torch" 2>/dev/null; then
   pip_into .venv/bin/python "torch==${HPCRL_TORCH_VERSION:-2.13.0}"
 fi
-if ! python -c "import hpcrl, pytest, xdist, verifiers, openai, peft, gepa" 2>/dev/null \
+if ! python -c "import hpcrl, pytest, xdist, verifiers, openai, peft, gepa, playwright" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.hpcrl-installed ]; then
   pip_into .venv/bin/python -e '.[dev,verifiers]'
   warm_bytecode .venv/bin/python
   touch .venv/.hpcrl-installed
+fi
+# The dashboard's browser tests drive Debian's chromium through Playwright (its own browser download
+# cannot work here): installed where we are root with apt (CI), else those tests skip and say why.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+   && [ -z "${HPCRL_NO_CHROMIUM:-}" ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "warning: apt-get install chromium failed; the dashboard's browser tests will be skipped"
 fi
 python - <<'PY'
 import torch

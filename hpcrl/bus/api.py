@@ -34,12 +34,14 @@ from typing import TypeVar
 from hpcrl.bus.doorbell import DoorbellReader, DoorbellWriter
 from hpcrl.bus.errors import BusTimeout, CorruptMessageError, ShutdownRequested
 from hpcrl.bus.files import (
+    bus_entries,
     clean_stale_tmp,
     decode_json_file,
     ensure_dir,
     fsync_dir,
     read_message,
     reject,
+    remove_bus_part,
     write_atomic,
     write_message,
     write_messages,
@@ -61,6 +63,7 @@ log = logging.getLogger("hpcrl.bus")
 
 ROLLOUT_CONSUMER = "trainer"  # rollouts/step_N/rank_R is for endpoint "trainer_R"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
 T = TypeVar("T")
 # Fallback rescan period of a wait. With a doorbell a ring wakes the reader within a millisecond and
 # the rescan only covers lost rings, so it can be slow: at 8,000 waiting ranks every rescan is 8,000
@@ -185,6 +188,7 @@ class Bus:
         self._control_due = 0.0  # time.monotonic() of the next scheduled scan of control/
         self._missed: tuple[Hashable, float] | None = None  # (what, when) the last look found nothing
         self._pool: ThreadPoolExecutor | None = None  # publish_batches' writers, made on first use
+        self._cleaned_below = 0  # rollout steps below this hold no bus files (cleanup removed them)
         for d in (paths.endpoints_dir, paths.rollouts_dir, paths.policy_dir, paths.control_dir):
             ensure_dir(d)
         self._clean_tmp()
@@ -393,15 +397,22 @@ class Bus:
         """
         if keep < 0:
             raise ValueError(f"cleanup keep must be >= 0, got {keep}")
-        old = [s for s in RunPaths.steps_in(self.paths.rollouts_dir) if s < before_step]
+        steps = RunPaths.steps_in(self.paths.rollouts_dir)
+        old = [s for s in steps if self._cleaned_below <= s < before_step and self._has_bus_files(s)]
         doomed = old[: len(old) - keep] if keep else old
         removed = []
         for s in doomed:
             d = self.paths.rollout_step_dir(s)
-            shutil.rmtree(d, ignore_errors=True)
+            remove_bus_part(d)  # saved rollouts (train/, eval/) stay: their retention is their own
             removed.append(d)
+        kept = old[len(doomed) :]
+        self._cleaned_below = kept[0] if kept else max(self._cleaned_below, before_step)
         self._clean_tmp()
         return removed
+
+    def _has_bus_files(self, step: int) -> bool:
+        entries = bus_entries(self.paths.rollout_step_dir(step))
+        return entries is None or bool(entries)
 
     def prune_policies(self, before_step: int, keep_steps: Iterable[int] = ()) -> list[Path]:
         """Delete policy announcements of steps < `before_step`, except `keep_steps` and the newest
@@ -433,7 +444,10 @@ class Bus:
         for s in RunPaths.steps_in(self.paths.rollouts_dir):
             if s > step:
                 d = self.paths.rollout_step_dir(s)
-                moves.append((d, dest_root / "rollouts" / d.name))
+                entries = bus_entries(d)  # saved rollouts stay: the orchestrator rewrites its own
+                if entries is None:
+                    moves.append((d, dest_root / "rollouts" / d.name))
+                moves += [(p, dest_root / "rollouts" / d.name / p.name) for p in entries or []]
         for s in RunPaths.steps_in(self.paths.policy_dir):
             if s > step or (republished and s == step):
                 f = self.paths.policy_file(s)
@@ -564,8 +578,11 @@ class Bus:
             log.error("rejected corrupt bus file %s: %s (moved to %s)", err.path, err.reason, dest)
 
     def _clean_tmp(self) -> None:
+        for s in RunPaths.steps_in(self.paths.rollouts_dir):  # not into saved rollouts: 10,000s of files
+            if s >= self._cleaned_below - 1:
+                clean_stale_tmp(self.paths.rollout_step_dir(s), max_age=self.stale_tmp_age)
         for d, recursive in (
-            (self.paths.rollouts_dir, True),
+            (self.paths.rollouts_dir, False),
             (self.paths.policy_dir, False),
             (self.paths.control_dir, False),
             (self.paths.endpoints_dir, False),

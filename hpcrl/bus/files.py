@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, as_completed
@@ -158,3 +159,30 @@ def reject(path: Path, rejected_dir: Path, root: Path | None = None, inode: int 
         return None
     fsync_dir(rejected_dir)
     return dest
+
+
+# rollouts/step_N/<split>/: every rollout saved for people (hpcrl.orchestrator.rollout_log), beside
+# the bus batches and kept by its own retention: the bus's cleanup and move-aside leave them alone.
+SAVED_SPLITS = ("train", "eval")
+
+
+def bus_entries(step_dir: Path) -> list[Path] | None:
+    """The bus's entries of a step directory (batches, their tmp files); None when it holds nothing
+    else (it can go whole)."""
+    try:
+        entries = list(step_dir.iterdir())
+    except FileNotFoundError:
+        return []
+    if not any(p.name in SAVED_SPLITS for p in entries):
+        return None
+    return [p for p in entries if p.name not in SAVED_SPLITS]
+
+
+def remove_bus_part(step_dir: Path) -> None:
+    """Delete a step directory's bus files, or the whole directory when it holds nothing else."""
+    entries = bus_entries(step_dir)
+    for p in [step_dir] if entries is None else entries:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)

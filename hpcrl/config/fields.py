@@ -90,6 +90,9 @@ def resolve(root: type[msgspec.Struct], parts: list[str]) -> Leaf:
     nullable = False
     for i, part in enumerate(parts):
         inner, _, _ = _unwrap(t)
+        if isinstance(inner, mi.DictType) and i == len(parts) - 1:  # one entry of a free-form table
+            value = inner.value_type  # (--env-vars.NAME v, --inference.vllm.max-num-seqs 256)
+            return Leaf(".".join(parts), "value", False, desc, type_repr(value))
         if not isinstance(inner, mi.StructType):
             raise ConfigError(".".join(parts[:i]), f"is a {type_repr(t)}, it has no field '{part}'")
         fields = _struct_fields(inner)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from hpcrl.config import fields, hosted, prime_names, roles, sanity
+from hpcrl.config import fields, hosted, prime_model, prime_names, prime_shapes, roles, sanity
 from hpcrl.config.dicts import deep_merge, get_path, set_path
 from hpcrl.config.schema import Config, SFTConfig, TrainerConfig
 from hpcrl.config.sections.model import owner_hint
@@ -211,8 +211,19 @@ _ALIASES = [
     # seq_len is declared once, at the top level; a role section's (prime-rl writes [trainer] seq_len)
     # is the same setting
     (["trainer", "seq_len"], ["seq_len"]),
+    (["model", "seq_len"], ["seq_len"]),  # prime-rl's trainer model table (and SFT's) carries it
     (["orchestrator", "seq_len"], ["seq_len"]),
     (["inference", "seq_len"], ["seq_len"]),
+    # prime-rl's trainer model and trainer keys (issue 50; hpcrl.config.prime_model translates their values)
+    (["trainer", "model", "seq_len"], ["seq_len"]),
+    *[
+        ([*m, a], [*m, f])
+        for m in (["model"], ["trainer", "model"])
+        for a, f in prime_model.MODEL_ALIASES.items()
+    ],
+    (["trainer", "enable_router_replay"], ["trainer", "model", "router_replay"]),
+    (["trainer", "ckpt", "skip_optimizer"], ["ckpt", "skip_optimizer"]),
+    (["trainer", "ckpt", "skip_scheduler"], ["ckpt", "skip_scheduler"]),
 ]
 
 
@@ -296,8 +307,9 @@ def flow_shared(cfg: Config) -> None:
         inf_model.max_lora_rank = lora.rank  # servers load the adapters the trainer makes
     cfg.trainer.max_steps = cfg.max_steps
     cfg.orchestrator.max_steps = cfg.max_steps
-    if cfg.inference.max_model_len is None:
-        cfg.inference.max_model_len = cfg.seq_len
+    if cfg.inference.max_model_len is None:  # opsd scores a sequence with a demonstration before it
+        opsd = cfg.orchestrator.algo is not None and cfg.orchestrator.algo.type == "opsd"
+        cfg.inference.max_model_len = cfg.seq_len * (2 if opsd else 1)
 
 
 _AT_RE = re.compile(r"`\$(?P<path>[^`]*)`")
@@ -402,8 +414,11 @@ def load(
     `checks`: the checks that need role knowledge (hpcrl.launch.checks.role_checks, which passes
     itself in): run on the typed config inside this error boundary; they return notes to print."""
     notes: list[str] = []
+    if root in (Config, SFTConfig):  # prime-rl's flags: --resume, --clean, --monitors.*, --weight-broadcast.*
+        argv = prime_shapes.rewrite_argv(argv, notes)
     if root is Config:
-        argv, notes = prime_names.strip_platform_flags(argv)  # --image-tag, --orchestrator.prime-monitor
+        argv, platform = prime_names.strip_platform_flags(argv)  # --image-tag, --orchestrator.prime-monitor
+        notes.extend(platform)
     files, over = parse_argv(argv, root, role)
     over = deep_merge(over, extra or {})
     sanity.check_text(over)  # named as the flag wrote it, before the value flows into role sections
@@ -412,9 +427,19 @@ def load(
     for f in files:
         data = read_toml(f)
         if root is Config:
+            if role is not None:  # prime-rl's split role files: the role's keys at the top level
+                data = prime_shapes.split_role_file(
+                    data, role, tuple(Config.__struct_fields__), str(f), notes
+                )
             any_hosted = any_hosted or hosted.is_hosted(data)
             data, file_notes = hosted.to_native(data, source=str(f))
             notes.extend(file_notes)
+        if root in (Config, SFTConfig):
+            prime_shapes.translate(data, str(f), notes, sft=root is SFTConfig)
+            prime_model.translate(data)  # compile = "None", full_offload = true, ... (SFT: its aliases too)
+        elif root.__name__ == "EvalRunConfig":  # prime-rl's `evals` configs
+            prime_shapes.translate_eval(data, str(f), notes)
+        if root is Config:
             prime_names.move_sections(data, str(f), notes)
             apply_aliases(data)  # per file: a later file or a flag overrides an alias like its field
         merged = deep_merge(merged, data)
@@ -425,6 +450,8 @@ def load(
     sanity.check_depth(merged, "")  # in the user's shape: a flag's value adds to the depth it lands at
     try:
         sanity.check_shapes(merged, root)  # before any default is derived from a section
+        if root in (Config, SFTConfig):
+            prime_model.translate(merged)  # a flag's "disabled" (fused_lm_head_token_chunk_size)
         if root is Config:
             apply_aliases(merged)
             if any_hosted:
@@ -432,12 +459,16 @@ def load(
             shared = check_shared(merged)
             if "model.name" in shared:
                 set_path(merged, ["model", "name"], shared["model.name"])
+            else:
+                prime_shapes.default_model(merged, notes)
             for key in ("max_steps",):
                 if key in shared:
                     merged[key] = shared[key]
             flow_models(merged)
             _micro_batch_default(merged)
             _role_log_extras(merged)
+        if root is SFTConfig:
+            prime_shapes.sft_defaults(merged, notes)
         if root in (Config, SFTConfig):
             prime_names.merge_role_logs(merged)
         cfg = convert(merged, root)

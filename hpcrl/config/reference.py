@@ -77,4 +77,24 @@ def render() -> str:
         assert isinstance(info, mi.StructType)
         for path, typ, default, desc in _rows(info, ""):
             out.append(f"| `{path}` | {_cell(typ)} | `{_cell(default)}` | {_cell(desc)} |")
+    out.extend(_prime_names())
     return "\n".join(out) + "\n"
+
+
+def _prime_names() -> list[str]:
+    """prime-rl's names (docs/prime-rl.md): field aliases, then the tables translated on load."""
+    from hpcrl.config.loader import _ALIASES
+    from hpcrl.config.prime_names import SECTION_ALIASES
+    from hpcrl.config.prime_shapes import TABLES
+
+    out = [
+        "\n## prime-rl's names\n",
+        "Accepted as written in prime-rl's configs (docs/prime-rl.md): each is the hpcrl field or table "
+        "on its right, one implementation.\n",
+        "| prime-rl | here |\n| --- | --- |",
+    ]
+    rows = [(".".join(a), ".".join(f)) for a, f in _ALIASES]
+    rows += [(f"[{'.'.join(a)}]", f"[{'.'.join(c)}]") for a, c in SECTION_ALIASES]
+    rows += list(TABLES)
+    out += [f"| `{_cell(a)}` | {_cell(b)} |" for a, b in rows]
+    return out

@@ -26,7 +26,7 @@ VIEWS: dict[str, tuple[str, ...]] = {
         "seq_len",
         "output_dir",
         "trainer",
-        "orchestrator.training_mode",
+        "orchestrator.algo.type",
         "orchestrator.max_async_level",
         "orchestrator.policy_timeout_s",
         "ckpt",

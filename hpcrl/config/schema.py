@@ -28,6 +28,7 @@ from hpcrl.config.sections.common import (
     WandbConfig,
 )
 from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
+from hpcrl.config.sections.environ import EnvVars
 from hpcrl.config.sections.evaluation import (
     ClientConfig,
     EvalInferenceConfig,
@@ -150,6 +151,13 @@ class Config(Section):
     env_files: Annotated[
         list[str], D("Files of KEY=VALUE secrets loaded into the environment (never logged).")
     ] = msgspec.field(default_factory=list)
+    env_vars: Annotated[
+        EnvVars,
+        D(
+            "Environment variables of every process of the run (trainer.env_vars, orchestrator.env_vars and "
+            "inference.env_vars override them for that role); values may be ${env:NAME} references."
+        ),
+    ] = msgspec.field(default_factory=dict)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     orchestrator: OrchestratorConfig = msgspec.field(default_factory=OrchestratorConfig)
     inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)

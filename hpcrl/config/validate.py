@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 
+from hpcrl.config.algo_checks import check_algo, check_algo_room
 from hpcrl.config.sanity import check_output_dir
 from hpcrl.config.schema import CkptConfig, Config, EnvConfig, SFTConfig, TrainerModelConfig
+from hpcrl.config.sections import environ, vllm
 from hpcrl.errors import ConfigError
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$|^\d+:\d{2}$")
@@ -15,11 +17,12 @@ _MEM_RE = re.compile(r"^\d+[KMGT]?$")
 def validate(cfg: Config, require_envs: bool = True) -> None:
     check_output_dir(cfg.output_dir)
     _unsupported(cfg)
-    _activation_offload(cfg)
     _orchestrator(cfg)
     _buffer(cfg)
     _envs(cfg, require_envs)
     _deployment(cfg)
+    environ.check_config(cfg)  # env_vars tables
+    vllm.check_inference(cfg)  # [inference.vllm] and prime-rl's inference keys
     _broadcast(cfg)
     _ckpt(cfg)
     _slurm(cfg)
@@ -35,16 +38,20 @@ def validate_sft(cfg: SFTConfig) -> None:
     check_output_dir(cfg.output_dir)
     if cfg.model.name is None or not cfg.model.name.strip():
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
+    environ.check_config(cfg)  # env_vars
     _unsupported(cfg)
-    _activation_offload(cfg)
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError(
             "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"
         )
-    if not cfg.data.name.strip():
+    if cfg.data.type == "sft" and not cfg.data.name.strip():
         raise ConfigError(
             "data.name", "is required (a jsonl/parquet file, a directory of them, or a saved dataset)"
         )
+    if cfg.data.type == "sft":
+        for k, default in (("length", "fixed"), ("input_ids", "increasing")):
+            if getattr(cfg.data, k) != default:
+                raise ConfigError(f"data.{k}", "applies to data.type = 'fake' only")
     if cfg.val.data is not None and not cfg.val.data.name.strip():
         raise ConfigError(
             "val.data.name", "is empty (give a file, or drop [val.data] to hold out val.fraction)"
@@ -60,7 +67,7 @@ def validate_sft(cfg: SFTConfig) -> None:
             "micro_batch_tokens",
             f"{cfg.micro_batch_tokens} must be at least the packed row length ({seq_len})",
         )
-    _betas(cfg.optim.betas, "optim.betas")
+    cfg.optim.check("optim")
     _ckpt_fields(cfg.ckpt, cfg.max_steps)
 
 
@@ -75,28 +82,10 @@ def trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
     return own, "model" if flowed else "trainer.model"
 
 
-def _activation_offload(cfg: Config | SFTConfig) -> None:
-    """Offloading moves the checkpointed layers' saved inputs to CPU: without checkpointing there are none."""
-    model, field = trainer_model(cfg)
-    if model.activation_offload and not model.activation_checkpointing:
-        raise ConfigError(
-            f"{field}.activation_offload",
-            "offloads the inputs that activation checkpointing keeps; set "
-            f"{field}.activation_checkpointing = true as well",
-        )
-
-
 # Fields parsed for compatibility with prime-rl / hosted configs that nothing implements yet: a
 # non-default value is an error, never silently ignored. (path, allowed values or None for the
 # default only, what to do instead). Paths are relative to the root; model sections are expanded.
-UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
-    (
-        "inference.parallel.dp",
-        (1,),
-        "run more servers with deployment.num_inference_servers (CPU) or "
-        "deployment.num_infer_gpus / num_infer_nodes",
-    ),
-)
+UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = ()
 _MODEL_SECTIONS = ("model", "trainer.model", "orchestrator.model", "inference.model")
 
 
@@ -120,11 +109,6 @@ def _unsupported(cfg: Config | SFTConfig) -> None:
                 raise ConfigError(p, f"{value!r} is not supported yet (allowed: {ok}); {instead}")
 
 
-def _betas(betas: list[float], path: str) -> None:
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        raise ConfigError(path, f"{betas} is not two numbers in [0, 1)")
-
-
 def _orchestrator(cfg: Config) -> None:
     o = cfg.orchestrator
     if o.batch_size % o.rollouts_per_example:
@@ -145,13 +129,8 @@ def _orchestrator(cfg: Config) -> None:
             "orchestrator.eval.sampling.max_tokens",
             f"{o.eval.sampling.max_tokens} is longer than seq_len ({cfg.seq_len}); allowed: at most seq_len",
         )
-    if o.training_mode in ("opd", "sft") and o.teacher is None:
-        raise ConfigError(
-            "orchestrator.teacher",
-            f"training_mode = '{o.training_mode}' needs [orchestrator.teacher] base_url",
-        )
-    if o.training_mode == "rl" and o.teacher is not None:
-        raise ConfigError("orchestrator.teacher", "is only used with training_mode = 'opd' or 'sft'")
+    check_algo(o)
+    check_algo_room(cfg)
     if o.max_off_policy_steps < o.max_async_level:
         raise ConfigError(
             "orchestrator.max_off_policy_steps",
@@ -162,7 +141,7 @@ def _orchestrator(cfg: Config) -> None:
             "trainer.micro_batch_tokens",
             f"{cfg.trainer.micro_batch_tokens} must be at least seq_len ({cfg.seq_len}) so one sample fits",
         )
-    _betas(cfg.trainer.optim.betas, "trainer.optim.betas")
+    cfg.trainer.optim.check("trainer.optim")
 
 
 def _buffer(cfg: Config) -> None:

@@ -173,6 +173,9 @@ class Trajectory:
     # One reward per trained trace (multi-agent); None: every turn takes `reward`. A trace's samples
     # get advantages against the same trace of the group's other rollouts.
     trace_rewards: list[float] | None = None
+    # The weight the env gave each reward function of `metrics` (reward = sum of weight x score for a
+    # weighted rubric); {}: unknown. Saved rollouts and the reward/<env>/<function> metrics use it.
+    reward_weights: dict[str, float] = field(default_factory=dict)
 
     @property
     def completion(self) -> list[Message]:
@@ -233,6 +236,16 @@ class Environment:
         self, task: Task, completion: list[Message], state: dict[str, Any]
     ) -> tuple[float, dict[str, float]]:
         return self.rubric.score(task, completion, state)
+
+    def reward_weights(self) -> dict[str, float]:
+        """Each reward function's weight, as `score` applies it (weight 0: a pure metric)."""
+        return {name: weight for name, _, weight in self.rubric.funcs}
+
+    def with_weights(self, traj: Trajectory) -> Trajectory:
+        """`traj` with the env's reward weights, unless it carries its own."""
+        if not traj.reward_weights:
+            traj.reward_weights = self.reward_weights()
+        return traj
 
     async def rollout(self, task: Task, client: ChatClient, sampling: Mapping[str, Any]) -> Trajectory:
         """Reference driver for the step API (see the module docstring)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,12 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "--", text).strip("-") or "x"
 
 
+def default_output_dir(command: str, cfg: Any, stamp: bool) -> str:
+    envs = "+".join(slug(e.name or e.id) for e in cfg.env)
+    out = f"outputs/{command}/{envs}--{slug(cfg.model)}"
+    return out + time.strftime("/%Y%m%d-%H%M%S") if stamp else out
+
+
 def load_run(argv: list[str], root: type, short: dict[str, str]) -> Loaded:
     """Resolve `hpcrl eval` / `hpcrl gepa` arguments into a typed config and check what the schema
     cannot: a model and at least one environment (exactly one for gepa), valid env arguments."""
@@ -146,8 +153,43 @@ def load_run(argv: list[str], root: type, short: dict[str, str]) -> Loaded:
     if len(set(names)) != len(names):
         raise ConfigError("env", f"environment names must be unique, got {names} (set env[i].name)")
     for i, e in enumerate(cfg.env):
+        if e.env:  # a prime-rl source: its taskset, or hpcrl's env of that name (hpcrl.envs.sources)
+            from hpcrl.envs.registry import v1_module
+            from hpcrl.envs.sources import source_fallback
+
+            if v1_module(e.id) is None:
+                cfg.env[i] = e = source_fallback(e, f"env[{i}]", loaded.notes)
         try:
             validate_env_spec(e.id, e.args)
         except ValueError as err:
             raise ConfigError(f"env[{i}]", str(err)) from None
     return loaded
+
+
+def print_dry_run(loaded: Loaded) -> None:
+    """`hpcrl eval --dry-run`: the model checks (hpcrl.launch.dry_run) and what the eval would run;
+    writes nothing, starts no server and no environment."""
+    from hpcrl.launch.dry_run import model_lines
+
+    cfg = loaded.config
+    checks = model_lines(cfg)  # before any line: a refusal is the only output
+    inf = cfg.inference
+    endpoint = cfg.client.base_url or (
+        f"hpcrl inference started here for the model (backend {inf.backend}, dtype {inf.dtype}, "
+        f"max_model_len {inf.max_model_len or cfg.seq_len})"
+    )
+    envs = ", ".join(e.name or e.id for e in cfg.env)
+    out = cfg.output_dir or default_output_dir("evals", cfg, stamp=False) + "/<time>"
+    lines = [
+        "hpcrl eval: dry run OK",
+        f"model:        {cfg.model}"
+        + (f" (tokenizer {cfg.client.tokenizer})" if cfg.client.tokenizer else ""),
+        f"endpoint:     {endpoint}",
+        f"envs:         {envs}",
+        f"rollouts:     {cfg.num_examples if cfg.num_examples >= 0 else 'all'} example(s) x {cfg.rollouts_per_example} "
+        f"per env ({cfg.split} split), max_tokens {cfg.sampling.max_tokens}",
+        f"output:       {out}",
+        *checks,
+        *(f"note:         {n}" for n in loaded.notes),
+    ]
+    print("\n".join(lines))

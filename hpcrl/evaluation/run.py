@@ -21,19 +21,13 @@ import msgspec
 from hpcrl.config.schema import EvalRunConfig
 from hpcrl.envs.base import Environment, Task
 from hpcrl.evaluation import summary as S
-from hpcrl.evaluation.args import slug
+from hpcrl.evaluation.args import default_output_dir, slug  # noqa: F401 (default_output_dir: re-exported)
 from hpcrl.evaluation.endpoint import Endpoints, load_tokenizer
 from hpcrl.evaluation.rollouts import ScoredGroup, make_generator, result_rows, score_all
 from hpcrl.fileio import write_atomic
 from hpcrl.paths import EvalPaths
 
 log = logging.getLogger("hpcrl.evaluation")
-
-
-def default_output_dir(command: str, cfg: Any, stamp: bool) -> str:
-    envs = "+".join(slug(e.name or e.id) for e in cfg.env)
-    out = f"outputs/{command}/{envs}--{slug(cfg.model)}"
-    return out + time.strftime("/%Y%m%d-%H%M%S") if stamp else out
 
 
 def write_jsonl(path: Any, rows: Sequence[dict[str, Any]]) -> None:

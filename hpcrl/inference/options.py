@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hpcrl.errors import ConfigError
 
@@ -41,6 +42,9 @@ class ServeOptions:
     gpu_memory_utilization: float | None = None  # None: vLLM's default
     enforce_eager: bool = False
     vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags
+    # [inference.vllm] and the prime-rl keys that become engine arguments (hpcrl.inference.vllm_args)
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    engine_env: dict[str, str] = field(default_factory=dict)  # exported before vLLM loads (use_deep_gemm)
     # vllm: every worker keeps the full weights it loaded (host memory from a path) as the base of
     # delta syncs; off, a worker holds one tensor at a time while loading and refuses deltas (409)
     delta_base: bool = False
@@ -84,7 +88,9 @@ def advertised_host(host: str) -> str:
 _PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp", "--pipeline-parallel-size": "pp", "-pp": "pp"}
 
 
-def weight_receivers(backend: str, vllm_args: Sequence[str], tp: int = 1) -> int:
+def weight_receivers(
+    backend: str, vllm_args: Sequence[str], tp: int = 1, engine_args: Mapping[str, Any] | None = None
+) -> int:
     """How many processes of this server join the weight group (rendezvous.group_layout).
 
     The hf engine receives in its one process, however many GPUs it spans. vLLM starts one worker
@@ -94,6 +100,14 @@ def weight_receivers(backend: str, vllm_args: Sequence[str], tp: int = 1) -> int
     if backend != "vllm":
         return 1
     sizes = {"tp": tp, "pp": 1}
+    if engine_args and engine_args.get("pipeline_parallel_size") is not None:  # [inference.vllm]
+        try:
+            sizes["pp"] = int(engine_args["pipeline_parallel_size"])
+        except (TypeError, ValueError):
+            raise ConfigError(
+                "inference.vllm.pipeline_parallel_size",
+                f"needs an integer, got {engine_args['pipeline_parallel_size']!r}",
+            ) from None
     args = list(vllm_args)
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
@@ -126,7 +140,7 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
         "port": port,
         "pid": os.getpid(),
         "model": opts.served_model_name or opts.model_name,
-        "weight_receivers": weight_receivers(opts.backend, opts.vllm_args, opts.tp),
+        "weight_receivers": weight_receivers(opts.backend, opts.vllm_args, opts.tp, opts.engine_args),
     }
     paths = RunPaths(opts.run_dir)
     paths.servers_dir.mkdir(parents=True, exist_ok=True)

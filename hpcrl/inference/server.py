@@ -25,14 +25,29 @@ log = logging.getLogger("hpcrl.inference.server")
 def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> int:
     """`hpcrl inference`: map the typed config onto ServeOptions and serve (blocks)."""
     from hpcrl import runtime
-    from hpcrl.config.schema import InferenceModelConfig
-    from hpcrl.inference.guard import resolve_api_key
+    from hpcrl.config.sections import environ
     from hpcrl.models.resolve import resolve_model
     from hpcrl.monitor.logging import setup_logging
 
     setup_logging("inference", cfg.log.level)
     runtime.apply_compute(cfg)
     runtime.bind_gpus()  # before CUDA starts; the record follows once the port is known
+    opts = serve_options(cfg, run_dir, server_index)
+    opts.model_name = resolve_model(opts.served_model_name or "", field="inference.model.name")
+    # A standalone `hpcrl inference` gets the environment the launchers give a server (as prime-rl's
+    # does): env_vars under inference.env_vars, before any backend library loads.
+    os.environ.update(environ.resolved(cfg, "inference"))
+    serve(opts)
+    return 0
+
+
+def serve_options(cfg: Any, run_dir: str | None = None, server_index: int = 0) -> ServeOptions:
+    """The validated options `hpcrl inference` serves with (also its --dry-run's); ``model_name`` is
+    still the configured name: `serve_config` resolves it to a directory."""
+    from hpcrl.config.schema import InferenceModelConfig
+    from hpcrl.inference import vllm_args
+    from hpcrl.inference.guard import resolve_api_key
+
     inf = cfg.inference
     backend = inf.backend
     if backend == "auto":
@@ -41,7 +56,7 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
     mcfg = inf.model or InferenceModelConfig(name=cfg.model.name)
     model = mcfg.name or cfg.model.name
     opts = ServeOptions(
-        model_name=resolve_model(model, field="inference.model.name"),
+        model_name=model,
         served_model_name=model,
         host=cfg.server.host,
         port=cfg.server.port,
@@ -65,10 +80,11 @@ def serve_config(cfg: Any, run_dir: str | None = None, server_index: int = 0) ->
         allow_any_weights_path=cfg.server.allow_any_weights_path,
         control_timeout_s=cfg.server.control_timeout_s,
         watchdog_s=cfg.watchdog_s,
+        engine_args=vllm_args.engine_args(cfg) if backend == "vllm" else {},  # [inference.vllm] & co
+        engine_env=vllm_args.engine_env(cfg) if backend == "vllm" else {},
     )
     opts.validate()  # a bad value is a ConfigError naming its field
-    serve(opts)
-    return 0
+    return opts
 
 
 def _has_cuda_and_vllm() -> bool:

@@ -50,44 +50,42 @@ if TYPE_CHECKING:
 EXTENSION_CLS = "hpcrl.inference.vllm_worker.HpcrlWorkerExtension"
 
 
-def vllm_serve_argv(opts: "ServeOptions", model_path: str) -> list[str]:
-    """The `vllm serve` flags for `opts` (pure: the conformance tests parse them with vLLM's parser)."""
-    argv = [
-        "--model",
-        model_path,
-        "--host",
-        opts.host,
-        "--port",
-        str(opts.port),
-        "--seed",
-        str(opts.seed),
-        "--max-model-len",
-        str(opts.max_model_len),
-        "--max-num-seqs",
-        str(opts.max_batch_size),
-        "--dtype",
-        opts.dtype,
-        "--served-model-name",
-        opts.served_model_name or opts.model_name,
-        "--tensor-parallel-size",
-        str(opts.tp),
-        "--worker-extension-cls",
-        EXTENSION_CLS,
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--enable-scale-out",  # vLLM 0.33 answers /inference/v1/generate with 403 without it
-    ]
+def hpcrl_args(opts: "ServeOptions", model_path: str) -> dict[str, Any]:
+    """The engine arguments hpcrl decides from its own fields (pure)."""
+    args: dict[str, Any] = {
+        "model": model_path,
+        "host": opts.host,
+        "port": opts.port,
+        "seed": opts.seed,
+        "max_model_len": opts.max_model_len,
+        "max_num_seqs": opts.max_batch_size,
+        "dtype": opts.dtype,
+        "served_model_name": opts.served_model_name or opts.model_name,
+        "tensor_parallel_size": opts.tp,
+        "worker_extension_cls": EXTENSION_CLS,
+        "logprobs_mode": "processed_logprobs",
+        "enable_scale_out": True,  # vLLM 0.33 answers /inference/v1/generate with 403 without it
+    }
     if opts.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+        args["gpu_memory_utilization"] = opts.gpu_memory_utilization
     if opts.enforce_eager:
-        argv.append("--enforce-eager")
+        args["enforce_eager"] = True
     if opts.trust_remote_code:
-        argv.append("--trust-remote-code")
+        args["trust_remote_code"] = True
     if opts.lora_rank is not None:  # /load_lora_adapter needs the engine's LoRA slots
-        argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(opts.lora_rank))]
+        args.update(enable_lora=True, max_lora_rank=vllm_lora_rank(opts.lora_rank))
     if _is_moe(model_path):  # router replay: every choice carries the experts its tokens went to
-        argv.append("--enable-return-routed-experts")
-    return argv + list(opts.vllm_args)
+        args["enable_return_routed_experts"] = True
+    return args
+
+
+def vllm_serve_argv(opts: "ServeOptions", model_path: str, parser: Any = None) -> list[str]:
+    """The `vllm serve` flags for `opts` (pure: the conformance tests parse them with vLLM's parser):
+    hpcrl's own arguments under [inference.vllm]'s (hpcrl.inference.vllm_args; the config made sure
+    they do not contradict each other), then the extra flags of `python -m hpcrl.inference.server`."""
+    from hpcrl.inference.vllm_args import to_argv
+
+    return to_argv({**hpcrl_args(opts, model_path), **opts.engine_args}, parser) + list(opts.vllm_args)
 
 
 def _is_moe(model_path: str) -> bool:
@@ -134,12 +132,17 @@ def _announce_when_ready(opts: "ServeOptions") -> None:
 
 
 def parse_serve_args(opts: "ServeOptions", model_path: str) -> Any:
-    """vLLM's own parser and validators applied to `vllm_serve_argv` (argparse exits 2 on bad flags)."""
-    parser = vllm_symbol("make_arg_parser")(vllm_symbol("FlexibleArgumentParser")(prog="vllm serve"))
-    args = parser.parse_args(vllm_serve_argv(opts, model_path))
-    vllm_symbol("validate_parsed_serve_args")(args)
-    vllm_symbol("validate_api_server_args")(args)
-    return args
+    """vLLM's own parser and validators applied to `vllm_serve_argv`: an argument it refuses is a
+    ConfigError naming the [inference.vllm] key it came from (argparse exits 2 on hpcrl's own flags)."""
+    from hpcrl.inference.vllm_args import parse, vllm_parser
+
+    if not opts.engine_args:  # nothing of the user's: vLLM's parser as it is
+        parser = vllm_parser()
+        args = parser.parse_args(vllm_serve_argv(opts, model_path, parser))
+        vllm_symbol("validate_parsed_serve_args")(args)
+        vllm_symbol("validate_api_server_args")(args)
+        return args
+    return parse(vllm_serve_argv(opts, model_path, vllm_parser()), set(opts.engine_args))
 
 
 def prepare(opts: "ServeOptions", model_path: str) -> tuple[Any, "ServeOptions", Any]:
@@ -163,10 +166,12 @@ def prepare(opts: "ServeOptions", model_path: str) -> tuple[Any, "ServeOptions",
 def serve(opts: "ServeOptions", model_path: str) -> None:
     """Run vLLM's OpenAI server with hpcrl's worker extension and admin routes (blocks)."""
     import asyncio
+    import os
 
     from hpcrl.inference.http_protocol import install_as_auto
     from hpcrl.inference.vllm_routes import initial_status
 
+    os.environ.update(opts.engine_env)  # before vLLM loads: its workers inherit them (use_deep_gemm)
     sock, opts, args = prepare(opts, model_path)
     run_server_worker = vllm_symbol("run_server_worker")
     status = initial_status()

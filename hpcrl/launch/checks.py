@@ -53,8 +53,11 @@ def role_checks(cfg: Config | SFTConfig) -> list[str]:
     notes: list[str] = []
     if isinstance(cfg, Config):
         _renderer(cfg.orchestrator.renderer, cfg.model.name, "orchestrator.renderer")
-        _envs(cfg)
+        notes.extend(_envs(cfg))
         notes.extend(_alias_notes(cfg))
+        from hpcrl.inference.vllm_args import notes as inference_notes
+
+        notes.extend(inference_notes(cfg))  # prime-rl's GPU-only inference keys: what happens here
     else:
         _renderer(cfg.renderer, cfg.model.name, "renderer")
     _resolve_warm_start(cfg)
@@ -163,14 +166,12 @@ def custom_impl(cfg: Config | SFTConfig) -> None:
 
 # -- the trainer's precision ------------------------------------------------------------------------
 def activation_offload_note(cfg: Config | SFTConfig, on_gpu: bool) -> list[str]:
-    """The dry run's one line when offloading is asked for where the trainer computes on CPU."""
+    """The dry run's lines for trainer model keys (offloading, FP8, full offload) whose effect where
+    the trainer computes differs from what they promise on a GPU (hpcrl.config.prime_model)."""
+    from hpcrl.config.prime_model import device_notes
+
     model, field = trainer_model(cfg)
-    if not model.activation_offload or on_gpu:
-        return []
-    return [
-        f"note:         {field}.activation_offload does nothing where the trainer computes on CPU "
-        "(its activations are in CPU memory already)"
-    ]
+    return [f"note:         {n}" for n in device_notes(model, field, on_gpu)]
 
 
 def trainer_precision(cfg: Config | SFTConfig, on_gpu: bool) -> Precision:
@@ -196,18 +197,24 @@ def _renderer(section: RendererConfig, model_name: str | None, field: str) -> No
     renderer_config(section, model_name or "", field)
 
 
-def _envs(cfg: Config) -> None:
-    """Every env id resolves and its arguments are accepted; a runtime is only for 0.4 envs."""
+def _envs(cfg: Config) -> list[str]:
+    """Every env id resolves and its arguments are accepted; a runtime is only for 0.4 envs. A prime-rl
+    source whose taskset is not installed here falls back to hpcrl's env of that name (hpcrl.envs.sources).
+    Returns the notes to print."""
     from hpcrl.config.secrets import resolve_refs
     from hpcrl.envs.registry import v1_module, validate_env_spec
+    from hpcrl.envs.sources import source_fallback
     from hpcrl.envs.verifiers.v1_runtime import check_name
 
     o = cfg.orchestrator
     lists = [("orchestrator.train.env", o.train.env)]
     if o.eval is not None:
         lists.append(("orchestrator.eval.env", o.eval.env))
+    notes: list[str] = []
     for path, envs in lists:
         for i, e in enumerate(envs):
+            if e.env and v1_module(e.id) is None:
+                envs[i] = e = source_fallback(e, f"{path}[{i}]", notes)
             if e.runtime is not None and (bad := check_name(e.runtime)):
                 raise ConfigError(f"{path}[{i}].runtime", bad)
             args = resolve_refs(e.args, f"{path}[{i}].args")  # only checked here, never stored
@@ -220,6 +227,7 @@ def _envs(cfg: Config) -> None:
                     f"{path}[{i}].runtime",
                     f"env {e.id!r} is not a verifiers 0.4 (v1) environment; only those run in a runtime",
                 )
+    return notes
 
 
 def _alias_notes(cfg: Config) -> list[str]:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hpcrl.config.schema import Config
+from hpcrl.launch.alerts import ConsoleAlerts
+from hpcrl.launch.dashboard_hint import dashboard_lines
 from hpcrl.launch.placement import Placement
 from hpcrl.monitor.metrics import MetricsFollower
 from hpcrl.paths import RunPaths
@@ -96,7 +98,9 @@ class _Bar:
 
 
 class ConsoleReporter:
-    def __init__(self, paths: RunPaths, max_steps: int, interval: int = 1, bar: bool | None = None):
+    def __init__(
+        self, paths: RunPaths, max_steps: int, interval: int = 1, bar: bool | None = None, alerts: bool = True
+    ):
         self.path = paths.metrics_file
         self.max_steps = max_steps
         self.interval = interval
@@ -108,6 +112,8 @@ class ConsoleReporter:
         self.t0 = time.monotonic()
         self.want_bar = sys.stdout.isatty() if bar is None else bar
         self.bar: _Bar | None = None
+        # The roles' WARNING/ERROR lines, between the step lines (hpcrl.launch.alerts)
+        self.alerts = ConsoleAlerts(paths) if alerts else None
 
     @property
     def offset(self) -> int:
@@ -119,6 +125,8 @@ class ConsoleReporter:
         for line in placement.summary():
             print("  " + line)
         print(f"  logs:         {RunPaths(cfg.output_dir).logs_dir}/", flush=True)
+        first, tunnel = dashboard_lines(RunPaths(cfg.output_dir).root)
+        print(f"  dashboard:    {first}\n                ({tunnel})", flush=True)
         for note in notes:
             print(f"  note:         {note}", flush=True)
         self.interval = cfg.log.console_interval
@@ -137,6 +145,8 @@ class ConsoleReporter:
     def update(self) -> None:
         for rec in self.follower.poll():
             self._handle(rec)
+        for line in self.alerts.poll() if self.alerts is not None else ():
+            self._print(line)
 
     def _handle(self, rec: dict[str, Any]) -> None:
         step = rec.get("step")

@@ -24,6 +24,10 @@ What the rendered script does (see `_RUNTIME`):
 - each step runs as `srun --het-group=i ... --output <folder>/${SLURM_JOB_ID}/<step>.%t.log &`
   (submitit's own `%j` output path does not expand inside a het step, so the job id comes from
   the shell);
+- a step's `user_env` (the run's env_vars tables, hpcrl.launch.slurm) is rendered as assignments
+  before its srun (`NAME=value srun ...`): srun hands its environment to that step's tasks alone, any
+  value included (its `--export` list cannot hold a comma); a `${env:NAME}` in a value expands in
+  the batch shell, so a secret that sbatch's environment carries is never written into the script;
 - `wait -n` returns when the first step ends; the script names it in the job log
   ("step 'inference' FAILED (exit 1)"), sends SIGTERM to the other steps, waits `stop_grace_s`,
   and exits with that step's code - leaving the batch script ends the job and kills leftovers;
@@ -47,6 +51,7 @@ from pathlib import Path
 
 from submitit.slurm.slurm import SlurmExecutor, SlurmJob
 
+from hpcrl.config.secrets import ENV_REF_RE
 from hpcrl.config.validate import time_seconds
 
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
@@ -84,6 +89,7 @@ class HetComponent:
     end_job_on_success: bool = True  # False: its main step exiting 0 leaves the job running
     srun_args: Sequence[str] = ()  # extra srun options for the main step
     env: Mapping[str, str] = field(default_factory=dict)  # exported to the main step's tasks only
+    user_env: Mapping[str, str] = field(default_factory=dict)  # the same, any value (see _assignments)
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class HetStep:
     end_job_on_success: bool = True  # False: exiting 0 leaves the job running
     srun_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)  # exported to this step's tasks only
+    user_env: Mapping[str, str] = field(default_factory=dict)  # the same, any value (see _assignments)
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,9 @@ def validate(spec: HetJobSpec) -> None:
         for k, v in unit.env.items():
             if not _ENV_RE.match(k) or "," in str(v):
                 raise ValueError(f"step {name!r}: env {k}={v!r} must be a shell name with a comma-free value")
+        for k in unit.user_env:
+            if not _ENV_RE.match(k):
+                raise ValueError(f"step {name!r}: env name {k!r} is not a shell variable name")
 
     for opt in [*spec.extra_sbatch, *(o for c in spec.components for o in c.extra_sbatch)]:
         if not opt.startswith("--"):
@@ -211,6 +221,27 @@ def _component_block(spec: HetJobSpec, c: HetComponent) -> list[str]:
     return lines
 
 
+def _shell_word(value: str, where: str) -> str:
+    """`value` as one shell word; a `${env:NAME}` in it expands in the batch shell, where an unset
+    NAME stops the script naming `where` (a secret's value is never written into the script)."""
+    if ENV_REF_RE.search(value) is None:
+        return shlex.quote(value)
+    out, last = [], 0
+    for m in ENV_REF_RE.finditer(value):
+        out.append(re.sub(r'([\\"$`])', r"\\\1", value[last : m.start()]))
+        out.append(f"${{{m.group(1)}?is not set ({where} references it)}}")
+        last = m.end()
+    out.append(re.sub(r'([\\"$`])', r"\\\1", value[last:]))
+    return '"' + "".join(out) + '"'
+
+
+def _assignments(name: str, unit: HetStep | HetComponent) -> str:
+    """`NAME=word ... ` before a step's srun: srun passes its environment on to the step's tasks, so
+    these reach that step alone, with any value (srun's --export list cannot hold a comma)."""
+    words = [f"{k}={_shell_word(str(v), f'step {name}, variable {k}')}" for k, v in unit.user_env.items()]
+    return "".join(w + " " for w in words)
+
+
 def _srun_line(name: str, index: int, unit: HetStep | HetComponent, het: bool = True) -> str:
     # One component (SFT): a plain job, where srun refuses --het-group.
     group = [f"--het-group={index}"] if het else []
@@ -230,7 +261,7 @@ def _srun_line(name: str, index: int, unit: HetStep | HetComponent, het: bool = 
     args += list(unit.srun_args)
     out = f'--output="$STEP_LOGS/{name}.%t.log"'  # double quotes: $STEP_LOGS holds the job id
     cmd = shlex.join(list(unit.command or ()))
-    return f"{shlex.join(args)} {out} {cmd}"
+    return f"{_assignments(name, unit)}{shlex.join(args)} {out} {cmd}"
 
 
 def render_sbatch(spec: HetJobSpec, folder: str | Path) -> str:

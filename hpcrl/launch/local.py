@@ -30,6 +30,7 @@ from typing import IO, Any
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import secret_env
 from hpcrl.config.schema import Config
+from hpcrl.config.sections import environ as role_env
 from hpcrl.launch import restart
 from hpcrl.launch.console import ConsoleReporter
 from hpcrl.launch.keepalive import restart_delay
@@ -140,7 +141,9 @@ def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_ar
     for i in range(placement.inference_servers):
         port = first_port + i if cfg.server.port else (first_port if i == 0 else free_port())
         log = paths.log_file("inference") if i == 0 else paths.rank_log_file("inference", i)
-        env = dict(base_env, **_gpu_env(placement, placement.server_slot(i)))
+        env = dict(
+            base_env, **role_env.resolved(cfg, "inference"), **_gpu_env(placement, placement.server_slot(i))
+        )
         args = [
             "@",
             str(paths.process_config("inference")),
@@ -159,6 +162,7 @@ def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_ar
         # CUDA_VISIBLE_DEVICES holds (cuda:0), never cuda:LOCAL_RANK of a narrowed list.
         env = {
             **base_env,
+            **role_env.resolved(cfg, "trainer"),
             **rank_env(r, n, "127.0.0.1", master_port),
             **_gpu_env(placement, placement.trainer_slot(r)),
         }
@@ -172,11 +176,9 @@ def start_children(cfg: Config, placement: Placement, paths: RunPaths, resume_ar
                 env,
             )
         )
-    orch_env = (
-        dict(base_env, CUDA_VISIBLE_DEVICES="", **{GPUS_PER_TASK_ENV: "0"})
-        if placement.uses_gpus
-        else base_env
-    )
+    orch_env = dict(base_env, **role_env.resolved(cfg, "orchestrator"))  # env_vars + orchestrator.env_vars
+    if placement.uses_gpus:
+        orch_env.update({"CUDA_VISIBLE_DEVICES": "", GPUS_PER_TASK_ENV: "0"})
     children.append(
         spawn(
             "orchestrator",

@@ -1,5 +1,6 @@
-"""`hpcrl logs DIR [-c COMPONENT | --env NAME] [-f] [--search TEXT | --regex RE] [--level L] [--since T]`
-and `hpcrl components DIR`.
+"""`hpcrl logs DIR [-c COMPONENT | --env NAME] [-f] [--search TEXT | --regex RE] [--level L] [--since T]`,
+`hpcrl logs DIR --warnings [-f]` (every role's distinct WARNING/ERROR messages with counts, as `hpcrl
+run` prints them: hpcrl.launch.alerts) and `hpcrl components DIR`.
 
 A log record is a line that starts with `HH:MM:SS LEVEL` (hpcrl's format, every role and env process)
 plus the lines after it that do not (a traceback belongs to the record above it), so filters keep or
@@ -12,41 +13,12 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from hpcrl.launch.logrecords import HEAD, LEVELS, ROLES, Record, records  # noqa: F401 (re-exported)
 from hpcrl.paths import RunPaths
-
-HEAD = re.compile(r"^(\d\d):(\d\d):(\d\d)(?:[.,]\d+)? +(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
-LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
-ROLES = ("trainer", "orchestrator", "inference", "launcher")
-
-
-@dataclass
-class Record:
-    seconds: float  # seconds since midnight of the record's time (-1: before any head line)
-    level: int
-    lines: list[str]
-    source: str = ""
-
-
-def records(lines: Iterable[str], source: str = "") -> Iterator[Record]:
-    cur: Record | None = None
-    for line in lines:
-        m = HEAD.match(line)
-        if m:
-            if cur is not None:
-                yield cur
-            h, mi, s, lvl = m.groups()
-            cur = Record(int(h) * 3600 + int(mi) * 60 + int(s), LEVELS[lvl.lower()], [line], source)
-        elif cur is None:
-            cur = Record(-1, 20, [line], source)
-        else:
-            cur.lines.append(line)
-    if cur is not None:
-        yield cur
 
 
 def parse_since(text: str, now: datetime) -> float:
@@ -165,6 +137,11 @@ def logs(argv: list[str]) -> int:
     g.add_argument("--regex", default=None, help="only records matching a regular expression")
     p.add_argument("--level", choices=sorted(LEVELS, key=LEVELS.get), default=None, help="minimum level")
     p.add_argument("--since", default=None, help="only records since 30s / 10m / 2h / 1d ago or HH:MM[:SS]")
+    p.add_argument(
+        "--warnings",
+        action="store_true",
+        help="every role's WARNING and ERROR messages, each distinct one once with its count (-f: as they come)",
+    )
     args = _parse(p, argv)
     paths = _run_dir(args)
     try:
@@ -174,6 +151,10 @@ def logs(argv: list[str]) -> int:
     except (ValueError, re.error) as e:
         print(f"hpcrl: error: {e if isinstance(e, ValueError) else f'--regex: {e}'}", file=sys.stderr)
         return 2
+    if args.warnings:
+        from hpcrl.launch.alerts import show_warnings
+
+        return show_warnings(paths, args.follow, make_filter(None, args.search, args.regex, since))
     files = component_files(paths, args.component, args.env)
     if not any(f.exists() for f in files) and not args.follow:
         print(f"hpcrl: error: no log yet at {files[0]}", file=sys.stderr)

@@ -71,6 +71,8 @@ def status(argv: list[str]) -> int:
         f"checkpoints:  {', '.join(f'step_{s}' + ('' if s in valid else ' (incomplete)') for s in ckpts) or 'none'}",
         f"weights:      {', '.join(f'step_{s}' for s in RunPaths.steps_in(paths.weights_root)) or 'none'}",
         f"logs:         {paths.logs_dir}/",
+        f"rollouts:     {saved_rollouts_line(paths)}",
+        *dashboard_status_lines(paths),
     ]
     from hpcrl.launch.logview import component_rows, table
 
@@ -81,6 +83,27 @@ def status(argv: list[str]) -> int:
     health = health_lines(paths, job_state(job) == "running" or job.get("target") == "slurm")
     print("\n".join(lines + health + placement_table(paths) + env_lines))
     return 0
+
+
+def saved_rollouts_line(paths: RunPaths) -> str:
+    """Which steps have saved rollouts (rollouts/step_N/{train,eval}/, hpcrl.monitor.rollout_files)."""
+    from hpcrl.monitor import rollout_files as rf
+
+    steps = rf.steps(paths.root)
+    if not steps:
+        return "none saved"
+    evals = [s for s in steps if "eval" in rf.splits(paths.root, s)]
+    newest = steps[-1]
+    size = sum(rf.file_size(paths.root, newest, split) for split in rf.SPLITS)
+    text = f"{len(steps)} step(s) saved, {steps[0]}..{newest} ({size / 1024:.0f} KiB at step {newest})"
+    return text + (f"; eval at {', '.join(map(str, evals[-5:]))}" if evals else "")
+
+
+def dashboard_status_lines(paths: RunPaths) -> list[str]:
+    from hpcrl.launch.dashboard_hint import dashboard_lines
+
+    first, tunnel = dashboard_lines(paths.root)
+    return [f"dashboard:    {first}", f"              ({tunnel})"]
 
 
 def placement_table(paths: RunPaths) -> list[str]:

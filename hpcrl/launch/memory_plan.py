@@ -13,7 +13,8 @@ experts (X / ep of the expert parameters X), FSDP-sharded over the N / ep ranks 
 position. Every rank stores S = (D + X) / N = P / N, with or without ep:
   parameters   S x master bytes               (model.optimization_dtype; fp32 by default)
   gradients    S x master bytes               (FSDP2 keeps gradient shards in the parameters' dtype)
-  optimizer    S x master bytes x 2           (AdamW's two moments; SGD without momentum: 0)
+  optimizer    S x master bytes x 2           (AdamW's two moments; SGD without momentum: 0);
+               0 with trainer.model.optim_cpu_offload / full_offload (host memory between steps)
   gathered     (root + PREFETCH_LAYERS layers) x compute bytes + one layer x reduce bytes: the
                unsharded non-expert parameters FSDP all-gathers and one layer's unsharded gradients
                before the reduce-scatter (model.reduce_dtype). Under ep a layer's gathered experts
@@ -30,7 +31,9 @@ position. Every rank stores S = (D + X) / N = P / N, with or without ep:
                (mlp_width = intermediate, or top_k x moe_intermediate). With activation checkpointing
                each layer keeps only its input (ACT_CKPT x hidden) and one layer at a time is
                recomputed in full: T x (layers x ACT_CKPT x hidden + A) x compute bytes; with
-               trainer.model.activation_offload the kept inputs are in host memory: T x A x bytes.
+               trainer.model.ac.freq = f only layers 0, f, 2f, ... are checkpointed (the others keep
+               A); selective mode keeps A less what its targets recompute (SELECTIVE_SAVES); with
+               trainer.model.ac_offloading what the layers keep is in host memory: T x A x bytes.
   logits       tokens x vocab x (compute bytes + LOGIT_FP32_COPIES x 4): the model's logits, their
                fp32 upcast, the fp32 log-softmax kept for backward and its gradient. Tokens = T today
                (an upper bound: logits are kept for loss tokens only). When the trainer computes
@@ -74,6 +77,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hpcrl.errors import ConfigError
+from hpcrl.launch.memory_sync import (  # noqa: F401 (re-exported: host_memory, tests)
+    INFER_RESERVE_GIB,
+    NCCL_P2P_GIB,
+    Receive,
+    inference_items,
+    largest_piece,
+    largest_tensor,
+    publish_item,
+    receive_item,
+    receive_of,
+    serves_with_vllm,
+    sync_transport,
+)
+from hpcrl.launch.memory_units import BYTES, GIB, MIB, SHORT, Item  # noqa: F401 (re-exported)
+from hpcrl.launch.memory_units import count as _count
 from hpcrl.models.arch import Arch, find_arch
 from hpcrl.models.rules import check_ep, ep_groups
 
@@ -81,9 +99,6 @@ if TYPE_CHECKING:
     from hpcrl.config.schema import Config
     from hpcrl.launch.placement import Placement
 
-GIB = 1024**3
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # Activation model (elements per token per layer, in the compute dtype): see the module docstring.
 ACT_HIDDEN = 4  # the two RMSNorms' inputs and outputs
@@ -96,58 +111,24 @@ ACT_ATTN = 6
 ACT_MLP = 4  # gate, up, silu(gate), silu(gate) * up
 ACT_ROUTED = 2  # MoE: each token's top_k dispatched inputs and their combined outputs
 ACT_CKPT = 1  # activation checkpointing: each layer keeps its input (measured 1.13 x hidden: 3.95 GiB at 32k)
+# Selective checkpointing (trainer.model.ac.mode = "selective"): elements per token a target's
+# recompute drops from A, by the count above (not calibrated): mlp / routed_experts their ACT_MLP x
+# mlp_width; attn_proj the pre-norm q and k (one of the ACT_ATTN copies); norm's outputs are the next
+# projection's saved inputs anyway (0).
+SELECTIVE_SAVES = {"mlp": ("mlp", ACT_MLP), "routed_experts": ("mlp", ACT_MLP), "attn_proj": ("attn", 1)}
+# State tensors per parameter (upper bounds): AdamW's two moments; Muon's momentum on matrices, its
+# AdamW part's two moments on the rest; SGD's momentum buffer (prime-rl's default momentum 0.9);
+# sign SGD none.
+OPTIMIZER_STATES = {"adamw": 2, "muon": 2, "sgd": 1, "sign_sgd": 0}
 PREFETCH_LAYERS = 2  # FSDP2 holds the current layer and prefetches the next
 LOGIT_FP32_COPIES = 3  # fp32 upcast, log-softmax (kept for backward), its gradient
 LOGIT_FP32_CHUNKED = 1  # chunked: the chunk's fp32 logits, log-softmaxed and differentiated in place
-INFER_RESERVE_GIB = 2.0  # inference activations, CUDA graphs inside vLLM's pool, beside the KV cache
-# One 2-rank NCCL communicator of the weight sync on a GPU. AN ASSUMPTION, not measured: NCCL_BUFFSIZE
-# (4 MiB, NCCL's default) x 2 directions x up to 8 p2p channels = 64 MiB.
-NCCL_P2P_GIB = 0.0625
-MIB = 1024**2
 # trainer.model fields from the long-sequence work (chunked logprobs, context parallelism), read
 # with getattr so this module works before and after they exist.
 # The chunk a vocabulary-parallel head runs with when chunking is off: hpcrl.models.chunked's
 # DEFAULT_CHUNK (that module imports torch; a unit test keeps the two equal).
 VOCAB_PARALLEL_CHUNK = 256
 CHUNK_FIELD = "logprobs_chunk_tokens"  # positions per LM-head chunk; 0 / absent: all at once
-
-
-@dataclass(frozen=True)
-class Item:
-    name: str
-    dtype: str
-    gib: float
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Receive:
-    """The weight sync's GPU memory of one receiving process of an inference server, outside vLLM's
-    pool (see the module docstring)."""
-
-    collective: bool
-    vllm: bool
-    chunk_mb: int  # C: one round at a receiver
-    assembly_gib: float  # vLLM: the largest tensor, assembled whole for load_weights (0: hf engine)
-    peers: int  # a process's 2-rank communicators: its senders + its ring neighbours
-    ring_peers: int  # of which ring neighbours (0: a server of one process)
-
-    def gib(self, chunk_mb: int | None = None) -> float:
-        if not self.collective:
-            return 0.0
-        c = self.chunk_mb if chunk_mb is None else chunk_mb
-        return 2 * c * MIB / GIB + self.assembly_gib + self.peers * NCCL_P2P_GIB
-
-    def arithmetic(self) -> str:
-        if not self.collective:
-            return "files: read on the host piece by piece (host plan)"
-        parts = [f"2 x {self.chunk_mb} MiB round buffers {2 * self.chunk_mb * MIB / GIB:.2f}"]
-        if self.vllm:
-            parts.append(f"assembly (largest tensor) {self.assembly_gib:.2f}")
-        parts.append(
-            f"{self.peers} NCCL communicators x {NCCL_P2P_GIB:g} (assumed) {self.peers * NCCL_P2P_GIB:.2f}"
-        )
-        return " + ".join(parts)
 
 
 @dataclass
@@ -265,10 +246,6 @@ class MemoryPlan:
         return []
 
 
-def _count(n: float) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} K"
-
-
 def _row(i: Item) -> str:
     return f"    {i.name:<14} {i.dtype:<5} {i.gib:8.2f} GiB" + (f"  {i.note}" if i.note else "")
 
@@ -321,17 +298,35 @@ def ep_lines(ranks: int, ep: int, ranks_per_node: int, num_experts: int) -> list
     return lines
 
 
-def activation_gib(a: Arch, tokens: int, compute_bytes: int, ac: bool, offload: bool = False) -> float:
+def activation_gib(
+    a: Arch,
+    tokens: int,
+    compute_bytes: int,
+    ac: bool,
+    offload: bool = False,
+    freq: int = 1,
+    targets: tuple[str, ...] = (),
+) -> float:
+    """Activations of one micro-batch (see the module docstring); ``targets``: selective mode's."""
     per_layer = (
         ACT_HIDDEN * a.hidden
         + ACT_ATTN * (a.q_dim + 2 * a.kv_dim)
         + ACT_MLP * a.mlp_width
         + (ACT_ROUTED * a.top_k * a.hidden if a.moe else 0)
     )
+    chosen = -(-a.layers // freq)  # layers 0, freq, 2 freq, ...
     if not ac:
         elems = a.layers * per_layer
-    else:  # the checkpointed inputs (on the host when offloaded) and one layer recomputed
-        elems = per_layer + (0 if offload else a.layers * ACT_CKPT * a.hidden)
+    elif offload:  # what every layer keeps is on the host; one layer at a time comes back
+        elems = per_layer
+    elif targets:
+        width = {"mlp": a.mlp_width, "attn": a.q_dim + 2 * a.kv_dim}
+        saved = sum(
+            width[SELECTIVE_SAVES[t][0]] * SELECTIVE_SAVES[t][1] for t in targets if t in SELECTIVE_SAVES
+        )
+        elems = a.layers * per_layer - chosen * min(saved, per_layer)
+    else:  # the checkpointed layers' inputs, the others' whole activations, one layer recomputed
+        elems = chosen * ACT_CKPT * a.hidden + (a.layers - chosen + 1) * per_layer
     return tokens * elems * compute_bytes / GIB
 
 
@@ -356,6 +351,9 @@ def trainer_items(
     offload: bool = False,
     vocab_parallel: bool = False,
     publish: Item | None = None,
+    ac_freq: int = 1,
+    ac_targets: tuple[str, ...] = (),
+    optimizer_on_host: bool = False,
 ) -> list[Item]:
     """Per-GPU memory of one trainer rank (see the module docstring). `lora_params` > 0: only those
     train (gradients and optimizer state), the base weights stay frozen. `publish`: the weight
@@ -372,7 +370,7 @@ def trainer_items(
     if a.moe_layers < a.layers:  # an MoE model's dense layers (decoder_sparse_step) may gather more
         layer = max(layer, a.attn_params + 3 * a.hidden * a.intermediate)
     trained = lora_params / ranks if lora_params else stored
-    moments = 2 if optimizer == "adamw" else 0
+    moments = OPTIMIZER_STATES.get(optimizer, 0)
     root = (
         -(-a.vocab // split) * a.hidden + a.hidden
     )  # the LM head (tied or not) + final norm, see the docstring
@@ -383,7 +381,11 @@ def trainer_items(
     logit_tokens = min(t * split, chunk) if chunk else t
     head_inputs = 2 * split * t * a.hidden * cb if split > 1 else 0
     ac_note = f"{t} tokens x {a.layers} layers, checkpointing {'on' if ac else 'off'}"
-    ac_note += ", inputs offloaded" if ac and offload else ""
+    ac_note += (f" (every {ac_freq})" if ac and ac_freq > 1 else "") + (
+        f" of {', '.join(ac_targets)}" if ac and ac_targets else ""
+    )
+    ac_note += ", offloaded to the host" if ac and offload else ""
+    on_host = " in host memory between steps" if optimizer_on_host else ""
     return [
         Item(
             "parameters",
@@ -394,7 +396,12 @@ def trainer_items(
             else f"{_count(a.params)} / {ranks} ranks",
         ),
         Item("gradients", SHORT[master], trained * mb / GIB, "LoRA only" if lora_params else ""),
-        Item("optimizer", SHORT[master], trained * mb * moments / GIB, f"{optimizer}: {moments} state(s)"),
+        Item(
+            "optimizer",
+            SHORT[master],
+            0.0 if optimizer_on_host else trained * mb * moments / GIB,
+            f"{optimizer}: {moments} state(s){on_host}",
+        ),
         Item(
             "gathered",
             SHORT[compute],
@@ -407,7 +414,7 @@ def trainer_items(
         Item(
             "activations",
             SHORT[compute],
-            activation_gib(a, t, cb, ac, offload),
+            activation_gib(a, t, cb, ac, offload, ac_freq, ac_targets),
             ac_note + (f", cp {cp}" if cp > 1 else ""),
         ),
         Item(
@@ -423,117 +430,6 @@ def trainer_items(
             ),
         ),
     ] + ([publish] if publish is not None else [])
-
-
-def largest_tensor(a: Arch) -> int:
-    """Elements of the policy's largest tensor: the embedding / LM head, or a dense MLP projection
-    (experts travel under per-expert names, each [moe_intermediate, hidden] or its transpose)."""
-    return a.hidden * max(a.vocab, a.intermediate)
-
-
-def largest_piece(a: Arch, ranks: int) -> int:
-    """Elements of a trainer rank's largest piece: its rows of the largest tensor, or a whole expert's
-    tensor (the custom MoE hands a rank whole experts, each its own piece)."""
-    return max(-(-largest_tensor(a) // ranks), a.hidden * a.moe_intermediate if a.moe else 0)
-
-
-def publish_item(
-    a: Arch,
-    *,
-    ranks: int,
-    servers: int,
-    collective: bool,
-    chunk_mb: int,
-    dtype: str,
-    lora: bool = False,
-    sharded: bool = True,
-) -> Item:
-    """GPU memory of one trainer rank's weight publish, in the policy dtype (see the module docstring)."""
-    b = BYTES[dtype]
-    if lora:  # LoRA merges its rows into a cast copy of the shard: S = P / ranks
-        held, what = a.params * b / ranks, f"cast shard S {_count(a.params)} / {ranks} (LoRA)"
-    elif not sharded:
-        held, what = largest_tensor(a) * b, "largest tensor gathered whole (sharded = false)"
-    else:
-        piece = largest_piece(a, ranks)
-        held = piece * b
-        rows = -(-largest_tensor(a) // ranks)
-        what = f"largest cast piece {held / GIB:.3f}" + (
-            f" ({max(a.vocab, a.intermediate):,} x {a.hidden:,} / {ranks} ranks)"
-            if piece == rows
-            else f" (a whole expert, {a.moe_intermediate:,} x {a.hidden:,})"
-        )
-    if not collective:
-        return Item("weight publish", SHORT[dtype], held / GIB, what + "; files: its bucket is on the host")
-    scratch = chunk_mb * MIB / ranks
-    comms = servers * NCCL_P2P_GIB
-    return Item(
-        "weight publish",
-        SHORT[dtype],
-        (held + scratch) / GIB + comms,
-        f"{what} + scratch bucket {chunk_mb} MiB / {ranks} {scratch / GIB:.3f} + {servers} server(s) "
-        f"x {NCCL_P2P_GIB:g} GiB NCCL (assumed) {comms:.3f}",
-    )
-
-
-def receive_of(
-    a: Arch, *, senders: int, tp: int, vllm: bool, collective: bool, chunk_mb: int, dtype: str
-) -> Receive:
-    """The weight receive of one receiving process of an inference server (see the module docstring)."""
-    workers = tp if vllm else 1  # the hf engine receives in one process whatever GPUs it spans
-    ring = 0 if workers == 1 else (1 if workers == 2 else 2)
-    return Receive(
-        collective=collective,
-        vllm=vllm,
-        chunk_mb=chunk_mb,
-        assembly_gib=largest_tensor(a) * BYTES[dtype] / GIB if vllm else 0.0,
-        peers=-(-senders // workers) + ring,
-        ring_peers=ring,
-    )
-
-
-def receive_item(r: Receive, dtype: str, room_gib: float) -> Item:
-    """The row of an inference GPU's weight receive; `room_gib`: what vLLM leaves outside its pool."""
-    if not r.collective:
-        return Item("weight receive", "", 0.0, r.arithmetic())
-    if not r.vllm:
-        return Item("weight receive", SHORT[dtype], r.gib(), f"{r.arithmetic()} (hf engine)")
-    ring = f" ({r.ring_peers} of them ring neighbours)" if r.ring_peers else ""
-    return Item(
-        "weight receive",
-        SHORT[dtype],
-        r.gib(),
-        f"per worker: {r.arithmetic()}{ring}; outside vLLM's pool: {r.gib():.2f} of {room_gib:.2f} GiB",
-    )
-
-
-def inference_items(
-    a: Arch,
-    *,
-    tp: int,
-    dtype: str,
-    limit_gib: float,
-    utilization: float,
-    receive: Receive | None = None,
-    policy_dtype: str = "bfloat16",
-) -> tuple[list[Item], int]:
-    """(items, KV tokens) of one GPU of an inference server; with `receive`, its weight sync's row."""
-    b = BYTES[dtype]
-    weights = a.params * b / tp / GIB
-    kv_heads = max(1, a.kv_heads // tp)
-    per_token = 2 * a.layers * kv_heads * a.head_dim * b
-    kv = utilization * limit_gib - weights - INFER_RESERVE_GIB
-    tokens = int(kv * GIB // per_token) if kv > 0 else 0
-    return [
-        Item("weights", SHORT[dtype], weights, f"{_count(a.params)} / tp {tp}"),
-        Item("reserve", "", INFER_RESERVE_GIB, "activations, CUDA graphs (estimate)"),
-        Item(
-            "KV cache",
-            SHORT[dtype],
-            kv,
-            f"{tokens:,} tokens at {per_token / 1024:.1f} KiB/token ({kv_heads} kv head(s)/GPU)",
-        ),
-    ] + ([receive_item(receive, policy_dtype, limit_gib * (1 - utilization))] if receive else []), tokens
 
 
 # -- from a config --------------------------------------------------------------------------------
@@ -564,19 +460,6 @@ def lora_param_count(a: Arch, rank: int, targets: list[str]) -> int:
     return a.layers * sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
 
 
-def sync_transport(cfg: Config, placement: Placement) -> str:
-    """The weight sync's transport as the launcher decides it for `placement` (hpcrl.launch.prepare)."""
-    from hpcrl.runtime import weight_transport
-
-    return weight_transport(cfg, placement.uses_gpus)
-
-
-def serves_with_vllm(cfg: Config, placement: Placement) -> bool:
-    """The inference servers run vLLM: asked for, or `auto` where they compute on GPUs."""
-    backend = cfg.inference.backend
-    return backend == "vllm" or (backend == "auto" and placement.uses_gpus and not placement.cpu_compute)
-
-
 def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPlan | None:
     """The memory plan of `cfg` placed as `placement` (GPU dtypes: bf16 compute unless set; `on_gpu =
     False`: the CPU trainer's dtypes, for the host plan of `hpcrl run` on CPU), or None when the
@@ -598,14 +481,21 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
     )
     # a vocabulary-parallel chunk is vocab / cp columns wide: its byte bound allows cp x the rows
     columns = -(-arch.vocab // cp) if vp and cp > 1 else arch.vocab
-    ac, chunk = bool(getattr(model, "activation_checkpointing", False)), chunk_tokens(cfg, columns)
+    ac_cfg, chunk = getattr(model, "ac", None), chunk_tokens(cfg, columns)
+    ac = ac_cfg is not None
     lora = lora_param_count(arch, lora_cfg.rank, lora_cfg.target_modules) if lora_cfg else 0
     kw = dict(
         ranks=ranks, ep=ep, cp=cp, tokens=max(cfg.trainer.micro_batch_tokens, cfg.seq_len),
         compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=cfg.trainer.optim.type,
-        chunk=chunk, lora_params=lora, offload=bool(getattr(model, "activation_offload", False)),
+        chunk=chunk, lora_params=lora, offload=getattr(model, "ac_offloading", None) is not None,
         vocab_parallel=vp,
+        optimizer_on_host=bool(getattr(model, "optim_cpu_offload", False) or getattr(model, "full_offload", None)),
     )  # fmt: skip
+    if ac_cfg is not None:
+        kw |= {
+            "ac_freq": ac_cfg.freq,
+            "ac_targets": tuple(ac_cfg.targets) if ac_cfg.mode == "selective" else (),
+        }
     b = cfg.trainer.broadcast
     collective = sync_transport(cfg, placement) == "collective"
     tp = cfg.inference.parallel.tp

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from hpcrl.config.schema import SFTConfig
+from hpcrl.config.sections import environ
 from hpcrl.launch import sft_ranks
 from hpcrl.launch.checks import context_parallel
 from hpcrl.launch.prepare import prepare_output_dir
@@ -19,6 +20,9 @@ def main(cfg: SFTConfig) -> int:
     from hpcrl.runtime import use_cuda
     from hpcrl.trainer import parallel
 
+    # env_vars: this process's own, before torch starts its threads or devices; ranks we spawn inherit
+    # them, and on SLURM the rendered script gives them to every rank's process as well.
+    os.environ.update(environ.resolved(cfg, "sft"))
     ranks = sft_ranks.requested_ranks(cfg)
     as_rank = sft_ranks.launched_as_rank()
     context_parallel(cfg, parallel.dist_env().world_size if as_rank else ranks, use_cuda())

@@ -11,14 +11,16 @@ newest complete checkpoint (the script adds `--ckpt.resume-step -1` when one exi
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 
-from hpcrl.config import secrets
 from hpcrl.config.loader import Loaded
+from hpcrl.config.resolved import secret_env
 from hpcrl.config.schema import CkptConfig, SFTConfig
+from hpcrl.config.sections import environ
 from hpcrl.errors import ConfigError
 from hpcrl.launch import prepare
 from hpcrl.launch.hetjob import HetComponent, HetJobSpec, sbatch_test_only
@@ -56,12 +58,12 @@ def layout(cfg: SFTConfig, nodes: int | None) -> SFTLayout:
 
 
 def build_spec(cfg: SFTConfig, lay: SFTLayout, paths: RunPaths, python: str) -> HetJobSpec:
-    from hpcrl.launch.slurm import sbatch_dir, split_extra_sbatch
+    from hpcrl.launch.slurm import sbatch_dir, setup_lines, split_extra_sbatch
 
     s = cfg.slurm
     assert s is not None
     job_wide, per_component = split_extra_sbatch(s.extra_sbatch)
-    setup = secrets.externalize(list(s.setup), "slurm.setup")[0]
+    setup = setup_lines(cfg)  # slurm.setup and slurm.pre_run_command, secrets as references
     component = HetComponent(
         "sft",
         [str(sbatch_dir() / "sft.sh")],
@@ -76,6 +78,7 @@ def build_spec(cfg: SFTConfig, lay: SFTLayout, paths: RunPaths, python: str) -> 
         cpus_per_task=s.cpus_per_task,
         extra_sbatch=per_component,
         forward_signal=True,  # the ranks checkpoint on USR2
+        user_env=environ.for_script(cfg, "sft"),  # env_vars, secrets as references
     )
     return HetJobSpec(
         job_name=s.job_name or cfg.name or paths.root.name,
@@ -126,6 +129,9 @@ def submit_sft(loaded: Loaded, nodes: int | None, dry_run: bool) -> int:
 
     clear_stale_addresses(paths)
     paths.stop_request_file.unlink(missing_ok=True)  # an earlier `cancel --checkpoint` must not stick
+    os.environ.update(
+        secret_env(cfg)
+    )  # literal secrets of setup lines reach the job through sbatch's environment
     job_id = submit(spec, paths)
     write_job(
         paths,

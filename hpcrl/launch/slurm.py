@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcrl.config import secrets
+from hpcrl.config.sections import environ as role_env
 from hpcrl.launch.hetjob import HetComponent, HetJobSpec, HetStep, render_sbatch, submit_hetjob
 from hpcrl.paths import RunPaths
 
@@ -99,6 +100,7 @@ def build_spec(
             gpus_per_node=res["gpus_per_node"],
             forward_signal=forward_signal,
             env={GPUS_PER_TASK_ENV: str(placement.gpus_per_task(role))} if placement.uses_gpus else {},
+            user_env=role_env.for_script(cfg, role),  # env_vars + <role>.env_vars
             **common,
         )
 
@@ -114,6 +116,7 @@ def build_spec(
         overlap=True,
         forward_signal=True,  # it checkpoints its part too
         env={GPUS_PER_TASK_ENV: "0"} if placement.uses_gpus else {},  # it computes nothing on GPUs
+        user_env=role_env.for_script(cfg, "orchestrator"),
         # Done after the last policy loads, the orchestrator exits while the trainer still logs its last
         # step and writes its final checkpoint: the trainer's exit ends the job, not this one's.
         end_job_on_success=False,
@@ -139,15 +142,26 @@ def build_spec(
 
 
 def setup_lines(cfg) -> list[str]:
-    """Shell lines before the steps. env_files are sourced by path (every step sees their variables;
-    their contents never enter the script), and a setup line holding a literal secret runs as
-    `eval "$HPCRL_SECRET_SLURM_SETUP_<i>"`: the submitting process hands that variable to sbatch in
-    its environment (resolved.secret_env), so the script in the run directory holds no secret."""
-    lines = [f"set -a; . {shlex.quote(p)}; set +a" for p in cfg.env_files]
-    for line in secrets.externalize(list(cfg.slurm.setup if cfg.slurm else []), "slurm.setup")[0]:
-        m = secrets.ENV_REF_RE.fullmatch(line)
-        lines.append(f'eval "${{{m.group(1)}}}"' if m else line)
+    """Shell lines before the steps: env_files, slurm.setup, then slurm.pre_run_command (prime-rl's,
+    run once by the batch script before any role starts, as there). env_files are sourced by path
+    (every step sees their variables; their contents never enter the script), and a setup line or
+    pre-run command holding a literal secret runs as `eval "$HPCRL_SECRET_SLURM_..."`: the submitting
+    process hands that variable to sbatch in its environment (resolved.secret_env), so the script in
+    the run directory holds no secret."""
+    lines = [f"set -a; . {shlex.quote(p)}; set +a" for p in getattr(cfg, "env_files", [])]
+    s = cfg.slurm
+    for line in secrets.externalize(list(s.setup if s else []), "slurm.setup")[0]:
+        lines.append(_secret_safe(line))
+    if s is not None and s.pre_run_command:
+        command = secrets.externalize(s.pre_run_command, "slurm.pre_run_command", "pre_run_command")[0]
+        lines += ["# slurm.pre_run_command", _secret_safe(command)]
     return lines
+
+
+def _secret_safe(line: str) -> str:
+    """A line that externalize turned into one `${env:VAR}` reference runs as `eval` of that variable."""
+    m = secrets.ENV_REF_RE.fullmatch(line)
+    return f'eval "${{{m.group(1)}}}"' if m else line
 
 
 def render(spec: HetJobSpec, paths: RunPaths) -> str:

@@ -5,7 +5,7 @@
 
 Where the numbers come from, first match wins: a local model directory's config.json; a built-in
 tiny model (its cached build, else its preset); the Hugging Face cache's config.json of a Hub id
-(read only, `try_to_load_from_cache`); the small table below of known Hub architectures (then
+(read only: `hpcrl.models.hub.cached_snapshot`); the small table below of known Hub architectures (then
 `source` says so). Pure except for reading those files.
 """
 
@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hpcrl.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -208,16 +210,13 @@ def _builtin(name: str) -> Arch | None:
 
 
 def _cached_config(name: str, cache_dir: str | None) -> Path | None:
-    repo, _, revision = name.partition("@")
+    from hpcrl.models.hub import cached_snapshot
+
     try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        snapshot = cached_snapshot(name, cache_dir=cache_dir)
+    except ConfigError:  # an id the cache cannot even name is simply not cached
         return None
-    try:
-        path = try_to_load_from_cache(repo, "config.json", cache_dir=cache_dir, revision=revision or None)
-    except Exception:  # noqa: BLE001 - an id the cache cannot even name is simply not cached
-        return None
-    return Path(path) if isinstance(path, str) else None
+    return None if snapshot is None else Path(snapshot) / "config.json"
 
 
 def _hf_cache(name: str, cache_dir: str | None) -> Arch | None:

@@ -26,7 +26,7 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
 
 
-def _offline() -> bool:
+def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -45,28 +45,52 @@ def resolve_hub(name: str, *, field: str = "model.name", cache_dir: str | None =
             revision=revision or None,
             cache_dir=cache_dir,
             allow_patterns=ALLOW_PATTERNS,
-            local_files_only=_offline(),
+            local_files_only=offline(),
         )
     except HFValidationError:
-        raise ConfigError(
-            field,
-            f"{name!r} is neither a local directory, a built-in model "
-            "(hpcrl/tiny-qwen3, hpcrl/small-qwen3) nor a valid Hub id (org/name)",
-        ) from None
+        raise _invalid_id(name, field) from None
     except Exception as e:  # noqa: BLE001 - every hub failure (offline miss, 404, network) is a user error
-        if _offline():
-            where = cache_dir or _cache_location()
-            raise ConfigError(
-                field,
-                f"{name!r} is not a local directory and not in the Hugging Face cache "
-                f"{where} (HF_HUB_OFFLINE=1); download it first, e.g. "
-                f"`huggingface-cli download {repo_id}`",
-            ) from None
+        if offline():
+            raise not_cached_offline(name, field, cache_dir) from None
         first = " ".join(str(e).split())[:200]
         raise ConfigError(
             field, f"cannot get {name!r} from the Hugging Face Hub: {type(e).__name__}: {first}"
         ) from None
     return str(path)
+
+
+def _invalid_id(name: str, field: str) -> ConfigError:
+    return ConfigError(
+        field,
+        f"{name!r} is neither a local directory, a built-in model "
+        "(hpcrl/tiny-qwen3, hpcrl/small-qwen3) nor a valid Hub id (org/name)",
+    )
+
+
+def not_cached_offline(name: str, field: str, cache_dir: str | None = None) -> ConfigError:
+    """What a Hub id outside the cache is under HF_HUB_OFFLINE=1: at start, and at --dry-run."""
+    where = cache_dir or _cache_location()
+    return ConfigError(
+        field,
+        f"{name!r} is not a local directory and not in the Hugging Face cache "
+        f"{where} (HF_HUB_OFFLINE=1); download it first, e.g. "
+        f"`huggingface-cli download {name.partition('@')[0]}`",
+    )
+
+
+def cached_snapshot(name: str, *, field: str = "model.name", cache_dir: str | None = None) -> str | None:
+    """The snapshot directory ``resolve_hub`` would find for ``name`` in the local cache (one that holds
+    config.json), or None when it is not there; reads the cache only, never the network (--dry-run).
+    An invalid id is the same ConfigError as ``resolve_hub``'s."""
+    repo_id, _, revision = name.partition("@")
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision or None)
+    except HFValidationError:
+        raise _invalid_id(name, field) from None
+    return os.path.dirname(found) if isinstance(found, str) else None
 
 
 def _cache_location() -> str:

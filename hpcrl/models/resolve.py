@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
+from hpcrl.errors import ConfigError
 from hpcrl.models.names import BUILTIN_MODELS
 from hpcrl.models.tiny import KIT_VERSION, build_tiny_model
 
@@ -24,6 +26,10 @@ def is_current(path: Path) -> bool:
     return stamp.get("kit_version") == KIT_VERSION and (path / "config.json").exists()
 
 
+def _unset(field: str) -> ConfigError:
+    return ConfigError(field, "is not set (a Hub id, a local model directory or hpcrl/tiny-qwen3)")
+
+
 def resolve_model(name: str, field: str = "model.name") -> str:
     """The one place a model name becomes a directory. Directory -> itself; built-in name -> cached build (made on first use); else a Hub id ->
     its snapshot in the Hugging Face cache (hpcrl.models.hub; downloaded unless HF_HUB_OFFLINE=1).
@@ -33,9 +39,7 @@ def resolve_model(name: str, field: str = "model.name") -> str:
     builtin = BUILTIN_MODELS.get(name)
     if builtin is None:
         if not name:
-            from hpcrl.errors import ConfigError
-
-            raise ConfigError(field, "is not set (a Hub id, a local model directory or hpcrl/tiny-qwen3)")
+            raise _unset(field)
         from hpcrl.models.hub import resolve_hub
 
         return resolve_hub(name, field=field)
@@ -62,3 +66,31 @@ def resolve_model(name: str, field: str = "model.name") -> str:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(target)
+
+
+Where = Literal["local", "builtin", "cached", "download"]
+
+
+def locate_model(name: str, field: str = "model.name") -> tuple[Where, str | None]:
+    """Where ``resolve_model`` will find ``name`` at start, found without building or downloading
+    anything (--dry-run): ("local", dir), ("builtin", its build or None before the first use),
+    ("cached", Hugging Face snapshot) or ("download", None). A ConfigError naming ``field`` for what
+    start would refuse: no name, a local directory without config.json, an invalid Hub id, a Hub id
+    outside the cache under HF_HUB_OFFLINE=1."""
+    if os.path.isdir(name):
+        if not (Path(name) / "config.json").is_file():
+            raise ConfigError(field, f"'{name}' is a directory without config.json: not a Hugging Face model")
+        return "local", name
+    if name in BUILTIN_MODELS:
+        built = cache_root() / "models" / name
+        return "builtin", str(built) if is_current(built) else None
+    if not name:
+        raise _unset(field)
+    from hpcrl.models import hub
+
+    snapshot = hub.cached_snapshot(name, field=field)
+    if snapshot is not None:
+        return "cached", snapshot
+    if hub.offline():
+        raise hub.not_cached_offline(name, field)
+    return "download", None

@@ -246,6 +246,7 @@ def build(
     warm_start: str | None = None,
     meta_init: bool = True,
     read_weights: Callable[[str], dict[str, torch.Tensor]] | None = None,
+    prepare: Callable[[nn.Module], object] | None = None,
 ) -> nn.Module:
     """The trainable model, parallelized: the one construction path. Over several ranks with
     ``meta_init``, only rank 0 reads the weights (into CPU memory): the others build the model on the
@@ -253,7 +254,9 @@ def build(
     keeping its rows. Rank 0 then drops its whole copy, so no rank holds more than one model plus its
     shard at any moment. ``read_weights`` reads a warm start's HF-named tensors (the trainer passes
     one that also reads a checkpoint step dir without HF weights); default: a dir of safetensors.
-    Collective."""
+    ``prepare`` runs on the built model before it is parallelized: the trainer's memory savers
+    (activation checkpointing, compile, offloading: hpcrl.trainer.memory_savers), which this path
+    leaves to it. Collective."""
     from hpcrl.models import parallelize as par
     from hpcrl.models.load import load_warm_start, parse_dtype
 
@@ -272,9 +275,6 @@ def build(
         dtype=parse_dtype(dtypes.master),
         device=load_device,
         attn=attn,
-        activation_checkpointing=model_cfg.activation_checkpointing,
-        # On CPU the activations are in CPU memory already (the dry run says so in one line)
-        activation_offload=model_cfg.activation_offload and device.type == "cuda",
         lora=None if warm_start else lora,
         trust_remote_code=model_cfg.trust_remote_code,
         meta=on_meta,
@@ -288,6 +288,8 @@ def build(
             from hpcrl.models.load import apply_lora
 
             model = apply_lora(model, lora)
+    if prepare is not None:
+        prepare(model)
     whole = par.local_tensors(model) if from_rank0 and not on_meta else {}
     model = spec.parallelize(
         model,

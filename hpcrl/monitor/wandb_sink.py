@@ -196,6 +196,8 @@ class WandbSink:
         kwargs = dict(
             project=self.cfg.project,
             entity=self.cfg.entity,
+            group=getattr(self.cfg, "group", None),
+            tags=getattr(self.cfg, "tags", None),
             name=self.cfg.name or self.name,
             id=run_id(self.paths, self.name),
             resume="allow",

@@ -1,111 +1,184 @@
-"""Group-relative advantages (GRPO family), as pure numpy functions.
+"""Advantages of the reward-based algorithms ([orchestrator.algo] type grpo, max_rl, rae), as pure
+numpy functions over one comparison group (one task's G rollouts, or one agent's traces of them).
 
-For one group of G rollouts of the same task with rewards r_i and completion lengths L_i:
+grpo (prime-rl's default; Dr. GRPO):
+    s_i = r_i - mean(r) * penalty_i          penalty_i = w_out * out_i / max(out)
+                                                        + w_in * in_i / max(in) + w_turns * turns_i / max(turns)
+    A_i = s_i - mean(s)                      (/ (std(s) + eps) with hpcrl's std_normalize: GRPO proper)
+  The length penalty (prime-rl's linear one, off by default) scales with the group's pass rate
+  mean(r), so it only bites once the group succeeds, and each quantity is relative to the group's
+  longest (each max is at least 1). Without it, A_i = r_i - mean(r).
+max_rl (arXiv:2602.02710):
+    A_i = (r_i - mean(r)) / mean(r), or 0 for every rollout when mean(r) <= 0.
+rae (SPIRAL, arXiv:2506.24119), trace after trace:
+    A_k = r_k - b[agent_k];  then  b[agent_k] <- decay * b[agent_k] + (1 - decay) * r_k    (b starts at 0)
 
-    r_i = clip(r_i, -reward_clip, reward_clip)   (when reward_clip is set)
-    A_i = (r_i - mean(r)) / (std(r) + eps if std_normalize else 1)  -  length_penalty * (L_i - mean(L)) / max(mean(L), 1)
-
-- `std(r)` is the population std (ddof=0), as in GRPO.
-- The length term pushes towards shorter completions among the group without changing the
-  group's total advantage (it sums to zero); it is relative (divided by the mean length) so
-  one coefficient means the same on short and long tasks. With length_penalty=0 it vanishes.
-- A group is "zero-advantage" when all its rewards are equal (max - min <= eps): it carries no
-  learning signal about the reward. `zero_advantage="drop"` removes such groups; `"keep"` keeps them
-  (their advantages are then 0, or the length term alone).
+- `std` is the population std (ddof=0).
+- hpcrl's reward clipping (`reward_clip`) bounds every reward into [-c, c] first.
+- A group is "zero-advantage" when every advantage is 0 (|A| <= eps): it carries no learning signal
+  (prime-rl drops such traces too). `zero_advantage="drop"` removes such groups; `"keep"` keeps them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 ZeroAdv = Literal["keep", "drop"]
+GroupKind = Literal["grpo", "max_rl"]
+
+
+@dataclass(frozen=True)
+class LengthPenalty:
+    """prime-rl's linear length penalty ([orchestrator.algo.length_penalty], same field names)."""
+
+    num_output_tokens_weight: float = 0.25
+    num_input_tokens_weight: float = 0.1
+    num_turns_weight: float = 0.1
 
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    """Field names match the `[orchestrator.advantage]` config section, so
-    `AdvantageConfig(**msgspec.structs.asdict(cfg.orchestrator.advantage))` works."""
+    """How one group's rewards become advantages: the algorithm's kind, its length penalty, and hpcrl's
+    `[orchestrator.advantage]` knobs (std_normalize, reward_clip, zero_advantage)."""
 
+    kind: GroupKind = "grpo"
     std_normalize: bool = False
-    length_penalty: float = 0.0
     zero_advantage: ZeroAdv = "drop"
     eps: float = 1e-6
     reward_clip: float | None = None  # clip rewards into [-c, c] before anything else (None: off)
+    length_penalty: LengthPenalty | None = None
 
     def __post_init__(self) -> None:
+        if self.kind not in ("grpo", "max_rl"):
+            raise ValueError(f"kind={self.kind!r} is not one of grpo, max_rl")
         if self.zero_advantage not in ("keep", "drop"):
             raise ValueError(f"zero_advantage={self.zero_advantage!r} is not one of keep, drop")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.reward_clip is not None and self.reward_clip <= 0:
             raise ValueError(f"reward_clip must be > 0, got {self.reward_clip}")
-        if self.length_penalty < 0:
-            raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
 
 
-def is_zero_advantage_group(rewards: np.ndarray, eps: float = 1e-6) -> bool:
+@dataclass(frozen=True)
+class GroupSizes:
+    """Per rollout (or trace) of a group: completion tokens, tokens conditioned on but not sampled
+    (prompt, env responses), and model turns: what the length penalty measures."""
+
+    output: Sequence[float]
+    input: Sequence[float]
+    turns: Sequence[float]
+
+
+def clip_rewards(rewards: Sequence[float] | np.ndarray, reward_clip: float | None) -> np.ndarray:
     r = np.asarray(rewards, dtype=np.float64)
-    return r.size == 0 or float(r.max() - r.min()) <= eps
+    return r if reward_clip is None else np.clip(r, -reward_clip, reward_clip)
 
 
-def group_advantages(
+def _relative(x: Sequence[float]) -> np.ndarray:
+    v = np.asarray(x, dtype=np.float64)
+    return v / max(float(v.max()), 1.0)
+
+
+def length_penalty_fraction(sizes: GroupSizes, lp: LengthPenalty) -> np.ndarray:
+    """sum of weight x quantity / the group's max of it (each max at least 1), per rollout."""
+    return (
+        lp.num_output_tokens_weight * _relative(sizes.output)
+        + lp.num_input_tokens_weight * _relative(sizes.input)
+        + lp.num_turns_weight * _relative(sizes.turns)
+    )
+
+
+def grpo_advantages(
     rewards: Sequence[float] | np.ndarray,
-    lengths: Sequence[int] | np.ndarray | None = None,
+    sizes: GroupSizes | None = None,
     *,
+    length_penalty: LengthPenalty | None = None,
     std_normalize: bool = False,
     eps: float = 1e-6,
-    length_penalty: float = 0.0,
 ) -> np.ndarray:
-    """Advantages of one group (float32[G]); see the module docstring for the formula."""
-    r = np.asarray(rewards, dtype=np.float64)
-    if r.ndim != 1 or r.size == 0:
-        raise ValueError(f"rewards must be a non-empty 1-D array, got shape {r.shape}")
+    """GRPO advantages of one group (float32[G]); see the module docstring for the formula."""
+    r = _check(rewards)
+    if length_penalty is not None:
+        if sizes is None:
+            raise ValueError("length_penalty needs the group's sizes (output, input tokens, turns)")
+        r = r - r.mean() * length_penalty_fraction(sizes, length_penalty)
     adv = r - r.mean()
     if std_normalize:
         adv = adv / (r.std() + eps)
-    if length_penalty:
-        if lengths is None:
-            raise ValueError("length_penalty needs the completion lengths")
-        lens = np.asarray(lengths, dtype=np.float64)
-        if lens.shape != r.shape:
-            raise ValueError(f"lengths shape {lens.shape} != rewards shape {r.shape}")
-        mean_len = lens.mean()
-        adv = adv - length_penalty * (lens - mean_len) / max(mean_len, 1.0)
     return adv.astype(np.float32)
+
+
+def max_rl_advantages(rewards: Sequence[float] | np.ndarray) -> np.ndarray:
+    """MaxRL advantages of one group (float32[G]): (r - mean) / mean, all 0 when mean <= 0."""
+    r = _check(rewards)
+    mean = r.mean()
+    if mean <= 0:
+        return np.zeros(r.shape, dtype=np.float32)
+    return ((r - mean) / mean).astype(np.float32)
+
+
+def rae_advantages(
+    rewards: Sequence[float], agents: Sequence[str], baselines: Mapping[str, float], decay: float
+) -> tuple[np.ndarray, dict[str, float]]:
+    """RAE over traces in order: (advantages float32[K], the updated baselines). Each trace is scored
+    against its agent's baseline before its own reward moves it (SPIRAL's unbiased order)."""
+    if len(rewards) != len(agents):
+        raise ValueError(f"{len(rewards)} rewards for {len(agents)} agents")
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay}")
+    out = dict(baselines)
+    adv = np.zeros(len(rewards), dtype=np.float64)
+    for k, (r, agent) in enumerate(zip(rewards, agents)):
+        b = out.get(agent, 0.0)
+        adv[k] = r - b
+        out[agent] = decay * b + (1.0 - decay) * float(r)
+    return adv.astype(np.float32), out
+
+
+def group_advantages(
+    rewards: Sequence[float] | np.ndarray, sizes: GroupSizes | None, config: AdvantageConfig
+) -> np.ndarray:
+    """One group's advantages for a group-relative kind (grpo, max_rl), rewards clipped first."""
+    r = clip_rewards(rewards, config.reward_clip)
+    if config.kind == "max_rl":
+        return max_rl_advantages(r)
+    return grpo_advantages(
+        r, sizes, length_penalty=config.length_penalty, std_normalize=config.std_normalize, eps=config.eps
+    )
+
+
+def is_zero_advantage(advantages: Sequence[float] | np.ndarray, eps: float = 1e-6) -> bool:
+    a = np.asarray(advantages, dtype=np.float64)
+    return a.size == 0 or bool(np.all(np.abs(a) <= eps))
 
 
 def compute_advantages(
     groups: Sequence[Sequence[float] | np.ndarray],
-    lengths: Sequence[Sequence[int] | np.ndarray] | None = None,
+    sizes: Sequence[GroupSizes] | None = None,
     config: AdvantageConfig = AdvantageConfig(),
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Advantages for many groups (sizes may differ, e.g. after errored rollouts).
 
-    Returns (advantages per group, keep: bool[num_groups]). Dropped groups still get an
-    advantage array (zeros) so indices stay aligned; callers skip them using `keep`.
+    Returns (advantages per group, keep: bool[num_groups]). A dropped zero-advantage group still
+    gets its advantage array (zeros) so indices stay aligned; callers skip it using `keep`.
     """
     advs: list[np.ndarray] = []
     keep = np.ones(len(groups), dtype=bool)
     for g, rewards in enumerate(groups):
-        r = np.asarray(rewards, dtype=np.float64)
-        if config.reward_clip is not None:  # seed 004's reward clipping: an outlier reward is bounded
-            r = np.clip(r, -config.reward_clip, config.reward_clip)
-        zero = is_zero_advantage_group(r, config.eps)
-        if zero and config.zero_advantage == "drop":
-            keep[g] = False
-            advs.append(np.zeros(r.shape, dtype=np.float32))
-            continue
-        advs.append(
-            group_advantages(
-                r,
-                None if lengths is None else lengths[g],
-                std_normalize=config.std_normalize,
-                eps=config.eps,
-                length_penalty=config.length_penalty,
-            )
-        )
+        adv = group_advantages(rewards, None if sizes is None else sizes[g], config)
+        if is_zero_advantage(adv, config.eps):
+            adv = np.zeros_like(adv)
+            keep[g] = config.zero_advantage == "keep"
+        advs.append(adv)
     return advs, keep
+
+
+def _check(rewards: Sequence[float] | np.ndarray) -> np.ndarray:
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1 or r.size == 0:
+        raise ValueError(f"rewards must be a non-empty 1-D array, got shape {r.shape}")
+    return r

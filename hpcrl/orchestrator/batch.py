@@ -2,7 +2,7 @@
 
 Pure functions over GroupRecords (no I/O), so every rule here is unit-testable:
 
-    judge_group      advantages + difficulty filter + zero-advantage filter for one finished group
+    judge_group      the algorithm's credit + difficulty filter + zero-advantage filter for one group
     fill_with_uniform   last-resort filler: zero-advantage groups for a batch the filters starve
     fill_batch       accepted groups in, the groups of this step out (the rest carries over)
     build_batches    staleness bound per sample, deterministic order, balanced packing
@@ -11,7 +11,6 @@ Pure functions over GroupRecords (no I/O), so every rule here is unit-testable:
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,10 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcrl.bus import TrainBatch
-from hpcrl.orchestrator.advantages import AdvantageConfig, compute_advantages
+from hpcrl.orchestrator.algo import Credit
 from hpcrl.orchestrator.buffer import Buffer
 from hpcrl.orchestrator.packing import PackStats, Sample, pack_for_ranks
-from hpcrl.orchestrator.state import GroupRecord, RolloutRecord
+from hpcrl.orchestrator.state import GroupRecord
 
 # A policy that reached this reward solved the example (pass@k; rewards of the built-in envs are
 # similarities in [0, 1], so only an exact/near-exact answer passes).
@@ -38,59 +37,29 @@ class StepCounts:
     zero_advantage_filled: int = 0  # dropped groups put back because refills kept coming back uniform
 
 
-def judge_group(
-    group: GroupRecord, buffer: Buffer, adv: AdvantageConfig, mode: str, counts: StepCounts
-) -> bool:
-    """Set `group.advantages` and decide whether the group is trained on.
+def judge_group(group: GroupRecord, buffer: Buffer, credit: Credit, counts: StepCounts) -> bool:
+    """Set `group.advantages` (the algorithm's credit, hpcrl.orchestrator.algo.credit) and decide
+    whether the group is trained on.
 
     Errored rollouts take no part in the group baseline (advantage 0, never packed). sft trains on
-    every teacher completion (advantage 1, cross-entropy); opd keeps zero-advantage groups because
-    its signal is the teacher's logprobs, not the reward.
+    every completion of its frozen model; opd / opsd keep every group, their signal being the
+    reference logprobs, not the reward; the others drop what the difficulty filter or (with
+    zero_advantage = drop) a group without any nonzero advantage leaves.
     """
     ok = [r for r in group.rollouts if not r.errored]
     if not ok:
         counts.filtered["all_errored"] += 1
         return False
-    if mode == "sft":
-        group.advantages = [0.0 if r.errored else 1.0 for r in group.rollouts]
-        return True
+    if credit.action_loss == "ce":
+        return credit.assign(group, ok)
     rewards = [r.reward for r in ok]
     if not buffer.accept_group(rewards):
         counts.filtered[buffer.filter.classify(float(np.mean(rewards)))] += 1
         return False
-    if mode == "opd":
-        adv = dataclasses.replace(adv, zero_advantage="keep")
-    advs, keep = compute_advantages([rewards], [[r.completion_tokens for r in ok]], adv)
-    traces = trace_advantages(group.rollouts, ok, adv) if any(r.trace_rewards for r in ok) else None
-    if traces is not None and any(a != 0.0 for t in traces for a in t):
-        keep[0] = True  # equal mean rewards, but some trace (agent) did better than its peers
-    group.trace_advantages = traces
-    if not keep[0]:
-        counts.filtered["zero_advantage"] += 1
-        group.advantages = [0.0] * len(group.rollouts)  # usable as a last-resort filler (see collect)
+    if not credit.assign(group, ok):
+        counts.filtered["zero_advantage"] += 1  # advantages all 0: usable as a last-resort filler
         return False
-    by_index = {r.index: float(a) for r, a in zip(ok, advs[0])}
-    group.advantages = [by_index.get(r.index, 0.0) for r in group.rollouts]
     return True
-
-
-def trace_advantages(
-    rollouts: Sequence[RolloutRecord], ok: Sequence[RolloutRecord], adv: AdvantageConfig
-) -> list[list[float]]:
-    """Multi-agent groups: per rollout (by index) one advantage per trained trace, trace j's against
-    trace j of the group's other usable rollouts (a rollout with fewer traces takes no part in the
-    baselines of the ones it lacks; one without trace_rewards counts as one trace of its reward)."""
-    own = {r.index: list(r.trace_rewards or [r.reward]) for r in ok}
-    out = [[0.0] * len(own.get(r.index, [])) for r in rollouts]
-    keep_all = dataclasses.replace(adv, zero_advantage="keep")
-    for j in range(max(len(v) for v in own.values())):
-        members = [r for r in ok if j < len(own[r.index])]
-        advs, _ = compute_advantages(
-            [[own[r.index][j] for r in members]], [[r.completion_tokens for r in members]], keep_all
-        )
-        for r, a in zip(members, advs[0]):
-            out[r.index][j] = float(a)
-    return out
 
 
 def num_rollouts(groups: Sequence[GroupRecord]) -> int:

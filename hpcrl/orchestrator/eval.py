@@ -52,8 +52,13 @@ def _take(env: Environment, split: str, n: int):
 
 
 async def run_eval(
-    gen: Generator, envs: Sequence[EvalEnv], sampling: Mapping[str, Any], policy_step: int
+    gen: Generator,
+    envs: Sequence[EvalEnv],
+    sampling: Mapping[str, Any],
+    policy_step: int,
+    saved: list | None = None,
 ) -> dict[str, float]:
+    """eval/<env>/{avg@k,pass@k,errored}; `saved` gets (env name, tasks, groups) of each env."""
     out: dict[str, float] = {}
     for e in envs:
         tasks = _take(e.env, "eval", e.num_examples)
@@ -61,6 +66,8 @@ async def run_eval(
             log.warning("eval env %s has no eval tasks; skipped", e.name)
             continue
         groups = await gen.groups(e.env, tasks, e.k, sampling, "eval", policy_step, e.name)
+        if saved is not None:
+            saved.append((e.name, tasks, groups))
         avg, passed = avg_and_pass_at_k(groups)
         out[f"eval/{e.name}/avg@{e.k}"] = avg
         out[f"eval/{e.name}/pass@{e.k}"] = passed

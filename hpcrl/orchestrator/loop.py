@@ -35,7 +35,7 @@ from hpcrl.monitor import progress, watchdog
 from hpcrl.monitor.logging import ENV_LEVEL_VAR, setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
-from hpcrl.orchestrator import setup
+from hpcrl.orchestrator import rollout_log, setup
 from hpcrl.orchestrator.batch import (
     StepCounts,
     build_batches,
@@ -51,7 +51,6 @@ from hpcrl.orchestrator.eval import run_eval, run_val
 from hpcrl.orchestrator.metrics import PromptsLog, sample_rows, step_metrics
 from hpcrl.orchestrator.packing import PackStats
 from hpcrl.orchestrator.policy import PolicyMismatch, PolicySync
-from hpcrl.orchestrator.pool import teacher_logprobs
 from hpcrl.orchestrator.servers import InferenceUnavailable, ServerSet
 from hpcrl.orchestrator.stalls import StallWatch
 from hpcrl.orchestrator.state import GroupRecord, OrchestratorState, check_compatible, load_part, save_part
@@ -123,6 +122,7 @@ class Orchestrator:
         self.metrics: Metrics | None = None
         self.wandb_sink: Any = None
         self.prompts: PromptsLog | None = None
+        self.rollout_log: rollout_log.RolloutLog | None = None  # saved rollouts (issue 51)
         self.state: OrchestratorState | None = None
         self.start = 0  # the checkpoint step this run continues from (0: fresh)
         self.next_ready: list[GroupRecord] = []  # groups carried to the next batch, committed by publish()
@@ -139,6 +139,7 @@ class Orchestrator:
         try:
             self.sync = await self.connect()
             self.restore()
+            self.rollout_log.forget_after(self.state.step, self.state.evaluated)  # regenerated: rewritten
             await self.load_start_policy()
             await self.maybe_eval()
             watchers = self.start_watchers()
@@ -228,6 +229,7 @@ class Orchestrator:
         self.metrics = Metrics.for_run(self.cfg, self.paths, "orchestrator")
         self.wandb_sink = start_wandb_sink(self.cfg, self.paths, "orchestrator")
         self.prompts = PromptsLog(self.paths)
+        self.rollout_log = rollout_log.from_setup(self.cfg, self.paths, self.setup)
         return sync
 
     def restore(self) -> None:
@@ -241,6 +243,7 @@ class Orchestrator:
         state, pending = load_part(self.paths, n)
         check_compatible(state, self.orch_cfg.batch_size, self.orch_cfg.rollouts_per_example)
         self.setup.buffer.load_state_dict(state.buffer)
+        self.setup.credit.load_state_dict(state.algo)  # rae's baselines
         for m, blobs in sorted(pending.items()):
             from hpcrl.bus import decode
 
@@ -323,7 +326,7 @@ class Orchestrator:
             self.observe_errors(new)
             for ref, g in zip(refs, new):
                 buffer.complete(ref)
-                if judge_group(g, buffer, self.setup.advantage, self.orch_cfg.training_mode, counts):
+                if judge_group(g, buffer, self.setup.credit, counts):
                     ready.append(g)
                 elif g.advantages is not None:
                     uniform.append(g)
@@ -342,8 +345,8 @@ class Orchestrator:
             )
         # Committed with the batch in publish(): a stop before then leaves the last boundary intact.
         groups, self.next_ready = fill_batch(ready, self.orch_cfg.batch_size)
-        if self.orch_cfg.training_mode == "opd":
-            await self.add_teacher_logprobs(groups)
+        if self.setup.reference is not None:  # opd / opsd: reference logprobs of every sequence
+            await self.setup.reference.score(groups)
         return groups, generated, counts, time.perf_counter() - t0
 
     def observe_errors(self, groups: list[GroupRecord]) -> None:
@@ -384,6 +387,7 @@ class Orchestrator:
         self.state.step = step
         self.state.ready = self.next_ready
         self.state.buffer = self.setup.buffer.state_dict()
+        self.state.algo = self.setup.credit.state_dict()
         self.prompts.write(step, groups)
         return batches
 
@@ -414,6 +418,7 @@ class Orchestrator:
         }
         m = step_metrics(groups, generated, step, counts, t_policy, t_gen, n_samples, n_tokens, extra)
         self.metrics.log(step, m)
+        self.rollout_log.train(step, groups, generated, self.state.ready)  # a writer thread saves them
         watchdog.beat(f"published batch {step}")
         progress.step(step, f"published batch {step}")
         if self.metrics.samples_due(step):
@@ -500,9 +505,12 @@ class Orchestrator:
             return
         if k % e.interval == 0 and (k > 0 or e.eval_base_model) or k == self.cfg.max_steps:
             self.state.evaluated.append(k)
+            saved: list = []
             self.metrics.log(
-                k, await run_eval(self.setup.eval_gen, self.setup.eval_envs, self.setup.eval_sampling, k)
+                k,
+                await run_eval(self.setup.eval_gen, self.setup.eval_envs, self.setup.eval_sampling, k, saved),
             )
+            self.rollout_log.eval(k, saved)
 
     async def finish(self) -> None:
         msg = await self.wait(self.sync.exact(self.cfg.max_steps))
@@ -536,7 +544,7 @@ class Orchestrator:
         for part in (self.sync, self.setup):
             if part is not None:
                 await part.aclose()
-        for part in (self.prompts, self.metrics, self.wandb_sink, self.bus):
+        for part in (self.rollout_log, self.prompts, self.metrics, self.wandb_sink, self.bus):
             if part is not None:
                 part.close()
 
@@ -561,9 +569,3 @@ class Orchestrator:
             if w.done():
                 w.result()  # raises the task's error
         raise Stopping()
-
-    async def add_teacher_logprobs(self, groups: list[GroupRecord]) -> None:
-        pieces = [p for g in groups for r in g.rollouts if not r.errored for p in r.pieces]
-        lps = await asyncio.gather(*(teacher_logprobs(self.setup.teacher, p.input_ids) for p in pieces))
-        for p, lp in zip(pieces, lps):
-            p.teacher_logprobs = lp

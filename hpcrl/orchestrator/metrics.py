@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from hpcrl.orchestrator.batch import StepCounts
+from hpcrl.orchestrator.rubric_metrics import rubric_metrics
 from hpcrl.orchestrator.state import GroupRecord
 from hpcrl.paths import RunPaths
 
@@ -41,6 +42,8 @@ def rollout_metrics(groups: Sequence[GroupRecord], step: int) -> dict[str, float
         out[f"empty_rollouts/{env}"] = float(sum(r.empty for r in rs))
         out[f"errored_rollouts/{env}"] = float(sum(r.errored for r in rs))
         out[f"rollout/bridge_breaks/{env}"] = float(sum(r.bridge_breaks for r in ok))
+        if env != "all":
+            out.update(rubric_metrics(env, ok))  # reward/<env>/<function>/{mean,std}
     versions = [r.policy_version for g in groups for r in g.rollouts if not r.errored]
     # Lag behind the policy this batch updates (step-1): 0 = fully on-policy.
     out["off_policy/mean"] = (step - 1) - _mean(versions) if versions else float("nan")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from hpcrl.orchestrator.stitching import (
     template_kwargs,
     to_record,
 )
+from hpcrl.orchestrator.transcript import errored_transcript
 
 __all__ = [
     "BACKOFF_S",
@@ -91,19 +93,28 @@ async def run_group(
                 *(_one(env, task, sampling, make_client(i), i, branching, sink) for i in range(n))
             )
         )
+    started = time.time()
     try:
         trajs = await env.rollout_group(task, GroupClient(make_client), sampling, n)
     except (InferenceUnavailable, EnvServerFailed):
         raise
     except Exception as e:  # noqa: BLE001 - any env bug must cost only its rollouts
-        return [_errored(i, e, env.name) for i in range(n)]
-    return [_record(task, i, t, branching, sink) for i, t in enumerate(trajs)]
+        return [_errored(i, e, env.name, task, started) for i in range(n)]
+    return [_record(env, task, i, t, branching, sink, started) for i, t in enumerate(trajs)]
 
 
-def _record(task: Task, index: int, traj: Trajectory, branching: bool, sink: Sink | None) -> RolloutRecord:
+def _record(
+    env: Environment,
+    task: Task,
+    index: int,
+    traj: Trajectory,
+    branching: bool,
+    sink: Sink | None,
+    started: float = 0.0,
+) -> RolloutRecord:
     if sink is not None:
         sink(task, index, traj)
-    return to_record(index, traj, branching)
+    return to_record(index, env.with_weights(traj), branching, started, time.time())
 
 
 async def _one(
@@ -115,12 +126,13 @@ async def _one(
     branching: bool = False,
     sink: Sink | None = None,
 ) -> RolloutRecord:
+    started = time.time()
     try:
-        return _record(task, index, await env.rollout(task, client, sampling), branching, sink)
+        return _record(env, task, index, await env.rollout(task, client, sampling), branching, sink, started)
     except (InferenceUnavailable, EnvServerFailed):
         raise
     except Exception as e:  # noqa: BLE001 - an env that raises errors its rollout, the run goes on
-        return _errored(index, e, env.name)
+        return _errored(index, e, env.name, task, started)
     finally:
         if isinstance(client, _SharedView):
             client.close()
@@ -209,11 +221,18 @@ class _SharedView:
             self.shared.gone()
 
 
-def _errored(index: int, e: BaseException, env_name: str) -> RolloutRecord:
+def _errored(
+    index: int, e: BaseException, env_name: str, task: Task | None = None, started: float = 0.0
+) -> RolloutRecord:
     from hpcrl.monitor.logging import env_logger
 
     env_logger(env_name).warning("rollout %d errored: %s: %s", index, type(e).__name__, e)
-    return RolloutRecord(index=index, pieces=[], error=f"{type(e).__name__}: {e}"[:500])
+    return RolloutRecord(
+        index=index,
+        pieces=[],
+        error=f"{type(e).__name__}: {e}"[:500],
+        transcript=errored_transcript(task, started, time.time()),
+    )
 
 
 class Generator:

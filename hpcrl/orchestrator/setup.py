@@ -20,7 +20,7 @@ from hpcrl.config.schema import Config, EnvConfig, OrchestratorConfig, SamplingC
 from hpcrl.envs import Environment, Task, load_environment
 from hpcrl.envs.registry import alias_note, v1_module
 from hpcrl.errors import ConfigError
-from hpcrl.orchestrator.advantages import AdvantageConfig
+from hpcrl.orchestrator.algo import Credit, ReferenceScorer
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
 from hpcrl.orchestrator.chat import openai_sampling
 from hpcrl.orchestrator.eval import EvalEnv
@@ -67,6 +67,11 @@ def load_envs(
             name = env_name(e)  # the configured name: metrics, logs/envs/<kind>/<name>.log
             workers = e.workers if e.workers is not None else default_workers
             v1 = v1_module(e.id)
+            if e.env and v1 is None:
+                raise ConfigError(
+                    f"{where}[{i}].env",
+                    f"env {e.id!r} is not a verifiers 0.4 (v1) taskset; only those take a verifiers env table",
+                )
             if e.runtime is not None and v1 is None:
                 raise ConfigError(
                     f"{where}[{i}].runtime",
@@ -82,6 +87,7 @@ def load_envs(
                         v1,
                         e.args,
                         runtime=e.runtime,
+                        table=e.env,
                         workers=workers,
                         rollout_timeout_s=e.rollout_timeout_s,
                         max_restarts=max_restarts,
@@ -165,7 +171,7 @@ class Setup:
     envs: dict[str, Environment]
     tasks: dict[str, Sequence[Task]]
     buffer: Buffer
-    advantage: AdvantageConfig
+    credit: Credit  # the algorithm's credit assignment (orchestrator.algo)
     world_size: int
     num_servers: int
     transport: str
@@ -174,7 +180,8 @@ class Setup:
     eval_sampling: dict[str, Any]
     renderers: Any = None  # hpcrl.orchestrator.renderer_client.Renderers, or None for the default renderer
     pools: list[ServerPool] = field(default_factory=list)
-    teacher: ServerPool | None = None
+    teacher: ServerPool | None = None  # the algorithm's frozen model (opd's teacher, sft's source)
+    reference: ReferenceScorer | None = None  # opd / opsd: reference logprobs of each batch
     train_gen: Generator | None = None
     eval_gen: Generator | None = None
 
@@ -199,8 +206,9 @@ class Setup:
         loaded_policy: Callable[[], int],
         adapter: Callable[[], str | None] = lambda: None,
     ) -> None:
-        """Generators over the student servers (and the teacher for opd/sft); `adapter` names the LoRA
-        adapter the students serve the loaded policy under (None: their base name)."""
+        """Generators over the student servers (and the algorithm's frozen model: opd's teacher, sft's
+        sampling source), the reference scorer of opd / opsd; `adapter` names the LoRA adapter the
+        students serve the loaded policy under (None: their base name)."""
         cfg, o = self.cfg, self.cfg.orchestrator
         # Deterministic mode seeds every request; otherwise the servers draw their own randomness.
         seed = None
@@ -226,16 +234,19 @@ class Setup:
         self.train_gen = Generator(
             student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy, self.renderers
         )
-        if o.teacher is not None:
+        frozen = o.algo.frozen
+        if frozen is not None:
             self.teacher = ServerPool(
-                [o.teacher.base_url],
-                model=o.teacher.model,
+                [frozen.base_url],
+                model=frozen.name,
                 timeout=o.request_timeout_s,
                 max_concurrent=o.max_concurrent,
-                api_key=os.environ.get(o.teacher.api_key_var),
+                api_key=os.environ.get(frozen.api_key_var),
             )
             self.pools.append(self.teacher)
-            if o.training_mode == "sft":  # the teacher writes the completions; they are never stale
+            if o.algo.type == "opd":
+                self.reference = ReferenceScorer(self.teacher)
+            if o.algo.action_loss == "ce":  # the frozen model writes the completions; never stale
                 self.train_gen = Generator(
                     self.teacher,
                     self.tokenizer,
@@ -244,6 +255,28 @@ class Setup:
                     seed,
                     o.trajectory_strategy,
                 )
+        if o.algo.type == "opsd":  # the live policy, shown the task's demonstration
+            self.reference = ReferenceScorer(
+                student,
+                hint=self.opsd_hint(),
+                template=o.algo.template,
+                demo_key=o.algo.demo_key,
+                task_of=lambda g: self.tasks[g.env][g.task_index],
+            )
+        log.info("algorithm %s: %s", o.algo.type, algo_summary(o.algo))
+
+    def opsd_hint(self) -> Callable[[str], list[int]]:
+        """opsd's demonstration message as ids: orchestrator.algo.renderer's renderer, else the
+        run's own (orchestrator.renderer), else the tokenizer's chat template."""
+        from hpcrl.orchestrator.algo.reference import chat_template_hint
+
+        section = self.cfg.orchestrator.algo.renderer
+        renderers = self.renderers
+        if section is not None:
+            model = (self.cfg.orchestrator.model or self.cfg.model).name or ""
+            renderers = load_renderers_of(section, self.tokenizer, model, "orchestrator.algo.renderer")
+        renderer = None if renderers is None else renderers.get(None)
+        return chat_template_hint(self.tokenizer, renderer)
 
     async def generate(self, refs: Sequence[TaskRef], step: int) -> list[GroupRecord]:
         assert self.train_gen is not None
@@ -281,6 +314,17 @@ class Setup:
             close = getattr(env, "aclose", None)
             if close is not None:
                 await close()
+
+
+def algo_summary(algo: Any) -> str:
+    """One line: what the algorithm trains on (for the orchestrator's log)."""
+    frozen = algo.frozen
+    where = "" if frozen is None else f"{frozen.base_url}" + (f" ({frozen.name})" if frozen.name else "")
+    return {
+        "rl": "policy-gradient loss on the policy's samples, advantages from rewards",
+        "ref_kl": f"reverse KL to {where or 'the policy shown the task demonstration'}, per token",
+        "ce": f"cross entropy on the samples of {where}",
+    }[algo.action_loss]
 
 
 def build(cfg: Config, paths: RunPaths) -> Setup:
@@ -351,7 +395,7 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
         envs=envs,
         tasks=tasks,
         buffer=buffer,
-        advantage=AdvantageConfig(**msgspec.structs.asdict(o.advantage)),
+        credit=Credit(o.algo, o.advantage),
         world_size=world,
         num_servers=servers,
         transport=transport,
@@ -398,10 +442,14 @@ def open_env_logs(
 def load_renderers(cfg: Config, tokenizer: Any) -> Any:
     """The renderers of renderer-driven rollouts, or None when orchestrator.renderer resolves to the
     tokenizer's own template (then rollouts use hpcrl's exact stitching, see orchestrator/stitching.py)."""
+    model = (cfg.orchestrator.model or cfg.model).name or ""
+    return load_renderers_of(cfg.orchestrator.renderer, tokenizer, model, "orchestrator.renderer")
+
+
+def load_renderers_of(section: Any, tokenizer: Any, model: str, field: str) -> Any:
     from hpcrl.render.select import typed_renderers
 
-    model = (cfg.orchestrator.model or cfg.model).name or ""
-    return typed_renderers(tokenizer, cfg.orchestrator.renderer, model, "orchestrator.renderer")
+    return typed_renderers(tokenizer, section, model, field)
 
 
 def load_tokenizer(cfg: Config) -> Any:

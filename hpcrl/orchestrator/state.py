@@ -6,6 +6,7 @@ drawn. Nothing is in flight then, so the state is small and exact:
 - the buffer (sampler cursors + epochs, env mixer counts, filter decision counter, counters);
 - groups already generated and accepted but not yet trained (carried over to the next batch);
 - progress counters and which policies were already evaluated;
+- the algorithm's own state (rae: each agent's reward baseline);
 - the batches published but possibly not yet trained: N+1..B for a checkpoint of step N.
 
 All randomness is counter-based (buffer draws keyed by seed + counter, sampling seeds derived from
@@ -26,6 +27,7 @@ import msgspec
 
 from hpcrl import checkpoint
 from hpcrl.errors import ConfigError
+from hpcrl.orchestrator.transcript import Transcript
 from hpcrl.paths import RunPaths
 
 STATE_FORMAT = 1
@@ -58,6 +60,7 @@ class RolloutRecord(msgspec.Struct, kw_only=True):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     bridge_breaks: int = 0  # later turns re-rendered (rollout/bridge_breaks): each starts a new sample
     trace_rewards: list[float] | None = None  # multi-agent: one reward per trained trace (Piece.trace)
+    transcript: Transcript | None = None  # the conversation and tokens as saved (rollout_log), not trained
 
     def piece_reward(self, piece: Piece) -> float:
         tr = self.trace_rewards
@@ -105,6 +108,7 @@ class OrchestratorState(msgspec.Struct, kw_only=True):
     progress: dict[str, int]
     evaluated: list[int]
     pending_steps: list[int]  # N+1..B, saved as files beside this state
+    algo: dict[str, Any] = msgspec.field(default_factory=dict)  # the algorithm's own (rae's baselines)
 
 
 def _pending_file(paths: RunPaths, ckpt_step: int, step: int, rank: int) -> Path:

@@ -22,6 +22,7 @@ from typing import Any
 from hpcrl.envs.base import Message, Trajectory, Turn, stitch_turns
 from hpcrl.orchestrator import routes
 from hpcrl.orchestrator.state import Piece, RolloutRecord
+from hpcrl.orchestrator.transcript import transcript_of
 
 
 def render(
@@ -111,7 +112,11 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
     return pieces
 
 
-def to_record(index: int, traj: Trajectory, branching: bool = False) -> RolloutRecord:
+def to_record(
+    index: int, traj: Trajectory, branching: bool = False, started: float = 0.0, finished: float = 0.0
+) -> RolloutRecord:
+    """The scored rollout the batch builder uses; `started` / `finished` (Unix times) go to its
+    transcript (the saved rollout)."""
     sampled = [t for t in traj.turns if t.completion_token_ids]
     return RolloutRecord(
         index=index,
@@ -125,4 +130,5 @@ def to_record(index: int, traj: Trajectory, branching: bool = False) -> RolloutR
         metrics={k: float(v) for k, v in traj.metrics.items()},
         bridge_breaks=sum(t.rerendered for t in traj.turns),
         trace_rewards=None if traj.trace_rewards is None else [float(r) for r in traj.trace_rewards],
+        transcript=transcript_of(traj, started, finished),
     )

@@ -111,6 +111,16 @@ def _check_retention(cfg: Any, resolved: str, field: str) -> None:
         )
 
 
+# hpcrl's renderer fields that are the renderers package's own config fields, passed on as set
+_PASSED = (
+    "thinking_retention",
+    "reasoning_parser",
+    "tool_parser",
+    "clear_thinking",
+    "truncate_history_thinking",
+)
+
+
 def renderer_config(cfg: Any, model_name: str, field: str) -> tuple[Any, str | None]:
     """The renderers config object for `cfg` (hpcrl's RendererConfig section), and the auto note."""
     require_renderers(f"{field}.name")
@@ -126,16 +136,19 @@ def renderer_config(cfg: Any, model_name: str, field: str) -> tuple[Any, str | N
     _check_retention(cfg, name, field)
     from renderers.configs import config_from_name
 
-    kwargs: dict[str, Any] = {}
-    if cfg.thinking_retention is not None:
-        kwargs["thinking_retention"] = cfg.thinking_retention
+    kwargs = {k: getattr(cfg, k) for k in _PASSED if getattr(cfg, k, None) is not None}
     try:
         if name == "custom":
             from renderers.configs import CustomRendererConfig
 
             return CustomRendererConfig(import_path=cfg.import_path, **kwargs), note
         base = config_from_name(name)
-        return (base.model_copy(update=kwargs) if kwargs else base), note
+        for k in kwargs:
+            if k not in type(base).model_fields:
+                raise ConfigError(f"{field}.{k}", f"renderer {name!r} has no {k} (leave it unset for it)")
+        return (type(base).model_validate({**base.model_dump(), **kwargs}) if kwargs else base), note
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - pydantic / import errors: the user's config
         which = "import_path" if name == "custom" else "name"
         raise ConfigError(f"{field}.{which}", f"{type(e).__name__}: {str(e).splitlines()[0]}") from None

@@ -1,7 +1,8 @@
 """The trainer's checkpointer: which steps are saved, what a save writes, and the background
 finalisation that writes COMPLETE last (in the spirit of torchtitan's CheckpointManager).
 
-    restore(initial)          -> (step, Progress) of ckpt.resume_step, state loaded into the model;
+    restore(initial)          -> (step, Progress) of ckpt.resume_step, state loaded into the model
+                                 (not the optimizer / scheduler with ckpt.skip_optimizer / skip_scheduler);
                                  (0, initial) else, with a warm start's optimizer state when asked
     maybe_save(step, progress, force)   every ckpt.interval steps, at the final step, and when forced
       -> weights/step_N (HF dir, per ckpt.hf_weights) + checkpoints/step_N/trainer/ (+ trainer/hf/:
@@ -80,11 +81,28 @@ class Checkpointer:
                 self._warm_start_optimizer(self.cfg.warm_start)
             return 0, initial
         step = checkpoint.resolve_resume_step(self.paths, self.cfg.resume_step)
-        tr = self.tr
+        tr, c = self.tr, self.cfg
         saved = load_trainer_state(
-            self.paths, step, tr.dist.rank, tr.dist.world_size, tr.model, tr.optimizer, tr.scheduler
+            self.paths,
+            step,
+            tr.dist.rank,
+            tr.dist.world_size,
+            tr.model,
+            tr.optimizer,
+            tr.scheduler,
+            load_optimizer=not c.skip_optimizer,
+            load_scheduler=not c.skip_scheduler,
         )
-        log.info("resumed trainer state from %s", self.paths.checkpoint_dir(step))
+        if c.skip_scheduler and tr.make_scheduler is not None:
+            # a fresh schedule over the remaining steps (warmup again), as prime-rl; the first
+            # resumed step uses its step-0 learning rate
+            tr.scheduler = tr.make_scheduler(max(self.max_steps - step, 1))
+        skipped = [n for n, s in (("optimizer", c.skip_optimizer), ("scheduler", c.skip_scheduler)) if s]
+        log.info(
+            "resumed trainer state from %s%s",
+            self.paths.checkpoint_dir(step),
+            f" (fresh {' and '.join(skipped)}: ckpt.skip_{'/skip_'.join(skipped)})" if skipped else "",
+        )
         self.last_saved = step
         return step, Progress.from_saved(saved)
 

@@ -117,10 +117,12 @@ def step_micro_batches(
     kl_envs: list[torch.Tensor] = []
     ent_envs: list[torch.Tensor] = []
     tokens = slots = padding = 0
-    for mb in mbs:
+    for i, mb in enumerate(mbs):
         if tr.cp is not None:
             mb = restrict(mb, tr.cp)  # noqa: PLW2901 - the loss counts only the tokens this rank predicts
         fwd = forward_for(tr, mb, wanted=mb.loss_mask)
+        if tr.token_export is not None:  # trainer.enable_token_export
+            tr.token_export.export(step, i, mb, fwd.logprobs, fwd.entropy)
         tokens, slots, padding = tokens + mb.num_tokens, slots + fwd.slots, padding + fwd.padding
         envs = token_envs(mb.env_index, mb.seq_lens, mb.loss_mask)
         if fwd.entropy is not None:
@@ -150,6 +152,8 @@ def step_micro_batches(
             if envs is not None:
                 kl_envs.append(envs)
     t_fb = time.perf_counter() - t0
+    if tr.token_export is not None:
+        tr.token_export.finish(step)
     zero_grads = zero_grad_ratio(tr.model)  # before optimizer_step zeroes the gradients
     grad_norm, summed, lr, ok = optimizer_step(tr, stats, max_norm, step)
     moe = collect_moe_metrics(tr.model)  # collective; {} without MoE layers

@@ -27,10 +27,12 @@ importance ratio between the trainer and the policy that sampled the token:
   ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp`` (MiniMax-M1).
 * ``grpo``: the PPO clipped surrogate ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``.
 
-Modes (``LossParams.mode``):
+Modes (``LossParams.mode``; ``[orchestrator.algo] type`` picks it, AlgoConfig.loss_mode: prime-rl's
+``rl`` loss is ``rl``, its ``ref_kl`` is ``opd``, its ``ce`` is ``sft``; docs/algorithms.md):
 
-* ``rl``: advantages come from the batch.
-* ``opd`` (on-policy distillation): the student samples, the teacher scores the same tokens, and
+* ``rl`` (grpo, max_rl, rae): advantages come from the batch.
+* ``opd`` (on-policy distillation; opd and opsd): the student samples, the reference (a frozen
+  teacher, or for opsd the policy shown a demonstration) scores the same tokens, and
   the per-token advantage is ``teacher_logprob - inference_logprob`` (= minus the per-token reverse
   KL sample ``log pi_student - log pi_teacher``, taken with the sampler's logprob as in Thinking
   Machines' on-policy distillation). Plugged into the policy-gradient loss above, its expected
@@ -38,7 +40,7 @@ Modes (``LossParams.mode``):
   credit, and the same importance ratio corrects for the sampler lagging the trainer. We prefer
   this over a differentiable KL loss on sampled tokens because that one has a biased gradient
   (it ignores that the sampling distribution depends on the parameters).
-* ``sft``: cross entropy ``-logp`` on loss tokens (hard distillation / plain SFT). Inference
+* ``sft`` (sft): cross entropy ``-logp`` on loss tokens (hard distillation / plain SFT). Inference
   logprobs are not needed.
 """
 

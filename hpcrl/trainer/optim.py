@@ -1,4 +1,5 @@
-"""Optimizer, learning-rate schedule and gradient clipping.
+"""Optimizer (adamw, sgd, muon, sign_sgd: prime-rl's four), learning-rate schedule and gradient
+clipping.
 
 Schedules are ``LambdaLR`` over a pure function of the step, so their ``state_dict`` is just the
 step counter and a resumed run continues on exactly the same curve.
@@ -6,17 +7,23 @@ step counter and a resumed run continues on exactly the same curve.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-OptimizerName = Literal["adamw", "sgd"]
+if TYPE_CHECKING:
+    from hpcrl.config.sections.trainer import OptimConfig
+
+OptimizerName = Literal["adamw", "sgd", "muon", "sign_sgd"]
 ScheduleName = Literal["constant", "linear", "cosine"]
+NAMES = ("adamw", "sgd", "muon", "sign_sgd")
+log = logging.getLogger("hpcrl.trainer")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -33,6 +40,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """prime-rl's split for Muon: the trainable matrices (2-D, and the MoE experts' 3-D stacks, router
+    included) go to Muon, except the input embedding and the LM head (a lookup table and a classifier,
+    not hidden maps); those and the 1-D parameters go to AdamW. As in :func:`param_groups`, 1-D
+    parameters are not decayed. Empty groups are left out."""
+    from hpcrl.models.embeddings import embeddings
+
+    vocab = {id(m.weight) for m in embeddings(model) if m is not None and hasattr(m, "weight")}
+    matrices, tables, vectors = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2:
+            vectors.append(p)
+        elif id(p) in vocab or "embed_tokens" in name or "lm_head" in name:
+            tables.append(p)
+        else:
+            matrices.append(p)
+    groups = [
+        {"params": matrices, "algorithm": "muon", "weight_decay": weight_decay},
+        {"params": tables, "algorithm": "adamw", "weight_decay": weight_decay},
+        {"params": vectors, "algorithm": "adamw", "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(
     model: nn.Module,
     name: OptimizerName = "adamw",
@@ -42,22 +75,63 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     momentum: float = 0.0,
+    nesterov: bool = False,
+    mu: float = 0.95,
 ) -> Optimizer:
-    """AdamW or SGD over the trainable parameters (build it AFTER sharding: FSDP swaps parameters)."""
-    if lr <= 0:
-        raise ValueError(f"optim.lr: {lr} must be > 0")
+    """The optimizer over the trainable parameters (build it AFTER sharding: FSDP swaps parameters).
+    adamw: betas, eps; sgd: momentum, nesterov; muon (:class:`hpcrl.trainer.muon.Muon`): mu, and
+    betas, eps for its AdamW groups; sign_sgd (:class:`hpcrl.trainer.sign_sgd.SignSGD`): lr and
+    weight decay only."""
+    if lr < 0:
+        raise ValueError(f"optim.lr: {lr} must be >= 0")
     if weight_decay < 0:
         raise ValueError(f"optim.weight_decay: {weight_decay} must be >= 0")
-    groups = param_groups(model, weight_decay)
+    if name not in NAMES:
+        raise ValueError(f"optim.name: {name!r} is not one of {list(NAMES)}")
+    if name in ("adamw", "muon") and not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"optim.betas: {betas} must both be in [0, 1)")
+    groups = muon_param_groups(model, weight_decay) if name == "muon" else param_groups(model, weight_decay)
     if not any(g["params"] for g in groups):
         raise ValueError("the model has no trainable parameters")
     if name == "adamw":
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"optim.betas: {betas} must both be in [0, 1)")
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum)
-    raise ValueError(f"optim.name: {name!r} is not one of ['adamw', 'sgd']")
+        if nesterov and momentum <= 0:
+            raise ValueError("optim.nesterov needs optim.momentum > 0")
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
+    if name == "muon":
+        from hpcrl.trainer.muon import Muon
+
+        return Muon(groups, lr=lr, weight_decay=weight_decay, mu=mu, betas=betas, eps=eps)
+    from hpcrl.trainer.sign_sgd import SignSGD
+
+    return SignSGD(groups, lr=lr)
+
+
+def optimizer_from_config(model: nn.Module, cfg: OptimConfig) -> Optimizer:
+    """:func:`build_optimizer` with the config's type and settings (unset ones: the type's defaults)."""
+    s = cfg.settings()
+    extra: dict[str, Any] = {}
+    if "betas1" in s:
+        extra["betas"] = (s["betas1"], s["betas2"])
+    if "eps" in s:
+        extra["eps"] = s["eps"]
+    for key in ("momentum", "nesterov", "mu"):
+        if key in s:
+            extra[key] = s[key]
+    opt = build_optimizer(model, cfg.type, lr=cfg.lr, weight_decay=cfg.weight_decay, **extra)
+    log.info("optimizer: %s", describe(opt, cfg.type))
+    return opt
+
+
+def describe(optimizer: Optimizer, name: str) -> str:
+    """``muon (Muon: 14 tensors, AdamW: 17 tensors)``, ``adamw (31 tensors)``: what updates how many
+    parameter tensors."""
+    counts: dict[str, int] = {}
+    for g in optimizer.param_groups:
+        algorithm = {"muon": "Muon: ", "adamw": "AdamW: "}.get(g.get("algorithm", ""), "")
+        counts[algorithm] = counts.get(algorithm, 0) + len(g["params"])
+    return f"{name} (" + ", ".join(f"{k}{n} tensors" for k, n in counts.items()) + ")"
 
 
 def lr_lambda(

@@ -88,10 +88,14 @@ def _main(cfg: Config) -> int:
     # HPCRL_WANDB_WRITER=trainer: rank 0 owns the one W&B run (else a no-op handle)
     sink = start_wandb_sink(cfg, paths, "trainer") if tr.dist.rank == 0 else None
     finished = False
-    params = loss_params(cfg.trainer.loss, cfg.orchestrator.training_mode)
+    params = loss_params(cfg.trainer.loss, cfg.orchestrator.algo.loss_mode)
     env_names = [
         e.name or e.id.rsplit("/", 1)[-1] for e in cfg.orchestrator.train.env
     ]  # as metrics name them
+    if cfg.trainer.enable_token_export:
+        from hpcrl.trainer.token_export import TokenExporter
+
+        tr.token_export = TokenExporter.for_rank(paths, tr, params, env_names)
     perf = PerfInfo(tr.dist.world_size, count_params(tr.model), cfg.trainer.peak_tflops)
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
@@ -168,6 +172,7 @@ def start_rank(cfg: Config, paths: RunPaths) -> Training:
         cfg.max_steps,
         cfg.seed + cfg.trainer.seed,
         warm_start=warm,
+        dist_timeout_s=cfg.trainer.dist_timeout_seconds,
     )
 
 

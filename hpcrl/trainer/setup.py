@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,8 @@ from hpcrl.models.chunked import chunk_rows
 from hpcrl.models.embeddings import base_model, lm_head
 from hpcrl.models.parallelize import CPGroup, make_cp_group
 from hpcrl.models.tokenizer import load_tokenizer
+from hpcrl.trainer import memory_savers, parallel, precision
 from hpcrl.trainer import optim as optim_lib
-from hpcrl.trainer import parallel, precision
 from hpcrl.trainer.loss import LossParams
 
 log = logging.getLogger("hpcrl.trainer")
@@ -37,6 +38,9 @@ class Training:
     router_replay: bool = False  # MoE on the custom implementation with trainer.model.router_replay
     logprobs_chunk: int = 0  # positions per LM-head chunk (chunked.chunk_rows; 0 = off)
     cp: CPGroup | None = None  # context-parallel group (trainer.model.cp > 1)
+    # a fresh LR schedule over N steps (ckpt.skip_scheduler: the resumed run's remaining steps)
+    make_scheduler: Callable[[int], torch.optim.lr_scheduler.LambdaLR] | None = None
+    token_export: Any = None  # hpcrl.trainer.token_export.TokenExporter (trainer.enable_token_export)
 
 
 def _vocab(model: torch.nn.Module) -> int:
@@ -69,19 +73,20 @@ def build_training(
     seed: int,
     warm_start: str | None = None,
     meta_init: bool = True,
+    dist_timeout_s: float = 3600.0,
 ) -> Training:
     """Distributed init and the cp groups, the model (its family spec builds and parallelizes it:
     :func:`build_model`), optimizer and scheduler. ``meta_init = False`` makes every rank read the whole model (the old path, kept for the
-    memory benchmark's baseline)."""
+    memory benchmark's baseline). ``dist_timeout_s``: trainer.dist_timeout_seconds."""
     from hpcrl.models.resolve import resolve_model
 
     env = parallel.dist_env()
     device = parallel.device_for(env.local_rank)
-    parallel.init_distributed(device)
+    parallel.init_distributed(device, timeout_s=dist_timeout_s)
     if device.type == "cpu":
         # Same numerics on every run of the same config: needed for bitwise-identical resumes.
         # The eager switch alone: torch.use_deterministic_algorithms also imports torch._inductor
-        # to set its config (about 2 s of CPU per rank at start-up), and hpcrl never compiles.
+        # to set its config (about 2 s of CPU per rank at start-up), needed only with trainer.model.compile.
         torch._C._set_deterministic_algorithms(True, warn_only=True)
     cp = make_cp_group(model_cfg.cp) if model_cfg.cp > 1 else None
     seed_everything(seed, env.rank)
@@ -89,21 +94,26 @@ def build_training(
     path = resolve_model(model_cfg.name or "", field="trainer.model.name")
     model = build_model(path, model_cfg, prec, device, warm_start, meta_init=meta_init, cp=cp)
     tokenizer = load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
-    optimizer = optim_lib.build_optimizer(
-        model,
-        optim_cfg.type,
-        lr=optim_cfg.lr,
-        weight_decay=optim_cfg.weight_decay,
-        betas=(optim_cfg.betas[0], optim_cfg.betas[1]),
-        eps=optim_cfg.eps,
-    )
-    scheduler = optim_lib.build_scheduler(
-        optimizer,
-        optim_cfg.scheduler,
-        warmup_steps=optim_cfg.warmup_steps,
-        total_steps=max(total_steps, optim_cfg.warmup_steps + 1),
-        min_lr_ratio=optim_cfg.min_lr_ratio,
-    )
+    optimizer = optim_lib.optimizer_from_config(model, optim_cfg)
+    if model_cfg.optim_cpu_offload or model_cfg.full_offload is not None:
+        memory_savers.offload_optimizer_state(optimizer)
+        log.info("optimizer state in host memory between steps (%s)", "trainer.model.optim_cpu_offload"
+                 if model_cfg.optim_cpu_offload else "trainer.model.full_offload")  # fmt: skip
+
+    base_lrs = [g["lr"] for g in optimizer.param_groups]  # this config's, whatever a checkpoint says
+
+    def make_scheduler(steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        for g, lr in zip(optimizer.param_groups, base_lrs, strict=True):
+            g["initial_lr"] = lr
+        return optim_lib.build_scheduler(
+            optimizer,
+            optim_cfg.scheduler,
+            warmup_steps=optim_cfg.warmup_steps,
+            total_steps=max(steps, optim_cfg.warmup_steps + 1),
+            min_lr_ratio=optim_cfg.min_lr_ratio,
+        )
+
+    scheduler = make_scheduler(total_steps)
     n = sum(p.numel() for p in model.parameters())
     log.info(
         "model %s: %.2fM parameters on %s (world size %d), %s",
@@ -142,6 +152,7 @@ def build_training(
         router_replay=replay,
         logprobs_chunk=_chunk(model, model_cfg, cp),
         cp=cp,
+        make_scheduler=make_scheduler,
     )
 
 
@@ -161,8 +172,19 @@ def build_model(
     dtypes = model_spec.Dtypes(prec.master, prec.compute, prec.reduce, mixed=prec.mixed)
     from hpcrl.trainer.export import read_weights  # an HF weights dir or a checkpoint step dir
 
+    def prepare(model: torch.nn.Module) -> None:  # before FSDP: what it shards are the wrapped layers
+        for line in memory_savers.prepare_model(model, model_cfg):
+            log.info("%s", line)
+
     return model_spec.build(
-        model_cfg, path, mesh, dtypes, warm_start=warm_start, meta_init=meta_init, read_weights=read_weights
+        model_cfg,
+        path,
+        mesh,
+        dtypes,
+        warm_start=warm_start,
+        meta_init=meta_init,
+        read_weights=read_weights,
+        prepare=prepare,
     )
 
 

@@ -136,7 +136,14 @@ def start_rank(cfg: SFTConfig, paths: RunPaths) -> tuple[Training, SFTData]:
     setup_logging(role, cfg.log.level, log_file=log_file)
     data = SFTData.from_config(cfg)
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
-    tr = build_training(cfg.model, cfg.optim, cfg.max_steps, cfg.seed, warm_start=warm)
+    tr = build_training(
+        cfg.model,
+        cfg.optim,
+        cfg.max_steps,
+        cfg.seed,
+        warm_start=warm,
+        dist_timeout_s=cfg.dist_timeout_seconds,
+    )
     data.tokenizer = tr.tokenizer
     data.renderer = sft_renderers(cfg, tr.tokenizer)
     return tr, data
@@ -190,11 +197,20 @@ class SFTData:
     renderer: Any = (
         None  # hpcrl.orchestrator.renderer_client.Renderers for a typed [renderer]; None: the template
     )
+    fake: dict[str, Any] | None = (
+        None  # data.type = fake: (length, input_ids, seed) of hpcrl.trainer.sft_fake
+    )
     _val_cache: list[sd.TokenizedSample] | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg: SFTConfig) -> SFTData:
-        rows = sd.load_rows(cfg.data.name, cfg.data.split, "data.name")
+        fake = cfg.data.type == "fake"
+        if fake:
+            from hpcrl.trainer.sft_fake import fake_rows
+
+            rows = fake_rows()
+        else:
+            rows = sd.load_rows(cfg.data.name, cfg.data.split, "data.name")
         val = sd.Rows([], source="")
         if cfg.val.interval > 0:
             if cfg.val.data is not None:
@@ -212,7 +228,7 @@ class SFTData:
         mask = {r: bool(getattr(cfg.loss_mask, r)) for r in sd.ROLES}
         if not any(mask.values()):
             raise ValueError("loss_mask: every role is off, nothing would be trained")
-        cursor = sd.DataCursor(len(rows), cfg.data.seed, cfg.data.shuffle)
+        cursor = sd.DataCursor(len(rows), cfg.data.seed, cfg.data.shuffle and not fake)
         switches = {
             "enable_thinking": cfg.data.enable_thinking,
             "reasoning_effort": cfg.data.reasoning_effort,
@@ -227,9 +243,16 @@ class SFTData:
             cfg.data.batch_size,
             cfg.data.batch_unit,
             {k: v for k, v in switches.items() if v is not None},
+            fake={"length": cfg.data.length, "input_ids": cfg.data.input_ids, "seed": cfg.data.seed}
+            if fake
+            else None,
         )
 
     def sample(self, rows: sd.Rows, i: int, where: str) -> sd.TokenizedSample:
+        if self.fake is not None:
+            from hpcrl.trainer.sft_fake import fake_sample
+
+            return fake_sample(int(rows[i]), self.seq_len, len(self.tokenizer), **self.fake)
         conv = sd.row_to_conversation(rows[i], where, self.template_defaults)
         if (
             self.renderer is not None

@@ -130,26 +130,70 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.endswith(_FILE_SUFFIXES) or name.count("/") != 1
 
 
-def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows:
-    """All rows of a dataset. Local files are read whole (SFT sets fit in memory); a saved HF
-    dataset stays memory-mapped. A name that is not a local path and looks like `owner/name` is
-    fetched from the Hugging Face hub with `datasets.load_dataset` (never in tests)."""
+def locate_rows(name: str, field: str = "data.name") -> tuple[str, Path | None]:
+    """What `load_rows` will read for `name`, found without reading it (--dry-run checks it too):
+    ("file", path), ("saved", dir) for a saved HF dataset, ("dir", dir) of data files, ("missing", path)
+    for a local path that does not exist, or ("hub", None) for an `owner/name` on the Hugging Face hub.
+    DataError for what no start could read (empty name, a directory without data files, a file
+    type it does not read)."""
     if not name:
         raise DataError(
             f"{field}: empty; give a jsonl/parquet file, a directory of them, or a saved HF dataset"
         )
     path = Path(name).expanduser()
     if path.is_file():
-        return Rows(_read_file(path), source=str(path))
+        if path.suffix not in _FILE_SUFFIXES:
+            raise DataError(
+                f"{field}: '{name}' has an unsupported file type '{path.suffix}' (use .jsonl, .json or .parquet)"
+            )
+        return "file", path
     if path.is_dir():
         if _is_saved_hf_dataset(path):
-            return Rows(_load_from_disk(path, split, field), source=str(path))
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _FILE_SUFFIXES)
-        if not files:
+            return "saved", path
+        if not _data_files(path):
             raise DataError(
                 f"{field}: directory '{name}' has no .jsonl/.json/.parquet files and is not a "
                 f"saved HF dataset (datasets.save_to_disk)"
             )
+        return "dir", path
+    return ("missing", path) if _looks_local(name) else ("hub", None)
+
+
+def _data_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _FILE_SUFFIXES)
+
+
+def hub_dataset_cached(name: str, field: str = "data.name") -> bool:
+    """Whether hub dataset `name` is in the HF datasets cache: what `datasets.load_dataset` falls back to
+    offline (its CachedDatasetModuleFactory), looked up without the network."""
+    import logging
+
+    datasets = _need_datasets(f"{field} = '{name}' (a Hugging Face hub dataset)")
+    from datasets.load import CachedDatasetModuleFactory
+
+    quiet = logging.getLogger("datasets")  # "Using the latest cached version ..." is for a real load
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        CachedDatasetModuleFactory(name, cache_dir=str(datasets.config.HF_DATASETS_CACHE)).get_module()
+    except Exception:  # noqa: BLE001 - FileNotFoundError, or a cache it cannot read: not usable
+        return False
+    finally:
+        quiet.setLevel(level)
+    return True
+
+
+def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows:
+    """All rows of a dataset. Local files are read whole (SFT sets fit in memory); a saved HF
+    dataset stays memory-mapped. A name that is not a local path and looks like `owner/name` is
+    fetched from the Hugging Face hub with `datasets.load_dataset` (never in tests)."""
+    kind, path = locate_rows(name, field)
+    if kind == "file":
+        return Rows(_read_file(path), source=str(path))
+    if kind == "saved":
+        return Rows(_load_from_disk(path, split, field), source=str(path))
+    if kind == "dir":
+        files = _data_files(path)
         rows: list[dict[str, Any]] = []
         starts = []
         for f in files:
@@ -157,7 +201,7 @@ def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows
             rows += _read_file(f)
         names = [f.relative_to(path).with_suffix("").as_posix() for f in files]
         return Rows(rows, source=str(path), subsets=(names, np.asarray(starts)) if len(files) > 1 else None)
-    if _looks_local(name):
+    if kind == "missing":
         raise DataError(
             f"{field}: '{name}' does not exist (expected a jsonl/parquet file, a directory of them, "
             f"or a saved HF datasets directory)"
@@ -167,11 +211,8 @@ def load_rows(name: str, split: str = "train", field: str = "data.name") -> Rows
 
 
 def _read_file(path: Path) -> list[dict[str, Any]]:
-    if path.suffix == ".parquet":
-        return _read_parquet(path)
-    if path.suffix in (".jsonl", ".json"):
-        return _read_jsonl(path)
-    raise DataError(f"{path}: unsupported file type '{path.suffix}' (use .jsonl, .json or .parquet)")
+    """A data file of a suffix `locate_rows` accepted."""
+    return _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
 
 
 def _load_from_disk(path: Path, split: str, field: str) -> Any:

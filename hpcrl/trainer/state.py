@@ -169,9 +169,14 @@ def load_trainer_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
+    *,
+    load_optimizer: bool = True,
+    load_scheduler: bool = True,
 ) -> dict[str, Any]:
     """Restore everything save_trainer_state wrote, from any number of saved ranks; returns the
-    progress dict."""
+    progress dict. ``load_optimizer`` / ``load_scheduler`` False (ckpt.skip_optimizer /
+    skip_scheduler): that part keeps its fresh state (the optimizer's param groups, i.e. this run's
+    lr, betas and decay, included)."""
     from hpcrl.trainer.optim import load_scheduler_state
 
     d = paths.trainer_ckpt_dir(step)
@@ -179,13 +184,16 @@ def load_trainer_state(
     with ExitStack() as stack:
         saved = _Saved(d, layouts, stack)
         _load_model(saved, model, step)
-        _load_optimizer(saved, optimizer, meta)
-    for g, saved_g in zip(optimizer.param_groups, meta["param_groups"], strict=True):
+        if load_optimizer:
+            _load_optimizer(saved, optimizer, meta)
+    groups = zip(optimizer.param_groups, meta["param_groups"], strict=True) if load_optimizer else ()
+    for g, saved_g in groups:
         for k, v in saved_g.items():
             g[k] = _tuplify(v) if k == "betas" else v
-    sched = meta["scheduler"]
-    sched.pop("lr_lambdas", None)
-    load_scheduler_state(scheduler, sched)
+    if load_scheduler:
+        sched = meta["scheduler"]
+        sched.pop("lr_lambdas", None)
+        load_scheduler_state(scheduler, sched)
     if rank < saved_world:
         torch.set_rng_state(torch.tensor(meta["rng"]["torch"], dtype=torch.uint8))
         random.setstate(_tuplify(meta["rng"]["python"]))

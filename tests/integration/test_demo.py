@@ -16,16 +16,9 @@ from hpcrl.monitor.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_demo_script_shortened(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "DEMO_OUT": str(tmp_path),
-        "DEMO_SFT_STEPS": "4",
-        "DEMO_RL_STEPS": "3",
-        "DEMO_RL_ARGS": "--orchestrator.batch-size 32 --orchestrator.eval.num-examples 8",
-        "PYTHONUNBUFFERED": "1",
-    }
+def run_demo(tmp_path: Path, timeout: float = 600, **knobs: str) -> subprocess.CompletedProcess[str]:
+    """scripts/demo.sh with its outputs under `tmp_path` and the DEMO_* `knobs` (e.g. DEMO_RL_STEPS)."""
+    env = {**os.environ, "DEMO_OUT": str(tmp_path), "PYTHONUNBUFFERED": "1", **knobs}
     for var in (
         "RANK",
         "WORLD_SIZE",
@@ -36,13 +29,23 @@ def test_demo_script_shortened(tmp_path: Path) -> None:
         "SLURM_PROCID",
     ):
         env.pop(var, None)
-    proc = subprocess.run(
+    return subprocess.run(
         ["bash", str(REPO / "scripts" / "demo.sh")],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_demo_script_shortened(tmp_path: Path) -> None:
+    proc = run_demo(
+        tmp_path,
+        DEMO_SFT_STEPS="4",
+        DEMO_RL_STEPS="3",
+        DEMO_RL_ARGS="--orchestrator.batch-size 32 --orchestrator.eval.num-examples 8",
     )
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]

@@ -1,8 +1,9 @@
-"""trainer.model.activation_offload: refused without activation_checkpointing, a one-line dry-run note
-where the trainer computes on CPU, and the field reaches both model implementations: with it, the
-input each checkpointed decoder layer saves is packed by torch's save_on_cpu instead of the default
-saved-tensor path (seen by an outer saved_tensors_hooks that counts what reaches it), gradients
-unchanged. On CPU the pack is a plain copy (what the trainer avoids by passing it for CUDA only)."""
+"""trainer.model.activation_offload (the shorthand of [trainer.model.ac_offloading]) turns activation
+checkpointing on (as prime-rl's ac_offloading does), gets a one-line dry-run note where the trainer
+computes on CPU, and the models' own offload flag still reaches both implementations (load_model):
+the input each checkpointed decoder layer saves is packed by torch's save_on_cpu instead of the
+default saved-tensor path (seen by an outer saved_tensors_hooks that counts what reaches it),
+gradients unchanged. The trainer's offloading is hpcrl.trainer.memory_savers (test_memory_savers.py)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.config import ConfigError
 from hpcrl.launch.checks import activation_offload_note, load
 from hpcrl.models.spec import load_model
 
 BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']
 
 
-def test_offload_needs_checkpointing() -> None:
-    with pytest.raises(ConfigError, match=r"^model\.activation_offload: offloads the inputs that activation"):
-        load([*BASE, "--model.activation-offload"])
-    cfg = load([*BASE, "--model.activation-offload", "--model.activation-checkpointing"]).config
-    assert (cfg.trainer.model or cfg.model).activation_offload
+def test_offload_turns_checkpointing_on() -> None:
+    model = load([*BASE, "--model.activation-offload"]).config.trainer.model
+    assert model.activation_offload and model.activation_checkpointing
+    assert model.ac_offloading is not None and model.ac is not None and model.ac.mode == "full"
+    plain = load(BASE).config.trainer.model
+    assert plain.ac is None and plain.ac_offloading is None and not plain.activation_checkpointing
 
 
 def test_dry_run_note_on_cpu_only() -> None:
     cfg = load([*BASE, "--model.activation-offload", "--model.activation-checkpointing"]).config
     (note,) = activation_offload_note(cfg, on_gpu=False)
-    assert "activation_offload does nothing where the trainer computes on CPU" in note
+    assert "model.ac_offloading: the trainer computes on CPU, so offloaded activations are copies" in note
     assert activation_offload_note(cfg, on_gpu=True) == []
     assert activation_offload_note(load(BASE).config, on_gpu=False) == []
 

@@ -415,7 +415,7 @@ def test_run_summary_lines(base: Path, tmp_path: Path, capsys: pytest.CaptureFix
     text = "\n".join(lines)
     for expected in (
         "model:        hpcrl/tiny-qwen3",
-        "steps:        5 (mode rl",
+        "steps:        5 (algo grpo",
         "batch:        16 rollouts = 4 tasks x 4, seq_len 128, max_tokens 16",
         "envs:         reverse-text",
         "trainer:      1 rank(s)",

@@ -103,7 +103,7 @@ CASES: list[tuple[str, str, list[str], str, str]] = [
     ),
     ("range-port", BASE, ["--server.port", "70000"], "server.port", "expected int <= 65535, got 70000"),
     ("range-dropout", BASE, ["--model.lora.dropout", "2"], "model.lora.dropout", "<= 1.0"),
-    ("range-lr", BASE, ["--trainer.optim.lr=-1"], "trainer.optim.lr", "expected float > 0.0, got -1"),
+    ("range-lr", BASE, ["--trainer.optim.lr=-1"], "trainer.optim.lr", "expected float >= 0.0, got -1"),
     ("range-max-steps", BASE.replace("max_steps = 5", "max_steps = -3"), [], "max_steps", ">= 0"),
     (
         "range-top-p",
@@ -271,8 +271,8 @@ CASES: list[tuple[str, str, list[str], str, str]] = [
         "duplicate env name 'arithmetic'",
     ),
     (
-        "missing-model",
-        BASE.replace('[model]\nname = "hpcrl/tiny-qwen3"\n', ""),
+        "empty-model",  # a missing one is prime-rl's default (tests/unit/test_prime_shapes.py)
+        BASE.replace('[model]\nname = "hpcrl/tiny-qwen3"\n', '[model]\nname = " "\n'),
         [],
         "model.name",
         "is required",
@@ -493,7 +493,7 @@ def test_bad_env_args_are_a_config_error(tmp_path: Path, capsys: pytest.CaptureF
 @pytest.mark.parametrize(
     ("text", "flags", "path", "fragment"),
     [
-        ('[model]\nname = "hpcrl/tiny-qwen3"\n', [], "data.name", "is required"),
+        ('[model]\nname = "hpcrl/tiny-qwen3"\n[data]\nname = ""\n', [], "data.name", "is required"),
         (
             '[model]\nname = "hpcrl/tiny-qwen3"\n[data]\nname = "d.jsonl"\nbatchsize = 4\n',
             [],
@@ -506,7 +506,7 @@ def test_bad_env_args_are_a_config_error(tmp_path: Path, capsys: pytest.CaptureF
             "loss_mask.assistant",
             "expected true or false",
         ),
-        ('[data]\nname = "d.jsonl"\n', [], "model.name", "is required"),
+        ('[model]\nname = ""\n[data]\nname = "d.jsonl"\n', [], "model.name", "is required"),
         (
             '[model]\nname = "m"\n[data]\nname = "d.jsonl"\n',
             ["--micro-batch-tokens", "64"],

@@ -41,7 +41,11 @@ BASE: dict[str, Any] = {
 }
 SFT_BASE: dict[str, Any] = {"model": {"name": "hpcrl/tiny-qwen3"}, "data": {"name": "x.jsonl"}}
 # Required fields of optional sections, so a section created by an injection is otherwise valid.
-REQUIRED = {"orchestrator.teacher": {"base_url": "http://127.0.0.1:1"}}
+REQUIRED = {
+    "orchestrator.teacher": {"base_url": "http://127.0.0.1:1"},
+    "orchestrator.algo.teacher": {"base_url": "http://127.0.0.1:1"},
+    "orchestrator.algo.filter": {"import_path": "m.f"},
+}
 HOSTED: dict[str, Any] = {
     "model": "Qwen/Qwen3-4B",
     "max_steps": 10,

@@ -82,6 +82,8 @@ def _cases() -> list[Any]:
             for label, value, names in shapes:
                 if path == ("model",) and label == "str":
                     continue  # `model = "id"` is the hosted / eval shorthand: valid
+                if path[-1] == "full_offload" and label == "bool":
+                    continue  # prime-rl's shorthand: true = the table with its defaults, false = off
                 dotted = ".".join(path)
                 cases.append(
                     pytest.param(command, root_name, path, value, names, id=f"{command}:{dotted}={label}")

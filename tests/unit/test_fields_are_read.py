@@ -26,7 +26,11 @@ SOURCES = {
 CODE = "\n".join(SOURCES.values())
 # Sections whose fields are consumed as a whole; (section path, a snippet of the code that does it).
 WHOLE = {
-    "orchestrator.advantage": "asdict(cfg.orchestrator.advantage)",
+    # vLLM's own arguments, handed to its parser as they are (hpcrl.inference.vllm_args.engine_args)
+    "inference.vllm": "inf.vllm.items()",
+    # prime-rl's GPU deployment tables: noted, their set fields named (hpcrl.inference.vllm_args.notes)
+    "inference.deployment": "_given(inf.deployment,",
+    "inference.router": "_given(inf.router,",
 }
 
 
@@ -93,6 +97,8 @@ DOC_KEY = re.compile(
 NOT_KEYS = {"wandb.init", "wandb.teardown", "model.generate", "trainer.py", "inference.model.ep"}
 # prime-rl's platform settings, accepted with an "ignored here" note (tests/seed_names.toml holds them)
 NOT_KEYS |= {"orchestrator.prime_monitor"}
+# prime-rl's keys that are translated on load, not fields (hpcrl.config.prime_shapes; docs/prime-rl.md)
+NOT_KEYS |= {"deployment.num_infer_replicas", "deployment.nodes_per_fsdp_group", "deployment.type"}
 
 
 def _documented() -> list[str]:

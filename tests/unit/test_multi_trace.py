@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from hpcrl.config.schema import AdvantageConfig
+from hpcrl.config.sections.algo import AlgoConfig
 from hpcrl.envs.base import Task, Trajectory, Turn
 from hpcrl.envs.verifiers.v1_env import episode_trajectory
 from hpcrl.envs.wire.messages import from_wtraj, to_wtraj
-from hpcrl.orchestrator.advantages import AdvantageConfig
+from hpcrl.orchestrator.algo import Credit
 from hpcrl.orchestrator.batch import StepCounts, judge_group, to_samples
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig
 from hpcrl.orchestrator.state import GroupRecord
@@ -37,7 +39,10 @@ def test_each_trace_is_a_sample_with_its_own_reward_and_advantage() -> None:
     g = GroupRecord(env="e", example_id=0, task_index=0, task_epoch=0, rollouts=records)
     counts = StepCounts()
     assert judge_group(
-        g, Buffer({"e": 1}, BufferConfig()), AdvantageConfig(zero_advantage="drop"), "rl", counts
+        g,
+        Buffer({"e": 1}, BufferConfig()),
+        Credit(AlgoConfig(), AdvantageConfig(zero_advantage="drop")),
+        counts,
     )
     assert g.advantages == [0.0, 0.0]  # the rollouts' means are equal
     assert g.trace_advantages == [[0.5, -0.5], [-0.5, 0.5]]
@@ -49,7 +54,9 @@ def test_single_trace_rollouts_are_unchanged() -> None:
     t = Turn("", [1, 2], [3], [-0.1], [0])
     recs = [to_record(i, Trajectory(TASK, [], 1, [t], reward=r)) for i, r in enumerate([1.0, 0.0])]
     g = GroupRecord(env="e", example_id=0, task_index=0, task_epoch=0, rollouts=recs)
-    assert judge_group(g, Buffer({"e": 1}, BufferConfig()), AdvantageConfig(), "rl", StepCounts())
+    assert judge_group(
+        g, Buffer({"e": 1}, BufferConfig()), Credit(AlgoConfig(), AdvantageConfig()), StepCounts()
+    )
     assert g.advantages == [0.5, -0.5] and g.trace_advantages is None
 
 

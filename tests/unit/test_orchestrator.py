@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from hpcrl.bus import TrainBatch, decode, encode
+from hpcrl.config.schema import AdvantageConfig
+from hpcrl.config.sections.algo import AlgoConfig
 from hpcrl.envs.base import Turn
-from hpcrl.orchestrator.advantages import AdvantageConfig
+from hpcrl.orchestrator.algo import Credit
 from hpcrl.orchestrator.batch import StepCounts, build_batches, fill_batch, judge_group, to_samples
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig
 from hpcrl.orchestrator.eval import avg_and_pass_at_k
@@ -147,7 +149,7 @@ def test_stale_samples_are_dropped_and_counted() -> None:
     fresh, stale = group(0, [1.0, 0.0], version=7), group(1, [1.0, 0.0], version=6)
     counts = StepCounts()
     for g in (fresh, stale):
-        assert judge_group(g, buf, AdvantageConfig(), "rl", counts)
+        assert judge_group(g, buf, Credit(AlgoConfig(), AdvantageConfig()), counts)
     # Batch 10 is trained from policy 9: lag 2 (policy 7) is allowed, lag 3 (policy 6) is not.
     samples = to_samples(
         [stale, fresh], step=10, max_off_policy_steps=2, temperature=1.0, buffer=buf, counts=counts
@@ -166,19 +168,21 @@ def test_advantages_filters_and_errored_rollouts() -> None:
         task_epoch=0,
         rollouts=[rollout(0, 1.0), rollout(1, 0.0, error="boom"), rollout(2, 0.0)],
     )
-    assert judge_group(g, buf, AdvantageConfig(), "rl", counts)
+    assert judge_group(g, buf, Credit(AlgoConfig(), AdvantageConfig()), counts)
     assert g.advantages == [0.5, 0.0, -0.5]  # the errored rollout is outside the baseline
     uniform = group(1, [0.3, 0.3])
-    assert not judge_group(uniform, buf, AdvantageConfig(zero_advantage="drop"), "rl", counts)
+    assert not judge_group(uniform, buf, Credit(AlgoConfig(), AdvantageConfig(zero_advantage="drop")), counts)
     assert counts.filtered["zero_advantage"] == 1
     assert uniform.advantages == [0.0, 0.0]  # ready to be the last-resort filler of a starved batch
     hard = Buffer({"e": 10}, BufferConfig(online_difficulty_filtering=True))
     too_hard = group(2, [0.0, 0.1])
-    assert not judge_group(too_hard, hard, AdvantageConfig(), "rl", counts)
+    assert not judge_group(too_hard, hard, Credit(AlgoConfig(), AdvantageConfig()), counts)
     assert too_hard.advantages is None  # difficulty-filtered groups are never used
     assert counts.filtered["hard"] == 1
     sft = group(3, [0.0, 0.0])
-    assert judge_group(sft, buf, AdvantageConfig(), "sft", counts) and sft.advantages == [1.0, 1.0]
+    assert judge_group(
+        sft, buf, Credit(AlgoConfig(type="sft"), AdvantageConfig()), counts
+    ) and sft.advantages == [1.0, 1.0]
 
 
 def test_fill_with_uniform_takes_just_enough_groups() -> None:
@@ -201,7 +205,7 @@ def test_batches_have_global_loss_token_count() -> None:
     buf = Buffer({"e": 10}, BufferConfig())
     groups = [group(i, [1.0, 0.0]) for i in range(3)]
     for g in groups:
-        judge_group(g, buf, AdvantageConfig(), "rl", StepCounts())
+        judge_group(g, buf, Credit(AlgoConfig(), AdvantageConfig()), StepCounts())
     samples = to_samples(groups, 1, 8, 1.0, buf, StepCounts())
     batches, _ = build_batches(samples, step=1, world_size=2, seq_len=16, created_at=0.0)
     assert [b.rank for b in batches] == [0, 1]

@@ -30,7 +30,9 @@ def _foreign() -> list[tuple[str, str, list[str]]]:
     return out
 
 
-FOREIGN = _foreign()
+# prime-rl's [orchestrator.model.lora] (the served adapter's name, rank, alpha) is translated on load:
+# tests/unit/test_prime_shapes.py::test_orchestrator_lora_table
+FOREIGN = [f for f in _foreign() if f[:2] != ("orchestrator", "lora")]
 
 
 def test_the_split_is_real():

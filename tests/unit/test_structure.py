@@ -195,7 +195,12 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("config", "monitor"),  # 1: typed config, logging and metrics sinks
     ("bus", "weights", "checkpoint", "warm_start", "models", "render", "envs"),  # 2: shared machinery
     ("inference", "trainer", "orchestrator"),  # 3: the process roles
-    ("launch", "evaluation", "cli"),  # 4: planning and launching runs, the commands
+    (
+        "launch",
+        "evaluation",
+        "dashboard",
+        "cli",
+    ),  # 4: planning and launching runs, the dashboard, the commands
 )
 
 

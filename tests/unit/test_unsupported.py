@@ -13,9 +13,8 @@ from hpcrl.launch.checks import load
 BASE = ["--model.name", "hpcrl/tiny-qwen3", "--orchestrator.train.env", '[{id = "reverse-text"}]']
 
 # (flag path as the user writes it, a value nothing implements, the field the error must name)
-REJECTED = [
-    ("inference.parallel.dp", "2", "inference.parallel.dp"),
-]
+# (inference.parallel.dp, once here, is vLLM's data_parallel_size now: tests/unit/test_vllm_table.py)
+REJECTED: list[tuple[str, str, str]] = []
 ACCEPTED = [
     ("model.impl", "hf"),
     ("model.impl", "auto"),

@@ -22,6 +22,12 @@ class CkptConfig(Section):
     resume_step: Annotated[
         Annotated[int, Meta(ge=-1)] | None, D("Resume from this checkpoint step (-1 = newest complete).")
     ] = None
+    skip_optimizer: Annotated[
+        bool, D("Resume: load the model (and scheduler) but start the optimizer state afresh.")
+    ] = False
+    skip_scheduler: Annotated[
+        bool, D("Resume: start a fresh LR schedule over the remaining steps instead of the saved one.")
+    ] = False
     weights_only: Annotated[
         bool, D("Write only weights/step_N (HF dir), no optimizer/orchestrator state.")
     ] = False
@@ -59,6 +65,8 @@ class WandbConfig(Section):
     project: Annotated[str, D("W&B project.")] = "hpcrl"
     name: Annotated[str | None, D("W&B run name (default: the run name).")] = None
     entity: Annotated[str | None, D("W&B team/entity.")] = None
+    group: Annotated[str | None, D("W&B run group (prime-rl's monitors.wandb.group).")] = None
+    tags: Annotated[list[str] | None, D("W&B run tags.")] = None
     offline: Annotated[bool, D("Log offline (no network); sync later with `wandb sync`.")] = False
     log_extras: LogExtrasConfig = msgspec.field(default_factory=LogExtrasConfig)
 
@@ -121,5 +129,24 @@ class RendererConfig(Section):
         D(
             "Keep earlier turns' reasoning when bridging: tool_cycle (within a tool cycle; a new user "
             "query re-renders) or all; unset = what the renderer's template does."
+        ),
+    ] = None
+    reasoning_parser: Annotated[
+        str | None,
+        D("The renderer's reasoning parser by the renderers package's name (unset: the renderer's own)."),
+    ] = None
+    tool_parser: Annotated[
+        str | None, D("The renderer's tool-call parser by the renderers package's name (unset: its own).")
+    ] = None
+    clear_thinking: Annotated[
+        bool | None,
+        D(
+            "GLM / MiniMax renderers: the chat template's clear_thinking toggle (unset: the renderer's default)."
+        ),
+    ] = None
+    truncate_history_thinking: Annotated[
+        bool | None,
+        D(
+            "Renderers with that template toggle (e.g. Nemotron): drop earlier turns' reasoning (unset: default)."
         ),
     ] = None

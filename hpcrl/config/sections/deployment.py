@@ -89,3 +89,10 @@ class SlurmConfig(Section):
     setup: Annotated[list[str], D("Shell lines run on every node before the job (module load, venv).")] = (
         msgspec.field(default_factory=list)
     )
+    pre_run_command: Annotated[
+        str | None,
+        D(
+            "A shell command the batch script runs once, after env_files and the setup lines and before any "
+            "role starts (prime-rl's: cleanup, `uv sync`; wrap it in `srun bash -c '...'` for every node)."
+        ),
+    ] = None

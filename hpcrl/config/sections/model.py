@@ -8,6 +8,12 @@
 The top-level [model] is the shared table: a field set there flows into every role's section that
 has it (a role's own value wins), so `[model] name = ...` reaches every role and `[model]
 activation_checkpointing = true` reaches the trainer only (hpcrl.config.loader.flow_models).
+
+The trainer's memory savers carry prime-rl's names and tables (`ac`, `ac_offloading`, `compile`,
+`optim_cpu_offload`, `full_offload`, `quantization`); hpcrl's older booleans `activation_checkpointing`
+and `activation_offload` are their shorthands (one implementation: hpcrl.trainer.memory_savers reads
+the tables; ``__post_init__`` keeps the two views equal). prime-rl's other names and values for these
+fields: hpcrl.config.prime_model.
 """
 
 from __future__ import annotations
@@ -29,6 +35,85 @@ class LoraConfig(Section):
     dropout: Annotated[float, D("LoRA dropout probability.", ge=0, le=1)] = 0.0
     target_modules: Annotated[list[str], D("Module names LoRA adapts.")] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+# prime-rl's selective activation-checkpointing targets (hpcrl.trainer.memory_savers says which a layer has)
+AC_TARGETS = ("norm", "attn_proj", "mlp", "mla_up_proj", "routed_experts", "linear_attn")
+
+
+class ActivationCheckpointConfig(Section):
+    mode: Annotated[
+        Literal["full", "selective"],
+        D(
+            "full: recompute whole decoder layers in backward (each keeps only its input); selective: "
+            "recompute only the `targets` inside each chosen layer."
+        ),
+    ] = "full"
+    freq: Annotated[int, D("Checkpoint every freq-th decoder layer (layers 0, freq, 2 freq, ...).", ge=1)] = 1
+    targets: Annotated[
+        list[str],
+        D(
+            "Selective mode: norm (every norm module), attn_proj (q/k/v/o projections and q/k norms), mlp "
+            "(a dense MLP), routed_experts (a MoE layer's expert compute); mla_up_proj and linear_attn "
+            "name modules Qwen3 / Llama layers lack (refused when no chosen layer has them)."
+        ),
+    ] = msgspec.field(default_factory=lambda: ["norm"])
+
+    def __post_init__(self) -> None:
+        self.targets = list(dict.fromkeys(self.targets))
+        unknown = [t for t in self.targets if t not in AC_TARGETS]
+        if unknown:
+            raise ValueError(f"unknown targets {unknown} (allowed: {', '.join(AC_TARGETS)})")
+        if self.mode == "selective" and not self.targets:
+            raise ValueError("selective activation checkpointing needs at least one target")
+
+
+class ActivationOffloadingConfig(Section):
+    pin_memory: Annotated[
+        bool, D("Offloaded activations in pinned (page-locked) host memory (CUDA only; CPU: plain copies).")
+    ] = True
+    max_inflight_activations: Annotated[
+        int,
+        D(
+            "The most recently offloaded activations also kept on the device: the first backward ops "
+            "(which need the last-saved tensors) use them without waiting for a copy back.",
+            ge=1,
+        ),
+    ] = 5
+
+
+class CompileConfig(Section):
+    fullgraph: Annotated[
+        bool, D("Compile each decoder layer with fullgraph=True (no graph breaks allowed).")
+    ] = False
+    backend: Annotated[
+        Literal["inductor", "aot_eager", "eager"],
+        D("torch.compile backend (inductor: generated kernels; aot_eager: capture only, for debugging)."),
+    ] = "inductor"
+
+
+class FullOffloadConfig(Section):
+    cpu_optimizer_backend: Annotated[
+        Literal["native", "torch"],
+        D("prime-rl's CPU optimizer kernel choice; hpcrl steps torch's optimizer (notes say so)."),
+    ] = "native"
+    numa_bind: Annotated[
+        bool, D("prime-rl: pin each rank's CPUs to its GPU's NUMA node (notes say what here).")
+    ] = True
+
+
+class QuantizationConfig(Section):
+    type: Annotated[
+        Literal["fp8", "mxfp8"], D("Low-precision training matmuls (GPU kernels; notes say what here).")
+    ] = "fp8"
+    recipe: Annotated[
+        Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp"], D("MXFP8 scaling recipe (type = mxfp8).")
+    ] = "mxfp8_rceil"
+    enable_grouped_gemm: Annotated[bool, D("Quantize the MoE experts' grouped GEMM too.")] = True
+    enable_a2a: Annotated[bool, D("MXFP8: quantize the expert-parallel all-to-all.")] = True
+    ignore_patterns: Annotated[list[str], D("Module name patterns kept in the compute dtype.")] = (
+        msgspec.field(default_factory=lambda: ["lm_head", "router", r"mlp\.gate\.", "shared_expert_gate"])
     )
 
 
@@ -102,14 +187,42 @@ class TrainerModelConfig(ModelConfig):
             ge=0,
         ),
     ] = 0.0
-    activation_checkpointing: Annotated[bool, D("Recompute activations in backward to save memory.")] = False
-    activation_offload: Annotated[
+    ac: Annotated[
+        ActivationCheckpointConfig | None,
+        D("Activation checkpointing ([trainer.model.ac]: mode, freq, targets); unset: off."),
+    ] = None
+    activation_checkpointing: Annotated[
+        bool, D("Shorthand: true = [ac] with its defaults (every decoder layer recomputed in backward).")
+    ] = False
+    ac_offloading: Annotated[
+        ActivationOffloadingConfig | None,
+        D(
+            "Activation offloading: what the forward saves for backward (tensors of 1 KiB or more, not "
+            "parameters) is copied to host memory and back when backward needs it; turns [ac] on."
+        ),
+    ] = None
+    activation_offload: Annotated[bool, D("Shorthand: true = [ac_offloading] with its defaults.")] = False
+    compile: Annotated[
+        CompileConfig | None, D("torch.compile each decoder layer ([trainer.model.compile]); unset: eager.")
+    ] = None
+    optim_cpu_offload: Annotated[
         bool,
         D(
-            "CUDA: keep what each checkpointed decoder layer saves for its backward (its input) in pinned CPU "
-            "memory, not on the GPU (torch save_on_cpu; needs activation_checkpointing). On CPU: no effect."
+            "Optimizer state (e.g. AdamW's moments) in host memory between steps, moved to the device for "
+            "each optimizer step; weights and gradients stay on the device."
         ),
     ] = False
+    full_offload: Annotated[
+        FullOffloadConfig | None,
+        D(
+            "prime-rl's full CPU optimizer offload (true or a table): here the optimizer state in host "
+            "memory between steps (as optim_cpu_offload); excludes optim_cpu_offload."
+        ),
+    ] = None
+    quantization: Annotated[
+        QuantizationConfig | None,
+        D("FP8 / MXFP8 training ([trainer.model.quantization]: type, recipe, ...)."),
+    ] = None
     logprobs_chunk_tokens: Annotated[
         int,
         D(
@@ -156,6 +269,20 @@ class TrainerModelConfig(ModelConfig):
     lora: Annotated[
         LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")
     ] = None
+
+    def __post_init__(self) -> None:
+        # one setting, two views: a shorthand turns its table on, a table sets its shorthand;
+        # offloading needs checkpointing (prime-rl turns it on)
+        if self.activation_offload and self.ac_offloading is None:
+            self.ac_offloading = ActivationOffloadingConfig()
+        if (self.activation_checkpointing or self.ac_offloading is not None) and self.ac is None:
+            self.ac = ActivationCheckpointConfig()
+        self.activation_checkpointing = self.ac is not None
+        self.activation_offload = self.ac_offloading is not None
+        if self.optim_cpu_offload and self.full_offload is not None:
+            raise ValueError(
+                "optim_cpu_offload and full_offload exclude each other (set optim_cpu_offload = false)"
+            )
 
 
 ROLE_MODELS: dict[str, type[Section]] = {

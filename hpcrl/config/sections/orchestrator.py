@@ -1,4 +1,4 @@
-"""[orchestrator]: sampling, environments, eval / val, buffer, advantage, teacher, renderer."""
+"""[orchestrator]: sampling, environments, eval / val, buffer, algo (advantage, teacher), renderer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from hpcrl.config.sections.algo import AlgoConfig, AlgoSamplingConfig, FrozenModelConfig, LengthPenaltyConfig
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import LogConfig, RendererConfig, RoleWandbConfig
+from hpcrl.config.sections.environ import EnvVars
 from hpcrl.config.sections.model import OrchestratorModelConfig
 
 
@@ -64,6 +66,13 @@ class EnvConfig(Section):
             "default; a hosted default runs in subprocess on hpcrl's nodes, with a note)."
         ),
     ] = None
+    env: Annotated[
+        dict[str, Any],
+        D(
+            "verifiers 0.4 (v1) envs: verifiers' own env config table (prime-rl's source.env: taskset, "
+            "agent.harness / runtime / timeout, seats), handed to verifiers unchanged; args add taskset fields."
+        ),
+    ] = msgspec.field(default_factory=dict)
 
 
 class TrainEnvsConfig(Section):
@@ -105,9 +114,18 @@ class BufferConfig(Section):
 
 
 class AdvantageConfig(Section):
-    std_normalize: Annotated[bool, D("Divide group-relative advantages by the group std.")] = False
+    """hpcrl's own knobs of the reward-based algorithms (orchestrator.algo type grpo, max_rl, rae, echo)."""
+
+    std_normalize: Annotated[
+        bool, D("grpo / echo: divide the group-centred advantages by their std (GRPO; off = Dr. GRPO).")
+    ] = False
     length_penalty: Annotated[
-        float, D("Subtract coef * (len/mean_len - 1) from the advantage (0 = off).", ge=0)
+        float,
+        D(
+            "Older name: c > 0 sets [orchestrator.algo.length_penalty] with num_output_tokens_weight = c "
+            "and the other weights 0 (0 = off).",
+            ge=0,
+        ),
     ] = 0.0
     reward_clip: Annotated[
         Annotated[float, Meta(gt=0)] | None,
@@ -123,9 +141,26 @@ class AdvantageConfig(Section):
 
 
 class TeacherConfig(Section):
+    """Older name: training_mode = 'opd' makes it [orchestrator.algo.teacher], 'sft' the sampling source."""
+
     base_url: Annotated[str, D("OpenAI-compatible endpoint of the teacher (opd / sft modes).")]
     model: Annotated[str | None, D("Teacher model name at that endpoint.")] = None
     api_key_var: Annotated[str, D("Environment variable holding the teacher's API key.")] = "OPENAI_API_KEY"
+
+
+class SaveRolloutsConfig(Section):
+    """[orchestrator.save_rollouts]: every rollout under rollouts/step_N/{train,eval}/ (issue 51)."""
+
+    enabled: Annotated[
+        bool, D("Save every train and eval rollout in full under rollouts/step_N/{train,eval}/traces.jsonl.")
+    ] = True
+    keep_last: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        D("Keep the newest K steps' saved rollouts (unset: ckpt.keep_last x ckpt.interval steps, else all)."),
+    ] = None
+    tokens: Annotated[
+        bool, D("Also save each turn's sampled token ids, logprobs and token texts (token colouring).")
+    ] = True
 
 
 class OrchestratorConfig(Section):
@@ -144,8 +179,9 @@ class OrchestratorConfig(Section):
     ] = 8
     oversampling_factor: Annotated[float, D("Request this many times the tasks a batch needs.", ge=1)] = 1.0
     training_mode: Annotated[
-        Literal["rl", "opd", "sft"], D("rl; opd (KL to a teacher); sft (teacher generates).")
-    ] = "rl"
+        Literal["rl", "opd", "sft"] | None,
+        D("Older name of orchestrator.algo.type: rl = grpo, opd, sft (teacher from [orchestrator.teacher])."),
+    ] = None
     trajectory_strategy: Annotated[
         Literal["interleaved", "branching"],
         D(
@@ -160,8 +196,12 @@ class OrchestratorConfig(Section):
     eval: Annotated[EvalConfig | None, D("Online evaluation ([orchestrator.eval]).")] = None
     val: Annotated[ValConfig | None, D("Validation on the env's val split.")] = None
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    algo: Annotated[
+        AlgoConfig | None,
+        D("The training algorithm (prime-rl's [orchestrator.algo]; unset: training_mode's, else grpo)."),
+    ] = None
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
-    teacher: Annotated[TeacherConfig | None, D("Teacher endpoint for opd / sft modes.")] = None
+    teacher: Annotated[TeacherConfig | None, D("Older name: the teacher of training_mode opd / sft.")] = None
     renderer: RendererConfig = msgspec.field(default_factory=RendererConfig)
     request_timeout_s: Annotated[float, D("Timeout of one inference request.", gt=0)] = 600.0
     env_workers: Annotated[
@@ -190,7 +230,41 @@ class OrchestratorConfig(Section):
         ),
     ] = 64
     log: Annotated[LogConfig | None, D("Orchestrator log overrides.")] = None
+    env_vars: Annotated[
+        EnvVars,
+        D("Environment variables of the orchestrator and its env servers (over the top-level env_vars)."),
+    ] = msgspec.field(default_factory=dict)
     wandb: Annotated[
         RoleWandbConfig | None,
         D("Orchestrator W&B overrides (log_extras); needs W&B on ([wandb] or --wandb)."),
     ] = None
+    # -- issue 51: saved rollouts --
+    save_rollouts: SaveRolloutsConfig = msgspec.field(default_factory=SaveRolloutsConfig)
+
+    def __post_init__(self) -> None:
+        fold_older_keys(self)
+
+
+def fold_older_keys(o: OrchestratorConfig) -> None:
+    """hpcrl's older keys set [orchestrator.algo] (then read as unset), so the code reads only `algo`:
+    training_mode + [orchestrator.teacher] give its type and model, advantage.length_penalty its
+    penalty. Combinations that cannot be folded (both names set, opd without a teacher) are left as
+    they are for hpcrl.config.validate to name in one line. Runs on every conversion: idempotent."""
+    if o.algo is None:
+        mode = o.training_mode or "rl"
+        if mode == "rl" and o.teacher is None:
+            o.algo, o.training_mode = AlgoConfig(), None
+        elif mode != "rl" and o.teacher is not None:
+            t = o.teacher
+            ref = FrozenModelConfig(base_url=t.base_url, name=t.model, api_key_var=t.api_key_var)
+            if mode == "opd":
+                o.algo = AlgoConfig(type="opd", teacher=ref)
+            else:
+                o.algo = AlgoConfig(type="sft", sampling=AlgoSamplingConfig(source=ref))
+            o.training_mode, o.teacher = None, None
+    c = o.advantage.length_penalty
+    if c > 0 and o.algo is not None and o.algo.type in ("grpo", "echo") and o.algo.length_penalty is None:
+        o.algo.length_penalty = LengthPenaltyConfig(
+            num_output_tokens_weight=c, num_input_tokens_weight=0.0, num_turns_weight=0.0
+        )
+        o.advantage.length_penalty = 0.0

@@ -10,11 +10,18 @@ from msgspec import Meta
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import CkptConfig, LogConfig, RendererConfig, WandbConfig
 from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
+from hpcrl.config.sections.environ import EnvVars
 from hpcrl.config.sections.model import TrainerModelConfig
 from hpcrl.config.sections.trainer import OptimConfig
 
 
 class SFTDataConfig(Section):
+    type: Annotated[
+        Literal["sft", "fake"],
+        D(
+            "sft: the rows of data.name; fake: prime-rl's made-up token rows (length, input_ids), to measure the trainer."
+        ),
+    ] = "sft"
     name: Annotated[str, D("Local jsonl/parquet file, a directory of them, or a saved HF datasets dir.")] = ""
     split: Annotated[str, D("Split for saved dataset dicts.")] = "train"
     batch_size: Annotated[
@@ -35,6 +42,14 @@ class SFTDataConfig(Section):
     seq_len: Annotated[
         Annotated[int, Meta(ge=8)] | None, D("Packed row length (default: top-level seq_len).")
     ] = None
+    length: Annotated[
+        Literal["fixed", "variable"],
+        D("type = fake: rows of seq_len tokens, or a seeded length in [2, seq_len)."),
+    ] = "fixed"
+    input_ids: Annotated[
+        Literal["increasing", "random"],
+        D("type = fake: row i is all token i (mod vocab), or seeded random ids."),
+    ] = "increasing"
     shuffle: Annotated[bool, D("Shuffle each epoch (seeded).")] = True
     seed: Annotated[int, D("Shuffle seed.")] = 0
     enable_thinking: Annotated[
@@ -91,12 +106,19 @@ class SFTConfig(Section):
     val: SFTValConfig = msgspec.field(default_factory=SFTValConfig)
     optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-3))
     micro_batch_tokens: Annotated[int, D("Tokens per micro-batch.", ge=8)] = 4096
+    dist_timeout_seconds: Annotated[
+        int, D("Timeout of the trainer's torch.distributed collectives, in seconds.", ge=1)
+    ] = 3600
     peak_tflops: Annotated[
         Annotated[float, Meta(gt=0)] | None,
         D("Peak TFLOP/s of one device, for perf/mfu (unset: from the GPU's name; on CPU no perf/mfu)."),
     ] = None
     deployment: DeploymentConfig = msgspec.field(default_factory=DeploymentConfig)
     ckpt: Annotated[CkptConfig | None, D("Checkpointing.")] = None
+    env_vars: Annotated[
+        EnvVars,
+        D("Environment variables of every trainer rank (prime-rl's SFT env_vars); ${env:NAME} allowed."),
+    ] = msgspec.field(default_factory=dict)
     slurm: Annotated[
         SlurmConfig | None,
         D("SLURM settings for `hpcrl submit` of this SFT config (nodes: deployment.num_train_nodes)."),

@@ -2,30 +2,108 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import LogConfig, RoleWandbConfig
+from hpcrl.config.sections.environ import EnvVars
 from hpcrl.config.sections.model import TrainerModelConfig
+from hpcrl.errors import ConfigError
+
+OptimType = Literal["adamw", "sgd", "muon", "sign_sgd"]
+
+# The fields only some optimizers read, with each one's default (prime-rl's AdamWConfig, SGDConfig,
+# MuonConfig; SignSGDConfig reads none). A field set for a type that does not read it is an error.
+TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "betas1": {"adamw": 0.9, "muon": 0.9},
+    "betas2": {"adamw": 0.999, "muon": 0.95},
+    "eps": {"adamw": 1e-8, "muon": 1e-8},
+    "mu": {"muon": 0.95},
+    "momentum": {"sgd": 0.9},
+    "nesterov": {"sgd": True},
+}
 
 
 class OptimConfig(Section):
-    type: Annotated[Literal["adamw", "sgd"], D("Optimizer.")] = "adamw"
-    lr: Annotated[float, D("Peak learning rate.", gt=0)] = 1e-5
-    weight_decay: Annotated[float, D("Decoupled weight decay.", ge=0)] = 0.0
-    betas: Annotated[list[float], D("Adam betas [b1, b2].")] = msgspec.field(
-        default_factory=lambda: [0.9, 0.999]
+    type: Annotated[
+        OptimType,
+        D(
+            "adamw; sgd (momentum, nesterov); muon: Muon on hidden matrices, AdamW on embeddings, LM head "
+            "and 1-D parameters; sign_sgd: p -= lr * sign(grad), stateless."
+        ),
+    ] = "adamw"
+    lr: Annotated[float, D("Peak learning rate (0 = the weights never move: prime-rl allows it).", ge=0)] = (
+        1e-5
     )
-    eps: Annotated[float, D("Adam epsilon.", gt=0)] = 1e-8
+    weight_decay: Annotated[float, D("Decoupled weight decay (never on 1-D parameters).", ge=0)] = 0.0
     max_norm: Annotated[float, D("Clip the global gradient norm to this (0 = off).", ge=0)] = 1.0
+    betas: Annotated[
+        list[float] | None,
+        D("Adam betas [b1, b2] (adamw; muon's AdamW part). Unset: [0.9, 0.999] adamw, [0.9, 0.95] muon."),
+    ] = None
+    betas1: Annotated[
+        Annotated[float, Meta(ge=0, lt=1)] | None, D("prime-rl's name for betas[0] (adamw, muon).")
+    ] = None
+    betas2: Annotated[
+        Annotated[float, Meta(ge=0, lt=1)] | None, D("prime-rl's name for betas[1] (adamw, muon).")
+    ] = None
+    eps: Annotated[
+        Annotated[float, Meta(gt=0)] | None, D("Adam epsilon (adamw; muon: its AdamW part; unset: 1e-8).")
+    ] = None
+    mu: Annotated[
+        Annotated[float, Meta(ge=0, lt=1)] | None, D("Muon's momentum factor (muon; unset: 0.95).")
+    ] = None
+    momentum: Annotated[
+        Annotated[float, Meta(ge=0, lt=1)] | None, D("SGD momentum factor (sgd; unset: 0.9).")
+    ] = None
+    nesterov: Annotated[bool | None, D("Nesterov momentum (sgd; unset: true, false when momentum = 0).")] = (
+        None
+    )
     scheduler: Annotated[Literal["constant", "linear", "cosine"], D("LR schedule after warmup.")] = "constant"
     warmup_steps: Annotated[int, D("Linear warmup steps.", ge=0)] = 0
     min_lr_ratio: Annotated[float, D("Final lr as a fraction of lr for linear/cosine decay.", ge=0, le=1)] = (
         0.0
     )
+
+    def check(self, path: str) -> None:
+        """Refuse a field the chosen type does not read, and betas that disagree (ConfigError at
+        ``path``.field)."""
+        for name, per_type in TYPE_DEFAULTS.items():
+            if getattr(self, name) is not None and self.type not in per_type:
+                users = " or ".join(repr(t) for t in per_type)
+                raise ConfigError(f"{path}.{name}", f"applies to type = {users} only, not {self.type!r}")
+        if self.betas is not None:
+            if self.type not in TYPE_DEFAULTS["betas1"]:
+                raise ConfigError(
+                    f"{path}.betas", f"applies to type = 'adamw' or 'muon' only, not {self.type!r}"
+                )
+            if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+                raise ConfigError(f"{path}.betas", f"{self.betas} is not two numbers in [0, 1)")
+            for i, name in enumerate(("betas1", "betas2")):
+                own = getattr(self, name)
+                if own is not None and own != self.betas[i]:
+                    raise ConfigError(
+                        f"{path}.{name}",
+                        f"{own} conflicts with betas[{i}] = {self.betas[i]} (the same setting)",
+                    )
+        if self.type == "sgd" and self.nesterov and self.momentum == 0:
+            raise ConfigError(f"{path}.nesterov", f"needs momentum > 0 ({path}.momentum is 0)")
+
+    def settings(self) -> dict[str, Any]:
+        """The type-specific settings the chosen optimizer reads: what is set, else its default."""
+        out = {
+            name: per_type[self.type] if getattr(self, name) is None else getattr(self, name)
+            for name, per_type in TYPE_DEFAULTS.items()
+            if self.type in per_type
+        }
+        if self.betas is not None:
+            out["betas1"], out["betas2"] = self.betas
+        if self.type == "sgd" and self.nesterov is None:
+            out["nesterov"] = out["momentum"] > 0
+        return out
 
 
 class LossConfig(Section):
@@ -128,6 +206,19 @@ class TrainerConfig(Section):
         D("Peak TFLOP/s of one device, for perf/mfu (unset: from the GPU's name; on CPU no perf/mfu)."),
     ] = None
     log: Annotated[LogConfig | None, D("Trainer log overrides.")] = None
+    dist_timeout_seconds: Annotated[
+        int, D("Timeout of the trainer's torch.distributed collectives, in seconds.", ge=1)
+    ] = 3600
+    enable_token_export: Annotated[
+        bool,
+        D(
+            "Write every trained sample's tokens with the trainer's numbers for them (logprobs, entropy, "
+            "importance ratio, mismatch KL, masked) to token_exports/step_N/rank_R.jsonl, STABLE when complete."
+        ),
+    ] = False
+    env_vars: Annotated[
+        EnvVars, D("Environment variables of the trainer ranks (over the top-level env_vars).")
+    ] = msgspec.field(default_factory=dict)
     wandb: Annotated[
         RoleWandbConfig | None, D("Trainer W&B overrides (log_extras); needs W&B on ([wandb] or --wandb).")
     ] = None

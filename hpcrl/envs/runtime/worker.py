@@ -59,7 +59,7 @@ async def run_one(env: Any, base_prompt: str | None, msg: wire.Run, client: Work
             trajs = await env.rollout_group(task, client, msg.sampling, msg.n)
         else:
             trajs = [await env.rollout(task, client, msg.sampling)]
-        return wire.Done(msg.rid, [wire.to_wtraj(t) for t in trajs])
+        return wire.Done(msg.rid, [wire.to_wtraj(env.with_weights(t)) for t in trajs])
     except Exception as e:  # noqa: BLE001 - an env bug errors its rollouts; the worker goes on
         log.warning("rollout %d (example %s) raised %s: %s", msg.rid, task.example_id, type(e).__name__, e)
         return wire.Done(msg.rid, error=f"{type(e).__name__}: {e}"[:500])

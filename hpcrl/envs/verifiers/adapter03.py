@@ -182,6 +182,15 @@ class VerifiersEnvironment(Environment):
             info=dict(info),
         )
 
+    def reward_weights(self) -> dict[str, float]:
+        """The verifiers rubric's functions and weights (a RubricGroup lists its members' together)."""
+        rubric = self.vf_env.rubric
+        try:
+            names, weights = rubric.get_reward_func_names(), rubric.get_reward_weights()
+        except Exception:  # noqa: BLE001 - an unusual rubric: its scores are saved without weights
+            return {}
+        return {str(n): float(w) for n, w in zip(names, weights)}
+
     def _rollout_input(self, task: Task) -> dict[str, Any]:
         info = dict(task.info)
         extra = info.pop(_EXTRA_KEY, {})

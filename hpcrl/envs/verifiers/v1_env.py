@@ -47,19 +47,28 @@ def _log_to(path: str) -> None:
     root.setLevel(env_process_level())
 
 
-def env_config(env_id: str, args: Mapping[str, Any], runtime: str | None) -> tuple[Any, list[str]]:
+def env_config(
+    env_id: str, args: Mapping[str, Any], runtime: str | None, table: Mapping[str, Any] | None = None
+) -> tuple[Any, list[str]]:
     """verifiers' EnvConfig for a taskset module with `args` as taskset fields, every seat in
-    `runtime` (see hpcrl.envs.verifiers.v1_runtime.effective), plus the notes to log."""
+    `runtime` (see hpcrl.envs.verifiers.v1_runtime.effective), plus the notes to log. `table`:
+    verifiers' own env config (prime-rl's source.env: taskset, agent harness / runtime / timeout,
+    seats), the base the rest applies to."""
+    import copy
+
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.utils.loaders import resolve_env_config
 
-    data: dict[str, Any] = {"taskset": {"id": env_id, **dict(args)}}
+    data: dict[str, Any] = copy.deepcopy(dict(table or {}))
+    taskset = data.get("taskset") if isinstance(data.get("taskset"), dict) else {}
+    data["taskset"] = {**taskset, "id": taskset.get("id", env_id), **dict(args)}
     try:
         seats = agent_config_fields(resolve_env_config(data))
         notes = []
         for role, agent in seats.items():
             chosen, note = effective(runtime, agent.runtime.type)
-            data[role] = {"runtime": {"type": chosen}}
+            seat = data.get(role) if isinstance(data.get(role), dict) else {}
+            data[role] = {**seat, "runtime": {**(seat.get("runtime") or {}), "type": chosen}}
             if note:
                 notes.append(f"env {env_id!r} seat {role!r} {note}")
         return resolve_env_config(data), notes
@@ -126,6 +135,7 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
     traces = [t for t in episode.traces if t.agent.trainable]
     turns: list[Turn] = []
     metrics: dict[str, float] = {}
+    weights: dict[str, float] = {}
     truncated = False
     for j, trace in enumerate(traces):
         for branch in trace.branches:
@@ -149,6 +159,7 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
         for k, r in trace.rewards.items():
             if r is not None:
                 metrics[k] = metrics.get(k, 0.0) + float(r.score) / len(traces)
+                weights.setdefault(k, float(r.weight))
     # A failed model call first: it is the cause (verifiers' interception answers the harness 502 and
     # logs it; the harness then fails as a consequence, e.g. `HarnessError: ... exited 1: Traceback`).
     calls = [c.error for t in episode.traces for c in t.calls if c.error is not None]
@@ -171,6 +182,7 @@ def episode_trajectory(task: Task, episode: Any, policy: int) -> Trajectory:
         truncated=truncated,
         error=error or None,
         trace_rewards=[float(t.reward) for t in traces] if len(traces) > 1 else None,
+        reward_weights=weights,
     )
 
 
@@ -195,6 +207,7 @@ class V1Environment(Environment):
         args: Mapping[str, Any],
         *,
         runtime: str | None = None,
+        table: Mapping[str, Any] | None = None,
         workers: int = 1,
         rollout_timeout_s: float = 600.0,
         max_restarts: int = 3,
@@ -206,7 +219,7 @@ class V1Environment(Environment):
         self.rollout_timeout_s, self.max_restarts, self.restarts = rollout_timeout_s, max_restarts, 0
         self.log_dir: Path | None = None
         self.name = env_id
-        self.config, self.notes = env_config(env_id, args, runtime)
+        self.config, self.notes = env_config(env_id, args, runtime, table)
         for note in self.notes:
             log.warning(note)
         self.max_turns = 1

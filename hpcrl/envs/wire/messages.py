@@ -55,6 +55,7 @@ class WTrajectory(msgspec.Struct, array_like=True):
     truncated: bool
     error: str | None
     trace_rewards: list[float] | None = None
+    reward_weights: dict[str, float] = {}
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -229,6 +230,7 @@ def to_wtraj(t: Trajectory) -> WTrajectory:
         bool(t.truncated),
         t.error,
         None if t.trace_rewards is None else [float(r) for r in t.trace_rewards],
+        {k: float(v) for k, v in t.reward_weights.items()},
     )
 
 
@@ -244,4 +246,5 @@ def from_wtraj(task: Task, t: WTrajectory) -> Trajectory:
         truncated=t.truncated,
         error=t.error,
         trace_rewards=t.trace_rewards,
+        reward_weights=t.reward_weights,
     )

@@ -1,0 +1,39 @@
+"""A prime-rl source (an env entry with verifiers' own env table, hpcrl.config.prime_sources) whose
+taskset is not installed here as a verifiers 0.4 package."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from hpcrl.errors import ConfigError
+
+
+def source_fallback(e: Any, where: str, notes: list[str]) -> Any:
+    """With the `null` harness (the model answers the task's prompt directly, no agent program), no
+    other seats, and an env of that id here (hpcrl's built-ins: reverse-text, alphabet-sort, ...),
+    that env runs instead, said in a note; anything else is refused in one line naming the taskset
+    (a harness needs the real taskset). `e`: an EnvConfig whose `env` table is set."""
+    from hpcrl.envs.registry import EnvSpecError, resolve_factory
+
+    agent = e.env.get("agent") if isinstance(e.env.get("agent"), dict) else {}
+    harness = agent.get("harness")
+    harness_id = harness.get("id", "null") if isinstance(harness, dict) else "null"
+    seats = [k for k in e.env if k not in ("id", "taskset", "agent")]
+    try:
+        resolve_factory(e.id)
+        here = True
+    except EnvSpecError:
+        here = False
+    if harness_id != "null" or seats or not here:
+        raise ConfigError(
+            f"{where}.env.taskset.id",
+            f"taskset {e.id!r} is not installed as a verifiers 0.4 package here (install it, e.g. "
+            f"`prime env install {e.id}`, or pip install its package)",
+        )
+    notes.append(
+        f"{where}: taskset {e.id!r} is not installed as a verifiers 0.4 package; running hpcrl's env "
+        f"{e.id!r} instead (harness 'null': the model answers each prompt directly, as there)"
+    )
+    return msgspec.structs.replace(e, env={}, runtime=None)

@@ -1,0 +1,169 @@
+"""The roles' WARNING and ERROR lines on the console (issue 51): `hpcrl run` prints them as they
+happen, between its step lines; `hpcrl logs DIR --warnings` prints the same for any run (a SLURM
+job's too: its roles log into the same files).
+
+Each distinct message is printed once, with a count: the first time it is seen, and again at the
+10th, 100th, 1000th ... time (`(x10)`), as hpcrl.orchestrator.causes counts errored rollouts. Two
+messages are the same when they differ only in numbers (pids, ports, seconds, steps): "no progress
+for 6 s" and "no progress for 7 s" are one. A record's traceback lines are not printed (`hpcrl logs`
+shows them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcrl.launch.logrecords import LEVELS, ROLES, Record, records
+from hpcrl.paths import RunPaths
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+_HEAD = re.compile(r"^(\S+) +(WARNING|ERROR|CRITICAL) +(?:\[([^\]]*)\] )?(.*)$")
+WIDTH = 300  # characters of a printed message (stall lines name stacks files and more)
+# Each errored rollout's own line (an env's log, propagated to the orchestrator's): its cause is
+# named, counted at 1, 10, 100 ... and judged systematic by hpcrl.orchestrator.causes, whose lines
+# are printed instead.
+_PER_ROLLOUT = re.compile(r"^rollout \d+ errored: ")
+
+
+def role_logs(paths: RunPaths) -> list[Path]:
+    """Every role's log: logs/<role>.log and logs/<role>/rank_R.log (ranks, servers)."""
+    out: list[Path] = []
+    for role in ROLES:
+        out.append(paths.log_file(role))
+        out += sorted((paths.logs_dir / role).glob("rank_*.log"))
+    return out
+
+
+def key_of(message: str) -> str:
+    """What makes two messages the same one: the text with its numbers masked."""
+    return _NUMBER.sub("#", message)
+
+
+@dataclass
+class Seen:
+    line: str  # the first occurrence, as printed
+    count: int = 0
+    last: str = ""  # the clock time of the newest occurrence
+
+
+def _next_mark(n: int) -> bool:
+    """Print again at 10, 100, 1000, ...: a count that is a power of ten."""
+    return n >= 10 and str(n).strip("0") == "1"
+
+
+@dataclass
+class Alerts:
+    """Distinct WARNING/ERROR messages and their counts (pure: fed records, returns lines)."""
+
+    seen: dict[str, Seen] = field(default_factory=dict)
+
+    def see(self, rec: Record) -> str | None:
+        """The line to print now for `rec` (None: not a warning, or a repeat not due)."""
+        if rec.level < LEVELS["warning"]:
+            return None
+        m = _HEAD.match(rec.lines[0])
+        if m is None:
+            return None
+        clock, level, role, message = m.groups()
+        if _PER_ROLLOUT.match(message):
+            return None
+        key = f"{role}|{key_of(message)}"
+        s = self.seen.get(key)
+        if s is None:
+            s = self.seen[key] = Seen(f"{clock} {level} [{role or '?'}] {_cut(message)}")
+        s.count += 1
+        s.last = clock
+        if s.count == 1:
+            return s.line
+        if _next_mark(s.count):
+            return f"{s.line} (x{s.count})"
+        return None
+
+    def summary(self) -> list[str]:
+        """Every distinct message once, in order of first occurrence, with its count and last time."""
+        return [
+            s.line if s.count == 1 else f"{s.line} (x{s.count}, last {s.last})" for s in self.seen.values()
+        ]
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= WIDTH else text[: WIDTH - 1] + "…"
+
+
+class LogTail:
+    """New complete records of a set of log files (re-listed each poll: rank logs appear late)."""
+
+    def __init__(self, files: Callable[[], list[Path]], from_end: bool = True):
+        self.files = files
+        self.offsets: dict[Path, int] = {}
+        if from_end:  # what earlier sessions wrote (a resumed run appends to the same logs) is old news
+            for p in files():
+                self.offsets[p] = _size(p)
+
+    def poll(self) -> list[Record]:
+        out: list[Record] = []
+        for p in self.files():
+            size = _size(p)
+            start = self.offsets.get(p, 0)
+            if size < start:  # truncated or replaced: read it from its start
+                start = 0
+            if size == start:
+                self.offsets[p] = size
+                continue
+            with open(p, "rb") as f:
+                f.seek(start)
+                chunk = f.read(size - start)
+            cut = chunk.rfind(b"\n") + 1  # a half-written last line waits for the next poll
+            self.offsets[p] = start + cut
+            out += records(chunk[:cut].decode(errors="replace").splitlines(), p.name)
+        out.sort(key=lambda r: r.seconds)  # stable: one file's records keep their order
+        return out
+
+
+def _size(p: Path) -> int:
+    try:
+        return os.stat(p).st_size
+    except OSError:
+        return 0
+
+
+class ConsoleAlerts:
+    """What `hpcrl run`'s console prints between its step lines: new WARNING/ERROR lines of every role."""
+
+    def __init__(self, paths: RunPaths):
+        self.tail = LogTail(lambda: role_logs(paths))
+        self.alerts = Alerts()
+
+    def poll(self) -> list[str]:
+        return [line for rec in self.tail.poll() if (line := self.alerts.see(rec)) is not None]
+
+
+def distinct(recs: Iterable[Record]) -> list[str]:
+    """`hpcrl logs --warnings` without -f: each distinct message once, with its count."""
+    a = Alerts()
+    for r in recs:
+        a.see(r)
+    return a.summary()
+
+
+def show_warnings(paths: RunPaths, follow: bool, keep: Callable[[Record], bool] = lambda r: True) -> int:
+    """`hpcrl logs DIR --warnings [-f]`: every role's distinct WARNING/ERROR messages with their
+    counts; -f then prints new ones as they happen (as `hpcrl run` does)."""
+    import time
+
+    tail, alerts = LogTail(lambda: role_logs(paths), from_end=False), Alerts()
+    for rec in tail.poll():
+        if keep(rec):
+            alerts.see(rec)
+    lines = alerts.summary()
+    print("\n".join(lines) if lines else f"no WARNING or ERROR lines in {paths.logs_dir} yet", flush=True)
+    while follow:
+        time.sleep(0.5)
+        for rec in tail.poll():
+            if keep(rec) and (line := alerts.see(rec)) is not None:
+                print(line, flush=True)
+    return 0
