@@ -60,7 +60,7 @@ block at a time.
 
 Speed (scripts/bench/digest.py, torch's default threads = both cores of the shared AVX512-VNNI dev
 box; old = the former per-row xxh3-128 loop, in the same run, taking turns): 1.5 KiB rows 11.2-13.4
-GB/s against 1.7-3.3 (4.0-7.0x over five runs; 2.3-3.5x on one thread, 7.1-8.4 GB/s), 4 KiB rows 12.1
+GB/s against 1.7-3.3 (4.0-7.0x over eight runs, median ~4.7x; 2.3-3.5x on one thread, 7.1-8.4 GB/s), 4 KiB rows 12.1
 against 3.3, 16 KiB rows 12.7 against 6.4, a bucket of 1,000 [768, 2048] bf16 parts 11.9 against 4.9,
 1-D tensors (packed) ~1 GB/s at 1 MiB and ~8 GB/s when large, against 0.003 (a Python call per
 element). That is the machine's ceiling: `torch._int_mm` alone streams the same bytes at 13.5-15.6
