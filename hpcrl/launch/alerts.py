@@ -27,6 +27,11 @@ WIDTH = 300  # characters of a printed message (stall lines name stacks files an
 # named, counted at 1, 10, 100 ... and judged systematic by hpcrl.orchestrator.causes, whose lines
 # are printed instead.
 _PER_ROLLOUT = re.compile(r"^rollout \d+ errored: ")
+# A stall and its recovery (hpcrl.monitor.progress) are a pair: a recovery is printed whenever the
+# role's latest stall line was, however often the same recovery text came before (a slow first step
+# at start-up, then a frozen server, are two stalls with one recovery text).
+_STALL = re.compile(r": no progress for \d")
+_RECOVERY = re.compile(r": moving again ")
 
 
 def role_logs(paths: RunPaths) -> list[Path]:
@@ -60,6 +65,7 @@ class Alerts:
     """Distinct WARNING/ERROR messages and their counts (pure: fed records, returns lines)."""
 
     seen: dict[str, Seen] = field(default_factory=dict)
+    stall_shown: dict[str, bool] = field(default_factory=dict)  # role -> its latest stall was printed
 
     def see(self, rec: Record) -> str | None:
         """The line to print now for `rec` (None: not a warning, or a repeat not due)."""
@@ -77,11 +83,13 @@ class Alerts:
             s = self.seen[key] = Seen(f"{clock} {level} [{role or '?'}] {_cut(message)}")
         s.count += 1
         s.last = clock
-        if s.count == 1:
-            return s.line
-        if _next_mark(s.count):
-            return f"{s.line} (x{s.count})"
-        return None
+        line = s.line if s.count == 1 else f"{s.line} (x{s.count})"
+        due = s.count == 1 or _next_mark(s.count)
+        if _STALL.search(message):
+            self.stall_shown[role or "?"] = due
+        elif _RECOVERY.search(message) and self.stall_shown.pop(role or "?", False) and not due:
+            return f"{clock} {level} [{role or '?'}] {_cut(message)}"  # this one, with its own figures
+        return line if due else None
 
     def summary(self) -> list[str]:
         """Every distinct message once, in order of first occurrence, with its count and last time."""

@@ -147,3 +147,24 @@ def test_tmux_sh_prints_the_dashboard_line(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert f"dashboard: hpcrl dashboard {tmp_path}  ->  http://127.0.0.1:8765/" in out.stdout
     assert "ssh -N -L 8765:127.0.0.1:8765 " in out.stdout
+
+
+def test_a_recovery_is_printed_after_every_printed_stall() -> None:
+    """The CI failure of stop 54: a slow start-up stall and its "moving again", then a frozen server
+    named (a new text, printed) whose "moving again" was swallowed as a repeat of the first."""
+    a = Alerts()
+    recs = _recs(
+        "12:00:00 WARNING [orchestrator] orchestrator: no progress for 6 s (last: started); waiting on trainer",
+        "12:00:01 WARNING [orchestrator] orchestrator: moving again (step 1) after 7 s without progress",
+        "12:00:05 WARNING [orchestrator] orchestrator: no progress for 5 s (last: step 3); inference server 0",
+        "12:00:09 WARNING [orchestrator] orchestrator: moving again (step 4) after 9 s without progress",
+        "12:00:10 WARNING [orchestrator] orchestrator: no progress for 5 s (last: step 4); inference server 0",
+        "12:00:12 WARNING [orchestrator] orchestrator: moving again (step 5) after 7 s without progress",
+    )
+    out = [line for r in recs if (line := a.see(r)) is not None]
+    assert out == [
+        "12:00:00 WARNING [orchestrator] orchestrator: no progress for 6 s (last: started); waiting on trainer",
+        "12:00:01 WARNING [orchestrator] orchestrator: moving again (step 1) after 7 s without progress",
+        "12:00:05 WARNING [orchestrator] orchestrator: no progress for 5 s (last: step 3); inference server 0",
+        "12:00:09 WARNING [orchestrator] orchestrator: moving again (step 4) after 9 s without progress",
+    ]  # the third stall repeats the second's text: neither it nor its recovery is printed again
