@@ -7,6 +7,8 @@ import socket
 # The run's bearer token of inference servers' admin routes, passed to every process through its
 # environment (never a file): the servers check it, the orchestrator and env servers send it.
 API_KEY_ENV = "HPCRL_API_KEY"
+# `hpcrl dashboard` binds the first free port from here; the hints of `hpcrl run`/status/tmux.sh say it.
+DASHBOARD_PORT = 8765
 
 
 def free_port(host: str = "127.0.0.1") -> int:

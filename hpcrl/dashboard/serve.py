@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hpcrl.dashboard.runs import DashboardError, discover
+from hpcrl.net import DASHBOARD_PORT
 
 TOKEN_ENV = "HPCRL_DASHBOARD_TOKEN"
-DEFAULT_PORT = 8765
+DEFAULT_PORT = DASHBOARD_PORT
 PORT_TRIES = 20  # the default port taken (another dashboard): the next free one of these
 
 
