@@ -244,8 +244,11 @@ def cmd_trainer(argv: list[str]) -> int:
     if dry:
         return _role_dry_run(loaded, "trainer")
     from hpcrl.trainer import parallel
-    from hpcrl.trainer.rl import main
 
+    if loaded.config.trainer.data.fake is not None:  # the trainer alone on made-up batches
+        from hpcrl.trainer.rl_fake import main
+    else:
+        from hpcrl.trainer.rl import main
     rc = main(loaded.config)
     if parallel.ran_distributed():  # see hard_exit
         parallel.hard_exit(rc)

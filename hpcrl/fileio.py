@@ -103,9 +103,15 @@ REFUSED = {
     errno.EACCES: "not writable (permission denied)",
     errno.EPERM: "not writable (operation not permitted)",
     errno.EROFS: "read-only filesystem",
+    errno.EIO: "I/O error (the storage failed the write)",
 }
 _OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")  # how Rust's std::io::Error prints
-_RUST_IO = {"StorageFull": errno.ENOSPC, "QuotaExceeded": errno.EDQUOT, "PermissionDenied": errno.EACCES}
+_RUST_IO = {
+    "StorageFull": errno.ENOSPC,
+    "QuotaExceeded": errno.EDQUOT,
+    "PermissionDenied": errno.EACCES,
+    "ReadOnlyFilesystem": errno.EROFS,
+}
 
 
 def refused_error(e: BaseException, path: Path | str | None = None) -> OSError | None:
@@ -129,35 +135,11 @@ def refused_error(e: BaseException, path: Path | str | None = None) -> OSError |
 
 
 class WriteRefused(OSError):
-    """A write the filesystem kept refusing past its bound (Refusals): str() is the one line."""
+    """A write the filesystem kept refusing past storage_timeout_s (hpcrl.storage, the one policy
+    every role follows): str() is the one line the role ends with."""
 
     def __str__(self) -> str:
         return str(self.strerror)
-
-
-class Refusals:
-    """The bookkeeping of one write retried while the filesystem refuses it (REFUSED: a full disk or
-    an unwritable directory is often fixed within minutes), shared by the orchestrator's asyncio loop
-    (hpcrl.orchestrator.writes) and the trainer's blocking one (Bus.publish_policy)."""
-
-    def __init__(self, what: str, give_up_s: float):
-        self.what, self.give_up_s = what, give_up_s
-        self.t0 = time.monotonic()
-        self.named: str | None = None  # the cause last named
-
-    def waited(self) -> float:
-        return time.monotonic() - self.t0
-
-    def refused(self, e: OSError) -> str | None:
-        """After a failed write: the cause to name now (None: the one named already). Raises `e`
-        when it is not a refusal, WriteRefused (one line: what, for how long, why) past give_up_s."""
-        why = refused_write(e)
-        if why is None:
-            raise e
-        new, self.named = (None if why == self.named else why), why
-        if self.waited() >= self.give_up_s:
-            raise WriteRefused(e.errno, f"cannot write {self.what} for {self.waited():.0f} s: {why}") from e
-        return new
 
 
 def refused_write(e: BaseException, path: Path | str | None = None) -> str | None:
@@ -218,7 +200,13 @@ class atomic_dir:
             # A directory cannot be atomically replaced by rename; move the old one aside first.
             old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
             os.replace(self.final, old)
-        os.replace(self.tmp, self.final)
+        try:
+            os.replace(self.tmp, self.final)
+        except BaseException:
+            if old is not None:  # the previous directory stays where readers look for it
+                os.replace(old, self.final)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         fsync_dir(self.final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

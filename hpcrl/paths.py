@@ -172,7 +172,8 @@ class RunPaths:
     def kill_order_file(self, index: int) -> Path:
         """The orchestrator's order to server `index`'s keepalive (hpcrl.launch.keepalive, on the
         server's node) to SIGKILL the pid written in it: a server frozen past
-        orchestrator.server_down_timeout_s on another host, where the orchestrator cannot kill it."""
+        orchestrator.server_down_timeout_s on another host, where the orchestrator cannot kill it
+        itself and SLURM could not (hpcrl.orchestrator.server_end)."""
         return self.control_dir / f"kill_inference_{index}.txt"
 
     # -- weights ---------------------------------------------------------------------------
@@ -197,6 +198,11 @@ class RunPaths:
 
     def weights_dir(self, step: int) -> Path:
         return self.weights_root / f"step_{step}"
+
+    def online_eval_dir(self, step: int) -> Path:
+        """evals/step_N/: an SFT run's online evaluation of step N (an `hpcrl eval` output directory,
+        its config eval.toml, and the HF weights it scores in weights/)."""
+        return self.root / "evals" / f"step_{step}"
 
     # -- checkpoints -------------------------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The fault matrix of issue 40 (tests/integration/test_fault_matrix.py), and its table in
 # docs/fault_matrix.md: component x fault -> time to name it, what named it and what it said,
-# outcome, data check. About 7 minutes on 2 CPU cores (as root: tmpfs and chattr cases).
+# outcome, data check. About 8-10 minutes on 2 CPU cores (as root: tmpfs, remount and chattr cases).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}

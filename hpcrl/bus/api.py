@@ -56,7 +56,6 @@ from hpcrl.bus.messages import (
     TrainBatch,
     encode_json,
 )
-from hpcrl.bus.retry import write_retrying_blocking
 from hpcrl.paths import RunPaths
 
 log = logging.getLogger("hpcrl.bus")
@@ -150,7 +149,7 @@ class Bus:
         stale_tmp_age: float = 600.0,
         control_every: int = 4,
         publish_threads: int = 16,
-        refused_retry_s: float = 0.0,
+        storage_timeout_s: float = 0.0,
     ):
         if not _SAFE_NAME.match(role):
             raise ValueError(f"bus role must match {_SAFE_NAME.pattern}, got {role!r}")
@@ -172,10 +171,9 @@ class Bus:
         # Without a doorbell a Shutdown is only ever found by scanning, so scan on every poll.
         self.control_interval = poll_interval * (control_every if listen else 1)
         self.publish_threads = publish_threads
-        # How long publish_policy retries a write the filesystem refuses (disk full, unwritable
-        # policy/), naming it at once; 0 = raise at once. The trainer sets the orchestrator's
-        # policy_timeout_s: past it, nobody waits for the policy any more.
-        self.refused_retry_s = refused_retry_s
+        # How long publish_policy retries a write the filesystem refuses (hpcrl.storage: the run's
+        # storage_timeout_s); 0 = a refusal raises at once.
+        self.storage_timeout_s = storage_timeout_s
         self.timeout = _check_timeout(timeout)
         self.check_shutdown = check_shutdown
         self.durable = durable
@@ -277,11 +275,12 @@ class Bus:
     # -- policy: trainer -> orchestrator ------------------------------------------------------
     def publish_policy(self, msg: PolicyReady) -> Path:
         """Announce policy `msg.step` (policy/step_N + the LATEST hint + rings). A write the filesystem
-        refuses is named at once and retried for up to refused_retry_s (hpcrl.bus.retry)."""
-        return write_retrying_blocking(
-            f"{self.name}: ", f"policy step {msg.step}", lambda: self._publish_policy(msg),
-            self.refused_retry_s, "orchestrator.policy_timeout_s",
-        )  # fmt: skip
+        refuses is named once and retried for up to storage_timeout_s (hpcrl.storage)."""
+        from hpcrl.storage import retry_blocking
+
+        return retry_blocking(
+            self.name, f"policy step {msg.step}", lambda: self._publish_policy(msg), self.storage_timeout_s
+        )
 
     def _publish_policy(self, msg: PolicyReady) -> Path:
         path = self.paths.policy_file(msg.step)

@@ -243,6 +243,41 @@ class Shutdown(msgspec.Struct, kw_only=True):
     created_at: float = msgspec.field(default_factory=_now)
 
 
+class SlurmTask(msgspec.Struct, kw_only=True, frozen=True):
+    """Where a process runs inside a SLURM job: what reaches it from another node of the job.
+
+    `job_id` is SLURM_JOB_ID (a hetjob's leader: `srun --jobid` takes it, with `het_group`);
+    `step` is `<component job id>.<step id>` (what `scancel` takes: a hetjob component has its own
+    job id, SLURM_JOB_ID_HET_GROUP_<i>); `step_tasks` counts the tasks sharing that step; `supervised`:
+    a supervisor in the same step restarts the process (hpcrl.launch.keepalive), so ending the step
+    would end the supervisor too."""
+
+    job_id: str
+    step: str
+    node: str
+    het_group: int | None = None
+    step_tasks: int = 1
+    supervised: bool = False
+
+    @classmethod
+    def from_env(cls, env: Any) -> SlurmTask | None:
+        """The task this environment belongs to; None outside a SLURM step."""
+        job, step, node = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID"), env.get("SLURMD_NODENAME")
+        if not (job and step and node):
+            return None
+        group = env.get("HPCRL_COMPONENT_INDEX") if env.get("SLURM_HET_SIZE") else None
+        het_group = int(group) if group not in (None, "") else None
+        step_job = env.get(f"SLURM_JOB_ID_HET_GROUP_{het_group}", job) if het_group is not None else job
+        return cls(
+            job_id=job,
+            step=f"{step_job}.{step}",
+            node=node,
+            het_group=het_group,
+            step_tasks=int(env.get("SLURM_STEP_NUM_TASKS") or 1),
+            supervised=env.get("HPCRL_SUPERVISED") == "1",
+        )
+
+
 class ServerInfo(msgspec.Struct, kw_only=True):
     """Inference server address announcement (written as JSON to RunPaths.server_file(index))."""
 
@@ -257,6 +292,9 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     # engine receives once however many GPUs it spans. Files written before this field read as 1.
     weight_receivers: int = 1
     created_at: float = msgspec.field(default_factory=_now)
+    # Its SLURM task when it runs under srun (None elsewhere): a server frozen on another node is
+    # ended through SLURM (hpcrl.orchestrator.server_end).
+    slurm: SlurmTask | None = None
 
     def __post_init__(self) -> None:
         if self.weight_receivers < 1:
@@ -528,6 +566,7 @@ __all__ = [
     "Ring",
     "ServerInfo",
     "Shutdown",
+    "SlurmTask",
     "TrainBatch",
     "WeightGroupAddress",
     "decode",

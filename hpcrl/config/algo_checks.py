@@ -35,9 +35,55 @@ def check_algo(o: Any) -> None:
         raise ConfigError(
             f"{A}.type",
             "'echo' is not implemented in hpcrl yet (its cross entropy on env-provided tokens needs "
-            "their message roles in the trained sequences); allowed: grpo, max_rl, rae, opd, opsd, sft",
+            "their message roles in the trained sequences and a ce loss beside the rl loss in the trainer); "
+            "allowed: grpo, max_rl, rae, opd, opsd, sft",
         )
     _advantage_knobs(o.advantage, algo.type)
+    check_env_algos(o)
+
+
+ENV_TYPES = ("grpo", "max_rl", "rae", "opd", "opsd")  # what one env may run beside the others
+
+
+def check_env_algos(o: Any) -> None:
+    """Per-env algorithms ([[orchestrator.train.env]] algo, prime-rl's per-source algo): each one is
+    checked as [orchestrator.algo] is. The trainer runs one loss mode: the rl types and the ref_kl types
+    (opd, opsd) mix, the run's own algo then being an rl type (the trainer's rl loss; the ref_kl envs'
+    per-token signal rides in their advantages, hpcrl.orchestrator.algo.mixed); sft mixes with nothing."""
+    own = [(i, e.algo) for i, e in enumerate(o.train.env) if e.algo is not None]
+    if not own:
+        return
+    for i, algo in own:
+        where = f"orchestrator.train.env[{i}].algo"
+        if algo.type not in ENV_TYPES:
+            raise ConfigError(
+                f"{where}.type",
+                f"'{algo.type}' per env is not supported here (allowed: {', '.join(ENV_TYPES)}; one run-wide "
+                "[orchestrator.algo] for the others)",
+            )
+        try:
+            _own_fields(algo)
+            _sampling_source(algo)
+            if algo.type in REWARD_TYPES:  # the run-wide advantage knobs: on this env's rewards too
+                _advantage_knobs(o.advantage, algo.type)
+        except ConfigError as e:
+            raise ConfigError(e.path.replace(A, where, 1), e.message) from None
+        if algo.type == "opd" and algo.teacher is None:
+            raise ConfigError(f"{where}.teacher", "type = 'opd' needs a teacher (name + base_url)")
+    losses = {ACTION_LOSS[a.type] for a in env_algos(o)}
+    if len(losses) > 1 and o.algo.action_loss != "rl":
+        i = own[0][0]
+        raise ConfigError(
+            f"orchestrator.train.env[{i}].algo",
+            f"mixes rl and ref_kl algorithms under orchestrator.algo.type = '{o.algo.type}': the trainer runs "
+            "one loss, so set orchestrator.algo to an rl type (grpo, max_rl, rae) and give the opd / opsd "
+            "envs their algo",
+        )
+
+
+def env_algos(o: Any) -> list[AlgoConfig]:
+    """The algorithm of every train env: its own, else [orchestrator.algo]."""
+    return [e.algo if e.algo is not None else o.algo for e in o.train.env]
 
 
 def _older_keys(o: Any) -> None:

@@ -10,12 +10,16 @@ effect here differs from a GPU node running prime-rl.
   ``fused_lm_head_token_chunk_size = "disabled"`` (0: the LM head over all positions at once).
 - ``ac``, ``ac_offloading``, ``compile``, ``optim_cpu_offload``, ``full_offload``, ``quantization`` are
   fields of hpcrl's own under prime-rl's names (hpcrl.trainer.memory_savers implements them).
+- A served FP8 copy of the trained model (``zai-org/GLM-5-FP8`` served while ``zai-org/GLM-5`` trains,
+  the older prime-rl path where the trainer sent FP8 weights, ``quantize_in_weight_transfer``) is
+  served as the trained model quantized online: :func:`fp8_served_copy`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from hpcrl.config.dicts import get_path, set_path
 from hpcrl.errors import ConfigError
 
 MODEL_ALIASES = {"cp_style": "cp_mode", "fused_lm_head_token_chunk_size": "logprobs_chunk_tokens"}
@@ -91,3 +95,32 @@ def device_notes(model: Any, field: str, on_gpu: bool) -> list[str]:
             "already"
         )
     return out
+
+
+FP8_SUFFIX = "-FP8"  # the FP8 checkpoints next to their bf16 model: Qwen/Qwen3-8B-FP8, zai-org/GLM-5-FP8
+_SERVED = (("orchestrator", "model", "name"), ("inference", "vllm", "model"), ("inference", "model", "name"))
+
+
+def fp8_served_copy(d: dict[str, Any], source: str, notes: list[str]) -> None:
+    """A config serving ``<trained>-FP8`` (an FP8 checkpoint of the trained model) serves the trained
+    model with ``inference.quantization = "fp8_per_block"`` instead, in place: vLLM quantizes the bf16
+    policy as it loads it, in 128 x 128 blocks as those checkpoints are (prime-rl #3031), and
+    re-quantizes every bf16 update (#3581 removed the trainer-side FP8 path). Any other served name
+    that is not the trained one stays refused by the caller."""
+    trained = get_path(d, ["trainer", "model", "name"]) or get_path(d, ["model", "name"])
+    if not isinstance(trained, str):
+        return
+    fp8 = trained + FP8_SUFFIX
+    hits = [".".join(p) for p in _SERVED if get_path(d, list(p)) == fp8]
+    if not hits:
+        return
+    for where in hits:
+        set_path(d, where.split("."), trained)
+    given = get_path(d, ["inference", "quantization"]) or get_path(d, ["inference", "vllm", "quantization"])
+    if given is None:
+        set_path(d, ["inference", "quantization"], "fp8_per_block")
+    notes.append(
+        f"{source}: {', '.join(hits)} = {fp8!r} is the FP8 copy of the trained model: served as {trained!r} "
+        f"quantized online (inference.quantization = {given or 'fp8_per_block'!r}, prime-rl #3031), every "
+        "update sent in bf16 and re-quantized (#3581); use trainer.loss.use_tis against the mismatch"
+    )

@@ -113,15 +113,68 @@ def merge_role_logs(merged: dict[str, Any]) -> None:
 
 
 def check_thinking(sampling: Any, path: str) -> None:
-    """enable_thinking (Qwen3.5, Nemotron) and reasoning_effort (GPT-OSS) exclude each other."""
+    """enable_thinking (Qwen3.5, Nemotron) and reasoning_effort (GPT-OSS) exclude each other; a
+    sampling table's extra_body (check_extra_body) may set them too, once."""
     if sampling is None:
         return
+    check_extra_body(sampling, path)
     if sampling.enable_thinking is not None and sampling.reasoning_effort is not None:
         raise ConfigError(
             f"{path}.reasoning_effort",
             "excludes enable_thinking (set one: enable_thinking for Qwen3.5 / Nemotron, "
             "reasoning_effort for GPT-OSS)",
         )
+
+
+# Request fields the orchestrator sets itself (the sampling fields, the conversation, the group size,
+# logprobs): an extra_body key among them would silently fight them.
+_OWN_REQUEST_FIELDS = frozenset(
+    {"model", "messages", "prompt", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools"}
+    | {"max_completion_tokens", "echo", "add_generation_prompt", "continue_final_message"}
+)
+
+
+def check_extra_body(sampling: Any, path: str) -> None:
+    """prime-rl's `sampling.extra_body`: free request fields, but none the orchestrator sets itself.
+    Its `chat_template_kwargs.enable_thinking` / `reasoning_effort` become the sampling fields (one home
+    for the switches every prompt is rendered with); set in both places they must agree."""
+    extra = getattr(sampling, "extra_body", None)
+    if not extra:
+        return
+    own = set(type(sampling).__struct_fields__) - {"extra_body"}
+    for key in extra:
+        if key in own or key in _OWN_REQUEST_FIELDS:
+            hint = f"set {path}.{key}" if key in own else "the orchestrator sets it for each request"
+            raise ConfigError(f"{path}.extra_body.{key}", f"is not a free request field here ({hint})")
+    ctk = extra.get("chat_template_kwargs")
+    if ctk is None:
+        return
+    if not isinstance(ctk, dict):
+        raise ConfigError(f"{path}.extra_body.chat_template_kwargs", "expected a table")
+    for key in ("enable_thinking", "reasoning_effort"):
+        if key not in ctk:
+            continue
+        value, mine = ctk[key], getattr(sampling, key)
+        if mine is not None and mine != value:
+            raise ConfigError(
+                f"{path}.extra_body.chat_template_kwargs.{key}",
+                f"= {value!r} differs from {path}.{key} = {mine!r} (set it once)",
+            )
+        allowed = (True, False) if key == "enable_thinking" else ("low", "medium", "high")
+        if value not in allowed:
+            raise ConfigError(
+                f"{path}.extra_body.chat_template_kwargs.{key}",
+                f"must be one of {', '.join(map(repr, allowed))}, got {value!r}",
+            )
+        setattr(sampling, key, value)
+    sampling.extra_body = {
+        **extra,
+        "chat_template_kwargs": {
+            k: v for k, v in ctk.items() if k not in ("enable_thinking", "reasoning_effort")
+        },
+    }
+    if not sampling.extra_body["chat_template_kwargs"]:
+        del sampling.extra_body["chat_template_kwargs"]
 
 
 def default_eval_envs(cfg: Any, notes: list[str]) -> None:

@@ -15,7 +15,8 @@ Nothing is dropped silently (docs/prime-rl.md lists every key):
 - `[resume]` (step, or none = the newest) is `ckpt.resume_step`; `resume.dir` forks another run's
   checkpoint: `ckpt.warm_start` with its optimizer. `clean` is `clean_output_dir`; `[run] name / dir`
   name the run and its directory under output_dir, as prime-rl does.
-- `[orchestrator.concurrency] max_inflight` is `orchestrator.max_concurrent`.
+- `[orchestrator.concurrency]` is hpcrl's table of the same name; without `mode` it is adaptive, as in
+  prime-rl (min_inflight = max_inflight: fixed at `orchestrator.max_concurrent` = max_inflight).
 - `[[orchestrator.train.source]]` / `[[orchestrator.eval.source]]` are `[[orchestrator.<kind>.env]]`
   entries whose `env` table is verifiers 0.4's env config (taskset, agent harness / runtime / timeout,
   seats), handed to verifiers unchanged (hpcrl.envs.verifiers.v1_env).
@@ -29,7 +30,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from hpcrl.config.dicts import deep_merge, get_path, set_path
-from hpcrl.config.prime_sources import source_to_env, sources
+from hpcrl.config.prime_model import fp8_served_copy
+from hpcrl.config.prime_sources import sft_eval, source_to_env, sources
 from hpcrl.errors import ConfigError
 
 _BROADCAST_TYPES = {"filesystem": "filesystem", "nccl": "collective", "nixl": "collective"}
@@ -50,7 +52,7 @@ TABLES = (
     ("resume.dir", "ckpt.warm_start + ckpt.warm_start_optimizer"),
     ("clean, --clean", "clean_output_dir"),
     ("run.name, run.dir", "name, output_dir / (dir or name)"),
-    ("orchestrator.concurrency.max_inflight", "orchestrator.max_concurrent"),
+    ("orchestrator.concurrency (no mode)", "orchestrator.concurrency.mode = adaptive (min = max: fixed)"),
     (
         "orchestrator.train.source / orchestrator.eval.source",
         "orchestrator.train.env / orchestrator.eval.env (env: verifiers' table)",
@@ -74,13 +76,14 @@ def translate(d: dict[str, Any], source: str, notes: list[str], sft: bool = Fals
             raise ConfigError(
                 ".".join(path), "vision-language training is not supported by hpcrl yet (text models)"
             )
+    fp8_served_copy(d, source, notes)  # <trained>-FP8 served: the trained model, quantized online
     served = get_path(d, ["orchestrator", "model", "name"])
     trained = get_path(d, ["trainer", "model", "name"]) or get_path(d, ["model", "name"])
     if served is not None and trained is not None and served != trained:
         raise ConfigError(
             "orchestrator.model.name",
             f"{served!r} is not the trained model {trained!r}: hpcrl serves the trainer's own weights "
-            "(serving a quantized copy, e.g. FP8, is not supported yet)",
+            f"(an FP8 copy is served as {trained!r} + inference.quantization; another model is not)",
         )
     if "clean" in d:
         _move(d, ["clean"], ["clean_output_dir"])
@@ -94,6 +97,7 @@ def translate(d: dict[str, Any], source: str, notes: list[str], sft: bool = Fals
         _trainer_seq_len(d)
     if sft:
         _sft_data(d)
+        sft_eval(d)
     if not sft:
         _orchestrator_lora(d, source, notes)
         _concurrency(d, source, notes)
@@ -267,7 +271,7 @@ def _weight_broadcast(d: dict[str, Any], prefix: list[str], source: str, notes: 
             if v:
                 notes.append(
                     f"{source}: {where}.quantize_in_weight_transfer: weights move in the policy dtype here "
-                    "(FP8 rollout is not supported yet)"
+                    "and the servers quantize them (inference.quantization, prime-rl #3581)"
                 )
         else:
             raise ConfigError(f"{where}.{k}", "unknown field (allowed: type, timeout, host, port, ...)")
@@ -367,12 +371,6 @@ def _sft_data(d: dict[str, Any]) -> None:
                 "data.micro_batch_size", f"{rows} rows of {row_len} tokens conflicts with micro_batch_tokens"
             )
         d["micro_batch_tokens"] = tokens
-    if "eval" in d:
-        raise ConfigError(
-            "eval",
-            "online env evaluation during SFT is not supported here: evaluate a checkpoint's weights with "
-            "`hpcrl eval ENV -m <output_dir>/weights/step_N` (or set [val] for a validation loss)",
-        )
 
 
 def _orchestrator_lora(d: dict[str, Any], source: str, notes: list[str]) -> None:
@@ -405,18 +403,20 @@ def _orchestrator_lora(d: dict[str, Any], source: str, notes: list[str]) -> None
 
 
 def _concurrency(d: dict[str, Any], source: str, notes: list[str]) -> None:
+    """`[orchestrator.concurrency]` is hpcrl's own table under prime-rl's names (issue 53). Written
+    without `mode` (prime-rl's shape) it means what it means in prime-rl: an adaptive cap, or a fixed
+    one at max_inflight when min_inflight = max_inflight (prime-rl's way to turn adaptation off)."""
     conc = _table(d, ["orchestrator", "concurrency"])
-    if conc is None:
+    if conc is None or "mode" in conc:
         return
-    d["orchestrator"].pop("concurrency")
+    allowed = ("max_inflight", "min_inflight", "initial_inflight", "poll_interval_s")
     for k in conc:
-        if k not in ("max_inflight", "min_inflight", "initial_inflight"):
+        if k not in allowed:
             raise ConfigError(
-                f"orchestrator.concurrency.{k}",
-                "unknown field (allowed: max_inflight, min_inflight, initial_inflight)",
+                f"orchestrator.concurrency.{k}", f"unknown field (allowed: mode, {', '.join(allowed)})"
             )
     top = conc.get("max_inflight")
-    if top is not None:
+    if top is not None and conc.get("min_inflight") == top:
         own = get_path(d, ["orchestrator", "max_concurrent"])
         if own is not None and own != top:
             raise ConfigError(
@@ -424,12 +424,9 @@ def _concurrency(d: dict[str, Any], source: str, notes: list[str]) -> None:
                 f"conflicts with orchestrator.max_concurrent = {own!r}",
             )
         d["orchestrator"]["max_concurrent"] = top
-    low = [k for k in ("min_inflight", "initial_inflight") if conc.get(k) not in (None, top)]
-    if low:
-        notes.append(
-            f"{source}: orchestrator.concurrency.{'/'.join(low)}: rollouts in flight are fixed at "
-            f"max_inflight = {top if top is not None else 'orchestrator.max_concurrent'} here (no adaptive band yet)"
-        )
+        conc["mode"] = "fixed"
+    else:
+        conc["mode"] = "adaptive"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,7 +438,6 @@ _FLAG_PREFIXES = (  # prime-rl's flag prefix -> hpcrl's (kebab-case)
     ("--orchestrator.monitors.wandb", "--wandb"),
     ("--trainer.monitors.wandb", "--wandb"),
     ("--weight-broadcast.timeout", "--trainer.broadcast.timeout-s"),
-    ("--orchestrator.concurrency.max-inflight", "--orchestrator.max-concurrent"),
     ("--clean", "--clean-output-dir"),
 )
 _NOTE_FLAGS = ("--monitors.prime", "--orchestrator.monitors.prime", "--no-monitors.file", "--monitors.file")

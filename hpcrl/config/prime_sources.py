@@ -84,11 +84,15 @@ def source_to_env(s: dict[str, Any], where: str, kind: str, d: dict[str, Any]) -
                 f"{where}.interval", f"differs from orchestrator.eval.interval = {glob}: one interval here"
             )
         set_path(d, ["orchestrator", "eval", "interval"], s["interval"])
-    for k in ("sampling", "algo", "serve"):
+    if s.get("algo"):
+        if kind != "train":
+            raise ConfigError(f"{where}.algo", "an algorithm is for training sources only")
+        out["algo"] = s["algo"]  # per-source algorithm (hpcrl.config.algo_checks.check_env_algos)
+    for k in ("sampling", "serve"):
         if s.get(k):
             raise ConfigError(
                 f"{where}.{k}",
-                f"per-source {k} is not supported: set orchestrator.{'algo' if k == 'algo' else kind + '.' + k}",
+                f"per-source {k} is not supported: set orchestrator.{kind}.{k}",
             )
     _curriculum(s.get("curriculum"), f"{where}.curriculum", d)
     return out
@@ -126,3 +130,62 @@ def _curriculum(cur: Any, where: str, d: dict[str, Any]) -> None:
                     f"conflicts with orchestrator.advantage.zero_advantage = {current!r}",
                 )
             set_path(d, ["orchestrator", "advantage", "zero_advantage"], "drop")
+
+
+# prime-rl's SFT [eval] (its EvalsEvalConfig) -> hpcrl's SFT [eval] (hpcrl.config.sections.sft_eval)
+_SFT_EVAL_SAME = ("interval", "skip_first_step", "retrigger_on_resume", "num_examples")
+
+
+def sft_eval(d: dict[str, Any]) -> None:
+    """prime-rl's SFT [eval]: group_size is rollouts_per_example, sampling.max_completion_tokens is
+    max_tokens, [[eval.source]] are `env` entries (one interval for all), and the top-level [inference]
+    (prime-rl's server for online evals) is the server each evaluation starts, eval.inference."""
+    ev = d.get("eval")
+    inference = d.pop("inference", None)
+    if ev is None:
+        if inference is not None:
+            raise ConfigError(
+                "inference", "is only used for online evals in an SFT config: add [eval] or drop it"
+            )
+        return
+    if not isinstance(ev, dict):
+        raise ConfigError("eval", "expected a table")
+    out: dict[str, Any] = {}
+    for k, v in ev.items():
+        if k in _SFT_EVAL_SAME or k in ("env", "inference", "seq_len", "rollouts_per_example"):
+            out[k] = v
+        elif k == "group_size":
+            out["rollouts_per_example"] = v
+        elif k == "sampling":
+            if not isinstance(v, dict):
+                raise ConfigError("eval.sampling", f"expected a table, got {type(v).__name__}")
+            sampling = dict(v)
+            if "max_completion_tokens" in sampling:
+                sampling["max_tokens"] = sampling.pop("max_completion_tokens")
+            out["sampling"] = sampling
+        elif k != "source":
+            raise ConfigError(
+                f"eval.{k}",
+                "not supported in an SFT config here (allowed: interval, skip_first_step, retrigger_on_resume, "
+                "num_examples, group_size, sampling, source): online evals score the trainer's own weights on "
+                "a server each evaluation starts",
+            )
+    srcs = ev.get("source") or []
+    if not isinstance(srcs, list) or not all(isinstance(s, dict) for s in srcs):
+        raise ConfigError("eval.source", "expected a list of tables ([[eval.source]])")
+    shim: dict[str, Any] = {"orchestrator": {"eval": {}}}
+    envs = out.get("env") or []
+    if not isinstance(envs, list):
+        raise ConfigError("eval.env", f"expected a list of tables ([[eval.env]]), got {type(envs).__name__}")
+    envs = list(envs)
+    for i, s in enumerate(srcs):
+        s = dict(s)
+        own = s.pop("interval", None)
+        if own is not None and own != out.setdefault("interval", own):
+            raise ConfigError(f"eval.source[{i}].interval", f"differs from eval.interval = {out['interval']}")
+        envs.append(source_to_env(s, f"eval.source[{i}]", "eval", shim))
+    out["env"] = envs
+    if isinstance(inference, dict) and inference:
+        own = out.get("inference") or {}
+        out["inference"] = {**inference, **own}
+    d["eval"] = out

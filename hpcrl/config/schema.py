@@ -148,6 +148,15 @@ class Config(Section):
             ge=0,
         ),
     ] = 60.0
+    storage_timeout_s: Annotated[
+        float,
+        D(
+            "A write the filesystem refuses (disk full, quota, read-only, I/O error) is named once, retried "
+            "with backoff (1 s doubling to 30 s) for up to this many seconds, then ends the role in one line "
+            "(every role: weight publish, checkpoints, bus, metrics; logs never end a role).",
+            ge=0,
+        ),
+    ] = 600.0
     env_files: Annotated[
         list[str], D("Files of KEY=VALUE secrets loaded into the environment (never logged).")
     ] = msgspec.field(default_factory=list)

@@ -17,10 +17,12 @@ _MEM_RE = re.compile(r"^\d+[KMGT]?$")
 def validate(cfg: Config, require_envs: bool = True) -> None:
     check_output_dir(cfg.output_dir)
     _unsupported(cfg)
+    _fake_data(cfg, require_envs)  # before the envs: a fake-data trainer config names none
     _orchestrator(cfg)
     _buffer(cfg)
     _envs(cfg, require_envs)
     _deployment(cfg)
+    _kv_cache(cfg)
     environ.check_config(cfg)  # env_vars tables
     vllm.check_inference(cfg)  # [inference.vllm] and prime-rl's inference keys
     _broadcast(cfg)
@@ -31,6 +33,15 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
             raise ConfigError(f"{role}.wandb", "needs W&B on ([wandb] or --wandb): it changes what W&B gets")
     if cfg.model.name is None or not cfg.model.name.strip():
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
+
+
+def _kv_cache(cfg: Config) -> None:
+    """The hf engine's KV capacity must hold one full context (hpcrl.inference.kv_budget, issue 53)."""
+    kv, ctx = cfg.inference.kv_cache_tokens, cfg.inference.max_model_len or cfg.seq_len
+    if kv is not None and kv < ctx:
+        raise ConfigError(
+            "inference.kv_cache_tokens", f"{kv} cannot hold one sequence of max_model_len = {ctx}"
+        )
 
 
 def validate_sft(cfg: SFTConfig) -> None:
@@ -142,6 +153,7 @@ def _orchestrator(cfg: Config) -> None:
             f"{cfg.trainer.micro_batch_tokens} must be at least seq_len ({cfg.seq_len}) so one sample fits",
         )
     cfg.trainer.optim.check("trainer.optim")
+    cfg.trainer.loss.check("trainer.loss")
 
 
 def _buffer(cfg: Config) -> None:
@@ -209,6 +221,13 @@ def _broadcast(cfg: Config) -> None:
             "true needs servers that apply a delta in place to the weights they serve: the hf engine, not "
             "vLLM (its parameters are fused and sharded); set delta = false or inference.backend = 'hf'",
         )
+    if b.delta and cfg.inference.quantization is not None:
+        # A delta applies to the weights a server holds; quantized ones are not the policy's own.
+        raise ConfigError(
+            "trainer.broadcast.delta",
+            f"true cannot apply to quantized weights (inference.quantization = {cfg.inference.quantization!r}); "
+            "set delta = false",
+        )
 
 
 def _deployment(cfg: Config) -> None:
@@ -250,6 +269,21 @@ def _deployment(cfg: Config) -> None:
                 raise ConfigError(
                     "slurm.nodes", f"{cfg.slurm.nodes} != num_train_nodes + num_infer_nodes ({total})"
                 )
+
+
+def _fake_data(cfg: Config, require_envs: bool) -> None:
+    """[trainer.data.fake] is the trainer alone (hpcrl.trainer.rl_fake): no orchestrator, no checkpoint."""
+    if cfg.trainer.data.fake is None:
+        return
+    if require_envs:
+        raise ConfigError(
+            "trainer.data.fake",
+            "trains the trainer alone on made-up batches: run `hpcrl trainer`, not a whole run",
+        )
+    if cfg.ckpt is not None:
+        raise ConfigError(
+            "trainer.data.fake", "writes no checkpoints (a benchmark of made-up batches): drop [ckpt]"
+        )
 
 
 def _ckpt(cfg: Config) -> None:

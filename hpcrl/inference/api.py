@@ -228,7 +228,27 @@ def build_app(state: ServerState) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def metrics() -> dict[str, Any]:
+    async def metrics() -> Response:
+        """Prometheus text under vLLM's names (hpcrl.inference.prom): KV usage, queue, preemptions."""
+        from hpcrl.inference.prom import exposition
+
+        load = engine.load()
+        text = exposition(
+            state.served_name,
+            running=load["running"],
+            waiting=load["waiting"],
+            kv_used=engine.kv_used(),
+            kv_capacity=engine.kv_capacity,
+            preemptions=engine.stats["preemptions"],
+            generated_tokens=engine.stats["generated_tokens"],
+            max_model_len=engine.max_model_len,
+            max_batch_size=engine.max_batch_size,
+        )
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """The engine's own counters as JSON (batch sizes seen, forward steps, errors, ...)."""
         stats = dict(engine.stats)
         stats["batch_size_hist"] = {str(k): v for k, v in sorted(stats["batch_size_hist"].items())}
         return {

@@ -94,8 +94,15 @@ class InferenceClient:
     async def models(self) -> list[dict[str, Any]]:
         return (await self._request("GET", "/v1/models"))["data"]
 
-    async def metrics(self) -> dict[str, Any]:
-        return await self._request("GET", "/metrics")
+    async def stats(self) -> dict[str, Any]:
+        """The embedded engine's counters (JSON)."""
+        return await self._request("GET", "/stats")
+
+    async def metrics_text(self) -> str:
+        """/metrics in Prometheus text (both backends; read by hpcrl.orchestrator.concurrency)."""
+        r = await self._http.get("/metrics")
+        r.raise_for_status()
+        return r.text
 
     async def weights(self) -> dict[str, Any]:
         """The loaded policy step and the checksum of the loaded weights."""

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from hpcrl.errors import ConfigError
-from hpcrl.inference import routing
+from hpcrl.inference import kv_budget, routing
 from hpcrl.inference.batch import DecodeBatch
 from hpcrl.inference.engine_weights import EngineWeights
 from hpcrl.inference.errors import EngineFailed, InvalidRequest, ShuttingDown
+from hpcrl.inference.fp8 import fake_quant_params
 from hpcrl.inference.loading import (
     lora_deltas,
     read_adapter,
@@ -98,6 +99,8 @@ class HFEngine(EngineWeights):
         seed: int = 0,
         device: str | None = None,
         trust_remote_code: bool = False,
+        quantization: str | None = None,
+        kv_cache_tokens: int | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -124,6 +127,9 @@ class HFEngine(EngineWeights):
             int(max_model_len), int(getattr(cfg, "max_position_embeddings", max_model_len))
         )
         self.max_batch_size = int(max_batch_size)
+        # KV capacity in tokens (hpcrl.inference.kv_budget): exceeded, requests queue and the youngest
+        # running ones are preempted
+        self.kv_capacity = kv_budget.capacity(kv_cache_tokens, self.max_batch_size, self.max_model_len)
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.tokens = Tokens(self.tokenizer)  # thread-safe encode/decode with the prompt and token caches
         eos = {self.tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
@@ -146,6 +152,8 @@ class HFEngine(EngineWeights):
         self._params = hf_views(dict(self.model.state_dict(keep_vars=False)))
         self._weight_names = self._unique_param_names()
         self.checksum = state_dict_checksum({n: self._params[n] for n in self._weight_names})
+        self.quantization = quantization  # FP8 emulated after every load, checksum taken before (fp8.py)
+        fake_quant_params(self._params, quantization)
         self._lora_base: dict[str, torch.Tensor] = {}
         self.lora_adapters: dict[str, str] = {}  # name -> where it came from (its dir, or "broadcast:step_N")
         self.lora_checksum: str | None = None  # checksum of the merged adapter's tensors
@@ -157,6 +165,7 @@ class HFEngine(EngineWeights):
             "batch_size_hist": collections.Counter(),
             "max_batch_size_seen": 0,
             "engine_errors": 0,
+            "preemptions": 0,
         }
         self._thread = threading.Thread(target=self._loop, name="hpcrl-engine", daemon=True)
         self._thread.start()
@@ -237,6 +246,10 @@ class HFEngine(EngineWeights):
 
     def load(self) -> dict[str, int]:
         return {"running": len(self._batch.rows), "waiting": len(self._waiting)}
+
+    def kv_used(self) -> int:
+        """Tokens the running sequences hold in the KV cache (prompt + sampled so far)."""
+        return sum(len(s.req.prompt) + len(s.out) for s in list(self._batch.rows))
 
     def shutdown(self) -> None:
         with self._cv:
@@ -331,6 +344,8 @@ class HFEngine(EngineWeights):
             order = self._retire(finished)
             tokens = tokens[torch.tensor(order, device=tokens.device)] if order else tokens[:0]
         if batch.rows:
+            tokens = self._preempt(tokens)
+        if batch.rows:
             batch.step(tokens)
             routed = self._routing.take(len(batch.rows))
             if routed is not None:
@@ -339,6 +354,22 @@ class HFEngine(EngineWeights):
             self.stats["forward_steps"] += 1
             for s in batch.rows:
                 s.logits_step = self.policy_step
+
+    def _preempt(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Before a decode step: if the rows no longer fit in the KV capacity, send the youngest back
+        to the head of the queue (their tokens kept; resumed by recompute) and count them."""
+        rows = self._batch.rows
+        ages = [(s.req.arrived, s.req.seqs.index(s)) for s in rows]
+        drop = kv_budget.victims([len(s.req.prompt) + len(s.out) for s in rows], ages, self.kv_capacity)
+        if not drop:
+            return tokens
+        gone = [rows[i] for i in drop]  # youngest first
+        order = self._retire(drop)
+        with self._cv:
+            for s in gone:  # the oldest ends at the head
+                self._waiting.appendleft(s)
+        self.stats["preemptions"] += len(gone)
+        return tokens[torch.tensor(order, device=tokens.device)] if order else tokens[:0]
 
     def _retire(self, drop: list[int]) -> list[int]:
         self._bparams = None
@@ -404,20 +435,24 @@ class HFEngine(EngineWeights):
         if free <= 0 or not self._waiting:
             return
         with self._cv:
-            new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            head = [len(s.req.prompt) + len(s.out) for s in list(self._waiting)[:free]]
+            n = kv_budget.admissible(head, self.kv_used(), self.kv_capacity, len(self._batch.rows))
+            new = [self._waiting.popleft() for _ in range(n)]
         if not new:
             return
-        # Sequences of one request share the prompt: prefill it once and fan the cache out.
-        reqs = list(dict.fromkeys(s.req for s in new))
-        where = {id(r): j for j, r in enumerate(reqs)}
-        kv, mask, pos, logits = self._prefill([r.prompt for r in reqs])
+        # Sequences of one request share the prompt: prefill it once and fan the cache out. A preempted
+        # sequence resumes from its prompt + the tokens it sampled (recompute, as vLLM preempts).
+        firsts = {(id(s.req) if not s.out else id(s)): s for s in new}
+        where = {k: j for j, k in enumerate(firsts)}
+        kv, mask, pos, logits = self._prefill([s.req.prompt + s.out for s in firsts.values()])
         width = mask.shape[1]
-        prompt_routed = self._routing.take(len(reqs) * width)  # left-padded rows: keep each prompt's
+        prompt_routed = self._routing.take(len(firsts) * width)  # left-padded rows: keep each prompt's
         if prompt_routed is not None:
-            prompt_routed = prompt_routed.view(len(reqs), width, *prompt_routed.shape[1:])
-            for j, r in enumerate(reqs):
-                r.prompt_routed = prompt_routed[j, width - len(r.prompt) :].clone()
-        idx = torch.tensor([where[id(s.req)] for s in new], device=self.device)
+            prompt_routed = prompt_routed.view(len(firsts), width, *prompt_routed.shape[1:])
+            for j, s in enumerate(firsts.values()):
+                if not s.out:
+                    s.req.prompt_routed = prompt_routed[j, width - len(s.req.prompt) :].clone()
+        idx = torch.tensor([where[id(s.req) if not s.out else id(s)] for s in new], device=self.device)
         for s in new:
             s.logits_step = self.policy_step
         self._bparams = None

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hpcrl.inference.errors import InvalidRequest, WeightSyncRefused
+from hpcrl.inference.fp8 import fake_quant_params
 from hpcrl.inference.loading import check_compatible, load_safetensors_dir, read_delta
 from hpcrl.inference.protocol import APIError
 from hpcrl.weights.checksum import state_dict_checksum
@@ -38,6 +39,7 @@ class EngineWeights:
     lora_checksum: str | None
     policy_step: int
     checksum: str
+    quantization: str | None
 
     def update_weights(self, tensors: dict[str, torch.Tensor], step: int) -> str:
         """Copy `tensors` (HF names) into the model between two decode steps; return the loaded checksum.
@@ -54,10 +56,16 @@ class EngineWeights:
                 self._lora_base.clear()  # a full update replaces any merged adapter
                 self.lora_adapters.clear()
                 self.lora_checksum = None
-            loaded = {n: self._params[n].to(tensors[n].dtype) for n in tensors}
-            self.checksum = state_dict_checksum(loaded)
+                if self.quantization is not None:  # verify what landed, then quantize (as vLLM does)
+                    self.checksum = self._landed_checksum(tensors)
+                    fake_quant_params(self._params, self.quantization)
+            if self.quantization is None:
+                self.checksum = self._landed_checksum(tensors)
             self._weight_names = list(tensors)
             return self.checksum
+
+    def _landed_checksum(self, tensors: dict[str, torch.Tensor]) -> str:
+        return state_dict_checksum({n: self._params[n].to(tensors[n].dtype) for n in tensors})
 
     def update_weights_streamed(
         self, layout: list[tuple[str, str, tuple[int, ...]]], step: int, receive: Any
@@ -98,6 +106,7 @@ class EngineWeights:
             self._lora_base.clear()  # a full update replaces any merged adapter
             self.lora_adapters.clear()
             self.lora_checksum = None
+            fake_quant_params(self._params, self.quantization)  # each part was verified as it landed
             self.checksum = checksum
             self._weight_names = [n for n, _, _ in layout]
             return checksum
@@ -145,6 +154,8 @@ class EngineWeights:
             raise WeightSyncRefused(
                 "a weight delta cannot apply on top of a merged LoRA adapter; send a full update"
             )
+        if self.quantization is not None:
+            raise WeightSyncRefused("a weight delta cannot apply to quantized weights; send a full update")
         with self._update_lock:
             if self.checksum != delta.base_checksum or set(self._weight_names) != set(delta.layout):
                 raise WeightSyncRefused(

@@ -28,6 +28,7 @@ class ServeOptions:
     backend: str = "hf"  # "hf" (embedded transformers engine) | "vllm"
     max_batch_size: int = 64
     max_model_len: int = 2048
+    kv_cache_tokens: int | None = None  # hf backend: KV capacity in tokens (hpcrl.inference.kv_budget)
     dtype: str = "auto"
     seed: int = 0
     run_dir: str | None = None
@@ -41,6 +42,8 @@ class ServeOptions:
     lora_rank: int | None = None  # model.lora.rank when LoRA is trained: vLLM starts with LoRA enabled
     gpu_memory_utilization: float | None = None  # None: vLLM's default
     enforce_eager: bool = False
+    # inference.quantization: vLLM's --quantization; the hf engine emulates the FP8 ones (hpcrl.inference.fp8)
+    quantization: str | None = None
     vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` flags
     # [inference.vllm] and the prime-rl keys that become engine arguments (hpcrl.inference.vllm_args)
     engine_args: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +66,10 @@ class ServeOptions:
             raise ConfigError("inference.max_batch_size", f"must be >= 1, got {self.max_batch_size}")
         if self.max_model_len < 2:
             raise ConfigError("inference.max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_tokens is not None and self.backend == "hf":
+            from hpcrl.inference.kv_budget import capacity
+
+            capacity(self.kv_cache_tokens, self.max_batch_size, self.max_model_len)  # one line if too small
         if self.tp < 1:
             raise ConfigError("inference.parallel.tp", f"must be >= 1, got {self.tp}")
         if self.lora_rank is not None and self.lora_rank < 1:
@@ -146,7 +153,9 @@ def write_server_info(opts: ServeOptions, port: int) -> Path | None:
     paths.servers_dir.mkdir(parents=True, exist_ok=True)
     # The bus owns the format (ServerInfo as JSON, what Bus.servers() reads) and rings the waiters.
     from hpcrl.bus.api import announce_server
-    from hpcrl.bus.messages import ServerInfo
+    from hpcrl.bus.messages import ServerInfo, SlurmTask
+
+    info["slurm"] = SlurmTask.from_env(os.environ)  # how the orchestrator ends it if it freezes
 
     path = announce_server(paths, ServerInfo(**info))
     from hpcrl.runtime import record

@@ -65,6 +65,7 @@ def serve_options(cfg: Any, run_dir: str | None = None, server_index: int = 0) -
         # happen to share a decode batch (bitwise-reproducible logprobs across runs and resumes).
         max_batch_size=1 if cfg.deterministic else inf.max_batch_size,
         max_model_len=inf.max_model_len or cfg.seq_len,
+        kv_cache_tokens=inf.kv_cache_tokens,
         dtype=mcfg.dtype,
         trust_remote_code=mcfg.trust_remote_code,
         seed=inf.seed,
@@ -74,6 +75,7 @@ def serve_options(cfg: Any, run_dir: str | None = None, server_index: int = 0) -
         lora_rank=mcfg.max_lora_rank,
         gpu_memory_utilization=inf.gpu_memory_utilization,
         enforce_eager=inf.enforce_eager,
+        quantization=inf.quantization,
         delta_base=cfg.trainer.broadcast.delta,  # only a delta-syncing run needs the vLLM workers' host copy
         api_key=resolve_api_key(cfg.server.api_key),
         allow_open=cfg.server.allow_open,
@@ -148,6 +150,8 @@ def _serve_hf(opts: ServeOptions, model_path: str) -> None:
         seed=opts.seed,
         device=opts.device,
         trust_remote_code=opts.trust_remote_code,
+        quantization=opts.quantization,
+        kv_cache_tokens=opts.kv_cache_tokens,
     )
     from hpcrl.monitor import watchdog
 
@@ -232,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2048,
         help="context length (prompt + completion)",
+    )
+    p.add_argument(
+        "--inference.kv-cache-tokens",
+        "--inference.kv_cache_tokens",
+        dest="kv_cache_tokens",
+        type=int,
+        default=None,
+        help="hf engine: KV capacity in tokens (default: max_batch_size x max_model_len)",
     )
     p.add_argument(
         "--inference.dtype", dest="dtype", default="auto", help="auto | float32 | bfloat16 | float16"

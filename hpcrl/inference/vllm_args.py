@@ -116,7 +116,8 @@ def kv_connector(offload: Any) -> dict[str, Any] | None:
 
 def key_source(key: str) -> str:
     """The config key an engine argument came from (for errors)."""
-    return {"kv_transfer_config": "inference.kv_cache_offload"}.get(key, f"inference.vllm.{key}")
+    homes = {"kv_transfer_config": "inference.kv_cache_offload", "quantization": "inference.quantization"}
+    return homes.get(key, f"inference.vllm.{key}")
 
 
 def engine_env(cfg: Any) -> dict[str, str]:
@@ -225,6 +226,20 @@ def parse(argv: list[str], user_keys: set[str]) -> Any:
     return args
 
 
+def check_quantization(name: str | None) -> None:
+    """`inference.quantization` is one of the installed vLLM's methods: its parser takes any text and
+    its ModelConfig refuses an unknown one only as the server starts."""
+    from hpcrl.inference.vllm_symbols import vllm_symbol, vllm_version
+
+    methods = vllm_symbol("QUANTIZATION_METHODS")
+    if name is not None and name not in methods:
+        online = [m for m in methods if m.startswith(("fp8_", "mxfp"))]
+        raise ConfigError(
+            "inference.quantization",
+            f"{name!r} is not a quantization method of vLLM {vllm_version()} (online FP8: {', '.join(online)})",
+        )
+
+
 def notes(cfg: Any) -> list[str]:
     """One line for each prime-rl inference key that needs GPUs, kernels or processes this run may not
     have, saying what happens here (printed at start and by --dry-run; never a silent no-op)."""
@@ -233,6 +248,18 @@ def notes(cfg: Any) -> list[str]:
         out.append(
             "inference.use_deep_gemm: vLLM servers start with VLLM_USE_DEEP_GEMM=VLLM_MOE_USE_DEEP_GEMM=1 "
             "(DeepGEMM block-FP8 kernels, Hopper/Blackwell GPUs); the embedded (hf) engine has no such kernels"
+        )
+    if inf.quantization is not None:
+        from hpcrl.inference.fp8 import scheme
+
+        here = (
+            "the embedded (hf) engine emulates it (FP8 quantize-dequantize of the linear weights, docs/fp8.md)"
+            if scheme(inf.quantization) is not None
+            else "the embedded (hf) engine serves the weights unquantized (it emulates the FP8 schemes only)"
+        )
+        out.append(
+            f"inference.quantization = {inf.quantization!r}: vLLM servers quantize the bf16 policy as they load "
+            f"it and re-quantize every update; {here}"
         )
     offload = inf.kv_cache_offload
     if offload is not None and offload.type == "mooncake":

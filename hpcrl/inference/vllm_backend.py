@@ -70,6 +70,8 @@ def hpcrl_args(opts: "ServeOptions", model_path: str) -> dict[str, Any]:
         args["gpu_memory_utilization"] = opts.gpu_memory_utilization
     if opts.enforce_eager:
         args["enforce_eager"] = True
+    if opts.quantization is not None:  # online: vLLM quantizes the bf16 policy as it loads it
+        args["quantization"] = opts.quantization
     if opts.trust_remote_code:
         args["trust_remote_code"] = True
     if opts.lora_rank is not None:  # /load_lora_adapter needs the engine's LoRA slots

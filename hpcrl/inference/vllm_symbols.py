@@ -25,6 +25,12 @@ VLLM_SYMBOLS: dict[str, tuple[str, ...]] = {
     ),
     "LoadLoRAAdapterRequest": ("vllm.entrypoints.serve.lora.protocol", "vllm.entrypoints.openai.protocol"),
     "ErrorResponse": ("vllm.entrypoints.serve.engine.protocol", "vllm.entrypoints.openai.protocol"),
+    # weight updates of a quantized model (hpcrl.inference.vllm_worker.layerwise_reload)
+    "set_current_vllm_config": ("vllm.config",),
+    "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
+    "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
+    # the values --quantization takes (its parser takes any text; ModelConfig refuses the rest at start)
+    "QUANTIZATION_METHODS": ("vllm.model_executor.layers.quantization",),
 }
 # Methods of app.state.engine_client the routes call, with the keyword arguments they pass.
 ENGINE_CLIENT_METHODS: dict[str, tuple[str, ...]] = {
@@ -34,7 +40,8 @@ ENGINE_CLIENT_METHODS: dict[str, tuple[str, ...]] = {
     "resume_generation": (),
 }
 APP_STATE = ("engine_client", "openai_serving_models")  # attributes of app.state the routes read
-WORKER_ATTRS = ("rank", "device", "model_runner")  # attributes of vLLM's worker the extension reads
+# attributes of vLLM's worker the extension reads
+WORKER_ATTRS = ("rank", "device", "model_runner", "model_config", "vllm_config")
 
 
 def _not_available(message: str) -> Exception:

@@ -3,9 +3,37 @@ hpcrl.inference.vllm_worker.HpcrlWorkerExtension` mixes these methods into the w
 server reaches them with `engine_client.collective_rpc(name, args=...)`, which runs between engine
 steps, so an update lands between decode steps as with the hf backend. Weights come from a path
 (full or delta, read through hpcrl.inference.loading) or over the trainer's weight group.
+
+A quantized model (`inference.quantization`, e.g. fp8_per_block: vLLM's parameters are FP8 with
+block scales) cannot take bf16 tensors through `load_weights` alone (slime #1679: "Downcasting not
+allowed"). Its updates go through vLLM's layer-wise reload, as prime-rl's workers do (#3031):
+`initialize_layerwise_reload(model)` restores each layer's bf16 parameters, `load_weights` fills
+them, each layer is re-quantized as its last weight lands, and `finalize_layerwise_reload(model,
+model_config)` processes what is left (attention scales), all under the worker's vllm config.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+
+def _vllm(name: str) -> Any:
+    from hpcrl.inference.vllm_symbols import vllm_symbol
+
+    return vllm_symbol(name)
+
+
+@contextmanager
+def layerwise_reload(model: Any, model_config: Any, vllm_config: Any, device: Any) -> Iterator[None]:
+    """vLLM's layer-wise reload around the `load_weights` calls of one update (prime-rl's
+    load_weights_checkpoint_layerwise). A failure midway skips the finalize: the update raises and the
+    server's checksum stays "unverified", so it refuses to generate until a full update lands."""
+    import torch
+
+    with torch.device(device), _vllm("set_current_vllm_config")(vllm_config):
+        _vllm("initialize_layerwise_reload")(model)
+        yield
+        _vllm("finalize_layerwise_reload")(model, model_config)
 
 
 class HpcrlWorkerExtension:
@@ -43,15 +71,27 @@ class HpcrlWorkerExtension:
         """Load full weights (HF names) from a file; the checksum is of the tensors load_weights read."""
         from hpcrl.weights.checksum import state_dict_checksum
 
-        self._hpcrl_model().load_weights(
-            weights=list(tensors.items())
-        )  # vLLM maps HF names onto fused params
+        model = self._hpcrl_model()
+        with self._hpcrl_loading(model):
+            model.load_weights(weights=list(tensors.items()))  # vLLM maps HF names onto fused params
         self._hpcrl_checksum = state_dict_checksum(tensors)  # type: ignore[attr-defined]
         return self._hpcrl_checksum  # type: ignore[attr-defined]
 
     def _hpcrl_model(self) -> Any:
         runner = self.model_runner  # type: ignore[attr-defined]
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def _hpcrl_quantized(self) -> bool:
+        """vLLM quantized the model it serves (online, `--quantization`, or an FP8 checkpoint)."""
+        return getattr(getattr(self, "model_config", None), "quantization", None) is not None
+
+    def _hpcrl_loading(self, model: Any) -> Any:
+        """Around one update's `load_weights` calls: vLLM's layer-wise reload when the model is quantized."""
+        if not self._hpcrl_quantized():
+            from contextlib import nullcontext
+
+            return nullcontext()
+        return layerwise_reload(model, self.model_config, self.vllm_config, self.device)  # type: ignore[attr-defined]
 
     def _hpcrl_load_sharded(self, path: str) -> str:
         """A sharded publish (hpcrl.weights.manifest): vLLM's `load_weights` takes the assembled tensors
@@ -68,7 +108,9 @@ class HpcrlWorkerExtension:
                 seen += 1
                 yield name, t
 
-        self._hpcrl_model().load_weights(weights=tensors())
+        model = self._hpcrl_model()
+        with self._hpcrl_loading(model):
+            model.load_weights(weights=tensors())
         if seen != len(m.tensors):
             raise RuntimeError(f"vLLM's load_weights stopped before the last tensor of {path}")
         self._hpcrl_checksum = m.checksum  # type: ignore[attr-defined]
@@ -116,5 +158,7 @@ class HpcrlWorkerExtension:
         model = self._hpcrl_model()
         sink = Assembler(header, self.device, lambda done: model.load_weights(weights=done))  # type: ignore[attr-defined]
         self._hpcrl_checksum = "unverified"  # type: ignore[attr-defined]
-        self._hpcrl_checksum = receive_into(group, header, sink)  # type: ignore[attr-defined]
+        with self._hpcrl_loading(model):  # quantized: every round's load_weights inside one reload
+            checksum = receive_into(group, header, sink)
+        self._hpcrl_checksum = checksum  # type: ignore[attr-defined]
         return header.step, self._hpcrl_checksum, header.checksum  # type: ignore[attr-defined]

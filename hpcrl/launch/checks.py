@@ -60,6 +60,11 @@ def role_checks(cfg: Config | SFTConfig) -> list[str]:
         notes.extend(inference_notes(cfg))  # prime-rl's GPU-only inference keys: what happens here
     else:
         _renderer(cfg.renderer, cfg.model.name, "renderer")
+        if cfg.eval is not None:  # online evals (hpcrl.trainer.sft_eval): the same env checks
+            from hpcrl.trainer.sft_eval import check_eval_config
+
+            notes.extend(check_envs([("eval.env", cfg.eval.env)]))
+            check_eval_config(cfg)
     _resolve_warm_start(cfg)
     return notes
 
@@ -201,15 +206,20 @@ def _envs(cfg: Config) -> list[str]:
     """Every env id resolves and its arguments are accepted; a runtime is only for 0.4 envs. A prime-rl
     source whose taskset is not installed here falls back to hpcrl's env of that name (hpcrl.envs.sources).
     Returns the notes to print."""
+    o = cfg.orchestrator
+    lists = [("orchestrator.train.env", o.train.env)]
+    if o.eval is not None:
+        lists.append(("orchestrator.eval.env", o.eval.env))
+    return check_envs(lists)
+
+
+def check_envs(lists: list[tuple[str, list[Any]]]) -> list[str]:
+    """_envs's checks of (path, env entries) lists; a fallen-back entry is replaced in its list."""
     from hpcrl.config.secrets import resolve_refs
     from hpcrl.envs.registry import v1_module, validate_env_spec
     from hpcrl.envs.sources import source_fallback
     from hpcrl.envs.verifiers.v1_runtime import check_name
 
-    o = cfg.orchestrator
-    lists = [("orchestrator.train.env", o.train.env)]
-    if o.eval is not None:
-        lists.append(("orchestrator.eval.env", o.eval.env))
     notes: list[str] = []
     for path, envs in lists:
         for i, e in enumerate(envs):

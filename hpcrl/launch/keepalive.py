@@ -14,12 +14,15 @@ own children (hpcrl.launch.local).
 A server frozen past orchestrator.server_down_timeout_s on another host cannot be killed by the
 orchestrator: it writes a kill order (RunPaths.kill_order_file: the frozen pid) instead, which this
 process, on the server's node, carries out; the kill then counts as a crash (restart, backoff).
-An order naming another pid (a process already replaced) is dropped.
+An order naming another pid (a process already replaced) is dropped. Under SLURM the orchestrator
+kills the frozen pid through SLURM first (`srun --jobid ... -w NODE kill -9 PID`,
+hpcrl.orchestrator.server_end); this process sees that as a crash too, and the order is the fallback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -29,6 +32,9 @@ from pathlib import Path
 RESTART_BACKOFF_S = 1.0  # first restart delay; doubles with each restart
 RESTART_BACKOFF_MAX_S = 30.0
 ORDER_POLL_S = 0.5  # how often a running server's kill order is looked for
+# Set for the server: it announces itself as supervised (bus SlurmTask.supervised), so a frozen one
+# is ended by its pid, not by ending its SLURM step (which would end this process too).
+SUPERVISED_ENV = "HPCRL_SUPERVISED"
 
 
 def restart_delay(restarts: int) -> float:
@@ -90,7 +96,7 @@ def keep_alive(
         signal.signal(s, forward)
     restarts = 0
     while True:
-        proc = subprocess.Popen(cmd)
+        proc = subprocess.Popen(cmd, env={**os.environ, SUPERVISED_ENV: "1"})
         rc = wait_or_kill(proc, order, label)
         if stopping["sig"] is not None:
             return rc

@@ -87,6 +87,7 @@ from hpcrl.launch.memory_sync import (  # noqa: F401 (re-exported: host_memory, 
     publish_item,
     receive_item,
     receive_of,
+    served_quantization,
     serves_with_vllm,
     sync_transport,
 )
@@ -514,7 +515,7 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
     )  # fmt: skip
     infer, kv_tokens = inference_items(
         arch, tp=tp, dtype=idtype, limit_gib=cfg.deployment.gpu_memory_gib, utilization=util,
-        receive=receive, policy_dtype=prec.compute,
+        receive=receive, policy_dtype=prec.compute, quantization=served_quantization(cfg),
     )  # fmt: skip
     parallel = f"FSDP {ranks}" + (f", ep {ep}" if ep > 1 else "") + (f", cp {cp}" if cp > 1 else "")
     head = f"{ranks} ranks, {parallel}; {SHORT[prec.compute]} compute, {SHORT[prec.master]} master"
@@ -526,7 +527,7 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
         ac=ac,
         ac_other_gib=other,
         inference=infer,
-        inference_head=f"tp {tp}, {SHORT[idtype]}, gpu_memory_utilization {util:g}",
+        inference_head=f"tp {tp}, {SHORT[idtype]}{_quant(cfg)}, gpu_memory_utilization {util:g}",
         kv_tokens=kv_tokens,
         max_model_len=cfg.inference.max_model_len or cfg.seq_len,
         ep_lines=ep_text,
@@ -538,6 +539,11 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
             else "deployment.num_train_nodes"
         ),
     )
+
+
+def _quant(cfg: Config) -> str:
+    q = served_quantization(cfg)
+    return f", {q} weights" if q else ""
 
 
 def dry_run_lines(cfg: Config, placement: Placement) -> list[str]:
@@ -559,39 +565,3 @@ def dry_run_lines(cfg: Config, placement: Placement) -> list[str]:
         plan.check(limit)
         return plan.lines(limit)
     return plan.lines(limit) + ["  note:       CPU compute: the plan is information, not checked"]
-
-
-# GPU generations flash-attention 3 runs on (Hopper and later), as SLURM GRES types name them.
-FA3_GPUS = ("h100", "h200", "h800", "h20", "gh200", "b200", "b300", "gb200", "gb300")
-
-
-def attention_lines(cfg: Config, placement: Placement, gpu_types: set[str]) -> list[str]:
-    """`trainer.model.attn = "flash_attention_3"` against the nodes, at dry run: refused (one line)
-    when the partition's GRES types name only GPUs FA3 cannot run on; a note when the GPU type is
-    unknown or this Python lacks the kernel (the trainer then stops at start unless the nodes have it)."""
-    import importlib.util
-
-    model = cfg.trainer.model or cfg.model
-    if model.attn != "flash_attention_3":
-        return []
-    if not placement.uses_gpus or placement.cpu_compute:
-        return [
-            "  note:       trainer.model.attn = flash_attention_3 runs as SDPA where roles compute on CPU"
-        ]
-    if gpu_types and not any(t.startswith(FA3_GPUS) for t in gpu_types):
-        raise ConfigError(
-            "trainer.model.attn",
-            f"flash_attention_3 needs Hopper or newer GPUs; the partition's nodes have {', '.join(sorted(gpu_types))} "
-            "(use flash_attention_2 with impl = 'hf', or sdpa)",
-        )
-    lines = []
-    if not gpu_types:
-        lines.append(
-            "  note:       flash_attention_3 needs Hopper or newer GPUs; sinfo names no GPU type to check"
-        )
-    if importlib.util.find_spec("flash_attn_interface") is None:
-        lines.append(
-            "  note:       flash_attention_3: this Python has no flash_attn_interface (flash-attention 3); the "
-            "trainer nodes must have it, or the trainer stops at start naming trainer.model.attn"
-        )
-    return lines

@@ -141,16 +141,26 @@ def inference_items(
     utilization: float,
     receive: Receive | None = None,
     policy_dtype: str = "bfloat16",
+    quantization: str | None = None,
 ) -> tuple[list[Item], int]:
-    """(items, KV tokens) of one GPU of an inference server; with `receive`, its weight sync's row."""
+    """(items, KV tokens) of one GPU of an inference server; with `receive`, its weight sync's row.
+    `quantization` (inference.quantization, FP8): the linear weights take 1 byte per parameter plus
+    their block scales (hpcrl.inference.fp8); embeddings and the LM head stay in `dtype`."""
+    from hpcrl.inference.fp8 import weight_bytes_per_param
+
     b = BYTES[dtype]
-    weights = a.params * b / tp / GIB
+    qb = weight_bytes_per_param(quantization, b)
+    quantized = a.params - a.embed_params if qb != b else 0
+    weights = ((a.params - quantized) * b + quantized * qb) / tp / GIB
+    how = f"{_count(a.params)} / tp {tp}"
+    if quantized:
+        how += f"; {_count(quantized)} linear at {qb:.4g} B ({quantization}: FP8 + scales)"
     kv_heads = max(1, a.kv_heads // tp)
     per_token = 2 * a.layers * kv_heads * a.head_dim * b
     kv = utilization * limit_gib - weights - INFER_RESERVE_GIB
     tokens = int(kv * GIB // per_token) if kv > 0 else 0
     return [
-        Item("weights", SHORT[dtype], weights, f"{_count(a.params)} / tp {tp}"),
+        Item("weights", "fp8" if quantized else SHORT[dtype], weights, how),
         Item("reserve", "", INFER_RESERVE_GIB, "activations, CUDA graphs (estimate)"),
         Item(
             "KV cache",
@@ -166,6 +176,12 @@ def sync_transport(cfg: Config, placement: Placement) -> str:
     from hpcrl.runtime import weight_transport
 
     return weight_transport(cfg, placement.uses_gpus)
+
+
+def served_quantization(cfg: Config) -> str | None:
+    """The servers' quantization: inference.quantization, or a vLLM value it does not hold (`fp8` left in
+    [inference.vllm] by prime-rl's configs)."""
+    return cfg.inference.quantization or cfg.inference.vllm.get("quantization")
 
 
 def serves_with_vllm(cfg: Config, placement: Placement) -> bool:

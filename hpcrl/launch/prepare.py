@@ -129,6 +129,15 @@ def print_summary(loaded: Loaded, placement: Placement, target: str, extra: list
     print("\n".join(lines))
 
 
+def _sft_evals(cfg: SFTConfig) -> str:
+    ev = cfg.eval
+    if ev is None:
+        return "off ([eval] for prime-rl's online evaluation)"
+    names = ", ".join(e.name or e.id for e in ev.env) or "no env"
+    first = "" if ev.skip_first_step else "step 0, "
+    return f"{first}every {ev.interval} step(s) and the last, on {names} (hpcrl eval of evals/step_N/weights)"
+
+
 def print_sft_summary(loaded: Loaded, target: str = "sft") -> None:
     cfg: SFTConfig = loaded.config
     checks = dry_run.model_lines(cfg) + dry_run.dataset_lines(cfg)
@@ -155,6 +164,7 @@ def print_sft_summary(loaded: Loaded, target: str = "sft") -> None:
         f"seq_len {cfg.data.seq_len or cfg.seq_len})",
         f"steps:        {cfg.max_steps} (lr {cfg.optim.lr:g}, loss on {mask} turns)",
         f"validation:   {val}",
+        f"online evals: {_sft_evals(cfg)}",
         "precision:    "
         + trainer_precision(cfg, on_gpu=visible_gpus() > 0 and cfg.deployment.compute != "cpu").describe(),
         f"checkpoints:  {_checkpoints(cfg.ckpt)}",
@@ -167,6 +177,21 @@ def print_sft_summary(loaded: Loaded, target: str = "sft") -> None:
 
 
 # -- `hpcrl trainer | orchestrator | inference --dry-run`: one role, as the launcher would start it ----
+def _trainer_data_lines(cfg: Config, paths: RunPaths, on_gpu: bool) -> list[str]:
+    fake = cfg.trainer.data.fake
+    if fake is not None:  # hpcrl.trainer.rl_fake
+        shape = "packed samples" if fake.generate_samples else "one sample each"
+        return [
+            f"data:         fake: {fake.batch_size} row(s) of {cfg.seq_len} random tokens per step "
+            f"({shape}), no orchestrator",
+            "policy:       not published (fake data: no inference servers)",
+        ]
+    return [
+        f"rollouts:     {paths.rollouts_dir}/ (from the orchestrator)",
+        f"policy:       published by {weight_transport(cfg, on_gpu)} to the inference servers",
+    ]
+
+
 def print_role_summary(loaded: Loaded, role: str, run_dir: str | None = None, server_index: int = 0) -> None:
     """What `hpcrl <role>` would start, after the model checks; starts and writes nothing."""
     cfg: Config = loaded.config
@@ -189,8 +214,7 @@ def _trainer_lines(cfg: Config, on_gpu: bool) -> list[str]:
         f"trainer:      {ranks} rank(s) on {'CUDA (NCCL)' if on_gpu else 'CPU (gloo)'}; "
         "this rank from RANK / WORLD_SIZE (or SLURM's)",
         f"steps:        {cfg.max_steps} ({optim.type}, lr {optim.lr:g}, {optim.scheduler})",
-        f"rollouts:     {paths.rollouts_dir}/ (from the orchestrator)",
-        f"policy:       published by {weight_transport(cfg, on_gpu)} to the inference servers",
+        *_trainer_data_lines(cfg, paths, on_gpu),
         "precision:    " + trainer_precision(cfg, on_gpu=on_gpu).describe(),
         f"checkpoints:  {_checkpoints(cfg.ckpt)}",
         f"run dir:      {paths.root}/",
@@ -210,6 +234,11 @@ def _orchestrator_lines(cfg: Config, on_gpu: bool) -> list[str]:
     ]
     if (frozen := o.algo.frozen) is not None:  # opd's teacher, sft's sampling source
         lines.append(f"teacher:      {frozen.base_url}" + (f" ({frozen.name})" if frozen.name else ""))
+    for e in o.train.env:  # per-env algorithms (prime-rl's per-source algo)
+        if e.algo is not None:
+            teacher = e.algo.frozen
+            where = f", teacher {teacher.base_url}" if teacher is not None else ""
+            lines.append(f"env algo:     {e.name or e.id}: {e.algo.type}{where}")
     return [*lines, f"checkpoints:  {_checkpoints(cfg.ckpt)}", f"run dir:      {paths.root}/"]
 
 

@@ -20,7 +20,7 @@ from hpcrl.config import secrets
 from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import secret_env, to_dict, write_resolved
 from hpcrl.config.schema import CkptConfig, Config
-from hpcrl.launch import host_memory, memory_plan, prepare
+from hpcrl.launch import attention_check, host_memory, memory_plan, prepare
 from hpcrl.launch.partition import check_components, component_requests, partition_nodes
 from hpcrl.launch.placement import Placement, slurm_placement
 from hpcrl.models.hub import job_env as hub_job_env
@@ -52,7 +52,7 @@ def slurm_plan(cfg: Config, nodes: int | None) -> tuple[Placement, list[str]]:
         check_components(component_requests(cfg, placement), offer, where)
     memory = memory_plan.dry_run_lines(cfg, placement)
     memory += host_memory.dry_run_lines(cfg, placement, offer)
-    memory += memory_plan.attention_lines(cfg, placement, {t for n in offer or [] for t in n.gpu_types})
+    memory += attention_check.attention_lines(cfg, placement, {t for n in offer or [] for t in n.gpu_types})
     return placement, memory
 
 

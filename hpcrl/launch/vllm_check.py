@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpcrl.errors import ConfigError
-from hpcrl.inference.vllm_args import engine_args, parse, vllm_parser
+from hpcrl.inference.vllm_args import check_quantization, engine_args, parse, vllm_parser
 
 
 def dry_run_lines(cfg: Any) -> list[str]:
@@ -24,6 +24,9 @@ def dry_run_lines(cfg: Any) -> list[str]:
         return [
             f"inference.vllm: {len(user)} argument(s) ({shown}) unused: inference.backend = 'hf' starts no vLLM"
         ]
+    if cfg.inference.quantization is not None:  # hpcrl's field, but its value is vLLM's to accept
+        user.append("quantization")
+        shown = ", ".join(user)
     if not user and cfg.inference.kv_cache_offload is None:
         return []  # only hpcrl's own arguments: the conformance tests check those against vLLM
     if importlib.util.find_spec("vllm") is None:
@@ -43,7 +46,8 @@ def dry_run_lines(cfg: Any) -> list[str]:
         parser = vllm_parser()
     except ConfigError as e:  # an installed vLLM that does not import: say so, a server would fail too
         return [f"inference.vllm: {len(user)} argument(s) ({shown}) not checked: {e.message}"]
-    parse(vllm_serve_argv(opts, opts.model_name, parser), set(args))
+    parse(vllm_serve_argv(opts, opts.model_name, parser), set(args) | set(user))
+    check_quantization(cfg.inference.quantization)
     here = (
         ""
         if base.backend == "vllm"

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from hpcrl.storage import TolerantFileHandler, TolerantStreamHandler
+
 _FMT = "%(asctime)s %(levelname)-7s [%(role)s] %(message)s"
 
 
@@ -48,10 +50,10 @@ def setup_logging(
     role_filter = _RoleFilter(role)
     handlers: list[logging.Handler] = []
     if console:
-        handlers.append(logging.StreamHandler(sys.stderr))
+        handlers.append(TolerantStreamHandler(sys.stderr))
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
+        handlers.append(TolerantFileHandler(log_file))
     for h in handlers:
         h.setFormatter(fmt)
         h.addFilter(role_filter)
@@ -84,7 +86,7 @@ def attach_env_logs(
     for name, paths in files.items():
         for path in paths:
             path.parent.mkdir(parents=True, exist_ok=True)
-            handler = logging.FileHandler(path)
+            handler = TolerantFileHandler(path)  # a log the disk refuses never ends a role
             handler.setFormatter(fmt)
             env_logger(name).addHandler(handler)
             if name in verifiers_envs:

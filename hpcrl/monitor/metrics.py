@@ -24,6 +24,7 @@ from typing import Any
 
 from hpcrl.monitor.metric_names import with_aliases
 from hpcrl.paths import RunPaths
+from hpcrl.storage import DEFAULT_TIMEOUT_S, Refusals
 
 HIST_BINS = 64
 EXTRA_KEY = "extra"
@@ -49,17 +50,49 @@ def _dumps(record: dict[str, Any]) -> bytes:
 
 
 class JsonlSink:
-    """Appends one line per call with a single O_APPEND write, so concurrent roles never interleave."""
+    """Appends one line per call with a single O_APPEND write, so concurrent roles never interleave.
 
-    def __init__(self, path: Path):
-        self.path = path
+    A write the filesystem refuses follows the storage policy (hpcrl.storage) without blocking the
+    caller: the lines wait in memory and go out, in order, at the first call after each backoff;
+    named once, and WriteRefused (the role's one last line) past `timeout_s`."""
+
+    def __init__(self, path: Path, role: str = "metrics", timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.path, self.role, self.timeout_s = path, role, timeout_s
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.pending: list[bytes] = []
+        self._refusals: Refusals | None = None
+        self._next_try = 0.0
 
     def write(self, record: dict[str, Any]) -> None:
-        os.write(self.fd, _dumps(record))
+        self.pending.append(_dumps(record))
+        if self._refusals is not None and time.monotonic() < self._next_try:
+            return
+        try:
+            self._flush()
+        except OSError as e:
+            if self._refusals is None:
+                self._refusals = Refusals(
+                    self.role, f"metrics ({len(self.pending)} line(s) held)", self.timeout_s, path=self.path
+                )
+            self._next_try = time.monotonic() + self._refusals.refused(e)
+            return
+        if self._refusals is not None:
+            self._refusals.cleared()
+            self._refusals = None
+
+    def _flush(self) -> None:
+        while self.pending:
+            n = os.write(self.fd, self.pending[0])
+            self.pending[0] = self.pending[0][n:]
+            if not self.pending[0]:
+                self.pending.pop(0)
 
     def close(self) -> None:
+        try:
+            self._flush()  # lines still held: one last try
+        except OSError:
+            pass  # named already; the role is ending
         os.close(self.fd)
 
 
@@ -94,12 +127,18 @@ class Metrics:
     """
 
     def __init__(
-        self, paths: RunPaths, role: str, enabled: bool = True, wandb_run: Any = None, extras: Any = None
+        self,
+        paths: RunPaths,
+        role: str,
+        enabled: bool = True,
+        wandb_run: Any = None,
+        extras: Any = None,
+        storage_timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self.paths = paths
         self.role = role
         self.enabled = enabled
-        self.jsonl = JsonlSink(paths.metrics_file) if enabled else None
+        self.jsonl = JsonlSink(paths.metrics_file, role, storage_timeout_s) if enabled else None
         self.wandb = wandb_run
         self.extras = extras
 
@@ -108,11 +147,12 @@ class Metrics:
         """The usual construction: log extras as `cfg.<role>.wandb.log_extras` (else `cfg.wandb.log_extras`)
         says when W&B is on."""
         wandb_cfg = getattr(cfg, "wandb", None)
+        timeout_s = getattr(cfg, "storage_timeout_s", DEFAULT_TIMEOUT_S)
         if wandb_cfg is None:
-            return cls(paths, role, enabled=enabled, extras=None)
+            return cls(paths, role, enabled=enabled, extras=None, storage_timeout_s=timeout_s)
         own = getattr(getattr(cfg, role, None), "wandb", None)
         extras = own.log_extras if own is not None and own.log_extras is not None else wandb_cfg.log_extras
-        return cls(paths, role, enabled=enabled, extras=extras)
+        return cls(paths, role, enabled=enabled, extras=extras, storage_timeout_s=timeout_s)
 
     def _record(self, step: int, fields: dict[str, Any]) -> dict[str, Any]:
         return {"role": self.role, "step": int(step), "time": time.time(), **fields}

@@ -261,6 +261,9 @@ def start(role: str, progress_dir: Path | None, stalls_dir: Path | None, bound_s
     if _current is not None:
         _current.stop()
     _current = Progress(role, progress_dir, stalls_dir, bound_s)
+    from hpcrl import storage  # a write the storage policy retries shows in the stall line
+
+    storage.report_to(waiting, done)
     return _current
 
 

@@ -25,8 +25,10 @@ def derive_seed(*key: object) -> int:
 
 
 def openai_sampling(sampling: Any) -> dict[str, Any]:
-    """SamplingConfig -> request fields (only those that differ from the API defaults)."""
-    out: dict[str, Any] = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature}
+    """SamplingConfig -> request fields (only those that differ from the API defaults), then its
+    extra_body (checked at load: hpcrl.config.prime_names.check_extra_body)."""
+    extra = dict(sampling.extra_body)
+    out: dict[str, Any] = {**extra, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature}
     if sampling.top_p < 1:
         out["top_p"] = sampling.top_p
     if sampling.top_k > 0:
@@ -35,7 +37,8 @@ def openai_sampling(sampling: Any) -> dict[str, Any]:
         out["min_p"] = sampling.min_p
     if sampling.repetition_penalty != 1:
         out["repetition_penalty"] = sampling.repetition_penalty
-    kwargs = {}
+    kwargs = dict(extra.pop("chat_template_kwargs", None) or {})
+    out.pop("chat_template_kwargs", None)
     if sampling.enable_thinking is not None:
         kwargs["enable_thinking"] = sampling.enable_thinking
     if sampling.reasoning_effort is not None:

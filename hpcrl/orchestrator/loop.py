@@ -36,6 +36,7 @@ from hpcrl.monitor.logging import ENV_LEVEL_VAR, setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
 from hpcrl.orchestrator import rollout_log, setup
+from hpcrl.orchestrator.algo.mixed import component_scales, reference_advantages
 from hpcrl.orchestrator.batch import (
     StepCounts,
     build_batches,
@@ -169,7 +170,11 @@ class Orchestrator:
     def start_watchers(self) -> list[asyncio.Task]:
         """Background tasks whose failure ends the run: the reviver of dead servers, and (unless
         deterministic) the loader of every new policy."""
-        tasks = [asyncio.create_task(self.sync.revive()), asyncio.create_task(self.stalls.run())]
+        tasks = [
+            asyncio.create_task(self.sync.revive()),
+            asyncio.create_task(self.stalls.run()),
+            asyncio.create_task(self.setup.poller.run()),  # /metrics -> in-flight cap, inference/* gauges
+        ]
         if not self.cfg.deterministic:
             tasks.append(asyncio.create_task(self.sync.watch()))
         return tasks
@@ -216,6 +221,7 @@ class Orchestrator:
         if self.setup.transport == "collective":
             await sync.join_group(servers)
         self.setup.attach_servers(self.servers, lambda: sync.loaded or 0, lambda: sync.adapter)
+        await self.setup.poller.poll_once()  # adaptive: the starting cap before the first request
         self.stalls = StallWatch(
             self.paths,
             self.servers,
@@ -366,6 +372,9 @@ class Orchestrator:
             self.setup.buffer,
             counts,
         )
+        kl_envs = self.setup.kl_as_advantage  # per-env opd / opsd in an rl run (algo.mixed)
+        if kl_envs:
+            samples = reference_advantages(samples, kl_envs)
         # Deterministic runs stamp batches with a fixed time so their bytes depend on the data only.
         batches, self.pack_stats = build_batches(
             samples,
@@ -374,11 +383,13 @@ class Orchestrator:
             self.cfg.seq_len,
             created_at=0.0 if self.cfg.deterministic else None,
         )
+        if kl_envs:
+            component_scales(batches, kl_envs)
         # The ranks' files concurrently (docs/bus.md); a refused write is named and retried (writes.py).
         await write_retrying(
             f"rollouts step {step}",  # the refusal names the path
             lambda: self.bus.publish_batches(step, batches),
-            self.cfg.trainer.batch_timeout_s,
+            self.cfg.storage_timeout_s,
         )
         self.published[step] = batches
         # The boundary: everything a checkpoint saves is taken here, together. The live buffer runs
@@ -413,6 +424,7 @@ class Orchestrator:
             "policy/loaded": self.sync.loaded,
             "progress/total_samples": p["total_samples"],
             **self.server_metrics(),
+            **self.setup.poller.metrics(),  # concurrency/*, inference/<server>/*
             **self.causes.metrics(),
             **self.stalls.metrics(),
         }
@@ -491,7 +503,13 @@ class Orchestrator:
         assert pending == list(range(n + 1, self.state.step + 1)), (n, pending, self.state.step)
         st = msgspec.structs.replace(self.state, checkpoint_step=n, pending_steps=pending)
         blobs = {m: [encode(b, checksum=self.bus.checksum) for b in self.published[m]] for m in pending}
-        save_part(self.paths, st, blobs)
+        from hpcrl.storage import retry_blocking  # a refused write: named, retried, one line past the bound
+
+        retry_blocking(
+            "orchestrator", f"checkpoint step {n} (orchestrator part)",
+            lambda: save_part(self.paths, st, blobs), self.cfg.storage_timeout_s,
+            path=self.paths.orchestrator_ckpt_dir(n),
+        )  # fmt: skip
         log.info(
             "checkpoint %d: orchestrator part written (state at batch %d, pending %s)",
             n,

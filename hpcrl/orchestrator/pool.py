@@ -1,5 +1,6 @@
-"""The inference servers a run samples from, as one pool: least-loaded routing, bounded concurrency,
-retries with backoff, moving requests off a dead server, and one clear error when inference is gone."""
+"""The inference servers a run samples from, as one pool: least-loaded routing, bounded concurrency
+(fixed, or sized by hpcrl.orchestrator.concurrency), retries with backoff, moving requests off a dead
+server, and one clear error when inference is gone."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpcrl.monitor import progress, watchdog
+from hpcrl.orchestrator.concurrency.limiter import Limiter, Slot
 from hpcrl.orchestrator.servers import InferenceUnavailable, ServerSet, is_dead
 
 RETRIES = 5
 BACKOFF_S = 0.5
 FAILURE_STREAK = 16  # consecutive failed requests (after retries) that mean inference is gone
+
+
+class _Shed(Exception):
+    """The concurrency controller cancelled this request's HTTP call: it goes again."""
 
 
 class RequestFailed(RuntimeError):
@@ -47,7 +53,12 @@ class ServerPool:
         # LoRA RL: the adapter the servers hold the policy under, once one is loaded (PolicySync.adapter).
         # vLLM applies an adapter only to requests naming it; the hf engine serves its merge under any name.
         self.adapter: Callable[[], str | None] = lambda: None
-        self.sem = asyncio.Semaphore(max_concurrent)
+        # The in-flight gate; an adaptive run's poller (hpcrl.orchestrator.concurrency.poller) resizes
+        # it, sets per-server caps and hears each answer (on_answer: growth is paced by completions).
+        self.limiter = Limiter(max_concurrent)
+        self.caps: dict[int, int] | None = None
+        self.on_answer: Callable[[int, bool, int], None] | None = None
+        self.per_sequence = False  # adaptive: a request for n completions weighs n in the gate
         self.inflight = [0] * len(self.clients)
         # Per server: since when its in-flight requests have had no answer (the last answer, or the
         # first request sent while none was in flight); read by the stall report (hpcrl.orchestrator.stalls).
@@ -90,43 +101,76 @@ class ServerPool:
         live = self.servers.live() if self.servers is not None else list(range(len(self.clients)))
         # An unresponsive (frozen) server gets no new requests while another one answers.
         answering = [i for i in live if self.servers is None or i not in self.servers.unresponsive]
-        return min(answering or live or range(len(self.clients)), key=lambda i: (self.inflight[i], i))
+        pool = answering or live or range(len(self.clients))
+        if self.caps:  # adaptive: servers under their own cap first
+            pool = [i for i in pool if self.inflight[i] < self.caps.get(i, self.limiter.limit)] or pool
+        return min(pool, key=lambda i: (self.inflight[i], i))
 
     async def call(self, server: int, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """`InferenceClient.<method>(*args, **kwargs)` on one server, retried; see the class doc."""
+        """`InferenceClient.<method>(*args, **kwargs)` on one server, retried; see the class doc. A
+        request the concurrency controller sheds is sent again (at the head of the line): exactly
+        one answer per call."""
+        front = False
+        weight = 1
+        if self.per_sequence:
+            weight = int(kwargs.get("n") or (kwargs.get("sampling_params") or {}).get("n") or 1)
+        while True:
+            slot = await self.limiter.acquire(weight, front)
+            ok = False
+            try:
+                out = await self._attempts(slot, server, method, args, kwargs)
+                ok = True
+                return out
+            except _Shed:
+                front = True
+            finally:
+                self.limiter.release(slot)
+                if self.on_answer is not None and (ok or not slot.shed):
+                    self.on_answer(self.limiter.count, ok, weight)
+
+    async def _attempts(
+        self, slot: Slot, server: int, method: str, args: tuple, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
         import httpx
 
         from hpcrl.inference.client import InferenceError
 
         err = ""
-        async with self.sem:
-            attempt = 0
-            while attempt <= self.retries:
-                server = await self._route(server)
-                client = self.clients[server]
-                if not self.inflight[server]:
-                    self.quiet_since[server] = time.monotonic()
-                self.inflight[server] += 1
+        attempt = 0
+        while attempt <= self.retries:
+            server = await self._route(server)
+            client = self.clients[server]
+            if not self.inflight[server]:
+                self.quiet_since[server] = time.monotonic()
+            self.inflight[server] += 1
+            try:
+                slot.task = asyncio.ensure_future(getattr(client, method)(*args, **kwargs))
                 try:
-                    out = await getattr(client, method)(*args, **kwargs)
-                    self.failure_streak = 0
-                    self.quiet_since[server] = time.monotonic()
-                    watchdog.beat("inference answered")
-                    progress.moved("inference answered")
-                    return out
-                except httpx.TransportError as e:
-                    err = f"{type(e).__name__}: {e}"
-                    if await self._died(server, client, err):
-                        continue  # sent again at once to a live server
-                except InferenceError as e:
-                    err = str(e)
-                    if e.status < 500 and e.status != 429:  # our request is wrong: retrying won't help
-                        raise RequestFailed(err) from None
-                finally:
-                    self.inflight[server] -= 1
-                if attempt < self.retries:
-                    await asyncio.sleep(self.backoff * 2**attempt)
-                attempt += 1
+                    out = await slot.task
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if slot.shed and (me is None or not me.cancelling()):
+                        raise _Shed() from None
+                    raise
+                self.failure_streak = 0
+                self.quiet_since[server] = time.monotonic()
+                watchdog.beat("inference answered")
+                progress.moved("inference answered")
+                return out
+            except httpx.TransportError as e:
+                err = f"{type(e).__name__}: {e}"
+                if await self._died(server, client, err):
+                    continue  # sent again at once to a live server
+            except InferenceError as e:
+                err = str(e)
+                if e.status < 500 and e.status != 429:  # our request is wrong: retrying won't help
+                    raise RequestFailed(err) from None
+            finally:
+                slot.task = None
+                self.inflight[server] -= 1
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff * 2**attempt)
+            attempt += 1
         self.failure_streak += 1
         if self.failure_streak >= FAILURE_STREAK:
             raise InferenceUnavailable(

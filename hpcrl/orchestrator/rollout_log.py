@@ -31,6 +31,7 @@ from hpcrl.monitor.rollout_files import COLUMNS, INDEX_FORMAT, row_of, summary_o
 from hpcrl.orchestrator.state import GroupRecord, RolloutRecord
 from hpcrl.orchestrator.transcript import Transcript, TurnLog
 from hpcrl.paths import RunPaths
+from hpcrl.storage import describe
 
 log = logging.getLogger("hpcrl.orchestrator")
 
@@ -350,10 +351,11 @@ class RolloutLog:
             why = refused_write(e)
             if why is None:
                 log.warning("saved rollouts of step %d (%s) not written: %s", step, split, e)
-            elif why != self.refused:
+            elif why != self.refused:  # named once per cause (hpcrl.storage: a log never ends the run)
                 log.warning(
-                    "saved rollouts of step %d (%s) not written: %s; the run goes on", step, split, why
-                )
+                    "saved rollouts of step %d (%s) not written: %s; the run goes on",
+                    step, split, describe(e),
+                )  # fmt: skip
             self.refused = why
             return
         except Exception:  # noqa: BLE001 - saving rollouts must never end the run

@@ -20,7 +20,7 @@ from hpcrl.config.schema import Config, EnvConfig, OrchestratorConfig, SamplingC
 from hpcrl.envs import Environment, Task, load_environment
 from hpcrl.envs.registry import alias_note, v1_module
 from hpcrl.errors import ConfigError
-from hpcrl.orchestrator.algo import Credit, ReferenceScorer
+from hpcrl.orchestrator.algo import Credit, References, ReferenceScorer
 from hpcrl.orchestrator.buffer import Buffer, BufferConfig, TaskRef
 from hpcrl.orchestrator.chat import openai_sampling
 from hpcrl.orchestrator.eval import EvalEnv
@@ -181,9 +181,12 @@ class Setup:
     renderers: Any = None  # hpcrl.orchestrator.renderer_client.Renderers, or None for the default renderer
     pools: list[ServerPool] = field(default_factory=list)
     teacher: ServerPool | None = None  # the algorithm's frozen model (opd's teacher, sft's source)
-    reference: ReferenceScorer | None = None  # opd / opsd: reference logprobs of each batch
+    reference: ReferenceScorer | References | None = None  # opd / opsd: reference logprobs of each batch
+    # Envs whose reference logprobs become advantages: opd / opsd envs in an rl run (algo.mixed).
+    kl_as_advantage: frozenset[str] = frozenset()
     train_gen: Generator | None = None
     eval_gen: Generator | None = None
+    poller: Any = None  # hpcrl.orchestrator.concurrency.poller.Poller of the student servers
 
     def fresh_state(self) -> OrchestratorState:
         o = self.cfg.orchestrator
@@ -216,16 +219,19 @@ class Setup:
             seed = o.train.sampling.seed if o.train.sampling.seed is not None else cfg.seed
         from hpcrl.inference.guard import resolve_api_key
 
+        conc = o.concurrency
+        ceiling = (conc.max_inflight or o.max_concurrent) if conc.mode == "adaptive" else o.max_concurrent
         student = ServerPool(
             [s.base_url for s in servers.infos],
             model=servers.infos[0].model,
             timeout=o.request_timeout_s,
-            max_concurrent=o.max_concurrent,
+            max_concurrent=ceiling,
             api_key=resolve_api_key(cfg.server.api_key),
             servers=servers,
         )
         student.adapter = adapter
         self.pools.append(student)
+        self.poller = build_poller(cfg, student, ceiling)
         # Same strategy for eval and training, each with its own one-example-at-a-time lock under
         # branching, so eval never waits behind training groups.
         self.eval_gen = Generator(
@@ -263,18 +269,58 @@ class Setup:
                 demo_key=o.algo.demo_key,
                 task_of=lambda g: self.tasks[g.env][g.task_index],
             )
+        self.attach_env_algos(student)
         log.info("algorithm %s: %s", o.algo.type, algo_summary(o.algo))
 
-    def opsd_hint(self) -> Callable[[str], list[int]]:
-        """opsd's demonstration message as ids: orchestrator.algo.renderer's renderer, else the
-        run's own (orchestrator.renderer), else the tokenizer's chat template."""
+    def attach_env_algos(self, student: ServerPool) -> None:
+        """Per-env algorithms (prime-rl's per-source algo): each opd / opsd env's reference scorer
+        (its own teacher, or the policy shown its demonstration); in a run mixing them with rl envs,
+        their signal goes into advantages (hpcrl.orchestrator.algo.mixed)."""
+        o = self.cfg.orchestrator
+        per_env: dict[str, ReferenceScorer | None] = {}
+        for i, e in enumerate(o.train.env):
+            algo = e.algo
+            if algo is None:
+                continue
+            name = env_name(e)
+            if algo.type == "opd":
+                assert algo.teacher is not None
+                pool = ServerPool(
+                    [algo.teacher.base_url],
+                    model=algo.teacher.name,
+                    timeout=o.request_timeout_s,
+                    max_concurrent=o.max_concurrent,
+                    api_key=os.environ.get(algo.teacher.api_key_var),
+                )
+                self.pools.append(pool)
+                per_env[name] = ReferenceScorer(pool)
+            elif algo.type == "opsd":
+                per_env[name] = ReferenceScorer(
+                    student,
+                    hint=self.opsd_hint(algo, f"orchestrator.train.env[{i}].algo"),
+                    template=algo.template,
+                    demo_key=algo.demo_key,
+                    task_of=lambda g: self.tasks[g.env][g.task_index],
+                )
+            else:
+                per_env[name] = None  # an rl type: no reference
+            log.info("env %s: algorithm %s: %s", name, algo.type, algo_summary(algo))
+        if per_env:
+            self.reference = References(self.reference, per_env)
+        if o.algo.action_loss == "rl":
+            self.kl_as_advantage = frozenset(n for n, sc in per_env.items() if sc is not None)
+
+    def opsd_hint(self, algo: Any = None, where: str = "orchestrator.algo") -> Callable[[str], list[int]]:
+        """opsd's demonstration message as ids: the algo's renderer (`algo`: unset, the run's
+        [orchestrator.algo]), else the run's own (orchestrator.renderer), else the tokenizer's chat
+        template."""
         from hpcrl.orchestrator.algo.reference import chat_template_hint
 
-        section = self.cfg.orchestrator.algo.renderer
+        section = (algo or self.cfg.orchestrator.algo).renderer
         renderers = self.renderers
         if section is not None:
             model = (self.cfg.orchestrator.model or self.cfg.model).name or ""
-            renderers = load_renderers_of(section, self.tokenizer, model, "orchestrator.algo.renderer")
+            renderers = load_renderers_of(section, self.tokenizer, model, f"{where}.renderer")
         renderer = None if renderers is None else renderers.get(None)
         return chat_template_hint(self.tokenizer, renderer)
 
@@ -314,6 +360,25 @@ class Setup:
             close = getattr(env, "aclose", None)
             if close is not None:
                 await close()
+
+
+def build_poller(cfg: Config, pool: ServerPool, ceiling: int) -> Any:
+    """The /metrics poller and in-flight controller of the student servers (issue 53): in fixed mode
+    it only reports the gauges; the cap stays at `ceiling`."""
+    from hpcrl.inference.guard import resolve_api_key
+    from hpcrl.orchestrator.concurrency.controller import Controller
+    from hpcrl.orchestrator.concurrency.poller import Poller
+
+    conc = cfg.orchestrator.concurrency
+    ctl = Controller(
+        min_inflight=min(conc.min_inflight, ceiling),
+        max_inflight=ceiling,
+        initial_inflight=None if conc.initial_inflight is None else min(conc.initial_inflight, ceiling),
+        adaptive=conc.mode == "adaptive",
+        poll_interval_s=conc.poll_interval_s,
+    )
+    max_model_len = cfg.inference.max_model_len or cfg.seq_len
+    return Poller(pool, ctl, max_model_len, resolve_api_key(cfg.server.api_key))
 
 
 def algo_summary(algo: Any) -> str:
@@ -395,7 +460,7 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
         envs=envs,
         tasks=tasks,
         buffer=buffer,
-        credit=Credit(o.algo, o.advantage),
+        credit=Credit(o.algo, o.advantage, {env_name(e): e.algo for e in o.train.env if e.algo is not None}),
         world_size=world,
         num_servers=servers,
         transport=transport,

@@ -8,10 +8,11 @@ of each server whose in-flight requests have had no answer for PROBE_AFTER_S:
 - no answer: the server is *unresponsive* (ServerSet.unresponsive): one WARNING, no new requests to
   it while another server answers (its in-flight ones stay: a frozen process answers them once it
   runs again); it answers again: one line, it takes requests again;
-- unresponsive for longer than orchestrator.server_down_timeout_s: it is killed (SIGKILL, where it
-  runs on this host) and marked down, so its supervisor restarts it like a dead one and `revive`
-  brings it back with the current policy; on another host the orchestrator cannot signal it, so it
-  writes a kill order that the server's keepalive on that node carries out (RunPaths.kill_order_file,
+- unresponsive for longer than orchestrator.server_down_timeout_s: it is ended and marked down, so
+  its supervisor restarts it like a dead one and `revive` brings it back with the current policy.
+  hpcrl.orchestrator.server_end says how: SIGKILL where it runs on this host; through SLURM
+  (`srun ... -w NODE kill -9 PID` in the job) where it runs on another node of this SLURM job; else a
+  kill order that the server's keepalive on that node carries out (RunPaths.kill_order_file,
   hpcrl.launch.keepalive), with the same outcome.
 
 `culprit` runs on the progress thread (it works while the event loop is blocked) and names what the
@@ -24,16 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from hpcrl.fileio import write_text
 from hpcrl.monitor import progress
 from hpcrl.monitor.progress import stacks_of_other
+from hpcrl.orchestrator.server_end import end
 from hpcrl.orchestrator.servers import PROBE_TIMEOUT_S, ServerSet, is_dead
 from hpcrl.paths import RunPaths
 
@@ -121,7 +119,7 @@ class StallWatch:
                         "no new requests go to it" if others else "no other server to send requests to",
                     )
                 elif now - s.unresponsive[pos] > s.down_timeout_s:
-                    self.kill(pos, now - s.unresponsive[pos])
+                    await self.kill(pos, now - s.unresponsive[pos])
             elif pos in s.unresponsive:
                 self._told.discard(pos)
                 since = s.unresponsive.pop(pos)
@@ -129,25 +127,13 @@ class StallWatch:
                     "%s answers /health again after %.0f s: it takes requests again", s.name(pos), now - since
                 )
 
-    def kill(self, pos: int, frozen_s: float) -> None:
-        """Frozen past the down deadline: end the process so its supervisor restarts it."""
+    async def kill(self, pos: int, frozen_s: float) -> None:
+        """Frozen past the down deadline: end the process so its supervisor restarts it
+        (hpcrl.orchestrator.server_end: SIGKILL here, through SLURM on another node, or a kill order)."""
         s, info = self.servers, self.servers.infos[pos]
         s.unresponsive.pop(pos, None)
         self._told.discard(pos)
-        local = info.host in ("127.0.0.1", "localhost", socket.gethostname(), socket.getfqdn())
-        if local:
-            try:
-                os.kill(info.pid, signal.SIGKILL)
-                what = f"killed pid {info.pid} so that its supervisor restarts it"
-            except OSError as e:
-                what = f"could not kill pid {info.pid} ({e})"
-        else:  # its keepalive on that node carries the order out (hpcrl.launch.keepalive)
-            order = self.paths.kill_order_file(info.index)
-            try:
-                write_text(order, f"{info.pid}\n")
-                what = f"it runs on {info.host}: ordered its keepalive there to kill pid {info.pid} ({order})"
-            except OSError as e:
-                what = f"it runs on {info.host} and the kill order could not be written ({e})"
+        what = await end(self.paths, info)
         log.warning(
             "%s frozen for %.0f s (> orchestrator.server_down_timeout_s = %.0f): %s",
             s.name(pos),

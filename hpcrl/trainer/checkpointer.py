@@ -21,13 +21,14 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from hpcrl import checkpoint
 from hpcrl.config.schema import CkptConfig
-from hpcrl.fileio import refused_error
+from hpcrl.fileio import WriteRefused, refused_error, refused_write
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer.core import Progress
@@ -35,6 +36,7 @@ from hpcrl.trainer.setup import Training
 from hpcrl.trainer.state import load_trainer_state, save_trainer_state
 
 log = logging.getLogger("hpcrl.trainer")
+T = TypeVar("T")
 
 
 @contextmanager
@@ -60,10 +62,13 @@ class Checkpointer:
         *,
         parts: tuple[str, ...] = checkpoint.PARTS,
         finalize_timeout_s: float = 600.0,
+        storage_timeout_s: float = 0.0,
+        role: str = "trainer",
     ):
         self.cfg, self.paths, self.tr, self.max_steps = cfg, paths, tr, max_steps
         self.parts = parts  # the parts COMPLETE waits for
         self.finalize_timeout_s = finalize_timeout_s
+        self.storage_timeout_s, self.role = storage_timeout_s, role  # hpcrl.storage's policy
         self.last_saved: int | None = None
         self._finalizing: set[int] = set()  # steps whose COMPLETE this process has yet to write
         self._lock = threading.Lock()
@@ -148,26 +153,44 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.last_saved = step
         rank, world, paths, tr = self.tr.dist.rank, self.tr.dist.world_size, self.paths, self.tr
-        with refusal_named(paths.weights_dir(step)):
-            self._save_weights(step)
+        what = f"checkpoint step {step}"
+        if world == 1:  # a retry writes weights/step_N afresh (with more ranks its rows come by collectives)
+            self.store(f"{what} (weights)", paths.weights_dir(step), lambda: self._save_weights(step))
+        else:
+            with refusal_named(paths.weights_dir(step)):
+                self._save_weights(step)
         if self.cfg.weights_only:
             return time.perf_counter() - t0
-        # step_N has no COMPLETE and never gets one if any of this is refused: a resume skips it
-        with refusal_named(paths.trainer_ckpt_dir(step)):
-            if rank == 0:
-                checkpoint.begin_part(paths, step, "trainer", clear=True)
-                # config, tokenizer and the HF names of every state key: `hpcrl export` needs no more
-                from hpcrl.trainer.export import write_meta
+        # step_N has no COMPLETE until every part is done: a resume skips it meanwhile; a retried part
+        # starts from an empty directory (begin_part clears it)
+        part = paths.trainer_ckpt_dir(step)
+        if rank == 0:
+            # config, tokenizer and the HF names of every state key: `hpcrl export` needs no more
+            from hpcrl.trainer.export import write_meta
 
-                write_meta(tr.model, tr.tokenizer, paths.trainer_ckpt_dir(step) / "hf", tr.precision.compute)
-            parallel.barrier()
-            save_trainer_state(
-                paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, progress.to_saved()
-            )
-        checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
+            def begin() -> None:
+                checkpoint.begin_part(paths, step, "trainer", clear=True)
+                write_meta(tr.model, tr.tokenizer, part / "hf", tr.precision.compute)
+
+            self.store(what, part, begin)
+        parallel.barrier()
+        state = progress.to_saved()
+        self.store(
+            what,
+            part,
+            lambda: save_trainer_state(paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, state),
+        )
+        self.store(what, part, lambda: checkpoint.mark_part_done(paths, step, "trainer", rank=rank))
         if rank == 0:
             self._start_finalizer(step)
         return time.perf_counter() - t0
+
+    def store(self, what: str, path: Path, write: Callable[[], T]) -> T:
+        """`write()` (rank-local) under the storage policy (hpcrl.storage): named, retried, one line
+        past storage_timeout_s."""
+        from hpcrl.storage import retry_blocking
+
+        return retry_blocking(self.role, what, write, self.storage_timeout_s, path=path)
 
     def stop_summary(self, step: int) -> str:
         """What a stop after `step` leaves for a resume, for the exit log line."""
@@ -241,10 +264,14 @@ class Checkpointer:
         assert self.cfg is not None
         try:
             world = self.tr.dist.world_size
-            if (
-                checkpoint.finalize_when_ready(self.paths, step, self.parts, world, self.finalize_timeout_s)
-                is None
-            ):
+            done = self.store(
+                f"checkpoint step {step} (COMPLETE)",
+                self.paths.complete_file(step),
+                lambda: checkpoint.finalize_when_ready(
+                    self.paths, step, self.parts, world, self.finalize_timeout_s
+                ),
+            )
+            if done is None:
                 return
             log.info("checkpoint step_%d complete", step)
             with self._lock:
@@ -254,6 +281,12 @@ class Checkpointer:
                 )
             for s in removed:
                 shutil.rmtree(self.paths.weights_dir(s), ignore_errors=True)
+        except WriteRefused as e:  # past storage_timeout_s: no COMPLETE, the previous step stays usable
+            log.error("checkpoint step_%d not completed: %s", step, e)
+        except OSError as e:  # retention refused (read-only storage): it runs again after the next one
+            if refused_write(e) is None:
+                raise
+            log.warning("checkpoint retention after step_%d skipped: %s", step, refused_write(e))
         finally:
             with self._lock:
                 self._finalizing.discard(step)

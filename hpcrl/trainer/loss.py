@@ -42,6 +42,20 @@ Modes (``LossParams.mode``; ``[orchestrator.algo] type`` picks it, AlgoConfig.lo
   (it ignores that the sampling distribution depends on the parameters).
 * ``sft`` (sft): cross entropy ``-logp`` on loss tokens (hard distillation / plain SFT). Inference
   logprobs are not needed.
+
+Rollout mismatch correction (the sampler is not the trainer: FP8 or another kernel, docs/fp8.md).
+All off by default; ``r`` is the same trainer/sampler ratio, every threshold is on ``r`` itself:
+
+* TIS (``use_tis``, ``tis_clip``; slime's names, verl's ``rollout_is = "token"``): the token's
+  importance weight is truncated at ``C = tis_clip`` as a detached weight: default ``sg(min(r, C))``,
+  cispo ``clip(min(r, C))``, grpo's surrogate times ``sg(min(r, C) / r)``. A token's gradient weight
+  then never exceeds ``C |A|``: bias for bounded variance (Yao et al., "Your efficient RL framework
+  secretly brings you off-policy RL training").
+* MIS, masking (prime-rl #1404's names; verl's ``rollout_rs`` token / sequence / geometric): a masked
+  token gets zero gradient. ``token_mask_low/high``: the token's ``r`` is outside ``[low, high]``;
+  ``sequence_mask_low/high``: the whole sample, when any of its loss tokens' ``r`` is below ``low`` /
+  above ``high``; ``geo_mask_low/high``: the whole sample, when the geometric mean of its ``r`` (exp of
+  the mean log-ratio) leaves ``[low, high]`` (``seq_mask_low/high`` is the same test in log space).
 """
 
 from __future__ import annotations
@@ -87,6 +101,15 @@ class LossParams:
     # Mask a whole sample when the mean log-ratio over its loss tokens leaves [low, high].
     seq_mask_low: float | None = None
     seq_mask_high: float | None = None
+    # Rollout mismatch correction (module docstring): TIS, then MIS at token / sequence / geo level.
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    token_mask_low: float | None = None
+    token_mask_high: float | None = None
+    sequence_mask_low: float | None = None
+    sequence_mask_high: float | None = None
+    geo_mask_low: float | None = None
+    geo_mask_high: float | None = None
 
     def __post_init__(self) -> None:
         if self.type not in _LOSS_TYPES:
@@ -110,6 +133,21 @@ class LossParams:
         lo, hi = self.seq_mask_low, self.seq_mask_high
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"loss.seq_mask_low ({lo}) must be < loss.seq_mask_high ({hi})")
+        if not self.tis_clip > 0.0:
+            raise ValueError(f"loss.tis_clip: {self.tis_clip} must be > 0 (a cap on the importance ratio)")
+        for level in ("token", "sequence", "geo"):
+            lo, hi = getattr(self, f"{level}_mask_low"), getattr(self, f"{level}_mask_high")
+            for side, v in (("low", lo), ("high", hi)):
+                if v is not None and not v > 0.0:
+                    raise ValueError(f"loss.{level}_mask_{side}: {v} must be > 0 (a bound on the ratio)")
+            if lo is not None and hi is not None and lo >= hi:
+                raise ValueError(f"loss.{level}_mask_low ({lo}) must be < loss.{level}_mask_high ({hi})")
+
+    @property
+    def masks_samples(self) -> bool:
+        """True when some mask drops whole samples (it needs ``seq_lens``)."""
+        bounds = ("seq_mask", "sequence_mask", "geo_mask")
+        return any(getattr(self, f"{b}_{s}") is not None for b in bounds for s in ("low", "high"))
 
 
 @dataclass
@@ -135,6 +173,8 @@ STAT_KEYS = (
     "neg_tokens",
     "neg_masked",
     "seq_masked_tokens",
+    "token_masked_tokens",
+    "tis_truncated_tokens",
 )
 
 
@@ -205,6 +245,51 @@ def sequence_mask(
     return bad[seg]
 
 
+def _log_or_none(x: float | None) -> float | None:
+    return None if x is None else math.log(x)
+
+
+def extreme_token_mask(
+    log_ratio: Tensor, loss_mask: Tensor, seq_lens: Tensor, low: float | None, high: float | None
+) -> Tensor:
+    """Per-token bool, True for every token of a sample in which some loss token's ratio is below
+    ``low`` or above ``high`` (ratio bounds; prime-rl's sequence_mask_low/high)."""
+    if low is None and high is None:
+        return torch.zeros_like(loss_mask)
+    seg = segment_ids(seq_lens)
+    lr = log_ratio.detach()
+    inf = torch.full((), math.inf, dtype=lr.dtype, device=lr.device)
+    bad = torch.zeros(len(seq_lens), dtype=torch.bool, device=lr.device)
+    if low is not None:
+        lo = torch.full((len(seq_lens),), math.inf, dtype=lr.dtype, device=lr.device)
+        lo = lo.scatter_reduce(0, seg, torch.where(loss_mask, lr, inf), reduce="amin")
+        bad |= lo < math.log(low)
+    if high is not None:
+        hi = torch.full((len(seq_lens),), -math.inf, dtype=lr.dtype, device=lr.device)
+        hi = hi.scatter_reduce(0, seg, torch.where(loss_mask, lr, -inf), reduce="amax")
+        bad |= hi > math.log(high)
+    return bad[seg]
+
+
+def sample_masks(params: LossParams, log_ratio: Tensor, loss_mask: Tensor, seq_lens: Tensor) -> Tensor:
+    """Per-token bool: the token's sample is dropped by seq_mask, sequence_mask or geo_mask."""
+    p = params
+    bad = sequence_mask(log_ratio, loss_mask, seq_lens, p.seq_mask_low, p.seq_mask_high)
+    geo_lo, geo_hi = _log_or_none(p.geo_mask_low), _log_or_none(p.geo_mask_high)
+    bad = bad | sequence_mask(log_ratio, loss_mask, seq_lens, geo_lo, geo_hi)
+    return bad | extreme_token_mask(log_ratio, loss_mask, seq_lens, p.sequence_mask_low, p.sequence_mask_high)
+
+
+def token_ratio_mask(ratio: Tensor, loss_mask: Tensor, low: float | None, high: float | None) -> Tensor:
+    """True on loss tokens whose ratio is outside ``[low, high]`` (prime-rl's token_mask_low/high)."""
+    bad = torch.zeros_like(loss_mask)
+    if low is not None:
+        bad |= ratio < low
+    if high is not None:
+        bad |= ratio > high
+    return bad & loss_mask
+
+
 def compute_loss(
     params: LossParams,
     *,
@@ -265,23 +350,31 @@ def compute_loss(
     ratio = torch.exp(log_ratio)
 
     keep = loss_mask
-    if seq_lens is not None or params.seq_mask_low is not None or params.seq_mask_high is not None:
+    if seq_lens is not None or params.masks_samples:
         if seq_lens is None:
-            raise ValueError("sequence masks (seq_mask_low/high) need seq_lens")
-        seq_bad = sequence_mask(log_ratio, loss_mask, seq_lens, params.seq_mask_low, params.seq_mask_high)
+            raise ValueError("sample masks (seq_mask_*, sequence_mask_*, geo_mask_*) need seq_lens")
+        seq_bad = sample_masks(params, log_ratio, loss_mask, seq_lens)
         stats["seq_masked_tokens"] = (seq_bad & loss_mask).sum().to(f32)
         keep = keep & ~seq_bad
+    r_d = ratio.detach()
+    mis_bad = token_ratio_mask(r_d, loss_mask, params.token_mask_low, params.token_mask_high)
+    stats["token_masked_tokens"] = mis_bad.sum().to(f32)
+    keep = keep & ~mis_bad
+    # TIS: the detached weight is min(r, C) (the trust region below still tests the full ratio)
+    r_w = torch.clamp(r_d, max=params.tis_clip) if params.use_tis else r_d
+    if params.use_tis:
+        stats["tis_truncated_tokens"] = (loss_mask & (r_d > params.tis_clip)).sum().to(f32)
 
     lo, hi = 1.0 - params.eps_low, 1.0 + params.eps_high
-    token_bad = trust_region_mask(ratio.detach(), adv, params.eps_low, params.eps_high) & keep
+    token_bad = trust_region_mask(r_d, adv, params.eps_low, params.eps_high) & keep
     if params.type == "default":
-        per_token = -ratio.detach() * adv * logp
+        per_token = -r_w * adv * logp
         keep_pg = keep & ~token_bad
     elif params.type == "cispo":
-        per_token = -torch.clamp(ratio.detach(), lo, hi) * adv * logp
+        per_token = -torch.clamp(r_w, lo, hi) * adv * logp
         keep_pg = keep
-    else:  # grpo: PPO clipped surrogate, gradient flows through the ratio.
-        per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    else:  # grpo: PPO clipped surrogate, gradient flows through the ratio (TIS: scaled by min(r, C) / r).
+        per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv) * (r_w / r_d)
         keep_pg = keep
 
     per_token = masked_where(keep_pg, per_token)
@@ -349,6 +442,8 @@ def summarize(stats: dict[str, Tensor]) -> dict[str, float]:
         "masked_advantage_positive": ratio_of("pos_masked", "pos_tokens"),
         "masked_advantage_negative": ratio_of("neg_masked", "neg_tokens"),
         "seq_masked_fraction": ratio_of("seq_masked_tokens", "loss_tokens"),
+        "token_masked_fraction": ratio_of("token_masked_tokens", "loss_tokens"),
+        "tis_truncated_fraction": ratio_of("tis_truncated_tokens", "loss_tokens"),
         "loss_tokens": float(stats["loss_tokens"]),
     }
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +45,7 @@ from hpcrl.weights.checksum import payload_bytes, state_dict_checksum
 from hpcrl.weights.delta import DELTA_FILE, META_KEY, Delta, apply_delta, encode_delta
 
 log = logging.getLogger("hpcrl.trainer")
+T = TypeVar("T")
 
 
 class PolicyPublisher:
@@ -63,6 +65,7 @@ class PolicyPublisher:
         sharded: bool = False,
         shard_bucket_mb: float = 256,
         resume_lag: int | None = None,
+        storage_timeout_s: float = 0.0,
     ):
         assert transport in ("filesystem", "collective"), transport
         self.paths = paths
@@ -93,6 +96,15 @@ class PolicyPublisher:
         self.sharded = sharded
         self.shard_bucket_mb = shard_bucket_mb
         self.last_rank_bytes = 0
+        self.storage_timeout_s = storage_timeout_s  # hpcrl.storage: how long a refused write is retried
+
+    def store(self, what: str, path: Path, write: Callable[[], T]) -> T:
+        """`write()` (rank-local, no collective inside) under the storage policy: a write the
+        filesystem refuses is named, retried with backoff from a clean start, and ends the trainer
+        in one line past storage_timeout_s."""
+        from hpcrl.storage import retry_blocking
+
+        return retry_blocking("trainer", what, write, self.storage_timeout_s, path=path)
 
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_sync_bytes` is what
@@ -328,19 +340,24 @@ class PolicyPublisher:
         from hpcrl.fileio import atomic_dir
 
         final = self.paths.broadcast_dir(step)
-        with atomic_dir(final) as tmp:  # the server never sees a half-written broadcast
-            if delta is None:
-                save_file(
-                    {k: v.contiguous() for k, v in named.items()},
-                    str(tmp / "model.safetensors"),
-                    metadata={"format": "pt"},
-                )
-            else:
-                save_file(
-                    delta.tensors,
-                    str(tmp / DELTA_FILE),
-                    metadata={"format": "pt", META_KEY: delta.manifest_json()},
-                )
+
+        def write() -> None:
+            # the server never sees a half-written broadcast; a retry starts from a fresh tmp dir
+            with atomic_dir(final) as tmp:
+                if delta is None:
+                    save_file(
+                        {k: v.contiguous() for k, v in named.items()},
+                        str(tmp / "model.safetensors"),
+                        metadata={"format": "pt"},
+                    )
+                else:
+                    save_file(
+                        delta.tensors,
+                        str(tmp / DELTA_FILE),
+                        metadata={"format": "pt", META_KEY: delta.manifest_json()},
+                    )
+
+        self.store(f"policy {step}", final, write)
         return final
 
     def _clean_behind(self, step: int) -> None:

@@ -78,9 +78,10 @@ def _main(cfg: Config) -> int:
         cfg.max_steps,
         parts=checkpoint.PARTS,
         finalize_timeout_s=cfg.orchestrator.policy_timeout_s,
+        storage_timeout_s=cfg.storage_timeout_s,
     )
     start, progress = ckpt.restore(Progress())
-    bus = Bus(paths, role="trainer", rank=tr.dist.rank, refused_retry_s=cfg.orchestrator.policy_timeout_s)
+    bus = Bus(paths, role="trainer", rank=tr.dist.rank, storage_timeout_s=cfg.storage_timeout_s)
     publisher = make_publisher(cfg, paths, bus, tr.dist.rank, tr.precision.compute)
     publisher.publish(tr.model, start)  # policy `start` (0 = base weights): servers verify against it
     watchdog.beat(f"published policy {start}")
@@ -211,6 +212,7 @@ def make_publisher(cfg: Config, paths: RunPaths, bus: Bus, rank: int, dtype: str
         sharded=b.sharded,
         shard_bucket_mb=b.bucket_mb,
         resume_lag=cfg.orchestrator.max_async_level,
+        storage_timeout_s=cfg.storage_timeout_s,
     )
 
 
@@ -355,6 +357,10 @@ def step_metrics(out: StepResult, progress: Progress, times: dict[str, float]) -
             "loss/mean": s["loss"],
             "masked_advantage_positive/mean": s["masked_advantage_positive"],
             "masked_advantage_negative/mean": s["masked_advantage_negative"],
+            # rollout mismatch correction (hpcrl.trainer.loss): fractions of the step's loss tokens
+            "mismatch/token_masked": s["token_masked_fraction"],
+            "mismatch/sequence_masked": s["seq_masked_fraction"],
+            "mismatch/tis_truncated": s["tis_truncated_fraction"],
             "progress/total_tokens": progress.total_tokens,
             "progress/total_samples": progress.total_samples,
             "loss_tokens": s["loss_tokens"],

@@ -199,4 +199,12 @@ def loss_params(loss: LossConfig, mode: str) -> LossParams:
         entropy_coef=loss.entropy_coef,
         kl_estimator=loss.kl_estimator,
         kl_target="inference",
+        use_tis=loss.use_tis,
+        tis_clip=loss.tis_clip,
+        token_mask_low=loss.token_mask_low,
+        token_mask_high=loss.token_mask_high,
+        sequence_mask_low=loss.sequence_mask_low,
+        sequence_mask_high=loss.sequence_mask_high,
+        geo_mask_low=loss.geo_mask_low,
+        geo_mask_high=loss.geo_mask_high,
     )

@@ -53,10 +53,27 @@ FINALIZE_TIMEOUT_S = 600.0
 
 def train(cfg: SFTConfig, paths: RunPaths) -> int:
     """One rank's SFT loop; `paths`: the run directory its launcher prepared (hpcrl.launch.sft)."""
+    from hpcrl.storage import WriteRefused
+
+    try:
+        return _train(cfg, paths)
+    except WriteRefused as e:  # storage refused past storage_timeout_s (hpcrl.storage): one line
+        log.error("sft trainer failed: %s", e)
+        return 1
+
+
+def _train(cfg: SFTConfig, paths: RunPaths) -> int:
     stop = install_stop_handler()  # first: a stop asked for during start-up is honoured after step 1
     tr, data = start_rank(cfg, paths)
     ckpt = Checkpointer(
-        cfg.ckpt, paths, tr, cfg.max_steps, parts=SFT_PARTS, finalize_timeout_s=FINALIZE_TIMEOUT_S
+        cfg.ckpt,
+        paths,
+        tr,
+        cfg.max_steps,
+        parts=SFT_PARTS,
+        finalize_timeout_s=FINALIZE_TIMEOUT_S,
+        storage_timeout_s=cfg.storage_timeout_s,
+        role="sft trainer",
     )
     start, progress = ckpt.restore(Progress(data=data.cursor.state()))
     if progress.data is not None:
@@ -76,6 +93,8 @@ def train(cfg: SFTConfig, paths: RunPaths) -> int:
     sink = start_wandb_sink(cfg, paths, "trainer") if rank == 0 else None  # --wandb: one W&B run
     params = LossParams(mode="sft")
     num_params = count_params(tr.model)
+    evals = online_evals(cfg, paths, rank, start, tr)  # [eval]: the starting weights first
+    stopping = False
     for step in range(start + 1, cfg.max_steps + 1):
         t_step = time.perf_counter()
         batch = data.next_batch(share[0], share[1], tr.device, copies=share[2])
@@ -96,6 +115,8 @@ def train(cfg: SFTConfig, paths: RunPaths) -> int:
         stopping = agreed_stop(stop)  # read once: the checkpoint and the exit must agree
         t_ckpt = ckpt.maybe_save(step, progress, force=stopping or reached)
         ckpt.maybe_save_adapter(step)
+        if evals is not None:
+            evals.maybe_start(tr, step)
         m = metrics.log(
             step,
             step_metrics(out, batch, progress, data, val_loss, t_val, t_ckpt, time.perf_counter() - t_step)
@@ -111,11 +132,24 @@ def train(cfg: SFTConfig, paths: RunPaths) -> int:
             )
             break
     ckpt.close()
+    if evals is not None:
+        evals.close(stopping)
     metrics.close()
     if sink is not None:
         sink.close(wait_for_step=progress.step)
     parallel.destroy_distributed()
     return 0
+
+
+def online_evals(cfg: SFTConfig, paths: RunPaths, rank: int, start: int, tr: Training) -> Any:
+    """[eval]: prime-rl's online evaluation (hpcrl.trainer.sft_eval), its step-`start` one started."""
+    if cfg.eval is None:
+        return None
+    from hpcrl.trainer.sft_eval import OnlineEvals
+
+    evals = OnlineEvals(cfg, paths, rank, start)
+    evals.maybe_start(tr, start)
+    return evals
 
 
 def data_share(tr: Training) -> tuple[int, int, int]:

@@ -50,32 +50,38 @@ def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> 
     t0 = time.perf_counter()
     world = _world()
     final = pub.paths.broadcast_dir(step)
+    what = f"policy {step}"
     if pub.rank == 0 and final.exists():
-        shutil.rmtree(final)  # a partial publish of this step (a killed run): never mixed with this one
+        # a partial publish of this step (a killed run): never mixed with this one
+        pub.store(what, final, lambda: shutil.rmtree(final))
     _barrier()
     bucket = max(1, int(pub.shard_bucket_mb * 2**20))
-    pieces = policy_pieces(model, pub.rank, dtype=pub.dtype)
     delta_meta, sync_bytes = None, None
     if pub.delta:  # O(shard): this rank's pieces on the host, and its previous ones
+        pieces = policy_pieces(model, pub.rank, dtype=pub.dtype)
         held = [Piece(p.name, p.shape, p.row0, p.tensor.detach().to("cpu", copy=True)) for p in pieces]
         delta, sync_bytes = _shard_delta(pub, held, step, world)
         if delta is not None:
-            written = write_delta(final, pub.rank, delta, held)
+            written = pub.store(what, final, lambda: write_delta(final, pub.rank, delta, held))
             delta_meta = {
                 "base_step": pub._prev_step,
                 "base_checksum": pub._prev_checksum,
                 "files": [delta_file(r) for r in range(world)],
             }
         else:
-            written = write_pieces(final, pub.rank, held, bucket)
+            written = pub.store(what, final, lambda: write_pieces(final, pub.rank, held, bucket))
         _remember(pub, held, step, delta)
+    elif world == 1:  # a retry iterates the pieces afresh (with more ranks, gathers pace the iteration)
+        written = pub.store(
+            what, final, lambda: write_pieces(final, 0, policy_pieces(model, 0, dtype=pub.dtype), bucket)
+        )
     else:
-        written = write_pieces(final, pub.rank, pieces, bucket)
+        written = write_pieces(final, pub.rank, policy_pieces(model, pub.rank, dtype=pub.dtype), bucket)
     pub.last_rank_bytes = written.nbytes
     _barrier()  # every rank's pieces and entries are durable
     if pub.rank != 0:
         return time.perf_counter() - t0
-    m = finish(final, step, world, delta=delta_meta)
+    m = pub.store(what, final, lambda: finish(final, step, world, delta=delta_meta))
     pub.last_sync_bytes = m.num_bytes if sync_bytes is None else sync_bytes
     pub._bases[step] = None if delta_meta is None else delta_meta["base_step"]
     if pub.delta:

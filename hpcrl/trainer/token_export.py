@@ -23,7 +23,13 @@ from torch import Tensor
 
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
-from hpcrl.trainer.loss import LossParams, importance_log_ratio, trust_region_mask
+from hpcrl.trainer.loss import (
+    LossParams,
+    importance_log_ratio,
+    sample_masks,
+    token_ratio_mask,
+    trust_region_mask,
+)
 
 SCHEMA_VERSION = 1
 
@@ -112,6 +118,10 @@ class TokenExporter:
         if self.params.type == "default" and self.params.mode == "rl" and mb.advantages is not None:
             adv = mb.advantages.to(lp.device).float()
             masked = trust_region_mask(ratio, adv, self.params.eps_low, self.params.eps_high) & mask
+            p = self.params  # and the mismatch masks (MIS) the loss applies before it
+            masked |= token_ratio_mask(ratio, mask, p.token_mask_low, p.token_mask_high)
+            if p.masks_samples and getattr(mb, "seq_lens", None) is not None:
+                masked |= sample_masks(p, log_ratio, mask, mb.seq_lens.to(lp.device)) & mask
             out["is_masked"] = [m if k else None for m, k in zip(masked.tolist(), mask.tolist(), strict=True)]
         return out
 

@@ -40,7 +40,7 @@ def free_port() -> int:
 
 async def throughput(client, concurrency: int, max_tokens: int, n: int = 1) -> tuple[float, float]:
     """(generated tokens per second, mean decode batch size the server reported)."""
-    before = await client.metrics()
+    before = await client.stats()
     t0 = time.perf_counter()
     rs = await asyncio.gather(
         *(
@@ -49,7 +49,7 @@ async def throughput(client, concurrency: int, max_tokens: int, n: int = 1) -> t
         )
     )
     dt = time.perf_counter() - t0
-    after = await client.metrics()
+    after = await client.stats()
     tokens = sum(r["usage"]["completion_tokens"] for r in rs)
     steps = sum(after["batch_size_hist"].values()) - sum(before["batch_size_hist"].values())
     rows = after["generated_tokens"] - before["generated_tokens"]
@@ -62,7 +62,7 @@ async def round_trip(client, n: int = 30) -> tuple[str, str, str]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        await client.metrics()
+        await client.stats()
         times.append(time.perf_counter() - t0)
     return (
         "HTTP round trip on a kept-alive connection (GET /metrics)",

@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
 
 ROWS: list[dict] = []  # the table: one row per case
+RETRIED = "retried with backoff; written once it cleared, run goes on"
 
 
 def _hpcrl(*args: str) -> list[str]:
@@ -123,6 +125,49 @@ class Filler:
         self.path.unlink()
 
 
+def _remount(d: Path, mode: str) -> None:
+    """`mount -o remount,ro|rw` of the tmpfs at `d`: read-only is a real EROFS for every write under
+    it (the issue's `read-only filesystem at .../broadcasts/step_14`). A write in flight makes the
+    kernel refuse `ro` (EBUSY) for a moment: tried again."""
+    for _ in range(100):
+        res = subprocess.run(["mount", "-o", f"remount,{mode}", str(d)], capture_output=True, text=True)
+        if res.returncode == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"remount,{mode} {d}: {(res.stderr or res.stdout).strip()}")
+
+
+def refused(run: Run, role: str, row: dict, make, undo, names: list[str], hold: float, within: float) -> None:
+    """Make `role`'s writes fail (make()) until its log names the refusal (a `cannot write` line with
+    all of `names`, within `within` s, timed from make()) and `hold` s have passed; then undo(): the
+    write must go through (`wrote ... after`) and the run go on. Appends `row` with what was said."""
+    mark = len(run.log(role))
+    make()
+    t0 = time.monotonic()
+    try:
+
+        def named() -> str | None:
+            new = _new_lines(run.log(role), mark).splitlines()
+            return next((x for x in new if "cannot write" in x and all(n in x for n in names)), None)
+
+        try:
+            took = _until(lambda: named() is not None, within, f"the {role} naming {row['fault']}")
+        except (
+            AssertionError
+        ) as e:  # say what the role did instead (its log since the fault, the run's console)
+            raise AssertionError(
+                f"{e}\n--- {role} log since:\n{_new_lines(run.log(role), mark)[-4000:]}\n"
+                f"--- console:\n{run.output()[-3000:]}"
+            ) from None
+        line = named()
+        time.sleep(max(0.0, hold - (time.monotonic() - t0)))
+    finally:
+        undo()
+    _until(lambda: f"{role}: wrote " in run.log(role)[mark:], 90, "the write going through")
+    run.wait_steps(2)
+    ROWS.append({**row, "named_s": round(took, 1), "named_by": role, "line": line.split("] ", 1)[-1][:240]})
+
+
 def _make_unwritable(d: Path) -> tuple[str, list[str]]:
     """(how, the command that undoes it). As root chmod does not stop a write: `chattr +i` (the
     directory immutable: no entry can be created in it, whoever asks) does; as a user, chmod 0555."""
@@ -158,3 +203,113 @@ def _write_table() -> None:
         for r in ROWS
     )
     Path(target).write_text(head + rows)
+
+
+def _resume(out: Path, *args: str) -> tuple[Run, int]:
+    """`hpcrl resume --step -1` (and `args`), once its own trainer (a new pid) trained 2 steps past
+    the checkpoint it resumed from."""
+    paths = RunPaths(out)
+    start = checkpoint.latest_complete(paths)
+    assert start is not None
+    old = json.loads(paths.placement_file("trainer", 0).read_text())["pid"]
+    run = _start(out, "resume", "--step", "-1", "--output-dir", str(out), *args)
+
+    def trained() -> bool:
+        try:
+            doc = json.loads((paths.progress_dir / "trainer_0.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return doc["pid"] != old and (doc.get("step") or 0) >= start + 2
+
+    _until(lambda: trained() or run.proc.poll() is not None, 240, "2 steps after resuming")
+    assert run.proc.poll() is None, run.output()
+    return run, start
+
+
+def trainer_storage_read_only(run: Run, hold: float) -> None:
+    """The last resume: broadcasts/, then checkpoints/ read-only (their tmpfs remounted `ro`: EROFS)
+    for less than storage_timeout_s. The trainer names each at once (path, errno, free space),
+    retries with backoff, writes once it clears, and the run finishes with exit 0."""
+    for d, what in ((run.paths.broadcasts_dir, "policy"), (run.paths.checkpoints_dir, "checkpoint step")):
+        refused(
+            run,
+            "trainer",
+            {
+                "component": f"trainer ({'weight publish' if what == 'policy' else 'checkpoint'})",
+                "fault": f"{d.name}/ read-only (its tmpfs remounted ro: EROFS) for {hold:.0f} s",
+                "outcome": f"{RETRIED}; the run finishes with exit 0",
+            },
+            lambda d=d: _remount(d, "ro"),
+            lambda d=d: _remount(d, "rw"),
+            [f"cannot write {what}", "read-only filesystem at " + str(d), "EROFS", "free of"],
+            hold,
+            240,  # the trainer must first train a step: slow when the machine is loaded (CI's two lanes)
+        )
+
+
+def checkpoint_disk_full(out: Path, hold: float, storage_s: float) -> None:
+    """Resume; once it wrote a checkpoint of its own, fill checkpoints/ (its tmpfs) for less than
+    storage_timeout_s: named, retried, written once it clears, the run goes on. Then fill it for
+    good: past storage_timeout_s the run ends with one line naming the role, the path and the
+    field; the half-written step never counts as complete, the next resume starts from the last
+    good one."""
+    run, start = _resume(out)
+    paths = run.paths
+    try:
+        _until(lambda: (checkpoint.latest_complete(paths) or 0) > start, 240, "a checkpoint after resuming")
+        filler: list[Filler] = []
+        refused(
+            run,
+            "trainer",
+            {
+                "component": "trainer (checkpoint)",
+                "fault": f"disk full writing a checkpoint (checkpoints/ a 256 MB tmpfs, filled) for {hold:.0f} s",
+                "outcome": RETRIED,
+            },
+            lambda: filler.append(Filler(paths.checkpoints_dir)),
+            lambda: filler[-1].stop(),
+            ["cannot write checkpoint step", "disk full at " + str(paths.checkpoints_dir), "ENOSPC"],
+            hold,
+            240,  # the trainer must first train a step: slow when the machine is loaded (CI's two lanes)
+        )
+        good = checkpoint.latest_complete(paths)
+        _until(
+            lambda: (checkpoint.latest_complete(paths) or 0) > good,
+            120,
+            "a checkpoint after the disk cleared",
+        )
+        good = checkpoint.latest_complete(paths)
+        filler.append(Filler(paths.checkpoints_dir))
+        t0 = time.monotonic()
+        try:
+            _, stderr = run.proc.communicate(timeout=storage_s + 180)
+        finally:
+            filler[-1].stop()
+        took = time.monotonic() - t0
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    last = (stderr.strip().splitlines() or ["-"])[-1]
+    assert run.proc.returncode != 0, last
+    assert "disk full at " + str(paths.checkpoints_dir) in last and "No space left on device" in last, last
+    assert "trainer failed" in last or "orchestrator failed" in last, last
+    assert f"(storage_timeout_s = {storage_s:g})" in last, last
+    # `good` was read while the next checkpoint could be in flight (deep verification takes a while on
+    # 2 busy cores): that one may still complete before the disk is full. What must hold is that no
+    # step after the newest valid checkpoint has a COMPLETE, and that one is left half written.
+    newest = checkpoint.latest_complete(paths)
+    assert newest is not None and newest >= good, (newest, good)
+    partial = [s for s in checkpoint.list_steps(paths) if s > newest]
+    assert partial, "the failed checkpoint left no step_N behind: the case did not happen"
+    assert all(not paths.complete_file(s).exists() for s in partial), partial
+    ROWS.append(
+        {
+            "component": "trainer / orchestrator (checkpoint part)",
+            "fault": f"disk full writing a checkpoint past storage_timeout_s ({storage_s:.0f} s)",
+            "named_s": round(took, 1),
+            "named_by": "launcher (the writer's last ERROR line)",
+            "line": f"{last[:180]} … {last[-150:]}",  # the end names the field
+            "outcome": f"run ends (exit {run.proc.returncode}); step_{partial[0]} never COMPLETE; "
+            f"resume continues from step_{newest}",
+        }
+    )

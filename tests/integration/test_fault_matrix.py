@@ -8,9 +8,12 @@ freeze in turn (SIGSTOP shorter than the stall bound, past it, an env worker and
 server (each named and replaced), an inference server past server_down_timeout_s, then makes rollouts/ unwritable for
 a while (root: `chattr +i`, since chmod does not stop root; else chmod 0555) and then its disk
 full (rollouts/ is a 64 MB tmpfs, filled), and kill -9 of the orchestrator ends it. Resume A fills
-checkpoints/ (a 256 MB tmpfs) once it wrote a checkpoint: the next one fails and ends the run in
-one line. Resume B is ended by kill -9 of the trainer. Resume C reaches max_steps with exit 0, and
-the prompts log then holds every step once and no prompt twice. Where tmpfs cannot be mounted (not
+checkpoints/ (a 256 MB tmpfs) for 9 s once it wrote a checkpoint (named, retried, written: the
+storage policy of issue 52, hpcrl.storage), then for good: past storage_timeout_s (30 s here) the
+run ends in one line naming the role, the path and the field. Resume B is ended by kill -9 of the
+trainer. Resume C has broadcasts/ and then checkpoints/ read-only (their tmpfs remounted ro: EROFS)
+for 9 s each and reaches max_steps with exit 0, and the prompts log then holds every step once and
+no prompt twice. Where tmpfs cannot be mounted (not
 root) the disk-full cases are rows saying so. A second group of cases is one short run each: an
 env whose every reward raises, an env that cannot import, a verifiers 0.4 tool env under the
 `default` renderer.
@@ -34,6 +37,7 @@ from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
 from tests.integration.faults import (
+    RETRIED,
     ROWS,
     Filler,
     Run,
@@ -43,54 +47,28 @@ from tests.integration.faults import (
     _mount_tmpfs,
     _new_lines,
     _not_run,
+    _resume,
     _start,
     _status,
     _until,
     _write_table,
+    checkpoint_disk_full,
+    refused,
+    trainer_storage_read_only,
 )
 
 BOUND = 6.0  # stall_warning_s of these runs (the default is 60 s)
 DOWN_S = 60.0  # orchestrator.server_down_timeout_s (a restart on 2 busy cores took 25 to 40+ s)
 MAX_STEPS = 100000  # run 1 and 2 end by kill -9; the last resume sets its own max_steps
+STORAGE_S = 30.0  # storage_timeout_s of these runs (the default is 600 s)
 CONFIG = rl_toml(
     "{steps}",
     seq_len=64,
     max_tokens=8,
-    top=f"stall_warning_s = {BOUND}\n",
+    top=f"stall_warning_s = {BOUND}\nstorage_timeout_s = {STORAGE_S}\n",
     orchestrator=f"server_down_timeout_s = {DOWN_S}\n",
     tables="[ckpt]\ninterval = 5\n",
 )
-
-
-def refused(run: Run, component: str, fault: str, make, undo, names: list[str], hold: float) -> None:
-    """Make the orchestrator's rollout writes fail (make()), until its log names the write (all of
-    `names`) - timed - and `hold` s have passed; then undo() and the run must go on."""
-    mark = len(run.log("orchestrator"))
-    make()
-    t0 = time.monotonic()
-    try:
-
-        def named() -> str | None:
-            new = _new_lines(run.log("orchestrator"), mark).splitlines()
-            return next((x for x in new if "cannot write" in x and all(n in x for n in names)), None)
-
-        took = _until(lambda: named() is not None, BOUND + 60, f"the orchestrator naming {fault}")
-        line = named()
-        time.sleep(max(0.0, hold - (time.monotonic() - t0)))
-    finally:
-        undo()
-    _until(lambda: "wrote rollouts step" in run.log("orchestrator")[mark:], 60, "the write going through")
-    run.wait_steps(2)
-    ROWS.append(
-        {
-            "component": component,
-            "fault": fault,
-            "named_s": round(took, 1),
-            "named_by": "orchestrator",
-            "line": line.split("] ", 1)[-1][:220],
-            "outcome": "retried; the batch written once it cleared, run goes on",
-        }
-    )
 
 
 def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *, past: bool) -> None:
@@ -148,12 +126,17 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(CONFIG.format(steps=MAX_STEPS))
     out = tmp_path / "run"
-    # The disks that fill up: rollouts/ and checkpoints/ each a small tmpfs of its own (as root).
-    no_tmpfs = _mount_tmpfs(out / "rollouts", "64m") or _mount_tmpfs(out / "checkpoints", "256m")
+    # The disks that fill up or turn read-only: rollouts/, checkpoints/ and broadcasts/ each a small
+    # tmpfs of its own (as root).
+    no_tmpfs = (
+        _mount_tmpfs(out / "rollouts", "64m")
+        or _mount_tmpfs(out / "checkpoints", "256m")
+        or _mount_tmpfs(out / "broadcasts", "256m")
+    )
     try:
         faults_of_run_1(_start(out, "run", str(cfg), "--output-dir", str(out)), out, no_tmpfs)
         if no_tmpfs is None:
-            checkpoint_disk_full(out)
+            checkpoint_disk_full(out, BOUND + 3, STORAGE_S)
         else:
             ROWS.append(_not_run("trainer / orchestrator", "disk full writing a checkpoint", no_tmpfs))
         resumed_then(
@@ -163,17 +146,20 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
             lambda run: json.loads((run.paths.progress_dir / "trainer_0.json").read_text())["pid"],
         )
         stopped_at = RunPaths(out).prompts_log.read_text().count("\n")
-        final = stopped_at + 6
-        res = subprocess.run(
-            _hpcrl("resume", "--step", "-1", "--output-dir", str(out), "--max-steps", str(final)),
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        final = stopped_at + (40 if no_tmpfs is None else 6)
+        run, _ = _resume(out, "--max-steps", str(final))
+        try:
+            if no_tmpfs is None:  # the trainer's storage read-only for a while: the run finishes
+                trainer_storage_read_only(run, BOUND + 3)
+            else:
+                ROWS.append(_not_run("trainer", "read-only storage", no_tmpfs))
+            out_, err = run.proc.communicate(timeout=600)
+        finally:
+            if run.proc.poll() is None:
+                run.proc.kill()
+        assert run.proc.returncode == 0, out_[-3000:] + err[-3000:]
     finally:
-        for d in (out / "rollouts", out / "checkpoints"):
+        for d in (out / "rollouts", out / "checkpoints", out / "broadcasts"):
             if os.path.ismount(d):
                 subprocess.run(["umount", "-l", str(d)], check=False)
     prompts = [json.loads(x) for x in RunPaths(out).prompts_log.read_text().splitlines()]
@@ -183,7 +169,7 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
     assert len(ids) == len(set(ids)), "a prompt was trained on twice"
     data = f"after every resume: steps 1..{final} each once, {len(ids)} prompts, none repeated"
     for r in ROWS:
-        if r["outcome"].startswith("run ends"):
+        if r["outcome"].startswith("run ends") or r["outcome"].endswith("exit 0"):
             r["data"] = data
     _write_table()
 
@@ -336,25 +322,28 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
         rollouts, undo = run.paths.rollouts_dir, []
         hold = BOUND + 3
         how = "chattr +i" if os.geteuid() == 0 else "chmod 0555"
+        bus = {"component": "bus (orchestrator writing rollouts/)", "outcome": RETRIED}
         refused(
             run,
-            "bus (orchestrator writing rollouts/)",
-            f"rollouts/ unwritable ({how}) for {hold:.0f} s",
+            "orchestrator",
+            {**bus, "fault": f"rollouts/ unwritable ({how}) for {hold:.0f} s"},
             lambda: undo.append(_make_unwritable(rollouts)[1]),
             lambda: subprocess.run(undo[-1], check=True),
             ["not writable", str(rollouts)],
             hold,
+            BOUND + 60,
         )
         if no_tmpfs is None:
             filler: list[Filler] = []
             refused(
                 run,
-                "bus (orchestrator writing rollouts/)",
-                f"disk full (rollouts/ a 64 MB tmpfs, filled) for {hold:.0f} s",
+                "orchestrator",
+                {**bus, "fault": f"disk full (rollouts/ a 64 MB tmpfs, filled) for {hold:.0f} s"},
                 lambda: filler.append(Filler(rollouts)),
                 lambda: filler[-1].stop(),
                 ["disk full at", str(rollouts)],
                 hold,
+                BOUND + 60,
             )
         else:
             ROWS.append(_not_run("bus (orchestrator writing rollouts/)", "disk full", no_tmpfs))
@@ -401,27 +390,6 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
     )
 
 
-def _resume(out: Path) -> tuple[Run, int]:
-    """`hpcrl resume --step -1`, once its own trainer (a new pid) trained 2 steps past the
-    checkpoint it resumed from."""
-    paths = RunPaths(out)
-    start = checkpoint.latest_complete(paths)
-    assert start is not None
-    old = json.loads(paths.placement_file("trainer", 0).read_text())["pid"]
-    run = _start(out, "resume", "--step", "-1", "--output-dir", str(out))
-
-    def trained() -> bool:
-        try:
-            doc = json.loads((paths.progress_dir / "trainer_0.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return doc["pid"] != old and (doc.get("step") or 0) >= start + 2
-
-    _until(lambda: trained() or run.proc.poll() is not None, 240, "2 steps after resuming")
-    assert run.proc.poll() is None, run.output()
-    return run, start
-
-
 def resumed_then(out: Path, role: str, expected: str, pid_of) -> None:
     """Resume, then kill -9 `role`: the run ends with one line naming it."""
     run, _ = _resume(out)
@@ -441,51 +409,6 @@ def resumed_then(out: Path, role: str, expected: str, pid_of) -> None:
             "named_by": "launcher",
             "line": last[:220],
             "outcome": f"run ends (exit {run.proc.returncode}); resume continues",
-        }
-    )
-
-
-def checkpoint_disk_full(out: Path) -> None:
-    """Resume; once it wrote a checkpoint of its own, fill checkpoints/ (its tmpfs): the next
-    checkpoint fails, the run ends with one line naming the writer and `disk full at PATH`, the
-    half-written step never counts as complete, and the next resume starts from the last good one."""
-    run, start = _resume(out)
-    paths = run.paths
-    try:
-        _until(lambda: (checkpoint.latest_complete(paths) or 0) > start, 240, "a checkpoint after resuming")
-        good = checkpoint.latest_complete(paths)
-        filler = Filler(paths.checkpoints_dir)
-        t0 = time.monotonic()
-        try:
-            _, stderr = run.proc.communicate(timeout=240)
-        finally:
-            filler.stop()
-        took = time.monotonic() - t0
-    finally:
-        if run.proc.poll() is None:
-            run.proc.kill()
-    last = (stderr.strip().splitlines() or ["-"])[-1]
-    assert run.proc.returncode != 0, last
-    assert "disk full at " + str(paths.checkpoints_dir) in last and "No space left on device" in last, last
-    assert "trainer failed" in last or "orchestrator failed" in last, last
-    # `good` was read while the next checkpoint could be in flight (deep verification takes a while on
-    # 2 busy cores): that one may still complete before the disk is full. What must hold is that no
-    # step after the newest valid checkpoint has a COMPLETE, and that one is left half written.
-    newest = checkpoint.latest_complete(paths)
-    assert newest is not None and newest >= good, (newest, good)
-    partial = [s for s in checkpoint.list_steps(paths) if s > newest]
-    assert partial, "the failed checkpoint left no step_N behind: the case did not happen"
-    assert all(not paths.complete_file(s).exists() for s in partial), partial
-    good = newest
-    ROWS.append(
-        {
-            "component": "trainer / orchestrator (checkpoint part)",
-            "fault": "disk full writing a checkpoint (checkpoints/ a 256 MB tmpfs, filled)",
-            "named_s": round(took, 1),
-            "named_by": "launcher (the writer's last ERROR line)",
-            "line": last[:260],
-            "outcome": f"run ends (exit {run.proc.returncode}); step_{partial[0]} never COMPLETE; "
-            f"resume continues from step_{good}",
         }
     )
 

@@ -141,11 +141,11 @@ def test_greedy_stop_and_max_tokens(inference_server) -> None:
 def test_concurrent_requests_are_batched(inference_server) -> None:
     async def run() -> None:
         async with httpx.AsyncClient(base_url=inference_server.base_url, timeout=60) as c:
-            before = (await c.get("/metrics")).json()["batch_size_hist"]
+            before = (await c.get("/stats")).json()["batch_size_hist"]
             body = {"messages": MSGS, "max_tokens": 24, "ignore_eos": True}
             rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(16)))
             assert all(r.status_code == 200 for r in rs)
-            after = (await c.get("/metrics")).json()["batch_size_hist"]
+            after = (await c.get("/stats")).json()["batch_size_hist"]
         new = {int(k): v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0) > 0}
         # 16 x 24 tokens one by one would be 384 decode steps of batch 1; batching needs far fewer.
         assert max(new) >= 8, new
@@ -234,7 +234,7 @@ def test_malformed_requests_leave_the_server_healthy(inference_server, tmp_path:
     assert health["status"] == "ok" and health["policy_step"] == 0
     ok = post(inference_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
-    assert httpx.get(f"{inference_server.base_url}/metrics").json()["engine_errors"] == 0
+    assert httpx.get(f"{inference_server.base_url}/stats").json()["engine_errors"] == 0
 
 
 def test_openai_client_gets_chat_completions_with_logprobs(inference_server) -> None:

@@ -121,3 +121,83 @@ def test_resume_reloads_policies_older_than_the_checkpoint(reference, tmp_path: 
     after = log[log.rindex(f"resumed from checkpoint {c}") :]
     for s in needed:
         assert re.search(rf"policy {s} loaded on 1 server\(s\) \(checksum verified", after), after[:2000]
+
+
+# -- issue 52: faults checked against the run that never failed --------------------------------------
+# The same deterministic config and its reference run: a trainer killed alone (the launcher ends the
+# run in one line, `hpcrl resume --step -1` finishes it), and the trainer's storage refused for a while
+# (broadcasts/ then checkpoints/ immutable for HOLD_S each: named, retried, the run finishes by itself).
+# Either way the prompts and the final weights must equal the reference's, bit for bit.
+HOLD_S = 6.0
+
+
+def _start(cfg: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        _hpcrl("run", str(cfg), "--output-dir", str(out)),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait(launcher: subprocess.Popen, cond: Callable[[], bool], what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert launcher.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_trainer_killed_then_resumed_equals_the_run_that_never_failed(reference, tmp_path: Path) -> None:
+    import os
+    import signal
+
+    cfg, (ref_prompts, ref_weights) = reference
+    out = tmp_path / "run"
+    launcher, paths = _start(cfg, out), RunPaths(out)
+    _wait(launcher, lambda: _after_checkpoint_4(paths), "checkpoint 4 and policy 7")
+    for pid in _role_pids(out, "trainer"):
+        os.kill(pid, signal.SIGKILL)
+    console, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert "trainer" in console and "killed by signal 9" in console, console[-2000:]
+    resumed = resume_run(out)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    prompts, weights = _final(out)
+    assert prompts == ref_prompts, "prompt sequence differs from the uninterrupted run"
+    assert weights == ref_weights, "final weights differ from the uninterrupted run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_storage_refused_for_a_while_equals_the_run_that_never_failed(reference, tmp_path: Path) -> None:
+    from tests.integration.faults import _make_unwritable
+
+    cfg, (ref_prompts, ref_weights) = reference
+    out = tmp_path / "run"
+    launcher, paths = _start(cfg, out), RunPaths(out)
+    held: list[str] = []
+    for d, before in ((paths.broadcasts_dir, 2), (paths.checkpoints_dir, 3)):
+        # the first publish / checkpoint after policy `before` meets a directory nobody can write in
+        _wait(launcher, lambda b=before: max(_policy_steps(paths), default=-1) >= b, f"policy {before}")
+        d.mkdir(parents=True, exist_ok=True)
+        _, undo = _make_unwritable(d)
+        try:
+            time.sleep(HOLD_S)
+        finally:
+            subprocess.run(undo, check=True)
+        held.append(d.name)
+    console, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, console[-3000:]
+    trainer_log = paths.log_file("trainer").read_text()
+    for name in held:  # each refusal was named (path and cause) and the write went through later
+        named = [x for x in trainer_log.splitlines() if "cannot write" in x and f"/{name}/" in x]
+        assert named and "not writable" in named[0], (name, trainer_log[-3000:])
+        assert any(x for x in trainer_log.splitlines() if "wrote" in x and f"/{name}/" in x), name
+    assert "WARNING" in console and "cannot write" in console, "the console names the refusal too"
+    prompts, weights = _final(out)
+    assert prompts == ref_prompts, "prompt sequence differs from the uninterrupted run"
+    assert weights == ref_weights, "final weights differ from the uninterrupted run"

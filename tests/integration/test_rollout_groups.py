@@ -42,7 +42,7 @@ def _groups(server: InferenceServer, model_dir: Path, env, n: int, seed: int | N
 
 
 def _requests(server: InferenceServer) -> int:
-    return httpx.get(f"{server.base_url}/metrics").json()["requests"]
+    return httpx.get(f"{server.base_url}/stats").json()["requests"]
 
 
 def test_a_single_turn_group_is_one_request(server, tiny_model_dir: Path) -> None:

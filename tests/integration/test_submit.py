@@ -4,7 +4,10 @@ The CPU demo as one hetjob over 3 fake nodes finishes with a checkpoint; a preem
 checkpoints, requeues and the requeued job resumes and finishes on its own; `hpcrl cancel
 --checkpoint` checkpoints and ends the job without a requeue; killing the trainer
 ends the whole job within 30 s and the job log names it, while a killed inference server is
-restarted in place (hpcrl.launch.keepalive) and the job completes.
+restarted in place (hpcrl.launch.keepalive) and the job completes; a server frozen (SIGSTOP) on its
+fake node past server_down_timeout_s is named, ended through SLURM (`srun --jobid ... -w NODE kill -9
+PID`, hpcrl.orchestrator.server_end), restarted by its keepalive and given the policy, and the job
+completes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pytest
 from hpcrl import checkpoint
 from hpcrl.launch.hetjob import release_now
 from hpcrl.paths import RunPaths
+from tests.conftest import rl_toml
 from tests.integration.test_slurm_cluster import cluster, ended, jobs, restarts, wait_for  # noqa: F401
 from tests.integration.tiny_run import SLOW_RL, TINY_RL
 
@@ -208,3 +212,104 @@ def test_killing_an_inference_server_restarts_it_and_the_job_completes(cluster, 
         if m["role"] == "orchestrator" and "inference/server_restarts" in m
     ]
     assert rows[-1]["step"] == steps and rows[-1]["inference/server_restarts"] == 1
+
+
+# Frozen past server_down_timeout_s on another fake node: detected after probe_after_s = min(10,
+# stall_warning_s / 2) = 3 s of unanswered requests, ended after DOWN_S more; DOWN_S also bounds its
+# restart (a restart under load took 25 to 40 s in the fault matrix).
+DOWN_S = 40
+FROZEN_RL = rl_toml(
+    "{steps}",
+    seq_len=64,
+    max_tokens=8,
+    top="stall_warning_s = 6\n",
+    orchestrator=f"server_down_timeout_s = {DOWN_S}\n",
+    tables='[orchestrator.advantage]\nzero_advantage = "keep"\n',
+).replace(
+    'id = "reverse-text"\n',
+    'id = "tests.integration.faulty_env"\nname = "faulty"\nargs = {{do = "sleep", sleep_s = 0.1, num_examples = 16}}\n',
+)
+
+
+def _log_line(path: Path, *needles: str, after: int = 0) -> tuple[int, str] | None:
+    """(offset, line) of the first line of `path` past `after` holding every needle."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    at = after
+    for line in text[after:].splitlines(keepends=True):
+        if all(n in line for n in needles):
+            return at, line.strip()
+        at += len(line)
+    return None
+
+
+def _status_names(paths: RunPaths, *needles: str) -> str | None:
+    """The line of `hpcrl status` holding every needle, if one does."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.cli", "status", str(paths.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    return next((line.strip() for line in out.splitlines() if all(n in line for n in needles)), None)
+
+
+@pytest.mark.waits  # for server_down_timeout_s
+def test_a_frozen_server_on_another_node_is_ended_through_slurm_and_restarted(
+    cluster,  # noqa: F811
+    jobs,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    steps = 100  # ~1.6 s a step: the freeze, its end and the restart fit well inside the run
+    paths, job_id = _submit(tmp_path, steps=steps, interval=steps, config=FROZEN_RL + SLURM)
+    jobs.append(job_id)
+    wait_for(
+        lambda: paths.prompts_log.exists() and len(_prompt_steps(paths)) >= 2, 300, "two batches", every=0.5
+    )
+    announced = json.loads(paths.server_file(1).read_text())
+    victim, task = announced["pid"], announced["slurm"]
+    orch_node = json.loads(paths.placement_file("orchestrator", 0).read_text()).get("node")
+    assert task is not None and task["supervised"] and task["het_group"] == 1, announced
+    assert task["job_id"] == job_id and task["node"] != orch_node, (announced, orch_node)
+    orch = paths.log_file("orchestrator")
+    os.kill(victim, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        at, named = wait_for(
+            lambda: _log_line(orch, "inference server 1 (", "does not answer /health"),
+            120,
+            "the freeze named",
+        )
+        t_named = time.monotonic() - t0
+        status = wait_for(lambda: _status_names(paths, "inference server 1 (", "unresponsive"), 60, "status")
+        t_status = time.monotonic() - t0
+        at, ended_line = wait_for(
+            lambda: _log_line(orch, "inference server 1 (", "frozen for", after=at), DOWN_S + 60, "its end"
+        )
+        t_ended = time.monotonic() - t0
+        wait_for(
+            lambda: _log_line(orch, "inference server 1 (", "is back (pid", after=at), 180, "its restart"
+        )
+        t_back = time.monotonic() - t0
+    finally:
+        try:  # SIGCONT first: a stopped process takes SIGKILL too, but a live leftover never should stay
+            os.kill(victim, signal.SIGCONT)
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    print(
+        f"\nSIGSTOP -> named in the log {t_named:.1f} s, in hpcrl status {t_status:.1f} s, "
+        f"ended through SLURM {t_ended:.1f} s, back {t_back:.1f} s\n{named}\n{status}\n{ended_line}"
+    )
+    assert f"ended pid {victim} through SLURM (srun --jobid={job_id} --het-group=1" in ended_line, ended_line
+    assert f"it runs on {task['node']} (SLURM step {task['step']})" in ended_line, ended_line
+    state = wait_for(lambda: ended(job_id), 600, "the job to finish", every=2)
+    log = _job_log(paths, job_id)
+    assert state == "COMPLETED", log[-3000:]
+    assert checkpoint.latest_complete(paths) == steps
+    assert json.loads(paths.server_file(1).read_text())["pid"] != victim
+    server_log = paths.rank_log_file("inference", 1).read_text()
+    assert "[keepalive] inference server 1 was killed by signal 9; restarting it (1/5)" in server_log
+    text = orch.read_text()
+    assert "ordered its keepalive" not in text and not paths.kill_order_file(1).exists()  # SLURM did it
+    back = text.index("is back (pid", text.index(ended_line))
+    assert "policy loaded and verified" in text[back : back + 300]

@@ -18,6 +18,8 @@ MARK = "<think></think>"
 # (also when the template renders the generation prompt); reasoning_effort is written into the system turn.
 _SWITCH = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '" + MARK + "' }}{%- endif %}"
 THINKING_TEMPLATE = (
+    "{%- if house_style is defined %}{{- '<|im_start|>system\\nstyle=' + house_style + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- if reasoning_effort is defined %}{{- '<|im_start|>system\\neffort=' + reasoning_effort + '<|im_end|>\\n' }}"
     "{%- endif %}"
     + CHAT_TEMPLATE.replace(
@@ -49,11 +51,49 @@ def server(thinking_model: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_every_turn_of_a_multi_turn_rollout_is_rendered_with_the_switches(
     thinking_model: Path, server: InferenceServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from hpcrl.config.schema import SamplingConfig
+    from hpcrl.orchestrator.rollout import openai_sampling
+
+    sampling = openai_sampling(SamplingConfig(max_tokens=6, enable_thinking=False, reasoning_effort="low"))
+    assert sampling["chat_template_kwargs"] == {"enable_thinking": False, "reasoning_effort": "low"}
+    for text in _three_turn_texts(thinking_model, server, monkeypatch, sampling):
+        # one empty think block per assistant turn: the server's turn 1 and the orchestrator's turns 2, 3
+        assert text.count(MARK) == 3, text
+        assert text.startswith("<|im_start|>system\neffort=low")
+
+
+@pytest.mark.timeout(240)
+def test_extra_body_template_kwargs_reach_every_turn(
+    thinking_model: Path, server: InferenceServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prime-rl's `[orchestrator.train.sampling.extra_body.chat_template_kwargs]` (GLM's clear_thinking,
+    any template's own switch): the server's turn and the orchestrator's stitched turns alike."""
+    from hpcrl.launch.checks import load
+    from hpcrl.orchestrator.rollout import openai_sampling
+
+    cfg = load(
+        [
+            "--model.name", "hpcrl/tiny-qwen3",
+            "--orchestrator.train.env", '[{id = "reverse-text"}]',
+            "--orchestrator.train.sampling.max-tokens", "6",
+            "--orchestrator.train.sampling.extra-body",
+            '{chat_template_kwargs = {house_style = "terse", enable_thinking = false}}',
+        ]
+    ).config  # fmt: skip
+    s = cfg.orchestrator.train.sampling
+    assert s.enable_thinking is False and s.extra_body == {"chat_template_kwargs": {"house_style": "terse"}}
+    sampling = openai_sampling(s)
+    assert sampling["chat_template_kwargs"] == {"house_style": "terse", "enable_thinking": False}
+    for text in _three_turn_texts(thinking_model, server, monkeypatch, sampling):
+        assert text.count(MARK) == 3 and text.startswith("<|im_start|>system\nstyle=terse"), text
+
+
+def _three_turn_texts(thinking_model: Path, server: InferenceServer, monkeypatch, sampling) -> list[str]:
+    """Three-turn alphabet-sort rollouts sampled with `sampling`: each rollout's whole text."""
     from transformers import AutoTokenizer
 
-    from hpcrl.config.schema import SamplingConfig
     from hpcrl.envs import load_environment
-    from hpcrl.orchestrator.rollout import Generator, RolloutClient, ServerPool, openai_sampling
+    from hpcrl.orchestrator.rollout import Generator, RolloutClient, ServerPool
 
     chat = RolloutClient.chat
 
@@ -65,8 +105,6 @@ def test_every_turn_of_a_multi_turn_rollout_is_rendered_with_the_switches(
     monkeypatch.setattr(RolloutClient, "chat", finished_chat)
     tok = AutoTokenizer.from_pretrained(thinking_model)
     env = load_environment("alphabet-sort", min_turns=3, max_turns=3)
-    sampling = openai_sampling(SamplingConfig(max_tokens=6, enable_thinking=False, reasoning_effort="low"))
-    assert sampling["chat_template_kwargs"] == {"enable_thinking": False, "reasoning_effort": "low"}
 
     async def go():
         pool = ServerPool([server.base_url], model=str(thinking_model), timeout=60, max_concurrent=8)
@@ -79,12 +117,11 @@ def test_every_turn_of_a_multi_turn_rollout_is_rendered_with_the_switches(
 
     records = [r for g in asyncio.run(go()) for r in g]
     assert records and all(not r.errored for r in records)
+    texts = []
     for r in records:
         assert r.num_turns == 3 and len(r.pieces) == 1, "turns stitched exactly with the same template"
-        text = tok.decode(r.pieces[0].input_ids, skip_special_tokens=False)
-        # one empty think block per assistant turn: the server's turn 1 and the orchestrator's turns 2, 3
-        assert text.count(MARK) == 3, text
-        assert text.startswith("<|im_start|>system\neffort=low")
+        texts.append(tok.decode(r.pieces[0].input_ids, skip_special_tokens=False))
+    return texts
 
 
 def test_eval_keeps_the_train_switches_unless_it_sets_its_own() -> None:

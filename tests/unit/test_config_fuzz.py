@@ -45,6 +45,7 @@ REQUIRED = {
     "orchestrator.teacher": {"base_url": "http://127.0.0.1:1"},
     "orchestrator.algo.teacher": {"base_url": "http://127.0.0.1:1"},
     "orchestrator.algo.filter": {"import_path": "m.f"},
+    "algo.filter": {"import_path": "m.f"},  # an env's own algo (orchestrator.train.env[0].algo.filter ...)
 }
 HOSTED: dict[str, Any] = {
     "model": "Qwen/Qwen3-4B",
@@ -123,8 +124,9 @@ def _inject(base: dict[str, Any], parts: list[str | int], value: Any) -> dict[st
         if p not in cur or not isinstance(cur[p], (dict, list)):
             cur[p] = [] if nxt_is_index else {}
             dotted = ".".join(str(x) for x in parts[: i + 1])
-            if dotted in REQUIRED:
-                cur[p].update(REQUIRED[dotted])
+            tail = ".".join(str(x) for x in parts[max(0, i - 1) : i + 1])
+            if isinstance(cur[p], dict):
+                cur[p].update(REQUIRED.get(dotted) or REQUIRED.get(tail) or {})
         cur = cur[p]
     if isinstance(parts[-1], int):
         cur.append(value)

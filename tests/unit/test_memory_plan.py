@@ -241,7 +241,7 @@ def test_flash_attention_3_against_the_nodes_gpu_types():
     from types import SimpleNamespace
 
     from hpcrl.config import ConfigError
-    from hpcrl.launch.memory_plan import attention_lines
+    from hpcrl.launch.attention_check import attention_lines
 
     model = SimpleNamespace(attn="flash_attention_3")
     cfg = SimpleNamespace(trainer=SimpleNamespace(model=model), model=model)

@@ -100,7 +100,8 @@ def test_an_rl_config_of_today_lands_on_hpcrl_fields(tmp_path):
         "ablations",
         ["a", "b"],
     )
-    assert c.orchestrator.max_concurrent == 96
+    conc = c.orchestrator.concurrency
+    assert (conc.mode, conc.max_inflight, c.orchestrator.max_concurrent) == ("adaptive", 96, 256)
     assert c.orchestrator.rollouts_per_example == 16
     assert (c.trainer.broadcast.transport, c.trainer.broadcast.timeout_s) == ("collective", 900.0)
     assert c.orchestrator.advantage.zero_advantage == "drop"
@@ -164,14 +165,14 @@ def test_a_harness_needs_the_real_taskset(tmp_path):
         ),
         (
             '[[orchestrator.train.source]]\nname = "y"\nalgo = { type = "opd" }\nenv = { taskset = { id = "reverse-text" } }\n',
-            "orchestrator.train.source[1].algo",
-            "per-source",
+            "orchestrator.train.env[1].algo.teacher",  # per-source algo is read: opd needs a teacher
+            "needs a teacher",
         ),
         ('[resume]\nstep = 3\ndir = "a/step_3"\n', "resume.dir", "excludes"),
         ('[resume]\ndir = "a/b"\n', "resume.dir", "step_N"),
         ('[monitors.file]\npath = "other.jsonl"\n', "monitors.file.path", "metrics.jsonl"),
         ('[model.vlm]\nvision_encoder_attr = "v"\n', "model.vlm", "vision-language"),
-        ('[orchestrator.model]\nname = "org/Model-FP8"\n', "orchestrator.model.name", "quantized"),
+        ('[orchestrator.model]\nname = "org/Model-FP8"\n', "orchestrator.model.name", "FP8 copy"),
         ("[deployment2]\n", "deployment2", "unknown"),
     ],
 )
@@ -224,7 +225,7 @@ def test_monitor_and_broadcast_flags(tmp_path):
     )
     notes = loaded.notes
     c = loaded.config
-    assert (c.wandb.project, c.trainer.broadcast.transport, c.orchestrator.max_concurrent) == (
+    assert (c.wandb.project, c.trainer.broadcast.transport, c.orchestrator.concurrency.max_inflight) == (
         "p2",
         "filesystem",
         12,

@@ -4,6 +4,7 @@ this host, and on another host writes the kill order its keepalive carries out
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import subprocess
@@ -28,7 +29,7 @@ def _watch(tmp: Path, host: str, pid: int) -> tuple[StallWatch, ServerSet]:
 def test_on_another_host_the_kill_is_an_order_for_its_keepalive(tmp_path: Path, caplog) -> None:
     watch, servers = _watch(tmp_path, "node-b", 4321)
     with caplog.at_level(logging.WARNING):
-        watch.kill(0, 41.0)
+        asyncio.run(watch.kill(0, 41.0))
     order = RunPaths(tmp_path).kill_order_file(3)
     assert order.read_text() == "4321\n"
     assert 0 in servers.down and 0 not in servers.unresponsive
@@ -43,7 +44,7 @@ def test_on_this_host_the_frozen_process_is_killed(tmp_path: Path, caplog) -> No
     try:
         watch, servers = _watch(tmp_path, "127.0.0.1", frozen.pid)
         with caplog.at_level(logging.WARNING):
-            watch.kill(0, 31.0)
+            asyncio.run(watch.kill(0, 31.0))
         assert frozen.wait(timeout=10) == -signal.SIGKILL
         assert not RunPaths(tmp_path).kill_order_file(3).exists()
         said = " | ".join(r.getMessage() for r in caplog.records)

@@ -164,3 +164,47 @@ def test_retention_spares_a_step_whose_finaliser_is_waiting(tiny_model_dir: Path
     c.close()
     assert c.finalizing() == set()
     assert ck.list_steps(paths) == [6] and not paths.weights_dir(5).exists()  # complete, older than keep_last
+
+
+def test_a_refused_checkpoint_is_retried_afresh_and_past_the_bound_ends_in_one_line(
+    tiny_model_dir: Path, paths: RunPaths, caplog
+) -> None:
+    """checkpoints/ unwritable (chattr +i as root: a real refusal) for 1 s while step 2 is saved: named
+    once, retried, complete. Then unwritable for good with storage_timeout_s = 0.5: one line naming
+    the path and the field; step 2 stays the checkpoint a resume takes."""
+    import logging
+    import subprocess
+    import threading
+
+    from hpcrl.storage import WriteRefused
+    from tests.integration.faults import _make_unwritable
+
+    tr = _training(tiny_model_dir)
+    c = Checkpointer(
+        CkptConfig(interval=1), paths, tr, 5, parts=("trainer",), finalize_timeout_s=30, storage_timeout_s=60
+    )
+    _, undo = _make_unwritable(paths.checkpoints_dir)
+    clear = threading.Timer(1.0, lambda: subprocess.run(undo, check=True))
+    try:
+        clear.start()
+        with caplog.at_level(logging.WARNING, "hpcrl.storage"):
+            c.save(2, Progress(step=2))
+            c.close()
+        lines = [r.getMessage() for r in caplog.records]
+        assert (
+            lines[0].startswith("trainer: cannot write checkpoint step 2: not writable (") and len(lines) == 2
+        )
+        assert str(paths.checkpoints_dir) in lines[0] and "storage_timeout_s" in lines[0]
+        assert ck.verify(paths, 2) is None
+        _make_unwritable(paths.checkpoints_dir)
+        c.storage_timeout_s = 0.5
+        with pytest.raises(WriteRefused) as got:
+            c.save(3, Progress(step=3))
+        assert str(paths.checkpoint_dir(3)) in str(got.value) and str(got.value).endswith(
+            "(storage_timeout_s = 0.5)"
+        )
+    finally:
+        clear.cancel()
+        subprocess.run(undo, check=False)
+    c.close()
+    assert ck.latest_complete(paths) == 2 and not paths.complete_file(3).exists()

@@ -54,7 +54,8 @@ def test_keys_that_are_hpcrl_fields_move_there(tmp_path: Path) -> None:
         0.8,
     )
     assert "tensor_parallel_size" not in inf.vllm and "max_model_len" not in inf.vllm
-    assert inf.vllm["enable_expert_parallel"] is True and inf.vllm["quantization"] == "fp8"
+    assert inf.vllm["enable_expert_parallel"] is True and inf.quantization == "fp8"  # its field (#3031)
+    assert "quantization" not in inf.vllm
 
 
 @pytest.mark.parametrize(
@@ -138,7 +139,8 @@ def test_engine_args_and_env(tmp_path: Path) -> None:
     }
     assert vllm_args.engine_env(cfg) == {"VLLM_USE_DEEP_GEMM": "1", "VLLM_MOE_USE_DEEP_GEMM": "1"}
     argv = vllm_args.to_argv(args)
-    assert argv[argv.index("--quantization") + 1] == "fp8" and "--no-enable-eplb" in argv
+    assert "--quantization" not in argv and "--no-enable-eplb" in argv  # quantization: from its field
+    assert cfg.inference.quantization == "fp8"
     assert '{"kv_connector": "OffloadingConnector"' in argv[argv.index("--kv-transfer-config") + 1]
 
 
@@ -186,8 +188,8 @@ def test_dry_run_says_vllm_checks_them_at_start(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert (
         "inference.vllm: 9 argument(s) (enable_prefix_caching, enable_expert_parallel, enable_eplb, "
-        "enable_ep_weight_filter, enable_return_routed_experts, safetensors_load_strategy, quantization, "
-        "tool_call_parser, reasoning_parser) will be checked by vLLM's parser when a vLLM server starts "
+        "enable_ep_weight_filter, enable_return_routed_experts, safetensors_load_strategy, "
+        "tool_call_parser, reasoning_parser, quantization) will be checked by vLLM's parser when a vLLM server starts "
         "(vLLM is not installed here)"
     ) in r.stdout
     assert "note:         inference.use_deep_gemm: vLLM servers start with VLLM_USE_DEEP_GEMM" in r.stdout

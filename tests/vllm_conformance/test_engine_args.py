@@ -56,7 +56,13 @@ def _cfg(tmp_path: Path, tables: str, model: str = "zai-org/GLM-5-FP8"):
 
 
 def _namespace(cfg, tmp_path: Path):
-    opts = ServeOptions(model_name="m", backend="vllm", port=8000, engine_args=vllm_args.engine_args(cfg))
+    opts = ServeOptions(
+        model_name="m",
+        backend="vllm",
+        port=8000,
+        engine_args=vllm_args.engine_args(cfg),
+        quantization=cfg.inference.quantization,  # [inference.vllm] quantization's home (prime-rl #3031)
+    )
     return vb.parse_serve_args(opts, str(tmp_path))
 
 
@@ -164,4 +170,5 @@ def test_deep_gemm_reaches_the_server_environment(tmp_path: Path) -> None:
     cfg.inference.backend = "vllm"
     opts = serve_options(cfg)
     assert opts.engine_env == {"VLLM_USE_DEEP_GEMM": "1", "VLLM_MOE_USE_DEEP_GEMM": "1"}
-    assert opts.engine_args["quantization"] == "fp8"  # what serve() hands to vLLM
+    assert opts.quantization == "fp8" and "quantization" not in opts.engine_args  # moved to its field
+    assert vb.hpcrl_args(opts, "m")["quantization"] == "fp8"  # what serve() hands to vLLM

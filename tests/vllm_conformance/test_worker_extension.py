@@ -444,3 +444,17 @@ def test_load_lora_adapter_refusals_change_nothing(server, tmp_path):
     httpx.post(url, json={"lora_name": "twice", "lora_path": path}, timeout=30).raise_for_status()
     r = httpx.post(url, json={"lora_name": "twice", "lora_path": path, "load_inplace": False}, timeout=30)
     assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+
+
+def test_layerwise_reload_updates_a_real_vllm_model(wrapper, model_dir, tmp_path, monkeypatch):
+    """The update path a quantized model takes (hpcrl.inference.vllm_worker.layerwise_reload), with vLLM's
+    own initialize/finalize_layerwise_reload on its real Qwen3 model (bf16 here: vLLM's FP8 kernels need
+    a GPU): the fused qkv / gate_up parameters end up holding the new weights."""
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    record_metadata_for_reloading(wrapper.worker.model_runner.get_model())  # vLLM's loader does this at load
+    monkeypatch.setattr(vw.HpcrlWorkerExtension, "_hpcrl_quantized", lambda self: True)
+    tensors = _perturbed(model_dir, tmp_path / "reload", 0.5)
+    checksum = wrapper.worker.hpcrl_update_from_path(str(tmp_path / "reload"))
+    assert checksum == state_dict_checksum(tensors)
+    _assert_loaded(wrapper, tensors)

@@ -46,10 +46,26 @@ class InferenceConfig(Section):
     max_model_len: Annotated[
         Annotated[int, Meta(ge=8)] | None, D("Max context length (default: seq_len).")
     ] = None
+    kv_cache_tokens: Annotated[
+        Annotated[int, Meta(ge=8)] | None,
+        D(
+            "hf engine: KV cache capacity in tokens, shared by the running sequences (beyond it requests "
+            "queue and the youngest are preempted, as in vLLM; at least max_model_len). Unset: "
+            "max_batch_size x max_model_len. vLLM sizes its own from gpu_memory_utilization."
+        ),
+    ] = None
     gpu_memory_utilization: Annotated[float, D("vLLM GPU memory fraction.", gt=0, le=1)] = 0.9
     parallel: InferenceParallelConfig = msgspec.field(default_factory=InferenceParallelConfig)
     seed: Annotated[int, D("Server RNG seed for requests without a seed.")] = 0
     enforce_eager: Annotated[bool, D("vLLM: disable CUDA graphs.")] = False
+    quantization: Annotated[
+        str | None,
+        D(
+            "Online quantization of the served policy (prime-rl #3031): fp8_per_block (128x128 blocks) or "
+            "mxfp8, or another vLLM --quantization value; weight updates stay bf16 and are re-quantized "
+            "layer by layer. The hf engine emulates the FP8 schemes (docs/fp8.md). None: as the checkpoint."
+        ),
+    ] = None
     vllm: Annotated[
         dict[str, Any],
         D(

@@ -10,6 +10,7 @@ from msgspec import Meta
 from hpcrl.config.sections.algo import AlgoConfig, AlgoSamplingConfig, FrozenModelConfig, LengthPenaltyConfig
 from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import LogConfig, RendererConfig, RoleWandbConfig
+from hpcrl.config.sections.concurrency import ConcurrencyConfig
 from hpcrl.config.sections.environ import EnvVars
 from hpcrl.config.sections.model import OrchestratorModelConfig
 
@@ -30,6 +31,14 @@ class SamplingConfig(Section):
     reasoning_effort: Annotated[Literal["low", "medium", "high"] | None, D("Reasoning effort (GPT-OSS).")] = (
         None
     )
+    extra_body: Annotated[
+        dict[str, Any],
+        D(
+            "More fields sent with every model turn (prime-rl's extra_body): inference-server sampling "
+            "parameters, and `chat_template_kwargs`, which also render the orchestrator's own prompts. "
+            "Fields set above are refused here."
+        ),
+    ] = msgspec.field(default_factory=dict)
 
 
 class EnvConfig(Section):
@@ -73,6 +82,13 @@ class EnvConfig(Section):
             "agent.harness / runtime / timeout, seats), handed to verifiers unchanged; args add taskset fields."
         ),
     ] = msgspec.field(default_factory=dict)
+    algo: Annotated[
+        AlgoConfig | None,
+        D(
+            "Train envs: this env's own algorithm (prime-rl's per-source algo; unset: orchestrator.algo). "
+            "rl types and opd / opsd mix in one run: docs/algorithms.md."
+        ),
+    ] = None
 
 
 class TrainEnvsConfig(Section):
@@ -190,7 +206,13 @@ class OrchestratorConfig(Section):
             "next; one training sample per turn)."
         ),
     ] = "interleaved"
-    max_concurrent: Annotated[int, D("Rollouts in flight at once.", ge=1)] = 256
+    max_concurrent: Annotated[
+        int, D("Requests in flight at once (concurrency.mode fixed; adaptive: the default ceiling).", ge=1)
+    ] = 256
+    concurrency: Annotated[
+        ConcurrencyConfig,
+        D("Fixed or adaptive in-flight cap ([orchestrator.concurrency], prime-rl's names)."),
+    ] = msgspec.field(default_factory=ConcurrencyConfig)
     seed: Annotated[int, D("Seed of task order and environment data.")] = 0
     train: TrainEnvsConfig = msgspec.field(default_factory=TrainEnvsConfig)
     eval: Annotated[EvalConfig | None, D("Online evaluation ([orchestrator.eval]).")] = None

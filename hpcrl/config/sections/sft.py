@@ -12,6 +12,7 @@ from hpcrl.config.sections.common import CkptConfig, LogConfig, RendererConfig, 
 from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
 from hpcrl.config.sections.environ import EnvVars
 from hpcrl.config.sections.model import TrainerModelConfig
+from hpcrl.config.sections.sft_eval import SFTEvalConfig
 from hpcrl.config.sections.trainer import OptimConfig
 
 
@@ -93,6 +94,15 @@ class SFTConfig(Section):
     output_dir: Annotated[str, D("Run directory.")] = "outputs/sft"
     clean_output_dir: Annotated[bool, D("Delete output_dir before starting.")] = False
     seed: Annotated[int, D("Global seed.")] = 0
+    storage_timeout_s: Annotated[
+        float,
+        D(
+            "A write the filesystem refuses (disk full, quota, read-only, I/O error) is named once, retried "
+            "with backoff (1 s doubling to 30 s) for up to this many seconds, then ends the role in one line "
+            "(every role: weight publish, checkpoints, bus, metrics; logs never end a role).",
+            ge=0,
+        ),
+    ] = 600.0
     data: SFTDataConfig = msgspec.field(default_factory=SFTDataConfig)
     loss_mask: LossMaskConfig = msgspec.field(default_factory=LossMaskConfig)
     renderer: Annotated[
@@ -104,6 +114,10 @@ class SFTConfig(Section):
         ),
     ] = msgspec.field(default_factory=RendererConfig)
     val: SFTValConfig = msgspec.field(default_factory=SFTValConfig)
+    eval: Annotated[
+        SFTEvalConfig | None,
+        D("Online evaluation on environments during training (prime-rl's SFT [eval]; unset: none)."),
+    ] = None
     optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-3))
     micro_batch_tokens: Annotated[int, D("Tokens per micro-batch.", ge=8)] = 4096
     dist_timeout_seconds: Annotated[

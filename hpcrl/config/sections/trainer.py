@@ -129,6 +129,44 @@ class LossConfig(Section):
         ),
     ] = 0.0
     kl_estimator: Annotated[Literal["k1", "k3"], D("KL estimator for the penalty.")] = "k3"
+    # Rollout mismatch correction (hpcrl.trainer.loss, docs/fp8.md): r = p_trainer / p_sampler per token.
+    use_tis: Annotated[
+        bool,
+        D(
+            "Truncated importance sampling (slime's use_tis): each token's detached IS weight is "
+            "min(r, tis_clip); recommended with inference.quantization."
+        ),
+    ] = False
+    tis_clip: Annotated[float, D("TIS cap C on the trainer/sampler ratio (slime's tis_clip).", gt=0)] = 2.0
+    token_mask_low: Annotated[
+        Annotated[float, Meta(gt=0)] | None, D("MIS: mask a token whose ratio is below this (None = off).")
+    ] = None
+    token_mask_high: Annotated[
+        Annotated[float, Meta(gt=0)] | None, D("MIS: mask a token whose ratio is above this (None = off).")
+    ] = None
+    sequence_mask_low: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("MIS: mask a whole sample when any of its tokens' ratio is below this (None = off)."),
+    ] = None
+    sequence_mask_high: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("MIS: mask a whole sample when any of its tokens' ratio is above this (None = off)."),
+    ] = None
+    geo_mask_low: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("MIS: mask a whole sample whose geometric-mean ratio is below this (None = off)."),
+    ] = None
+    geo_mask_high: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        D("MIS: mask a whole sample whose geometric-mean ratio is above this (None = off)."),
+    ] = None
+
+    def check(self, path: str) -> None:
+        """low < high for each mask (ConfigError naming the pair)."""
+        for level in ("token", "sequence", "geo"):
+            lo, hi = getattr(self, f"{level}_mask_low"), getattr(self, f"{level}_mask_high")
+            if lo is not None and hi is not None and lo >= hi:
+                raise ConfigError(f"{path}.{level}_mask_low", f"{lo} must be < {level}_mask_high ({hi})")
 
 
 class BroadcastConfig(Section):
@@ -178,6 +216,28 @@ class BroadcastConfig(Section):
     ] = 256
 
 
+class FakeDataConfig(Section):
+    """prime-rl's [trainer.data.fake]: the trainer alone on made-up batches (hpcrl.trainer.rl_fake)."""
+
+    batch_size: Annotated[
+        int, D("Rows of seq_len tokens per step, over all ranks (each rank trains batch_size / ranks).", ge=1)
+    ] = 2
+    generate_samples: Annotated[
+        bool,
+        D("Pack each row with samples of seeded random lengths (1 to seq_len / 8) instead of one sample."),
+    ] = False
+
+
+class TrainerDataConfig(Section):
+    fake: Annotated[
+        FakeDataConfig | None,
+        D(
+            "Train on seeded random tokens of the configured shape, with no orchestrator and no weight "
+            "broadcast (`hpcrl trainer` alone: throughput benchmarking). Unset: batches from the bus."
+        ),
+    ] = None
+
+
 class TrainerConfig(Section):
     model: Annotated[
         TrainerModelConfig | None,
@@ -187,6 +247,7 @@ class TrainerConfig(Section):
         Annotated[int, Meta(ge=0)] | None, D("Shared: final training step (flows from top level).")
     ] = None
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    data: TrainerDataConfig = msgspec.field(default_factory=TrainerDataConfig)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     broadcast: BroadcastConfig = msgspec.field(default_factory=BroadcastConfig)
     micro_batch_tokens: Annotated[int, D("Tokens per forward/backward micro-batch (packed row).", ge=8)] = (

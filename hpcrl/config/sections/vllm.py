@@ -35,6 +35,7 @@ VLLM_HOMES: dict[str, tuple[str, Any]] = {
     "max_num_seqs": ("max_batch_size", 64),
     "gpu_memory_utilization": ("gpu_memory_utilization", 0.9),
     "enforce_eager": ("enforce_eager", False),
+    "quantization": ("quantization", None),
     "seed": ("seed", 0),
     "model": ("model.name", None),
     "dtype": ("model.dtype", "auto"),

@@ -256,11 +256,13 @@ class EnvServer:
 
 def main(argv: list[str]) -> int:
     from hpcrl.monitor.logging import env_process_level
+    from hpcrl.storage import TolerantStreamHandler
 
     logging.basicConfig(
         level=env_process_level(),
         format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s",
         datefmt="%H:%M:%S",
+        handlers=[TolerantStreamHandler(sys.stderr)],  # a log the disk refuses never ends the env
     )
     spec = msgspec.json.decode(argv[0].encode(), type=wire.ServerSpec)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

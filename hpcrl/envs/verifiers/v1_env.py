@@ -38,7 +38,9 @@ START_TIMEOUT_S = 300.0
 
 def _log_to(path: str) -> None:
     """log_setup for serve_env (module level: spawned processes unpickle it)."""
-    handler = logging.FileHandler(path)
+    from hpcrl.storage import TolerantFileHandler
+
+    handler = TolerantFileHandler(path)  # a log the disk refuses never ends the env
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)

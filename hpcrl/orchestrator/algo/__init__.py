@@ -7,11 +7,13 @@ a finished group before it is trained on.
 - `reference`: reference logprobs of every sampled sequence for the ref_kl types: a frozen teacher's
   (opd) or the live policy's with the demonstration prepended as a leading system message (opsd).
 
+- `mixed`: per-env algorithms mixing rl and ref_kl types in one run (prime-rl's per-source algo).
+
 Which model samples (sft: the frozen `sampling.source`) is set up in hpcrl.orchestrator.setup; which
 loss the tokens feed is the trainer's `LossParams.mode` (AlgoConfig.loss_mode).
 """
 
 from hpcrl.orchestrator.algo.credit import Credit
-from hpcrl.orchestrator.algo.reference import ReferenceScorer
+from hpcrl.orchestrator.algo.reference import References, ReferenceScorer
 
-__all__ = ["Credit", "ReferenceScorer"]
+__all__ = ["Credit", "References", "ReferenceScorer"]

@@ -71,8 +71,10 @@ def comparison_groups(ok: Sequence[RolloutRecord]) -> dict[int, list[Member]]:
 class Credit:
     """The credit assignment of one run's algorithm; `assign` sets a group's advantages."""
 
-    def __init__(self, algo: AlgoConfig, advantage: Any):
-        """`advantage`: the [orchestrator.advantage] section (hpcrl's knobs of the reward-based types)."""
+    def __init__(self, algo: AlgoConfig, advantage: Any, per_env: dict[str, AlgoConfig] | None = None):
+        """`advantage`: the [orchestrator.advantage] section (hpcrl's knobs of the reward-based types);
+        `per_env`: {env name: its own algorithm} (prime-rl's per-source algo), the others run `algo`."""
+        self.own = {env: Credit(a, advantage) for env, a in (per_env or {}).items()}
         self.type, self.action_loss, self.decay = algo.type, algo.action_loss, algo.decay
         lp = algo.length_penalty
         self.config = AdvantageConfig(
@@ -88,16 +90,26 @@ class Credit:
 
     # -- checkpointed state (OrchestratorState.algo) --
     def state_dict(self) -> dict[str, Any]:
-        return {STATE_KEY: dict(self.baselines)} if self.type == "rae" else {}
+        """rae's baselines, of the run's algo and of every env's own (keys `<env>/<trace>`: disjoint)."""
+        credits = [self, *self.own.values()]
+        baselines = {k: v for c in credits if c.type == "rae" for k, v in c.baselines.items()}
+        return {STATE_KEY: baselines} if any(c.type == "rae" for c in credits) else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.baselines = {str(k): float(v) for k, v in state.get(STATE_KEY, {}).items()}
+        for c in [self, *self.own.values()]:
+            c.baselines = {str(k): float(v) for k, v in state.get(STATE_KEY, {}).items()}
+
+    def for_env(self, env: str) -> Credit:
+        """The credit of `env`: its own algorithm's, else the run's."""
+        return self.own.get(env, self)
 
     # -- one group --
     def assign(self, group: GroupRecord, ok: Sequence[RolloutRecord]) -> bool:
         """Set `group.advantages` (one per rollout; errored ones 0) and, for multi-agent rollouts,
         `group.trace_advantages`. False: the group carries no signal and zero_advantage = drop (its
         advantages are then all 0, the last-resort filler of a starved batch)."""
+        if group.env in self.own:
+            return self.own[group.env].assign(group, ok)
         group.trace_advantages = None
         if self.action_loss == "ce":  # sft: cross entropy on every usable completion, no credit
             group.advantages = [0.0 if r.errored else 1.0 for r in group.rollouts]

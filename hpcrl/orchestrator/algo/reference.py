@@ -92,3 +92,24 @@ class ReferenceScorer:
             raise InferenceUnavailable(f"reference logprobs from {who}: {e}") from None
         for (pre, p), lp in zip(jobs, lps):
             p.teacher_logprobs = lp[len(pre) :]
+
+
+class References:
+    """The reference scorers of a run with per-env algorithms: an env's own (None: an rl env, not
+    scored), else the run's (`default`, None when the run's algo is an rl type)."""
+
+    def __init__(
+        self, default: ReferenceScorer | References | None, per_env: dict[str, ReferenceScorer | None]
+    ):
+        self.default, self.per_env = default, per_env
+
+    def scorer(self, env: str) -> ReferenceScorer | References | None:
+        return self.per_env.get(env, self.default)
+
+    async def score(self, groups: Sequence[GroupRecord]) -> None:
+        by: dict[int, tuple[ReferenceScorer | References, list[GroupRecord]]] = {}
+        for g in groups:
+            sc = self.scorer(g.env)
+            if sc is not None:
+                by.setdefault(id(sc), (sc, []))[1].append(g)
+        await asyncio.gather(*(sc.score(gs) for sc, gs in by.values()))

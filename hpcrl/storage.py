@@ -1,0 +1,281 @@
+"""One storage policy for every role: what a write does when the filesystem refuses it.
+
+A full disk, a quota, a directory made read-only or a storage server that errors (fileio.REFUSED:
+ENOSPC, EDQUOT, EROFS, EIO, ...) is routine on shared filesystems and is often fixed within minutes.
+So every role (trainer, SFT trainer, orchestrator) treats such a write the same way:
+
+1. named once at WARNING: the role, what was written, the path, the errno and the free space of
+   that filesystem (os.statvfs; "unknown" when it cannot say);
+2. retried with backoff: FIRST_WAIT_S, doubling, at most MAX_WAIT_S between tries;
+3. past `storage_timeout_s` (the run config's one field): WriteRefused, whose str() is the one line
+   the role ends with (what, path, cause, for how long, the field).
+
+A retried write must start over cleanly: fileio.write_atomic and fileio.atomic_dir write under a tmp
+name and rename last, so an attempt cut short leaves nothing a reader takes for complete.
+
+Logs are never worth a role: `TolerantFileHandler` / `TolerantStreamHandler` drop what the filesystem
+refuses and say how many lines were lost once they can write again (env servers, env log files).
+
+Faces: `retry_blocking` (trainer publish and checkpoints, the trainer's bus writes) and `retry_async`
+(the orchestrator's event loop); both keep their books in `Refusals`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hpcrl.fileio import WriteRefused, refused_error, refused_write
+
+log = logging.getLogger("hpcrl.storage")
+
+FIELD = "storage_timeout_s"
+DEFAULT_TIMEOUT_S = 600.0
+FIRST_WAIT_S = 1.0
+MAX_WAIT_S = 30.0
+T = TypeVar("T")
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "FIELD",
+    "Refusals",
+    "TolerantFileHandler",
+    "TolerantStreamHandler",
+    "WriteRefused",
+    "backoff",
+    "describe",
+    "free_space",
+    "report_to",
+    "retry_async",
+    "retry_blocking",
+]
+
+
+def backoff(first_s: float = FIRST_WAIT_S, cap_s: float = MAX_WAIT_S) -> Iterator[float]:
+    """1, 2, 4, 8, 16, 30, 30, ... seconds (with the defaults)."""
+    wait = first_s
+    while True:
+        yield min(wait, cap_s)
+        wait *= 2
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def free_space(path: Path | str | None) -> str:
+    """`12.3 MB free of 64.0 MB` for the filesystem holding `path` (its nearest existing ancestor),
+    `unknown` when statvfs cannot say."""
+    if path is None:
+        return "unknown"
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return "unknown"
+    return f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)}"
+
+
+def describe(e: BaseException, path: Path | str | None = None) -> str | None:
+    """`disk full at PATH (No space left on device), ENOSPC; free space there: 0 B free of 64.0 MB`
+    for a write the filesystem refused (fileio.refused_error), else None."""
+    err = refused_error(e, path)
+    if err is None:
+        return None
+    return f"{_cause(err)}; free space there: {free_space(err.filename)}"
+
+
+def _cause(err: OSError) -> str:
+    return f"{refused_write(err)}, {errno.errorcode.get(err.errno, str(err.errno))}"
+
+
+class Refusals:
+    """The books of one write retried while the filesystem refuses it.
+
+    `refused(e)` after each failed attempt: names the cause once (again only when the errno or the path
+    changes), returns the seconds to wait before the next try (the backoff, never past the bound),
+    raises `e` itself when it is not a refusal and WriteRefused once `timeout_s` has passed since the
+    first refusal. `cleared()` after the write went through (one line when one was named)."""
+
+    def __init__(
+        self,
+        role: str,
+        what: str,
+        timeout_s: float,
+        *,
+        path: Path | str | None = None,
+        first_s: float = FIRST_WAIT_S,
+        cap_s: float = MAX_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.role, self.what, self.timeout_s, self.path = role, what, timeout_s, path
+        self.first_s, self.cap_s = first_s, cap_s
+        self.clock = clock
+        self.t0: float | None = None
+        self.named: str | None = None  # the cause last named
+        self._key: tuple[int, str | None] | None = None
+        self._waits = backoff(first_s, cap_s)
+
+    def waited(self) -> float:
+        return 0.0 if self.t0 is None else self.clock() - self.t0
+
+    def refused(self, e: BaseException) -> float:
+        err = refused_error(e, self.path)
+        if err is None:
+            raise e
+        now = self.clock()
+        if self.t0 is None:
+            self.t0 = now
+        waited = now - self.t0
+        why = _cause(err)
+        if waited >= self.timeout_s:
+            raise WriteRefused(
+                err.errno,
+                f"cannot write {self.what} for {waited:.0f} s: {why}; free space there: "
+                f"{free_space(err.filename)} ({FIELD} = {self.timeout_s:g})",
+                err.filename,
+            ) from e
+        key = (err.errno, err.filename)
+        if key != self._key:
+            self._key, self.named = key, why
+            log.warning(
+                "%s: cannot write %s: %s; free space there: %s; retrying in %g s, doubling to %g s, "
+                "for up to %g s (%s)",
+                self.role, self.what, why, free_space(err.filename), self.first_s, self.cap_s,
+                self.timeout_s, FIELD,
+            )  # fmt: skip
+            _progress_waiting(f"writing {self.what}: {why}")
+        return max(0.0, min(next(self._waits), self.timeout_s - waited))
+
+    def cleared(self) -> None:
+        if self.named is not None:
+            log.warning(
+                "%s: wrote %s after %.0f s (it was: %s)", self.role, self.what, self.waited(), self.named
+            )
+            _progress_done()
+
+
+# The role's progress (hpcrl.monitor.progress registers itself when a role starts reporting): a
+# retried write shows in its stall line. A hook, not an import: the ground floor imports no role code.
+_progress: tuple[Callable[[str], None], Callable[[], None]] | None = None
+
+
+def report_to(waiting: Callable[[str], None], done: Callable[[], None]) -> None:
+    global _progress
+    _progress = (waiting, done)
+
+
+def _progress_waiting(on: str) -> None:
+    if _progress is not None:
+        _progress[0](on)
+
+
+def _progress_done() -> None:
+    if _progress is not None:
+        _progress[1]()
+
+
+def retry_blocking(
+    role: str,
+    what: str,
+    write: Callable[[], T],
+    timeout_s: float,
+    *,
+    path: Path | str | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    **books: Any,
+) -> T:
+    """`write()` until it goes through (the storage policy, blocking). `path` names the file when the
+    error does not (libraries that wrap I/O errors); `books`: Refusals' first_s, cap_s, clock."""
+    r = Refusals(role, what, timeout_s, path=path, **books)
+    while True:
+        wait, out = _attempt(r, write)
+        if wait is None:
+            return out  # type: ignore[return-value]
+        sleep(wait)
+
+
+async def retry_async(
+    role: str,
+    what: str,
+    write: Callable[[], T],
+    timeout_s: float,
+    *,
+    path: Path | str | None = None,
+    **books: Any,
+) -> T:
+    """retry_blocking for an event loop: the waits do not block it (requests in flight are answered)."""
+    import asyncio
+
+    r = Refusals(role, what, timeout_s, path=path, **books)
+    while True:
+        wait, out = _attempt(r, write)
+        if wait is None:
+            return out  # type: ignore[return-value]
+        await asyncio.sleep(wait)
+
+
+def _attempt(r: Refusals, write: Callable[[], T]) -> tuple[float | None, T | None]:
+    """One try: (None, what write() returned) or (seconds to wait, None) after a refusal."""
+    try:
+        out = write()
+    except Exception as e:  # noqa: BLE001 - Refusals re-raises what is not a refusal
+        return r.refused(e), None
+    r.cleared()
+    return None, out
+
+
+class _Tolerant:
+    """A logging handler that the filesystem may refuse: refused lines are dropped (never raised,
+    no traceback into the same full file), and the first line that goes through again says how many
+    were lost and why. Other errors go to logging's usual handleError."""
+
+    lost = 0
+    lost_why: str | None = None
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        import sys
+
+        e = sys.exc_info()[1]
+        why = None if e is None else refused_write(e)
+        if why is None:
+            super().handleError(record)  # type: ignore[misc]
+            return
+        self.lost += 1
+        self.lost_why = why
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.lost:
+            lost, why = self.lost, self.lost_why
+            self.lost = 0
+            note = logging.LogRecord(
+                record.name, logging.WARNING, __file__, 0,
+                "%d log line(s) lost: %s", (lost, why), None,
+            )  # fmt: skip
+            super().emit(note)  # type: ignore[misc]
+            if self.lost:  # still refused: keep counting
+                self.lost += lost
+                return
+        try:
+            super().emit(record)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - FileHandler opens its file outside its own try
+            self.handleError(record)
+
+
+class TolerantStreamHandler(_Tolerant, logging.StreamHandler):
+    pass
+
+
+class TolerantFileHandler(_Tolerant, logging.FileHandler):
+    pass
