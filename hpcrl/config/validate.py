@@ -18,7 +18,7 @@ def validate(cfg: Config, require_envs: bool = True) -> None:
     check_output_dir(cfg.output_dir)
     _unsupported(cfg)
     _fake_data(cfg, require_envs)  # before the envs: a fake-data trainer config names none
-    _orchestrator(cfg)
+    _orchestrator(cfg, samples=require_envs)
     _buffer(cfg)
     _envs(cfg, require_envs)
     _deployment(cfg)
@@ -120,7 +120,9 @@ def _unsupported(cfg: Config | SFTConfig) -> None:
                 raise ConfigError(p, f"{value!r} is not supported yet (allowed: {ok}); {instead}")
 
 
-def _orchestrator(cfg: Config) -> None:
+def _orchestrator(cfg: Config, samples: bool = True) -> None:
+    """`samples`: the config runs an orchestrator (a trainer or inference server alone samples
+    nothing, so a completion longer than seq_len is not theirs to refuse)."""
     o = cfg.orchestrator
     if o.batch_size % o.rollouts_per_example:
         raise ConfigError(
@@ -130,12 +132,17 @@ def _orchestrator(cfg: Config) -> None:
     max_tokens = o.train.sampling.max_tokens
     # A completion may fill the whole sequence (the docs' multi-node example sets both to 32768);
     # only a completion that cannot fit at all is an error.
-    if max_tokens > cfg.seq_len:
+    if samples and max_tokens > cfg.seq_len:
         raise ConfigError(
             "orchestrator.train.sampling.max_tokens",
             f"{max_tokens} is longer than seq_len ({cfg.seq_len}); allowed: at most seq_len (raise seq_len)",
         )
-    if o.eval is not None and o.eval.sampling is not None and o.eval.sampling.max_tokens > cfg.seq_len:
+    if (
+        samples
+        and o.eval is not None
+        and o.eval.sampling is not None
+        and o.eval.sampling.max_tokens > cfg.seq_len
+    ):
         raise ConfigError(
             "orchestrator.eval.sampling.max_tokens",
             f"{o.eval.sampling.max_tokens} is longer than seq_len ({cfg.seq_len}); allowed: at most seq_len",

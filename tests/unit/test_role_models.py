@@ -89,3 +89,17 @@ def test_servers_serve_the_trained_adapter_rank():
     assert cfg.trainer.model.lora.rank == 8 and cfg.inference.model.max_lora_rank == 8
     # restated in the inference role's file: `hpcrl inference` skips [trainer] when it loads it
     assert to_dict(cfg)["inference"]["model"] == {"max_lora_rank": 8}
+
+
+def test_a_role_that_samples_nothing_takes_a_short_seq_len(capsys):
+    """max_tokens (128 by default) longer than seq_len refuses a run: the orchestrator could not fit a
+    completion. A trainer or an inference server alone samples nothing; theirs is only the length."""
+    short = ["--model.name", "hpcrl/tiny-qwen3", "--seq-len", "64", "--dry-run"]
+    assert main(["trainer", *short]) == 0
+    assert main(["inference", *short]) == 0
+    capsys.readouterr()
+    assert main(["run", *short, "--orchestrator.train.env", '[{id = "reverse-text"}]']) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "config error: orchestrator.train.sampling.max_tokens: 128 is longer than seq_len (64)"
+    )
