@@ -130,8 +130,17 @@ def refused_error(e: BaseException, path: Path | str | None = None) -> OSError |
         )
     if code not in REFUSED:
         return None
-    where = getattr(e, "filename", None) or path
+    where = _where(getattr(e, "filename", None), path)
     return OSError(code, os.strerror(code), None if where is None else str(where))
+
+
+def _where(filename: Any, path: Path | str | None) -> Any:
+    """The file to name: `filename` as the error gave it, but an fd-relative name (shutil.rmtree and
+    os.unlink(dir_fd=) give `manifest.json`) is resolved under `path`, or `path` itself stands in."""
+    if filename is None or path is None or os.path.isabs(str(filename)):
+        return filename if filename is not None else path
+    inside = Path(path) / str(filename)
+    return str(inside) if inside.exists() else str(path)
 
 
 class WriteRefused(OSError):

@@ -318,3 +318,26 @@ def test_the_trainers_policy_announcement_waits_out_an_unwritable_policy_dir(tmp
     finally:
         clear.cancel()
         subprocess.run(undo, check=False)
+
+
+def test_an_fd_relative_name_is_named_under_its_directory(tmp_path: Path) -> None:
+    """shutil.rmtree removes entries through a directory fd, so its OSError names `manifest.json`
+    alone (the CI failure of stop 55: `read-only filesystem at manifest.json`). The line names the
+    whole path: the file under the directory written, else the directory."""
+    import shutil
+
+    d = tmp_path / "broadcasts" / "step_90"
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text("{}")
+    _, undo = _make_unwritable(d)  # its entries cannot be removed
+    try:
+        with pytest.raises(OSError) as e:
+            shutil.rmtree(d)
+    finally:
+        subprocess.run(undo, check=True)
+    assert e.value.filename == "manifest.json"  # what the kernel call was given
+    err = fileio.refused_error(e.value, d)
+    assert err is not None and err.filename == str(d / "manifest.json")
+    assert fileio.refused_error(OSError(errno.EROFS, "x", "gone.json"), d).filename == str(d)
+    assert fileio.refused_error(OSError(errno.EROFS, "x", "/abs/f"), d).filename == "/abs/f"
+    assert fileio.refused_error(OSError(errno.EROFS, "x"), d).filename == str(d)
