@@ -189,6 +189,8 @@ class Orchestrator:
 
     def on_signal(self, sig: int) -> None:
         log.warning("received signal %d: stopping at the next safe point", sig)
+        if self.setup is not None:
+            self.setup.stopping()
         if sig != signal.SIGUSR2:  # SIGTERM/SIGINT: bounded, whatever the loop is waiting for
             from hpcrl.monitor.watchdog import arm_exit_deadline
 

@@ -84,6 +84,7 @@ class RemoteEnvironment(Environment):
         self.router = Router()
         self.checked = 0.0
         self.fatal: EnvServerFailed | None = None
+        self.stopping = False  # the orchestrator is stopping (Setup.stopping): a server that ends is let go
         self.pids: dict[bytes, int] = {}  # worker ident -> pid (from its Ready): stall lines name it
         self.pinged = self.pong_at = 0.0
         self.ping_seq = 0
@@ -233,6 +234,9 @@ class RemoteEnvironment(Environment):
             if now - self.checked > 5 * PING_S:  # this process did not run (stopped): no Pong could come
                 self.pong_at = now
             self.checked = now
+            if self.server.exit_code() is not None and self.stopping:
+                self._ended()
+                return
             if self.server.exit_code() is not None:
                 await self._restart()
             elif self.spec.frozen_s > 0:
@@ -330,6 +334,18 @@ class RemoteEnvironment(Environment):
             )
             for ident, (n, age) in sorted(ages.items(), key=lambda kv: -kv[1][1])
         ]
+
+    def _ended(self) -> None:
+        """The server ended while the orchestrator stops: what it held errors, and nothing restarts it."""
+        why = self._gone_msg("ended while the orchestrator stops")
+        log.info("%s; %d rollout(s) left unfinished", why, len(self.calls))
+        self.router.clear()
+        self.fatal = EnvServerFailed(why)
+        for fut, _, _ in self.calls.values():
+            if not fut.done():
+                fut.set_exception(EnvComponentLost(why))
+        if self.ready is not None:
+            self.ready.set()
 
     async def _restart(self, why: str | None = None) -> None:
         """The server died (or was killed frozen: `why`): error what it held, start it again (or

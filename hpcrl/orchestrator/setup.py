@@ -353,6 +353,13 @@ class Setup:
             for r, res in zip(refs, results)
         ]
 
+    def stopping(self) -> None:
+        """The orchestrator was told to stop: an env server that ends from now on (SLURM signals every
+        process of a step) ends with the run, and is neither restarted nor warned about."""
+        for env in [*self.envs.values(), *(e.env for e in self.eval_envs)]:
+            if hasattr(env, "stopping"):
+                env.stopping = True
+
     async def aclose(self) -> None:
         for p in self.pools:
             await p.aclose()

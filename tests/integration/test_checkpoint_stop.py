@@ -155,6 +155,11 @@ def test_a_fresh_run_in_a_stopped_runs_directory_ignores_its_bus_files(tmp_path:
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
     assert list(paths.control_dir.glob("shutdown_*")), "the stopped trainer announced nothing"
+    # The stop is the orchestrator's, not its env server's: the server neither died under the
+    # launcher's SIGTERM to the role's process group nor was restarted while the run stopped.
+    orch_log = (paths.logs_dir / "orchestrator.log").read_text()
+    assert "stopping at the next safe point" in orch_log
+    assert " died " not in orch_log and "restarted" not in orch_log, orch_log[-3000:]
     second = _run(cfg, out)
     text, _ = second.communicate(timeout=300)
     assert second.returncode == 0 and "run finished" in text, text[-3000:]

@@ -118,6 +118,30 @@ def test_an_env_that_fails_to_load_is_a_one_line_error(tmp_path: Path) -> None:
         RemoteEnvironment(spec)
 
 
+@pytest.mark.slow
+def test_a_server_that_ends_while_the_orchestrator_stops_is_let_go(tmp_path: Path) -> None:
+    """On SLURM every process of a step gets the stop's SIGTERM, the env server too. Once the
+    orchestrator stops (Setup.stopping), a server that ends errors what it held, is not restarted,
+    and the line is INFO: no 'died' warning on the console of a run that was told to stop."""
+    env = _remote(tmp_path, restarts=3)
+
+    async def main() -> str:
+        assert await _one(env, 0) == "reward 1.0"
+        hang = asyncio.ensure_future(_one(env, 4))  # held by the server when it ends
+        await asyncio.sleep(0.5)
+        env.stopping = True
+        os.kill(env.pid, signal.SIGTERM)
+        held = await hang
+        with pytest.raises(EnvServerFailed, match="ended while the orchestrator stops"):
+            await env.rollout(env.tasks("train")[0], SaysOk(), {})
+        await env.aclose()
+        return held
+
+    held = asyncio.run(main())
+    assert "ended while the orchestrator stops" in held, held
+    assert env.restarts == 0
+
+
 RUN = rl_toml(
     8,
     seq_len=64,

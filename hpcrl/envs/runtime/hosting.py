@@ -38,7 +38,14 @@ def popen_server(spec: wire.ServerSpec, python: str | None = None) -> subprocess
     if python:
         cmd[0] = python
     with open(path, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # Its own session: a signal for the orchestrator (the launcher signals the role's process
+        # group on a stop, SIGUSR2 before a requeue) is not one for its env server, which the
+        # orchestrator stops itself (Stop, then SIGKILL) and which stops when its parent is gone.
+        # In the orchestrator's group it exited with the orchestrator's SIGTERM and was restarted
+        # under a WARNING ("died (exit code 0)") while the run stopped.
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
 
 class LocalServer:

@@ -219,6 +219,7 @@ class V1Environment(Environment):
 
         self.env_id, self.workers = env_id, max(1, workers)
         self.rollout_timeout_s, self.max_restarts, self.restarts = rollout_timeout_s, max_restarts, 0
+        self.stopping = False  # the orchestrator is stopping (Setup.stopping): a server that ends is let go
         self.log_dir: Path | None = None
         self.name = env_id
         self.config, self.notes = env_config(env_id, args, runtime, table)
@@ -403,6 +404,10 @@ class V1Environment(Environment):
                 if done:
                     return task.result()
                 if proc is not None and not proc.is_alive():
+                    if self.stopping:  # ended with the orchestrator's stop (Setup.stopping): let it go
+                        raise RuntimeError(
+                            f"verifiers' env server of {self.env_id!r} ended while the orchestrator stops"
+                        )
                     self._server_died(proc, f"died (exit code {proc.exitcode})")
                     raise RuntimeError(
                         f"verifiers' env server of {self.env_id!r} died (exit code {proc.exitcode})"

@@ -35,6 +35,7 @@ def serve(parent: int, grace_s: float = GRACE_S, **kwargs: Any) -> None:
     worker it spawns tied to this process."""
     from hpcrl.envs.runtime.lifeline import die_with_parent
 
+    os.setsid()  # the orchestrator's signals are not its own (hpcrl.envs.runtime.hosting.popen_server)
     die_with_parent(parent, grace_s)
     os.environ[PARENT_ENV] = f"{os.getpid()} {grace_s}"  # spawned workers inherit the environment
     from verifiers.v1.serve import pool
