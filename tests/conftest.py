@@ -41,6 +41,20 @@ def rl_toml(
     )
 
 
+# A rank's variables, set when the suite itself runs under torchrun or inside a SLURM task: a child
+# `hpcrl` started by a test would take them for its own and wait for peers that never come.
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID")
+
+
+def child_env(*drop: str, **extra: str) -> dict[str, str]:
+    """os.environ for a child process a test starts: unbuffered, without RANK_VARS (nor `drop`),
+    with `extra` set (e.g. OMP_NUM_THREADS="1")."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    for var in (*RANK_VARS, *drop):
+        env.pop(var, None)
+    return env
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 model + tokenizer (HF directory), built locally once per test session."""

@@ -5,30 +5,20 @@ numbers are in docs/demo.md."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from hpcrl.monitor.metrics import read_metrics
+from tests.conftest import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_demo(tmp_path: Path, timeout: float = 600, **knobs: str) -> subprocess.CompletedProcess[str]:
     """scripts/demo.sh with its outputs under `tmp_path` and the DEMO_* `knobs` (e.g. DEMO_RL_STEPS)."""
-    env = {**os.environ, "DEMO_OUT": str(tmp_path), "PYTHONUNBUFFERED": "1", **knobs}
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        env.pop(var, None)
+    env = child_env(DEMO_OUT=str(tmp_path), **knobs)
     return subprocess.run(
         ["bash", str(REPO / "scripts" / "demo.sh")],
         cwd=tmp_path,

@@ -11,7 +11,6 @@ Both are as short as they can be (2 steps) and check that the steps really train
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,25 +19,14 @@ import pytest
 
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
-from tests.conftest import rl_toml
+from tests.conftest import child_env, rl_toml
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "hpcrl/tiny-qwen3-151k"
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        env.pop(var, None)
-    return env
+    return child_env()
 
 
 @pytest.mark.slow

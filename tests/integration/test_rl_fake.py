@@ -15,6 +15,7 @@ import pytest
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
 from hpcrl.trainer.rl_fake import fake_batch, rows_of_rank, sample_lengths
+from tests.conftest import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,17 +70,7 @@ def test_trainer_alone_trains_on_fake_batches(tiny_model_dir: Path, tmp_path: Pa
         "[data.fake]\nbatch_size = 2\ngenerate_samples = true\n"
         f'[model]\nname = "{tiny_model_dir}"\nseq_len = 128\n'
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        env.pop(var, None)
+    env = child_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", "trainer", "@", str(cfg)],
         cwd=REPO,
@@ -145,19 +136,8 @@ def test_fake_trainer_owns_the_wandb_run(tiny_model_dir: Path, tmp_path: Path):
         f'max_steps = 2\noutput_dir = "{out}"\n[data.fake]\nbatch_size = 1\n'
         f'[model]\nname = "{tiny_model_dir}"\nseq_len = 128\n'
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path), "WANDB_SILENT": "true"}
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "WANDB_API_KEY",
-        "WANDB_DIR",
-    ):
-        env.pop(var, None)
-    env.pop("WANDB_MODE", None)
-    env.pop("HPCRL_WANDB_WRITER", None)
+    wandb_vars = ("WANDB_API_KEY", "WANDB_DIR", "WANDB_MODE", "HPCRL_WANDB_WRITER")
+    env = child_env(*wandb_vars, OMP_NUM_THREADS="1", HOME=str(tmp_path), WANDB_SILENT="true")
     argv = ["trainer", "@", str(cfg), "--wandb", "--wandb.offline", "--wandb.project", "fake-t"]
     proc = subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", *argv],
