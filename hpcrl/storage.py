@@ -16,8 +16,10 @@ name and rename last, so an attempt cut short leaves nothing a reader takes for 
 Logs are never worth a role: `TolerantFileHandler` / `TolerantStreamHandler` drop what the filesystem
 refuses and say how many lines were lost once they can write again (env servers, env log files).
 
-Faces: `retry_blocking` (trainer publish and checkpoints, the trainer's bus writes) and `retry_async`
-(the orchestrator's event loop); both keep their books in `Refusals`.
+Faces: `retry_blocking` (trainer publish and checkpoints, the trainer's bus writes), `retry_async`
+(the orchestrator's event loop: its batches and its checkpoint part) and `retry_together` (a write
+that every trainer rank makes at once, collectives inside or a decision after); all keep their books
+in `Refusals`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "report_to",
     "retry_async",
     "retry_blocking",
+    "retry_together",
 ]
 
 
@@ -224,6 +227,68 @@ async def retry_async(
         if wait is None:
             return out  # type: ignore[return-value]
         await asyncio.sleep(wait)
+
+
+# How one rank's try went, in retry_together's agreement.
+_DONE, _AGAIN, _GAVE_UP, _FAILED = "done", "again", "gave up", "failed"
+
+
+def retry_together(
+    role: str,
+    what: str,
+    write: Callable[[], T],
+    timeout_s: float,
+    *,
+    gather: Callable[[Any], list[Any]],
+    path: Path | str | None = None,
+    each_own: bool = False,
+    sleep: Callable[[float], None] = time.sleep,
+    **books: Any,
+) -> T:
+    """retry_blocking for a write that every rank of a group makes at once: no rank may try again,
+    wait or end alone, or the others hang in the next collective.
+
+    Each rank tries its part, then `gather` (all_gather_object over the ranks) shows every rank how
+    each fared and all decide the same: done when every part went through; else all wait the longest
+    wait a refused rank asked for (its own books: named once, backoff) and try again; past
+    `timeout_s` on any rank, every rank raises that rank's WriteRefused (the same one line). An error
+    that is not a refusal ends every rank too (a line naming that rank where it did not happen).
+    `each_own`: the parts are rank-local (no collective inside), so a rank whose part went through
+    does not write it again; else every rank tries again together (the collectives inside pace the
+    write: after a refusal `write` must still take part in every one of them, see its callers).
+    With one rank, `gather = lambda x: [x]`: retry_blocking."""
+    r = Refusals(role, what, timeout_s, path=path, **books)
+    out: Any = None
+    mine_done = False
+    while True:
+        err: BaseException | None = None
+        if mine_done:
+            mine: tuple[str, float, Any] = (_DONE, 0.0, None)
+        else:
+            try:
+                out, mine = write(), (_DONE, 0.0, None)
+            except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+                err = e
+                try:
+                    mine = (_AGAIN, r.refused(e), None)
+                except WriteRefused as gone:
+                    err, mine = gone, (_GAVE_UP, 0.0, (gone.errno, gone.strerror, gone.filename))
+                except Exception:  # noqa: BLE001 - not a refusal
+                    mine = (_FAILED, 0.0, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+        everyone = gather(mine)
+        states = [s for s, _, _ in everyone]
+        if all(s == _DONE for s in states):
+            r.cleared()
+            return out  # type: ignore[no-any-return]
+        for rank, (s, _, why) in enumerate(everyone):
+            if s in (_GAVE_UP, _FAILED):
+                if mine[0] == s and mine[2] == why and err is not None:
+                    raise err
+                if s == _GAVE_UP:
+                    raise WriteRefused(*why)
+                raise RuntimeError(f"{role}: rank {rank} failed writing {what}: {why}")
+        mine_done = each_own and mine[0] == _DONE
+        sleep(max(w for _, w, _ in everyone))
 
 
 def _attempt(r: Refusals, write: Callable[[], T]) -> tuple[float | None, T | None]:

@@ -64,6 +64,7 @@ TOKEN_FIELDS = (  # one entry per token, samples back to back
     "inference_logprobs",
     "teacher_logprobs",
     "reference_logprobs",
+    "ce_weights",
 )
 SAMPLE_FIELDS = ("seq_lens", "policy_versions", "temperatures", "example_ids", "rewards")  # one per sample
 ROW_FIELDS = ("env_names", "routed_experts")  # per sample as a list / per token as a [T, k] table
@@ -92,6 +93,10 @@ class TrainBatch(msgspec.Struct, kw_only=True, eq=False):
     total_loss_tokens: int  # loss tokens across ALL ranks of this step (global normalisation)
     teacher_logprobs: np.ndarray | None = None  # float32 [T]
     reference_logprobs: np.ndarray | None = None  # float32 [T]
+    # echo: the cross-entropy weight of each token (0 = none; env-provided tokens, outside loss_mask),
+    # and how many tokens of the whole step (all ranks) have one: that term's normalisation.
+    ce_weights: np.ndarray | None = None  # float32 [T]
+    total_ce_tokens: int = 0
     # MoE router replay: [T, layers*k] expert ids per token, uint8 (255 = none) when every id fits,
     # else int16 (-1 = none); none on prompt tokens. route_ids() reads either as int64 with -1.
     routed_experts: np.ndarray | None = None
@@ -187,6 +192,7 @@ _TOKEN_FIELDS: tuple[tuple[str, Any], ...] = (
     ("inference_logprobs", np.float32),
     ("teacher_logprobs", np.float32),
     ("reference_logprobs", np.float32),
+    ("ce_weights", np.float32),
 )
 _SAMPLE_FIELDS: tuple[tuple[str, Any], ...] = (
     ("seq_lens", np.int32),

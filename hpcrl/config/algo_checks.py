@@ -4,6 +4,8 @@ into it (hpcrl.config.sections.orchestrator.fold_older_keys). Each raises one Co
 
 from __future__ import annotations
 
+import importlib
+import math
 from typing import Any
 
 from hpcrl.config.sections.algo import ACTION_LOSS, TYPE_FIELDS, AlgoConfig, FrozenModelConfig
@@ -32,17 +34,11 @@ def check_algo(o: Any) -> None:
         )
     if algo.type == "echo":
         _echo(algo)
-        raise ConfigError(
-            f"{A}.type",
-            "'echo' is not implemented in hpcrl yet (its cross entropy on env-provided tokens needs "
-            "their message roles in the trained sequences and a ce loss beside the rl loss in the trainer); "
-            "allowed: grpo, max_rl, rae, opd, opsd, sft",
-        )
     _advantage_knobs(o.advantage, algo.type)
     check_env_algos(o)
 
 
-ENV_TYPES = ("grpo", "max_rl", "rae", "opd", "opsd")  # what one env may run beside the others
+ENV_TYPES = ("grpo", "max_rl", "rae", "echo", "opd", "opsd")  # what one env may run beside the others
 
 
 def check_env_algos(o: Any) -> None:
@@ -64,6 +60,8 @@ def check_env_algos(o: Any) -> None:
         try:
             _own_fields(algo)
             _sampling_source(algo)
+            if algo.type == "echo":
+                _echo(algo)
             if algo.type in REWARD_TYPES:  # the run-wide advantage knobs: on this env's rewards too
                 _advantage_knobs(o.advantage, algo.type)
         except ConfigError as e:
@@ -144,15 +142,34 @@ def _sampling_source(algo: AlgoConfig) -> None:
 
 
 def _echo(algo: AlgoConfig) -> None:
+    """prime-rl's EchoRolesConfig / EchoFilterConfig checks; the filter is imported here, as prime-rl
+    imports it when the algorithm starts (hpcrl.orchestrator.algo.echo)."""
     r = algo.roles
     if r.system is None and r.user is None and r.assistant is None and r.tool is None:
         raise ConfigError(f"{A}.roles", "echo needs at least one role (system, user, assistant or tool)")
+    for name in ("system", "user", "assistant", "tool"):
+        role = getattr(r, name)
+        if role is not None and not math.isfinite(role.alpha):
+            raise ConfigError(f"{A}.roles.{name}.alpha", f"{role.alpha}: allowed a finite weight > 0")
     if algo.filter is not None:
-        raise ConfigError(
-            f"{A}.filter",
-            f"{algo.filter.import_path!r} (kwargs {sorted(algo.filter.kwargs)}): echo's token filter is not "
-            "supported in hpcrl yet; drop [orchestrator.algo.filter]",
-        )
+        path = algo.filter.import_path
+        try:
+            fn = import_object(path)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(
+                f"{A}.filter.import_path",
+                f"{path!r} cannot be imported ({type(e).__name__}: {e}); allowed: 'module.function' on the path",
+            ) from None
+        if not callable(fn):
+            raise ConfigError(f"{A}.filter.import_path", f"{path!r} is a {type(fn).__name__}, not a callable")
+
+
+def import_object(path: str) -> Any:
+    """`package.module.name` or `package.module:name` -> the object (ImportError / AttributeError)."""
+    module, sep, name = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module or not name:
+        raise ImportError(f"{path!r} is not 'module.name' or 'module:name'")
+    return getattr(importlib.import_module(module), name)
 
 
 def _advantage_knobs(adv: Any, kind: str) -> None:

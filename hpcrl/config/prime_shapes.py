@@ -71,11 +71,7 @@ TABLES = (
 def translate(d: dict[str, Any], source: str, notes: list[str], sft: bool = False) -> None:
     """One file's dict, prime-rl's shapes moved to hpcrl's, in place."""
     _run_table(d, notes)
-    for path in (["model", "vlm"], ["trainer", "model", "vlm"]):
-        if get_path(d, path) is not None:
-            raise ConfigError(
-                ".".join(path), "vision-language training is not supported by hpcrl yet (text models)"
-            )
+    _vlm(d, source, notes, sft)
     fp8_served_copy(d, source, notes)  # <trained>-FP8 served: the trained model, quantized online
     served = get_path(d, ["orchestrator", "model", "name"])
     trained = get_path(d, ["trainer", "model", "name"]) or get_path(d, ["model", "name"])
@@ -106,6 +102,26 @@ def translate(d: dict[str, Any], source: str, notes: list[str], sft: bool = Fals
 
 
 # ---------------------------------------------------------------------------------------------
+def _vlm(d: dict[str, Any], source: str, notes: list[str], sft: bool) -> None:
+    """[model.vlm]: `hpcrl sft` trains transformers' own vision-language class, so prime-rl's
+    `impl = "custom"` (its custom Qwen3.5 VLM) is read as auto, with a note. RL on images is refused."""
+    for path in (["model", "vlm"], ["trainer", "model", "vlm"]):
+        if get_path(d, path) is None:
+            continue
+        if not sft:
+            raise ConfigError(
+                ".".join(path),
+                "vision-language RL (multimodal rollouts) is not supported by hpcrl; [model.vlm] is for `hpcrl sft`",
+            )
+        impl = path[:-1] + ["impl"]
+        if get_path(d, impl) == "custom":
+            set_path(d, impl, "auto")
+            notes.append(
+                f"{source}: {'.'.join(impl)} = 'custom' with [model.vlm]: prime-rl's custom VLM class; hpcrl "
+                "trains transformers' own class (impl = 'auto')"
+            )
+
+
 def _move(d: dict[str, Any], old: list[str], new: list[str]) -> None:
     """Move a value; the same value set both ways is fine, a different one is an error."""
     value = get_path(d, old[:-1]).pop(old[-1])

@@ -51,6 +51,12 @@ def validate_sft(cfg: SFTConfig) -> None:
         raise ConfigError("model.name", "is required (an HF id, a local dir, or hpcrl/tiny-qwen3)")
     environ.check_config(cfg)  # env_vars
     _unsupported(cfg)
+    cfg.model.check_vlm("model")  # [model.vlm] against impl, ep, cp, LoRA
+    if cfg.model.vlm is not None and cfg.eval is not None:
+        raise ConfigError(
+            "eval",
+            "online evaluation of a vision-language model ([model.vlm]) is not supported yet; drop [eval]",
+        )
     if cfg.ckpt is not None and cfg.ckpt.adapter_interval and cfg.model.lora is None:
         raise ConfigError(
             "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"

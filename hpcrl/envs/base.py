@@ -97,6 +97,10 @@ class Turn:
     trace: int = 0
     # ... and each prompt token to (the prefill; hpcrl's engine), [prompt tokens][layers][k]
     prompt_routed_experts: list[list[list[int]]] | None = None
+    # The message role of each env-provided token this turn's prompt adds after the previous turn's
+    # completion (aligned with the END of prompt_token_ids; hpcrl.orchestrator.env_roles.ROLES, 0 =
+    # scaffold); None: not attributed (a first turn, a re-rendered one). Read by echo only.
+    env_roles: bytes | None = None
 
     def message(self) -> Message:
         msg: Message = {"role": "assistant", "content": self.text}

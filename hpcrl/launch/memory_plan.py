@@ -74,7 +74,7 @@ scores); ACT_ATTN and ACT_CKPT are calibrated on a GPU (see their comments), ACT
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.errors import ConfigError
 from hpcrl.launch.memory_sync import (  # noqa: F401 (re-exported: host_memory, tests)
@@ -171,20 +171,10 @@ class MemoryPlan:
 
     def check(self, limit_gib: float) -> None:
         """One-line refusal when a trainer rank or an inference server's GPU cannot fit `limit_gib`."""
-        if self.trainer_gib > limit_gib:
-            fixes: list[tuple[str, str]] = []  # (field, what to do), biggest item first
-            for item in sorted(self.trainer, key=lambda i: -i.gib)[:3]:
-                for fix in self._fixes(item.name):
-                    if fix not in fixes:
-                        fixes.append(fix)
-            fixes.append(("deployment.gpu_memory_gib", "raise deployment.gpu_memory_gib"))
-            raise ConfigError(
-                fixes[0][0],
-                f"a trainer rank needs {self.trainer_gib:.1f} GiB of {limit_gib:g} GiB "
-                f"({_biggest(self.trainer)}): "
-                + ", ".join(f for _, f in fixes[:-1])
-                + f", or {fixes[-1][1]}",
-            )
+        check_trainer(
+            self.trainer, limit_gib, moe=self.arch.moe, ac=self.ac, ac_other_gib=self.ac_other_gib,
+            ranks_field=self.ranks_field,
+        )  # fmt: skip
         kv = next(i for i in self.inference if i.name == "KV cache")
         if kv.gib <= 0 or self.kv_tokens < self.max_model_len:
             raise ConfigError(
@@ -223,28 +213,50 @@ class MemoryPlan:
             f"inference.gpu_memory_utilization <= {util:.2f}, or fewer trainer ranks (one communicator each)",
         )
 
-    def _fixes(self, item: str) -> list[tuple[str, str]]:
-        if item in ("parameters", "gradients", "optimizer"):
-            return [(self.ranks_field, f"more trainer ranks ({self.ranks_field})")]
+
+def check_trainer(
+    items: list[Item],
+    limit_gib: float,
+    *,
+    moe: bool,
+    ac: bool,
+    ac_other_gib: float,
+    ranks_field: str,
+    model_field: str = "trainer.model",
+) -> None:
+    """One-line refusal when a trainer rank's `items` cannot fit `limit_gib`, naming the fields that
+    shrink its biggest items (`model_field`: trainer.model for RL, model for SFT)."""
+    total = sum(i.gib for i in items)
+    if total <= limit_gib:
+        return
+    m = model_field
+
+    def fixes_of(item: str) -> list[tuple[str, str]]:
+        if item in ("parameters", "gradients", "optimizer", "weight publish"):  # publish: a piece per rank
+            return [(ranks_field, f"more trainer ranks ({ranks_field})")]
         if item == "gathered":
-            return [("trainer.model.ep", "a larger trainer.model.ep")] if self.arch.moe else []
+            return [(f"{m}.ep", f"a larger {m}.ep")] if moe else []
         if item == "activations":
-            out = (
-                []
-                if self.ac
-                else [
-                    (
-                        "trainer.model.activation_checkpointing",
-                        f"trainer.model.activation_checkpointing = true ({self.ac_other_gib:.1f} GiB activations)",
-                    )
-                ]
-            )
-            return out + [("trainer.model.cp", "trainer.model.cp or a smaller trainer.micro_batch_tokens")]
-        if item == "weight publish":  # a piece, a scratch bucket: smaller with more ranks (LoRA: S)
-            return [(self.ranks_field, f"more trainer ranks ({self.ranks_field})")]
+            ckpt = f"{m}.activation_checkpointing"
+            out = [] if ac else [(ckpt, f"{ckpt} = true ({ac_other_gib:.1f} GiB activations)")]
+            tokens = m.removesuffix("model") + "micro_batch_tokens"  # trainer.micro_batch_tokens (RL)
+            return out + [(f"{m}.cp", f"{m}.cp or a smaller {tokens}")]
         if item == "logits":
-            return [(f"trainer.model.{CHUNK_FIELD}", f"chunked logprobs (trainer.model.{CHUNK_FIELD})")]
+            return [(f"{m}.{CHUNK_FIELD}", f"chunked logprobs ({m}.{CHUNK_FIELD})")]
         return []
+
+    fixes: list[tuple[str, str]] = []  # (field, what to do), biggest item first
+    for item in sorted(items, key=lambda i: -i.gib)[:3]:
+        for fix in fixes_of(item.name):
+            if fix not in fixes:
+                fixes.append(fix)
+    fixes.append(("deployment.gpu_memory_gib", "raise deployment.gpu_memory_gib"))
+    raise ConfigError(
+        fixes[0][0],
+        f"a trainer rank needs {total:.1f} GiB of {limit_gib:g} GiB ({_biggest(items)}): "
+        + ", ".join(f for _, f in fixes[:-1])
+        + f", or {fixes[-1][1]}",
+    )
 
 
 def _row(i: Item) -> str:
@@ -437,7 +449,11 @@ def trainer_items(
 def chunk_tokens(cfg: Config, vocab: int | None = None) -> int | None:
     """The trainer's logprob chunk size (None: the full [tokens, vocab] logits at once), bounded by
     ``logprobs_chunk_mib`` at ``vocab`` as the trainer bounds it (hpcrl/models/chunked.py)."""
-    model = cfg.trainer.model or cfg.model
+    return model_chunk_tokens(cfg.trainer.model or cfg.model, vocab)
+
+
+def model_chunk_tokens(model: Any, vocab: int | None = None) -> int | None:
+    """chunk_tokens of a trainer model section (RL's trainer.model, SFT's model)."""
     value = getattr(model, CHUNK_FIELD, None)
     if not (isinstance(value, int) and value > 0):
         return None
@@ -461,6 +477,35 @@ def lora_param_count(a: Arch, rank: int, targets: list[str]) -> int:
     return a.layers * sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
 
 
+def trainer_kw(
+    model: Any, arch: Arch, *, ranks: int, tokens: int, prec: Any, optimizer: str
+) -> dict[str, Any]:
+    """trainer_items' arguments (but `ac`) from a trainer model section: RL's trainer.model, SFT's model."""
+    ep, cp = int(getattr(model, "ep", 1) or 1), int(getattr(model, "cp", 1) or 1)
+    # getattr: [model] and the trainer's model section are being split per role; these are trainer fields
+    lora_cfg = getattr(model, "lora", None)
+    vp = bool(getattr(model, "vocab_parallel", False)) and not (
+        lora_cfg and {"lm_head", "embed_tokens"} & set(lora_cfg.target_modules)
+    )
+    # a vocabulary-parallel chunk is vocab / cp columns wide: its byte bound allows cp x the rows
+    columns = -(-arch.vocab // cp) if vp and cp > 1 else arch.vocab
+    ac_cfg, chunk = getattr(model, "ac", None), model_chunk_tokens(model, columns)
+    lora = lora_param_count(arch, lora_cfg.rank, lora_cfg.target_modules) if lora_cfg else 0
+    kw: dict[str, Any] = dict(
+        ranks=ranks, ep=ep, cp=cp, tokens=tokens,
+        compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=optimizer,
+        chunk=chunk, lora_params=lora, offload=getattr(model, "ac_offloading", None) is not None,
+        vocab_parallel=vp,
+        optimizer_on_host=bool(getattr(model, "optim_cpu_offload", False) or getattr(model, "full_offload", None)),
+    )  # fmt: skip
+    if ac_cfg is not None:
+        kw |= {
+            "ac_freq": ac_cfg.freq,
+            "ac_targets": tuple(ac_cfg.targets) if ac_cfg.mode == "selective" else (),
+        }
+    return kw
+
+
 def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPlan | None:
     """The memory plan of `cfg` placed as `placement` (GPU dtypes: bf16 compute unless set; `on_gpu =
     False`: the CPU trainer's dtypes, for the host plan of `hpcrl run` on CPU), or None when the
@@ -475,28 +520,12 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
     ep, cp = int(getattr(model, "ep", 1) or 1), int(getattr(model, "cp", 1) or 1)
     ranks = placement.trainer_ranks
     ep_text = ep_lines(ranks, ep, placement.ranks_per_train_node, arch.num_experts)
-    # getattr: [model] and the trainer's model section are being split per role; these are trainer fields
-    lora_cfg = getattr(model, "lora", None)
-    vp = bool(getattr(model, "vocab_parallel", False)) and not (
-        lora_cfg and {"lm_head", "embed_tokens"} & set(lora_cfg.target_modules)
-    )
-    # a vocabulary-parallel chunk is vocab / cp columns wide: its byte bound allows cp x the rows
-    columns = -(-arch.vocab // cp) if vp and cp > 1 else arch.vocab
-    ac_cfg, chunk = getattr(model, "ac", None), chunk_tokens(cfg, columns)
-    ac = ac_cfg is not None
-    lora = lora_param_count(arch, lora_cfg.rank, lora_cfg.target_modules) if lora_cfg else 0
-    kw = dict(
-        ranks=ranks, ep=ep, cp=cp, tokens=max(cfg.trainer.micro_batch_tokens, cfg.seq_len),
-        compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=cfg.trainer.optim.type,
-        chunk=chunk, lora_params=lora, offload=getattr(model, "ac_offloading", None) is not None,
-        vocab_parallel=vp,
-        optimizer_on_host=bool(getattr(model, "optim_cpu_offload", False) or getattr(model, "full_offload", None)),
+    kw = trainer_kw(
+        model, arch, ranks=ranks, tokens=max(cfg.trainer.micro_batch_tokens, cfg.seq_len), prec=prec,
+        optimizer=cfg.trainer.optim.type,
     )  # fmt: skip
-    if ac_cfg is not None:
-        kw |= {
-            "ac_freq": ac_cfg.freq,
-            "ac_targets": tuple(ac_cfg.targets) if ac_cfg.mode == "selective" else (),
-        }
+    lora_cfg = getattr(model, "lora", None)
+    ac = getattr(model, "ac", None) is not None
     b = cfg.trainer.broadcast
     collective = sync_transport(cfg, placement) == "collective"
     tp = cfg.inference.parallel.tp

@@ -10,13 +10,14 @@ from hpcrl.config.loader import Loaded
 from hpcrl.config.resolved import write_resolved
 from hpcrl.config.schema import CkptConfig, Config, SFTConfig, TrainerModelConfig
 from hpcrl.errors import ConfigError
-from hpcrl.launch import dry_run, vllm_check
+from hpcrl.launch import dry_run, memory_sft, vllm_check
 from hpcrl.launch.checks import (
     activation_offload_note,
     context_parallel,
     expert_parallel,
     trainer_precision,
 )
+from hpcrl.launch.memory_sft import SFTGpus
 from hpcrl.launch.placement import Placement, local_placement
 from hpcrl.paths import RunPaths
 from hpcrl.runtime import weight_transport
@@ -138,9 +139,13 @@ def _sft_evals(cfg: SFTConfig) -> str:
     return f"{first}every {ev.interval} step(s) and the last, on {names} (hpcrl eval of evals/step_N/weights)"
 
 
-def print_sft_summary(loaded: Loaded, target: str = "sft") -> None:
+def print_sft_summary(loaded: Loaded, target: str = "sft", gpus: SFTGpus | None = None) -> None:
+    """`gpus`: where the run goes (`hpcrl submit`'s layout); unset: this machine (`hpcrl sft`)."""
     cfg: SFTConfig = loaded.config
     checks = dry_run.model_lines(cfg) + dry_run.dataset_lines(cfg)
+    visible = visible_gpus()
+    on_gpu = (gpus.node if gpus is not None else visible) > 0
+    checks += memory_sft.dry_run_lines(cfg, gpus or memory_sft.local_gpus(cfg, visible), on_gpu)
     mask = (
         ", ".join(k for k in ("system", "user", "assistant", "tool") if getattr(cfg.loss_mask, k))
         or "nothing"

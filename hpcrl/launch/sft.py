@@ -28,9 +28,14 @@ def main(cfg: SFTConfig) -> int:
     context_parallel(cfg, parallel.dist_env().world_size if as_rank else ranks, use_cuda())
     if ranks > 1 and not as_rank:
         setup_logging("sft", cfg.log.level)
-        return sft_ranks.launch_ranks(prepare_output_dir(cfg), ranks)
+        return sft_ranks.launch_ranks(_local_job(prepare_output_dir(cfg)), ranks)
     # A rank we spawned finds the run directory prepared; a lone or torchrun/srun rank prepares it.
-    paths = RunPaths(cfg.output_dir) if os.environ.get(sft_ranks.CHILD_ENV) else prepare_output_dir(cfg)
+    if os.environ.get(sft_ranks.CHILD_ENV):
+        paths = RunPaths(cfg.output_dir)
+    else:
+        paths = prepare_output_dir(cfg)
+        if not as_rank:
+            _local_job(paths)
     if not as_rank and "MASTER_PORT" not in os.environ:
         # A lone rank still opens a (gloo/nccl) group: take a free port, not the fixed default that
         # another job on this machine may hold.
@@ -40,3 +45,16 @@ def main(cfg: SFTConfig) -> int:
     from hpcrl.trainer.sft import train
 
     return train(cfg, paths)
+
+
+def _local_job(paths: RunPaths) -> RunPaths:
+    """This process as the run's job (`hpcrl status`: running while it lives, so a rank whose progress
+    report stops being refreshed is named unresponsive, not exited). A SLURM job writes its own."""
+    import time
+
+    from hpcrl.launch.manage import write_job
+
+    if os.environ.get("SLURM_JOB_ID"):  # `hpcrl submit` wrote the job file: the SLURM job
+        return paths
+    write_job(paths, {"target": "local", "pid": os.getpid(), "started_at": time.time()})
+    return paths

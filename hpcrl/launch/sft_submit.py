@@ -24,6 +24,7 @@ from hpcrl.config.sections import environ
 from hpcrl.errors import ConfigError
 from hpcrl.launch import prepare
 from hpcrl.launch.hetjob import HetComponent, HetJobSpec, sbatch_test_only
+from hpcrl.launch.memory_sft import SFTGpus
 from hpcrl.paths import RunPaths
 
 
@@ -121,7 +122,8 @@ def submit_sft(loaded: Loaded, nodes: int | None, dry_run: bool) -> int:
         else:
             ok = True
             notes.append("sbatch --test-only: skipped (no sbatch on this machine)")
-        prepare.print_sft_summary(loaded, "submit (SLURM)")
+        gpus = SFTGpus(lay.gpus_per_node, lay.ranks, lay.tasks_per_node, local=False)
+        prepare.print_sft_summary(loaded, "submit (SLURM)", gpus if lay.gpus_per_node else None)
         print("\n".join(notes))
         return 0 if ok else 1
     from hpcrl.launch.manage import write_job

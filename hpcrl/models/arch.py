@@ -36,6 +36,7 @@ class Arch:
     sparse_layers: int | None = (
         None  # MoE layers of an MoE model (None: all; decoder_sparse_step / mlp_only_layers)
     )
+    vision_params: int = 0  # a vision-language model's vision encoder (vision_param_count); 0: none
     source: str = ""
 
     @property
@@ -102,7 +103,8 @@ class Arch:
 
 def from_config(c: dict[str, Any], source: str) -> Arch:
     """An Arch from a Hugging Face config.json dict (Qwen3 / Qwen3-MoE / Llama-style names; a
-    multimodal config's `text_config` is used when present)."""
+    multimodal config's `text_config` is used when present, its `vision_config` counted apart)."""
+    vision = vision_param_count(c)
     c = c.get("text_config") or c
     hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
     experts = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
@@ -121,8 +123,72 @@ def from_config(c: dict[str, Any], source: str) -> Arch:
         if experts
         else 0,
         sparse_layers=_sparse_layers(c) if experts else None,
+        vision_params=vision,
         source=source,
     )
+
+
+# The vision encoders of the families hpcrl.trainer.sft_vlm trains: model_type -> (family, the
+# vision config's defaults in transformers, for keys a config.json leaves out).
+_QWEN3_VISION = dict(
+    depth=27, hidden_size=1152, intermediate_size=4304, in_channels=3, patch_size=16,
+    spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, num_position_embeddings=2304,
+)  # fmt: skip
+_VISION: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_vl": ("qwen2_vl", dict(
+        depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4, in_channels=3, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2,
+    )),
+    "qwen2_5_vl": ("qwen2_5_vl", dict(
+        depth=32, hidden_size=3584, intermediate_size=3420, in_channels=3, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
+    )),
+    "qwen3_vl": ("qwen3_vl", {**_QWEN3_VISION, "deepstack_visual_indexes": [8, 16, 24]}),
+    "qwen3_vl_moe": ("qwen3_vl", {**_QWEN3_VISION, "deepstack_visual_indexes": [8, 16, 24]}),
+    "qwen3_5": ("qwen3_5", _QWEN3_VISION),
+    "qwen3_5_moe": ("qwen3_5", _QWEN3_VISION),
+}  # fmt: skip
+
+
+def vision_param_count(c: dict[str, Any]) -> int:
+    """Parameters of a config.json's vision encoder (`vision_config`; 0 without one, or for a family
+    not in _VISION), module by module as transformers builds it (tests/unit/test_arch_vision.py
+    checks it against the models themselves):
+      patch embed   C x t x p x p x E (a Conv3d; + E bias in Qwen3-VL / Qwen3.5)
+      positions     num_position_embeddings x E (Qwen3-VL / Qwen3.5's learned grid)
+      a block       2 norms + qkv (3E^2 + 3E) + proj (E^2 + E) + the MLP: fc1, fc2 (2EI + I + E), or
+                    Qwen2.5-VL's gate, up, down (3EI + 2I + E); LayerNorm 2E, Qwen2.5-VL's RMSNorm E
+      merger        a norm over E + fc1 (H^2 + H) + fc2 (H x O + O), H = E x merge^2, O its output width;
+                    Qwen3-VL adds one per deepstack index, its norm over H
+    E: the vision width (Qwen2-VL: embed_dim; its hidden_size is O), I: the MLP width (Qwen2-VL:
+    E x mlp_ratio)."""
+    v = c.get("vision_config")
+    if not isinstance(v, dict):
+        return 0
+    mt = str(c.get("model_type") or "")
+    if mt not in _VISION:  # a bare vision config, or an old Qwen2-VL one that names its parent
+        mt = str(v.get("model_type") or "").removesuffix("_vision")
+    if mt not in _VISION:
+        return 0
+    family, defaults = _VISION[mt]
+    g = {**defaults, **{k: x for k, x in v.items() if x is not None}}
+    g.setdefault("in_channels", g.get("in_chans", 3))
+    qwen2 = family == "qwen2_vl"
+    e = int(g["embed_dim"] if qwen2 else g["hidden_size"])
+    out = int(g["hidden_size"] if qwen2 else g["out_hidden_size"])
+    inter = int(e * g["mlp_ratio"]) if qwen2 else int(g["intermediate_size"])
+    patch = int(g["in_channels"]) * int(g["temporal_patch_size"]) * int(g["patch_size"]) ** 2 * e
+    norm = e if family == "qwen2_5_vl" else 2 * e
+    mlp = 3 * e * inter + 2 * inter + e if family == "qwen2_5_vl" else 2 * e * inter + inter + e
+    block = 2 * norm + 4 * e * e + 4 * e + mlp
+    h = e * int(g["spatial_merge_size"]) ** 2
+    merger = h * h + h + h * out + out
+    total = patch + int(g["depth"]) * block + norm + merger
+    if family in ("qwen3_vl", "qwen3_5"):
+        total += e + int(g["num_position_embeddings"]) * e  # the patch embed's bias, the position grid
+    if family == "qwen3_vl":
+        total += len(g.get("deepstack_visual_indexes") or []) * (2 * h + merger)
+    return total
 
 
 def _sparse_layers(c: dict[str, Any]) -> int | None:

@@ -98,12 +98,16 @@ def build_hf(
     lora: LoraParams | None = None,
     trust_remote_code: bool = False,
     meta: bool = False,
+    vision: bool = False,
 ) -> nn.Module:
-    """The generic family's build: transformers' ``AutoModelForCausalLM`` (on ``meta`` without reading a
-    weight), activation checkpointing (:func:`enable_checkpointing`), then LoRA (:func:`apply_lora`)."""
+    """The generic family's build: transformers' ``AutoModelForCausalLM`` (``vision``: the model's
+    vision-language class, ``AutoModelForImageTextToText``; on ``meta`` without reading a weight),
+    activation checkpointing (:func:`enable_checkpointing`), then LoRA (:func:`apply_lora`)."""
     check_offload(activation_checkpointing, activation_offload)
     check_model_dir(path)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
     kwargs = {
         "dtype": dtype,
@@ -113,9 +117,9 @@ def build_hf(
     if meta:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = auto.from_config(config, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model = auto.from_pretrained(str(path), **kwargs)
         model.to(device)
     # The KV cache is useless for training forwards and conflicts with checkpointing.
     model.config.use_cache = False

@@ -67,13 +67,25 @@ def is_expert_sharded(t: torch.Tensor) -> bool:
     return mesh is not None and "ep" in (mesh.mesh_dim_names or ())
 
 
+VISION_PARTS = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
+
+
+def _in_vision_tower(name: str) -> bool:
+    """Whether a module path runs through a vision-language model's vision encoder (Qwen-VL's
+    ``model.visual``, LLaVA's ``vision_tower``, ...)."""
+    return any(part in VISION_PARTS for part in name.split("."))
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the largest ``ModuleList`` whose name ends in ``layers`` (HF models
-    call it ``model.layers``; peft nests it under ``base_model.model``)."""
+    call it ``model.layers``; peft nests it under ``base_model.model``). A vision-language model's
+    vision blocks are never taken for them: Qwen2.5-VL-7B's vision tower has 32 blocks to its language
+    model's 28 layers, and the longest list would shard the tower and leave the language model whole
+    in the root unit."""
     best: nn.ModuleList | None = None
     for name, mod in model.named_modules():
         is_blocks = isinstance(mod, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks")
-        if is_blocks and (best is None or len(mod) > len(best)):
+        if is_blocks and not _in_vision_tower(name) and (best is None or len(mod) > len(best)):
             best = mod
     if best is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")

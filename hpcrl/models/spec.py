@@ -278,6 +278,7 @@ def build(
         lora=None if warm_start else lora,
         trust_remote_code=model_cfg.trust_remote_code,
         meta=on_meta,
+        **({"vision": True} if getattr(model_cfg, "vlm", None) is not None else {}),  # sft's [model.vlm]
     )
     if warm_start:
         # Into the base model, before LoRA wraps it: the weights dir holds HF names (a LoRA run's are

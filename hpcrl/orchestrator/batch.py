@@ -124,6 +124,7 @@ def to_samples(
                 if p.teacher_logprobs is None
                 else np.asarray(p.teacher_logprobs, dtype=np.float32),
                 routed_experts=None if p.routed_experts is None else np.asarray(p.routed_experts, np.int16),
+                ce_weights=None if p.ce_weights is None else np.asarray(p.ce_weights, dtype=np.float32),
             )
             samples.append(((g.env, g.example_id, r.index, p_i), s))
     samples.sort(key=lambda kv: kv[0])
@@ -133,12 +134,22 @@ def to_samples(
 def build_batches(
     samples: Sequence[Sample], step: int, world_size: int, seq_len: int, created_at: float | None = None
 ) -> tuple[list[TrainBatch], PackStats]:
-    """One TrainBatch per rank; `total_loss_tokens` counts the loss tokens of every rank."""
+    """One TrainBatch per rank; `total_loss_tokens` counts the loss tokens of every rank and
+    `total_ce_tokens` the tokens with a cross-entropy weight (echo)."""
     packed, stats = pack_for_ranks(samples, world_size, seq_len)
     total = int(sum(int(np.count_nonzero(b["loss_mask"])) for b in packed))
+    ce = int(sum(int(np.count_nonzero(b["ce_weights"])) for b in packed if b["ce_weights"] is not None))
     extra = {} if created_at is None else {"created_at": created_at}
     batches = [
-        TrainBatch(step=step, rank=r, world_size=world_size, total_loss_tokens=total, **b, **extra)
+        TrainBatch(
+            step=step,
+            rank=r,
+            world_size=world_size,
+            total_loss_tokens=total,
+            total_ce_tokens=ce,
+            **b,
+            **extra,
+        )
         for r, b in enumerate(packed)
     ]
     return batches, stats
@@ -164,6 +175,9 @@ def unpack_samples(batch: TrainBatch) -> list[Sample]:
                 routed_experts=None
                 if batch.routed_experts is None
                 else batch.route_ids()[a:b].astype(np.int16),
+                ce_weights=None
+                if batch.ce_weights is None or not np.any(batch.ce_weights[a:b])
+                else batch.ce_weights[a:b],
             )
         )
     return out
@@ -177,4 +191,5 @@ def repack_batches(batches: Sequence[TrainBatch], world_size: int, seq_len: int)
     samples = [s for b in batches for s in unpack_samples(b)]
     out, _ = build_batches(samples, step, world_size, seq_len, created_at=batches[0].created_at)
     assert out[0].total_loss_tokens == batches[0].total_loss_tokens, "re-packing changed the batch"
+    assert out[0].total_ce_tokens == batches[0].total_ce_tokens, "re-packing changed the batch"
     return out

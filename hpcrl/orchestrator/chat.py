@@ -12,8 +12,9 @@ from typing import Any
 
 from hpcrl.envs.base import Message, Turn
 from hpcrl.inference.routed import completion_rows, prompt_rows
+from hpcrl.orchestrator.env_roles import template_env_ids
 from hpcrl.orchestrator.pool import RequestFailed, ServerPool
-from hpcrl.orchestrator.stitching import encode, env_response_ids, render, stitch_prompt, template_kwargs
+from hpcrl.orchestrator.stitching import encode, env_response_text, render, stitch_prompt, template_kwargs
 
 log = logging.getLogger("hpcrl.orchestrator")
 
@@ -124,12 +125,15 @@ class RolloutClient(ConversationClient):
     ) -> Turn:
         kw = template_kwargs(sampling)
         ids = None
+        roles = None
         if self.continues(messages):
             assert self.prev is not None and self.history is not None
-            env_ids = env_response_ids(
+            got = env_response_text(
                 self.tokenizer, self.history, messages, tools, self.prev.completion_token_ids, kw
             )
-            if env_ids is not None:
+            if got is not None:
+                new_messages = messages[len(self.history) :]
+                env_ids, roles = template_env_ids(self.tokenizer, got[0], got[1], new_messages)
                 ids = stitch_prompt(self.prev.prompt_token_ids, self.prev.completion_token_ids, env_ids)
         rerendered = ids is None and self.turn > 0
         if rerendered:
@@ -148,6 +152,7 @@ class RolloutClient(ConversationClient):
                 self._chat(messages, tools, body) if ids is None else self._complete(ids, tools, body)
             )
         turn.rerendered = rerendered
+        turn.env_roles = roles
         return self.record(messages, turn)
 
     async def chat_group(

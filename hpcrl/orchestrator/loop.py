@@ -160,7 +160,7 @@ class Orchestrator:
         except ShutdownRequested:
             # A trainer that announces its stop has begun its last checkpoint: it needs our part.
             if self.sync is not None and self.state is not None:
-                self.checkpoints(forced=True)
+                await self.checkpoints(forced=True)
             raise
         finally:
             await self.close()
@@ -464,7 +464,7 @@ class Orchestrator:
     async def at_boundary(self, step: int) -> None:
         if (stop := self.bus.poll_control()) is not None:
             raise ShutdownRequested(stop)
-        self.checkpoints(forced=False)
+        await self.checkpoints(forced=False)
         await self.maybe_eval()
         v = self.orch_cfg.val
         if v is not None and v.interval and step % v.interval == 0:
@@ -480,7 +480,7 @@ class Orchestrator:
                 ),
             )
 
-    def checkpoints(self, forced: bool) -> None:
+    async def checkpoints(self, forced: bool) -> None:
         """Write our part of every checkpoint the trainer takes: each due step N up to the newest
         policy, and (forced) any step whose trainer part appeared (SIGUSR2/SIGTERM checkpoints)."""
         c = self.cfg.ckpt
@@ -491,26 +491,25 @@ class Orchestrator:
             for n in range(max(1, self.ckpt_done + 1), newest + 1):
                 trainer_began = self.paths.trainer_ckpt_dir(n).is_dir()
                 if checkpoint.is_due(n, self.cfg.max_steps, c.interval) or trainer_began:
-                    self.save(n)
+                    await self.save(n)
                     self.ckpt_done = n
                 elif not forced:
                     self.ckpt_done = max(self.ckpt_done, n - 2)  # a forced checkpoint shows up a little late
         for m in [m for m in self.published if m <= self.ckpt_done]:
             del self.published[m]
 
-    def save(self, n: int) -> None:
+    async def save(self, n: int) -> None:
         from hpcrl.bus import encode
 
         pending = [m for m in sorted(self.published) if n < m <= self.state.step]
         assert pending == list(range(n + 1, self.state.step + 1)), (n, pending, self.state.step)
         st = msgspec.structs.replace(self.state, checkpoint_step=n, pending_steps=pending)
         blobs = {m: [encode(b, checksum=self.bus.checksum) for b in self.published[m]] for m in pending}
-        from hpcrl.storage import retry_blocking  # a refused write: named, retried, one line past the bound
-
-        retry_blocking(
-            "orchestrator", f"checkpoint step {n} (orchestrator part)",
-            lambda: save_part(self.paths, st, blobs), self.cfg.storage_timeout_s,
-            path=self.paths.orchestrator_ckpt_dir(n),
+        # a refused write: named, retried, one line past the bound; the waits do not block the event
+        # loop (rollouts in flight, the watchers and the stall report go on meanwhile)
+        await write_retrying(
+            f"checkpoint step {n} (orchestrator part)", lambda: save_part(self.paths, st, blobs),
+            self.cfg.storage_timeout_s, path=self.paths.orchestrator_ckpt_dir(n),
         )  # fmt: skip
         log.info(
             "checkpoint %d: orchestrator part written (state at batch %d, pending %s)",
@@ -537,7 +536,7 @@ class Orchestrator:
         # Always load (and verify) the final policy: servers end on the trained weights, and with the
         # collective transport the trainer's last broadcast needs the servers on the receiving end.
         await self.sync.ensure(msg)
-        self.checkpoints(forced=False)
+        await self.checkpoints(forced=False)
         if self.orch_cfg.eval is not None and self.setup.eval_envs:
             await self.maybe_eval()
         log.info("done: %d steps published", self.cfg.max_steps)
@@ -554,7 +553,7 @@ class Orchestrator:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.sync is not None:
             before = self.ckpt_done
-            self.checkpoints(forced=True)
+            await self.checkpoints(forced=True)
             if self.ckpt_done > before or (self.bus is not None and self.bus.poll_control() is not None):
                 break
             await asyncio.sleep(0.5)

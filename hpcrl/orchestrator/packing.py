@@ -40,6 +40,7 @@ class Sample:
     reward: float
     teacher_logprobs: np.ndarray | None = None  # float[L]
     routed_experts: np.ndarray | None = None  # int16[L, layers*k]: MoE router replay, -1 = none
+    ce_weights: np.ndarray | None = None  # float[L]: echo's cross-entropy weight per token (0 = none)
 
     def __len__(self) -> int:
         return int(len(self.input_ids))
@@ -78,8 +79,10 @@ def _check(s: Sample, i: int) -> None:
     for name in ("loss_mask", "inference_logprobs"):
         if len(getattr(s, name)) != n:
             raise ValueError(f"sample {i}: {name} has {len(getattr(s, name))} entries for {n} tokens")
-    if s.teacher_logprobs is not None and len(s.teacher_logprobs) != n:
-        raise ValueError(f"sample {i}: teacher_logprobs has {len(s.teacher_logprobs)} entries for {n} tokens")
+    for name in ("teacher_logprobs", "ce_weights"):
+        v = getattr(s, name)
+        if v is not None and len(v) != n:
+            raise ValueError(f"sample {i}: {name} has {len(v)} entries for {n} tokens")
     if np.ndim(s.advantage) == 1 and len(s.advantage) != n:  # type: ignore[arg-type]
         raise ValueError(f"sample {i}: advantage has {len(s.advantage)} entries for {n} tokens")  # type: ignore[arg-type]
 
@@ -97,6 +100,7 @@ def _fit(samples: Sequence[Sample], seq_len: int, overlong: Overlong, stats: Pac
             adv = s.advantage[:seq_len] if np.ndim(s.advantage) == 1 else s.advantage  # type: ignore[index]
             tlp = None if s.teacher_logprobs is None else s.teacher_logprobs[:seq_len]
             routed = None if s.routed_experts is None else s.routed_experts[:seq_len]
+            ce = None if s.ce_weights is None else s.ce_weights[:seq_len]
             s = Sample(
                 s.input_ids[:seq_len],
                 s.loss_mask[:seq_len],
@@ -109,8 +113,9 @@ def _fit(samples: Sequence[Sample], seq_len: int, overlong: Overlong, stats: Pac
                 s.reward,
                 tlp,
                 routed,
+                ce,
             )
-        if len(s) == 0 or not np.any(s.loss_mask):
+        if len(s) == 0 or not (np.any(s.loss_mask) or (s.ce_weights is not None and np.any(s.ce_weights))):
             stats.num_dropped += 1
             continue
         kept.append(s)
@@ -142,6 +147,15 @@ def _rank_batch(samples: list[Sample], with_teacher: bool) -> dict[str, Any]:
         if with_teacher
         else None,
         "routed_experts": _routes(samples),
+        "ce_weights": _concat(
+            [
+                np.zeros(len(s), np.float32) if s.ce_weights is None else np.asarray(s.ce_weights)
+                for s in samples
+            ],
+            np.float32,
+        )
+        if any(s.ce_weights is not None for s in samples)
+        else None,
     }
 
 

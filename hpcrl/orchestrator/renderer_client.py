@@ -22,6 +22,7 @@ from typing import Any
 from hpcrl.envs.base import Message, Turn
 from hpcrl.inference.routed import completion_rows, prompt_rows
 from hpcrl.orchestrator.chat import ConversationClient
+from hpcrl.orchestrator.env_roles import bridge_env_roles
 from hpcrl.orchestrator.pool import RequestFailed, ServerPool
 from hpcrl.render.select import Renderers
 
@@ -98,24 +99,27 @@ class RendererClient(ConversationClient):
 
     def prompt(
         self, renderer: Any, messages: list[Message], tools: list[dict] | None
-    ) -> tuple[list[int], bool]:
-        """(prompt ids, whether they had to be re-rendered although a previous turn exists)."""
+    ) -> tuple[list[int], bool, bytes | None]:
+        """(prompt ids, whether they had to be re-rendered although a previous turn exists, the role
+        of each env-provided token a bridge added: hpcrl.orchestrator.env_roles)."""
         if self.continues(messages):
             prev, history = self.prev, self.history
             assert prev is not None and history is not None
+            new_messages = messages[len(history) :]
             bridged = renderer.bridge_to_next_turn(
-                prev.prompt_token_ids, prev.completion_token_ids, messages[len(history) :], tools=tools
+                prev.prompt_token_ids, prev.completion_token_ids, new_messages, tools=tools
             )
             if bridged is not None:
-                return list(bridged.token_ids), False
+                prior = len(prev.prompt_token_ids) + len(prev.completion_token_ids)
+                return list(bridged.token_ids), False, bridge_env_roles(bridged, prior, new_messages)
         ids = list(renderer.render(messages, tools=tools, add_generation_prompt=True).token_ids)
-        return ids, self.prev is not None
+        return ids, self.prev is not None, None
 
     async def chat(
         self, messages: list[Message], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any]
     ) -> Turn:
         renderer = self.renderers.get(sampling.get("chat_template_kwargs"))
-        ids, rerendered = self.prompt(renderer, messages, tools)
+        ids, rerendered, roles = self.prompt(renderer, messages, tools)
         body = self.request_body(sampling, len(ids))
         if body is None:  # the conversation filled seq_len: a truncated rollout, not an error
             turn = Turn("", ids, [], [], [], finish_reason="length", rerendered=rerendered)
@@ -125,6 +129,7 @@ class RendererClient(ConversationClient):
                 self.server, "generate", ids, model=self.pool.request_model, sampling_params=sp
             )
             turn = self.to_turn(renderer, resp, ids, tools, rerendered)
+        turn.env_roles = roles
         return self.record(messages, turn)
 
     async def chat_group(

@@ -392,6 +392,17 @@ def algo_summary(algo: Any) -> str:
     """One line: what the algorithm trains on (for the orchestrator's log)."""
     frozen = algo.frozen
     where = "" if frozen is None else f"{frozen.base_url}" + (f" ({frozen.name})" if frozen.name else "")
+    if algo.type == "echo":
+        roles = ", ".join(
+            f"{r} {c.alpha:g}"
+            for r in ("system", "user", "assistant", "tool")
+            if (c := getattr(algo.roles, r))
+        )
+        return (
+            "policy-gradient loss on the policy's samples, advantages from rewards; plus cross entropy "
+            f"on the env's later messages ({roles})"
+            + (f", filtered by {algo.filter.import_path}" if algo.filter else "")
+        )
     return {
         "rl": "policy-gradient loss on the policy's samples, advantages from rewards",
         "ref_kl": f"reverse KL to {where or 'the policy shown the task demonstration'}, per token",

@@ -44,6 +44,10 @@ class Piece(msgspec.Struct, kw_only=True):
     teacher_logprobs: list[float] | None = None
     routed_experts: list[list[int]] | None = None  # MoE router replay: [T][layers*k], -1 = none
     trace: int = 0  # multi-agent: the rollout's trained trace this sequence belongs to
+    # Per token: the message role of env-provided tokens of later turns (hpcrl.orchestrator.env_roles;
+    # 0 elsewhere), None when none is attributed; echo turns them into ce_weights (algo.echo).
+    env_roles: bytes | None = None  # one code a token
+    ce_weights: list[float] | None = None  # per token: echo's cross-entropy weight (0 = not trained)
 
 
 class RolloutRecord(msgspec.Struct, kw_only=True):

@@ -21,6 +21,7 @@ from typing import Any
 
 from hpcrl.envs.base import Message, Trajectory, Turn, stitch_turns
 from hpcrl.orchestrator import routes
+from hpcrl.orchestrator.env_roles import piece_env_roles
 from hpcrl.orchestrator.state import Piece, RolloutRecord
 from hpcrl.orchestrator.transcript import transcript_of
 
@@ -65,6 +66,20 @@ def env_response_ids(
     assistant turn that produced `completion_ids`) up to the next generation prompt of `messages`.
     None when the template does not render `history` as a prefix of `messages` plus what the model
     sampled (then no exact stitching exists)."""
+    got = env_response_text(tokenizer, history, messages, tools, completion_ids, template_kwargs)
+    return None if got is None else encode(tokenizer, got[0])
+
+
+def env_response_text(
+    tokenizer: Any,
+    history: list[Message],
+    messages: list[Message],
+    tools: list[dict] | None,
+    completion_ids: list[int],
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[str, int] | None:
+    """The text env_response_ids tokenizes and how many of its leading characters are the unsampled
+    tail of the assistant turn (the env's messages follow: hpcrl.orchestrator.env_roles)."""
     before = render(tokenizer, history[:-1], tools, True, template_kwargs)
     through = render(tokenizer, history, tools, False, template_kwargs)
     full = render(tokenizer, messages, tools, True, template_kwargs)
@@ -74,7 +89,8 @@ def env_response_ids(
     sampled = tokenizer.decode(completion_ids, skip_special_tokens=False)
     if not assistant_text.startswith(sampled):
         return None
-    return encode(tokenizer, assistant_text[len(sampled) :] + full[len(through) :])
+    tail = assistant_text[len(sampled) :]
+    return tail + full[len(through) :], len(tail)
 
 
 def stitch_prompt(
@@ -107,6 +123,7 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
                 logprobs=whole.logprobs.tolist(),
                 routed_experts=None if w is None else routes.stitched_routes(seg, w, len(whole.input_ids)),
                 trace=seg[0].trace,
+                env_roles=piece_env_roles(seg),
             )
         )
     return pieces

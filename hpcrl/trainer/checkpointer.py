@@ -21,14 +21,13 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from hpcrl import checkpoint
 from hpcrl.config.schema import CkptConfig
-from hpcrl.fileio import WriteRefused, refused_error, refused_write
+from hpcrl.fileio import WriteRefused, refused_write
 from hpcrl.paths import RunPaths
 from hpcrl.trainer import parallel
 from hpcrl.trainer.core import Progress
@@ -37,19 +36,6 @@ from hpcrl.trainer.state import load_trainer_state, save_trainer_state
 
 log = logging.getLogger("hpcrl.trainer")
 T = TypeVar("T")
-
-
-@contextmanager
-def refusal_named(path: Path) -> Iterator[None]:
-    """A write the filesystem refuses in the block (libraries wrap it: safetensors' own error type,
-    tokenizers' save without a file name) leaves as an OSError naming `path` where it names none,
-    so the trainer's last line says what was full and where."""
-    try:
-        yield
-    except Exception as e:
-        if (err := refused_error(e, path)) is None:
-            raise
-        raise err from e
 
 
 class Checkpointer:
@@ -154,33 +140,33 @@ class Checkpointer:
         self.last_saved = step
         rank, world, paths, tr = self.tr.dist.rank, self.tr.dist.world_size, self.paths, self.tr
         what = f"checkpoint step {step}"
-        if world == 1:  # a retry writes weights/step_N afresh (with more ranks its rows come by collectives)
-            self.store(f"{what} (weights)", paths.weights_dir(step), lambda: self._save_weights(step))
-        else:
-            with refusal_named(paths.weights_dir(step)):
-                self._save_weights(step)
+        # Every rank's writes go through store_together: refused on any rank, all ranks retry, wait
+        # and end together (no rank is left in a collective). A retry writes weights/step_N afresh,
+        # every rank in step (its rows come to rank 0 by collectives).
+        self.store_together(f"{what} (weights)", paths.weights_dir(step), lambda: self._save_weights(step))
         if self.cfg.weights_only:
             return time.perf_counter() - t0
         # step_N has no COMPLETE until every part is done: a resume skips it meanwhile; a retried part
         # starts from an empty directory (begin_part clears it)
         part = paths.trainer_ckpt_dir(step)
-        if rank == 0:
+
+        def begin() -> None:  # rank 0; the others wait for it (the agreement is the barrier)
+            if rank != 0:
+                return
             # config, tokenizer and the HF names of every state key: `hpcrl export` needs no more
             from hpcrl.trainer.export import write_meta
 
-            def begin() -> None:
-                checkpoint.begin_part(paths, step, "trainer", clear=True)
-                write_meta(tr.model, tr.tokenizer, part / "hf", tr.precision.compute)
+            checkpoint.begin_part(paths, step, "trainer", clear=True)
+            write_meta(tr.model, tr.tokenizer, part / "hf", tr.precision.compute)
 
-            self.store(what, part, begin)
-        parallel.barrier()
+        self.store_together(what, part, begin)
         state = progress.to_saved()
-        self.store(
-            what,
-            part,
-            lambda: save_trainer_state(paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, state),
-        )
-        self.store(what, part, lambda: checkpoint.mark_part_done(paths, step, "trainer", rank=rank))
+
+        def mine() -> None:  # this rank's files, then its DONE marker (rank-local)
+            save_trainer_state(paths, step, rank, world, tr.model, tr.optimizer, tr.scheduler, state)
+            checkpoint.mark_part_done(paths, step, "trainer", rank=rank)
+
+        self.store_together(what, part, mine, each_own=True)
         if rank == 0:
             self._start_finalizer(step)
         return time.perf_counter() - t0
@@ -191,6 +177,13 @@ class Checkpointer:
         from hpcrl.storage import retry_blocking
 
         return retry_blocking(self.role, what, write, self.storage_timeout_s, path=path)
+
+    def store_together(self, what: str, path: Path, write: Callable[[], T], *, each_own: bool = False) -> T:
+        """`write()` on every rank at once under the storage policy (parallel.write_together):
+        refused anywhere, the ranks retry, wait and end together. Collective."""
+        return parallel.write_together(
+            self.role, what, path, write, self.storage_timeout_s, each_own=each_own
+        )
 
     def stop_summary(self, step: int) -> str:
         """What a stop after `step` leaves for a resume, for the exit log line."""
@@ -207,9 +200,11 @@ class Checkpointer:
         ``[adapters] interval``). Collective under FSDP."""
         if not self.adapter_due(step):
             return False
-        from hpcrl.trainer.model import save_adapter
+        from hpcrl.trainer.model import adapter_tensors, write_adapter
 
-        save_adapter(self.tr.model, self.paths.adapter_dir(step), write=self.tr.dist.rank == 0)
+        tensors, out = adapter_tensors(self.tr.model), self.paths.adapter_dir(step)  # collective under FSDP
+        if self.tr.dist.rank == 0:  # tmp dir renamed last: never half there; retried while refused
+            self.store(f"LoRA adapter step {step}", out, lambda: write_adapter(self.tr.model, tensors, out))
         return True
 
     def writes_hf_weights(self) -> bool:
@@ -233,7 +228,7 @@ class Checkpointer:
 
     def _save_weights(self, step: int) -> None:
         from hpcrl.models.load import is_peft_model
-        from hpcrl.trainer.model import save_adapter
+        from hpcrl.trainer.model import adapter_tensors, write_adapter
         from hpcrl.trainer.stream import export_hf_streamed
 
         if not self.writes_hf_weights():
@@ -243,13 +238,10 @@ class Checkpointer:
         export_hf_streamed(
             tr.model, tr.tokenizer, str(self.paths.weights_dir(step)), rank=rank, dtype=tr.precision.compute
         )
-        if (
-            rank == 0
-            and self.cfg is not None
-            and self.cfg.save_adapter_separately
-            and is_peft_model(tr.model)
-        ):
-            save_adapter(tr.model, self.paths.weights_dir(step) / "adapter")
+        if self.cfg is not None and self.cfg.save_adapter_separately and is_peft_model(tr.model):
+            tensors = adapter_tensors(tr.model)  # every rank: collective under FSDP
+            if rank == 0:
+                write_adapter(tr.model, tensors, self.paths.weights_dir(step) / "adapter")
 
     # -- finalisation ----------------------------------------------------------------------------
     def _start_finalizer(self, step: int) -> None:

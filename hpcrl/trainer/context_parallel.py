@@ -41,6 +41,10 @@ def merge_batches(batches: list[Any]) -> Any:
 
     def cat(name: str) -> np.ndarray | None:
         parts = [getattr(b, name) for b in batches]
+        if name == "ce_weights" and any(p is not None for p in parts):  # a shard without: no ce token
+            parts = [
+                np.zeros(len(b.input_ids), np.float32) if p is None else p for b, p in zip(batches, parts)
+            ]
         return None if any(p is None for p in parts) else np.concatenate([np.asarray(p) for p in parts])
 
     arrays = TOKEN_FIELDS + SAMPLE_FIELDS  # the rest: ROW_FIELDS, below
@@ -87,9 +91,10 @@ def owned_tokens(num_tokens: int, cp: int, rank: int, device: torch.device | str
 
 
 def restrict(mb: PackedBatch, g: CPGroup) -> PackedBatch:
-    """``mb`` with the loss mask limited to the tokens this rank predicts."""
+    """``mb`` with the loss mask (and echo's ce weights) limited to the tokens this rank predicts."""
     own = owned_tokens(mb.num_tokens, g.size, g.rank, mb.loss_mask.device)
-    return replace(mb, loss_mask=mb.loss_mask.bool() & own)
+    ce = None if mb.ce_weights is None else mb.ce_weights * own
+    return replace(mb, loss_mask=mb.loss_mask.bool() & own, ce_weights=ce)
 
 
 def forward_cp(

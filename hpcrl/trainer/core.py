@@ -104,10 +104,11 @@ def step_micro_batches(
     max_norm: float,
     step: int,
     t0: float,
+    num_ce_tokens: int = 0,
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches (loss normalised by the step's global
-    loss-token count), then one optimizer step that is skipped - on every rank alike - when the loss
-    or grad norm is not finite."""
+    loss-token count; echo's cross entropy by its global ce-token count, `num_ce_tokens`), then one
+    optimizer step that is skipped - on every rank alike - when the loss or grad norm is not finite."""
     # FSDP: every rank must run the same number of forward/backward passes.
     n_mb = int(parallel.all_reduce(float(len(mbs)), op="max"))
     mbs = mbs + [dummy_micro_batch(tr.device) for _ in range(n_mb - len(mbs))]
@@ -120,7 +121,7 @@ def step_micro_batches(
     for i, mb in enumerate(mbs):
         if tr.cp is not None:
             mb = restrict(mb, tr.cp)  # noqa: PLW2901 - the loss counts only the tokens this rank predicts
-        fwd = forward_for(tr, mb, wanted=mb.loss_mask)
+        fwd = forward_for(tr, mb, wanted=mb.trained())
         if tr.token_export is not None:  # trainer.enable_token_export
             tr.token_export.export(step, i, mb, fwd.logprobs, fwd.entropy)
         tokens, slots, padding = tokens + mb.num_tokens, slots + fwd.slots, padding + fwd.padding
@@ -140,6 +141,8 @@ def step_micro_batches(
             teacher_logprobs=mb.teacher_logprobs,
             ref_logprobs=mb.ref_logprobs,
             seq_lens=mb.seq_lens,
+            ce_weights=mb.ce_weights,
+            num_ce_tokens=num_ce_tokens,
         )
         loss = out.loss
         aux = take_aux_loss(tr.model)  # MoE load balancing (trainer.model.moe_aux_loss_coef > 0)
@@ -193,7 +196,12 @@ def zero_grad_ratio(model: torch.nn.Module) -> float:
 
 
 def forward_for(tr: Training, mb: PackedBatch, **kw: Any) -> ForwardOutput:
-    """The packed forward of this trainer: this rank's time slice under cp, else the whole batch."""
+    """The packed forward of this trainer: this rank's time slice under cp, else the whole batch; a
+    sample with images (vision-language SFT) through the model's own multimodal forward."""
+    if getattr(mb, "mm", None) is not None:
+        from hpcrl.trainer.sft_vlm import forward_multimodal
+
+        return forward_multimodal(tr.model, mb, chunk_tokens=tr.logprobs_chunk, **kw)
     if tr.cp is not None:
         return forward_cp(tr.model, mb, tr.cp, chunk_tokens=tr.logprobs_chunk, **kw)
     return forward_packed(tr.model, mb, chunk_tokens=tr.logprobs_chunk, **kw)

@@ -30,7 +30,9 @@ importance ratio between the trainer and the policy that sampled the token:
 Modes (``LossParams.mode``; ``[orchestrator.algo] type`` picks it, AlgoConfig.loss_mode: prime-rl's
 ``rl`` loss is ``rl``, its ``ref_kl`` is ``opd``, its ``ce`` is ``sft``; docs/algorithms.md):
 
-* ``rl`` (grpo, max_rl, rae): advantages come from the batch.
+* ``rl`` (grpo, max_rl, rae, echo): advantages come from the batch. echo's batches also carry
+  ``ce_weights`` on env-provided tokens outside the loss mask: :func:`ce_loss` adds prime-rl's ``ce``
+  component, normalised by its own token count.
 * ``opd`` (on-policy distillation; opd and opsd): the student samples, the reference (a frozen
   teacher, or for opsd the policy shown a demonstration) scores the same tokens, and
   the per-token advantage is ``teacher_logprob - inference_logprob`` (= minus the per-token reverse
@@ -175,6 +177,9 @@ STAT_KEYS = (
     "seq_masked_tokens",
     "token_masked_tokens",
     "tis_truncated_tokens",
+    "ce_loss",  # echo's cross-entropy term (already normalised by the step's ce tokens)
+    "ce_tokens",
+    "ce_nll_sum",  # unweighted -logp over the ce tokens
 )
 
 
@@ -302,13 +307,68 @@ def compute_loss(
     teacher_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     seq_lens: Tensor | None = None,
+    ce_weights: Tensor | None = None,
+    num_ce_tokens: int | float = 0,
 ) -> LossOutput:
     """The loss of one micro-batch; see the module docstring for the maths.
 
     ``trainer_logprobs`` carries the gradient (computed at the sampling temperature);
     ``num_loss_tokens`` is the number of loss tokens of the whole step (all micro-batches and ranks);
     ``entropy`` (per token, optional) only feeds the stats; ``seq_lens`` is needed for sequence masks.
+    ``ce_weights`` (echo) adds :func:`ce_loss` over its nonzero tokens, normalised by
+    ``num_ce_tokens`` (the step's count of them).
     """
+    out = _main_loss(
+        params,
+        trainer_logprobs=trainer_logprobs,
+        loss_mask=loss_mask,
+        num_loss_tokens=num_loss_tokens,
+        inference_logprobs=inference_logprobs,
+        advantages=advantages,
+        entropy=entropy,
+        teacher_logprobs=teacher_logprobs,
+        ref_logprobs=ref_logprobs,
+        seq_lens=seq_lens,
+    )
+    if ce_weights is None:
+        return out
+    ce, nll_sum, count = ce_loss(trainer_logprobs, ce_weights, num_ce_tokens)
+    f32 = torch.float32
+    out.stats["ce_loss"] = ce.detach().to(f32)
+    out.stats["ce_tokens"] = count.to(f32)
+    out.stats["ce_nll_sum"] = nll_sum.to(f32)
+    out.stats["loss"] = out.stats["loss"] + out.stats["ce_loss"]
+    return LossOutput(loss=out.loss + ce, stats=out.stats, token_kl=out.token_kl)
+
+
+def ce_loss(
+    trainer_logprobs: Tensor, ce_weights: Tensor, num_ce_tokens: int | float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """echo's cross entropy, prime-rl's ``ce`` component (its trainer/rl/loss.py ``ce_loss_fn``, summed
+    and divided by the step's ce-token count in ``compute_loss``): ``sum_t w_t * -logp_t / N_ce`` over
+    the tokens with ``w_t != 0``, ``N_ce`` their number in the whole step (all micro-batches, all
+    ranks; at least 1). Returns (loss, unweighted -logp sum, token count), the last two detached."""
+    mask = ce_weights != 0
+    logp = masked_where(mask, trainer_logprobs)
+    w = masked_where(mask, ce_weights.to(logp.dtype))
+    loss = -(w * logp).sum() / max(float(num_ce_tokens), 1.0)
+    return loss, -logp.detach().sum(), mask.sum()
+
+
+def _main_loss(
+    params: LossParams,
+    *,
+    trainer_logprobs: Tensor,
+    loss_mask: Tensor,
+    num_loss_tokens: int | float | Tensor,
+    inference_logprobs: Tensor | None,
+    advantages: Tensor | None,
+    entropy: Tensor | None,
+    teacher_logprobs: Tensor | None,
+    ref_logprobs: Tensor | None,
+    seq_lens: Tensor | None,
+) -> LossOutput:
+    """The loss mode's loss over the loss tokens (compute_loss without echo's term)."""
     loss_mask = loss_mask.bool()
     n = trainer_logprobs.numel()
     assert trainer_logprobs.dim() == 1 and loss_mask.shape == (n,), "per-token tensors must be flat [T]"
@@ -445,6 +505,9 @@ def summarize(stats: dict[str, Tensor]) -> dict[str, float]:
         "token_masked_fraction": ratio_of("token_masked_tokens", "loss_tokens"),
         "tis_truncated_fraction": ratio_of("tis_truncated_tokens", "loss_tokens"),
         "loss_tokens": float(stats["loss_tokens"]),
+        "ce_loss": float(stats["ce_loss"]),
+        "ce_nll": ratio_of("ce_nll_sum", "ce_tokens"),
+        "ce_tokens": float(stats["ce_tokens"]),
     }
 
 

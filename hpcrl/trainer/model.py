@@ -133,12 +133,21 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike[str], *, write: bo
     """Write only the LoRA adapter in peft's format (adapter_config.json + adapter_model.safetensors),
     loadable with ``PeftModel.from_pretrained``. Atomic; under FSDP every rank must call it (the
     adapter shards are gathered) with ``write = is_rank0()``."""
+    tensors = adapter_tensors(model)
+    if write:
+        write_adapter(model, tensors, out_dir)
+    return Path(out_dir)
+
+
+def write_adapter(
+    model: nn.Module, tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike[str]
+) -> Path:
+    """The writing half of save_adapter (rank-local: `tensors` from adapter_tensors). Atomic: a tmp
+    directory renamed last, so a try cut short (a refused write, retried under hpcrl.storage) leaves
+    no adapter a reader takes for complete."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    tensors = adapter_tensors(model)
-    if not write:
-        return out
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         model.peft_config["default"].save_pretrained(str(tmp))
@@ -231,3 +240,6 @@ def save_hf_meta(model: nn.Module, tokenizer: Any, out: Path, dtype: str | torch
         gen.save_pretrained(str(out))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
+        image_processor = getattr(tokenizer, "hpcrl_image_processor", None)  # vision-language SFT
+        if image_processor is not None:
+            image_processor.save_pretrained(str(out))

@@ -69,6 +69,12 @@ class PackedBatch:
     routed_experts: Tensor | None = None
     # [S] long: the sample's environment, an index into the trainer's env names (per-env metrics only)
     env_index: Tensor | None = None
+    ce_weights: Tensor | None = None  # [T] float: echo's cross-entropy weight (0 = none), outside loss_mask
+
+    def trained(self) -> Tensor:
+        """[T] bool: the tokens whose logprob a loss uses (the loss mask, and echo's ce tokens)."""
+        mask = self.loss_mask.bool()
+        return mask if self.ce_weights is None else mask | (self.ce_weights != 0)
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -172,6 +172,27 @@ def all_reduce(x: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
     t = t.to(_comm_device())
     dist.all_reduce(t, op=ops[op])
     return t.to(home)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order; `[obj]` alone. Collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def write_together(
+    role: str, what: str, path: Any, write: Any, timeout_s: float, *, each_own: bool = False
+) -> Any:
+    """`write()` on every rank at once under the storage policy: refused, the ranks retry, wait and
+    end together (hpcrl.storage.retry_together; `each_own`: rank-local parts). Collective."""
+    from hpcrl.storage import retry_together
+
+    return retry_together(
+        role, what, write, timeout_s, gather=all_gather_object, path=path, each_own=each_own
+    )
 
 
 def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor:

@@ -106,6 +106,14 @@ class PolicyPublisher:
 
         return retry_blocking("trainer", what, write, self.storage_timeout_s, path=path)
 
+    def store_together(self, what: str, path: Path, write: Callable[[], T], *, each_own: bool = False) -> T:
+        """`write()` on every trainer rank at once (collectives inside, or a rank-local part with
+        `each_own`) under the storage policy: the ranks retry, wait and end together
+        (hpcrl.storage.retry_together). Collective: every rank calls it."""
+        from hpcrl.trainer.parallel import write_together
+
+        return write_together("trainer", what, path, write, self.storage_timeout_s, each_own=each_own)
+
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_sync_bytes` is what
         travelled (metric weights/sync_bytes)."""
@@ -252,15 +260,16 @@ class PolicyPublisher:
         embedded engine): files under broadcasts/step_N, or its tensors over the weight group with the
         adapter config in the header (servers merge it in /update_weights). The checksum is over the
         adapter's tensors, which is what a server reports after merging them."""
-        from hpcrl.trainer.model import adapter_config, adapter_tensors, save_adapter
+        from hpcrl.trainer.model import adapter_config, adapter_tensors, write_adapter
 
         t0 = time.perf_counter()
         if self.transport == "filesystem":
-            path = save_adapter(
-                model, self.paths.broadcast_dir(step), write=self.rank == 0
-            )  # collective under FSDP
+            path = self.paths.broadcast_dir(step)
+            adapter = adapter_tensors(model)  # collective under FSDP
             if self.rank != 0:
                 return time.perf_counter() - t0
+            # rank 0 alone writes (tmp dir renamed last: never half there), retried while refused
+            self.store(f"policy {step} (LoRA adapter)", path, lambda: write_adapter(model, adapter, path))
             from safetensors.torch import load_file
 
             tensors = load_file(

@@ -280,6 +280,7 @@ def to_packed(
         temperatures=t(batch.temperatures, torch.float32),
         teacher_logprobs=t(batch.teacher_logprobs, torch.float32),
         ref_logprobs=t(batch.reference_logprobs, torch.float32),
+        ce_weights=t(batch.ce_weights, torch.float32),
         routed_experts=t(batch.route_ids(), torch.long)
         if replay and batch.routed_experts is not None
         else None,
@@ -311,7 +312,16 @@ def train_step(
         mbs = row_micro_batches(packed, micro_tokens, key_cost_of(tr.model.config))
     else:  # varlen kernels: one packed row per micro-batch, in order
         mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
-    out = step_micro_batches(tr, mbs, params, batch.total_loss_tokens, max_norm, batch.step, t0)
+    out = step_micro_batches(
+        tr,
+        mbs,
+        params,
+        batch.total_loss_tokens,
+        max_norm,
+        batch.step,
+        t0,
+        num_ce_tokens=batch.total_ce_tokens,
+    )
     # Under cp every rank of a group holds the group's union of shards: count it once per group.
     cp = 1 if tr.cp is None else tr.cp.size
     tokens = int(parallel.all_reduce(float(len(batch.input_ids)))) // cp
@@ -369,4 +379,12 @@ def step_metrics(out: StepResult, progress: Progress, times: dict[str, float]) -
             "optim/zero_grad_ratio": out.zero_grad_ratio,
             "perf/slots_per_token": out.slots_per_token,
         }
+        | _ce_metrics(s)
     )
+
+
+def _ce_metrics(s: dict[str, float]) -> dict[str, float]:
+    """echo's cross entropy on env-provided tokens (hpcrl.trainer.loss.ce_loss), in steps that have it."""
+    if not s.get("ce_tokens"):
+        return {}
+    return {"loss/ce": s["ce_loss"], "loss/ce_nll": s["ce_nll"], "ce_tokens": s["ce_tokens"]}

@@ -175,6 +175,12 @@ def build_model(
     def prepare(model: torch.nn.Module) -> None:  # before FSDP: what it shards are the wrapped layers
         for line in memory_savers.prepare_model(model, model_cfg):
             log.info("%s", line)
+        vlm = getattr(model_cfg, "vlm", None)  # sft's [model.vlm]: resolve, freeze the vision encoder
+        if vlm is not None:
+            from hpcrl.trainer.sft_vlm import prepare_model
+
+            for line in prepare_model(model, vlm):
+                log.info("%s", line)
 
     return model_spec.build(
         model_cfg,

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from hpcrl.config.schema import SFTConfig
+from hpcrl.monitor import progress as role_progress
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
@@ -49,6 +50,7 @@ log = logging.getLogger("hpcrl.trainer")
 
 SFT_PARTS = ("trainer",)  # an SFT checkpoint has no orchestrator part
 FINALIZE_TIMEOUT_S = 600.0
+STALL_WARNING_S = 60.0  # the RL run's stall_warning_s default: a step stuck this long is named in the log
 
 
 def train(cfg: SFTConfig, paths: RunPaths) -> int:
@@ -109,9 +111,12 @@ def _train(cfg: SFTConfig, paths: RunPaths) -> int:
         )
         out = out.counted(batch.totals["tokens"], batch.totals["samples"])
         progress = progress.advance(out, truncated=batch.totals["truncated"], data=data.cursor.state())
+        role_progress.step(step, f"trained step {step}")
         val_loss, t_val = maybe_validate(cfg, data, tr, step)
         # The val loss is all-reduced: every rank reaches the same decision.
         reached = cfg.val.stop_at_loss > 0 and val_loss is not None and val_loss <= cfg.val.stop_at_loss
+        if evals is not None and evals.check_failed():  # rank 0's: ends the run as a stop request does
+            stop.set()
         stopping = agreed_stop(stop)  # read once: the checkpoint and the exit must agree
         t_ckpt = ckpt.maybe_save(step, progress, force=stopping or reached)
         ckpt.maybe_save_adapter(step)
@@ -124,7 +129,8 @@ def _train(cfg: SFTConfig, paths: RunPaths) -> int:
         )
         log_console(cfg, rank, step, m, val_loss)
         if stopping:
-            log.warning("stop requested: %s, exiting", ckpt.stop_summary(step))
+            why = "an online eval failed" if evals is not None and evals.error else "stop requested"
+            log.warning("%s: %s, exiting", why, ckpt.stop_summary(step))
             break
         if reached:
             log.info(
@@ -138,6 +144,9 @@ def _train(cfg: SFTConfig, paths: RunPaths) -> int:
     if sink is not None:
         sink.close(wait_for_step=progress.step)
     parallel.destroy_distributed()
+    if evals is not None and evals.error:  # the last line: the run failed because its eval did
+        log.error("sft: %s", evals.error)
+        return 1
     return 0
 
 
@@ -168,6 +177,9 @@ def start_rank(cfg: SFTConfig, paths: RunPaths) -> tuple[Training, SFTData]:
     role = "sft" if env.world_size == 1 else f"sft[{env.rank}]"
     log_file = paths.log_file("trainer") if env.rank == 0 else paths.rank_log_file("trainer", env.rank)
     setup_logging(role, cfg.log.level, log_file=log_file)
+    # logs/progress/trainer_<rank>.json, refreshed by a thread: `hpcrl status` names a frozen rank
+    # ("unresponsive") as it names a frozen RL role; a stall is named in the log (hpcrl.monitor.progress)
+    role_progress.start(f"trainer_{env.rank}", paths.progress_dir, paths.stalls_dir, STALL_WARNING_S)
     data = SFTData.from_config(cfg)
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
     tr = build_training(
@@ -180,7 +192,25 @@ def start_rank(cfg: SFTConfig, paths: RunPaths) -> tuple[Training, SFTData]:
     )
     data.tokenizer = tr.tokenizer
     data.renderer = sft_renderers(cfg, tr.tokenizer)
+    if cfg.model.vlm is not None:  # images: hpcrl.trainer.sft_vlm
+        data.vision = sft_vision(cfg, tr)
+        if data.renderer is not None:
+            log.info("model.vlm: samples render through the tokenizer's chat template, not a typed renderer")
+            data.renderer = None
     return tr, data
+
+
+def sft_vision(cfg: SFTConfig, tr: Training) -> Any:
+    """[model.vlm]: the image processor and image token the samples are built with (saved with
+    every weights export, beside the tokenizer)."""
+    from hpcrl.trainer.sft_data import locate_rows
+    from hpcrl.trainer.sft_vlm import VisionData
+
+    local = locate_rows(cfg.data.name, "data.name")[1] if cfg.data.type == "sft" else None
+    base = None if local is None else (local if local.is_dir() else local.parent)
+    vision = VisionData(tr.model_path, tr.tokenizer, base, cfg.model.trust_remote_code)
+    tr.tokenizer.hpcrl_image_processor = vision.processor
+    return vision
 
 
 def sft_renderers(cfg: SFTConfig, tokenizer: Any) -> Any:
@@ -234,6 +264,7 @@ class SFTData:
     fake: dict[str, Any] | None = (
         None  # data.type = fake: (length, input_ids, seed) of hpcrl.trainer.sft_fake
     )
+    vision: Any = None  # [model.vlm]: hpcrl.trainer.sft_vlm.VisionData
     _val_cache: list[sd.TokenizedSample] | None = field(default=None, repr=False)
 
     @classmethod
@@ -288,6 +319,8 @@ class SFTData:
 
             return fake_sample(int(rows[i]), self.seq_len, len(self.tokenizer), **self.fake)
         conv = sd.row_to_conversation(rows[i], where, self.template_defaults)
+        if self.vision is not None:  # image parts -> placeholders + pixel tensors
+            return self.vision.sample(conv, self.role_mask, self.seq_len, where)
         if (
             self.renderer is not None
         ):  # a typed renderer: its training-sample builder (hpcrl.trainer.sft_render)
@@ -341,7 +374,13 @@ class SFTData:
         subsets: list[int] | None = None,
     ) -> StepBatch:
         kept = [s for s in samples if s.loss_mask.any()]  # nothing to learn (e.g. truncated away)
-        mbs, waste = micro_batches_for(kept, self.seq_len, self.micro_tokens, device)
+        images = [s for s in kept if getattr(s, "mm", None)]  # one sample with images per micro-batch
+        text = [s for s in kept if not getattr(s, "mm", None)]
+        mbs, waste = micro_batches_for(text, self.seq_len, self.micro_tokens, device)
+        if images:
+            from hpcrl.trainer.sft_vlm import micro_batches
+
+            mbs += micro_batches(images, self.vision.image_id, device)
         local = [
             sum(int(s.loss_mask.sum()) for s in kept),
             sum(len(s) for s in kept),

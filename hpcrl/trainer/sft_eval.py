@@ -4,9 +4,15 @@ At step 0 (unless skip_first_step; on a resume only with retrigger_on_resume), e
 steps and at the last step, every rank writes the policy's HF weights to evals/step_N/weights/ (one
 collective export, as a checkpoint's), and rank 0 starts `hpcrl eval` on them in the background (its
 own inference server, the configured envs). Training goes on meanwhile; each finished evaluation's
-eval/<env>/{avg@k,pass@k,errored} go to metrics.jsonl at the step it scored (role "eval"; a failed
-one logs eval/failed = 1 there, and an error line naming its output, evals/step_N/eval.out). The run
+eval/<env>/{avg@k,pass@k,errored} go to metrics.jsonl at the step it scored (role "eval"). The run
 waits for the evaluations still going before it exits; on a stop request they are ended instead.
+
+A failed evaluation (`hpcrl eval` exits non-zero or writes no summary) ends the run, as in prime-rl,
+whose launcher ends the trainer when its evals process dies: rank 0 logs one ERROR line naming the
+eval env(s) and the cause (the eval's own error line from evals/step_N/eval.out), logs eval/failed
+and eval/<env>/failed = 1 at that step, and asks every rank to stop as a stop request does: the
+step in progress finishes, a checkpoint is written when [ckpt] is set, and `hpcrl sft` exits 1 with
+that line last. A rollout that errors is no failure: it counts in eval/<env>/errored.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -95,6 +103,35 @@ def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+# The line of an eval's output that says why it failed, newest first: a user error's one line, an
+# exception's last traceback line, an ERROR log line.
+CAUSE = re.compile(r"^(config error|hpcrl: error|[\w.]*(Error|Exception|Exit)\b)[^:]*: |\bERROR\b")
+ENV_INDEX = re.compile(r"\benv\[(\d+)\]")
+
+
+def failure_cause(text: str, envs: list[str]) -> str:
+    """One line: why an `hpcrl eval` failed, from its output `text`; its env[i] become eval.env[i]
+    (name), the field and env of the SFT config."""
+    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+    line = next((x for x in reversed(lines) if CAUSE.search(x)), lines[-1] if lines else "no output")
+
+    def named(m: re.Match[str]) -> str:
+        i = int(m.group(1))
+        return f"eval.env[{i}] ({envs[i]})" if i < len(envs) else f"eval.env[{i}]"
+
+    line = ENV_INDEX.sub(named, line)
+    return line if len(line) <= 400 else line[:397] + "..."
+
+
+def tail(path: Path, size: int = 65536) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def eval_devices(visible: list[str], train_ranks: int, num_infer_gpus: int | None) -> list[str] | None:
     """The GPUs of the evaluations' inference server: the num_infer_gpus (default 1) visible after the
     trainer ranks' (prime-rl's deployment.num_infer_gpus beside num_train_gpus). None: no GPU, or none
@@ -133,6 +170,9 @@ class OnlineEvals:
         self.running: list[Running] = []
         self.metrics = Metrics(paths, "eval", enabled=rank == 0)
         self.failed: list[int] = []
+        self.error: str | None = None  # the first failure's line (rank 0): the run ends with it
+        self.ending = False  # we end the running evals (a stop): their exits are no failures
+        self.envs = [e.name or e.id.rsplit("/", 1)[-1] for e in ev.env]  # orchestrator.setup.env_name
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         visible = visible_devices() if rank == 0 else []
         world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE", "1"))  # this node's
@@ -189,13 +229,27 @@ class OnlineEvals:
                 self._finished(r, rc)
         self.running = still
 
+    def check_failed(self) -> bool:
+        """Whether an evaluation has failed (rank 0's answer; collects the finished ones first)."""
+        self.collect()
+        return self.error is not None
+
     def _finished(self, r: Running, rc: int) -> None:
         out = self.paths.online_eval_dir(r.step)
         summary = EvalPaths(out).summary_file
+        if self.ending and rc != 0:
+            log.info("online eval of step %d ended (the run is stopping)", r.step)
+            return
         if rc != 0 or not summary.exists():
             self.failed.append(r.step)
-            self.metrics.log(r.step, {"eval/failed": 1.0})
-            log.error("online eval of step %d failed (exit %d): see %s", r.step, rc, out / "eval.out")
+            self.metrics.log(r.step, {"eval/failed": 1.0} | {f"eval/{e}/failed": 1.0 for e in self.envs})
+            cause = failure_cause(tail(out / "eval.out"), self.envs)
+            line = (
+                f"online eval of step {r.step} ({', '.join(self.envs)}) failed (exit {rc}): {cause}; "
+                f"see {out / 'eval.out'}"
+            )
+            log.error("%s", line)
+            self.error = self.error or line
             return
         m = summary_metrics(json.loads(summary.read_text()))
         self.metrics.log(r.step, m | {"time/eval": time.monotonic() - r.t0})
@@ -204,6 +258,7 @@ class OnlineEvals:
     def close(self, stopping: bool) -> None:
         """Wait for the evaluations still going (a stop request ends them: their process groups)."""
         if stopping:
+            self.ending = True
             for r in self.running:
                 try:
                     os.killpg(r.proc.pid, signal.SIGTERM)

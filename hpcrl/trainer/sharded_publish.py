@@ -4,7 +4,12 @@
     every rank: policy_pieces (its rows, cast to the policy dtype) -> buckets of bucket_mb -> one
         fsynced safetensors file per bucket -> rankR.json (its entries)             -> barrier
     rank 0: manifest.json from every rank's entries (checked: each tensor covered once; the policy
-        checksum from the pieces' digests) -> PolicyReady(path, checksum) on the bus
+        checksum from the pieces' digests)                                          -> barrier
+    rank 0: PolicyReady(path, checksum) on the bus
+
+Each barrier is the agreement of the storage policy (hpcrl.storage.retry_together): a write the
+filesystem refuses on any rank is retried by every rank together, and past storage_timeout_s every
+rank ends with the same one line.
 
 No rank holds more than its shard in the policy dtype (the cast; none when the master weights are
 already in it) and one bucket being written. A rank killed mid-publish leaves no manifest.json and
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from hpcrl.bus import PolicyReady
@@ -38,23 +44,20 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> float:
     """Collective over trainer ranks. Returns seconds spent."""
     t0 = time.perf_counter()
     world = _world()
     final = pub.paths.broadcast_dir(step)
     what = f"policy {step}"
-    if pub.rank == 0 and final.exists():
-        # a partial publish of this step (a killed run): never mixed with this one
-        pub.store(what, final, lambda: shutil.rmtree(final))
-    _barrier()
+
+    def clear() -> None:  # a partial publish of this step (a killed run): never mixed with this one
+        if pub.rank == 0 and final.exists():
+            shutil.rmtree(final)
+
+    # Every write goes through store_together: refused on any rank, all ranks retry, wait and end
+    # together (no rank is left in a collective); each also serves as the barrier after it.
+    pub.store_together(what, final, clear)
     bucket = max(1, int(pub.shard_bucket_mb * 2**20))
     delta_meta, sync_bytes = None, None
     if pub.delta:  # O(shard): this rank's pieces on the host, and its previous ones
@@ -62,26 +65,36 @@ def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> 
         held = [Piece(p.name, p.shape, p.row0, p.tensor.detach().to("cpu", copy=True)) for p in pieces]
         delta, sync_bytes = _shard_delta(pub, held, step, world)
         if delta is not None:
-            written = pub.store(what, final, lambda: write_delta(final, pub.rank, delta, held))
+            written = pub.store_together(
+                what, final, lambda: write_delta(final, pub.rank, delta, held), each_own=True
+            )
             delta_meta = {
                 "base_step": pub._prev_step,
                 "base_checksum": pub._prev_checksum,
                 "files": [delta_file(r) for r in range(world)],
             }
         else:
-            written = pub.store(what, final, lambda: write_pieces(final, pub.rank, held, bucket))
+            written = pub.store_together(
+                what, final, lambda: write_pieces(final, pub.rank, held, bucket), each_own=True
+            )
         _remember(pub, held, step, delta)
-    elif world == 1:  # a retry iterates the pieces afresh (with more ranks, gathers pace the iteration)
-        written = pub.store(
-            what, final, lambda: write_pieces(final, 0, policy_pieces(model, 0, dtype=pub.dtype), bucket)
-        )
     else:
-        written = write_pieces(final, pub.rank, policy_pieces(model, pub.rank, dtype=pub.dtype), bucket)
+
+        def write() -> Any:  # a retry iterates the pieces afresh, every rank in step (gathers pace it)
+            pieces = policy_pieces(model, pub.rank, dtype=pub.dtype)
+            try:
+                return write_pieces(final, pub.rank, pieces, bucket)
+            finally:  # refused mid-way: still take part in the gathers the other ranks' pieces need
+                deque(pieces, maxlen=0)
+
+        written = pub.store_together(what, final, write)
     pub.last_rank_bytes = written.nbytes
-    _barrier()  # every rank's pieces and entries are durable
+    # after every rank's pieces and entries are durable
+    m = pub.store_together(
+        what, final, lambda: finish(final, step, world, delta=delta_meta) if pub.rank == 0 else None
+    )
     if pub.rank != 0:
         return time.perf_counter() - t0
-    m = pub.store(what, final, lambda: finish(final, step, world, delta=delta_meta))
     pub.last_sync_bytes = m.num_bytes if sync_bytes is None else sync_bytes
     pub._bases[step] = None if delta_meta is None else delta_meta["base_step"]
     if pub.delta:

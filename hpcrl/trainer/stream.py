@@ -14,6 +14,7 @@ the bytes being sent (a RowSource slice), or, for the export, the tensor being w
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -187,7 +188,8 @@ def export_hf_streamed(
 ):
     """The checkpoint's HF export without a gather: rank 0 writes the tensors as `stream_to_rank0`
     assembles them, in files of `max_shard_bytes` (the same directory `export_hf` writes, which
-    resume and warm start read). Every rank must call it."""
+    resume and warm start read). Every rank must call it; every rank runs the stream to its end even
+    when rank 0's write fails, so all ranks can retry it together (hpcrl.storage.retry_together)."""
     from hpcrl.trainer.model import export_hf
 
     st = stream_to_rank0(model, rank, dtype)
@@ -195,12 +197,15 @@ def export_hf_streamed(
         pairs = ((n, t if isinstance(t, torch.Tensor) else t.full()) for n, t in zip(st.names, st.tensors))
     else:
         pairs = ((None, t) for t in st.tensors)
-    return export_hf(
-        model,
-        tokenizer,
-        out_dir,
-        write=rank == 0,
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
-        tensors=pairs,
-    )
+    try:
+        return export_hf(
+            model,
+            tokenizer,
+            out_dir,
+            write=rank == 0,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            tensors=pairs,
+        )
+    finally:  # a write refused on rank 0 mid-way: still receive what every other rank is sending
+        deque(pairs, maxlen=0)

@@ -62,7 +62,6 @@ def write_pieces(
 ) -> Written:
     """Write this rank's pieces, one safetensors file per bucket, then its entries (rank file).
     Holds at most one bucket (plus the pieces the iterator has made and not yet handed over)."""
-    from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     out = Written()
@@ -72,10 +71,7 @@ def write_pieces(
         final = directory / fname
         tmp = tmp_name(final)
         tensors = {p.key: _host(p.tensor) for p in bucket}
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        if durable:
-            fsync_file(tmp)
-        os.replace(tmp, final)
+        _save_renamed(tensors, {"format": "pt"}, tmp, final, durable)
         digests = parts_digests([(tensors[p.key], p.row0) for p in bucket])
         for p, d in zip(bucket, digests):
             out.entries.append(
@@ -95,7 +91,6 @@ def write_delta(
 ) -> Written:
     """This rank's delta sync: one file (the encoded tensors, keyed by piece key, with the delta
     manifest in its metadata), then its entries (rank file) with the NEW pieces' digests."""
-    from safetensors.torch import save_file
 
     from hpcrl.weights.delta import META_KEY
 
@@ -103,10 +98,7 @@ def write_delta(
     fname = delta_file(rank)
     final = directory / fname
     tmp = tmp_name(final)
-    save_file(delta.tensors, str(tmp), metadata={"format": "pt", META_KEY: delta.manifest_json()})
-    if durable:
-        fsync_file(tmp)
-    os.replace(tmp, final)
+    _save_renamed(delta.tensors, {"format": "pt", META_KEY: delta.manifest_json()}, tmp, final, durable)
     out = Written(files=1, nbytes=final.stat().st_size)
     digests = parts_digests([(p.tensor, p.row0) for p in pieces])
     for p, d in zip(pieces, digests):
@@ -115,6 +107,23 @@ def write_delta(
         )
     write_atomic(directory / rank_file(rank), [json.dumps(out.entries).encode()], durable=durable)
     return out
+
+
+def _save_renamed(
+    tensors: dict[str, torch.Tensor], meta: dict[str, str], tmp: Path, final: Path, durable: bool
+) -> None:
+    """`tensors` saved to `tmp`, renamed to `final` last; a refused try leaves no tmp behind (the
+    storage policy retries it from a clean start)."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        if durable:
+            fsync_file(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def delta_file(rank: int) -> str:

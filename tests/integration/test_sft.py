@@ -15,6 +15,7 @@ import pytest
 
 from hpcrl.monitor.metrics import read_metrics
 from hpcrl.paths import RunPaths
+from tests.conftest import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,17 +47,7 @@ def write_config(path: Path, model: Path, data: Path, out: Path, **extra: str) -
 
 
 def run_sft(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        env.pop(var, None)
+    env = child_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "hpcrl.cli", "sft", *args],
         cwd=REPO,
@@ -71,6 +62,19 @@ def run_sft(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def losses(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(RunPaths(run).metrics_file) if r.get("role") == "trainer"}
+
+
+def resumed_at_step_2(run: Path, cfg: Path, tmp_path: Path) -> Path:
+    """A copy of a finished 4-step run without its step 4 (checkpoint, weights, metrics), resumed from
+    its step-2 checkpoint to the end: its path."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    paths = RunPaths(copy)
+    shutil.rmtree(paths.checkpoint_dir(4))
+    shutil.rmtree(paths.weights_dir(4))
+    paths.metrics_file.unlink()
+    run_sft(str(cfg), "--output-dir", str(copy), "--ckpt.resume-step", "2")
+    return copy
 
 
 @pytest.fixture(scope="module")
@@ -135,13 +139,8 @@ def test_sft_resume_continues_with_the_next_samples(sft_run, tmp_path):
     """Resume from step 2 in a copy of the run: steps 3-4 see the same rows in the same order and land
     on bitwise the same weights as the uninterrupted run."""
     run, cfg = sft_run
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
+    copy = resumed_at_step_2(run, cfg, tmp_path)
     paths = RunPaths(copy)
-    shutil.rmtree(paths.checkpoint_dir(4))
-    shutil.rmtree(paths.weights_dir(4))
-    paths.metrics_file.unlink()
-    run_sft(str(cfg), "--output-dir", str(copy), "--ckpt.resume-step", "2")
     a, b = losses(run), losses(copy)
     assert sorted(b) == [3, 4]
     for step in (3, 4):

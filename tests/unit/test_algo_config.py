@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from hpcrl.config.loader import load
@@ -39,7 +38,7 @@ def config(tmp_path: Path, extra: str = "", *flags: str):
     return load([str(f), "--output-dir", str(tmp_path / "out"), *flags]).config
 
 
-@pytest.mark.parametrize("name", sorted(set(PRIME_TABLES) - {"echo"}))
+@pytest.mark.parametrize("name", sorted(PRIME_TABLES))
 def test_prime_rl_algo_tables_parse(name: str, tmp_path: Path) -> None:
     algo = config(tmp_path, PRIME_TABLES[name]).orchestrator.algo  # opsd: max_model_len 2 x seq_len
     assert algo.type == name.split("-")[0]
@@ -62,10 +61,17 @@ def test_prime_rl_fields_land_where_the_code_reads_them(tmp_path: Path) -> None:
     assert opd.frozen.api_key_var == "VLLM_API_KEY"  # prime-rl's ClientConfig default
     sft = config(tmp_path, PRIME_TABLES["sft"]).orchestrator.algo
     assert sft.frozen is not None and sft.frozen.base_url == "http://localhost:8001/v1"
-    # echo's table (refused at validation, see REFUSED): setting a role replaces the default table
-    echo = msgspec.convert({"type": "echo", "roles": {"user": {"alpha": 0.1}}}, AlgoConfig)
-    assert echo.roles.user.alpha == 0.1 and echo.roles.tool is None
-    assert AlgoConfig(type="echo").roles.tool.alpha == 0.1
+    # echo (prime-rl's configs/debug/algo/echo.toml): setting a role replaces the default table
+    echo = config(tmp_path, PRIME_TABLES["echo"]).orchestrator.algo
+    assert echo.roles.user.alpha == 0.1 and echo.roles.tool is None and echo.filter is None
+    assert echo.loss_mode == "rl"  # the trainer's rl loss, plus the ce term where batches carry weights
+    assert AlgoConfig(type="echo").roles.tool.alpha == 0.1  # the default: tool bodies at 0.1
+    filt = '[orchestrator.algo.filter]\nimport_path = "tests.unit.test_echo.keep_first_tokens"\nkwargs = {n = 2}\n'
+    echo = config(tmp_path, PRIME_TABLES["echo"] + filt).orchestrator.algo
+    assert (echo.filter.import_path, echo.filter.kwargs) == (
+        "tests.unit.test_echo.keep_first_tokens",
+        {"n": 2},
+    )
     rae = config(tmp_path, "", "--orchestrator.algo.type", "rae", "--orchestrator.algo.decay", "0.9")
     assert (rae.orchestrator.algo.type, rae.orchestrator.algo.decay) == ("rae", 0.9)
 
@@ -177,13 +183,68 @@ REFUSED = [
         "inference.max_model_len",
         "128: type = 'opsd' scores",
     ),
-    ("echo", PRIME_TABLES["echo"], (), "orchestrator.algo.type", "'echo' is not implemented"),
     (
-        "echo-filter",
-        PRIME_TABLES["echo"] + '[orchestrator.algo.filter]\nimport_path = "m.f"\n',
+        "echo-no-role",
+        '[orchestrator.algo]\ntype = "echo"\n[orchestrator.algo.roles]\n',
         (),
-        "orchestrator.algo.filter",
-        "not supported",
+        "orchestrator.algo.roles",
+        "at least one role",
+    ),
+    (
+        "echo-unknown-role",
+        '[orchestrator.algo]\ntype = "echo"\n[orchestrator.algo.roles.developer]\nalpha = 0.1\n',
+        (),
+        "orchestrator.algo.roles.developer",
+        "unknown",
+    ),
+    (
+        "echo-alpha-zero",
+        '[orchestrator.algo]\ntype = "echo"\n[orchestrator.algo.roles.tool]\nalpha = 0.0\n',
+        (),
+        "orchestrator.algo.roles.tool.alpha",
+        "> 0",
+    ),
+    (
+        "echo-alpha-inf",
+        '[orchestrator.algo]\ntype = "echo"\n[orchestrator.algo.roles.user]\nalpha = inf\n',
+        (),
+        "orchestrator.algo.roles.user.alpha",
+        "finite",
+    ),
+    (
+        "echo-alpha-text",
+        '[orchestrator.algo]\ntype = "echo"\n[orchestrator.algo.roles.user]\nalpha = "big"\n',
+        (),
+        "orchestrator.algo.roles.user.alpha",
+        "float",
+    ),
+    (
+        "echo-filter-missing",
+        PRIME_TABLES["echo"] + '[orchestrator.algo.filter]\nimport_path = "no_such_module_x.f"\n',
+        (),
+        "orchestrator.algo.filter.import_path",
+        "cannot be imported",
+    ),
+    (
+        "echo-filter-not-callable",
+        PRIME_TABLES["echo"] + '[orchestrator.algo.filter]\nimport_path = "math.pi"\n',
+        (),
+        "orchestrator.algo.filter.import_path",
+        "not a callable",
+    ),
+    (
+        "echo-filter-without-path",
+        PRIME_TABLES["echo"] + "[orchestrator.algo.filter]\nkwargs = {}\n",
+        (),
+        "orchestrator.algo.filter.import_path",
+        "required",
+    ),
+    (
+        "roles-of-grpo",
+        '[orchestrator.algo]\ntype = "grpo"\n[orchestrator.algo.roles.user]\nalpha = 0.1\n',
+        (),
+        "orchestrator.algo.roles",
+        "type echo",
     ),
     (
         "hierarchical",

@@ -18,6 +18,7 @@ from hpcrl.orchestrator.advantages import AdvantageConfig
 from hpcrl.orchestrator.algo import Credit, References, reference
 from hpcrl.orchestrator.algo.mixed import component_scales, reference_advantages
 from hpcrl.orchestrator.packing import Sample
+from hpcrl.orchestrator.state import Piece
 from tests.conftest import rl_toml
 from tests.unit.test_algorithms import FakeScore, group, piece, rollout
 
@@ -53,7 +54,12 @@ def test_prime_rl_mixed_grpo_opd_sources_parse(tmp_path: Path) -> None:
     [
         ('type = "opd"', (), "orchestrator.train.env[1].algo.teacher", "needs a teacher"),
         ('type = "sft"', (), "orchestrator.train.env[1].algo.type", "per env is not supported"),
-        ('type = "echo"', (), "orchestrator.train.env[1].algo.type", "per env is not supported"),
+        (
+            'type = "echo"\nfilter = { import_path = "no_such_module_q.f" }',
+            (),
+            "orchestrator.train.env[1].algo.filter.import_path",
+            "cannot be imported",
+        ),
         ('type = "grpo"\ndecay = 0.5', (), "orchestrator.train.env[1].algo.decay", "type rae"),
         (  # the run an opd run, an env grpo: the trainer would run the opd loss on grpo tokens
             'type = "grpo"',
@@ -79,6 +85,25 @@ def test_each_env_gets_its_own_credit() -> None:
     assert c.assign(m, m.rollouts) and m.advantages == [1.0, -1.0, 0.0, 0.0]  # max_rl: (r - mean) / mean
     o = group([rollout(i, r) for i, r in enumerate(rewards)], env="o")
     assert c.assign(o, o.rollouts) and o.advantages == [0.0] * 4  # opd: the signal is per token
+
+
+def test_echo_as_one_envs_algo(tmp_path: Path) -> None:
+    """echo on one env, grpo on the other: the same advantages (echo's rl part is grpo's), and only
+    the echo env's pieces get cross-entropy weights (its tool tokens after the first response)."""
+    cfg = config(tmp_path, two_envs('type = "echo"\nroles = { tool = { alpha = 0.3 } }'))
+    assert cfg.orchestrator.train.env[1].algo.roles.tool.alpha == 0.3
+    c = Credit(AlgoConfig(type="grpo"), AdvantageConfig(), {"x": cfg.orchestrator.train.env[1].algo})
+    tool = 4  # hpcrl.orchestrator.env_roles.ROLES["tool"]
+
+    def with_roles() -> Piece:
+        p = piece(2, 4, turns=2)  # mask: F F T T F T T
+        p.env_roles = bytes([tool, 0, 0, 0, tool, 0, 0])
+        return p
+
+    for env, weights in (("g", None), ("x", [0.0, 0.0, 0.0, 0.0, 0.3, 0.0, 0.0])):
+        g = group([rollout(i, r, [with_roles()]) for i, r in enumerate([1.0, 0.0])], env=env)
+        assert c.assign(g, g.rollouts) and g.advantages == [0.5, -0.5]
+        assert [r.pieces[0].ce_weights for r in g.rollouts] == [weights, weights]
 
 
 def test_rae_baselines_of_an_env_algo_are_checkpointed() -> None:

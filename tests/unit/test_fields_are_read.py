@@ -97,6 +97,8 @@ DOC_KEY = re.compile(
 NOT_KEYS = {"wandb.init", "wandb.teardown", "model.generate", "trainer.py", "inference.model.ep"}
 # prime-rl's platform settings, accepted with an "ignored here" note (tests/seed_names.toml holds them)
 NOT_KEYS |= {"orchestrator.prime_monitor"}
+# attribute paths inside a vision-language model ([model.vlm] *_attr values), not config keys
+NOT_KEYS |= {"model.visual", "model.language_model"}
 # prime-rl's keys that are translated on load, not fields (hpcrl.config.prime_shapes; docs/prime-rl.md)
 NOT_KEYS |= {"deployment.num_infer_replicas", "deployment.nodes_per_fsdp_group", "deployment.type"}
 

@@ -98,7 +98,13 @@ class EchoRolesConfig(Section):
 
 
 class EchoFilterConfig(Section):
-    import_path: Annotated[str, D("A callable narrowing echo's tokens: filter(rollout, **kwargs).")]
+    import_path: Annotated[
+        str,
+        D(
+            "A callable narrowing echo's tokens: filter(rollout, **kwargs) -> one keep-mask (list of "
+            "bool) per training sequence of the rollout, each as long as its tokens."
+        ),
+    ]
     kwargs: Annotated[dict[str, Any], D("Keyword arguments of the filter.")] = msgspec.field(
         default_factory=dict
     )
@@ -114,8 +120,9 @@ class AlgoConfig(Section):
         D(
             "grpo (reward - group mean); max_rl ((reward - mean) / mean); rae (reward - per-agent EMA "
             "baseline); opd (reverse KL to a frozen teacher); opsd (reverse KL to the policy shown a "
-            "demonstration); sft (a frozen model samples, cross entropy); echo (grpo + cross entropy on "
-            "env-provided tokens) and hierarchical_grpo (proposer-solver envs) are not implemented here."
+            "demonstration); sft (a frozen model samples, cross entropy); echo (grpo + weighted cross "
+            "entropy on env-provided tokens of later turns, by message role); hierarchical_grpo "
+            "(proposer-solver envs) is not implemented here."
         ),
     ] = "grpo"
     sampling: AlgoSamplingConfig = msgspec.field(default_factory=AlgoSamplingConfig)

@@ -11,9 +11,9 @@ from hpcrl.config.sections.base import D, Section
 from hpcrl.config.sections.common import CkptConfig, LogConfig, RendererConfig, WandbConfig
 from hpcrl.config.sections.deployment import DeploymentConfig, SlurmConfig
 from hpcrl.config.sections.environ import EnvVars
-from hpcrl.config.sections.model import TrainerModelConfig
 from hpcrl.config.sections.sft_eval import SFTEvalConfig
 from hpcrl.config.sections.trainer import OptimConfig
+from hpcrl.config.sections.vlm import SFTModelConfig
 
 
 class SFTDataConfig(Section):
@@ -88,7 +88,7 @@ class SFTValConfig(Section):
 
 class SFTConfig(Section):
     name: Annotated[str | None, D("Run name.")] = None
-    model: TrainerModelConfig = msgspec.field(default_factory=TrainerModelConfig)
+    model: SFTModelConfig = msgspec.field(default_factory=SFTModelConfig)
     max_steps: Annotated[int, D("Final optimizer step.", ge=0)] = 100
     seq_len: Annotated[int, D("Max tokens per packed row.", ge=8)] = 512
     output_dir: Annotated[str, D("Run directory.")] = "outputs/sft"

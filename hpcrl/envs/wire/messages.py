@@ -43,6 +43,7 @@ class WTurn(msgspec.Struct, array_like=True):
     routed_experts: list[list[list[int]]] | None  # MoE router replay: [tokens][layers][k]
     trace: int = 0  # multi-agent: the trained trace this turn belongs to
     prompt_routed_experts: list[list[list[int]]] | None = None  # ... of the prompt tokens
+    env_roles: bytes | None = None  # message role of each env-provided token (echo)
 
 
 class WTrajectory(msgspec.Struct, array_like=True):
@@ -204,6 +205,7 @@ def to_wturn(t: Turn) -> WTurn:
         t.routed_experts,
         t.trace,
         t.prompt_routed_experts,
+        t.env_roles,
     )
 
 

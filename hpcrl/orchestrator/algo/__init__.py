@@ -7,6 +7,8 @@ a finished group before it is trained on.
 - `reference`: reference logprobs of every sampled sequence for the ref_kl types: a frozen teacher's
   (opd) or the live policy's with the demonstration prepended as a leading system message (opsd).
 
+- `echo`: echo's cross-entropy weights on env-provided tokens of later turns, by message role (its
+  rl part is grpo's, in `credit`).
 - `mixed`: per-env algorithms mixing rl and ref_kl types in one run (prime-rl's per-source algo).
 
 Which model samples (sft: the frozen `sampling.source`) is set up in hpcrl.orchestrator.setup; which

@@ -1,5 +1,7 @@
 """Credit assignment: a finished group's rollouts (or, multi-agent, their traces) -> advantages.
 
+echo's rl part is grpo's; its cross-entropy weights are set here too (hpcrl.orchestrator.algo.echo).
+
 A comparison group is one agent's traces across the task's rollouts: trace j of every usable
 rollout (a single-agent rollout is one trace, j = 0). grpo and max_rl compare the members of a
 comparison group (hpcrl.orchestrator.advantages); rae compares each trace with its agent's running
@@ -27,6 +29,7 @@ from hpcrl.orchestrator.advantages import (
     is_zero_advantage,
     rae_advantages,
 )
+from hpcrl.orchestrator.algo.echo import Echo
 from hpcrl.orchestrator.state import GroupRecord, RolloutRecord
 
 STATE_KEY = "rae_baselines"
@@ -87,6 +90,7 @@ class Credit:
             else LengthPenalty(lp.num_output_tokens_weight, lp.num_input_tokens_weight, lp.num_turns_weight),
         )
         self.baselines: dict[str, float] = {}  # rae
+        self.echo = Echo(algo) if algo.type == "echo" else None  # its cross entropy's token weights
 
     # -- checkpointed state (OrchestratorState.algo) --
     def state_dict(self) -> dict[str, Any]:
@@ -111,6 +115,8 @@ class Credit:
         if group.env in self.own:
             return self.own[group.env].assign(group, ok)
         group.trace_advantages = None
+        if self.echo is not None:
+            self.echo.weigh(ok)
         if self.action_loss == "ce":  # sft: cross entropy on every usable completion, no credit
             group.advantages = [0.0 if r.errored else 1.0 for r in group.rollouts]
             return True
@@ -120,6 +126,8 @@ class Credit:
         per = self.advantages_by_trace(group.env, ok)
         if is_zero_advantage(list(per.values()), self.config.eps):
             group.advantages = [0.0] * len(group.rollouts)
+            if self.config.zero_advantage == "drop" and self.echo is not None:
+                return self.echo.rl_pruned(ok)  # its cross entropy still trains (prime-rl)
             return self.config.zero_advantage == "keep"
         if any(r.trace_rewards for r in ok):
             usable = {r.index for r in ok}

@@ -1,0 +1,125 @@
+"""The SFT trainer's row of the fault matrix (docs/fault_matrix.md): a real `hpcrl sft` killed with
+SIGKILL once a checkpoint of its own is complete; `hpcrl sft ... --ckpt.resume-step -1` then
+continues from the newest complete checkpoint to the last step and lands on bitwise the same final
+weights as a run that was never killed (the data cursor, optimizer and RNG come back with it)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl import checkpoint
+from hpcrl.paths import RunPaths
+from tests.integration.faults import _until
+from tests.integration.test_sft import losses, run_sft, write_config
+from tests.integration.test_sft_storage import _sft
+
+STEPS = 12
+
+
+def _config(path: Path, model: Path, data: Path, out: Path) -> Path:
+    cfg = write_config(path, model, data, out)
+    cfg.write_text(cfg.read_text().replace("max_steps = 4", f"max_steps = {STEPS}"))
+    return cfg
+
+
+@pytest.mark.timeout(600)
+def test_sft_trainer_killed_then_resumed_reaches_the_last_step_unchanged(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    from hpcrl.inference.loading import load_safetensors_dir
+    from hpcrl.trainer.sft_data import make_demo
+
+    data = make_demo(tmp_path / "data" / "train.jsonl", "reverse-text", n=200, seed=0)[0]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_sft(str(_config(tmp_path / "ref.toml", tiny_model_dir, data, ref)))
+    cfg = _config(tmp_path / "run.toml", tiny_model_dir, data, out)
+    paths = RunPaths(out)
+    proc = _sft(cfg)
+    try:
+        _until(
+            lambda: (checkpoint.latest_complete(paths) or 0) >= 4 or proc.poll() is not None,
+            300,
+            "the sft trainer's checkpoint 4",
+        )
+        proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]  # killed mid-run, not finished
+    start = checkpoint.latest_complete(paths)
+    assert start is not None and 4 <= start < STEPS, start
+    assert time.monotonic() - t0 < 60
+    resumed = run_sft(str(cfg), "--ckpt.resume-step", "-1")
+    assert f"steps {start + 1}..{STEPS}" in resumed.stderr, resumed.stderr[-2000:]
+    assert checkpoint.latest_complete(paths) == STEPS and checkpoint.verify(paths, STEPS) is None
+    assert sorted(losses(out)) == list(range(1, STEPS + 1))  # every step logged, the redone ones once more
+    got = load_safetensors_dir(str(paths.weights_dir(STEPS)))
+    want = load_safetensors_dir(str(RunPaths(ref).weights_dir(STEPS)))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+
+
+def _status(out: Path) -> str:
+    import subprocess
+    import sys
+
+    from tests.integration.test_sft import REPO
+
+    cmd = [sys.executable, "-m", "hpcrl.cli", "status", str(out)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+
+
+def _trainer_row(status: str) -> str:
+    return next((x for x in status.splitlines() if x.strip().startswith("trainer_0 ")), "")
+
+
+@pytest.mark.timeout(600)
+def test_a_frozen_sft_trainer_is_named_unresponsive(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGSTOP of `hpcrl sft` (one rank: the process itself) mid-run: its progress report stops being
+    refreshed and `hpcrl status` names it `unresponsive` (a process cannot refresh it: frozen) within
+    a few seconds, as it names a frozen RL role; after SIGCONT it says running again and training
+    goes on."""
+    import json
+
+    from hpcrl.trainer.sft_data import make_demo
+
+    data = make_demo(tmp_path / "data" / "train.jsonl", "reverse-text", n=200, seed=0)[0]
+    out = tmp_path / "run"
+    cfg = _config(tmp_path / "run.toml", tiny_model_dir, data, out)
+    cfg.write_text(cfg.read_text().replace(f"max_steps = {STEPS}", "max_steps = 100000"))
+    paths = RunPaths(out)
+    report = paths.progress_dir / "trainer_0.json"
+
+    def step() -> int:
+        try:
+            return int(json.loads(report.read_text()).get("step") or 0)
+        except (OSError, ValueError):
+            return 0
+
+    proc = _sft(cfg)
+    try:
+        _until(lambda: step() >= 2 or proc.poll() is not None, 300, "the sft trainer's step 2")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert "running" in _trainer_row(_status(out)), _status(out)
+        proc.send_signal(signal.SIGSTOP)
+        took = _until(lambda: "unresponsive" in _trainer_row(_status(out)), 60, "`hpcrl status` naming it")
+        row = _trainer_row(_status(out))
+        proc.send_signal(signal.SIGCONT)
+        frozen_at = step()
+        _until(lambda: step() > frozen_at + 1, 120, "training going on after SIGCONT")
+        assert "running" in _trainer_row(_status(out)), _status(out)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.communicate(timeout=60)
+    print(f"named unresponsive {took:.1f} s after SIGSTOP: {row.strip()}")
+    assert took < 15, took  # the report is stale after 5 s (progress.STALE_S), `hpcrl status` reads it
+    assert row.split()[:2] == ["trainer_0", "unresponsive"], row
