@@ -163,9 +163,9 @@ class MemoryPlan:
         out = [f"memory plan:  {self.model}: {_count(a.params)} params{experts}; numbers from {a.source}"]
         of = f" of {limit_gib:g} GiB" if limit_gib else ""
         out.append(f"  trainer rank ({self.trainer_head}): {self.trainer_gib:.1f} GiB{of}")
-        out += [_row(i) for i in self.trainer]
+        out += [i.row() for i in self.trainer]
         out.append(f"  inference GPU ({self.inference_head}): {self.inference_gib:.1f} GiB{of}")
-        out += [_row(i) for i in self.inference]
+        out += [i.row() for i in self.inference]
         out += self.ep_lines
         return out
 
@@ -257,10 +257,6 @@ def check_trainer(
         + ", ".join(f for _, f in fixes[:-1])
         + f", or {fixes[-1][1]}",
     )
-
-
-def _row(i: Item) -> str:
-    return f"    {i.name:<14} {i.dtype:<5} {i.gib:8.2f} GiB" + (f"  {i.note}" if i.note else "")
 
 
 def _biggest(items: list[Item]) -> str:

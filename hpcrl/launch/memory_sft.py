@@ -10,10 +10,9 @@ activations, logits) from [model], [optim] and micro_batch_tokens; no weight pub
 inference servers to feed). Those rows count the text model; with [model.vlm] a "vision encoder" row
 adds the vision tower's V parameters (hpcrl.models.arch.vision_param_count, from config.json's
 vision_config). The whole model is built in the master dtype and FSDP-sharded, the vision tower in
-the root group (hpcrl.models.parallelize.apply_fsdp wraps the text decoder's layers: the longest
-list of blocks, which is the vision tower's instead when it has more, as Qwen2-VL-7B's and
-Qwen2.5-VL-7B's 32 blocks against 28 layers; the plan assumes the text's), which stays gathered from
-the forward through the backward:
+the root group (hpcrl.models.parallelize.apply_fsdp wraps the language model's layers, never the
+tower's blocks, even where the tower has more: Qwen2-VL-7B's and Qwen2.5-VL-7B's 32 blocks against
+28 layers), which stays gathered from the forward through the backward:
   vision encoder  V / N x master bytes (its shard) + V x compute bytes (gathered whole); with
                   model.vlm.freeze_vision_encoder = false also its gradients, V / N x master bytes,
                   and optimizer state, V / N x master bytes x the optimizer's states (as the text
@@ -99,11 +98,11 @@ class SFTMemoryPlan:
         vision = f" + {_count(a.vision_params)} in the vision encoder" if a.vision_params else ""
         out = [f"memory plan:  {self.model}: {_count(a.params)} params{vision}; numbers from {a.source}"]
         out.append(f"  trainer rank ({self.trainer_head}): {self.trainer_gib:.1f} GiB of {limit_gib:g} GiB")
-        out += [_row(i) for i in self.trainer]
+        out += [i.row() for i in self.trainer]
         s = self.server
         if s is not None:
             out.append(f"  online eval server ({s.head}): {s.gib:.1f} GiB of {limit_gib:g} GiB")
-            out += [_row(i) for i in s.items]
+            out += [i.row() for i in s.items]
         return out
 
     def check(self, limit_gib: float) -> None:
@@ -184,10 +183,6 @@ class SFTMemoryPlan:
         fixes.append(("deployment.gpu_memory_gib", "raise deployment.gpu_memory_gib"))
         said = ", ".join(f for _, f in fixes[:-1]) + ", or " if len(fixes) > 1 else ""
         raise ConfigError(fixes[0][0], f"{head}: {said}{fixes[-1][1]}")
-
-
-def _row(i: Item) -> str:
-    return f"    {i.name:<14} {i.dtype:<5} {i.gib:8.2f} GiB" + (f"  {i.note}" if i.note else "")
 
 
 def eval_max_model_len(cfg: SFTConfig) -> int:

@@ -17,6 +17,12 @@ class Item:
     gib: float
     note: str = ""
 
+    def row(self) -> str:
+        """The item as one line of a memory plan."""
+        return f"    {self.name:<14} {self.dtype:<5} {self.gib:8.2f} GiB" + (
+            f"  {self.note}" if self.note else ""
+        )
+
 
 def count(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} K"

@@ -68,12 +68,17 @@ def is_expert_sharded(t: torch.Tensor) -> bool:
 
 
 VISION_PARTS = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
+VISION_MARK = "_hpcrl_vision_encoder"  # set on the module [model.vlm] names (hpcrl.trainer.sft_vlm)
+LANGUAGE_MARK = "_hpcrl_language_model"
 
 
-def _in_vision_tower(name: str) -> bool:
-    """Whether a module path runs through a vision-language model's vision encoder (Qwen-VL's
-    ``model.visual``, LLaVA's ``vision_tower``, ...)."""
-    return any(part in VISION_PARTS for part in name.split("."))
+def _marked(model: nn.Module, mark: str) -> list[str]:
+    """The dotted names of the modules carrying `mark` (a plain attribute: it survives peft's wrapping)."""
+    return [name for name, mod in model.named_modules() if getattr(mod, mark, False)]
+
+
+def _under(name: str, roots: list[str]) -> bool:
+    return any(name == r or name.startswith(r + ".") or not r for r in roots)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -81,11 +86,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     call it ``model.layers``; peft nests it under ``base_model.model``). A vision-language model's
     vision blocks are never taken for them: Qwen2.5-VL-7B's vision tower has 32 blocks to its language
     model's 28 layers, and the longest list would shard the tower and leave the language model whole
-    in the root unit."""
+    in the root unit. The modules [model.vlm] names decide (the language model's lists only, never
+    the encoder's); without them, paths through VISION_PARTS are left out."""
+    vision, language = _marked(model, VISION_MARK), _marked(model, LANGUAGE_MARK)
     best: nn.ModuleList | None = None
     for name, mod in model.named_modules():
-        is_blocks = isinstance(mod, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks")
-        if is_blocks and not _in_vision_tower(name) and (best is None or len(mod) > len(best)):
+        if not (isinstance(mod, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks")):
+            continue
+        if _under(name, vision) if vision else any(p in VISION_PARTS for p in name.split(".")):
+            continue
+        if language and not _under(name, language):
+            continue
+        if best is None or len(mod) > len(best):
             best = mod
     if best is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")

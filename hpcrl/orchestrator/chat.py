@@ -63,6 +63,7 @@ class ConversationClient:
         self.history: list[Message] | None = None
         self.prev: Turn | None = None
         self.turn = 0
+        self.env_roles = False  # record each env-provided token's message role (echo): Turn.env_roles
 
     def continues(self, messages: list[Message]) -> bool:
         """Whether `messages` extend this conversation's previous turn."""
@@ -132,8 +133,11 @@ class RolloutClient(ConversationClient):
                 self.tokenizer, self.history, messages, tools, self.prev.completion_token_ids, kw
             )
             if got is not None:
-                new_messages = messages[len(self.history) :]
-                env_ids, roles = template_env_ids(self.tokenizer, got[0], got[1], new_messages)
+                if self.env_roles:
+                    new = messages[len(self.history) :]
+                    env_ids, roles = template_env_ids(self.tokenizer, got[0], got[1], new)
+                else:
+                    env_ids = encode(self.tokenizer, got[0])
                 ids = stitch_prompt(self.prev.prompt_token_ids, self.prev.completion_token_ids, env_ids)
         rerendered = ids is None and self.turn > 0
         if rerendered:

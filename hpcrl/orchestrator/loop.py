@@ -189,7 +189,7 @@ class Orchestrator:
 
     def on_signal(self, sig: int) -> None:
         log.warning("received signal %d: stopping at the next safe point", sig)
-        if self.setup is not None:
+        if self.setup is not None and sig != signal.SIGUSR2:  # USR2's stop is unhurried: servers still serve
             self.setup.stopping()
         if sig != signal.SIGUSR2:  # SIGTERM/SIGINT: bounded, whatever the loop is waiting for
             from hpcrl.monitor.watchdog import arm_exit_deadline

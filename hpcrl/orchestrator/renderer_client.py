@@ -111,7 +111,8 @@ class RendererClient(ConversationClient):
             )
             if bridged is not None:
                 prior = len(prev.prompt_token_ids) + len(prev.completion_token_ids)
-                return list(bridged.token_ids), False, bridge_env_roles(bridged, prior, new_messages)
+                roles = bridge_env_roles(bridged, prior, new_messages) if self.env_roles else None
+                return list(bridged.token_ids), False, roles
         ids = list(renderer.render(messages, tools=tools, add_generation_prompt=True).token_ids)
         return ids, self.prev is not None, None
 

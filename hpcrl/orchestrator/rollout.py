@@ -264,6 +264,9 @@ class Generator:
         self.pool, self.tokenizer, self.seq_len = pool, tokenizer, seq_len
         self.default_policy, self.seed, self.strategy = default_policy, seed, strategy
         self.branching = strategy == "branching"  # also: one training sample per assistant turn
+        self.env_roles = (
+            False  # clients record each env-provided token's role (echo; hpcrl.orchestrator.env_roles)
+        )
         self._example_lock: asyncio.Lock | None = None
 
     def client_factory(self, *key: object) -> Callable[[int], RolloutClient]:
@@ -272,10 +275,11 @@ class Generator:
             if self.renderers is not None:
                 from hpcrl.orchestrator.renderer_client import RendererClient
 
-                return RendererClient(  # type: ignore[return-value]  (the same ChatClient protocol)
-                    self.pool, self.renderers, self.seq_len, seed, self.default_policy
-                )
-            return RolloutClient(self.pool, self.tokenizer, self.seq_len, seed, self.default_policy)
+                client = RendererClient(self.pool, self.renderers, self.seq_len, seed, self.default_policy)
+            else:
+                client = RolloutClient(self.pool, self.tokenizer, self.seq_len, seed, self.default_policy)
+            client.env_roles = self.env_roles
+            return client  # type: ignore[return-value]  (the same ChatClient protocol)
 
         return make
 

@@ -240,6 +240,9 @@ class Setup:
         self.train_gen = Generator(
             student, self.tokenizer, cfg.seq_len, loaded_policy, seed, o.trajectory_strategy, self.renderers
         )
+        # the message role of each env-provided token: only echo trains on them (a run without it
+        # neither tokenizes with offsets nor keeps a byte per token)
+        self.train_gen.env_roles = "echo" in {o.algo.type, *(e.algo.type for e in o.train.env if e.algo)}
         frozen = o.algo.frozen
         if frozen is not None:
             self.teacher = ServerPool(

@@ -203,8 +203,14 @@ class Checkpointer:
         from hpcrl.trainer.model import adapter_tensors, write_adapter
 
         tensors, out = adapter_tensors(self.tr.model), self.paths.adapter_dir(step)  # collective under FSDP
-        if self.tr.dist.rank == 0:  # tmp dir renamed last: never half there; retried while refused
-            self.store(f"LoRA adapter step {step}", out, lambda: write_adapter(self.tr.model, tensors, out))
+        rank0 = self.tr.dist.rank == 0
+        # rank 0 writes (tmp dir renamed last: never half there); refused, every rank waits with it and
+        # all end in its line past the bound, instead of the others timing out in the next collective
+        self.store_together(
+            f"LoRA adapter step {step}",
+            out,
+            lambda: write_adapter(self.tr.model, tensors, out) if rank0 else None,
+        )
         return True
 
     def writes_hf_weights(self) -> bool:
@@ -234,14 +240,16 @@ class Checkpointer:
         if not self.writes_hf_weights():
             return
         tr, rank = self.tr, self.tr.dist.rank
+        # The adapter's gather first (every rank: collective under FSDP): an export that rank 0 fails
+        # (refused write) must not leave the other ranks in a gather rank 0 never enters.
+        adapter = self.cfg is not None and self.cfg.save_adapter_separately and is_peft_model(tr.model)
+        tensors = adapter_tensors(tr.model) if adapter else None
         # no rank gathers the model: rank 0 writes the tensors as the ranks' rows arrive (hpcrl.trainer.stream)
         export_hf_streamed(
             tr.model, tr.tokenizer, str(self.paths.weights_dir(step)), rank=rank, dtype=tr.precision.compute
         )
-        if self.cfg is not None and self.cfg.save_adapter_separately and is_peft_model(tr.model):
-            tensors = adapter_tensors(tr.model)  # every rank: collective under FSDP
-            if rank == 0:
-                write_adapter(tr.model, tensors, self.paths.weights_dir(step) / "adapter")
+        if tensors is not None and rank == 0:
+            write_adapter(tr.model, tensors, self.paths.weights_dir(step) / "adapter")
 
     # -- finalisation ----------------------------------------------------------------------------
     def _start_finalizer(self, step: int) -> None:

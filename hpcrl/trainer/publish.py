@@ -266,10 +266,16 @@ class PolicyPublisher:
         if self.transport == "filesystem":
             path = self.paths.broadcast_dir(step)
             adapter = adapter_tensors(model)  # collective under FSDP
-            if self.rank != 0:
+            rank0 = self.rank == 0
+            # rank 0 writes (tmp dir renamed last: never half there); refused, every rank waits with it
+            # and all end in its line past the bound (no rank left alone in the next step's collectives)
+            self.store_together(
+                f"policy {step} (LoRA adapter)",
+                path,
+                lambda: write_adapter(model, adapter, path) if rank0 else None,
+            )
+            if not rank0:
                 return time.perf_counter() - t0
-            # rank 0 alone writes (tmp dir renamed last: never half there), retried while refused
-            self.store(f"policy {step} (LoRA adapter)", path, lambda: write_adapter(model, adapter, path))
             from safetensors.torch import load_file
 
             tensors = load_file(

@@ -182,7 +182,7 @@ def build_model(
             for line in prepare_model(model, vlm):
                 log.info("%s", line)
 
-    return model_spec.build(
+    model = model_spec.build(
         model_cfg,
         path,
         mesh,
@@ -192,6 +192,12 @@ def build_model(
         read_weights=read_weights,
         prepare=prepare,
     )
+    vlm = getattr(model_cfg, "vlm", None)
+    if vlm is not None and not vlm.freeze_vision_encoder and mesh.world > 1:
+        from hpcrl.trainer.sft_vlm import reduce_unused_grads
+
+        reduce_unused_grads(model, mesh.world)
+    return model
 
 
 def loss_params(loss: LossConfig, mode: str) -> LossParams:

@@ -71,14 +71,36 @@ def prepare_model(model: nn.Module, vlm: Any) -> list[str]:
     """Resolve the vision encoder and language model (a bad attribute path fails here, in one line)
     and freeze the encoder when asked (LoRA adapters inside it too): before the optimizer is built,
     so frozen weights have no optimizer state."""
+    from hpcrl.models.parallelize import LANGUAGE_MARK, VISION_MARK
+
     vision = _attr(model, vlm, 0, "vision_encoder_attr")
-    _attr(model, vlm, 1, "language_model_attr")
+    language = _attr(model, vlm, 1, "language_model_attr")
+    # FSDP units and activation checkpointing take the language model's layers, never the encoder's
+    # blocks (hpcrl.models.parallelize.decoder_layers)
+    setattr(vision, VISION_MARK, True)
+    setattr(language, LANGUAGE_MARK, True)
     n = sum(p.numel() for p in vision.parameters())
     if not vlm.freeze_vision_encoder:
         return [f"vision encoder trained ({n / 1e6:.2f}M parameters)"]
     for p in vision.parameters():
         p.requires_grad_(False)
     return [f"vision encoder frozen ({n / 1e6:.2f}M parameters: no gradients, no optimizer state)"]
+
+
+def reduce_unused_grads(model: nn.Module, world: int) -> None:
+    """A trained encoder on several ranks: a rank whose micro-batches carry no image leaves the
+    encoder's gradients None, and FSDP2 would reduce-scatter fewer tensors there than on a rank whose
+    micro-batches had images (a hang, or gradients paired with the wrong tensors). Zeros go in their
+    place on every rank (FSDP2's reduce_scatter_unused_params)."""
+    setter = getattr(model, "set_reduce_scatter_unused_params", None)
+    if setter is None:
+        import torch
+
+        raise ValueError(
+            f"model.vlm.freeze_vision_encoder: false on {world} ranks needs FSDP2's "
+            f"set_reduce_scatter_unused_params, which torch {torch.__version__} lacks; freeze it or train on one rank"
+        )
+    setter(True)
 
 
 # ---------------------------------------------------------------------------------------------

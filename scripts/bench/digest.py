@@ -41,20 +41,42 @@ sys.path.insert(0, str(REPO))
 
 from hpcrl.weights.checksum import parts_digests  # noqa: E402
 
+# The former digest, exactly as hpcrl.weights.checksum had it at 9b691b0 (when issue 49 was filed):
+# one xxh3-128 per row, seeded with its index, summed mod 2**128, each row through `_row_hash`.
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - xxhash ships with wandb
+    xxhash = None
+
+
+def _old_tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def _row_hash(data: memoryview, seed: int) -> int:
+    if xxhash is not None:
+        return xxhash.xxh3_128_intdigest(data, seed)
+    import hashlib
+
+    h = hashlib.sha256(seed.to_bytes(8, "little"))
+    h.update(data)
+    return int.from_bytes(h.digest()[:16], "little")
+
 
 def old_rows_digest(t: torch.Tensor, row0: int = 0) -> int:
-    """The former digest: one xxh3-128 per row seeded with its index, summed mod 2**128."""
-    import xxhash
-
+    """The former digest (`rows_digest` at 9b691b0), line for line."""
     rows = t.shape[0] if t.dim() else 1
-    flat = t.detach().reshape(-1).contiguous().view(torch.uint8)
-    data = memoryview(flat.numpy()).cast("B")
+    data = _old_tensor_bytes(t)
     if rows == 0:
         return 0
     rb = len(data) // rows
     acc = 0
     for i in range(rows):
-        acc += xxhash.xxh3_128_intdigest(data[i * rb : (i + 1) * rb], (row0 + i) % (1 << 64))
+        acc += _row_hash(data[i * rb : (i + 1) * rb], (row0 + i) % (1 << 64))
     return acc % (1 << 128)
 
 

@@ -5,7 +5,6 @@ the run ends in one line naming the role, the path and the field."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -15,22 +14,13 @@ import pytest
 
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
+from tests.conftest import child_env
 from tests.integration.faults import _make_unwritable, _until
 from tests.integration.test_sft import REPO, write_config
 
 
 def _sft(cfg: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        env.pop(var, None)
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "hpcrl.cli", "sft", str(cfg)]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -19,8 +19,9 @@ from tests.integration.test_sft import losses, resumed_at_step_2, run_sft
 COLORS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
 
 
-def make_data(out: Path, n: int = 24) -> Path:
-    """Rows with an image (a local png relative to the data file, or a base64 data URL) and a question."""
+def make_data(out: Path, n: int = 24, text_every: int = 0) -> Path:
+    """Rows with an image (a local png relative to the data file, or a base64 data URL) and a question;
+    with `text_every` k, every k-th row (1, 1 + k, ...) has no image."""
     from PIL import Image
 
     (out / "img").mkdir(parents=True)
@@ -37,10 +38,16 @@ def make_data(out: Path, n: int = 24) -> Path:
             img.save(buf, format="PNG")
             url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
             part = {"type": "image_url", "image_url": {"url": url}}
+        text_only = text_every and i % text_every == 1
         rows.append(
             {
                 "messages": [
-                    {"role": "user", "content": [part, {"type": "text", "text": "What color is this?"}]},
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": f"Say {name}."}]
+                        if text_only
+                        else [part, {"type": "text", "text": "What color is this?"}],
+                    },
                     {"role": "assistant", "content": f"It is {name}."},
                 ]
             }
@@ -173,3 +180,23 @@ def test_vlm_sft_two_ranks_match_one(vlm_setup, frozen_run, tmp_path):
         assert b[s]["loss/mean"] == pytest.approx(a[s]["loss/mean"], rel=1e-4)
     after = weights(RunPaths(tmp_path / "run").weights_dir(4))
     assert not any(changed(weights(model), after, vision=True))
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_encoder_when_one_ranks_rows_have_no_image(vlm_setup, tmp_path):
+    """Rows by stride over data whose odd rows have no image: rank 0's micro-batches carry images,
+    rank 1's none, so rank 1's encoder gradients are None. FSDP2 must still reduce-scatter the same
+    tensors on both ranks (a hang or mispaired gradients before): the losses equal one rank's."""
+    _, model, _ = vlm_setup
+    data = make_data(tmp_path / "mixed", n=16, text_every=2)
+    trained = "freeze_vision_encoder = false\n"
+    one = write_config(tmp_path / "one.toml", model, data, tmp_path / "one", trained)
+    run_sft(str(one), "--max-steps", "2")
+    two = write_config(tmp_path / "two.toml", model, data, tmp_path / "two", trained)
+    two.write_text(two.read_text() + "[deployment]\nnum_trainer_ranks = 2\n")
+    run_sft(str(two), "--max-steps", "2", timeout=300)
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    for s in (1, 2):
+        assert b[s]["loss/mean"] == pytest.approx(a[s]["loss/mean"], rel=1e-4)
+    after = weights(RunPaths(tmp_path / "two").weights_dir(2))
+    assert all(changed(weights(model), after, vision=True))

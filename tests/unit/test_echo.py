@@ -68,8 +68,9 @@ class ScriptedPool:
         }
 
 
-def rollout(tok, env, task, replies: list[str]):
+def rollout(tok, env, task, replies: list[str], env_roles: bool = True):
     client = RolloutClient(ScriptedPool(tok, replies), tok, 4096, None, lambda: 0)
+    client.env_roles = env_roles  # as the train Generator of a run with an echo algo sets it
     traj = asyncio.run(env.rollout(task, client, {}))
     return traj, to_record(0, traj)
 
@@ -121,6 +122,17 @@ def test_tool_rollout_weights_the_tool_result_body_at_the_default_alpha(tok, cal
     # message is the initial prompt, which echo excludes
     Echo(echo(user=1.0)).weigh([rec])
     assert p.ce_weights is None
+
+
+def test_a_run_without_echo_records_no_roles_and_the_same_tokens(tok, calculator) -> None:
+    """Roles are recorded only where a run trains echo (Generator.env_roles): the same rollout without
+    them has the same tokens, and its pieces carry no role bytes."""
+    env, task = calculator
+    replies = [tool_call(task), f"#### {task.answer}"]
+    _, with_roles = rollout(tok, env, task, replies)
+    _, without = rollout(tok, env, task, replies, env_roles=False)
+    assert [p.input_ids for p in without.pieces] == [p.input_ids for p in with_roles.pieces]
+    assert with_roles.pieces[0].env_roles is not None and without.pieces[0].env_roles is None
 
 
 def test_user_feedback_of_later_turns_only(tok) -> None:
@@ -222,9 +234,11 @@ def test_ce_weights_travel_packed_and_counted_over_every_rank() -> None:
     assert again.total_ce_tokens == 3 and float(again.ce_weights.sum()) == pytest.approx(0.7)
     by_example = {s.example_id: s for s in unpack_samples(again)}
     assert by_example[1].ce_weights is None and by_example[2].ce_weights.tolist() == [0, 0, 0, 0.5, 0]
-    # an old batch (no ce fields) reads as none
-    old = msgspec.structs.replace(batches[0], ce_weights=None, total_ce_tokens=0)
-    assert decode(encode(old)).ce_weights is None
+    # a batch file written before echo existed (a48cbd3's encoder, tests/golden/bus): no ce fields
+    golden = Path(__file__).parents[1] / "golden" / "bus" / "train_batch_a48cbd3.msgpack"
+    old = decode(golden.read_bytes(), TrainBatch)
+    assert "ce_weights" not in golden.read_bytes().decode("latin-1")  # the keys are not in the file
+    assert old.ce_weights is None and old.total_ce_tokens == 0 and old.input_ids.size > 0
 
 
 def test_ce_loss_value_and_gradient_by_hand() -> None:
@@ -273,15 +287,6 @@ def test_compute_loss_adds_the_ce_term_beside_the_rl_loss() -> None:
     assert s["ce_nll"] == pytest.approx(-(lp[3] + lp[4]).item() / 2) and s["loss_tokens"] == 3
     both.loss.backward()
     assert lp.grad[3].item() == pytest.approx(-0.1 / 5) and lp.grad[4].item() == pytest.approx(-0.2 / 5)
-
-
-def test_trainer_batch_without_ce_is_unchanged() -> None:
-    b = TrainBatch(
-        step=1, rank=0, world_size=1, input_ids=[1, 2], position_ids=[0, 1], seq_lens=[2],
-        loss_mask=[False, True], advantages=[0, 1], inference_logprobs=[0, -1], policy_versions=[0],
-        temperatures=[1.0], env_names=["e"], example_ids=[0], rewards=[1.0], total_loss_tokens=1,
-    )  # fmt: skip
-    assert b.ce_weights is None and b.total_ce_tokens == 0
 
 
 def test_real_renderer_bridge_attributes_tool_bodies(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -197,3 +197,26 @@ def test_the_decoder_layers_of_a_vlm_are_its_language_models_not_its_vision_bloc
     assert len(model.model.visual.blocks) == 3  # the longer list
     layers = decoder_layers(model)
     assert layers == list(model.model.language_model.layers)
+
+
+def test_the_modules_model_vlm_names_decide_the_decoder_layers():
+    """A tower under a name hpcrl does not know (`eyes`), with more blocks than the language model has
+    layers: the modules that [model.vlm]'s attribute paths name (marked by prepare_model) decide."""
+    from torch import nn
+
+    from hpcrl.models.parallelize import LANGUAGE_MARK, VISION_MARK, decoder_layers
+
+    class Tower(nn.Module):
+        def __init__(self, n: int, name: str) -> None:
+            super().__init__()
+            setattr(self, name, nn.ModuleList(nn.Linear(2, 2) for _ in range(n)))
+
+    model = nn.Module()
+    model.eyes = Tower(5, "blocks")
+    model.lm = Tower(3, "layers")
+    assert decoder_layers(model) == list(model.eyes.blocks)  # unmarked: the longest list
+    setattr(model.eyes, VISION_MARK, True)
+    assert decoder_layers(model) == list(model.lm.layers)
+    model.lm2 = Tower(4, "layers")  # the language model's lists only, once it is named
+    setattr(model.lm, LANGUAGE_MARK, True)
+    assert decoder_layers(model) == list(model.lm.layers)

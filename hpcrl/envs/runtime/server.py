@@ -266,6 +266,12 @@ def main(argv: list[str]) -> int:
     )
     spec = msgspec.json.decode(argv[0].encode(), type=wire.ServerSpec)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # a checkpoint-and-stop is the orchestrator's, not ours
+    # In a session of its own (hosting.popen_server) no group signal reaches it: it ends with its
+    # parent (the orchestrator, or an env node's host) whatever it is doing, a slow env load included.
+    from hpcrl.envs.runtime.lifeline import die_with_parent
+
+    die_with_parent(os.getppid(), grace_s=5.0)
     return EnvServer(spec).run()
 
 

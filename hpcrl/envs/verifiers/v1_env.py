@@ -413,6 +413,11 @@ class V1Environment(Environment):
                         f"verifiers' env server of {self.env_id!r} died (exit code {proc.exitcode})"
                     )
                 lost = self._lost_worker() if proc is self.proc else None
+                if lost is not None and self.stopping:  # SLURM's SIGTERM reached a worker first
+                    raise RuntimeError(
+                        f"a worker (pid {lost}) of verifiers' env server of {self.env_id!r} ended while "
+                        "the orchestrator stops"
+                    )
                 if lost is not None:
                     self._server_died(proc, f"lost its worker {lost}")
                     raise RuntimeError(
