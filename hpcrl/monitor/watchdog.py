@@ -110,6 +110,13 @@ def start(role: str, timeout_s: float) -> Watchdog:
     return _process_dog
 
 
+def stop() -> None:
+    """No watchdog from here on: what is left is bounded otherwise (SFT's wait for its online evals,
+    which run under their own timeouts)."""
+    if _process_dog is not None:
+        _process_dog.stop()
+
+
 def beat(what: str = "") -> None:
     """Progress of this process (no-op without a watchdog)."""
     if _process_dog is not None:

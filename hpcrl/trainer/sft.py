@@ -24,6 +24,7 @@ import torch
 
 from hpcrl.config.schema import SFTConfig
 from hpcrl.monitor import progress as role_progress
+from hpcrl.monitor import watchdog
 from hpcrl.monitor.logging import setup_logging
 from hpcrl.monitor.metrics import Metrics
 from hpcrl.monitor.wandb_sink import start_wandb_sink
@@ -50,7 +51,6 @@ log = logging.getLogger("hpcrl.trainer")
 
 SFT_PARTS = ("trainer",)  # an SFT checkpoint has no orchestrator part
 FINALIZE_TIMEOUT_S = 600.0
-STALL_WARNING_S = 60.0  # the RL run's stall_warning_s default: a step stuck this long is named in the log
 
 
 def train(cfg: SFTConfig, paths: RunPaths) -> int:
@@ -112,6 +112,7 @@ def _train(cfg: SFTConfig, paths: RunPaths) -> int:
         out = out.counted(batch.totals["tokens"], batch.totals["samples"])
         progress = progress.advance(out, truncated=batch.totals["truncated"], data=data.cursor.state())
         role_progress.step(step, f"trained step {step}")
+        watchdog.beat(f"trained step {step}")
         val_loss, t_val = maybe_validate(cfg, data, tr, step)
         # The val loss is all-reduced: every rank reaches the same decision.
         reached = cfg.val.stop_at_loss > 0 and val_loss is not None and val_loss <= cfg.val.stop_at_loss
@@ -137,6 +138,7 @@ def _train(cfg: SFTConfig, paths: RunPaths) -> int:
                 "val loss %.4f <= val.stop_at_loss %g at step %d: done", val_loss, cfg.val.stop_at_loss, step
             )
             break
+    watchdog.stop()  # the steps are over: the checkpoint's finaliser and the evals have their own bounds
     ckpt.close()
     if evals is not None:
         evals.close(stopping)
@@ -179,7 +181,11 @@ def start_rank(cfg: SFTConfig, paths: RunPaths) -> tuple[Training, SFTData]:
     setup_logging(role, cfg.log.level, log_file=log_file)
     # logs/progress/trainer_<rank>.json, refreshed by a thread: `hpcrl status` names a frozen rank
     # ("unresponsive") as it names a frozen RL role; a stall is named in the log (hpcrl.monitor.progress)
-    role_progress.start(f"trainer_{env.rank}", paths.progress_dir, paths.stalls_dir, STALL_WARNING_S)
+    role_progress.start(f"trainer_{env.rank}", paths.progress_dir, paths.stalls_dir, cfg.stall_warning_s)
+    # a rank that stops moving (a hung collective, a frozen process) ends itself past watchdog_s, as an
+    # RL trainer does: the run ends in one line instead of waiting forever (hpcrl.monitor.watchdog)
+    watchdog.start(role, cfg.watchdog_s)
+    watchdog.beat("loading the data and the model")
     data = SFTData.from_config(cfg)
     warm = cfg.ckpt.warm_start if cfg.ckpt is not None else None
     tr = build_training(

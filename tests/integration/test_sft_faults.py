@@ -5,6 +5,7 @@ weights as a run that was never killed (the data cursor, optimizer and RNG come 
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -123,3 +124,50 @@ def test_a_frozen_sft_trainer_is_named_unresponsive(tiny_model_dir: Path, tmp_pa
     print(f"named unresponsive {took:.1f} s after SIGSTOP: {row.strip()}")
     assert took < 15, took  # the report is stale after 5 s (progress.STALE_S), `hpcrl status` reads it
     assert row.split()[:2] == ["trainer_0", "unresponsive"], row
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_ends_an_sft_run_past_watchdog_s(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two ranks, rank 1 frozen (SIGSTOP) mid-run: rank 0 waits in a collective that never completes,
+    its watchdog names it past watchdog_s and ends it (exit 3), and `hpcrl sft` ends the run in a line
+    instead of holding the allocation for ever (before: SFT had no watchdog, so it waited until the
+    collective's own timeout, an hour by default)."""
+    import json
+
+    from hpcrl.trainer.sft_data import make_demo
+
+    data = make_demo(tmp_path / "data" / "train.jsonl", "reverse-text", n=200, seed=0)[0]
+    out = tmp_path / "run"
+    cfg = _config(tmp_path / "run.toml", tiny_model_dir, data, out)
+    text = cfg.read_text().replace(f"max_steps = {STEPS}", "max_steps = 100000\nwatchdog_s = 8")
+    cfg.write_text(text + "[deployment]\nnum_trainer_ranks = 2\n")
+    report = RunPaths(out).progress_dir / "trainer_1.json"
+
+    def rank1() -> dict:
+        try:
+            return json.loads(report.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    proc = _sft(cfg)
+    try:
+        _until(lambda: int(rank1().get("step") or 0) >= 2 or proc.poll() is not None, 300, "rank 1's step 2")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        frozen = int(rank1()["pid"])
+        os.kill(frozen, signal.SIGSTOP)
+        took = _until(lambda: proc.poll() is not None, 120, "the run to end")
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+        if "frozen" in locals():
+            try:  # never leave a stopped process behind
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print(f"the run ended {took:.1f} s after rank 1 froze")
+    assert proc.returncode != 0
+    log = (RunPaths(out).logs_dir / "trainer.log").read_text()
+    assert "watchdog: sft[0] made no progress" in log, log[-3000:]
+    assert took < 60, took

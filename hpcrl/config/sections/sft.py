@@ -94,6 +94,23 @@ class SFTConfig(Section):
     output_dir: Annotated[str, D("Run directory.")] = "outputs/sft"
     clean_output_dir: Annotated[bool, D("Delete output_dir before starting.")] = False
     seed: Annotated[int, D("Global seed.")] = 0
+    watchdog_s: Annotated[
+        float,
+        D(
+            "A trainer rank that makes no progress (no step, no checkpoint) for this many seconds is named "
+            "in its log and exits 3, ending the run (0 = off); `hpcrl sft ... --ckpt.resume-step -1` goes on.",
+            ge=0,
+        ),
+    ] = 1800.0
+    stall_warning_s: Annotated[
+        float,
+        D(
+            "A trainer rank whose progress stops for this many seconds (or 3x its recent step time, if "
+            "longer) says once, at WARNING, where it waits, and writes Python stacks to logs/stalls/ "
+            "(0 = off). Nothing ends: watchdog_s does that.",
+            ge=0,
+        ),
+    ] = 60.0
     storage_timeout_s: Annotated[
         float,
         D(
