@@ -13,13 +13,13 @@ dtype, shape, tensor digest) in sorted name order (`combine`). So the sharded pu
 digests its own rows) and a full export (one process digests everything) give the same string, and a
 server assembling the pieces computes it again as it goes.
 
-The row digest ("rowdot1"): exact integer arithmetic, the same integers on every device.
+The row digest ("rowdot2"; rowdot1 was the same with UNIT = 8192): exact integer arithmetic, the same integers on every device.
 
 - Rows: slices along dim 0 (a 0-dim tensor is one row, a 1-D tensor of n elements n rows of one
   element); row r of a piece that starts at row `row0` has global index g = row0 + r. A row's raw
   bytes (B of them) are read as int8 (signed).
 - Units: rows of B <= SEG = 65536 bytes are packed G to a unit (`layout`: the most rows that fit in
-  UNIT = 8192 bytes with G * B a multiple of 8, else G = 1): row g is slot g mod G of unit g // G, and
+  UNIT = 32768 bytes with G * B a multiple of 8, else G = 1): row g is slot g mod G of unit g // G, and
   its byte j sits at position (g mod G) * B + j of the unit. Longer rows are cut into segments
   s = 0, 1, ... of SEG bytes (the last may be shorter), each a unit of its own (G = 1, up to 2**16
   segments: rows up to 4 GiB). A unit's key is (g // G) * 2**16 + s (s = 0 for packed rows).
@@ -59,15 +59,16 @@ exact float64 matmul instead (integers < 2**53). Non-contiguous tensors are made
 block at a time.
 
 Speed (scripts/bench/digest.py, torch's default threads = both cores of the shared AVX512-VNNI dev
-box; old = the former per-row xxh3-128 loop, in the same run, taking turns): 1.5 KiB rows 11.2-13.4
-GB/s against 1.7-3.3 (4.0-7.0x over eight runs, median ~4.7x; 2.3-3.5x on one thread, 7.1-8.4 GB/s), 4 KiB rows 12.1
-against 3.3, 16 KiB rows 12.7 against 6.4, a bucket of 1,000 [768, 2048] bf16 parts 11.9 against 4.9,
-1-D tensors (packed) ~1 GB/s at 1 MiB and ~8 GB/s when large, against 0.003 (a Python call per
-element). That is the machine's ceiling: `torch._int_mm` alone streams the same bytes at 13.5-15.6
-GB/s on both cores and a plain int64 `sum` over them at 16 (one core: 8.4-9.5 and 10.6), so the 5x
-asked at 1.5 KiB rows sits at the edge of what any digest that reads every byte gets here, and the
-ratio moves with the load on the old loop's core. On a GPU the same code reads HBM (no host copy). The algorithm is the checksum's prefix
-("rowdot1-xxh3_128:<32 hex digits>"), so two processes that disagree on it differ loudly.
+box; old = the per-row xxh3-128 loop this digest replaced, line for line as it was at 9b691b0, in the
+same run, taking turns), 1.5 KiB rows: 12.3-17.0 GB/s against 1.7-3.1, 5.1-8.0x over ten
+measurements (median 5.4x; the ratio is lowest when the machine is quiet, since the old loop's one
+core then runs fastest). 4 KiB rows 12.5-15.8 against 3.2-5.2, 16 KiB rows 14.7 against 9.0, a
+bucket of 1,000 [768, 2048] bf16 parts 8.7 against 3.8, 1-D tensors (packed) ~1 GB/s at 1 MiB
+against 0.005 (a Python call per element). That is the machine's read bandwidth: `torch._int_mm`
+alone streams the same bytes at 13.5-15.8 GB/s on both cores and a plain int64 `sum` at ~16. rowdot1
+(units of 8 KiB) reached 10.6-13.4: per-unit work beside the matmul (keys, multipliers, sums) was
+~15 % of its time, 4x less with units of 32 KiB. On a GPU the same code reads HBM (no host copy). The algorithm is the checksum's prefix
+("rowdot2-xxh3_128:<32 hex digits>"), so two processes that disagree on it differ loudly.
 """
 
 from __future__ import annotations
@@ -88,11 +89,12 @@ except ImportError:  # pragma: no cover - xxhash ships with wandb
     xxhash = None
     _COMBINE = "sha256"
 
-DIGEST = "rowdot1"  # the row digest's version: change it with any change to the definition above
+DIGEST = "rowdot2"  # the row digest's version: change it with any change to the definition above
 ALGO = f"{DIGEST}-{_COMBINE}"  # the checksum's prefix
 
 SEG = 1 << 16  # most bytes in one unit: |d| < 128 * 127 * SEG < 2**30 (int32-exact)
-UNIT = 1 << 13  # rows shorter than this are packed, G of them to a unit of ~UNIT bytes
+UNIT = 1 << 15  # rows shorter than this are packed, G of them to a unit of ~UNIT bytes (rowdot1: 1 << 13;
+# 4x fewer units, so 4x less per-unit work beside the matmul: +7-18 % GB/s)
 BLOCK_BYTES = 1 << 24  # bytes of units per _int_mm (16 MiB: the per-call overhead under 5%)
 DIRECT_BYTES = 1 << 18  # a piece this big gets its own _int_mm; smaller ones share a block (copied)
 CHUNK_UNITS = 1 << 14  # units whose multipliers and sums are taken at once
@@ -438,7 +440,7 @@ def state_dict_checksum(
 ) -> str:
     """Checksum over (name, dtype, shape, rows digest) of every tensor, in sorted name order.
 
-    Order-independent in the input; the result looks like "rowdot1-xxh3_128:<32 hex digits>"."""
+    Order-independent in the input; the result looks like "rowdot2-xxh3_128:<32 hex digits>"."""
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
     digests = parts_digests([(t, 0) for _, t in items])
     return combine(

@@ -1,29 +1,30 @@
-"""Benchmark the row digest (hpcrl.weights.checksum): the rowdot1 digest against the per-row xxh3-128
-loop it replaced, both in the same run, on one torch thread.
+"""Benchmark the row digest (hpcrl.weights.checksum): the rowdot2 digest against the per-row xxh3-128
+loop it replaced (line for line as hpcrl had it at 9b691b0, when issue 49 was filed), both in the
+same run, taking turns.
 
-    python scripts/bench/digest.py                 # ~1 min; the bucket case allocates 3 GiB
-    python scripts/bench/digest.py --threads 2     # torch threads (the old loop is single-threaded)
+    python scripts/bench/digest.py                 # ~1.5 min; the bucket case allocates 3 GiB
+    python scripts/bench/digest.py --threads 1     # torch threads (the old loop is single-threaded)
     python scripts/bench/digest.py --quick         # smaller tensors, 100 experts in the bucket
 
 Medians of --reps repetitions (old and new take turns, so load hits both alike); GB/s of raw tensor
 bytes; the first line is torch._int_mm alone over the first case's bytes (the ceiling). Measured on
-the shared 2-core AVX512-VNNI dev box, torch's default threads (2; load ~1 from other jobs):
+the shared 2-core AVX512-VNNI dev box, torch's default threads (2), 2026-11-29, load ~1:
 
-    (torch._int_mm alone over the first case's bytes: 15.56 GB/s)
+    (torch._int_mm alone over the first case's bytes: 15.82 GB/s)
     case                                          MiB  old GB/s  new GB/s  new/old
-    fp32 [N, 384]   (1.5 KiB rows)                192     1.670     11.22     6.7x
-    bf16 [N, 768]   (1.5 KiB rows)                192     1.666     11.61     7.0x
-    bf16 [N, 2048]  (4 KiB rows)                  256     3.334     12.09     3.6x
-    bf16 [N, 8192]  (16 KiB rows)                 256     6.424     12.71     2.0x
-    bf16 [N] 1-D    (2 B rows)                      1     0.003      0.93   340.3x
-    bucket: 1,000 x [768, 2048] bf16 parts       3000     4.865     11.92     2.4x
-    bucket: 500 x [2048] bf16 1-D parts             2     0.005      0.20    39.7x
+    fp32 [N, 384]   (1.5 KiB rows)                192     1.736     13.04     7.5x
+    bf16 [N, 768]   (1.5 KiB rows)                192     1.733     13.80     8.0x
+    bf16 [N, 2048]  (4 KiB rows)                  256     5.070     14.29     2.8x
+    bf16 [N, 8192]  (16 KiB rows)                 256     8.987     14.68     1.6x
+    bf16 [N] 1-D    (2 B rows)                      1     0.005      1.04   221.3x
+    bucket: 1,000 x [768, 2048] bf16 parts       3000     3.827      8.68     2.3x
+    bucket: 500 x [2048] bf16 1-D parts             2     0.005      0.22    46.4x
 
-The old loop moves most with the load on its core (1.7-3.3 GB/s at 1.5 KiB rows over five runs, so
-4.0-7.0x); the new digest stays at 11-13.4, against a ceiling of ~16 GB/s (a plain int64 sum over
-the same bytes on both cores). With --threads 1: 7.1-8.4 GB/s, 2.3-3.5x. The last row is ~30 us of
-Python per part, so it follows the load most. 1-D tensors: fixed cost ~0.2 ms a call, ~8 GB/s when
-large.
+Over ten measurements at 1.5 KiB rows (five runs, fp32 and bf16): the old loop 1.7-3.1 GB/s (its one
+core runs fastest when the machine is quiet), the new digest 12.3-17.0, 5.1-8.0x, median 5.4x. The
+ceiling is the box's read bandwidth (_int_mm alone 13.5-15.8 GB/s, a plain int64 sum ~16). rowdot1
+(8 KiB units) gave 10.6-13.4 GB/s and 4.1-6.8x against the same old loop. The bucket row pays a
+matmul call and Python per part; 1-D tensors a fixed ~0.2 ms a call.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The rowdot1 row digest (hpcrl.weights.checksum): the vectorised torch code against a plain reference
+"""The rowdot2 row digest (hpcrl.weights.checksum): the vectorised torch code against a plain reference
 of its definition (Python ints mod 2**64, numpy for K), additivity over any cut, every single flipped
 bit caught, swaps and renames caught, and the _int_mm and float64 paths giving the same integers."""
 
@@ -111,7 +111,7 @@ def test_constants_match_the_definition() -> None:
     k = _k_table(ck.SEG)
     assert (k != 0).all() and (np.abs(k) <= 127).all() and (k[:, [0, 4]] % 2 == 1).all()
     assert torch.equal(ck._kmats(torch.device("cpu"))[0], torch.from_numpy(k).to(torch.int8))
-    assert ck.layout(2) == (4096, 1) and ck.layout(1536) == (5, 1) and ck.layout(6) == (1364, 1)
+    assert ck.layout(2) == (16384, 1) and ck.layout(1536) == (21, 1) and ck.layout(6) == (5460, 1)
     assert ck.layout(8191) == (1, 1) and ck.layout(ck.SEG) == (1, 1) and ck.layout(ck.SEG + 1) == (1, 2)
 
 
@@ -250,7 +250,7 @@ def test_swaps_renames_retypes_and_reshapes_are_caught() -> None:
     assert rows_digest(t[1:4], 0) != rows_digest(t[1:4], 1)  # a row's place is part of its digest
     u, v = _rand((8, 8), torch.float32, 11), _rand((8, 8), torch.float32, 12)
     ck_uv = state_dict_checksum({"u": u, "v": v})
-    assert ck_uv.startswith(ALGO + ":") and ALGO.startswith("rowdot1-") and len(ck_uv) == len(ALGO) + 33
+    assert ck_uv.startswith(ALGO + ":") and ALGO.startswith("rowdot2-") and len(ck_uv) == len(ALGO) + 33
     assert ck_uv == state_dict_checksum([("v", v.clone()), ("u", u.clone())])  # order-independent
     assert ck_uv != state_dict_checksum({"u": v, "v": u})  # swapped between names
     assert ck_uv != state_dict_checksum({"u2": u, "v": v})  # renamed
