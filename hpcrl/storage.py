@@ -301,6 +301,15 @@ def _attempt(r: Refusals, write: Callable[[], T]) -> tuple[float | None, T | Non
     return None, out
 
 
+_DROPPED: list = [0, None]  # log lines dropped in this process (every tolerant handler), the last why
+
+
+def dropped_log_lines() -> tuple[int, str | None]:
+    """(how many log lines this process's tolerant handlers dropped so far, why the last one was):
+    an env server tells the orchestrator (its Pong), whose log the console shows."""
+    return _DROPPED[0], _DROPPED[1]
+
+
 class _Tolerant:
     """A logging handler that the filesystem may refuse: refused lines are dropped (never raised,
     no traceback into the same full file), and the first line that goes through again says how many
@@ -313,12 +322,24 @@ class _Tolerant:
         import sys
 
         e = sys.exc_info()[1]
-        why = None if e is None else refused_write(e)
+        why = None if e is None else refused_write(e, self._file())
         if why is None:
             super().handleError(record)  # type: ignore[misc]
             return
         self.lost += 1
         self.lost_why = why
+        _DROPPED[0] += 1
+        _DROPPED[1] = why
+
+    def _file(self) -> str | None:
+        """The file this handler writes (a stream's, e.g. stderr sent to a log file: from /proc)."""
+        name = getattr(self, "baseFilename", None)
+        if name:
+            return name
+        try:
+            return os.readlink(f"/proc/self/fd/{self.stream.fileno()}")  # type: ignore[attr-defined]
+        except (OSError, AttributeError, ValueError):  # no fd (a StringIO), no /proc
+            return None
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.lost:

@@ -8,8 +8,9 @@ table is `sft`; k8s's split role files `train.toml` / `orch.toml` / `infer.toml`
 `infer/*.toml`) are `trainer` / `orchestrator` / `inference`; examples/evals/ is `evals`; the rest is
 `rl`. Each maps to hpcrl's (`rl` -> `hpcrl run`, `sft`, `trainer`, `orchestrator`, `inference`,
 `evals` -> `hpcrl eval`), run in this process with `--dry-run` and a scratch `--output-dir`. The
-table counts what passes, what stops on an environment package not installed here, and what is
-refused (with the first line of the refusal). Set HF_HUB_OFFLINE=1 / HF_HOME to a cache of tiny
+table counts what passes, what stops on an environment package not installed here, what is
+refused as prime-rl refuses it too ("refused (correct)": CORRECT_REFUSALS, with the reason), and
+what else is refused (with the first line of the refusal). Set HF_HUB_OFFLINE=1 / HF_HOME to a cache of tiny
 stand-ins to check models too (docs/prime-rl.md).
 
 A measurement, not a test: tests/integration/test_prime_rl_shapes.py holds hpcrl's own prime-rl-shaped
@@ -77,6 +78,19 @@ def dry_run(command: str, path: Path, out: Path) -> tuple[int, str]:
     return rc, buf.getvalue()
 
 
+# Refusals prime-rl makes too (the file cannot run there either): (what hpcrl says, why it is right)
+CORRECT_REFUSALS = (
+    (
+        "at least one training environment is required",
+        "prime-rl too: 'TrainSource needs at least one train env' at start (orchestrator/train_source.py)",
+    ),
+    (
+        "is not usable: no COMPLETE manifest",
+        "a resume config without its checkpoint: prime-rl's ckpt.py raises 'Checkpoint not found' too",
+    ),
+)
+
+
 def verdict(rc: int, text: str) -> tuple[str, str]:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     last = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else "")
@@ -86,6 +100,9 @@ def verdict(rc: int, text: str) -> tuple[str, str]:
         return "TRACEBACK", last
     if "not installed" in text or "No module named" in text or "pip install" in text:
         return "env missing", last
+    for said, why in CORRECT_REFUSALS:
+        if said in text:
+            return "refused (correct)", f"{why}: {last}"
     return "refused", last
 
 
@@ -108,7 +125,7 @@ def main() -> int:
             counts[kind] = counts.get(kind, 0) + 1
             if args.verbose or kind != "pass":
                 rel = path.relative_to(root)
-                print(f"{kind:12s} {command:12s} {rel}\n{'':25s} {line[:160]}")
+                print(f"{kind:17s} {command:12s} {rel}\n{'':30s} {line[:200]}")
     total = len(files)
     print("\n" + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + f"  (of {total})")
     return 0 if counts.get("TRACEBACK", 0) == 0 else 1

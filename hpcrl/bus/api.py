@@ -274,15 +274,15 @@ class Bus:
 
     # -- policy: trainer -> orchestrator ------------------------------------------------------
     def publish_policy(self, msg: PolicyReady) -> Path:
-        """Announce policy `msg.step` (policy/step_N + the LATEST hint + rings). A write the filesystem
-        refuses is named once and retried for up to storage_timeout_s (hpcrl.storage)."""
+        """Announce policy `msg.step` (policy/step_N + the LATEST hint + rings). A refused write is named
+        once, retried up to storage_timeout_s (hpcrl.storage); write_policy: one try (trainer.publish)."""
         from hpcrl.storage import retry_blocking
 
         return retry_blocking(
-            self.name, f"policy step {msg.step}", lambda: self._publish_policy(msg), self.storage_timeout_s
+            self.name, f"policy step {msg.step}", lambda: self.write_policy(msg), self.storage_timeout_s
         )
 
-    def _publish_policy(self, msg: PolicyReady) -> Path:
+    def write_policy(self, msg: PolicyReady) -> Path:
         path = self.paths.policy_file(msg.step)
         self.last_renamed_at = write_message(path, msg, checksum=self.checksum, durable=self.durable)
         # The hint that makes latest_policy O(1); written after the file, so it never names a step

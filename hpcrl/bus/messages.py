@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 from hpcrl.bus.errors import CorruptMessageError
+from hpcrl.bus.images import ImageBatch
 
 SCHEMA_VERSION = 1
 MAGIC = b"HPCRLBUS"
@@ -101,6 +102,7 @@ class TrainBatch(msgspec.Struct, kw_only=True, eq=False):
     # else int16 (-1 = none); none on prompt tokens. route_ids() reads either as int64 with -1.
     routed_experts: np.ndarray | None = None
     created_at: float = msgspec.field(default_factory=_now)
+    images: ImageBatch | None = None  # vision-language RL: the samples' images (hpcrl.bus.images)
 
     def __post_init__(self) -> None:
         # Runs on construction (ValueError for the caller) and on decode (msgspec turns it into a
@@ -143,6 +145,10 @@ class TrainBatch(msgspec.Struct, kw_only=True, eq=False):
             raise ValueError(f"TrainBatch.rank {self.rank} outside world_size {self.world_size}")
         if self.step < 0:
             raise ValueError(f"TrainBatch.step must be >= 0, got {self.step}")
+        if self.images is not None and len(self.images.images_per_sample) != num_samples:
+            raise ValueError(
+                f"TrainBatch.images has {len(self.images.images_per_sample)} samples, expected {num_samples}"
+            )
 
     @property
     def num_tokens(self) -> int:

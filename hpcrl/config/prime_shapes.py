@@ -103,23 +103,20 @@ def translate(d: dict[str, Any], source: str, notes: list[str], sft: bool = Fals
 
 # ---------------------------------------------------------------------------------------------
 def _vlm(d: dict[str, Any], source: str, notes: list[str], sft: bool) -> None:
-    """[model.vlm]: `hpcrl sft` trains transformers' own vision-language class, so prime-rl's
-    `impl = "custom"` (its custom Qwen3.5 VLM) is read as auto, with a note. RL on images is refused."""
+    """[model.vlm]: hpcrl trains transformers' own vision-language class (`hpcrl sft`, and `hpcrl run`
+    with multimodal rollouts), so prime-rl's `impl = "custom"` (its custom Qwen3.5 VLM) is read as
+    auto, with a note."""
+    del sft  # the same for SFT and RL
     for path in (["model", "vlm"], ["trainer", "model", "vlm"]):
         if get_path(d, path) is None:
             continue
-        if not sft:
-            raise ConfigError(
-                ".".join(path),
-                "vision-language RL (multimodal rollouts) is not supported by hpcrl; [model.vlm] is for `hpcrl sft`",
-            )
-        impl = path[:-1] + ["impl"]
-        if get_path(d, impl) == "custom":
-            set_path(d, impl, "auto")
-            notes.append(
-                f"{source}: {'.'.join(impl)} = 'custom' with [model.vlm]: prime-rl's custom VLM class; hpcrl "
-                "trains transformers' own class (impl = 'auto')"
-            )
+        for impl in (path[:-1] + ["impl"], ["trainer", "model", "impl"]):
+            if get_path(d, impl) == "custom":
+                set_path(d, impl, "auto")
+                notes.append(
+                    f"{source}: {'.'.join(impl)} = 'custom' with [model.vlm]: prime-rl's custom VLM class; "
+                    "hpcrl trains transformers' own class (impl = 'auto')"
+                )
 
 
 def _move(d: dict[str, Any], old: list[str], new: list[str]) -> None:

@@ -8,6 +8,7 @@ from hpcrl.config.algo_checks import check_algo, check_algo_room
 from hpcrl.config.sanity import check_output_dir
 from hpcrl.config.schema import CkptConfig, Config, EnvConfig, SFTConfig, TrainerModelConfig
 from hpcrl.config.sections import environ, vllm
+from hpcrl.config.sections.vlm import SFTModelConfig
 from hpcrl.errors import ConfigError
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$|^\d+:\d{2}$")
@@ -17,6 +18,9 @@ _MEM_RE = re.compile(r"^\d+[KMGT]?$")
 def validate(cfg: Config, require_envs: bool = True) -> None:
     check_output_dir(cfg.output_dir)
     _unsupported(cfg)
+    own, where = trainer_model(cfg)
+    SFTModelConfig.check_vlm(own, where)  # [model.vlm] against impl, ep, cp, LoRA (RL: multimodal rollouts)
+    _vlm_reference(cfg, own, where)
     _fake_data(cfg, require_envs)  # before the envs: a fake-data trainer config names none
     _orchestrator(cfg, samples=require_envs)
     _buffer(cfg)
@@ -61,6 +65,7 @@ def validate_sft(cfg: SFTConfig) -> None:
         raise ConfigError(
             "ckpt.adapter_interval", f"{cfg.ckpt.adapter_interval} needs LoRA training ([model.lora])"
         )
+    _expert_adapters(cfg.ckpt, cfg.model)
     if cfg.data.type == "sft" and not cfg.data.name.strip():
         raise ConfigError(
             "data.name", "is required (a jsonl/parquet file, a directory of them, or a saved dataset)"
@@ -86,6 +91,25 @@ def validate_sft(cfg: SFTConfig) -> None:
         )
     cfg.optim.check("optim")
     _ckpt_fields(cfg.ckpt, cfg.max_steps)
+
+
+def _vlm_reference(cfg: Config | SFTConfig, own: TrainerModelConfig, where: str) -> None:
+    """opd / opsd score each sampled sequence by its token ids alone (a teacher's or the policy's
+    prompt_logprobs): with images, the reference would score image placeholders without pixels."""
+    if isinstance(cfg, SFTConfig) or own.vlm is None or cfg.orchestrator.algo is None:
+        return
+    algos = [("orchestrator.algo.type", cfg.orchestrator.algo)]
+    algos += [
+        (f"orchestrator.train.env[{i}].algo.type", e.algo) for i, e in enumerate(cfg.orchestrator.train.env)
+    ]
+    for field, algo in algos:
+        if algo is not None and algo.type in ("opd", "opsd"):
+            raise ConfigError(
+                field,
+                f"'{algo.type}' scores each sequence by its token ids only, so the reference would score "
+                f"image placeholders without their pixels: not supported with [{where}.vlm] (use grpo, "
+                "max_rl, rae or echo)",
+            )
 
 
 def trainer_model(cfg: Config | SFTConfig) -> tuple[TrainerModelConfig, str]:
@@ -309,6 +333,27 @@ def _ckpt(cfg: Config) -> None:
         raise ConfigError("ckpt.save_adapter_separately", "needs LoRA training ([model.lora])")
     if c.adapter_interval and lora is None:
         raise ConfigError("ckpt.adapter_interval", f"{c.adapter_interval} needs LoRA training ([model.lora])")
+    _expert_adapters(c, cfg.trainer.model or cfg.model)
+
+
+def _expert_adapters(c: CkptConfig | None, model: TrainerModelConfig | SFTModelConfig) -> None:
+    """A VL MoE's expert LoRA (target "experts", hpcrl.models.vlm_moe) is no part of peft's adapter
+    files: the run's exported weights (merged) carry it, an adapter alone would lose it."""
+    lora = model.lora
+    if (
+        c is None
+        or lora is None
+        or "experts" not in lora.target_modules
+        or getattr(model, "vlm", None) is None
+    ):
+        return
+    why = (
+        "the stacked experts' LoRA (target 'experts') is not in peft's adapter files; use the merged weights"
+    )
+    if c.save_adapter_separately:
+        raise ConfigError("ckpt.save_adapter_separately", f"true with [vlm]: {why}")
+    if c.adapter_interval:
+        raise ConfigError("ckpt.adapter_interval", f"{c.adapter_interval} with [vlm]: {why}")
 
 
 def _ckpt_fields(c: CkptConfig | None, max_steps: int) -> None:

@@ -101,6 +101,9 @@ class Turn:
     # completion (aligned with the END of prompt_token_ids; hpcrl.orchestrator.env_roles.ROLES, 0 =
     # scaffold); None: not attributed (a first turn, a re-rendered one). Read by echo only.
     env_roles: bytes | None = None
+    # The images of the prompt, in order (OpenAI image_url URLs): a vision-language model's sample
+    # carries them to the trainer (hpcrl.orchestrator.images)
+    images: list[str] | None = None
 
     def message(self) -> Message:
         msg: Message = {"role": "assistant", "content": self.text}

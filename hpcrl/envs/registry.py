@@ -2,7 +2,7 @@
 
 Resolution order:
   1. a built-in by its own name (`reverse-text`, `reverse-text-demo`, `alphabet-sort`, `arithmetic`,
-     `calculator`; `_` for `-` accepted; also `hpcrl/<name>`);
+     `calculator`, `color-codeword`; `_` for `-` accepted; also `hpcrl/<name>`);
   2. `module:function` naming any importable factory;
   3. `owner/name` or `name`: the installed environment package, module `name` with `-` -> `_`
      (what `prime env install owner/name` installs), exposing `load_environment`; or an entry point
@@ -39,6 +39,7 @@ BUILTINS: dict[str, str] = {
     "arithmetic": "hpcrl.envs.builtin.arithmetic",
     "calculator": "hpcrl.envs.builtin.calculator",
     "tool-think": "hpcrl.envs.builtin.tool_think",  # multi-turn tools + reasoning (renderer tests)
+    "color-codeword": "hpcrl.envs.builtin.color_codeword",  # images (vision-language RL)
 }
 # Hub ids whose task a built-in implements (same prompts, parser and reward shape), used only when
 # the package is not installed. `primeintellect/gsm8k` is deliberately not one: the built-in

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpcrl.bus.messages import ADAPTER_NAME
 from hpcrl.inference import guard, peers
+from hpcrl.inference.content import has_images
 from hpcrl.inference.engine import HFEngine
 from hpcrl.inference.errors import (
     EngineError,
@@ -203,14 +204,14 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(err.body(), status_code=500)
 
     async def generate(
-        prompt: list[int], body: dict[str, Any], chat: bool, prompt_field: str
+        prompt: list[int], body: dict[str, Any], chat: bool, prompt_field: str, mm: Any = None
     ) -> tuple[Any, Any]:
         if state.sync_error:
             raise APIError(state.sync_error, status=503, type="WeightSyncError")
         params = parse_sampling(body, chat=chat)
         max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         try:
-            fut = engine.submit(prompt, params)
+            fut = engine.submit(prompt, params, mm) if mm is not None else engine.submit(prompt, params)
         except EngineError as e:  # named as the client wrote it, not in the engine's terms
             raise for_field(e, {"prompt": prompt_field, "max_tokens": max_field}) from None
         return params, await asyncio.wrap_future(fut)
@@ -287,17 +288,21 @@ def build_app(state: ServerState) -> FastAPI:
         parse_sampling(body, chat=True)  # reject bad sampling before paying for the template
         tools = body.get("tools")
         prompt_field = "messages"
+        mm = None
         if body.get("prompt_token_ids") is not None:  # exact continuation of a stitched conversation
             prompt = _int_list(body["prompt_token_ids"], "prompt_token_ids")
             prompt_field = "prompt_token_ids"
         else:
             messages, agp, cont, kwargs = parse_chat_render(body)
-            prompt = engine.tokens.cached_chat(engine.tokens.chat_key(messages, tools, agp, cont, kwargs))
+            if has_images(messages):  # a vision-language model: image tokens expanded, pixels computed
+                prompt, mm = await asyncio.to_thread(engine.vision_prompt, messages, tools, agp, cont, kwargs)
+            else:
+                prompt = engine.tokens.cached_chat(engine.tokens.chat_key(messages, tools, agp, cont, kwargs))
             if prompt is None:  # a template render is slow enough to keep off the event loop
                 prompt = await asyncio.to_thread(
                     engine.tokens.encode_chat, messages, tools, agp, cont, kwargs
                 )
-        params, outs = await generate(prompt, body, chat=True, prompt_field=prompt_field)
+        params, outs = await generate(prompt, body, chat=True, prompt_field=prompt_field, mm=mm)
         return _json(
             chat_response(
                 model,

@@ -6,7 +6,8 @@ the right), (2) samples one token for every running row from logits computed in 
 (3) retires finished rows, and (4) runs one batched decode forward for the rest. A request that arrives
 while others decode joins at the next iteration instead of waiting for the batch to drain.
 
-Weight updates take the same lock as an iteration, so they land between decode steps. Each token
+Weight updates take the same lock as an iteration, so they land between decode steps. A request with
+images (hpcrl.inference.vision) keeps its own KV cache and steps once per iteration beside the batch. Each token
 records the policy step of the weights whose forward produced its logits; a response lists them.
 """
 
@@ -36,6 +37,7 @@ from hpcrl.inference.protocol import SamplingParams, SeqOutput
 from hpcrl.inference.routing import RoutingRecorder
 from hpcrl.inference.sampling import BatchParams, RowParams, processed_logprobs, sample
 from hpcrl.inference.tokens import Tokens
+from hpcrl.inference.vision import VisionServing, vision_model_class
 from hpcrl.models.chunked import prompt_logprobs
 from hpcrl.models.qwen3.state_dict_adapter import hf_views
 from hpcrl.weights.checksum import state_dict_checksum
@@ -55,6 +57,7 @@ class _Request:
     seqs: list[_Seq] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
     prompt_routed: torch.Tensor | None = None  # MoE: [prompt tokens, layers, k] from the prefill
+    mm: dict[str, torch.Tensor] | None = None  # images: pixel_values, image_grid_thw (hpcrl.inference.vision)
 
 
 @dataclass(eq=False)
@@ -86,7 +89,7 @@ def _check_cache_layers(config: Any) -> None:
         )
 
 
-class HFEngine(EngineWeights):
+class HFEngine(EngineWeights, VisionServing):
     """Serve one causal LM with batched sampling, live weight updates and per-token policy steps."""
 
     def __init__(
@@ -102,7 +105,7 @@ class HFEngine(EngineWeights):
         quantization: str | None = None,
         kv_cache_tokens: int | None = None,
     ):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
         from hpcrl.models.tokenizer import load_tokenizer
 
@@ -118,7 +121,10 @@ class HFEngine(EngineWeights):
             kwargs["dtype"] = _DTYPES[dtype]
         try:
             self.tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).to(self.device).eval()
+            auto = vision_model_class(
+                AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            )
+            self.model = auto.from_pretrained(model_path, **kwargs).to(self.device).eval()
         except (OSError, ValueError) as e:  # a user error (wrong path / hub id offline): one line, exit 2
             raise ConfigError("model.name", f"cannot load {model_path!r}: {str(e).splitlines()[0]}") from e
         cfg = self.model.config
@@ -132,6 +138,7 @@ class HFEngine(EngineWeights):
         self.kv_capacity = kv_budget.capacity(kv_cache_tokens, self.max_batch_size, self.max_model_len)
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.tokens = Tokens(self.tokenizer)  # thread-safe encode/decode with the prompt and token caches
+        self._init_vision(model_path, trust_remote_code)  # a vision-language model: requests with images
         eos = {self.tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.eos_ids = {int(e) for e in eos if e is not None}
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -181,8 +188,11 @@ class HFEngine(EngineWeights):
         return names
 
     # -- requests --------------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
-        """Queue `params.n` samples continuing `prompt`; the future resolves to list[SeqOutput]."""
+    def submit(
+        self, prompt: list[int], params: SamplingParams, mm: dict[str, torch.Tensor] | None = None
+    ) -> Future:
+        """Queue `params.n` samples continuing `prompt` (with `mm`: its images, vision_prompt's); the
+        future resolves to list[SeqOutput]."""
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -203,8 +213,16 @@ class HFEngine(EngineWeights):
                 f"prompt, {params.max_tokens} for the completion)",
                 param="max_tokens",
             )
+        if mm is not None and params.n > self.max_batch_size:  # its rows share one cache: they run together
+            raise InvalidRequest(
+                f"a request with images runs its n rows together; n = {params.n} exceeds the engine's "
+                f"max_batch_size {self.max_batch_size}",
+                param="n",
+            )
         fut: Future = Future()
-        req = _Request(prompt=list(prompt), params=params, max_tokens=params.max_tokens or room, future=fut)
+        req = _Request(
+            prompt=list(prompt), params=params, max_tokens=params.max_tokens or room, future=fut, mm=mm
+        )
         for i in range(params.n):
             gen = None
             if params.seed is not None:  # choice i of a seeded request draws from seed + i
@@ -227,7 +245,10 @@ class HFEngine(EngineWeights):
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
             self.stats["requests"] += 1
-            self._waiting.extend(req.seqs)
+            if mm is not None:
+                self._vision_waiting.append(req)
+            else:
+                self._waiting.extend(req.seqs)
             self._cv.notify_all()
         return fut
 
@@ -245,11 +266,15 @@ class HFEngine(EngineWeights):
         return self._paused
 
     def load(self) -> dict[str, int]:
-        return {"running": len(self._batch.rows), "waiting": len(self._waiting)}
+        return {
+            "running": len(self._batch.rows) + self.vision_rows(),
+            "waiting": len(self._waiting) + sum(len(r.seqs) for r in self._vision_waiting),
+        }
 
     def kv_used(self) -> int:
-        """Tokens the running sequences hold in the KV cache (prompt + sampled so far)."""
-        return sum(len(s.req.prompt) + len(s.out) for s in list(self._batch.rows))
+        """Tokens the running sequences hold in the KV cache (prompt + sampled so far), plus what the
+        running requests with images reserve (vision_kv)."""
+        return sum(len(s.req.prompt) + len(s.out) for s in list(self._batch.rows)) + self.vision_kv()
 
     def shutdown(self) -> None:
         with self._cv:
@@ -257,7 +282,8 @@ class HFEngine(EngineWeights):
             self._cv.notify_all()
         self._thread.join(timeout=10)
         err = ShuttingDown("the server shut down before the request finished")
-        for s in list(self._batch.rows) + list(self._waiting):
+        vision = [r.seqs[0] for r in self._vision_waiting] + [r.req.seqs[0] for r in self._vision_running]
+        for s in list(self._batch.rows) + list(self._waiting) + vision:
             if not s.req.future.done():
                 s.req.future.set_exception(err)
 
@@ -271,7 +297,9 @@ class HFEngine(EngineWeights):
 
         while True:
             with self._cv:
-                idle = self._paused or not (self._waiting or self._batch.rows)
+                idle = self._paused or not (
+                    self._waiting or self._batch.rows or self._vision_waiting or self._vision_running
+                )
                 if idle and not self._stopping:
                     self._cv.wait(timeout=IDLE_BEAT_S)
                 if self._stopping:
@@ -302,6 +330,8 @@ class HFEngine(EngineWeights):
 
     def _iteration(self) -> None:
         self._drop_cancelled()
+        if self._vision_waiting or self._vision_running:  # one step of each request with images
+            self._vision_iteration()
         self._admit()
         batch = self._batch
         if not batch.rows:
@@ -360,7 +390,8 @@ class HFEngine(EngineWeights):
         to the head of the queue (their tokens kept; resumed by recompute) and count them."""
         rows = self._batch.rows
         ages = [(s.req.arrived, s.req.seqs.index(s)) for s in rows]
-        drop = kv_budget.victims([len(s.req.prompt) + len(s.out) for s in rows], ages, self.kv_capacity)
+        cap = self.kv_capacity - self.vision_kv()
+        drop = kv_budget.victims([len(s.req.prompt) + len(s.out) for s in rows], ages, cap)
         if not drop:
             return tokens
         gone = [rows[i] for i in drop]  # youngest first
@@ -422,6 +453,7 @@ class HFEngine(EngineWeights):
         with self._cv:
             self._cancelled = False
             self._waiting = collections.deque(s for s in self._waiting if not s.req.future.cancelled())
+            self._drop_cancelled_vision()
         drop = [i for i, s in enumerate(self._batch.rows) if s.req.future.cancelled()]
         if drop:
             self._retire(drop)
@@ -431,12 +463,18 @@ class HFEngine(EngineWeights):
             self._cancelled = True
 
     def _admit(self) -> None:
-        free = self.max_batch_size - len(self._batch.rows)
+        # the rows and KV a waiting request with images needs are kept free for it (else text could
+        # starve it)
+        head_req = self._vision_waiting[0] if self._vision_waiting else None
+        held = 0 if head_req is None else len(head_req.seqs)
+        held_kv = 0 if head_req is None else held * (len(head_req.prompt) + head_req.max_tokens)
+        free = self.max_batch_size - len(self._batch.rows) - self.vision_rows() - held
         if free <= 0 or not self._waiting:
             return
         with self._cv:
             head = [len(s.req.prompt) + len(s.out) for s in list(self._waiting)[:free]]
-            n = kv_budget.admissible(head, self.kv_used(), self.kv_capacity, len(self._batch.rows))
+            used = self.kv_used() + held_kv
+            n = kv_budget.admissible(head, used, self.kv_capacity, len(self._batch.rows))
             new = [self._waiting.popleft() for _ in range(n)]
         if not new:
             return

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcrl.inference.content import ContentError, message_content
+
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1 - MAX_N  # choice i draws from seed + i: every one must fit a torch generator seed
@@ -263,25 +265,6 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
 
 
 # -- prompts -------------------------------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: only text parts make sense for a text model
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise APIError(f"{where}: only text content parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise APIError(f"{where}: `content` must be a string or a list of text parts", param="messages")
-
-
 # Message fields a chat template reads as text.
 MESSAGE_STRINGS = ("name", "tool_call_id", "reasoning_content", "reasoning")
 # apply_chat_template's own arguments and what it renders the template with: a `chat_template_kwargs`
@@ -320,7 +303,10 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise APIError(f"messages[{i}]: unknown role {m['role']!r}", param="messages")
         msg = dict(m)
         msg["role"] = "system" if m["role"] == "developer" else m["role"]
-        msg["content"] = _content_text(m.get("content"), f"messages[{i}]")
+        try:
+            msg["content"] = message_content(m.get("content"), f"messages[{i}]")
+        except ContentError as e:
+            raise APIError(str(e), param="messages") from None
         for key in MESSAGE_STRINGS:
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise APIError(f"messages[{i}].{key} must be a string, got {show(m[key])}", param="messages")

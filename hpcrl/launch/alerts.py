@@ -32,6 +32,11 @@ _PER_ROLLOUT = re.compile(r"^rollout \d+ errored: ")
 # at start-up, then a frozen server, are two stalls with one recovery text).
 _STALL = re.compile(r": no progress for \d")
 _RECOVERY = re.compile(r": moving again ")
+# So are a write the filesystem refused and the write going through (hpcrl.storage): each time a
+# role's storage is refused again after it cleared (a disk full twice in a run), its line is printed,
+# with its own figures, however often the same text came before.
+_REFUSED = re.compile(r": cannot write .+; retrying in ")
+_WROTE = re.compile(r": wrote .+ after \d+ s \(it was: ")
 
 
 def role_logs(paths: RunPaths) -> list[Path]:
@@ -66,6 +71,7 @@ class Alerts:
 
     seen: dict[str, Seen] = field(default_factory=dict)
     stall_shown: dict[str, bool] = field(default_factory=dict)  # role -> its latest stall was printed
+    refused: set[str] = field(default_factory=set)  # roles with a refused write not yet cleared
 
     def see(self, rec: Record) -> str | None:
         """The line to print now for `rec` (None: not a warning, or a repeat not due)."""
@@ -85,10 +91,18 @@ class Alerts:
         s.last = clock
         line = s.line if s.count == 1 else f"{s.line} (x{s.count})"
         due = s.count == 1 or _next_mark(s.count)
+        who = role or "?"
+        own = f"{clock} {level} [{who}] {_cut(message)}"  # this one, with its own figures
         if _STALL.search(message):
-            self.stall_shown[role or "?"] = due
-        elif _RECOVERY.search(message) and self.stall_shown.pop(role or "?", False) and not due:
-            return f"{clock} {level} [{role or '?'}] {_cut(message)}"  # this one, with its own figures
+            self.stall_shown[who] = due
+        elif _RECOVERY.search(message) and self.stall_shown.pop(who, False) and not due:
+            return own
+        elif _REFUSED.search(message) and who not in self.refused:  # refused again after it cleared
+            self.refused.add(who)
+            return line if due else own
+        elif _WROTE.search(message) and who in self.refused:
+            self.refused.discard(who)
+            return line if due else own
         return line if due else None
 
     def summary(self) -> list[str]:

@@ -50,6 +50,7 @@ def role_checks(cfg: Config | SFTConfig) -> list[str]:
     """Every role check of a loaded config; returns the notes to print at start."""
     trainer_precision(cfg, on_gpu=True)
     custom_impl(cfg)
+    ac_targets(*trainer_model(cfg))
     notes: list[str] = []
     if isinstance(cfg, Config):
         _renderer(cfg.orchestrator.renderer, cfg.model.name, "orchestrator.renderer")
@@ -131,6 +132,9 @@ def _ep_needs_custom(model: TrainerModelConfig, field: str) -> None:
     from hpcrl.models import registry
     from hpcrl.models.arch import local_config
 
+    if getattr(model, "vlm", None) is not None:
+        _vl_ep(model, field, local_config(model.name))
+        return
     why = "impl = 'hf'" if model.impl == "hf" else "LoRA" if model.lora is not None else None
     if why is None and model.attn == "flash_attention_2":  # only transformers runs it (pick_impl)
         why = "attn = 'flash_attention_2'"
@@ -144,6 +148,20 @@ def _ep_needs_custom(model: TrainerModelConfig, field: str) -> None:
             f"{field}.ep",
             f"{model.ep} needs hpcrl's own MoE implementation (impl = 'custom' or 'auto'), "
             f"which does not run {why}; use ep = 1",
+        )
+
+
+def _vl_ep(model: TrainerModelConfig, field: str, config: dict | None) -> None:
+    """[vlm] with ep > 1: transformers' VL class with hpcrl's expert-parallel MoE blocks
+    (hpcrl.models.vlm_moe), any impl or LoRA; the model type checked where config.json is local."""
+    from hpcrl.models.registry import VL_MOE_TYPES as MODEL_TYPES
+
+    model_type = None if config is None else str(config.get("model_type", ""))
+    if model_type is not None and model_type not in MODEL_TYPES:
+        raise ConfigError(
+            f"{field}.ep",
+            f"{model.ep} with [vlm] runs hpcrl's MoE in {', '.join(MODEL_TYPES)} only, not {model_type!r}; "
+            "use ep = 1",
         )
 
 
@@ -167,6 +185,54 @@ def custom_impl(cfg: Config | SFTConfig) -> None:
         )
     except ConfigError as e:
         raise ConfigError(f"{field}.impl", e.message) from None
+
+
+def ac_targets(model: Any, field: str) -> None:
+    """Selective AC's targets and, with [vlm] on a VL MoE's swapped blocks, their layout
+    (hpcrl.models.vlm_moe) against transformers' model built on the meta device from a local
+    config.json, as the trainer's build checks them: refused here, not at the build. Only
+    transformers' builds ([vlm], impl 'hf', LoRA); a config it cannot build is left to the trainer."""
+    from hpcrl.models.arch import local_config
+
+    ac, vlm, lora = getattr(model, "ac", None), getattr(model, "vlm", None), model.lora
+    swap = vlm is not None and (model.ep > 1 or (lora is not None and "experts" in lora.target_modules))
+    selective = ac is not None and ac.mode == "selective"
+    if not swap and not (selective and (vlm is not None or model.impl == "hf" or lora is not None)):
+        return
+    config = local_config(model.name)
+    if config is None:
+        return
+    import torch
+    import transformers
+
+    from hpcrl.models.parallelize import decoder_layers
+    from hpcrl.trainer.memory_savers import selective_modules
+
+    try:
+        raw = {k: v for k, v in config.items() if k != "model_type"}
+        hf = transformers.AutoConfig.for_model(str(config.get("model_type", "")), **raw)
+        auto = (
+            transformers.AutoModelForImageTextToText if vlm is not None else transformers.AutoModelForCausalLM
+        )
+        with torch.device("meta"):
+            built = auto.from_config(hf)
+    except Exception:  # noqa: BLE001 - not buildable here (remote code, an unknown type): the trainer checks
+        return
+    if swap:  # the blocks' layout as the trainer's swap reads it (transformers >= 5)
+        from hpcrl.models.vlm_moe import swap_moe_blocks
+
+        swap_moe_blocks(built, f"{field}.ep" if model.ep > 1 else f"{field}.lora.target_modules")
+    if not selective:
+        return
+    layers = decoder_layers(built)
+    have = {t for layer in layers[:: ac.freq] for t, mods in selective_modules(layer).items() if mods}
+    missing = [t for t in ac.targets if t not in have]
+    if layers and missing:
+        raise ConfigError(
+            f"{field}.ac.targets",
+            f"{missing} name nothing in {type(layers[0]).__name__} (this model's layers have: "
+            f"{', '.join(sorted(have))})",
+        )
 
 
 # -- the trainer's precision ------------------------------------------------------------------------

@@ -429,5 +429,17 @@ def run_local(loaded: Loaded, placement: Placement) -> int:
 
     if cfg.log.plots:
         report_plots(paths)  # also after a failure: the plots show how far it got
+    ended(paths, code, line)
     print(line, file=sys.stderr if code else sys.stdout, flush=True)
     return code
+
+
+def ended(paths: RunPaths, code: int, line: str) -> None:
+    """The run's last line in its job file: `hpcrl status` names what ended it (a role killed, its
+    cause) after the console is gone. A job file that cannot be written is only the status's loss."""
+    from hpcrl.launch.manage import read_job, write_job
+
+    try:
+        write_job(paths, {**read_job(paths), "ended": line, "exit_code": code})
+    except OSError:
+        pass

@@ -64,6 +64,7 @@ def status(argv: list[str]) -> int:
     lines = [
         f"run:          {paths.root}",
         f"job:          {job.get('target', 'unknown')} {job.get('job_id', job.get('pid', ''))} -> {job_state(job)}",
+        *([f"ended:        {job['ended']} (exit {job.get('exit_code')})"] if job.get("ended") else []),
         f"trained:      step {max(trainer_steps) if trainer_steps else 0}",
         f"reward:       {orch[-1]['reward/all/mean']:.3f} (step {orch[-1]['step']})"
         if orch

@@ -93,6 +93,7 @@ from hpcrl.launch.memory_sync import (  # noqa: F401 (re-exported: host_memory, 
 )
 from hpcrl.launch.memory_units import BYTES, GIB, MIB, SHORT, Item  # noqa: F401 (re-exported)
 from hpcrl.launch.memory_units import count as _count
+from hpcrl.launch.memory_vision import expert_lora_params, vlm_rows
 from hpcrl.models.arch import Arch, find_arch
 from hpcrl.models.rules import check_ep, ep_groups
 
@@ -487,6 +488,8 @@ def trainer_kw(
     columns = -(-arch.vocab // cp) if vp and cp > 1 else arch.vocab
     ac_cfg, chunk = getattr(model, "ac", None), model_chunk_tokens(model, columns)
     lora = lora_param_count(arch, lora_cfg.rank, lora_cfg.target_modules) if lora_cfg else 0
+    if lora and getattr(model, "vlm", None) is not None:  # LoRA on a VL MoE's stacked experts too
+        lora += expert_lora_params(arch, lora_cfg)
     kw: dict[str, Any] = dict(
         ranks=ranks, ep=ep, cp=cp, tokens=tokens,
         compute=prec.compute, master=prec.master, reduce=prec.reduce, optimizer=optimizer,
@@ -531,6 +534,8 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
     )  # fmt: skip
     trainer = trainer_items(arch, ac=ac, **kw)
     other = next(i.gib for i in trainer_items(arch, ac=not ac, **kw) if i.name == "activations")
+    vlm_rows(trainer, arch, getattr(model, "vlm", None), kw, name=model.name or cfg.model.name,
+             seq_len=cfg.seq_len, states=OPTIMIZER_STATES.get(kw["optimizer"], 0))  # [model.vlm]  # fmt: skip
     idtype = getattr(cfg.inference.model, "dtype", None) or cfg.model.dtype
     idtype = idtype if idtype in BYTES else "bfloat16"  # auto: bf16 on GPU
     util = cfg.inference.gpu_memory_utilization
@@ -544,26 +549,15 @@ def plan_for(cfg: Config, placement: Placement, on_gpu: bool = True) -> MemoryPl
     )  # fmt: skip
     parallel = f"FSDP {ranks}" + (f", ep {ep}" if ep > 1 else "") + (f", cp {cp}" if cp > 1 else "")
     head = f"{ranks} ranks, {parallel}; {SHORT[prec.compute]} compute, {SHORT[prec.master]} master"
+    local = cfg.deployment.num_train_gpus is not None or placement.target == "local"
     return MemoryPlan(
-        model=model.name or cfg.model.name or "",
-        arch=arch,
-        trainer=trainer,
-        trainer_head=head,
-        ac=ac,
-        ac_other_gib=other,
-        inference=infer,
+        model=model.name or cfg.model.name or "", arch=arch, trainer=trainer, trainer_head=head, ac=ac,
+        ac_other_gib=other, inference=infer,
         inference_head=f"tp {tp}, {SHORT[idtype]}{_quant(cfg)}, gpu_memory_utilization {util:g}",
-        kv_tokens=kv_tokens,
-        max_model_len=cfg.inference.max_model_len or cfg.seq_len,
-        ep_lines=ep_text,
-        receive=receive,
-        utilization=util,
-        ranks_field=(
-            "deployment.num_train_gpus"
-            if cfg.deployment.num_train_gpus is not None or placement.target == "local"
-            else "deployment.num_train_nodes"
-        ),
-    )
+        kv_tokens=kv_tokens, max_model_len=cfg.inference.max_model_len or cfg.seq_len, ep_lines=ep_text,
+        receive=receive, utilization=util,
+        ranks_field="deployment.num_train_gpus" if local else "deployment.num_train_nodes",
+    )  # fmt: skip
 
 
 def _quant(cfg: Config) -> str:

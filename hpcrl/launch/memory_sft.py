@@ -17,8 +17,10 @@ tower's blocks, even where the tower has more: Qwen2-VL-7B's and Qwen2.5-VL-7B's
                   model.vlm.freeze_vision_encoder = false also its gradients, V / N x master bytes,
                   and optimizer state, V / N x master bytes x the optimizer's states (as the text
                   model's rows count them; 0 with the optimizer on the host)
-Not counted: the images' activations (the vision tower's, per patch of each micro-batch's images),
-nor a trained tower's unsharded gradients before their reduce-scatter at the end of the backward.
+and an "images" row adds the tower's activations for one micro-batch's images (patches from the
+image processor's max_pixels and seq_len; saved for the backward when the tower trains, only the
+forward's peak when frozen: hpcrl.launch.memory_vision, where the arithmetic is). Not counted: a
+trained tower's unsharded gradients before their reduce-scatter at the end of the backward.
 
 The evaluations' server (`hpcrl eval`'s own, started by rank 0 at each due step, beside training):
 prime-rl puts it on deployment.num_infer_gpus GPUs (default 1) of its own beside
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING
 from hpcrl.errors import ConfigError
 from hpcrl.launch.memory_plan import OPTIMIZER_STATES, check_trainer, trainer_items, trainer_kw
 from hpcrl.launch.memory_sync import inference_items
-from hpcrl.launch.memory_units import BYTES, GIB, SHORT, Item
+from hpcrl.launch.memory_units import BYTES, SHORT, Item
 from hpcrl.launch.memory_units import count as _count
 from hpcrl.models.arch import Arch, find_arch
 
@@ -87,7 +89,7 @@ class SFTMemoryPlan:
     ac: bool
     ac_other_gib: float
     server: EvalServer | None
-    vision_trained_gib: float = 0.0  # a trained vision encoder's gradients + optimizer state
+    vision_trained_gib: float = 0.0  # a trained vision encoder's gradients + optimizer state + saved images
 
     @property
     def trainer_gib(self) -> float:
@@ -117,7 +119,7 @@ class SFTMemoryPlan:
             raise ConfigError(
                 e.path,
                 f"{e.message}; model.vlm.freeze_vision_encoder = true saves the vision encoder's "
-                f"gradients and optimizer state ({self.vision_trained_gib:.1f} GiB)",
+                f"gradients, optimizer state and saved image activations ({self.vision_trained_gib:.1f} GiB)",
             ) from None
         s = self.server
         if s is None:
@@ -212,10 +214,12 @@ def sft_plan(cfg: SFTConfig, gpus: SFTGpus, limit_gib: float | None = None) -> S
     ac = getattr(cfg.model, "ac", None) is not None
     trainer = trainer_items(arch, ac=ac, **kw)
     other = next(i.gib for i in trainer_items(arch, ac=not ac, **kw) if i.name == "activations")
-    vision, trained = vision_item(arch, getattr(cfg.model, "vlm", None), kw)
-    if vision is not None:  # beside what the text model gathers
-        at = next(n for n, i in enumerate(trainer) if i.name == "gathered") + 1
-        trainer.insert(at, vision)
+    from hpcrl.launch.memory_vision import vlm_rows
+
+    trained = vlm_rows(
+        trainer, arch, getattr(cfg.model, "vlm", None), kw, name=cfg.model.name,
+        seq_len=cfg.data.seq_len or cfg.seq_len, states=OPTIMIZER_STATES.get(kw["optimizer"], 0),
+    )  # fmt: skip
     server = None
     if cfg.eval is not None:
         inf = cfg.eval.inference
@@ -239,32 +243,6 @@ def sft_plan(cfg: SFTConfig, gpus: SFTGpus, limit_gib: float | None = None) -> S
         trainer_head=f"{ranks} ranks, {parallel}; {SHORT[prec.compute]} compute, {SHORT[prec.master]} master",
         ac=ac, ac_other_gib=other, server=server, vision_trained_gib=trained,
     )  # fmt: skip
-
-
-def vision_item(arch: Arch, vlm: object, kw: dict) -> tuple[Item | None, float]:
-    """The "vision encoder" row of a trainer rank (see the module docstring) and what freezing the
-    encoder would save (0 when frozen); (None, 0) without [model.vlm] or a counted vision tower.
-    `kw`: trainer_kw's arguments (ranks, dtypes, optimizer)."""
-    v = arch.vision_params
-    if vlm is None or not v:
-        return None, 0.0
-    ranks, master, compute = kw["ranks"], kw["master"], kw["compute"]
-    shard = v / ranks * BYTES[master] / GIB
-    gathered = v * BYTES[compute] / GIB
-    frozen = bool(getattr(vlm, "freeze_vision_encoder", True))
-    moments = 0 if kw.get("optimizer_on_host") else OPTIMIZER_STATES.get(kw["optimizer"], 0)
-    trained = 0.0 if frozen else shard * (1 + moments)
-    dtype = SHORT[master] if master == compute else "mixed"
-    how = (
-        "frozen: no gradients, no optimizer state"
-        if frozen
-        else f"trained: + gradients + {moments} optimizer state(s) of the shard"
-    )
-    note = (
-        f"{_count(v)} / {ranks} ranks ({SHORT[master]}) + gathered whole ({SHORT[compute]}, FSDP root "
-        f"group); {how}; image activations not counted"
-    )
-    return Item("vision encoder", dtype, shard + gathered + trained, note), trained
 
 
 def local_gpus(cfg: SFTConfig, visible: int) -> SFTGpus:

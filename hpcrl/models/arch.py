@@ -150,6 +150,23 @@ _VISION: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+def vision_config(c: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(family, the vision config with transformers' defaults filled in) of a config.json dict; None
+    without a vision_config of a family in _VISION."""
+    v = c.get("vision_config")
+    if not isinstance(v, dict):
+        return None
+    mt = str(c.get("model_type") or "")
+    if mt not in _VISION:  # a bare vision config, or an old Qwen2-VL one that names its parent
+        mt = str(v.get("model_type") or "").removesuffix("_vision")
+    if mt not in _VISION:
+        return None
+    family, defaults = _VISION[mt]
+    g = {**defaults, **{k: x for k, x in v.items() if x is not None}}
+    g.setdefault("in_channels", g.get("in_chans", 3))
+    return family, g
+
+
 def vision_param_count(c: dict[str, Any]) -> int:
     """Parameters of a config.json's vision encoder (`vision_config`; 0 without one, or for a family
     not in _VISION), module by module as transformers builds it (tests/unit/test_arch_vision.py
@@ -162,17 +179,10 @@ def vision_param_count(c: dict[str, Any]) -> int:
                     Qwen3-VL adds one per deepstack index, its norm over H
     E: the vision width (Qwen2-VL: embed_dim; its hidden_size is O), I: the MLP width (Qwen2-VL:
     E x mlp_ratio)."""
-    v = c.get("vision_config")
-    if not isinstance(v, dict):
+    found = vision_config(c)
+    if found is None:
         return 0
-    mt = str(c.get("model_type") or "")
-    if mt not in _VISION:  # a bare vision config, or an old Qwen2-VL one that names its parent
-        mt = str(v.get("model_type") or "").removesuffix("_vision")
-    if mt not in _VISION:
-        return 0
-    family, defaults = _VISION[mt]
-    g = {**defaults, **{k: x for k, x in v.items() if x is not None}}
-    g.setdefault("in_channels", g.get("in_chans", 3))
+    family, g = found
     qwen2 = family == "qwen2_vl"
     e = int(g["embed_dim"] if qwen2 else g["hidden_size"])
     out = int(g["hidden_size"] if qwen2 else g["out_hidden_size"])
@@ -290,20 +300,22 @@ def _hf_cache(name: str, cache_dir: str | None) -> Arch | None:
     return None if path is None else _read(path, f"config.json in the HF cache ({name.partition('@')[0]})")
 
 
-def local_config(name: str | None, cache_dir: str | None = None) -> dict[str, Any] | None:
-    """The config.json dict of a model directory or a Hub id in the HF cache (None: neither; a
-    built-in tiny model's once built). Never downloads."""
+def local_config(
+    name: str | None, cache_dir: str | None = None, filename: str = "config.json"
+) -> dict[str, Any] | None:
+    """The config.json dict (or `filename`'s: preprocessor_config.json) of a model directory or a Hub
+    id in the HF cache (None: neither; a built-in tiny model's once built). Never downloads."""
     if not name:
         return None
     if os.path.isdir(name):
-        return _json(Path(name) / "config.json")
+        return _json(Path(name) / filename)
     from hpcrl.models import resolve
     from hpcrl.models.names import BUILTIN_MODELS
 
     if name in BUILTIN_MODELS:
-        return _json(resolve.cache_root() / "models" / name / "config.json")
+        return _json(resolve.cache_root() / "models" / name / filename)
     path = _cached_config(name, cache_dir)
-    return None if path is None else _json(path)
+    return None if path is None else _json(path.with_name(filename))
 
 
 def find_arch(name: str | None, cache_dir: str | None = None) -> Arch | None:

@@ -20,6 +20,9 @@ from typing import Any
 from hpcrl.errors import ConfigError
 
 FAMILIES = {"qwen3": "hpcrl.models.qwen3", "qwen3_moe": "hpcrl.models.qwen3"}
+# transformers' vision-language MoE classes whose MoE blocks hpcrl's expert-parallel MoE replaces
+# ([model.vlm] with ep > 1: hpcrl.models.vlm_moe)
+VL_MOE_TYPES = ("qwen3_vl_moe", "qwen3_5_moe")
 
 
 def config_of(path: str | Path) -> dict[str, Any]:

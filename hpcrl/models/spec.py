@@ -72,8 +72,14 @@ class ModelSpec:
         from hpcrl.models.parallelize import parallelize
 
         experts: set = set()
+        apply_ep = self.apply_ep
+        if ep > 1 and apply_ep is None:  # transformers' VL MoE with hpcrl's MoE blocks (models.vlm_moe)
+            from hpcrl.models.vlm_moe import has_swapped_moe
+
+            if has_swapped_moe(model):
+                from hpcrl.models.qwen3.parallelize import apply_ep
         if ep > 1:
-            if self.apply_ep is None:
+            if apply_ep is None:
                 from hpcrl.errors import ConfigError
 
                 raise ConfigError(
@@ -81,7 +87,7 @@ class ModelSpec:
                     f"{ep} needs the custom implementation of a MoE model "
                     f"(impl = 'custom' or 'auto'; this run uses transformers')",
                 )
-            experts = self.apply_ep(model, ep, device, param_dtype, reduce_dtype)
+            experts = apply_ep(model, ep, device, param_dtype, reduce_dtype)
         return parallelize(
             model,
             param_dtype=param_dtype,
@@ -262,6 +268,12 @@ def build(
 
     lora = lora_of(model_cfg)
     registry.refuse_lora_on_custom(model_cfg.impl, lora is not None)  # before a warm start drops `lora`
+    if lora is not None and getattr(model_cfg, "vlm", None) is not None and "experts" in lora.target_modules:
+        import dataclasses  # a VL MoE's stacked experts: hpcrl.models.vlm_moe's LoRA, not peft's
+
+        lora = dataclasses.replace(
+            lora, target_modules=tuple(t for t in lora.target_modules if t != "experts")
+        )
     from_rank0 = meta_init and mesh.world > 1
     on_meta = from_rank0 and mesh.rank != 0
     device = mesh.device

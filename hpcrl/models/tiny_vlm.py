@@ -4,6 +4,8 @@ plus Qwen-VL's vision tokens, a 2-layer text model, a 1-block vision encoder, an
 (the image processor's preprocessor_config.json, the tokenizer with its chat template).
 
     build_tiny_vlm(out_dir, seed=0) -> Path
+    build_tiny_vlm(out_dir, seed=0, moe=True) -> Path   # Qwen3-VL-MoE: 8 experts, top-2, every layer
+
 
 The chat template renders an image part as Qwen-VL's do (``<|vision_start|><|image_pad|><|vision_end|>``);
 the processor expands ``<|image_pad|>`` to one token per merged 32 x 32 patch.
@@ -32,13 +34,16 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a tiny Qwen3-VL directory (config, weights, tokenizer, processor) to ``out_dir``."""
+def build_tiny_vlm(out_dir: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """Write a tiny Qwen3-VL directory (config, weights, tokenizer, processor) to ``out_dir``;
+    ``moe``: a Qwen3-VL-MoE (model_type qwen3_vl_moe, every text layer a sparse MoE block)."""
     import torch
     from tokenizers import AddedToken
     from transformers import (
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -50,8 +55,16 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
     )
     tok.chat_template = VLM_CHAT_TEMPLATE
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    cfg = Qwen3VLConfig(
-        text_config=_text_config(len(tok), tok),
+    text = _text_config(len(tok), tok)
+    if moe:  # E = 8 experts of width 32, top-2 (softmax, renormalized: transformers' router)
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    config_cls, model_cls = (
+        (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+        if moe
+        else (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+    )
+    cfg = config_cls(
+        text_config=text,
         vision_config=dict(
             depth=1,
             hidden_size=32,
@@ -71,7 +84,11 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(cfg)
+    model = model_cls(cfg)
+    if moe:  # transformers initialises the stacked experts and the router to zeros / empty: N(0, 0.02)
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+                torch.nn.init.normal_(p, std=0.02)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -70,6 +70,7 @@ class Progress:
         self.named_at: float | None = None  # seconds of no progress when it was named (measured)
         self._seen_requests: set[str] = set()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # nudge(): write the progress file now
         self._poll = poll_s if poll_s is not None else max(0.2, min(2.0, bound_s / 10 if bound_s else 2.0))
         threading.Thread(target=self._watch, name="hpcrl-progress", daemon=True).start()
 
@@ -93,8 +94,13 @@ class Progress:
     def done(self) -> None:
         self.on = None
 
+    def nudge(self) -> None:
+        """Write the progress file at once (not at the next refresh): `hpcrl status` shows it now."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     # -- the thread ------------------------------------------------------------------------------
     def bound(self) -> float:
@@ -105,7 +111,13 @@ class Progress:
 
     def _watch(self) -> None:
         next_write, before = 0.0, time.monotonic()
-        while not self._stop.wait(self._poll):
+        while True:
+            self._wake.wait(self._poll)
+            if self._stop.is_set():
+                return
+            if self._wake.is_set():
+                self._wake.clear()
+                next_write = 0.0
             try:
                 now = time.monotonic()
                 if now - before > max(SELF_FROZEN_S, 5 * self._poll):
@@ -261,10 +273,23 @@ def start(role: str, progress_dir: Path | None, stalls_dir: Path | None, bound_s
     if _current is not None:
         _current.stop()
     _current = Progress(role, progress_dir, stalls_dir, bound_s)
-    from hpcrl import storage  # a write the storage policy retries shows in the stall line
+    from hpcrl import storage  # a write the storage policy retries shows in the stall line and in status
 
-    storage.report_to(waiting, done)
+    storage.report_to(_storage_waiting, _storage_done)
     return _current
+
+
+def _storage_waiting(on: str) -> None:
+    """A refused write (hpcrl.storage): what the role waits on, in its progress file at once."""
+    waiting(on)
+    if _current is not None:
+        _current.nudge()
+
+
+def _storage_done() -> None:
+    done()
+    if _current is not None:
+        _current.nudge()
 
 
 def current() -> Progress | None:

@@ -20,6 +20,7 @@ import numpy as np
 from hpcrl.bus import TrainBatch
 from hpcrl.orchestrator.algo import Credit
 from hpcrl.orchestrator.buffer import Buffer
+from hpcrl.orchestrator.images import DROP, SampleImages, sample_images
 from hpcrl.orchestrator.packing import PackStats, Sample, pack_for_ranks
 from hpcrl.orchestrator.state import GroupRecord
 
@@ -98,10 +99,12 @@ def to_samples(
     temperature: float,
     buffer: Buffer,
     counts: StepCounts,
+    images: SampleImages | None = None,
 ) -> list[Sample]:
     """Samples of the usable rollouts, sorted by (env, example_id, rollout index, piece) so the packing
     never depends on completion order. A rollout older than the bound is dropped (counted): batch
-    `step` is trained by the update from policy step-1, so its lag is (step-1) - policy_version."""
+    `step` is trained by the update from policy step-1, so its lag is (step-1) - policy_version.
+    `images`: a vision-language model's image processor (pieces with images carry their tensors)."""
     rows = [(g, r) for g in groups for r in g.rollouts if not r.errored and r.pieces]
     keep = buffer.filter_stale([r.policy_version for _, r in rows], step - 1) if rows else np.zeros(0, bool)
     counts.stale_dropped += int(len(rows) - keep.sum())
@@ -110,6 +113,9 @@ def to_samples(
         if not k:
             continue
         for p_i, p in enumerate(r.pieces):
+            mm = sample_images(images, p, f"{g.env} example {g.example_id} rollout {r.index}")
+            if mm is DROP:
+                continue
             s = Sample(
                 input_ids=np.asarray(p.input_ids, dtype=np.int32),
                 loss_mask=np.asarray(p.loss_mask, bool),
@@ -125,10 +131,18 @@ def to_samples(
                 else np.asarray(p.teacher_logprobs, dtype=np.float32),
                 routed_experts=None if p.routed_experts is None else np.asarray(p.routed_experts, np.int16),
                 ce_weights=None if p.ce_weights is None else np.asarray(p.ce_weights, dtype=np.float32),
+                mm=mm,
+                image_end=0 if mm is None else _image_end(p.input_ids, images),
             )
             samples.append(((g.env, g.example_id, r.index, p_i), s))
     samples.sort(key=lambda kv: kv[0])
     return [s for _, s in samples]
+
+
+def _image_end(input_ids: list[int], images: SampleImages | None) -> int:
+    assert images is not None
+    where = np.flatnonzero(np.asarray(input_ids) == images.vision.image_id)
+    return int(where[-1]) + 1 if len(where) else 0
 
 
 def build_batches(
@@ -178,6 +192,10 @@ def unpack_samples(batch: TrainBatch) -> list[Sample]:
                 ce_weights=None
                 if batch.ce_weights is None or not np.any(batch.ce_weights[a:b])
                 else batch.ce_weights[a:b],
+                mm=None
+                if batch.images is None or not batch.images.images_per_sample[i]
+                else batch.images.sample(i),
+                image_end=int(b - a),  # it fitted when packed: keep it whole
             )
         )
     return out

@@ -4,6 +4,7 @@ client a group-run environment shares among its rollouts."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hashlib
 import logging
@@ -12,6 +13,7 @@ from typing import Any
 
 from hpcrl.envs.base import Message, Turn
 from hpcrl.inference.routed import completion_rows, prompt_rows
+from hpcrl.models.vision_inputs import image_refs
 from hpcrl.orchestrator.env_roles import template_env_ids
 from hpcrl.orchestrator.pool import RequestFailed, ServerPool
 from hpcrl.orchestrator.stitching import encode, env_response_text, render, stitch_prompt, template_kwargs
@@ -64,6 +66,7 @@ class ConversationClient:
         self.prev: Turn | None = None
         self.turn = 0
         self.env_roles = False  # record each env-provided token's message role (echo): Turn.env_roles
+        self.images: Any = None  # [model.vlm]: hpcrl.orchestrator.images.SampleImages (prompt lengths)
 
     def continues(self, messages: list[Message]) -> bool:
         """Whether `messages` extend this conversation's previous turn."""
@@ -72,6 +75,15 @@ class ConversationClient:
             and self.history is not None
             and messages[: len(self.history)] == self.history
         )
+
+    async def image_tokens(self, messages: list[Message]) -> int:
+        """Tokens the server adds to the template's rendering when it expands each image's one
+        placeholder token to the image's merged patches (0 for a text conversation). The image
+        processor runs in a worker thread: never on the event loop."""
+        refs = image_refs(messages)
+        if not refs or self.images is None:
+            return 0
+        return await asyncio.to_thread(self.images.extra_tokens, refs)
 
     def request_body(self, sampling: Mapping[str, Any], prompt_len: int) -> dict[str, Any] | None:
         """The request's sampling fields with this turn's seed and max_tokens capped to the room left
@@ -127,7 +139,9 @@ class RolloutClient(ConversationClient):
         kw = template_kwargs(sampling)
         ids = None
         roles = None
-        if self.continues(messages):
+        # images go with the messages (the server expands their tokens): no token-id prompt for them
+        images = bool(image_refs(messages))
+        if self.continues(messages) and not images:
             assert self.prev is not None and self.history is not None
             got = env_response_text(
                 self.tokenizer, self.history, messages, tools, self.prev.completion_token_ids, kw
@@ -140,13 +154,14 @@ class RolloutClient(ConversationClient):
                     env_ids = encode(self.tokenizer, got[0])
                 ids = stitch_prompt(self.prev.prompt_token_ids, self.prev.completion_token_ids, env_ids)
         rerendered = ids is None and self.turn > 0
-        if rerendered:
+        if rerendered and not images:
             log.debug("turn %d re-rendered by the chat template (no exact stitching)", self.turn)
             ids = encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw))
         prompt_len = (
             len(ids)
             if ids is not None
             else len(encode(self.tokenizer, render(self.tokenizer, messages, tools, True, kw)))
+            + await self.image_tokens(messages)
         )
         body = self.request_body(sampling, prompt_len)
         if body is None:  # the conversation filled seq_len: a truncated rollout, not an error
@@ -172,7 +187,8 @@ class RolloutClient(ConversationClient):
                 encode(
                     self.tokenizer, render(self.tokenizer, messages, tools, True, template_kwargs(sampling))
                 )
-            ),
+            )
+            + await self.image_tokens(messages),
         )
         if body is None:
             return [Turn("", [], [], [], [], finish_reason="length") for _ in range(n)]
@@ -217,6 +233,7 @@ class RolloutClient(ConversationClient):
             tool_calls=msg.get("tool_calls") or None,
             routed_experts=completion_rows(choice.get("routed_experts"), len(prompt_ids), len(ids)),
             prompt_routed_experts=prompt_rows(choice, len(prompt_ids)),
+            images=[str(r) for r in image_refs(messages)] or None,
         )
 
     async def _complete(self, ids: list[int], tools: list[dict] | None, body: dict[str, Any]) -> Turn:

@@ -111,3 +111,18 @@ def piece_env_roles(turns: Sequence[Any]) -> bytes | None:
         out += bytes(n - len(roles)) + roles
         out += bytes(len(t.completion_token_ids))
     return bytes(out)
+
+
+def branch_env_roles(turn: Any) -> bytes | None:
+    """Role codes over a branch sample of one turn (trajectory_strategy = "branching": the turn's
+    prompt, then its completion): its own env part (what the env said since the previous turn) takes
+    the turn's ``env_roles``, right-aligned at the end of its prompt; the rest is 0. The earlier env
+    parts of its prompt were weighed in the earlier turns' samples: as prime-rl trains a node its
+    branches share once, in the first branch holding it (trajectories._loss_weights), every env message
+    is weighed once per rollout, as in the stitched piece. None when no token has a role (a first turn,
+    a re-rendered one: its whole prompt is initial prompt)."""
+    n = len(turn.prompt_token_ids)
+    roles = bytes(turn.env_roles or b"")[-n:] if n > 0 else b""
+    if not any(roles):
+        return None
+    return bytes(n - len(roles)) + roles + bytes(len(turn.completion_token_ids))

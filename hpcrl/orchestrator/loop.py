@@ -373,6 +373,7 @@ class Orchestrator:
             self.orch_cfg.train.sampling.temperature,
             self.setup.buffer,
             counts,
+            images=self.setup.images,
         )
         kl_envs = self.setup.kl_as_advantage  # per-env opd / opsd in an rl run (algo.mixed)
         if kl_envs:

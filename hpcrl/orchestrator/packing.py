@@ -16,13 +16,14 @@ from typing import Any, Literal
 import numpy as np
 
 from hpcrl.balance import assign_to_ranks
+from hpcrl.bus.images import join_images
 from hpcrl.bus.messages import ROW_FIELDS, SAMPLE_FIELDS, TOKEN_FIELDS
 
 Overlong = Literal["truncate", "drop"]
 
 # What the orchestrator packs: every sample field of a TrainBatch (named once, on the bus) but the
 # reference logprobs, which the trainer computes itself.
-BATCH_KEYS = tuple(k for k in TOKEN_FIELDS + SAMPLE_FIELDS + ROW_FIELDS if k != "reference_logprobs")
+BATCH_KEYS = (*(k for k in TOKEN_FIELDS + SAMPLE_FIELDS + ROW_FIELDS if k != "reference_logprobs"), "images")
 
 
 @dataclass
@@ -41,6 +42,10 @@ class Sample:
     teacher_logprobs: np.ndarray | None = None  # float[L]
     routed_experts: np.ndarray | None = None  # int16[L, layers*k]: MoE router replay, -1 = none
     ce_weights: np.ndarray | None = None  # float[L]: echo's cross-entropy weight per token (0 = none)
+    # vision-language RL: (pixel_values float32 [P, D], image_grid_thw int32 [I, 3]) of its images, and
+    # the index after its last image token (a cut before it would orphan an image: the sample is dropped)
+    mm: tuple[np.ndarray, np.ndarray] | None = None
+    image_end: int = 0
 
     def __len__(self) -> int:
         return int(len(self.input_ids))
@@ -93,7 +98,7 @@ def _fit(samples: Sequence[Sample], seq_len: int, overlong: Overlong, stats: Pac
     for i, s in enumerate(samples):
         _check(s, i)
         if len(s) > seq_len:
-            if overlong == "drop":
+            if overlong == "drop" or (s.mm is not None and s.image_end > seq_len):
                 stats.num_dropped += 1
                 continue
             stats.num_truncated += 1
@@ -114,6 +119,8 @@ def _fit(samples: Sequence[Sample], seq_len: int, overlong: Overlong, stats: Pac
                 tlp,
                 routed,
                 ce,
+                s.mm,
+                s.image_end,
             )
         if len(s) == 0 or not (np.any(s.loss_mask) or (s.ce_weights is not None and np.any(s.ce_weights))):
             stats.num_dropped += 1
@@ -156,6 +163,7 @@ def _rank_batch(samples: list[Sample], with_teacher: bool) -> dict[str, Any]:
         )
         if any(s.ce_weights is not None for s in samples)
         else None,
+        "images": join_images([s.mm for s in samples]),
     }
 
 

@@ -273,6 +273,14 @@ class RemoteEnvironment(Environment):
         elif isinstance(msg, wire.Pong):
             if ident == server_ident(self.restarts):
                 self.pong_at = time.monotonic()
+                if msg.lost:  # its log refused (disk full, quota): said here, where the console reads
+                    log.warning(
+                        "env server for %s env %r (pid %s): %s",
+                        self.spec.kind,
+                        self.name,
+                        self.server.pid,
+                        msg.lost,
+                    )
         elif isinstance(msg, wire.WorkerDied):
             self._fail(self.router.gone(msg.ident.encode()), msg.why)
             # WARNING, not ERROR: survived; the launcher quotes a role's last ERROR line as why it ended

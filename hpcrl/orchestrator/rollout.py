@@ -268,6 +268,7 @@ class Generator:
             False  # clients record each env-provided token's role (echo; hpcrl.orchestrator.env_roles)
         )
         self._example_lock: asyncio.Lock | None = None
+        self.images: Any = None  # [model.vlm]: SampleImages, for image prompts' lengths (chat.py)
 
     def client_factory(self, *key: object) -> Callable[[int], RolloutClient]:
         def make(i: int) -> RolloutClient:
@@ -279,6 +280,7 @@ class Generator:
             else:
                 client = RolloutClient(self.pool, self.tokenizer, self.seq_len, seed, self.default_policy)
             client.env_roles = self.env_roles
+            client.images = self.images
             return client  # type: ignore[return-value]  (the same ChatClient protocol)
 
         return make

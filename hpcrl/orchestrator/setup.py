@@ -187,6 +187,7 @@ class Setup:
     train_gen: Generator | None = None
     eval_gen: Generator | None = None
     poller: Any = None  # hpcrl.orchestrator.concurrency.poller.Poller of the student servers
+    images: Any = None  # [model.vlm]: hpcrl.orchestrator.images.SampleImages (image tensors of samples)
 
     def fresh_state(self) -> OrchestratorState:
         o = self.cfg.orchestrator
@@ -242,6 +243,7 @@ class Setup:
         )
         # the message role of each env-provided token: only echo trains on them (a run without it
         # neither tokenizes with offsets nor keeps a byte per token)
+        self.eval_gen.images = self.train_gen.images = self.images  # [model.vlm]: image prompt lengths
         self.train_gen.env_roles = "echo" in {o.algo.type, *(e.algo.type for e in o.train.env if e.algo)}
         frozen = o.algo.frozen
         if frozen is not None:
@@ -474,7 +476,17 @@ def build(cfg: Config, paths: RunPaths) -> Setup:
     from hpcrl.orchestrator.causes import check_tools
 
     check_tools({**envs, **{e.env.name: e.env for e in eval_envs}}, renderers, tokenizer)
+    from hpcrl.orchestrator.images import SampleImages, load_vision
+
+    vision = load_vision(cfg, tokenizer)
+    if vision is not None and renderers is not None:
+        raise ConfigError(
+            "orchestrator.renderer.name",
+            f"{cfg.orchestrator.renderer.name!r} with [model.vlm]: a typed renderer samples token ids without "
+            "the images; image prompts go through the chat template (leave the renderer unset)",
+        )
     return Setup(
+        images=None if vision is None else SampleImages(vision),
         cfg=cfg,
         tokenizer=tokenizer,
         renderers=renderers,

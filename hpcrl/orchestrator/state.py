@@ -47,7 +47,11 @@ class Piece(msgspec.Struct, kw_only=True):
     # Per token: the message role of env-provided tokens of later turns (hpcrl.orchestrator.env_roles;
     # 0 elsewhere), None when none is attributed; echo turns them into ce_weights (algo.echo).
     env_roles: bytes | None = None  # one code a token
+    # A branch sample of a later turn (trajectory_strategy = "branching"): its prompt already holds
+    # the rollout's earlier replies, so its env tokens follow a model response (echo weighs them).
+    after_response: bool = False
     ce_weights: list[float] | None = None  # per token: echo's cross-entropy weight (0 = not trained)
+    images: list[str] | None = None  # the sequence's images in prompt order (data URLs): VLM RL
 
 
 class RolloutRecord(msgspec.Struct, kw_only=True):

@@ -21,7 +21,7 @@ from typing import Any
 
 from hpcrl.envs.base import Message, Trajectory, Turn, stitch_turns
 from hpcrl.orchestrator import routes
-from hpcrl.orchestrator.env_roles import piece_env_roles
+from hpcrl.orchestrator.env_roles import branch_env_roles, piece_env_roles
 from hpcrl.orchestrator.state import Piece, RolloutRecord
 from hpcrl.orchestrator.transcript import transcript_of
 
@@ -116,6 +116,8 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
     for seg in segments:
         whole = stitch_turns(seg)
         assert whole is not None
+        # echo: a branch sample's own env part (hpcrl.orchestrator.env_roles.branch_env_roles)
+        roles = branch_env_roles(seg[0]) if branching else piece_env_roles(seg)
         pieces.append(
             Piece(
                 input_ids=whole.input_ids.tolist(),
@@ -123,7 +125,9 @@ def pieces_from_turns(turns: Sequence[Turn], branching: bool = False) -> list[Pi
                 logprobs=whole.logprobs.tolist(),
                 routed_experts=None if w is None else routes.stitched_routes(seg, w, len(whole.input_ids)),
                 trace=seg[0].trace,
-                env_roles=piece_env_roles(seg),
+                env_roles=roles,
+                after_response=branching and roles is not None,
+                images=seg[-1].images,  # the last prompt holds every image of the sequence
             )
         )
     return pieces

@@ -55,6 +55,10 @@ def names_record(model: torch.nn.Module, dtype: str | torch.dtype | None) -> dic
             continue
         entry: dict[str, Any] = {"key": name, "hf": hf}
         lora = lora_keys(name, hf, scalings) if peft else None
+        if lora is None and peft and hf.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            from hpcrl.models.vlm_moe import expert_lora_of  # a VL MoE's stacked experts' LoRA
+
+            lora = expert_lora_of(model, name)
         if lora is not None:
             entry["lora"] = list(lora)
         if adapter is not None:
@@ -126,7 +130,7 @@ def checkpoint_tensors(
                     yield name, cast(saved.rows("model", key, i, 1)[0]).contiguous()
                 continue
             full = whole(key)
-            if "lora" in e:  # as hf_named_tensors merges: W + B @ A x scaling, in fp32
+            if "lora" in e:  # as hf_named_tensors merges: W + B @ A x scaling, in fp32 (stacked: per expert)
                 a_key, b_key, scaling = e["lora"]
                 a, b = whole(a_key), whole(b_key)
                 full = (full.float() + (b.float() @ a.float()) * scaling).to(full.dtype)

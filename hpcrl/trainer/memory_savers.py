@@ -61,13 +61,35 @@ def checkpoint_forward(module: nn.Module) -> None:
     module._hpcrl_checkpointed = True
 
 
+def checkpoint_vision_blocks(model: nn.Module, freq: int) -> str | None:
+    """[model.ac] (full mode) with a trained vision encoder ([model.vlm] freeze_vision_encoder =
+    false): every ``freq``-th block of the tower is checkpointed too (its longest ModuleList: the
+    blocks), as the language model's layers are; a frozen tower saves nothing to checkpoint. The
+    tower is the module hpcrl.trainer.sft_vlm.prepare_model marked. None: no trained tower."""
+    from hpcrl.models.parallelize import VISION_MARK
+
+    for tower in model.modules():
+        if not getattr(tower, VISION_MARK, False) or not any(p.requires_grad for p in tower.parameters()):
+            continue
+        lists = [m for m in tower.modules() if isinstance(m, nn.ModuleList)]
+        if not lists:
+            return None
+        blocks = max(lists, key=len)
+        chosen = [b for i, b in enumerate(blocks) if i % freq == 0]
+        for b in chosen:
+            checkpoint_forward(b)
+        return f"activation checkpointing: {len(chosen)} of {len(blocks)} vision encoder blocks (trained)"
+    return None
+
+
 def _is_moe(mlp: nn.Module | None) -> bool:
     return mlp is not None and hasattr(mlp, "experts")
 
 
 def selective_modules(layer: nn.Module) -> dict[str, list[nn.Module]]:
     """The modules each selective target names in one decoder layer ({} entries: the layer lacks them).
-    Qwen3 and Llama layers (transformers' and hpcrl's) have norm, attn_proj and mlp or routed_experts."""
+    Qwen3 and Llama layers (transformers' and hpcrl's) have norm, attn_proj and mlp or routed_experts;
+    Qwen3.5's linear-attention layers linear_attn."""
     attn = getattr(layer, "self_attn", None)
     mlp = getattr(layer, "mlp", None)
     norms = [m for m in layer.modules() if m is not layer and "norm" in type(m).__name__.lower()]
@@ -75,7 +97,15 @@ def selective_modules(layer: nn.Module) -> dict[str, list[nn.Module]]:
     if attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
         names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
         proj = [getattr(attn, n) for n in names if isinstance(getattr(attn, n, None), nn.Module)]
-    out: dict[str, list[nn.Module]] = {"norm": norms, "attn_proj": proj, "mla_up_proj": [], "linear_attn": []}
+    # linear_attn (prime-rl's meaning): the layer's token mixer other than full attention: Qwen3.5's
+    # gated delta net (layer.linear_attn), a mamba mixer, or a sliding-window layer's self_attn
+    mixer = getattr(layer, "linear_attn", None)
+    mixer = getattr(layer, "mamba", None) if mixer is None else mixer
+    if mixer is None and getattr(layer, "attention_type", None) == "sliding_attention":
+        mixer, proj = attn, []  # the whole attention: its projections are inside it
+    linear = [mixer] if isinstance(mixer, nn.Module) else []
+    out: dict[str, list[nn.Module]] = {"norm": norms, "attn_proj": proj, "mla_up_proj": []}
+    out["linear_attn"] = linear
     out["mlp"] = [mlp] if mlp is not None and not _is_moe(mlp) else []
     out["routed_experts"] = [mlp.experts] if _is_moe(mlp) else []
     return out

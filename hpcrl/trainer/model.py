@@ -91,6 +91,10 @@ def hf_named_tensors(
             a = _full(sd[f"{prefix}.lora_A.default.weight"]).detach()
             b = _full(sd[f"{prefix}.lora_B.default.weight"]).detach()
             full = (full.float() + (b.float() @ a.float()) * scalings[mod]).to(full.dtype)
+        elif hf.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # a VL MoE's expert LoRA
+            from hpcrl.models.vlm_moe import merge_lora
+
+            full = merge_lora(model, name, full, lambda k: _full(sd[k]).detach())
         if hf not in skip:
             yield hf, out(full)
 
@@ -121,6 +125,31 @@ def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return {k: _full(v).detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def adapter_sync(model: nn.Module) -> tuple[bool, str]:
+    """LoRA RL: may the policies after the first (full, merged) one travel as the adapter alone, and
+    why not. Not when the model has expert LoRA (hpcrl.models.vlm_moe: outside peft's adapter, so
+    only the merged weights carry it), nor when the adapter is already trained (a resume: the first
+    policy then holds W + s B_k A_k, and a server merging adapter k+1 onto it would apply both).
+    Collective under torch.distributed (every trainer rank calls it: they agree)."""
+    from hpcrl.models.vlm_moe import has_expert_lora
+
+    if has_expert_lora(model):
+        return False, "the stacked experts' LoRA is not in peft's adapter"
+    trained = any(
+        bool((p.to_local() if hasattr(p, "to_local") else p).detach().ne(0).any())
+        for n, p in model.named_parameters()
+        if ".lora_B." in n
+    )
+    flag = torch.tensor([float(trained)])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_backend() == "nccl":
+            flag = flag.cuda()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if flag.item():
+        return False, "the adapter is trained already (a resume): servers hold it merged"
+    return True, ""
 
 
 def adapter_config(model: nn.Module) -> dict[str, Any]:

@@ -6,6 +6,7 @@ policy bit-identical), but each rank yields only the rows it holds:
 - stacked experts (the custom MoE): this rank's experts (ep position, and its FSDP rows of them) under
   their per-expert HF names, each expert its own piece;
 - LoRA (peft): W's rows merged with B's same rows @ A (A is r x in: gathered, small), cast once;
+  a VL MoE's expert LoRA (hpcrl.models.vlm_moe): each held expert's W[e] + s B[e] @ A[e];
 - a plain (replicated) tensor: rank 0 only;
 - any other layout: gathered (every rank, in step) and sent by rank 0.
 Collective under FSDP: every rank must iterate to the end, in the same order.
@@ -64,6 +65,8 @@ def policy_pieces(model: nn.Module, rank: int, *, dtype: str | torch.dtype | Non
                 b_loc = b_got[0]
             merged = local.float() + (b_loc.float() @ a_full.float()) * lora[2]
             got = (merged.to(local.dtype), row0)
+        elif peft and hf.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # a VL MoE's expert LoRA
+            got = _expert_lora(model, sd, name, got)
         if got is None or hf in skip:
             continue
         local, row0 = got
@@ -113,3 +116,18 @@ def _lora_of(
 ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     keys = lora_keys(name, hf, scalings)
     return None if keys is None else (sd[keys[0]], sd[keys[1]], keys[2])
+
+
+def _expert_lora(model: nn.Module, sd: dict, name: str, got: Any) -> Any:
+    """This rank's rows of stacked experts with their LoRA merged (hpcrl.models.vlm_moe): A and B
+    gathered on every rank (collective, small: E x r x in / out), sliced to the rows held."""
+    from hpcrl.models.vlm_moe import expert_lora_of, merge_lora
+
+    found = expert_lora_of(model, name)
+    if found is None:
+        return got
+    whole = {k: _full(sd[k]).detach() for k in found[:2]}
+    if got is None:
+        return None
+    local, row0 = got
+    return merge_lora(model, name, local, whole.__getitem__, row0), row0

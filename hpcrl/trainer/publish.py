@@ -22,8 +22,11 @@ Delta sync (trainer.broadcast.delta): instead of the full weights, only the elem
 since the previous policy travel (hpcrl.weights.delta; broadcasts/step_N/delta.safetensors or the same
 tensors over the collective, `base_step` in PolicyReady). A full sync is sent first, every
 `full_every` policies, and whenever the delta would not be smaller.
-Once the orchestrator reports a dead server (RunPaths.weights_fallback_file) rank 0 switches to
-files for good, starting with a full sync: see hpcrl.orchestrator.policy.
+Once the orchestrator reports a dead server (RunPaths.weights_fallback_file) the trainer switches to
+files for good, starting with a full sync: see hpcrl.orchestrator.policy. With several trainer ranks
+they decide together, once per publish and before the gather (`_agree_on_transport`), so that every
+rank makes the same writes; a broadcast that fails (full weights or a LoRA adapter) is agreed on by
+every rank (`_relay`) and the same policy is then written as files, every rank taking part.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 from hpcrl import checkpoint
 from hpcrl.bus import Bus, BusError, PolicyReady, read_message
 from hpcrl.paths import RunPaths
-from hpcrl.trainer.model import hf_named_tensors
+from hpcrl.trainer.model import adapter_sync, hf_named_tensors
 from hpcrl.weights.checksum import payload_bytes, state_dict_checksum
 from hpcrl.weights.delta import DELTA_FILE, META_KEY, Delta, apply_delta, encode_delta
 
@@ -90,6 +93,7 @@ class PolicyPublisher:
         self._prev_checksum = ""
         self._last_full = -1
         self._adapter_base: int | None = None  # LoRA: the full policy the adapters apply to
+        self.adapters_travel = True  # LoRA: policies after the first travel as the adapter alone
         self.last_sync_bytes = 0  # `weights/sync_bytes` of the newest publish (rank 0)
         # Sharded publish (filesystem, full policies): every rank writes its own rows
         # (hpcrl.trainer.sharded_publish); `last_rank_bytes` is what this rank wrote.
@@ -97,6 +101,9 @@ class PolicyPublisher:
         self.shard_bucket_mb = shard_bucket_mb
         self.last_rank_bytes = 0
         self.storage_timeout_s = storage_timeout_s  # hpcrl.storage: how long a refused write is retried
+        # Rank 0's broadcast of a policy failed with several trainer ranks: its files, written once
+        # every rank has agreed (_relay), so that they all take part in the writes' storage agreement.
+        self._refile: Callable[[], None] | None = None
 
     def store(self, what: str, path: Path, write: Callable[[], T]) -> T:
         """`write()` (rank-local, no collective inside) under the storage policy: a write the
@@ -114,17 +121,30 @@ class PolicyPublisher:
 
         return write_together("trainer", what, path, write, self.storage_timeout_s, each_own=each_own)
 
+    def announce(self, step: int, msg: PolicyReady | None) -> None:
+        """PolicyReady of policy `step` on the bus (policy/step_N), written by rank 0 (`msg`; None on
+        the other ranks). Collective: every trainer rank calls it at the same point, so a write the
+        filesystem refuses is retried by all of them, which wait and end on the same line (no rank
+        left alone in the next collective: store_together)."""
+        write = (lambda: self.bus.write_policy(msg)) if msg is not None else (lambda: None)
+        self.store_together(f"policy step {step}", self.paths.policy_file(step), write)
+
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Collective over trainer ranks (FSDP gathers). Returns seconds spent; `last_sync_bytes` is what
         travelled (metric weights/sync_bytes)."""
         from hpcrl.models.load import is_peft_model
 
         # The first policy of a process goes in full (merged): the servers' base must be this trainer's
-        # base (a warm start changes it); after that only the adapter changes.
+        # base (a warm start changes it); after that only the adapter changes, unless the adapter
+        # cannot carry the change (hpcrl.trainer.model.adapter_sync): then every policy goes in full.
         if is_peft_model(model):
-            if self.base_sent:
+            if self.base_sent and self.adapters_travel:
                 return self._publish_adapter(model, step)
-            self._adapter_base = step
+            if not self.base_sent:
+                self.adapters_travel, why = adapter_sync(model)  # collective
+                self._adapter_base = step if self.adapters_travel else None
+                if not self.adapters_travel:
+                    log.info("LoRA: every policy is published in full (merged): %s", why)
         self.base_sent = True
         if self.sharded and (self.transport == "filesystem" or not self.delta):
             from hpcrl.trainer.sharded_publish import publish_collective, publish_sharded
@@ -135,27 +155,39 @@ class PolicyPublisher:
         t0 = time.perf_counter()
         collective = self.transport == "collective"
         if collective:
-            self._agree_on_transport()
-            collective = self.transport == "collective" or self.rank == 0
+            self._agree_on_transport()  # every rank switches together: all or none relay below
+            collective = self.transport == "collective"
         named = dict(hf_named_tensors(model, dtype=self.dtype))  # every rank iterates: shards are gathered
         if self.rank == 0:
             self.publish_named(named, step)
+        else:  # rank 0 alone writes; every rank takes part in each write's storage agreement
+            self._join_writes(step)
         if collective:
-            self._relay()
+            self._relay(step)
         return time.perf_counter() - t0
 
+    def _join_writes(self, step: int) -> None:
+        """A rank other than 0 in publish_named's writes, in their order: the files (filesystem), then
+        the announcement. Rank 0 writes; all retry, wait and end together (store_together)."""
+        if self.transport == "filesystem":
+            self.store_together(f"policy {step}", self.paths.broadcast_dir(step), lambda: None)
+        self.announce(step, None)
+
     def _agree_on_transport(self) -> None:
-        """Every trainer rank is in the weight group: all switch to files when rank 0 does."""
+        """Every trainer rank is in the weight group: all switch to files when rank 0 does (rank 0
+        too, here: every rank then knows which writes this publish makes)."""
         from hpcrl.trainer.sharded_publish import _decide
 
-        if _decide(self) == "filesystem" and self.rank != 0:
+        if _decide(self) == "filesystem":
             self._fall_back_to_files()
 
-    def _relay(self) -> None:
+    def _relay(self, step: int, files: Callable[[], None] | None = None) -> None:
         """Collective transport, an update that rank 0 alone sends (the gathered path, a LoRA adapter):
         every other trainer rank is a member of the weight group and takes part in its header. Afterwards all
-        ranks agree whether it failed somewhere; if so the later policies travel as files."""
-        from hpcrl.trainer.sharded_publish import _any
+        ranks agree whether it failed somewhere; if so the later policies travel as files. When rank 0's
+        broadcast failed, policy `step` is written as files now, every rank taking part: rank 0 runs
+        `_refile`, the others `files` (default: their part in publish_named's writes, _join_writes)."""
+        from hpcrl.trainer.parallel import all_reduce
 
         failed = self.transport != "collective"  # rank 0 fell back to files during this publish
         if self.rank != 0:
@@ -166,15 +198,36 @@ class PolicyPublisher:
             except RuntimeError as e:
                 log.warning("relaying rank 0's weight broadcast failed (%s)", str(e).splitlines()[0][:200])
                 failed = True
-        if _any(failed) and self.transport == "collective":
+        # one agreement: 1 = failed somewhere, 3 = rank 0's own broadcast failed (its files to write)
+        code = float(failed) + 2.0 * (self._refile is not None)
+        if self._world() > 1:
+            code = float(all_reduce(code, op="max").item())
+        if code > 0 and self.transport == "collective":
             self._fall_back_to_files()
+        if code >= 3:  # rank 0 writes its files (`_refile`); the others join in (`files`)
+            refile, self._refile = self._refile, None
+            (refile or files or (lambda: self._join_writes(step)))()
+
+    @staticmethod
+    def _world() -> int:
+        from hpcrl.trainer.sharded_publish import _world
+
+        return _world()
 
     def publish_named(self, named: dict[str, torch.Tensor], step: int) -> float:
-        """Rank 0 only: send `named` (HF names, full tensors) as policy `step`. Seconds spent."""
+        """Rank 0 only: send `named` (HF names, full tensors) as policy `step`. Seconds spent. With
+        several trainer ranks (publish) the others take part in its writes meanwhile (_join_writes)."""
         t0 = time.perf_counter()
-        if self.transport == "collective" and self.paths.weights_fallback_file.exists():
+        if (
+            self.transport == "collective"
+            and self._world() == 1
+            and self.paths.weights_fallback_file.exists()
+        ):
             # A server died (the orchestrator says so): the group has a dead member and cannot take
             # in its restarted process, so every later policy travels as files, from a full one on.
+            # Several trainer ranks: publish() decided for all of them before the gather
+            # (_agree_on_transport); rank 0 deciding again here alone would make writes the others
+            # do not join (store_together) and leave them in _relay's agreement: a hang.
             log.warning(
                 "a server of the weight group died: publishing policies as files from step %d on", step
             )
@@ -188,7 +241,8 @@ class PolicyPublisher:
 
         def announce(transport: str, path: Path | None, base_step: int | None, sync_bytes: int) -> None:
             self._bases[step] = base_step
-            self.bus.publish_policy(
+            self.announce(
+                step,
                 PolicyReady(
                     step=step,
                     transport=transport,
@@ -198,7 +252,7 @@ class PolicyPublisher:
                     num_bytes=nbytes,
                     base_step=base_step,
                     sync_bytes=sync_bytes,
-                )
+                ),
             )
 
         if self.transport == "filesystem":
@@ -228,8 +282,14 @@ class PolicyPublisher:
                 )
                 self._fall_back_to_files()  # survivors waiting for the rest of this broadcast fail at once
                 delta, self.last_sync_bytes = None, nbytes
-                # same tensors, same checksum; the files' announcement replaces the collective one
-                announce("filesystem", self._write_files(step, named, None), None, nbytes)
+
+                def refile() -> None:  # same tensors, same checksum; replaces the collective announcement
+                    announce("filesystem", self._write_files(step, named, None), None, nbytes)
+
+                if self._world() > 1:  # after the ranks agree (_relay): every rank takes part
+                    self._refile = refile
+                else:
+                    refile()
         self._remember(named, step, checksum, delta)
         self._clean_behind(step)
         dt = time.perf_counter() - t0
@@ -259,60 +319,52 @@ class PolicyPublisher:
         """LoRA: only the adapter travels, in peft's format (what /load_lora_adapter reads in vLLM and the
         embedded engine): files under broadcasts/step_N, or its tensors over the weight group with the
         adapter config in the header (servers merge it in /update_weights). The checksum is over the
-        adapter's tensors, which is what a server reports after merging them."""
-        from hpcrl.trainer.model import adapter_config, adapter_tensors, write_adapter
+        adapter's tensors, which is what a server reports after merging them. Collective transport:
+        files from the first adapter after a server died (every rank agrees first), and an adapter
+        whose broadcast fails goes out again as files, every rank taking part (as publish_named)."""
+        from hpcrl.trainer.model import adapter_config, adapter_tensors
 
         t0 = time.perf_counter()
+        if self.transport == "collective":
+            self._agree_on_transport()  # a dead server: every rank switches to files together
+        adapter = adapter_tensors(model)  # collective under FSDP
         if self.transport == "filesystem":
-            path = self.paths.broadcast_dir(step)
-            adapter = adapter_tensors(model)  # collective under FSDP
-            rank0 = self.rank == 0
-            # rank 0 writes (tmp dir renamed last: never half there); refused, every rank waits with it
-            # and all end in its line past the bound (no rank left alone in the next step's collectives)
-            self.store_together(
-                f"policy {step} (LoRA adapter)",
-                path,
-                lambda: write_adapter(model, adapter, path) if rank0 else None,
-            )
-            if not rank0:
-                return time.perf_counter() - t0
-            from safetensors.torch import load_file
-
-            tensors = load_file(
-                str(path / "adapter_model.safetensors")
-            )  # the checksum is over what was written
-            self.last_sync_bytes = sum(f.stat().st_size for f in path.iterdir())
+            checksum = self._adapter_files(model, adapter, step)
         else:
-            tensors = adapter_tensors(model)  # collective under FSDP
-            if self.rank != 0:
-                self._relay()  # a member of the weight group: takes part in rank 0's broadcast
-                return time.perf_counter() - t0
-            path, self.last_sync_bytes = None, payload_bytes(tensors)
-        checksum = state_dict_checksum(tensors)
-        self.bus.publish_policy(
-            PolicyReady(
-                step=step,
-                transport=self.transport,
-                path=None if path is None else str(path),
-                checksum=checksum,
-                adapter=True,
-                num_params=sum(t.numel() for t in tensors.values()),
-                num_bytes=self.last_sync_bytes,
-                sync_bytes=self.last_sync_bytes,
-            )
-        )
-        if path is None:
-            from hpcrl.weights.collective import broadcast_weights
+            self.last_sync_bytes = payload_bytes(adapter)
+            checksum, msg = (state_dict_checksum(adapter) if self.rank == 0 else ""), None
 
-            broadcast_weights(
-                self.group,
-                tensors,
-                step,
-                bucket_mb=self.bucket_mb,
-                checksum=checksum,
-                adapter=adapter_config(model),
-            )
-            self._relay()
+            def files() -> None:  # same tensors, same checksum; replaces the collective announcement
+                self._adapter_files(model, adapter, step)
+
+            if self.rank == 0:
+                msg = self._adapter_ready(step, "collective", None, adapter, checksum)
+            self.announce(step, msg)  # every rank: refused, all wait and end together
+            if self.rank == 0:
+                from hpcrl.weights.collective import broadcast_weights
+
+                try:
+                    broadcast_weights(
+                        self.group,
+                        adapter,
+                        step,
+                        bucket_mb=self.bucket_mb,
+                        checksum=checksum,
+                        adapter=adapter_config(model),
+                    )
+                except RuntimeError as e:  # a receiver died mid-broadcast (gloo/NCCL: connection closed)
+                    log.warning(
+                        "weight broadcast of policy %d (LoRA adapter) failed (%s): publishing it and "
+                        "every later policy as files",
+                        step,
+                        str(e).splitlines()[0][:200],
+                    )
+                    self._fall_back_to_files()  # the other ranks waiting in the header fail at once
+                    self._refile = files
+            # every rank agrees whether it failed; rank 0's broadcast failed: all write its files now
+            self._relay(step, files=files)
+        if self.rank != 0:
+            return time.perf_counter() - t0
         self._clean_behind(step)
         dt = time.perf_counter() - t0
         log.info(
@@ -324,6 +376,45 @@ class PolicyPublisher:
             checksum[:12],
         )
         return dt
+
+    def _adapter_files(self, model: torch.nn.Module, adapter: dict[str, torch.Tensor], step: int) -> str:
+        """The adapter as files (broadcasts/step_N) and their announcement; every trainer rank calls it
+        (rank 0 writes: a refused write is waited out and ends every rank together). Returns the
+        checksum of what was written (rank 0; "" elsewhere)."""
+        from hpcrl.trainer.model import write_adapter
+
+        path = self.paths.broadcast_dir(step)
+        rank0 = self.rank == 0
+        # tmp dir renamed last: never half there
+        self.store_together(
+            f"policy {step} (LoRA adapter)",
+            path,
+            lambda: write_adapter(model, adapter, path) if rank0 else None,
+        )
+        checksum, msg = "", None
+        if rank0:
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path / "adapter_model.safetensors"))  # the checksum: what was written
+            self.last_sync_bytes = sum(f.stat().st_size for f in path.iterdir())
+            checksum = state_dict_checksum(tensors)
+            msg = self._adapter_ready(step, "filesystem", path, tensors, checksum)
+        self.announce(step, msg)  # every rank: refused, all wait and end together
+        return checksum
+
+    def _adapter_ready(
+        self, step: int, transport: str, path: Path | None, tensors: dict[str, torch.Tensor], checksum: str
+    ) -> PolicyReady:
+        return PolicyReady(
+            step=step,
+            transport=transport,
+            path=None if path is None else str(path),
+            checksum=checksum,
+            adapter=True,
+            num_params=sum(t.numel() for t in tensors.values()),
+            num_bytes=self.last_sync_bytes,
+            sync_bytes=self.last_sync_bytes,
+        )
 
     def _encode(self, named: dict[str, torch.Tensor], step: int) -> Delta | None:
         """The delta from the previous policy, or None for a full sync (first, periodic, or not smaller)."""
@@ -372,7 +463,8 @@ class PolicyPublisher:
                         metadata={"format": "pt", META_KEY: delta.manifest_json()},
                     )
 
-        self.store(f"policy {step}", final, write)
+        # every trainer rank takes part (rank 0 writes): refused, all wait and end together
+        self.store_together(f"policy {step}", final, write)
         return final
 
     def _clean_behind(self, step: int) -> None:

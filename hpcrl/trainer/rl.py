@@ -49,6 +49,7 @@ from hpcrl.trainer.packing import (
 )
 from hpcrl.trainer.perf import count_params, perf_metrics
 from hpcrl.trainer.publish import PolicyPublisher
+from hpcrl.trainer.rl_vlm import image_token_id, split_vision
 from hpcrl.trainer.samples import trainer_sample_rows
 from hpcrl.trainer.setup import Training, build_training, loss_params
 
@@ -304,7 +305,10 @@ def train_step(
     t0 = time.perf_counter()
     packed = to_packed(batch, tr.device, replay=tr.router_replay, env_names=env_names)
     packed.validate()
-    if tr.cp is not None:  # context parallel: one packed row per micro-batch, split along time
+    packed, vision = split_vision(packed, batch, image_token_id(tr.model), tr.device)  # [model.vlm]
+    if vision and not packed.num_samples:  # images only: no text micro-batch
+        mbs = []
+    elif tr.cp is not None:  # context parallel: one packed row per micro-batch, split along time
         mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
     elif attention_kernel(tr.model) in MASKED_KERNELS:  # CPU: rows of samples, shared prefixes
         if share_prefix:
@@ -314,7 +318,7 @@ def train_step(
         mbs = micro_batches(packed, micro_tokens) if packed.num_samples else []
     out = step_micro_batches(
         tr,
-        mbs,
+        [*mbs, *vision],
         params,
         batch.total_loss_tokens,
         max_norm,

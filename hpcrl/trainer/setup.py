@@ -173,6 +173,8 @@ def build_model(
     from hpcrl.trainer.export import read_weights  # an HF weights dir or a checkpoint step dir
 
     def prepare(model: torch.nn.Module) -> None:  # before FSDP: what it shards are the wrapped layers
+        if getattr(model_cfg, "vlm", None) is not None:  # before AC wraps the blocks
+            _swap_vl_moe(model, model_cfg)
         for line in memory_savers.prepare_model(model, model_cfg):
             log.info("%s", line)
         vlm = getattr(model_cfg, "vlm", None)  # sft's [model.vlm]: resolve, freeze the vision encoder
@@ -181,6 +183,11 @@ def build_model(
 
             for line in prepare_model(model, vlm):
                 log.info("%s", line)
+            ac = model_cfg.ac
+            if ac is not None and ac.mode == "full" and not vlm.freeze_vision_encoder:
+                line = memory_savers.checkpoint_vision_blocks(model, ac.freq)
+                if line:
+                    log.info("%s", line)
 
     model = model_spec.build(
         model_cfg,
@@ -198,6 +205,31 @@ def build_model(
 
         reduce_unused_grads(model, mesh.world)
     return model
+
+
+def _swap_vl_moe(model: torch.nn.Module, model_cfg: TrainerModelConfig) -> None:
+    """[model.vlm] with ep > 1 or LoRA on "experts": the language model's MoE blocks become hpcrl's
+    expert-parallel MoE (hpcrl.models.vlm_moe), which the spec's parallelize then shards over the
+    ep groups, and the stacked experts get their LoRA there (peft cannot wrap them)."""
+    from hpcrl.errors import ConfigError
+    from hpcrl.models.vlm_moe import MODEL_TYPES, add_expert_lora, swap_moe_blocks
+
+    lora = model_cfg.lora
+    expert_lora = lora is not None and "experts" in lora.target_modules
+    if model_cfg.ep == 1 and not expert_lora:
+        return
+    n = swap_moe_blocks(base_model(model), "model.ep" if model_cfg.ep > 1 else "model.lora.target_modules")
+    if n == 0 and model_cfg.ep > 1:
+        mt = getattr(getattr(base_model(model), "config", None), "model_type", "?")
+        raise ConfigError(
+            "model.ep",
+            f"> 1 with [vlm] needs a vision-language MoE ({', '.join(MODEL_TYPES)}); {mt!r} has no MoE blocks",
+        )
+    log.info("[vlm]: %d MoE blocks of the language model on hpcrl's MoE (ep %d)", n, model_cfg.ep)
+    if expert_lora and n:
+        assert lora is not None
+        add_expert_lora(base_model(model), lora.rank, lora.alpha, lora.dropout, seed=0)
+        log.info("[vlm]: LoRA (rank %d) on the stacked experts of %d MoE blocks", lora.rank, n)
 
 
 def loss_params(loss: LossConfig, mode: str) -> LossParams:

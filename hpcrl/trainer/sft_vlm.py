@@ -17,11 +17,7 @@ to the data file's directory). Qwen-VL-style image processors (image_grid_thw, m
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import logging
-import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from hpcrl.models import vision_inputs as vi
 from hpcrl.models.chunked import can_chunk, head_logprobs, kept_logits
 from hpcrl.trainer import sft_data as sd
 from hpcrl.trainer.packing import ForwardOutput, PackedBatch, next_token_logprobs, sample_starts
@@ -41,7 +38,6 @@ VLM_ATTRS = {
     t: ("model.visual", "model.language_model")
     for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 }
-_DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,", re.ASCII)
 
 
 def resolve_attr(model: nn.Module, dotted: str) -> nn.Module | None:
@@ -107,53 +103,12 @@ def reduce_unused_grads(model: nn.Module, world: int) -> None:
 # images
 # ---------------------------------------------------------------------------------------------
 def _image_ref(part: dict[str, Any]) -> Any:
-    """The image an image part names (None: not an image part)."""
-    kind = part.get("type")
-    if kind == "image_url" or "image_url" in part:
-        ref = part.get("image_url")
-        return ref.get("url") if isinstance(ref, dict) else ref
-    if kind == "image" or (kind is None and "image" in part):
-        for key in ("image", "path", "url", "bytes"):
-            if part.get(key) is not None:
-                return part[key]
-        raise sd.DataError("an image part has no image (keys image / path / url / bytes)")
-    return None
+    return vi.image_ref(part, sd.DataError)
 
 
 def load_image(ref: Any, base_dir: Path | None, where: str) -> Any:
-    """A PIL RGB image from any of the forms the module doc lists."""
-    from PIL import Image
-
-    if isinstance(ref, Image.Image):
-        return ref.convert("RGB")
-    if isinstance(ref, dict) and ref.get("bytes") is not None:
-        ref = ref["bytes"]
-    elif isinstance(ref, dict) and ref.get("path"):
-        ref = ref["path"]
-    if isinstance(ref, str):
-        if _DATA_URL.match(ref):
-            ref = base64.b64decode(ref.split(",", 1)[1])
-        elif ref.startswith(("http://", "https://")):
-            raise sd.DataError(
-                f"{where}: image URLs are not fetched ({ref[:60]}); give a local path or base64"
-            )
-        else:
-            path = Path(ref.removeprefix("file://"))
-            if not path.is_absolute() and base_dir is not None:
-                path = base_dir / path
-            if path.is_file():
-                ref = path.read_bytes()
-            else:
-                try:
-                    ref = base64.b64decode(ref, validate=True)
-                except (binascii.Error, ValueError):
-                    raise sd.DataError(f"{where}: image {str(ref)[:60]!r} is not a file nor base64") from None
-    if not isinstance(ref, (bytes, bytearray)):
-        raise sd.DataError(f"{where}: cannot read an image from {type(ref).__name__}")
-    try:
-        return Image.open(io.BytesIO(ref)).convert("RGB")
-    except Exception as e:  # PIL raises several kinds for bad bytes
-        raise sd.DataError(f"{where}: not an image ({e})") from None
+    """A PIL RGB image from any of the forms the module doc lists (hpcrl.models.vision_inputs)."""
+    return vi.load_image(ref, base_dir, where, sd.DataError)
 
 
 @dataclass
@@ -167,22 +122,17 @@ class VisionData:
     """The model's image processor and image token, and how one conversation becomes a sample."""
 
     def __init__(self, path: str, tokenizer: Any, base_dir: Path | None, trust_remote_code: bool = False):
-        from transformers import AutoConfig, AutoImageProcessor
+        from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.merge = getattr(self.processor, "merge_size", None)
-        image_id = getattr(cfg, "image_token_id", None)
-        if self.merge is None or image_id is None:
-            raise ValueError(
-                f"model.vlm: {cfg.model_type}'s image processor ({type(self.processor).__name__}) is not "
-                "Qwen-VL-style (image_grid_thw, merge_size, image_token_id): hpcrl's VLM SFT reads those only"
-            )
-        self.image_id = int(image_id)
+        # the image processor and image token RL's server and orchestrator use too (one expansion)
+        inputs = vi.ImageInputs(path, tokenizer, trust_remote_code)
+        self.processor, self.merge, self.image_id = inputs.processor, inputs.merge, inputs.image_id
+        self.image_token = inputs.image_token
         self.tokenizer = tokenizer
         self.base_dir = base_dir
-        self.image_token = tokenizer.convert_ids_to_tokens(self.image_id)
-        self.placeholder = self._placeholder(cfg)
+        self.placeholder = self._placeholder(
+            AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        )
 
     def _placeholder(self, cfg: Any) -> str:
         """What the chat template writes for one image part (found by rendering one between two
@@ -320,7 +270,8 @@ def forward_multimodal(
     chunk_tokens: int = 0,
 ) -> ForwardOutput:
     """One sample with its images through the model's own forward (it places the image features and
-    computes its multimodal positions), logprobs of the wanted tokens as forward_packed returns them."""
+    computes its multimodal positions), logprobs of the wanted tokens as forward_packed returns them
+    (at the sample's sampling temperature when the micro-batch has one: RL)."""
     dev = mb.input_ids.device
     t = mb.num_tokens
     target = torch.ones(t, dtype=torch.bool, device=dev) if wanted is None else wanted.to(dev).bool().clone()
@@ -332,14 +283,17 @@ def forward_multimodal(
     inputs: dict[str, Any] = {"input_ids": ids, **mb.mm}
     if mb.mm:
         inputs["mm_token_type_ids"] = (ids == mb.image_id).long()  # Qwen3-VL's M-RoPE asks for it
+    if mb.routed_experts is not None:  # router replay (a VL MoE: hpcrl.models.vlm_moe's hook)
+        inputs["routed_experts"] = mb.routed_experts[None]
     labels = mb.input_ids[pos + 1]
+    temp = 1.0 if mb.temperatures is None else float(mb.temperatures[0])  # RL: the sampling temperature
     if chunk_tokens > 0 and can_chunk(model):
         picked, ent_p = head_logprobs(
-            model, inputs, keep[None], labels, 1.0, chunk=chunk_tokens, entropy=compute_entropy
+            model, inputs, keep[None], labels, temp, chunk=chunk_tokens, entropy=compute_entropy
         )
     else:
         logits = kept_logits(model, inputs, keep[None])
-        picked, ent_p = next_token_logprobs(logits, labels, 1.0, entropy=compute_entropy)
+        picked, ent_p = next_token_logprobs(logits, labels, temp, entropy=compute_entropy)
     lp = torch.zeros(t, dtype=picked.dtype, device=dev).index_copy(0, pos + 1, picked)
     ent = (
         None if ent_p is None else torch.zeros(t, dtype=ent_p.dtype, device=dev).index_copy(0, pos + 1, ent_p)

@@ -93,14 +93,13 @@ def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> 
     m = pub.store_together(
         what, final, lambda: finish(final, step, world, delta=delta_meta) if pub.rank == 0 else None
     )
-    if pub.rank != 0:
-        return time.perf_counter() - t0
-    pub.last_sync_bytes = m.num_bytes if sync_bytes is None else sync_bytes
-    pub._bases[step] = None if delta_meta is None else delta_meta["base_step"]
-    if pub.delta:
-        pub._prev_checksum = m.checksum
-    pub.bus.publish_policy(
-        PolicyReady(
+    msg = None
+    if pub.rank == 0:
+        pub.last_sync_bytes = m.num_bytes if sync_bytes is None else sync_bytes
+        pub._bases[step] = None if delta_meta is None else delta_meta["base_step"]
+        if pub.delta:
+            pub._prev_checksum = m.checksum
+        msg = PolicyReady(
             step=step,
             transport="filesystem",
             path=str(final),
@@ -110,7 +109,9 @@ def publish_sharded(pub: PolicyPublisher, model: torch.nn.Module, step: int) -> 
             base_step=pub._bases[step],
             sync_bytes=pub.last_sync_bytes,
         )
-    )
+    pub.announce(step, msg)  # rank 0 writes it; every rank takes part (refused: all wait, all end)
+    if pub.rank != 0:
+        return time.perf_counter() - t0
     pub._clean_behind(step)
     dt = time.perf_counter() - t0
     log.info(
@@ -233,26 +234,25 @@ def publish_collective(pub: PolicyPublisher, model: torch.nn.Module, step: int) 
         dist.all_gather_object(everyone, records)
     rounds = coll.schedule(everyone)
     pub.last_rank_bytes = sum(coll._nbytes(r[1], (r[4], *r[2][1:])) for b in records for r in b)
-    header = None
+    header, msg = None, None
     if pub.rank == 0:
         tensors, checksum = coll.layout_and_checksum(rounds)
         nbytes = sum(coll._nbytes(d, s) for _, d, s in tensors)
         pub.last_sync_bytes = nbytes
         pub._bases[step] = None
-        pub.bus.publish_policy(
-            PolicyReady(
-                step=step,
-                transport="collective",
-                checksum=checksum,
-                num_params=sum(nbytes_to_numel(d, s) for _, d, s in tensors),
-                num_bytes=nbytes,
-                base_step=None,
-                sync_bytes=nbytes,
-            )
+        msg = PolicyReady(
+            step=step,
+            transport="collective",
+            checksum=checksum,
+            num_params=sum(nbytes_to_numel(d, s) for _, d, s in tensors),
+            num_bytes=nbytes,
+            base_step=None,
+            sync_bytes=nbytes,
         )
         header = coll.make_header(
             step, bucket, checksum, tensors, rounds, senders=world, servers=pub.group.server_ranks()
         )
+    pub.announce(step, msg)  # rank 0 writes it; every rank takes part (refused: all wait, all end)
     failed = False
     try:
         if header is not None:

@@ -6,18 +6,22 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
+from tests.integration.naming import Console, Named, Watch, names_for
 
-ROWS: list[dict] = []  # the table: one row per case
+ROWS: list[dict] = []  # the table: one row per case (the matrix and the fault tests beside it)
 RETRIED = "retried with backoff; written once it cleared, run goes on"
+EXTRA_ENV: dict[str, str] = {}  # for every process a test starts here (the quota's LD_PRELOAD: quota.py)
 
 
 def _hpcrl(*args: str) -> list[str]:
@@ -25,13 +29,17 @@ def _hpcrl(*args: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **EXTRA_ENV}
 
 
 @dataclass
 class Run:
     proc: subprocess.Popen
     paths: RunPaths
+    console: Console = field(init=False)  # its stdout and stderr as it prints them (naming.py)
+
+    def __post_init__(self) -> None:
+        self.console = Console(self.proc.stdout, self.proc.stderr)
 
     def steps(self) -> int:
         p = self.paths.prompts_log
@@ -54,11 +62,17 @@ class Run:
         _until(lambda: self.steps() >= target or self.proc.poll() is not None, timeout, f"{n} more steps")
         assert self.proc.poll() is None, self.output()
 
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        """Popen.communicate for a run whose console is read as it prints: (stdout, stderr)."""
+        self.proc.wait(timeout)
+        self.console.join()
+        return self.console.text(0), self.console.text(1)
+
     def output(self) -> str:
         if self.proc.poll() is None:
             return ""
-        out, err = self.proc.communicate()
-        return (out or "")[-3000:] + (err or "")[-3000:]
+        out, err = self.communicate(60)
+        return out[-3000:] + err[-3000:]
 
 
 def _until(cond, timeout: float, what: str) -> float:
@@ -139,33 +153,50 @@ def _remount(d: Path, mode: str) -> None:
 
 def refused(run: Run, role: str, row: dict, make, undo, names: list[str], hold: float, within: float) -> None:
     """Make `role`'s writes fail (make()) until its log names the refusal (a `cannot write` line with
-    all of `names`, within `within` s, timed from make()) and `hold` s have passed; then undo(): the
-    write must go through (`wrote ... after`) and the run go on. Appends `row` with what was said."""
+    all of `names`), the console of the run prints it and `hpcrl status` shows the role waiting on
+    that write, each within `within` s timed from make(), and `hold` s have passed; then undo(): the
+    write must go through (`wrote ... after`) and the run go on. Appends `row` with what was said
+    and when each named it."""
     mark = len(run.log(role))
     make()
-    t0 = time.monotonic()
+    console, status = names_for(names)
+    seen = Named(run.console, run.paths.root, role, console_names=console, status_names=status)
+    t0 = seen.t0
     try:
+        log: list[float] = []
 
         def named() -> str | None:
             new = _new_lines(run.log(role), mark).splitlines()
             return next((x for x in new if "cannot write" in x and all(n in x for n in names)), None)
 
+        def everywhere() -> bool:
+            if not log and named() is not None:
+                log.append(time.monotonic() - t0)
+            return seen.poll() and bool(log)
+
         try:
-            took = _until(lambda: named() is not None, within, f"the {role} naming {row['fault']}")
-        except (
-            AssertionError
-        ) as e:  # say what the role did instead (its log since the fault, the run's console)
+            _until(everywhere, within, f"the {role} naming {row['fault']}")
+        except AssertionError as e:  # say what was missing and what the role did instead
             raise AssertionError(
-                f"{e}\n--- {role} log since:\n{_new_lines(run.log(role), mark)[-4000:]}\n"
-                f"--- console:\n{run.output()[-3000:]}"
+                f"{e}: missing {seen.missing()}{'' if log else ' and its log line'}\n--- {role} log since:\n"
+                f"{_new_lines(run.log(role), mark)[-4000:]}\n--- console since:\n"
+                + "\n".join(line for _, line in run.console.since(t0))[-3000:]
             ) from None
-        line = named()
+        took, line = log[0], named()
         time.sleep(max(0.0, hold - (time.monotonic() - t0)))
     finally:
         undo()
     _until(lambda: f"{role}: wrote " in run.log(role)[mark:], 90, "the write going through")
     run.wait_steps(2)
-    ROWS.append({**row, "named_s": round(took, 1), "named_by": role, "line": line.split("] ", 1)[-1][:240]})
+    ROWS.append(
+        {
+            **row,
+            "named_s": round(took, 1),
+            "named_by": role,
+            "line": _short(line.split("] ", 1)[-1])[:240],
+            **seen.cells(),
+        }
+    )
 
 
 def _make_unwritable(d: Path) -> tuple[str, list[str]]:
@@ -186,7 +217,58 @@ def _not_run(component: str, fault: str, why: str) -> dict:
         "named_by": "-",
         "line": why,
         "outcome": "not run here",
+        "data": "- (not run)",
+        "console_s": "- (not run)",
+        "status_s": "- (not run)",
     }
+
+
+_TMP = re.compile(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s]+/")
+
+
+def _short(text: str) -> str:
+    """`…/run/x` for a test's own directory (/tmp/pytest-of-root/pytest-N/<test>/run/x) in the table."""
+    return _TMP.sub("…/", text)
+
+
+def row(
+    component: str,
+    fault: str,
+    named_s,
+    named_by: str,
+    line: str,
+    outcome: str,
+    data: str,
+    console_s: float | str | None = None,
+    status_s: float | str | None = None,
+) -> None:
+    """A row of the table from a test beside the shared run (SFT, several ranks, a LoRA adapter);
+    `console_s` / `status_s`: when the console and `hpcrl status` named it (None: not checked)."""
+    ROWS.append(
+        {
+            "component": component,
+            "fault": fault,
+            "named_s": None if named_s is None else round(named_s, 1),
+            "named_by": named_by,
+            "line": _short(line),
+            "outcome": outcome,
+            "data": data,
+            **{
+                k: round(v, 1) if isinstance(v, float) else v
+                for k, v in (("console_s", console_s), ("status_s", status_s))
+                if v is not None
+            },
+        }
+    )
+    _write_table()
+
+
+NOT_CHECKED = "not checked"  # a row whose console and `hpcrl status` the matrix does not time (yet)
+
+
+def _seconds(r: dict, key: str) -> str:
+    v = r.get(key, NOT_CHECKED)
+    return "-" if v is None else str(v)
 
 
 def _write_table() -> None:
@@ -194,12 +276,18 @@ def _write_table() -> None:
     if not target:
         return
     head = (
-        "| component | fault | named after (s) | named by | what it said / outcome |\n|---|---|---|---|---|\n"
+        "| component | fault | named after (s) | named by | console after (s) | status after (s) | "
+        "what it said | outcome | data check |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
+
+    def cell(x: object) -> str:
+        return _short(str(x)).replace("|", "/").replace("\n", " ")
+
     rows = "".join(
-        f"| {r['component']} | {r['fault']} | {r['named_s'] if r['named_s'] is not None else '-'} | "
-        f"{r['named_by']} | {r['line'].replace('|', '/')} — {r['outcome']}"
-        f"{'; ' + r['data'] if r.get('data') else ''} |\n"
+        f"| {cell(r['component'])} | {cell(r['fault'])} | "
+        f"{r['named_s'] if r['named_s'] is not None else '-'} | {cell(r['named_by'])} | "
+        f"{cell(_seconds(r, 'console_s'))} | {cell(_seconds(r, 'status_s'))} | {cell(r['line'])} | {cell(r['outcome'])} | {cell(r.get('data') or '-')} |\n"
         for r in ROWS
     )
     Path(target).write_text(head + rows)
@@ -247,12 +335,12 @@ def trainer_storage_read_only(run: Run, hold: float) -> None:
         )
 
 
-def checkpoint_disk_full(out: Path, hold: float, storage_s: float) -> None:
+def checkpoint_disk_full(out: Path, hold: float, storage_s: float, quota: dict | None = None) -> None:
     """Resume; once it wrote a checkpoint of its own, fill checkpoints/ (its tmpfs) for less than
     storage_timeout_s: named, retried, written once it clears, the run goes on. Then fill it for
     good: past storage_timeout_s the run ends with one line naming the role, the path and the
     field; the half-written step never counts as complete, the next resume starts from the last
-    good one."""
+    good one. With `quota` (quota.quota_env), a brief EDQUOT on checkpoints/ in between."""
     run, start = _resume(out)
     paths = run.paths
     try:
@@ -278,14 +366,39 @@ def checkpoint_disk_full(out: Path, hold: float, storage_s: float) -> None:
             120,
             "a checkpoint after the disk cleared",
         )
+        if quota is not None:  # the same, the user's quota of that disk exhausted (quota.py): EDQUOT
+            quota_refused(
+                run,
+                "trainer",
+                {"component": "trainer (checkpoint)", "outcome": RETRIED},
+                quota,
+                paths.checkpoints_dir,
+                "cannot write checkpoint step",
+                hold,
+                240,
+            )
+            good = checkpoint.latest_complete(paths)
+            _until(lambda: (checkpoint.latest_complete(paths) or 0) > good, 120, "a checkpoint after quota")
         good = checkpoint.latest_complete(paths)
         filler.append(Filler(paths.checkpoints_dir))
-        t0 = time.monotonic()
+        # the console and `hpcrl status` name it while the writer retries (before the run ends)
+        full = "disk full at " + str(paths.checkpoints_dir)
+        seen = Named(
+            run.console,
+            paths.root,
+            ("trainer", "orchestrator"),
+            console_names=["cannot write checkpoint", full, "ENOSPC"],
+            status_names=["waiting on writing checkpoint", full, "ENOSPC"],
+        )
+        t0 = seen.t0
         try:
-            _, stderr = run.proc.communicate(timeout=storage_s + 180)
+            _until(lambda: seen.poll() or run.proc.poll() is not None, storage_s + 180, "the run's end")
+            assert seen.console_s is not None and seen.status_s is not None, f"missing {seen.missing()}"
+            _, stderr = run.communicate(timeout=storage_s + 180)
         finally:
             filler[-1].stop()
         took = time.monotonic() - t0
+        assert max(seen.console_s, seen.status_s) < took, (seen.cells(), took)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
@@ -311,5 +424,93 @@ def checkpoint_disk_full(out: Path, hold: float, storage_s: float) -> None:
             "line": f"{last[:180]} … {last[-150:]}",  # the end names the field
             "outcome": f"run ends (exit {run.proc.returncode}); step_{partial[0]} never COMPLETE; "
             f"resume continues from step_{newest}",
+            **seen.cells(),  # its WARNING line and its status row, while it retried
+        }
+    )
+
+
+def quota_refused(
+    run: Run, role: str, row: dict, quota: dict, d: Path, what: str, hold: float, within: float
+) -> None:
+    """refused() with `d` over quota (EDQUOT from libc's own calls, every process of the run: quota.py)
+    for `hold` s."""
+    from tests.integration.quota import Quota
+
+    q = Quota(quota, d)
+    refused(
+        run,
+        role,
+        {**row, "fault": f"quota exceeded on {d.name}/ (EDQUOT) for {hold:.0f} s"},
+        q.start,
+        q.stop,
+        [what, "disk quota exceeded at " + str(d), "EDQUOT", "free of"],
+        hold,
+        within,
+    )
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def env_logs_over_quota(run: Run, quota: dict, hold: float) -> None:
+    """The train env's log directory (server.log, worker_0.log, components.json) over quota for
+    `hold` s while its worker is killed: the env server's lines (the restart) and its status file are
+    refused, dropped, never raised; it restarts the worker and stays up (same pid), rollouts go on.
+    Its first line once the quota cleared (the next worker kill) says how many lines were lost and
+    why: a log that cannot be written never ends an env. The console says so while over quota (the
+    orchestrator's line: the server's next Pong tells it), `hpcrl status` once its components.json
+    can be written again (the env-server row: `running (N log line(s) lost)`)."""
+    from tests.integration.quota import Quota
+
+    d = run.paths.env_server_dir("train", "reverse-text")
+    server, worker = run.pid("env-server"), run.pid("env-worker")
+    server_log, mark = d / "server.log", len(run.log("orchestrator"))
+    size = server_log.stat().st_size
+    lost = "log line(s) lost"  # the orchestrator's line (the server's Pong) and its components.json
+    seen = Watch(
+        run.console,
+        run.paths.root,
+        [[f"(pid {server}): ", lost]],
+        [["env-server", "train/reverse-text", lost]],
+    )
+    t0 = seen.t0
+    with Quota(quota, d):
+        os.kill(worker, signal.SIGKILL)
+        died = f"env worker 0 (pid {worker}) died"
+        _until(lambda: died in run.log("orchestrator")[mark:], 60, "the orchestrator naming the dead worker")
+        _until(lambda: seen.poll() or seen.console_s is not None, 60, "the console naming the lost lines")
+        run.wait_steps(2)  # rollouts go on with the new worker
+        assert server_log.stat().st_size == size, "the env server wrote its log over quota"
+        time.sleep(max(0.0, hold - (time.monotonic() - t0)))
+    assert run.pid("env-server") == server
+    new = [p for p in _children(server) if p != worker]
+    assert new, f"env server {server} has no worker"
+    os.kill(new[0], signal.SIGKILL)
+    _until(
+        lambda: "log line(s) lost" in server_log.read_text()[size:], 60, "the env server's lost-lines note"
+    )
+    took = time.monotonic() - t0
+    _until(seen.poll, 60, "`hpcrl status` naming the lost lines")
+    line = next(x for x in server_log.read_text()[size:].splitlines() if "log line(s) lost" in x)
+    assert f"disk quota exceeded at {server_log}" in line, line  # the stream's file, read from /proc
+    run.wait_steps(2)
+    assert run.pid("env-server") == server
+    ROWS.append(
+        {
+            "component": "env server (its logs, status file)",
+            "fault": f"quota exceeded on logs/envs/train/reverse-text/ (EDQUOT) for {hold:.0f} s, "
+            "its worker killed meanwhile",
+            "named_s": round(took, 1),
+            "named_by": "env server (its first line once it could write)",
+            "line": line.split("] ", 1)[-1][:200],
+            "outcome": "lines dropped, never raised; worker restarted, the env server never restarted; "
+            "run goes on",
+            # the console: the orchestrator's line (told by the server's next Pong, while over
+            # quota); `hpcrl status`: its components.json, written again once the quota cleared
+            **seen.cells(),
         }
     )

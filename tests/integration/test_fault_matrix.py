@@ -5,21 +5,26 @@ skipped or repeated.
 The cases share runs (a run per case would cost minutes each on 2 cores). Run 1 goes through every
 freeze in turn (SIGSTOP shorter than the stall bound, past it, an env worker and an env server past
 2x the bound, every component briefly), kill -9 of the env worker, the env server and the inference
-server (each named and replaced), an inference server past server_down_timeout_s, then makes rollouts/ unwritable for
-a while (root: `chattr +i`, since chmod does not stop root; else chmod 0555) and then its disk
-full (rollouts/ is a 64 MB tmpfs, filled), and kill -9 of the orchestrator ends it. Resume A fills
-checkpoints/ (a 256 MB tmpfs) for 9 s once it wrote a checkpoint (named, retried, written: the
-storage policy of issue 52, hpcrl.storage), then for good: past storage_timeout_s (30 s here) the
-run ends in one line naming the role, the path and the field. Resume B is ended by kill -9 of the
-trainer. Resume C has broadcasts/ and then checkpoints/ read-only (their tmpfs remounted ro: EROFS)
-for 9 s each and reaches max_steps with exit 0, and the prompts log then holds every step once and
-no prompt twice. Where tmpfs cannot be mounted (not
-root) the disk-full cases are rows saying so. A second group of cases is one short run each: an
-env whose every reward raises, an env that cannot import, a verifiers 0.4 tool env under the
-`default` renderer.
+server (each named and replaced), makes rollouts/ unwritable for a while (root: `chattr +i`, since
+chmod does not stop root; else chmod 0555), then its disk full (rollouts/ is a 64 MB tmpfs,
+filled), then its quota exceeded (EDQUOT from libc for every process of the run:
+tests/integration/quota.py), then the env's log directory over quota while its worker is killed
+(the env server drops its lines, never dies), freezes the inference server past
+server_down_timeout_s, and kill -9 of the orchestrator ends it. Resume A fills checkpoints/ (a 256 MB
+tmpfs) for 9 s once it wrote a checkpoint (named, retried, written: the storage policy of issue 52,
+hpcrl.storage), then for good: past storage_timeout_s (30 s here) the run ends in one line naming
+the role, the path and the field (between the two, checkpoints/ over quota for 9 s: named, retried,
+written). Resume B is ended by kill -9 of the trainer. Resume C has broadcasts/ and then
+checkpoints/ read-only (their tmpfs remounted ro: EROFS) for 9 s each and reaches max_steps with
+exit 0, and the prompts log then holds every step once and no prompt twice. Where tmpfs cannot be
+mounted (not root) the disk-full cases are rows saying so. A second group of cases is one short run
+each: an env whose every reward raises, an env that cannot import, a verifiers 0.4 tool env under
+the `default` renderer.
 
-`HPCRL_FAULT_TABLE=docs/fault_matrix.md python -m pytest -m slow tests/integration/test_fault_matrix.py`
-rewrites the table in docs (scripts/fault_matrix.sh).
+Every case also asserts that the console of `hpcrl run` and `hpcrl status` name it within its bound
+(a freeze under the bound: that neither does), and the table says after how long
+(tests/integration/naming.py). `HPCRL_FAULT_TABLE=docs/fault_matrix.md python -m pytest -m slow
+tests/integration/test_fault_matrix.py` rewrites the table in docs (scripts/fault_matrix.sh).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import pytest
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
 from tests.conftest import rl_toml
+from tests.integration import faults
 from tests.integration.faults import (
     RETRIED,
     ROWS,
@@ -49,13 +55,16 @@ from tests.integration.faults import (
     _not_run,
     _resume,
     _start,
-    _status,
     _until,
     _write_table,
     checkpoint_disk_full,
+    env_logs_over_quota,
+    quota_refused,
     refused,
     trainer_storage_read_only,
 )
+from tests.integration.naming import UNDER, Watch, ended_cells, ended_watch, stall_names, status_text
+from tests.integration.quota import quota_env, quota_unavailable
 
 BOUND = 6.0  # stall_warning_s of these runs (the default is 60 s)
 DOWN_S = 60.0  # orchestrator.server_down_timeout_s (a restart on 2 busy cores took 25 to 40+ s)
@@ -73,26 +82,33 @@ CONFIG = rl_toml(
 
 def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *, past: bool) -> None:
     """SIGSTOP `role`'s process; past the bound: until `namer`'s log names it (all of `names`), the
-    time measured from the SIGSTOP; briefly: half the bound, and nothing may be named."""
+    time measured from the SIGSTOP, and the console and `hpcrl status` too (naming.stall_names), the
+    process kept stopped until all three did; briefly: half the bound, and none may name it."""
     pid = run.pid(role)
     names = [n.format(pid=pid) for n in names]
     mark = len(run.log(namer))
     os.kill(pid, signal.SIGSTOP)
-    t0 = time.monotonic()
+    seen = Watch(run.console, run.paths.root, *stall_names(role, pid))
+    seen.under = None if past else BOUND
+    t0 = seen.t0
     try:
         if past:
+            log: list[float] = []
 
             def named() -> bool:
                 new = _new_lines(run.log(namer), mark)
-                return any(
+                if not log and any(
                     "no progress for" in line and all(n in line for n in names) for line in new.splitlines()
-                )
+                ):
+                    log.append(time.monotonic() - t0)
+                return seen.poll() and bool(log)
 
-            took = _until(named, BOUND + 30, f"{namer} naming the frozen {component}")
-            status = _status(run.paths.root)
-            assert "stalled" in status or "unresponsive" in status, status
+            _until(
+                named, BOUND + 30, f"{namer}, the console and `hpcrl status` naming the frozen {component}"
+            )
+            took = log[0]
         else:
-            time.sleep(BOUND / 2)
+            _until(lambda: (seen.poll(), time.monotonic() - t0 > BOUND / 2)[1], BOUND, "half the bound")
             took = None
     finally:
         try:
@@ -103,6 +119,7 @@ def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *,
     run.wait_steps(2)
     if not past:
         assert "no progress for" not in _new_lines(run.log(namer), mark)
+        seen.quiet()
     line = next(
         (x for x in _new_lines(run.log(namer), mark).splitlines() if "no progress for" in x),
         "-",
@@ -115,6 +132,7 @@ def freeze(run: Run, component: str, role: str, namer: str, names: list[str], *,
             "named_by": namer if past else "- (not a stall)",
             "line": line.split("] ", 1)[-1][:220],
             "outcome": "run goes on",
+            **(seen.cells() if past else {"console_s": UNDER, "status_s": UNDER}),
         }
     )
 
@@ -133,12 +151,18 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
         or _mount_tmpfs(out / "checkpoints", "256m")
         or _mount_tmpfs(out / "broadcasts", "256m")
     )
+    # A quota that runs out (EDQUOT) for every process of the run: tests/integration/quota.py
+    quota, first = quota_env(tmp_path), len(ROWS)
+    faults.EXTRA_ENV.update(quota or {})
     try:
-        faults_of_run_1(_start(out, "run", str(cfg), "--output-dir", str(out)), out, no_tmpfs)
+        faults_of_run_1(_start(out, "run", str(cfg), "--output-dir", str(out)), out, no_tmpfs, quota)
         if no_tmpfs is None:
-            checkpoint_disk_full(out, BOUND + 3, STORAGE_S)
+            checkpoint_disk_full(out, BOUND + 3, STORAGE_S, quota)
         else:
             ROWS.append(_not_run("trainer / orchestrator", "disk full writing a checkpoint", no_tmpfs))
+        if quota is None:
+            for component in ("bus (orchestrator writing rollouts/)", "env server", "trainer (checkpoint)"):
+                ROWS.append(_not_run(component, "quota exceeded (EDQUOT)", quota_unavailable() or "-"))
         resumed_then(
             out,
             "trainer",
@@ -153,12 +177,14 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
                 trainer_storage_read_only(run, BOUND + 3)
             else:
                 ROWS.append(_not_run("trainer", "read-only storage", no_tmpfs))
-            out_, err = run.proc.communicate(timeout=600)
+            out_, err = run.communicate(timeout=600)
         finally:
             if run.proc.poll() is None:
                 run.proc.kill()
         assert run.proc.returncode == 0, out_[-3000:] + err[-3000:]
     finally:
+        for k in quota or {}:
+            faults.EXTRA_ENV.pop(k, None)
         for d in (out / "rollouts", out / "checkpoints", out / "broadcasts"):
             if os.path.ismount(d):
                 subprocess.run(["umount", "-l", str(d)], check=False)
@@ -168,19 +194,24 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
     ids = [i for p in prompts for i in p["example_ids"]]
     assert len(ids) == len(set(ids)), "a prompt was trained on twice"
     data = f"after every resume: steps 1..{final} each once, {len(ids)} prompts, none repeated"
-    for r in ROWS:
-        if r["outcome"].startswith("run ends") or r["outcome"].endswith("exit 0"):
-            r["data"] = data
+    for r in ROWS[first:]:  # every case of the shared run: its prompts log, checked once it ended
+        r.setdefault("data", data)
     _write_table()
 
 
-def killed(run: Run, component: str, role: str, names: list[str], back: str | None = None) -> None:
+def killed(run: Run, component: str, role: str, names: list[str], back: str | None = None, status=()) -> None:
     """kill -9 of `role`'s process mid-run: the orchestrator's log names it (a line with all of
-    `names`, timed from the kill), `back` appears where the replacement says so, the run goes on."""
+    `names`, timed from the kill), and so do the console (the same line, or the launcher's) and
+    `hpcrl status` (a line with all of one of `status`), `back` appears where the replacement says
+    so, the run goes on."""
     pid = run.pid(role)
     names = [n.format(pid=pid) for n in names]
     mark = len(run.log("orchestrator"))
     os.kill(pid, signal.SIGKILL)
+    console = (
+        [names, ["inference", "killed by signal 9", "restarting it"]] if role == "inference" else [names]
+    )
+    seen = Watch(run.console, run.paths.root, console, [[x.format(pid=pid) for x in a] for a in status])
 
     def named() -> str | None:
         new = _new_lines(run.log("orchestrator"), mark).splitlines()
@@ -188,6 +219,7 @@ def killed(run: Run, component: str, role: str, names: list[str], back: str | No
 
     took = _until(lambda: named() is not None, BOUND + 60, f"the orchestrator naming the killed {component}")
     line = named()
+    _until(seen.poll, BOUND + 60, f"the console and `hpcrl status` naming the killed {component}")
     if back is not None:
         _until(lambda: back in run.log("orchestrator")[mark:], DOWN_S + 120, f"the {component} back")
     run.wait_steps(2)
@@ -200,6 +232,7 @@ def killed(run: Run, component: str, role: str, names: list[str], back: str | No
             "named_by": "orchestrator",
             "line": (line or "-").split("] ", 1)[-1][:220],
             "outcome": "replaced like a dead one (its rollouts errored, counted); run goes on",
+            **seen.cells(),
         }
     )
 
@@ -210,13 +243,15 @@ def frozen_env_worker_replaced(run: Run) -> None:
     pid = run.pid("env-worker")
     server_log = run.paths.env_server_dir("train", "reverse-text") / "server.log"
     os.kill(pid, signal.SIGSTOP)
-    t0 = time.monotonic()
+    seen = Watch(run.console, run.paths.root, [[f"(pid {pid}) frozen"]], [[f"(pid {pid}) frozen"]])
+    t0 = seen.t0
     _until(
         lambda: f"(pid {pid}) frozen (process stopped)" in server_log.read_text(),
         2 * BOUND + 60,
         "the env server replacing its frozen worker",
     )
     took = time.monotonic() - t0
+    _until(seen.poll, 2 * BOUND + 60 - took, "the console and `hpcrl status` naming the frozen worker")
     line = next(x for x in server_log.read_text().splitlines() if f"(pid {pid}) frozen" in x)
     run.wait_steps(2)
     assert run.pid("env-worker") != pid
@@ -228,6 +263,7 @@ def frozen_env_worker_replaced(run: Run) -> None:
             "named_by": "env server",
             "line": line.split("] ", 1)[-1][:220],
             "outcome": "killed, replaced like a dead one (its rollouts errored, counted); run goes on",
+            **seen.cells(),
         }
     )
 
@@ -237,13 +273,15 @@ def frozen_env_server_restarted(run: Run) -> None:
     it again as it does a crashed one; the run goes on."""
     pid, mark = run.pid("env-server"), len(run.log("orchestrator"))
     os.kill(pid, signal.SIGSTOP)
-    t0 = time.monotonic()
+    seen = Watch(run.console, run.paths.root, *stall_names("env-server", pid))
+    t0 = seen.t0
     _until(
         lambda: "answered no ping" in run.log("orchestrator")[mark:],
         2 * BOUND + 60,
         "the frozen server named",
     )
     took = time.monotonic() - t0
+    _until(seen.poll, 2 * BOUND + 60 - took, "the console and `hpcrl status` naming the frozen env server")
     _until(lambda: "restarted (restart 1)" in run.log("orchestrator")[mark:], 120, "the env server restarted")
     line = next(x for x in run.log("orchestrator")[mark:].splitlines() if "answered no ping" in x)
     run.wait_steps(2)
@@ -256,11 +294,12 @@ def frozen_env_server_restarted(run: Run) -> None:
             "named_by": "orchestrator",
             "line": line.split("] ", 1)[-1][:220],
             "outcome": "killed, restarted like a crashed one (its rollouts errored, counted); run goes on",
+            **seen.cells(),
         }
     )
 
 
-def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
+def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None, quota: dict | None) -> None:
     """Every freeze in turn, the bus directory unwritable, its disk full; kill -9 of the orchestrator
     ends the run."""
     try:
@@ -309,14 +348,28 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
         ):
             freeze(run, component, role, namer, [], past=False)
         # kill -9 of each component the run survives: named, replaced, the run goes on.
-        killed(run, "env worker", "env-worker", ["env worker 0 (pid {pid}) died", "signal 9"])
+        killed(
+            run,
+            "env worker",
+            "env-worker",
+            ["env worker 0 (pid {pid}) died", "signal 9"],
+            status=[["(pid {pid}) died"]],
+        )
         killed(
             run,
             "env server",
             "env-server",
             ["env server for train env 'reverse-text' died", "(it was pid {pid})"],
+            status=[["died", "(it was pid {pid})"]],
         )
-        killed(run, "inference server", "inference", ["inference server 0", "is down"], "is back (pid")
+        killed(
+            run,
+            "inference server",
+            "inference",
+            ["inference server 0", "is down"],
+            "is back (pid",
+            status=[["inference server 0", ": down"], ["inference server 0", "unresponsive"]],
+        )
         # The bus directory unwritable for a while, then its disk full: the writer names the path
         # and the cause at once, retries, and the batch is written once it clears.
         rollouts, undo = run.paths.rollouts_dir, []
@@ -347,16 +400,23 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
             )
         else:
             ROWS.append(_not_run("bus (orchestrator writing rollouts/)", "disk full", no_tmpfs))
+        if quota is not None:  # the user's quota exhausted (EDQUOT): the bus, then the env's logs
+            quota_refused(
+                run, "orchestrator", bus, quota, rollouts, "cannot write rollouts", hold, BOUND + 60
+            )
+            env_logs_over_quota(run, quota, hold)
         # An inference server frozen past server_down_timeout_s: killed, restarted, brought back.
         pid, mark = run.pid("inference"), len(run.log("orchestrator"))
         os.kill(pid, signal.SIGSTOP)
-        t0 = time.monotonic()
+        seen = Watch(run.console, run.paths.root, *stall_names("inference", pid))
+        t0 = seen.t0
         _until(
             lambda: "is back (pid" in run.log("orchestrator")[mark:],
             DOWN_S + 120,
             "the frozen server replaced",
         )
         took = time.monotonic() - t0
+        seen.named(DOWN_S + 120)
         run.wait_steps(2)
         ROWS.append(
             {
@@ -366,12 +426,14 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
                 "named_by": "orchestrator",
                 "line": "killed (SIGKILL), restarted by the launcher, policy loaded and verified",
                 "outcome": "run goes on",
+                **seen.cells(),
             }
         )
         # kill -9 of the orchestrator: the run ends with one line naming it.
         _until(lambda: checkpoint.latest_complete(run.paths) is not None, 120, "a checkpoint")
         os.kill(run.pid("orchestrator"), signal.SIGKILL)
-        _, stderr = run.proc.communicate(timeout=120)
+        seen = ended_watch(run, "orchestrator was killed by signal 9")
+        _, stderr = run.communicate(timeout=120)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
@@ -386,6 +448,7 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None) -> None:
             "named_by": "launcher",
             "line": last[:220],
             "outcome": "run ends (exit 1); resume continues",
+            **seen.cells(),
         }
     )
 
@@ -395,7 +458,8 @@ def resumed_then(out: Path, role: str, expected: str, pid_of) -> None:
     run, _ = _resume(out)
     try:
         os.kill(pid_of(run), signal.SIGKILL)
-        _, stderr = run.proc.communicate(timeout=120)
+        seen = ended_watch(run, expected)
+        _, stderr = run.communicate(timeout=120)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
@@ -409,6 +473,7 @@ def resumed_then(out: Path, role: str, expected: str, pid_of) -> None:
             "named_by": "launcher",
             "line": last[:220],
             "outcome": f"run ends (exit {run.proc.returncode}); resume continues",
+            **seen.cells(),
         }
     )
 
@@ -449,6 +514,10 @@ def test_broken_env_ends_the_run_naming_env_and_cause(tmp_path: Path, case: str)
     assert res.returncode != 0, res.stdout[-2000:]
     last = (res.stderr.strip() or res.stdout.strip()).splitlines()[-1]
     assert all(e in last for e in expected), last
+    status = status_text(out)  # `ended:` once the launcher ran (not for a config it refused)
+    assert ("every rollout" not in last and "ended:" not in status) or all(e in status for e in expected), (
+        status
+    )
     ROWS.append(
         {
             "component": "env",
@@ -457,6 +526,10 @@ def test_broken_env_ends_the_run_naming_env_and_cause(tmp_path: Path, case: str)
             "named_by": "orchestrator" if "every rollout" in last else "start-up",
             "line": last[:260],
             "outcome": f"run ends (exit {res.returncode})",
+            "data": "- (no step trained: nothing to resume)",
+            **ended_cells(
+                took, status, "the config refused before a run directory: `hpcrl status` has no run"
+            ),
         }
     )
     _write_table()
@@ -510,6 +583,8 @@ def test_tool_env_under_the_default_renderer_ends_naming_env_cause_and_fix(tmp_p
     for part in ("env vf1_tool_env", "DefaultRenderer does not support tools", 'renderer.name = "qwen3"'):
         assert part in last, last
     assert took < 300, f"took {took:.0f} s to end"
+    status = status_text(out)
+    assert "ended:" in status and "env vf1_tool_env" in status, status
     ROWS.append(
         {
             "component": "env (verifiers 0.4, tools at runtime)",
@@ -518,6 +593,8 @@ def test_tool_env_under_the_default_renderer_ends_naming_env_cause_and_fix(tmp_p
             "named_by": "orchestrator",
             "line": f"{last[:200]} … {last[-160:]}",  # the end holds the fix
             "outcome": f"run ends (exit {res.returncode})",
+            "data": "- (no step trained: nothing to resume)",
+            **ended_cells(took, status, ""),
         }
     )
     _write_table()

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.faults import row
+from tests.integration.naming import RANKS_CELLS
 from tests.integration.ranks import run_ranks
 
 HOLD_S = 2.5
@@ -81,11 +83,11 @@ def _worker(run_dir: str, out_dir: str, model_dir: str) -> None:
         paths.make_dirs()
     par.barrier()
     lines: list[str] = []
+    seen: dict = {"rank": env.rank, "named_at": []}  # when each line was said (time.monotonic())
     handler = logging.Handler()
-    handler.emit = lambda rec: lines.append(rec.getMessage())  # type: ignore[method-assign]
+    handler.emit = lambda rec: lines.append(rec.getMessage()) or seen["named_at"].append(time.monotonic())  # type: ignore[method-assign]
     logging.getLogger("hpcrl.storage").addHandler(handler)
     logging.getLogger("hpcrl.storage").setLevel(logging.WARNING)
-    seen: dict = {"rank": env.rank}
     model = _model("lora", model_dir)
     full = {k: v.contiguous() for k, v in hf_named_tensors(model, dtype="bfloat16")}
     if env.rank == 0:
@@ -101,7 +103,9 @@ def _worker(run_dir: str, out_dir: str, model_dir: str) -> None:
         t0 = time.monotonic()
         pub.publish(model, 0)
         seen["A_s"], seen["A_lines"] = time.monotonic() - t0, list(lines)
+        seen["A_named_s"] = [t - t0 for t in seen["named_at"]]
         lines.clear()
+        seen["named_at"].clear()
         # B: the checkpoint, weights/ immutable where rank 0 alone writes the streamed export
         opt = optim.build_optimizer(model, "adamw", lr=1e-3)
         tr = Training(
@@ -123,7 +127,9 @@ def _worker(run_dir: str, out_dir: str, model_dir: str) -> None:
         ckpt.save(1, Progress(step=1))
         ckpt.close()
         seen["B_s"], seen["B_lines"] = time.monotonic() - t0, list(lines)
+        seen["B_named_s"] = [t - t0 for t in seen["named_at"]]
         lines.clear()
+        seen["named_at"].clear()
         # C: rank 1 refused for good, a short bound: every rank ends with the same line
         pub.storage_timeout_s, pub.base_sent = 2, False
         _refuse_rank1_file(env.rank, None, seen)
@@ -133,6 +139,7 @@ def _worker(run_dir: str, out_dir: str, model_dir: str) -> None:
         except WriteRefused as e:
             seen["C_line"], seen["C_errno"] = str(e), e.errno
         seen["C_s"], seen["C_lines"] = time.monotonic() - t0, list(lines)
+        seen["C_named_s"] = [t - t0 for t in seen["named_at"]]
         if "immutable" in seen:
             _chattr("-i", Path(seen["immutable"]))
     (out / f"rank{env.rank}.json").write_text(json.dumps(seen))
@@ -196,3 +203,34 @@ def test_two_ranks_retry_a_refused_write_together(tiny_model_dir: Path, tmp_path
     assert "rank00001-00000.safetensors" in line and line.endswith("(storage_timeout_s = 2)"), line
     assert r0["C_s"] < 30 and r1["C_s"] < 30  # no rank left waiting in a collective
     assert not paths.policy_file(1).exists() and not (paths.broadcast_dir(1) / "manifest.json").exists()
+    what = "trainer, 2 gloo ranks (LoRA under FSDP2, sharded publish)"
+    row(
+        what,
+        f"rank 1's first policy file immutable (chattr +i) for {HOLD_S} s",
+        r1["A_named_s"][0],
+        "rank 1 (hpcrl.storage)",
+        r1["A_lines"][0][:220],
+        "both ranks retried together, no collective left hanging; policy 0 complete",
+        "published policy checksum = the model's (manifest and files)",
+        *RANKS_CELLS,
+    )
+    row(
+        what,
+        f"weights/ immutable for {HOLD_S} s while rank 0 alone writes the checkpoint's HF export",
+        r0["B_named_s"][0],
+        "rank 0 (hpcrl.storage)",
+        r0["B_lines"][0][:220],
+        "both ranks waited; checkpoint 1 complete",
+        "exported weights checksum = the model's; no tmp left",
+        *RANKS_CELLS,
+    )
+    row(
+        what,
+        "rank 1's first policy file immutable for good, storage_timeout_s = 2",
+        max(r0["C_s"], r1["C_s"]),
+        "every rank (WriteRefused, the same line)",
+        f"{line[:150]} … {line[-80:]}",
+        "every rank ends with the same one line",
+        "no manifest and no announcement of policy 1",
+        *RANKS_CELLS,
+    )

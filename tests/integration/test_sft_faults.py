@@ -1,7 +1,9 @@
-"""The SFT trainer's row of the fault matrix (docs/fault_matrix.md): a real `hpcrl sft` killed with
-SIGKILL once a checkpoint of its own is complete; `hpcrl sft ... --ckpt.resume-step -1` then
-continues from the newest complete checkpoint to the last step and lands on bitwise the same final
-weights as a run that was never killed (the data cursor, optimizer and RNG come back with it)."""
+"""The SFT trainer's rows of the fault matrix (docs/fault_matrix.md, scripts/fault_matrix.sh): a real
+`hpcrl sft` killed with SIGKILL once a checkpoint of its own is complete; `hpcrl sft ...
+--ckpt.resume-step -1` then continues from the newest complete checkpoint to the last step and lands
+on bitwise the same final weights as a run that was never killed (the data cursor, optimizer and RNG
+come back with it). A frozen SFT trainer named by `hpcrl status`; a frozen rank of two ending the run
+past watchdog_s."""
 
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import pytest
 
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
-from tests.integration.faults import _until
+from tests.integration.faults import _until, row
+from tests.integration.naming import Console, Watch
 from tests.integration.test_sft import losses, run_sft, write_config
 from tests.integration.test_sft_storage import _sft
 
 STEPS = 12
+WATCHDOG_S = 20  # the frozen-rank case
 
 
 def _config(path: Path, model: Path, data: Path, out: Path) -> Path:
@@ -51,6 +55,10 @@ def test_sft_trainer_killed_then_resumed_reaches_the_last_step_unchanged(
         proc.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=60)
+        # `hpcrl status`: its report no longer refreshed and no job running: trainer_0 exited
+        seen = Watch(None, out, [], [["trainer_0", "exited"]])
+        seen.t0 = t0
+        _until(seen.poll, 30, "`hpcrl status` naming the killed trainer exited")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -66,6 +74,20 @@ def test_sft_trainer_killed_then_resumed_reaches_the_last_step_unchanged(
     want = load_safetensors_dir(str(RunPaths(ref).weights_dir(STEPS)))
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+    row(
+        "SFT trainer",
+        f"kill -9 once checkpoint 4 of {STEPS} is complete",
+        0,
+        "its caller (exit -9: one rank, nothing outlives it to say more)",
+        "hpcrl sft killed by signal 9; `--ckpt.resume-step -1`: "
+        + next(x for x in resumed.stderr.splitlines() if f"steps {start + 1}..{STEPS}" in x).split("] ", 1)[
+            -1
+        ][:160],
+        f"run ends (killed); resume continues from step_{start} to step {STEPS}, exit 0",
+        f"final weights bitwise equal to a run never killed; steps 1..{STEPS} each logged",
+        "- (`hpcrl sft` is the killed process (one rank): no console outlives it)",
+        seen.status_s,
+    )
 
 
 def _status(out: Path) -> str:
@@ -112,7 +134,7 @@ def test_a_frozen_sft_trainer_is_named_unresponsive(tiny_model_dir: Path, tmp_pa
         assert "running" in _trainer_row(_status(out)), _status(out)
         proc.send_signal(signal.SIGSTOP)
         took = _until(lambda: "unresponsive" in _trainer_row(_status(out)), 60, "`hpcrl status` naming it")
-        row = _trainer_row(_status(out))
+        line = _trainer_row(_status(out))
         proc.send_signal(signal.SIGCONT)
         frozen_at = step()
         _until(lambda: step() > frozen_at + 1, 120, "training going on after SIGCONT")
@@ -121,10 +143,21 @@ def test_a_frozen_sft_trainer_is_named_unresponsive(tiny_model_dir: Path, tmp_pa
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.communicate(timeout=60)
-    print(f"named unresponsive {took:.1f} s after SIGSTOP: {row.strip()}")
+    print(f"named unresponsive {took:.1f} s after SIGSTOP: {line.strip()}")
     # stale after 5 s (progress.STALE_S); `hpcrl status` itself takes seconds under load
     assert took < 30, took
-    assert row.split()[:2] == ["trainer_0", "unresponsive"], row
+    assert line.split()[:2] == ["trainer_0", "unresponsive"], line
+    row(
+        "SFT trainer",
+        "SIGSTOP (one rank), then SIGCONT",
+        took,
+        "hpcrl status",
+        " ".join(line.split())[:200],
+        "after SIGCONT: running again, training goes on",
+        f"- (no step lost: step {frozen_at} then on, no resume)",
+        "- (one rank: the console is the frozen process's own stderr)",
+        took,
+    )
 
 
 @pytest.mark.slow
@@ -140,7 +173,9 @@ def test_a_frozen_rank_ends_an_sft_run_past_watchdog_s(tiny_model_dir: Path, tmp
     data = make_demo(tmp_path / "data" / "train.jsonl", "reverse-text", n=200, seed=0)[0]
     out = tmp_path / "run"
     cfg = _config(tmp_path / "run.toml", tiny_model_dir, data, out)
-    text = cfg.read_text().replace(f"max_steps = {STEPS}", "max_steps = 100000\nwatchdog_s = 8")
+    # watchdog_s bounds the model's loading too: 8 s was hit by `import torch` on 2 cores shared with
+    # other test runs
+    text = cfg.read_text().replace(f"max_steps = {STEPS}", f"max_steps = 100000\nwatchdog_s = {WATCHDOG_S}")
     cfg.write_text(text + "[deployment]\nnum_trainer_ranks = 2\n")
     report = RunPaths(out).progress_dir / "trainer_1.json"
 
@@ -151,17 +186,22 @@ def test_a_frozen_rank_ends_an_sft_run_past_watchdog_s(tiny_model_dir: Path, tmp
             return {}
 
     proc = _sft(cfg)
+    console = Console(proc.stdout, proc.stderr)
     try:
         _until(lambda: int(rank1().get("step") or 0) >= 2 or proc.poll() is not None, 300, "rank 1's step 2")
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, console.text(1)[-3000:]
         frozen = int(rank1()["pid"])
         os.kill(frozen, signal.SIGSTOP)
-        took = _until(lambda: proc.poll() is not None, 120, "the run to end")
-        proc.communicate(timeout=60)
+        # the console (rank 0's watchdog line) and `hpcrl status` (rank 1 unresponsive) name it
+        seen = Watch(console, out, [["made no progress"]], [["trainer_1", "unresponsive"]])
+        took = _until(lambda: (seen.poll(), proc.poll() is not None)[1], 120, "the run to end")
+        proc.wait(60)
+        console.join()
+        seen.poll()
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate(timeout=60)
+            proc.wait(60)
         if "frozen" in locals():
             try:  # never leave a stopped process behind
                 os.kill(frozen, signal.SIGKILL)
@@ -171,4 +211,18 @@ def test_a_frozen_rank_ends_an_sft_run_past_watchdog_s(tiny_model_dir: Path, tmp
     assert proc.returncode != 0
     log = (RunPaths(out).logs_dir / "trainer.log").read_text()
     assert "watchdog: sft[0] made no progress" in log, log[-3000:]
-    assert took < 60, took
+    assert took < WATCHDOG_S + 50, took
+    assert seen.console_s is not None and seen.status_s is not None, seen.missing()
+    assert max(seen.console_s, seen.status_s) <= took, (seen.cells(), took)
+    said = next(x for x in log.splitlines() if "watchdog: sft[0] made no progress" in x)
+    row(
+        "SFT trainer (rank 1 of 2)",
+        f"SIGSTOP past watchdog_s ({WATCHDOG_S} s)",
+        took,
+        "rank 0's watchdog, then hpcrl sft",
+        said.split("] ", 1)[-1][:220],
+        f"run ends (exit {proc.returncode}), no rank left waiting in the collective",
+        "- (resume as after kill -9: the row above)",
+        seen.console_s,
+        seen.status_s,
+    )

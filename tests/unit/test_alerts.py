@@ -168,3 +168,30 @@ def test_a_recovery_is_printed_after_every_printed_stall() -> None:
         "12:00:05 WARNING [orchestrator] orchestrator: no progress for 5 s (last: step 3); inference server 0",
         "12:00:09 WARNING [orchestrator] orchestrator: moving again (step 4) after 9 s without progress",
     ]  # the third stall repeats the second's text: neither it nor its recovery is printed again
+
+
+def test_a_write_refused_again_after_it_cleared_is_printed_again() -> None:
+    """A full disk twice in a run (hpcrl.storage): the second refusal's line differs from the first
+    only in its numbers, yet it is printed, as is the write going through after it; a refusal still
+    open (every rank saying it, the same write refused again) is counted as before."""
+    refused = (
+        "12:00:0{s} WARNING [trainer] trainer: cannot write checkpoint step {n}: disk full at "
+        "/r/checkpoints/step_{n} (No space left on device), ENOSPC; free space there: 0 B free of "
+        "268.4 MB; retrying in 1 s, doubling to 30 s, for up to 30 s (storage_timeout_s)"
+    )
+    wrote = "12:00:0{s} WARNING [trainer] trainer: wrote checkpoint step {n} after 9 s (it was: disk full)"
+    a = Alerts()
+    lines = [
+        refused.format(s=0, n=140),
+        refused.format(s=1, n=140),  # another rank, the same episode: counted, not printed
+        wrote.format(s=2, n=140),
+        refused.format(s=3, n=160),
+        wrote.format(s=4, n=160),
+    ]
+    printed = [out for r in _recs(*lines) if (out := a.see(r)) is not None]
+    assert printed == [
+        lines[0],
+        lines[2],
+        lines[3],  # the same text, numbers aside: printed again, with its own figures
+        lines[4],
+    ]

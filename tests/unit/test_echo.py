@@ -151,6 +151,90 @@ def test_user_feedback_of_later_turns_only(tok) -> None:
     assert weighted_spans(tok, p) == [(c, 0.5) for c in later]
 
 
+def test_branching_weighs_each_env_message_once_in_the_sample_that_follows_it(tok) -> None:
+    """trajectory_strategy = "branching" (one sample per turn, its prompt holding the earlier turns): as
+    prime-rl weighs the observations of every branch after its first response and trains a node the
+    branches share once (trajectories._loss_weights), each later user message's body is weighted in
+    the sample of the turn that follows it, and only there: the same tokens as the stitched piece."""
+    env = load_environment(
+        "alphabet-sort", num_examples=4, num_eval_examples=0, num_val_examples=0, min_turns=3, max_turns=3
+    )
+    task = env.tasks()[0]
+    traj, rec = rollout(tok, env, task, ["Ada\nBea", "Ada\nBea\nCy", "Ada\nBea\nCy\nDi", "x", "y"])
+    branch = to_record(0, traj, branching=True)
+    turns = traj.turns
+    assert len(turns) >= 3 and len(branch.pieces) == len(turns) and len(rec.pieces) == 1
+    algo = Echo(echo(user=0.5, system=2.0))
+    algo.weigh([rec])
+    algo.weigh([branch])
+    msgs = traj.messages
+    replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    assert branch.pieces[0].ce_weights is None  # the first turn: only the initial prompt precedes it
+    for k, p in enumerate(branch.pieces[1:], start=1):
+        # sample k: the feedback between reply k-1 and its own reply, not the earlier feedback its
+        # prompt also holds (weighted in the earlier samples)
+        own = [m["content"] for m in msgs[replies[k - 1] + 1 : replies[k]] if m["role"] == "user"]
+        assert own and weighted_spans(tok, p) == [(c, 0.5) for c in own], k
+        assert p.after_response and not np.any(np.asarray(p.loss_mask) & (np.asarray(p.ce_weights) != 0))
+    assert [s for p in branch.pieces for s in weighted_spans(tok, p)] == weighted_spans(tok, rec.pieces[0])
+    n_ce = sum(int(np.count_nonzero(p.ce_weights or [])) for p in branch.pieces)
+    assert n_ce == int(np.count_nonzero(rec.pieces[0].ce_weights))
+    # the filter: one keep-mask per branch sample, each spanning it
+    cut = Echo(
+        AlgoConfig(
+            type="echo",
+            roles=echo(user=0.5).roles,
+            filter=EchoFilterConfig(
+                import_path="tests.unit.test_echo.keep_first_tokens", kwargs={"n": 10**6}
+            ),
+        )
+    )
+    cut.weigh([branch])
+    assert [s for p in branch.pieces for s in weighted_spans(tok, p)] == weighted_spans(tok, rec.pieces[0])
+    # packed: every branch sample with weights travels, the step's ce count is the stitched one's
+    samples = [
+        Sample(
+            np.asarray(p.input_ids, np.int32),
+            np.asarray(p.loss_mask),
+            np.asarray(p.logprobs, np.float32),
+            1.0,
+            0,
+            i,
+            "e",
+            1.0,
+            0.0,
+            ce_weights=np.asarray(p.ce_weights or [0.0] * len(p.input_ids), np.float32),
+        )  # fmt: skip
+        for i, p in enumerate(branch.pieces)
+    ]
+    batches, _ = build_batches(samples, step=1, world_size=2, seq_len=4096)
+    assert all(b.total_ce_tokens == n_ce for b in batches)
+
+
+def test_branch_roles_by_hand() -> None:
+    """Three turns that stitch: interleaved, one piece weighs both env parts; branching, the second
+    turn's sample weighs the first env part and the third turn's sample only the second."""
+    from hpcrl.envs import Turn
+    from hpcrl.orchestrator.stitching import pieces_from_turns
+
+    t, u = ROLES["tool"], ROLES["user"]
+    t1 = Turn("a", [10, 11], [12, 13], [-0.1] * 2, [0])
+    t2 = Turn("b", [10, 11, 12, 13, 20, 21, 22], [14], [-0.1], [0], env_roles=bytes([0, u, 0]))
+    t3 = Turn("c", [10, 11, 12, 13, 20, 21, 22, 14, 30, 31], [15], [-0.1], [0], env_roles=bytes([t, 0]))
+    w = {t: 0.1, u: 0.5}
+    (whole,) = pieces_from_turns([t1, t2, t3])
+    assert np.flatnonzero(piece_weights(whole, w)).tolist() == [5, 8] and not whole.after_response
+    p1, p2, p3 = pieces_from_turns([t1, t2, t3], branching=True)
+    assert p1.env_roles is None and piece_weights(p1, w) is None and not p1.after_response
+    assert p2.env_roles == bytes([0] * 4 + [0, u, 0] + [0]) and p2.after_response
+    assert piece_weights(p2, w) == [0.0] * 4 + [0.0, 0.5, 0.0] + [0.0]
+    assert p3.env_roles == bytes([0] * 8 + [t, 0] + [0])  # 21 (the first env part) is p2's
+    assert piece_weights(p3, w) == [0.0] * 8 + [0.1, 0.0, 0.0]
+    # a re-rendered turn carries no roles: its whole prompt counts as initial prompt
+    t3r = Turn("c", [9, 9, 30, 31], [15], [-0.1], [0], rerendered=True)
+    assert pieces_from_turns([t1, t2, t3r], branching=True)[2].env_roles is None
+
+
 def test_filter_narrows_the_role_selection(tok, calculator) -> None:
     env, task = calculator
     _, rec = rollout(tok, env, task, [tool_call(task), f"#### {task.answer}"])
@@ -347,8 +431,8 @@ def test_env_roles_cross_the_env_server_wire() -> None:
     turn = Turn("t", [1, 2, 3], [4], [-0.5], [0], env_roles=bytes([0, ROLES["tool"]]))
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(to_wturn(turn)), type=WTurn)
     assert from_wturn(wire).env_roles == bytes([0, ROLES["tool"]])
-    # an older peer's turn (no env_roles field) reads as None
-    short = msgspec.msgpack.encode(list(msgspec.structs.astuple(to_wturn(turn)))[:-1])
+    # an older peer's turn (no env_roles field, nor the images after it) reads as None
+    short = msgspec.msgpack.encode(list(msgspec.structs.astuple(to_wturn(turn)))[:-2])
     assert from_wturn(msgspec.msgpack.decode(short, type=WTurn)).env_roles is None
 
 

@@ -155,7 +155,7 @@ def test_components_reads_every_env_server_and_worker(tmp_path) -> None:
     doc = {
         "env": "faulty",
         "kind": "train",
-        "server": {"pid": os.getpid(), "node": None, "restarts": 1},
+        "server": {"pid": os.getpid(), "node": None, "restarts": 1, "log_lines_lost": 3},
         "workers": [
             {"index": 0, "pid": os.getpid(), "node": None, "ready": True, "restarts": 2},
             {"index": 1, "pid": 2**22 + 12345, "node": None, "ready": True, "restarts": 0},  # no such pid
@@ -164,7 +164,7 @@ def test_components_reads_every_env_server_and_worker(tmp_path) -> None:
     (d / "components.json").write_text(json.dumps(doc))
     rows = env_rows(tmp_path / "envs")
     assert [(r["role"], r["state"], r["restarts"]) for r in rows] == [
-        ("env-server", "running", 1),
+        ("env-server", "running (3 log line(s) lost)", 1),  # its log refused (disk full, quota)
         ("env-worker 0", "running", 2),
         ("env-worker 1", "exited", 0),
     ]

@@ -171,7 +171,7 @@ def test_a_harness_needs_the_real_taskset(tmp_path):
         ('[resume]\nstep = 3\ndir = "a/step_3"\n', "resume.dir", "excludes"),
         ('[resume]\ndir = "a/b"\n', "resume.dir", "step_N"),
         ('[monitors.file]\npath = "other.jsonl"\n', "monitors.file.path", "metrics.jsonl"),
-        ('[model.vlm]\nvision_encoder_attr = "v"\n', "model.vlm", "vision-language"),
+        ('[model.vlm]\nvision_encoder_attr = "not a path"\n', "model.vlm", "dotted attribute path"),
         ('[orchestrator.model]\nname = "org/Model-FP8"\n', "orchestrator.model.name", "FP8 copy"),
         ("[deployment2]\n", "deployment2", "unknown"),
     ],

@@ -74,3 +74,32 @@ def test_report_cost_is_tiny() -> None:
     per_call = (time.perf_counter() - t0) / n
     assert per_call < 5e-6, per_call
     p.stop()
+
+
+def test_a_refused_write_is_in_the_progress_file_at_once(tmp_path) -> None:
+    """hpcrl.storage's refusal reaches `hpcrl status` without waiting for the next refresh (every
+    2 s): a role whose storage_timeout_s is short would end before then."""
+    import errno
+
+    from hpcrl import storage
+    from hpcrl.monitor import progress
+
+    p = progress.start("trainer_0", tmp_path, None, bound_s=60)  # refreshed every 2 s
+    try:
+        _wait(lambda: (tmp_path / "trainer_0.json").exists())
+        time.sleep(0.2)
+        r = storage.Refusals("trainer", "checkpoint step 2", 30, path=tmp_path / "ck")
+        t0 = time.monotonic()
+        r.refused(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ck")))
+
+        def waiting() -> str | None:
+            return json.loads((tmp_path / "trainer_0.json").read_text()).get("waiting_on")
+
+        _wait(lambda: waiting() is not None, 1.5)
+        assert time.monotonic() - t0 < 1.5
+        assert waiting().startswith("writing checkpoint step 2: disk full at "), waiting()
+        r.cleared()
+        _wait(lambda: waiting() is None, 1.5)
+    finally:
+        p.stop()
+        storage.report_to(lambda on: None, lambda: None)

@@ -266,6 +266,7 @@ def test_a_log_the_disk_refuses_never_raises_and_says_what_it_lost() -> None:
             pass
 
     stream = Stream()
+    before = storage.dropped_log_lines()[0]
     handler = storage.TolerantStreamHandler(stream)
     logger = logging.getLogger("test.tolerant")
     logger.addHandler(handler)
@@ -279,6 +280,11 @@ def test_a_log_the_disk_refuses_never_raises_and_says_what_it_lost() -> None:
         logger.removeHandler(handler)
     assert (
         stream.text == "2 log line(s) lost: disk full at an unnamed file (No space left on device)\nthree\n"
+    )
+    # the process's count, which an env server's Pong tells the orchestrator (its console, status)
+    assert storage.dropped_log_lines() == (
+        before + 2,
+        "disk full at an unnamed file (No space left on device)",
     )
 
 

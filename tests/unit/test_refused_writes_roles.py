@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 from hpcrl.storage import WriteRefused, retry_together
-from tests.integration.faults import Filler, _make_unwritable, _mount_tmpfs
+from tests.integration.faults import Filler, _make_unwritable, _mount_tmpfs, row
+from tests.integration.naming import IN_PROCESS_CELLS
 
 
 @pytest.fixture
@@ -61,6 +62,7 @@ def test_a_lora_adapter_publish_waits_out_an_unwritable_broadcasts_dir(lora_mode
 
     paths, bus, pub = _adapter_publisher(tmp_path / "run", 60)
     paths.broadcasts_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
     how, undo = _make_unwritable(paths.broadcasts_dir)
     clear = threading.Timer(1.0, lambda: subprocess.run(undo, check=True))
     try:
@@ -85,6 +87,17 @@ def test_a_lora_adapter_publish_waits_out_an_unwritable_broadcasts_dir(lora_mode
     msg = read_message(paths.policy_file(3), PolicyReady)
     assert msg.adapter and msg.checksum == state_dict_checksum(written)
     assert msg.checksum == state_dict_checksum(adapter_tensors(lora_model))
+    named = next(r.created for r in caplog.records if r.name == "hpcrl.storage")
+    row(
+        "trainer (LoRA adapter publish)",
+        f"broadcasts/ unwritable ({how}) for 1 s (PolicyPublisher in the test's process)",
+        named - t0,
+        "trainer (hpcrl.storage)",
+        lines[0][:220],
+        "retried with backoff; written whole once it cleared, then announced",
+        "announced checksum = the adapter file's = the model's adapter",
+        *IN_PROCESS_CELLS,
+    )
 
 
 def test_a_lora_adapter_refused_mid_file_is_never_left_as_complete(lora_model, tmp_path) -> None:
@@ -96,9 +109,11 @@ def test_a_lora_adapter_refused_mid_file_is_never_left_as_complete(lora_model, t
     if why is not None:
         pytest.skip(why)
     filler = Filler(paths.broadcasts_dir)
+    t0 = time.monotonic()
     try:
         with pytest.raises(WriteRefused) as got:
             pub.publish(lora_model, 4)
+        took = time.monotonic() - t0
         assert sorted(p.name for p in paths.broadcasts_dir.iterdir()) == ["filler"]
     finally:
         filler.stop()
@@ -108,6 +123,16 @@ def test_a_lora_adapter_refused_mid_file_is_never_left_as_complete(lora_model, t
     assert line.startswith("cannot write policy 4 (LoRA adapter) for 0 s: disk full at "), line
     assert str(paths.broadcasts_dir) in line and line.endswith("(storage_timeout_s = 0.3)"), line
     assert not paths.policy_file(4).exists()
+    row(
+        "trainer (LoRA adapter publish)",
+        "broadcasts/ a full 1 MB tmpfs (ENOSPC mid-file), past storage_timeout_s = 0.3 s",
+        took,
+        "the publish's WriteRefused (the role's one line)",
+        f"{line[:150]} … {line[-80:]}",
+        "ends in one line",
+        "no step_4 and no tmp left, nothing announced",
+        *IN_PROCESS_CELLS,
+    )
 
 
 def test_the_checkpointers_lora_adapter_waits_out_an_unwritable_dir(lora_model, tmp_path, caplog) -> None:
@@ -122,7 +147,8 @@ def test_the_checkpointers_lora_adapter_waits_out_an_unwritable_dir(lora_model, 
     )
     assert ckpt.maybe_save_adapter(2)
     paths.adapter_dir(4).parent.mkdir(parents=True, exist_ok=True)
-    _, undo = _make_unwritable(paths.adapter_dir(4).parent)
+    t0 = time.time()
+    how, undo = _make_unwritable(paths.adapter_dir(4).parent)
     clear = threading.Timer(1.0, lambda: subprocess.run(undo, check=True))
     try:
         clear.start()
@@ -141,6 +167,17 @@ def test_the_checkpointers_lora_adapter_waits_out_an_unwritable_dir(lora_model, 
             "adapter_config.json",
             "adapter_model.safetensors",
         ]
+    named = next(r.created for r in caplog.records if r.name == "hpcrl.storage")
+    row(
+        "SFT trainer (LoRA adapter checkpoint)",
+        f"adapters/ unwritable ({how}) for 1 s (Checkpointer in the test's process)",
+        named - t0,
+        "sft trainer (hpcrl.storage)",
+        lines[0][:220],
+        "retried with backoff; written once it cleared",
+        "adapters/step_2 and step_4 each whole (config + weights)",
+        *IN_PROCESS_CELLS,
+    )
 
 
 def test_the_orchestrator_checkpoint_part_is_waited_out_with_the_event_loop_running(tmp_path, caplog) -> None:

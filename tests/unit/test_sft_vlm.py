@@ -144,7 +144,8 @@ def test_forward_matches_the_models_own_logits_and_freezing_drops_grads(vision, 
         ("[model.vlm]\nfreeze_vision_encoder = false\n[model.lora]\n", "model.vlm.freeze_vision_encoder",
          "incompatible with [lora]"),
         ("[model.vlm]\n", "model.impl", "no custom vision-language class"),  # --model.impl custom
-        ("ep = 2\n[model.vlm]\n", "model.ep", "no vision-language class"),
+        ('[model.vlm]\n[model.lora]\ntarget_modules = ["experts"]\n', "model.lora.target_modules",
+         "['experts'] alone with [vlm]"),
         ("cp = 2\n[model.vlm]\n", "model.cp", "does not split images"),
         ('[model.vlm]\nvision_encoder_attr = "model..visual"\n', "model.vlm", "not a dotted attribute path"),
         ("[model.vlm]\nfreeze = true\n", "model.vlm", "freeze"),
@@ -167,14 +168,18 @@ def test_bad_vlm_values_are_one_line_refusals(tmp_path, model_toml, field, msg):
     assert e.value.path.startswith(field) and msg in str(e.value) and "\n" not in str(e.value)
 
 
-def test_rl_configs_refuse_vlm_in_one_line(tmp_path):
+def test_rl_configs_take_vlm_and_refuse_what_sft_refuses_in_one_line(tmp_path):
+    """`hpcrl run` with [model.vlm] (vision-language RL, tests/unit/test_vlm_rl.py): the same checks."""
     from hpcrl.config.loader import load
     from hpcrl.errors import ConfigError
 
     cfg = tmp_path / "rl.toml"
     cfg.write_text('[model]\nname = "hpcrl/tiny-qwen3"\n[trainer.model.vlm]\n')
-    with pytest.raises(ConfigError, match="vlm"):
+    assert load([str(cfg)], require_envs=False).config.trainer.model.vlm.freeze_vision_encoder
+    cfg.write_text('[model]\nname = "hpcrl/tiny-qwen3"\ncp = 2\n[model.vlm]\n')
+    with pytest.raises(ConfigError, match="does not split images") as e:
         load([str(cfg)], require_envs=False)
+    assert e.value.path == "model.cp"
 
 
 def test_the_decoder_layers_of_a_vlm_are_its_language_models_not_its_vision_blocks():

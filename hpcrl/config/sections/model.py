@@ -18,6 +18,7 @@ fields: hpcrl.config.prime_model.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -33,7 +34,9 @@ class LoraConfig(Section):
     rank: Annotated[int, D("LoRA rank r.", ge=1)] = 16
     alpha: Annotated[float, D("LoRA alpha scaling factor.", gt=0)] = 16.0
     dropout: Annotated[float, D("LoRA dropout probability.", ge=0, le=1)] = 0.0
-    target_modules: Annotated[list[str], D("Module names LoRA adapts.")] = msgspec.field(
+    target_modules: Annotated[
+        list[str], D("Module names LoRA adapts ('experts': a VL MoE's stacked experts, with [vlm]).")
+    ] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
 
@@ -55,8 +58,9 @@ class ActivationCheckpointConfig(Section):
         list[str],
         D(
             "Selective mode: norm (every norm module), attn_proj (q/k/v/o projections and q/k norms), mlp "
-            "(a dense MLP), routed_experts (a MoE layer's expert compute); mla_up_proj and linear_attn "
-            "name modules Qwen3 / Llama layers lack (refused when no chosen layer has them)."
+            "(a dense MLP), routed_experts (a MoE layer's expert compute), linear_attn (Qwen3.5's gated "
+            "delta net, a mamba mixer, a sliding-window attention); mla_up_proj and linear_attn name "
+            "modules Qwen3 / Llama layers lack (refused when no chosen layer has them)."
         ),
     ] = msgspec.field(default_factory=lambda: ["norm"])
 
@@ -117,6 +121,37 @@ class QuantizationConfig(Section):
     )
 
 
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class VLMConfig(Section):
+    """[model.vlm]: a vision-language model (prime-rl's VLMConfig); `hpcrl sft` and `hpcrl run` read it."""
+
+    vision_encoder_attr: Annotated[
+        str | None,
+        D(
+            "Dotted attribute path of the vision encoder in the model (e.g. model.visual); unset: the "
+            "model type's (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe: model.visual)."
+        ),
+    ] = None
+    language_model_attr: Annotated[
+        str | None,
+        D(
+            "Dotted attribute path of the language model (e.g. model.language_model); unset: the model type's."
+        ),
+    ] = None
+    freeze_vision_encoder: Annotated[
+        bool,
+        D("Freeze the vision encoder: no gradients, no optimizer state (false: train it; not with LoRA)."),
+    ] = True
+
+    def __post_init__(self) -> None:
+        for name in ("vision_encoder_attr", "language_model_attr"):
+            v = getattr(self, name)
+            if v is not None and not _DOTTED.match(v):
+                raise ValueError(f"{name} = {v!r} is not a dotted attribute path (e.g. 'model.visual')")
+
+
 class OrchestratorModelConfig(Section):
     name: Annotated[str | None, _NAME] = None
     trust_remote_code: Annotated[bool, _TRUST] = False
@@ -168,8 +203,9 @@ class TrainerModelConfig(ModelConfig):
     ep: Annotated[
         int,
         D(
-            "Expert parallel degree (trainer, impl custom, MoE): experts sharded over groups of ep ranks, tokens "
-            "dispatched with all-to-all; must divide the trainer ranks and the expert count.",
+            "Expert parallel degree (trainer, impl custom, MoE; with [vlm] any impl, a Qwen3-VL-MoE / Qwen3.5-MoE): "
+            "experts sharded over groups of ep ranks, tokens dispatched with all-to-all; must divide the "
+            "trainer ranks and the expert count.",
             ge=1,
         ),
     ] = 1
@@ -268,6 +304,13 @@ class TrainerModelConfig(ModelConfig):
     ] = True
     lora: Annotated[
         LoraConfig | None, D("Train a LoRA adapter instead of all weights (--model.lora enables).")
+    ] = None
+    vlm: Annotated[
+        VLMConfig | None,
+        D(
+            "A vision-language model ([model.vlm]): samples with images go through the model's own "
+            "transformers class with their pixel values (one sample per micro-batch); unset: a text model."
+        ),
     ] = None
 
     def __post_init__(self) -> None:

@@ -1,41 +1,12 @@
-"""`[model.vlm]` of `hpcrl sft`: vision-language SFT (prime-rl's VLMConfig), and the SFT model section
-that holds it (the RL trainer's model section has no `vlm`: RL on images is not supported)."""
+"""The SFT model section and the `[model.vlm]` checks shared by `hpcrl sft` and `hpcrl run` (the
+section itself, prime-rl's VLMConfig, is hpcrl.config.sections.model.VLMConfig: RL's model has it too)."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
-from hpcrl.config.sections.base import D, Section
-from hpcrl.config.sections.model import TrainerModelConfig
-
-_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-
-
-class VLMConfig(Section):
-    vision_encoder_attr: Annotated[
-        str | None,
-        D(
-            "Dotted attribute path of the vision encoder in the model (e.g. model.visual); unset: the "
-            "model type's (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe: model.visual)."
-        ),
-    ] = None
-    language_model_attr: Annotated[
-        str | None,
-        D(
-            "Dotted attribute path of the language model (e.g. model.language_model); unset: the model type's."
-        ),
-    ] = None
-    freeze_vision_encoder: Annotated[
-        bool,
-        D("Freeze the vision encoder: no gradients, no optimizer state (false: train it; not with LoRA)."),
-    ] = True
-
-    def __post_init__(self) -> None:
-        for name in ("vision_encoder_attr", "language_model_attr"):
-            v = getattr(self, name)
-            if v is not None and not _DOTTED.match(v):
-                raise ValueError(f"{name} = {v!r} is not a dotted attribute path (e.g. 'model.visual')")
+from hpcrl.config.sections.base import D
+from hpcrl.config.sections.model import TrainerModelConfig, VLMConfig
 
 
 class SFTModelConfig(TrainerModelConfig):
@@ -69,11 +40,11 @@ class SFTModelConfig(TrainerModelConfig):
                 "'custom' with [vlm]: hpcrl has no custom vision-language class (it trains transformers' "
                 "own); set impl = 'hf' or 'auto'",
             )
-        if self.ep > 1:
+        if self.lora is not None and list(self.lora.target_modules) == ["experts"]:  # hpcrl.models.vlm_moe
             raise ConfigError(
-                f"{field}.ep",
-                f"{self.ep} with [vlm]: expert parallelism is hpcrl's custom MoE implementation, which has "
-                "no vision-language class; use ep = 1",
+                f"{field}.lora.target_modules",
+                "['experts'] alone with [vlm]: the stacked experts' LoRA rides beside peft's adapters; "
+                "add a projection (e.g. 'q_proj')",
             )
         if self.cp > 1:
             raise ConfigError(

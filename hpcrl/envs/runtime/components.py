@@ -76,7 +76,8 @@ def env_rows(envs_dir: Path) -> list[dict[str, Any]]:
                 "env": env,
                 "pid": s.get("pid"),
                 "node": s.get("node"),
-                "state": alive(s.get("pid"), s.get("node")),
+                "state": alive(s.get("pid"), s.get("node"))
+                + (f" ({s['log_lines_lost']} log line(s) lost)" if s.get("log_lines_lost") else ""),
                 "restarts": s.get("restarts", 0),
             }
         )

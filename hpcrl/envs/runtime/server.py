@@ -79,6 +79,7 @@ class EnvServer:
         import zmq
 
         self.spec = spec
+        self.told_lost = 0  # log lines dropped that a Pong already told the orchestrator of
         self.zmq = zmq
         self.ctx = zmq.Context()
         self.up = self.ctx.socket(zmq.DEALER)
@@ -144,7 +145,12 @@ class EnvServer:
     # -- messages -------------------------------------------------------------------------------
     def from_orchestrator(self, msg: wire.Msg) -> bool:
         if isinstance(msg, wire.Ping):
-            self.up.send(wire.encode(wire.Pong(msg.seq)))
+            from hpcrl.storage import dropped_log_lines
+
+            n, why = dropped_log_lines()
+            lost = f"{n - self.told_lost} log line(s) lost: {why}" if n > self.told_lost else ""
+            self.told_lost = n
+            self.up.send(wire.encode(wire.Pong(msg.seq, lost)))
         elif isinstance(msg, wire.Kill):
             w = next((w for w in self.workers if w.ident.decode() == msg.ident), None)
             if w is not None and w.proc is not None:  # else: already replaced
@@ -233,9 +239,17 @@ class EnvServer:
             return
         from hpcrl.envs.runtime.components import server_status
         from hpcrl.fileio import write_atomic
+        from hpcrl.storage import describe, dropped_log_lines
 
         data = server_status(self.spec, os.getpid(), self.workers)
-        write_atomic(Path(self.spec.status_file), [json.dumps(data).encode()], durable=False)
+        data["server"]["log_lines_lost"] = dropped_log_lines()[0]  # `hpcrl status` shows it
+        try:
+            write_atomic(Path(self.spec.status_file), [json.dumps(data).encode()], durable=False)
+        except OSError as e:  # beside the logs, on the same disk: a full or quota'd one never ends the env
+            why = describe(e, self.spec.status_file)
+            if why is None:
+                raise
+            log.warning("env server: cannot write its status file (hpcrl components): %s", why)
 
     def shutdown(self) -> None:
         for w in self.workers:  # they get Stop from the orchestrator; SIGTERM for the rest

@@ -44,6 +44,7 @@ class WTurn(msgspec.Struct, array_like=True):
     trace: int = 0  # multi-agent: the trained trace this turn belongs to
     prompt_routed_experts: list[list[list[int]]] | None = None  # ... of the prompt tokens
     env_roles: bytes | None = None  # message role of each env-provided token (echo)
+    images: list[str] | None = None  # the prompt's image URLs (vision-language RL)
 
 
 class WTrajectory(msgspec.Struct, array_like=True):
@@ -142,9 +143,11 @@ class Ping(msgspec.Struct, tag=True):
 
 
 class Pong(msgspec.Struct, tag=True):
-    """Server -> orchestrator: the answer to Ping `seq`."""
+    """Server -> orchestrator: the answer to Ping `seq`; `lost`: log lines the server dropped since
+    its last Pong (its log's disk full or over quota: `N log line(s) lost: <why>`), else ""."""
 
     seq: int
+    lost: str = ""
 
 
 class ServerSpec(msgspec.Struct, kw_only=True):
@@ -206,6 +209,7 @@ def to_wturn(t: Turn) -> WTurn:
         t.trace,
         t.prompt_routed_experts,
         t.env_roles,
+        t.images,
     )
 
 

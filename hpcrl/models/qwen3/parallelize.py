@@ -51,7 +51,8 @@ def apply_ep(
         m.ep_group, m.ep_size = ep_mesh.get_group(), ep
         for name, p in list(m.experts.named_parameters(recurse=False)):
             local = p.detach().narrow(0, pos * n_local, n_local).clone()
-            new = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            new = nn.Parameter(dt, requires_grad=p.requires_grad)  # frozen under LoRA stays frozen
             setattr(m.experts, name, new)
             out.add(new)
     if world == ep:

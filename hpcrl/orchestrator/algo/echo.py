@@ -4,10 +4,13 @@ weighted cross entropy on env-provided tokens of LATER turns (tool results, user
 Each piece (a stitched training sequence) carries the message role of its env-provided tokens
 (`Piece.env_roles`, hpcrl.orchestrator.env_roles: body tokens only where the template or renderer
 attributes them). A token gets its role's `alpha` as `Piece.ce_weights` when it is not sampled, comes
-after the piece's first sampled token (the initial prompt is excluded) and its role is in
+after the rollout's first model response (the piece's first sampled token, or its prompt's earlier
+replies in a branch sample: `Piece.after_response`; the initial prompt is excluded) and its role is in
 `[orchestrator.algo.roles]`; the optional user filter (`[orchestrator.algo.filter]`) can only narrow
-that. The weighted tokens stay outside the loss mask (the rl loss and its token count); the trainer
-adds `sum(alpha * -logp) / (weighted tokens of the step)`, prime-rl's `ce` component
+that. With trajectory_strategy = "branching" (one sample per turn) each env message is weighed once,
+in the sample of the turn that follows it, as prime-rl trains a node its branches share once. The
+weighted tokens stay outside the loss mask (the rl loss and its token count); the trainer adds
+`sum(alpha * -logp) / (weighted tokens of the step)`, prime-rl's `ce` component
 (hpcrl.trainer.loss.ce_loss). A piece with no weighted token ships no weights.
 
 The filter is called once per rollout as `filter(rollout, **kwargs)` with the RolloutRecord (its
@@ -39,7 +42,7 @@ def piece_weights(
     if piece.env_roles is None:
         return None
     out = [0.0] * len(piece.input_ids)
-    seen_response = False
+    seen_response = piece.after_response  # a branch sample: earlier replies are in its prompt
     for t, (sampled, role) in enumerate(zip(piece.loss_mask, piece.env_roles, strict=True)):
         if sampled:
             seen_response = True
