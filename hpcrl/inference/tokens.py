@@ -83,18 +83,32 @@ class Tokens:
         template_kwargs: dict | None,
     ) -> list[int]:
         with self._lock:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tokenize=False,
-                    **(template_kwargs or {}),
-                )
-            except Exception as e:  # jinja errors, bad message shapes
-                raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from e
+            text = self.chat_text(
+                messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+            )
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict | None,
+    ) -> str:
+        """The chat template's text of `messages` (the caller holds `_lock`): a template that fails is
+        the request's error, naming `messages`."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # jinja errors, bad message shapes
+            raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from e
 
     def encode_text(self, text: str) -> list[int]:
         with self._lock:

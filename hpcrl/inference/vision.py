@@ -90,17 +90,9 @@ class VisionServing:
             raise InvalidRequest(str(e), param="messages") from None
         tokens = self.tokens  # type: ignore[attr-defined]
         with tokens._lock:
-            try:
-                text = tokens.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tokenize=False,
-                    **(template_kwargs or {}),
-                )
-            except Exception as e:  # jinja errors, bad message shapes
-                raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from e
+            text = tokens.chat_text(
+                messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+            )
         try:
             text = self.images.expand(text, self.images.tokens_per_image(mm["image_grid_thw"]))
         except ValueError as e:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
-from tests.integration.naming import Console, Named, Watch, names_for
+from tests.integration.naming import Console, Named, Watch, ended_watch, names_for
 
 ROWS: list[dict] = []  # the table: one row per case (the matrix and the fault tests beside it)
 RETRIED = "retried with backoff; written once it cleared, run goes on"
@@ -351,7 +351,7 @@ def checkpoint_disk_full(out: Path, hold: float, storage_s: float, quota: dict |
             "trainer",
             {
                 "component": "trainer (checkpoint)",
-                "fault": f"disk full writing a checkpoint (checkpoints/ a 256 MB tmpfs, filled) for {hold:.0f} s",
+                "fault": f"disk full writing a checkpoint (checkpoints/ a 1 GB tmpfs, filled) for {hold:.0f} s",
                 "outcome": RETRIED,
             },
             lambda: filler.append(Filler(paths.checkpoints_dir)),
@@ -511,6 +511,31 @@ def env_logs_over_quota(run: Run, quota: dict, hold: float) -> None:
             "run goes on",
             # the console: the orchestrator's line (told by the server's next Pong, while over
             # quota); `hpcrl status`: its components.json, written again once the quota cleared
+            **seen.cells(),
+        }
+    )
+
+
+def resumed_then(out: Path, role: str, expected: str, pid_of) -> None:
+    """Resume, then kill -9 `role`: the run ends with one line naming it."""
+    run, _ = _resume(out)
+    try:
+        os.kill(pid_of(run), signal.SIGKILL)
+        seen = ended_watch(run, expected)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    last = (stderr.strip().splitlines() or ["-"])[-1]
+    assert run.proc.returncode != 0 and expected in last, last
+    ROWS.append(
+        {
+            "component": role,
+            "fault": "kill -9",
+            "named_s": 0,
+            "named_by": "launcher",
+            "line": last[:220],
+            "outcome": f"run ends (exit {run.proc.returncode}); resume continues",
             **seen.cells(),
         }
     )

@@ -10,7 +10,7 @@ chmod does not stop root; else chmod 0555), then its disk full (rollouts/ is a 6
 filled), then its quota exceeded (EDQUOT from libc for every process of the run:
 tests/integration/quota.py), then the env's log directory over quota while its worker is killed
 (the env server drops its lines, never dies), freezes the inference server past
-server_down_timeout_s, and kill -9 of the orchestrator ends it. Resume A fills checkpoints/ (a 256 MB
+server_down_timeout_s, and kill -9 of the orchestrator ends it. Resume A fills checkpoints/ (a 1 GB
 tmpfs) for 9 s once it wrote a checkpoint (named, retried, written: the storage policy of issue 52,
 hpcrl.storage), then for good: past storage_timeout_s (30 s here) the run ends in one line naming
 the role, the path and the field (between the two, checkpoints/ over quota for 9 s: named, retried,
@@ -61,6 +61,7 @@ from tests.integration.faults import (
     env_logs_over_quota,
     quota_refused,
     refused,
+    resumed_then,
     trainer_storage_read_only,
 )
 from tests.integration.naming import UNDER, Watch, ended_cells, ended_watch, stall_names, status_text
@@ -148,7 +149,7 @@ def test_fault_matrix_one_run_and_its_resumes(tmp_path: Path) -> None:
     # tmpfs of its own (as root).
     no_tmpfs = (
         _mount_tmpfs(out / "rollouts", "64m")
-        or _mount_tmpfs(out / "checkpoints", "256m")
+        or _mount_tmpfs(out / "checkpoints", "1g")  # room for 200+ checkpoints of a fast run
         or _mount_tmpfs(out / "broadcasts", "256m")
     )
     # A quota that runs out (EDQUOT) for every process of the run: tests/integration/quota.py
@@ -217,7 +218,11 @@ def killed(run: Run, component: str, role: str, names: list[str], back: str | No
         new = _new_lines(run.log("orchestrator"), mark).splitlines()
         return next((x for x in new if all(n in x for n in names)), None)
 
-    took = _until(lambda: named() is not None, BOUND + 60, f"the orchestrator naming the killed {component}")
+    took = _until(
+        lambda: (seen.poll(), named() is not None)[1],
+        BOUND + 60,
+        f"the orchestrator naming the killed {component}",
+    )
     line = named()
     _until(seen.poll, BOUND + 60, f"the console and `hpcrl status` naming the killed {component}")
     if back is not None:
@@ -246,7 +251,7 @@ def frozen_env_worker_replaced(run: Run) -> None:
     seen = Watch(run.console, run.paths.root, [[f"(pid {pid}) frozen"]], [[f"(pid {pid}) frozen"]])
     t0 = seen.t0
     _until(
-        lambda: f"(pid {pid}) frozen (process stopped)" in server_log.read_text(),
+        lambda: (seen.poll(), f"(pid {pid}) frozen (process stopped)" in server_log.read_text())[1],
         2 * BOUND + 60,
         "the env server replacing its frozen worker",
     )
@@ -276,7 +281,7 @@ def frozen_env_server_restarted(run: Run) -> None:
     seen = Watch(run.console, run.paths.root, *stall_names("env-server", pid))
     t0 = seen.t0
     _until(
-        lambda: "answered no ping" in run.log("orchestrator")[mark:],
+        lambda: (seen.poll(), "answered no ping" in run.log("orchestrator")[mark:])[1],
         2 * BOUND + 60,
         "the frozen server named",
     )
@@ -411,7 +416,7 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None, quota: dict | Non
         seen = Watch(run.console, run.paths.root, *stall_names("inference", pid))
         t0 = seen.t0
         _until(
-            lambda: "is back (pid" in run.log("orchestrator")[mark:],
+            lambda: (seen.poll(), "is back (pid" in run.log("orchestrator")[mark:])[1],
             DOWN_S + 120,
             "the frozen server replaced",
         )
@@ -448,31 +453,6 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None, quota: dict | Non
             "named_by": "launcher",
             "line": last[:220],
             "outcome": "run ends (exit 1); resume continues",
-            **seen.cells(),
-        }
-    )
-
-
-def resumed_then(out: Path, role: str, expected: str, pid_of) -> None:
-    """Resume, then kill -9 `role`: the run ends with one line naming it."""
-    run, _ = _resume(out)
-    try:
-        os.kill(pid_of(run), signal.SIGKILL)
-        seen = ended_watch(run, expected)
-        _, stderr = run.communicate(timeout=120)
-    finally:
-        if run.proc.poll() is None:
-            run.proc.kill()
-    last = (stderr.strip().splitlines() or ["-"])[-1]
-    assert run.proc.returncode != 0 and expected in last, last
-    ROWS.append(
-        {
-            "component": role,
-            "fault": "kill -9",
-            "named_s": 0,
-            "named_by": "launcher",
-            "line": last[:220],
-            "outcome": f"run ends (exit {run.proc.returncode}); resume continues",
             **seen.cells(),
         }
     )
