@@ -421,8 +421,18 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str | None]] = {
 }
 
 
+# Commands that run for long with their output going to a log file: output the disk refuses (a full
+# or read-only log) is dropped and counted, never ends them (hpcrl.storage.tolerate_std_streams). The
+# others print what the user asked for: a write that fails fails the command, as it should.
+LONG_RUNNING = ("run", "resume", "trainer", "orchestrator", "inference", "sft", "eval", "gepa", "dashboard")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LONG_RUNNING:
+        from hpcrl.storage import tolerate_std_streams
+
+        tolerate_std_streams()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0

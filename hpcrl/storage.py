@@ -14,7 +14,9 @@ A retried write must start over cleanly: fileio.write_atomic and fileio.atomic_d
 name and rename last, so an attempt cut short leaves nothing a reader takes for complete.
 
 Logs are never worth a role: `TolerantFileHandler` / `TolerantStreamHandler` drop what the filesystem
-refuses and say how many lines were lost once they can write again (env servers, env log files).
+refuses and say how many lines were lost once they can write again (env servers, env log files), and
+`tolerate_std_streams` does the same for whatever else writes a role's stdout/stderr (a progress
+bar while a model loads, a print, a library's warning): a role whose log is full keeps running.
 
 Faces: `retry_blocking` (trainer publish and checkpoints, the trainer's bus writes), `retry_async`
 (the orchestrator's event loop: its batches and its checkpoint part) and `retry_together` (a write
@@ -56,6 +58,7 @@ __all__ = [
     "retry_async",
     "retry_blocking",
     "retry_together",
+    "tolerate_std_streams",
 ]
 
 
@@ -333,13 +336,7 @@ class _Tolerant:
 
     def _file(self) -> str | None:
         """The file this handler writes (a stream's, e.g. stderr sent to a log file: from /proc)."""
-        name = getattr(self, "baseFilename", None)
-        if name:
-            return name
-        try:
-            return os.readlink(f"/proc/self/fd/{self.stream.fileno()}")  # type: ignore[attr-defined]
-        except (OSError, AttributeError, ValueError):  # no fd (a StringIO), no /proc
-            return None
+        return getattr(self, "baseFilename", None) or _stream_file(self.stream)  # type: ignore[attr-defined]
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.lost:
@@ -365,3 +362,63 @@ class TolerantStreamHandler(_Tolerant, logging.StreamHandler):
 
 class TolerantFileHandler(_Tolerant, logging.FileHandler):
     pass
+
+
+def _stream_file(stream: Any) -> str | None:
+    """The file behind a stream (stderr sent to a log file: from /proc), None when it has no fd."""
+    try:
+        return os.readlink(f"/proc/self/fd/{stream.fileno()}")
+    except (OSError, AttributeError, ValueError):  # no fd (a StringIO), no /proc
+        return None
+
+
+class _TolerantStd:
+    """sys.stdout / sys.stderr whose writes the filesystem may refuse: such a write is dropped and
+    counted (dropped_log_lines), never raised into the code that wrote it. Other errors (a closed
+    pipe: `hpcrl logs | head`) raise as before; everything else is the stream's own."""
+
+    def __init__(self, stream: Any):
+        self.hpcrl_raw = stream
+
+    def _dropped(self, e: OSError, lines: int) -> None:
+        why = refused_write(e, _stream_file(self.hpcrl_raw))
+        if why is None:
+            raise e
+        _DROPPED[0] += lines
+        _DROPPED[1] = why
+
+    def write(self, text: str) -> int:
+        try:
+            return self.hpcrl_raw.write(text)
+        except OSError as e:
+            self._dropped(e, max(1, text.count("\n")))
+            return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self.hpcrl_raw.flush()
+        except OSError as e:  # what it holds was counted when its write was refused, or stays held
+            self._dropped(e, 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.hpcrl_raw, name)
+
+
+def raw_stream(stream: Any) -> Any:
+    """The stream under a tolerate_std_streams wrapper (a logging handler keeps its own books)."""
+    return getattr(stream, "hpcrl_raw", stream)
+
+
+def tolerate_std_streams() -> None:
+    """Wrap this process's sys.stdout and sys.stderr (once) so that writes its filesystem refuses
+    are dropped and counted instead of raised: every role's entry point calls it first."""
+    import sys
+
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _TolerantStd):
+            setattr(sys, name, _TolerantStd(stream))

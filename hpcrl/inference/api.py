@@ -232,6 +232,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         """Prometheus text under vLLM's names (hpcrl.inference.prom): KV usage, queue, preemptions."""
         from hpcrl.inference.prom import exposition
+        from hpcrl.storage import dropped_log_lines
 
         load = engine.load()
         text = exposition(
@@ -244,6 +245,7 @@ def build_app(state: ServerState) -> FastAPI:
             generated_tokens=engine.stats["generated_tokens"],
             max_model_len=engine.max_model_len,
             max_batch_size=engine.max_batch_size,
+            log_lost=dropped_log_lines(),
         )
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 

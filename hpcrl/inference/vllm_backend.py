@@ -101,6 +101,7 @@ def _install_routes(
     run_server_worker: Any, status: dict[str, Any], control_timeout_s: float = 8.0, delta_base: bool = False
 ) -> None:
     """Wrap build_app where run_server_worker's module looks it up, so the served app has hpcrl's routes."""
+    from hpcrl.inference.prom import register_lost_lines
     from hpcrl.inference.vllm_routes import add_policy_steps, router
 
     module = sys.modules[run_server_worker.__module__]
@@ -110,6 +111,7 @@ def _install_routes(
         app = original(*args, **kwargs)
         app.include_router(router(status, control_timeout_s, delta_base))
         add_policy_steps(app, status)
+        register_lost_lines()  # its /metrics: this process's log lines the disk refused
         return app
 
     module.build_app = build_app

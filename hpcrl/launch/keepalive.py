@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-index", type=int, default=0)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the server's command line")
     args = p.parse_args(argv)
+    from hpcrl.storage import tolerate_std_streams
+
+    tolerate_std_streams()  # its log full: the supervisor of a server must not die of it
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("give the server's command after --")

@@ -42,7 +42,8 @@ from hpcrl.runtime import GPUS_PER_TASK_ENV, rank_env
 GRACE_S = 8.0
 
 
-_ERROR_LINE = re.compile(r" ERROR +(?:\[[^\]]*\] )?(.*)")  # hpcrl.monitor.logging's format
+# hpcrl.monitor.logging's format; a role may hold brackets itself (`[sft[0]]`)
+_ERROR_LINE = re.compile(r" ERROR +(?:\[(?:[^\[\]]|\[[^\]]*\])*\] )?(.*)")
 
 
 @dataclass

@@ -15,7 +15,7 @@ import signal
 import sys
 
 from hpcrl.config.schema import SFTConfig
-from hpcrl.launch.local import Child, free_port, signal_children, spawn, supervise_then_stop
+from hpcrl.launch.local import Child, ended, free_port, signal_children, spawn, supervise_then_stop
 from hpcrl.paths import RunPaths
 from hpcrl.runtime import rank_env
 
@@ -66,7 +66,8 @@ def spawn_ranks(paths: RunPaths, n: int) -> list[Child]:
 
 def launch_ranks(paths: RunPaths, n: int) -> int:
     """Start n ranks of `hpcrl sft` on the resolved config and wait; when one fails, stop the rest.
-    Returns the failed rank's exit code (0 when every rank finished)."""
+    Returns the failed rank's exit code (0 when every rank finished); the last line (which rank ended
+    the run and why, or that it finished) goes to the job file for `hpcrl status`, as `hpcrl run`'s."""
     children = spawn_ranks(paths, n)
 
     def forward(signum: int, _frame: object) -> None:
@@ -77,6 +78,7 @@ def launch_ranks(paths: RunPaths, n: int) -> int:
     )
     if failed is not None:
         code = failed.proc.returncode  # the rank's own code (2: a user error it reported itself)
+    ended(paths, code, line)
     if code not in (0, USER_ERROR_EXIT):
         print(line, file=sys.stderr, flush=True)
     return code

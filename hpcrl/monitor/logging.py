@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from hpcrl.storage import TolerantFileHandler, TolerantStreamHandler
+from hpcrl.storage import TolerantFileHandler, TolerantStreamHandler, raw_stream, tolerate_std_streams
 
 _FMT = "%(asctime)s %(levelname)-7s [%(role)s] %(message)s"
 
@@ -40,7 +40,9 @@ def resolve_level(level: str | None) -> int:
 def setup_logging(
     role: str, level: str | None = None, log_file: str | Path | None = None, console: bool = True
 ) -> logging.Logger:
-    """Configure the root logger for one process; returns the `hpcrl` logger."""
+    """Configure the root logger for one process; returns the `hpcrl` logger. From here on, output
+    the filesystem refuses is dropped and counted, never raised (hpcrl.storage.tolerate_std_streams)."""
+    tolerate_std_streams()
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -50,7 +52,7 @@ def setup_logging(
     role_filter = _RoleFilter(role)
     handlers: list[logging.Handler] = []
     if console:
-        handlers.append(TolerantStreamHandler(sys.stderr))
+        handlers.append(TolerantStreamHandler(raw_stream(sys.stderr)))  # its own lost-lines note
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(TolerantFileHandler(log_file))

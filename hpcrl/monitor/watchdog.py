@@ -13,6 +13,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import NoReturn
 
 log = logging.getLogger("hpcrl.watchdog")
 
@@ -22,6 +24,36 @@ EXIT_TERM = 143
 EXIT_STALLED = 3
 
 _armed = threading.Lock()
+
+# Told (exit code, the line) just before a watchdog or the SIGTERM deadline ends the process, which
+# os._exit does without atexit or `finally`: `hpcrl sft`, its rank in its own process, records it as
+# what ended the run (hpcrl.launch.sft). A hook, not an import: this module imports no launcher.
+_last_words: list[Callable[[int, str], None]] = []
+LAST_WORDS_S = 5.0  # a hung filesystem under a hook must not keep the process from ending
+
+
+def on_exit(fn: Callable[[int, str], None]) -> None:
+    _last_words.append(fn)
+
+
+def say_last(code: int, line: str, timeout_s: float = LAST_WORDS_S) -> None:
+    """Every on_exit hook with (code, line), for at most `timeout_s` in all; a hook's error is its own."""
+
+    def say() -> None:
+        for fn in list(_last_words):
+            try:
+                fn(code, line)
+            except Exception:  # noqa: BLE001 - the process ends next whatever a hook does
+                pass
+
+    t = threading.Thread(target=say, name="hpcrl-last-words", daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
+def _exit(code: int, line: str) -> NoReturn:
+    say_last(code, line)
+    os._exit(code)
 
 
 def term_deadline_s() -> float:
@@ -39,9 +71,10 @@ def arm_exit_deadline(role: str, seconds: float | None = None) -> None:
 
     def expire() -> None:
         time.sleep(wait)
-        log.error("%s: still running %.0f s after SIGTERM; exiting now (stacks follow)", role, wait)
+        line = f"{role}: still running {wait:.0f} s after SIGTERM; exiting now"
+        log.error("%s (stacks follow)", line)
         _dump_stacks()
-        os._exit(EXIT_TERM)
+        _exit(EXIT_TERM, line)
 
     threading.Thread(target=expire, name="hpcrl-term-deadline", daemon=True).start()
 
@@ -84,14 +117,10 @@ class Watchdog:
         while not self._stop.wait(self._poll):
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
-                log.error(
-                    "watchdog: %s made no progress for %.0f s (last: %s); ending the job",
-                    self.role,
-                    idle,
-                    self.what,
-                )
+                line = f"watchdog: {self.role} made no progress for {idle:.0f} s (last: {self.what}); ending the job"
+                log.error("%s", line)
                 _dump_stacks()
-                os._exit(EXIT_STALLED)
+                _exit(EXIT_STALLED, line)
 
 
 # -- the process's watchdog: one per role process, beaten from wherever the role makes progress ----

@@ -42,6 +42,7 @@ class ServerSet:
         # Alive (same process) but not answering /health: no new requests while others answer
         # (position -> since when; hpcrl.orchestrator.stalls keeps it).
         self.unresponsive: dict[int, float] = {}
+        self.log_lost: dict[int, int] = {}  # position -> log lines its process lost (the /metrics poller)
         self.restarts = 0  # servers that came back as a new process (metric inference/server_restarts)
         self.on_address: list[Callable[[int, str], None]] = []  # (position, new base_url) subscribers
         self._up_event: asyncio.Event | None = None

@@ -184,7 +184,8 @@ class StallWatch:
             "event_loop_lag_s": round(max(0.0, time.monotonic() - self.tick - TICK_S), 2),
             "servers": {
                 s.name(pos): (
-                    "down" if pos in s.down else "unresponsive" if pos in s.unresponsive else "answering"
+                    ("down" if pos in s.down else "unresponsive" if pos in s.unresponsive else "answering")
+                    + (f" ({n} log line(s) lost)" if (n := s.log_lost.get(pos)) else "")
                 )
                 for pos in range(len(s))
             },

@@ -21,3 +21,9 @@ def test_last_error_reads_only_what_the_process_wrote(tmp_path: Path) -> None:
     with open(log, "a") as f:
         f.write("04:34:00 ERROR   [trainer] trainer failed: BusTimeout: no batch 70\n")
     assert last_error(log, since=since) == "trainer failed: BusTimeout: no batch 70"
+
+
+def test_a_role_with_brackets_of_its_own_is_stripped(tmp_path: Path) -> None:
+    log = tmp_path / "rank_0.log"
+    log.write_text("10:00:01 ERROR   [sft[0]] sft trainer failed: cannot write checkpoint step 2\n")
+    assert last_error(log) == "sft trainer failed: cannot write checkpoint step 2"

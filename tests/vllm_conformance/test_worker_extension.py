@@ -458,3 +458,23 @@ def test_layerwise_reload_updates_a_real_vllm_model(wrapper, model_dir, tmp_path
     checksum = wrapper.worker.hpcrl_update_from_path(str(tmp_path / "reload"))
     assert checksum == state_dict_checksum(tensors)
     _assert_loaded(wrapper, tensors)
+
+
+def test_vllms_metrics_carry_the_servers_lost_log_lines(server):
+    """vLLM's own /metrics (prometheus_client's registry, as its app mounts it) reports the lines
+    this process's log refused, read by the orchestrator's one reader (hpcrl.inference.prom)."""
+    import httpx
+
+    from hpcrl import storage
+    from hpcrl.orchestrator.concurrency.prometheus import parse, server_load
+
+    opts, _, _ = server
+    before = list(storage._DROPPED)
+    storage._DROPPED[:] = [before[0] + 5, "disk full at /r/logs/inference.log (No space left on device)"]
+    try:
+        text = httpx.get(f"http://127.0.0.1:{opts.port}/metrics", timeout=30).text
+    finally:
+        storage._DROPPED[:] = before
+    load = server_load(parse(text))
+    assert load.log_lines_lost == before[0] + 5, [x for x in text.splitlines() if "hpcrl" in x]
+    assert load.log_lost_why == "disk full at /r/logs/inference.log (No space left on device)"

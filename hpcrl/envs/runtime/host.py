@@ -139,11 +139,14 @@ class Host:
 
 def main(argv: list[str] | None = None) -> int:
     from hpcrl.monitor.logging import env_process_level
+    from hpcrl.storage import TolerantStreamHandler, raw_stream, tolerate_std_streams
 
+    tolerate_std_streams()  # its log full: the env servers it hosts go on
     logging.basicConfig(
         level=env_process_level(),
         format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s",
         datefmt="%H:%M:%S",
+        handlers=[TolerantStreamHandler(raw_stream(sys.stderr))],
     )
     p = argparse.ArgumentParser(prog="python -m hpcrl.envs.runtime.host", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", type=Path, required=True)

@@ -270,13 +270,14 @@ class EnvServer:
 
 def main(argv: list[str]) -> int:
     from hpcrl.monitor.logging import env_process_level
-    from hpcrl.storage import TolerantStreamHandler
+    from hpcrl.storage import TolerantStreamHandler, raw_stream, tolerate_std_streams
 
+    tolerate_std_streams()  # whatever else writes its output (an env's import, a print)
     logging.basicConfig(
         level=env_process_level(),
         format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s",
         datefmt="%H:%M:%S",
-        handlers=[TolerantStreamHandler(sys.stderr)],  # a log the disk refuses never ends the env
+        handlers=[TolerantStreamHandler(raw_stream(sys.stderr))],  # a log the disk refuses never ends the env
     )
     spec = msgspec.json.decode(argv[0].encode(), type=wire.ServerSpec)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -114,11 +114,14 @@ async def serve(spec: wire.ServerSpec, addr: str, index: int) -> int:
 def main(argv: list[str]) -> int:
     faulthandler.enable()  # a segfault in env code leaves its traceback in the worker log
     from hpcrl.monitor.logging import env_process_level
+    from hpcrl.storage import TolerantStreamHandler, raw_stream, tolerate_std_streams
 
+    tolerate_std_streams()  # env code's prints and progress bars: a full log never fails a rollout
     logging.basicConfig(
         level=env_process_level(),
         format="%(asctime)s %(levelname)-7s [%(name)s] %(message)s",
         datefmt="%H:%M:%S",
+        handlers=[TolerantStreamHandler(raw_stream(sys.stderr))],  # its own lost-lines note
     )
     from hpcrl.envs.runtime.server import PARENT_VAR
 

@@ -18,6 +18,32 @@ from hpcrl.orchestrator.concurrency.prometheus import ServerLoad, parse, server_
 log = logging.getLogger("hpcrl.orchestrator.concurrency")
 
 SCRAPE_TIMEOUT_S = 5.0
+LOST_REPEAT_S = 60.0  # while a server keeps losing log lines, said again at most this often
+
+
+class LostLines:
+    """When to name a server's lost log lines (its log's disk full, read-only or over quota, so its
+    own log cannot say it): at once when its count grows after a poll where it did not, then at most
+    every LOST_REPEAT_S while it keeps growing. Pure: counts and times in, a line or None out."""
+
+    def __init__(self) -> None:
+        self.said: dict[str, int] = {}  # server -> count at the last scrape
+        self.growing: dict[str, bool] = {}
+        self.last_said: dict[str, float] = {}
+        self.told: dict[str, int] = {}  # server -> count at the last line said
+
+    def note(self, server: str, count: int, why: str | None, now: float) -> str | None:
+        before = self.said.get(server, 0)
+        self.said[server] = count
+        if count < before:  # a new process (restarted server): its counter starts again
+            self.told[server] = 0
+        grew, was_growing = count > before, self.growing.get(server, False)
+        self.growing[server] = grew
+        if not grew or (was_growing and now - self.last_said.get(server, -1e18) < LOST_REPEAT_S):
+            return None
+        new = count - self.told.get(server, 0)
+        self.last_said[server], self.told[server] = now, count
+        return f"{new} log line(s) lost: {why or 'its log refused them'} ({count} in all)"
 
 
 def server_name(i: int) -> str:
@@ -34,6 +60,8 @@ def load_metrics(loads: dict[str, ServerLoad]) -> dict[str, float]:
         out[f"inference/{name}/preemptions"] = float(ld.preemptions)
         if ld.kv_capacity_tokens:
             out[f"inference/{name}/kv_capacity_tokens"] = float(ld.kv_capacity_tokens)
+        if ld.log_lines_lost:  # its log refused them (disk full, read-only, quota)
+            out[f"inference/{name}/log_lines_lost"] = float(ld.log_lines_lost)
     return out
 
 
@@ -44,6 +72,7 @@ class Poller:
         self.pool, self.ctl, self.max_model_len = pool, controller, max_model_len
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.loads: dict[str, ServerLoad] = {}
+        self.lost = LostLines()
         self.peak: dict[str, float] = {}  # maxima since the last metrics(): one step's worth
         self._http: Any = None
         pool.limiter.set_limit(controller.limit)
@@ -91,10 +120,26 @@ class Poller:
     async def poll_once(self) -> None:
         loads = await self.scrape()
         self.loads.update(loads)
+        self.name_lost_lines(loads, time.monotonic())
         for name, ld in loads.items():
             self._peak(f"inference/{name}/kv_cache_usage_max", ld.kv_usage)
             self._peak(f"inference/{name}/waiting_max", float(ld.waiting))
         self.apply(self.ctl.observe(loads, self.pool.limiter.count, self.max_model_len, time.monotonic()))
+
+    def name_lost_lines(self, loads: dict[str, ServerLoad], now: float) -> None:
+        """A server's log lines its disk refused: a WARNING here (the console shows the orchestrator's),
+        and the count beside its state in `hpcrl status` (ServerSet.log_lost)."""
+        servers = getattr(self.pool, "servers", None)
+        for i in range(len(self.pool.base_urls)):
+            ld = loads.get(server_name(i))
+            if ld is None:
+                continue
+            if servers is not None and i < len(servers):
+                servers.log_lost[i] = ld.log_lines_lost
+            line = self.lost.note(server_name(i), ld.log_lines_lost, ld.log_lost_why, now)
+            if line is not None:
+                who = servers.name(i) if servers is not None and i < len(servers) else self.pool.base_urls[i]
+                log.warning("%s: %s", who, line)
 
     async def run(self) -> None:
         """The poll loop (a watcher task of the orchestrator: cancelled at the end of the run)."""

@@ -10,7 +10,15 @@ from dataclasses import dataclass
 
 # vLLM 0.33's names, declared where the embedded engine writes them. A counter's samples carry the
 # `_total` suffix prometheus_client adds.
-from hpcrl.inference.prom import CACHE_CONFIG, KV_USAGE, PREEMPTIONS, RUNNING, WAITING, WAITING_BY_REASON
+from hpcrl.inference.prom import (
+    CACHE_CONFIG,
+    KV_USAGE,
+    LOG_LINES_LOST,
+    PREEMPTIONS,
+    RUNNING,
+    WAITING,
+    WAITING_BY_REASON,
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,8 @@ class ServerLoad:
     waiting_capacity: int | None  # waiting for KV/slot capacity (vLLM's by-reason gauge), None if absent
     preemptions: int  # cumulative counter
     kv_capacity_tokens: int | None  # from cache_config_info (None if not reported)
+    log_lines_lost: int = 0  # cumulative: lines its process could not write (hpcrl's servers only)
+    log_lost_why: str | None = None  # the last refusal (path, errno)
 
 
 def _labels(text: str) -> tuple[dict[str, str], int]:
@@ -121,6 +131,7 @@ def server_load(samples: list[Sample]) -> ServerLoad:
     preempt = _sum(samples, PREEMPTIONS + "_total")
     if preempt is None:  # an exposition without the counter suffix (older clients)
         preempt = _sum(samples, PREEMPTIONS)
+    lost = [s for s in samples if s.name == LOG_LINES_LOST + "_total" and math.isfinite(s.value)]
     return ServerLoad(
         kv_usage=max(usage, default=0.0),
         running=int(_sum(samples, RUNNING) or 0),
@@ -128,4 +139,6 @@ def server_load(samples: list[Sample]) -> ServerLoad:
         waiting_capacity=int(sum(by_reason)) if by_reason else None,
         preemptions=int(preempt or 0),
         kv_capacity_tokens=kv_capacity(samples),
+        log_lines_lost=int(sum(x.value for x in lost)),
+        log_lost_why=next((x.labels["reason"] for x in lost if x.value and x.labels.get("reason")), None),
     )
