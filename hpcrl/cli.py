@@ -429,10 +429,6 @@ LONG_RUNNING = ("run", "resume", "trainer", "orchestrator", "inference", "sft", 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in LONG_RUNNING:
-        from hpcrl.storage import tolerate_std_streams
-
-        tolerate_std_streams()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
@@ -451,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         extra = _COMMAND_FLAGS.get(name)
         print(_config_help(name, root) + (f"\n\ncommand flags:\n{extra}" if extra else ""))
         return 0
+    if name in LONG_RUNNING and "--dry-run" not in rest:  # a plan printed on request must be written
+        from hpcrl.storage import tolerate_std_streams
+
+        tolerate_std_streams()
     try:
         return user_errors(lambda: fn(rest))  # the one place a UserError becomes "one line, exit 2"
     except KeyboardInterrupt:

@@ -391,7 +391,8 @@ class _TolerantStd:
         try:
             return self.hpcrl_raw.write(text)
         except OSError as e:
-            self._dropped(e, max(1, text.count("\n")))
+            # lines; a progress bar's redraw ("\r…", no newline) is not a line of its own
+            self._dropped(e, text.count("\n") or (0 if "\r" in text else 1))
             return len(text)
 
     def writelines(self, lines: Any) -> None:
@@ -405,7 +406,15 @@ class _TolerantStd:
             self._dropped(e, 0)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "hpcrl_raw":  # not set yet (copy, pickle): not the stream's to answer
+            raise AttributeError(name)
         return getattr(self.hpcrl_raw, name)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hpcrl_raw.__exit__(*exc)
 
 
 def raw_stream(stream: Any) -> Any:

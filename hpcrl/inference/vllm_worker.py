@@ -16,6 +16,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from hpcrl.storage import tolerate_std_streams
+
+# vLLM imports this module in every worker process it starts (fork or spawn): whatever those write
+# (a model's loading progress bar, vLLM's own log lines) to a log the disk refuses is dropped, never
+# raised (hpcrl.storage). Their count is not the API server's: /metrics reports that process's only.
+tolerate_std_streams()
+
 
 def _vllm(name: str) -> Any:
     from hpcrl.inference.vllm_symbols import vllm_symbol

@@ -43,6 +43,7 @@ GRACE_S = 8.0
 
 
 # hpcrl.monitor.logging's format; a role may hold brackets itself (`[sft[0]]`)
+FINISHED = "hpcrl: run finished"  # the last line of a run that reached its end (console, job file)
 _ERROR_LINE = re.compile(r" ERROR +(?:\[(?:[^\[\]]|\[[^\]]*\])*\] )?(.*)")
 
 
@@ -265,7 +266,7 @@ def supervise(
         if all(c.proc.poll() == 0 for c in workers):
             if console is not None:
                 console.update()
-            return 0, "hpcrl: run finished"
+            return 0, FINISHED
         time.sleep(poll)
 
 
@@ -442,5 +443,5 @@ def ended(paths: RunPaths, code: int, line: str) -> None:
 
     try:
         write_job(paths, {**read_job(paths), "ended": line, "exit_code": code})
-    except OSError:
+    except Exception:  # noqa: BLE001 - refused, or a job file that does not parse: never the run's error
         pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 from hpcrl.config.schema import SFTConfig
@@ -35,8 +36,7 @@ def main(cfg: SFTConfig) -> int:
     if ranks > 1 and not as_rank:
         setup_logging("sft", cfg.log.level)
         paths = prepare_output_dir(cfg)
-        _local_job(paths)
-        return sft_ranks.launch_ranks(paths, ranks)
+        return sft_ranks.launch_ranks(paths, ranks, record=_local_job(paths))
     # A rank we spawned finds the run directory prepared; a lone or torchrun/srun rank prepares it.
     job = False  # whether this process is the run's job: then it records what ended it
     if os.environ.get(sft_ranks.CHILD_ENV):
@@ -70,30 +70,39 @@ def _local_job(paths: RunPaths) -> bool:
     return True
 
 
-FINISHED = "hpcrl: run finished"  # what `hpcrl run` says and records on a clean finish
 INTERRUPTED = "hpcrl: interrupted"
+STOPPED = "stop requested: "  # hpcrl.trainer.sft's WARNING when a SIGTERM / SIGUSR2 stopped the loop
 
 
 class LastError(logging.Handler):
     """The last ERROR line hpcrl's loggers printed (its message: the console's line past the time,
-    level and role), the line a rank in this process ends with (`sft trainer failed: ...`)."""
+    level and role), the line a rank in this process ends with (`sft trainer failed: ...`), and the
+    stop line if a signal stopped it (`stop requested: checkpointed step 6, exiting`)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.ERROR)
+        super().__init__(logging.WARNING)
         self.line = ""
+        self.stopped = ""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             lines = record.getMessage().strip().splitlines()
         except Exception:  # noqa: BLE001 - a bad log call is not the run's end
             return
-        self.line = lines[0] if lines else ""
+        first = lines[0] if lines else ""
+        if record.levelno >= logging.ERROR:
+            self.line = first
+        elif first.startswith(STOPPED):
+            self.stopped = first
 
 
-def last_line(code: int, error: str) -> str:
-    """What ended a run this process ran (exit `code`, `error` its last ERROR line)."""
+def last_line(code: int, error: str, stopped: str = "") -> str:
+    """What ended a run this process ran (exit `code`, `error` its last ERROR line, `stopped` its
+    stop line when a signal ended the loop early)."""
+    from hpcrl.launch.local import FINISHED
+
     if code == 0:
-        return FINISHED
+        return f"hpcrl sft: {stopped}" if stopped else FINISHED
     return error or f"hpcrl sft: exited with code {code}"
 
 
@@ -108,11 +117,17 @@ def recorded(paths: RunPaths, run: Callable[[], int]) -> int:
     last = LastError()
     hpcrl_log = logging.getLogger("hpcrl")  # not the root logger: setup_logging replaces its handlers
     hpcrl_log.addHandler(last)
-    watchdog.on_exit(lambda code, line: ended(paths, code, line))
+    once = threading.Lock()  # the watchdog's hook (another thread, then os._exit) or the end below
+
+    def record(code: int, line: str) -> None:
+        if once.acquire(blocking=False):
+            ended(paths, code, line)
+
+    watchdog.on_exit(record)
     code, line = 1, ""
     try:
         code = run()
-        line = last_line(code, last.line)
+        line = last_line(code, last.line, last.stopped)
         return code
     except KeyboardInterrupt:
         code, line = 130, INTERRUPTED
@@ -126,4 +141,4 @@ def recorded(paths: RunPaths, run: Callable[[], int]) -> int:
     finally:
         hpcrl_log.removeHandler(last)
         if line:  # not for a SystemExit: whoever raised it says why
-            ended(paths, code, line)
+            record(code, line)

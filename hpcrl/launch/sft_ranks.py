@@ -64,13 +64,16 @@ def spawn_ranks(paths: RunPaths, n: int) -> list[Child]:
     ]
 
 
-def launch_ranks(paths: RunPaths, n: int) -> int:
+def launch_ranks(paths: RunPaths, n: int, record: bool = True) -> int:
     """Start n ranks of `hpcrl sft` on the resolved config and wait; when one fails, stop the rest.
-    Returns the failed rank's exit code (0 when every rank finished); the last line (which rank ended
-    the run and why, or that it finished) goes to the job file for `hpcrl status`, as `hpcrl run`'s."""
+    Returns the failed rank's exit code (0 when every rank finished). With `record` (this process is
+    the run's job, not a SLURM job's task) the last line (which rank ended the run and why, that a
+    signal stopped it, or that it finished) goes to the job file for `hpcrl status`, as `hpcrl run`'s."""
     children = spawn_ranks(paths, n)
+    stops: list[str] = []
 
     def forward(signum: int, _frame: object) -> None:
+        stops.append(signal.Signals(signum).name)
         signal_children(children, signum)
 
     code, line, failed = supervise_then_stop(
@@ -78,7 +81,10 @@ def launch_ranks(paths: RunPaths, n: int) -> int:
     )
     if failed is not None:
         code = failed.proc.returncode  # the rank's own code (2: a user error it reported itself)
-    ended(paths, code, line)
+    elif code == 0 and stops:  # the ranks checkpointed and stopped: not the run's end
+        line = f"hpcrl sft: stopped on {stops[0]}; continue with --ckpt.resume-step -1"
+    if record:
+        ended(paths, code, line)
     if code not in (0, USER_ERROR_EXIT):
         print(line, file=sys.stderr, flush=True)
     return code

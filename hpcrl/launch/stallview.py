@@ -33,8 +33,10 @@ def health_lines(paths: RunPaths, running: bool) -> list[str]:
             lines.append(text)
             for name, server_state in (r.get("servers") or {}).items():
                 n, age = (r.get("inflight") or {}).get(name, (0, 0))
+                lost = (r.get("servers_log_lost") or {}).get(name)
                 lines.append(
-                    f"    {name}: {server_state}, {n} request(s) in flight, oldest unanswered {age} s"
+                    f"    {name}: {server_state}{f' ({lost} log line(s) lost)' if lost else ''}, "
+                    f"{n} request(s) in flight, oldest unanswered {age} s"
                 )
     causes = read_causes(paths.causes_file)
     if causes:

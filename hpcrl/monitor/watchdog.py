@@ -47,13 +47,18 @@ def say_last(code: int, line: str, timeout_s: float = LAST_WORDS_S) -> None:
                 pass
 
     t = threading.Thread(target=say, name="hpcrl-last-words", daemon=True)
-    t.start()
+    try:
+        t.start()  # 3.12 refuses a new thread at interpreter shutdown: no last words then
+    except RuntimeError:
+        return
     t.join(timeout_s)
 
 
 def _exit(code: int, line: str) -> NoReturn:
-    say_last(code, line)
-    os._exit(code)
+    try:
+        say_last(code, line)
+    finally:  # whatever the hooks do, the process ends: that is what this exit is for
+        os._exit(code)
 
 
 def term_deadline_s() -> float:

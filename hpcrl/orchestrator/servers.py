@@ -116,6 +116,7 @@ class ServerSet:
             )
         else:
             self.restarts += 1
+            self.log_lost.pop(pos, None)  # the dead process's count: the new one counts its own
             log.warning(
                 "%s is back (pid %d, was %d): policy loaded and verified; sending it requests again",
                 self.name(pos),

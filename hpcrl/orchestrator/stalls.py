@@ -184,11 +184,12 @@ class StallWatch:
             "event_loop_lag_s": round(max(0.0, time.monotonic() - self.tick - TICK_S), 2),
             "servers": {
                 s.name(pos): (
-                    ("down" if pos in s.down else "unresponsive" if pos in s.unresponsive else "answering")
-                    + (f" ({n} log line(s) lost)" if (n := s.log_lost.get(pos)) else "")
+                    "down" if pos in s.down else "unresponsive" if pos in s.unresponsive else "answering"
                 )
                 for pos in range(len(s))
             },
+            # log lines a server's process could not write (its /metrics; hpcrl status shows them)
+            "servers_log_lost": {s.name(pos): n for pos, n in s.log_lost.items() if n and pos < len(s)},
             "inflight": {s.name(pos): [n, round(age)] for pos, (n, age) in self.waiting().items()},
         }
 

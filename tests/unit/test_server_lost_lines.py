@@ -33,27 +33,68 @@ def test_nothing_lost_reads_as_zero_and_no_reason() -> None:
 
 
 def test_named_when_it_starts_to_grow_then_at_most_every_repeat_interval() -> None:
-    lost, why = LostLines(), "disk full at /x (No space left on device), ENOSPC"
+    lost, why, R = LostLines(), "disk full at /x (No space left on device)", LOST_REPEAT_S
     seen = [
         lost.note("server0", n, why, t)
-        for n, t in [(0, 0), (3, 5), (5, 10), (5, 15), (9, 20), (12, 30), (15, 20 + LOST_REPEAT_S + 1)]
+        for n, t in [
+            (0, 0),
+            (3, 5),  # starts to grow: said at once
+            (5, 10),  # still growing
+            (5, 15),  # not growing
+            (9, 20),  # grows again 10 s later (a server logging every 10 s): not news
+            (12, 5 + R),  # growing, a repeat interval after the last line: said again
+            (12, 5 + 2 * R),
+            (14, 5 + 3 * R),  # grows after a quiet spell: said at once
+            (15, 6 + 3 * R),  # another cause: said at once
+        ]
     ]
     assert seen == [
         None,
-        f"3 log line(s) lost: {why} (3 in all)",  # it starts to grow: said at once
-        None,  # still growing, 5 s later
-        None,  # not growing
-        f"6 log line(s) lost: {why} (9 in all)",  # grows again: said at once, the 6 since the last line
-        None,  # growing, 10 s after the last line
-        f"6 log line(s) lost: {why} (15 in all)",  # still growing, past the repeat interval
+        f"3 log line(s) lost: {why} (3 in all)",
+        None,
+        None,
+        None,
+        f"9 log line(s) lost: {why} (12 in all)",
+        None,
+        f"2 log line(s) lost: {why} (14 in all)",
+        None,
     ]
+    assert lost.note("server0", 16, "read-only filesystem at /x (Read-only file system)", 7 + 3 * R) == (
+        "2 log line(s) lost: read-only filesystem at /x (Read-only file system) (16 in all)"
+    )
 
 
-def test_a_restarted_server_counts_again_from_zero_and_servers_are_apart() -> None:
+def test_servers_and_processes_are_counted_apart() -> None:
     lost = LostLines()
-    assert lost.note("server0", 4, "w", 0) == "4 log line(s) lost: w (4 in all)"
-    assert lost.note("server1", 2, None, 1) == "2 log line(s) lost: its log refused them (2 in all)"
-    assert lost.note("server0", 1, "w", 2) is None  # a new process: fewer than before
-    assert lost.note("server0", 3, "w", 3) == "3 log line(s) lost: w (3 in all)"  # counted from 0 again
-    assert lost.note("server0", 3, "w", 4) is None
-    assert lost.note("server0", 5, "w", 5) == "2 log line(s) lost: w (5 in all)"  # grows again
+    assert lost.note("server0 pid 10", 4, "w", 0) == "4 log line(s) lost: w (4 in all)"
+    assert lost.note("server1 pid 11", 2, None, 1) == "2 log line(s) lost: its log refused them (2 in all)"
+    # server0 restarted as pid 12 while its log is still full: its own count, said at once
+    assert lost.note("server0 pid 12", 20, "w", 2) == "20 log line(s) lost: w (20 in all)"
+    assert lost.note("server0 pid 12", 20, "w", 3) is None
+
+
+def test_status_shows_a_servers_lost_lines_beside_its_state(tmp_path: Path) -> None:
+    import json
+    import time
+
+    from hpcrl.launch.stallview import health_lines
+    from hpcrl.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    paths.progress_dir.mkdir(parents=True)
+    name = "inference server 0 (http://127.0.0.1:8000)"
+    doc = {
+        "role": "orchestrator", "state": "running", "step": 4, "last": "published batch 4",
+        "time": time.time(), "servers": {name: "answering"}, "servers_log_lost": {name: 12},
+        "inflight": {name: [2, 1]},
+    }  # fmt: skip
+    (paths.progress_dir / "orchestrator.json").write_text(json.dumps(doc))
+    lines = health_lines(paths, running=True)
+    assert (
+        f"    {name}: answering (12 log line(s) lost), 2 request(s) in flight, oldest unanswered 1 s" in lines
+    )
+    doc["servers_log_lost"] = {}
+    (paths.progress_dir / "orchestrator.json").write_text(json.dumps(doc))
+    assert f"    {name}: answering, 2 request(s) in flight, oldest unanswered 1 s" in health_lines(
+        paths, True
+    )

@@ -21,7 +21,8 @@ import pytest
 from hpcrl.errors import UserError
 from hpcrl.launch import manage
 from hpcrl.launch.manage import read_job, status, write_job
-from hpcrl.launch.sft import FINISHED, INTERRUPTED, LastError, last_line, recorded
+from hpcrl.launch.local import FINISHED
+from hpcrl.launch.sft import INTERRUPTED, LastError, last_line, recorded
 from hpcrl.monitor import watchdog
 from hpcrl.paths import RunPaths
 
@@ -49,14 +50,18 @@ def test_the_last_line_is_the_error_or_says_it_finished() -> None:
     assert last_line(0, "an earlier error") == FINISHED == "hpcrl: run finished"  # `hpcrl run`'s
     assert last_line(1, "sft trainer failed: x") == "sft trainer failed: x"
     assert last_line(3, "") == "hpcrl sft: exited with code 3"
+    stop = "stop requested: checkpointed step 6, exiting"  # hpcrl.trainer.sft's line on SIGTERM
+    assert last_line(0, "", stop) == f"hpcrl sft: {stop}"  # stopped early: not "finished"
     h = LastError()
     log = logging.getLogger("hpcrl.test_sft_ended")
     log.addHandler(h)
     try:
         log.warning("not an error")
         log.error("sft trainer failed: %s\nmore", REFUSED)
+        log.warning("stop requested: %s, exiting", "checkpointed step 6")
     finally:
         log.removeHandler(h)
+    assert h.stopped == stop
     assert h.line == f"sft trainer failed: {REFUSED}"
 
 

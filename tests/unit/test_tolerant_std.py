@@ -38,6 +38,29 @@ def test_a_refused_write_is_dropped_and_counted_with_its_cause() -> None:
             pass
 
 
+def test_a_progress_bars_redraws_are_not_lines_and_the_wrapper_behaves_as_a_stream(tmp_path: Path) -> None:
+    import copy
+
+    before, _ = dropped_log_lines()
+    fh = FULL.open("w", buffering=1)
+    try:
+        out = _TolerantStd(fh)
+        for pct in (10, 50, 100):
+            out.write(f"\rLoading weights: {pct}%")  # tqdm redraws in place
+        assert dropped_log_lines()[0] == before
+        out.write("\n")
+        assert dropped_log_lines()[0] == before + 1  # the bar, once, as one line
+        assert copy.copy(out).hpcrl_raw is fh  # no recursion through __getattr__
+    finally:
+        try:
+            fh.close()
+        except OSError:
+            pass
+    with _TolerantStd((tmp_path / "f").open("w")) as w:
+        w.write("x\n")
+    assert w.closed and (tmp_path / "f").read_text() == "x\n"
+
+
 def test_a_closed_pipe_still_raises() -> None:
     r, w = os.pipe()
     os.close(r)
@@ -73,6 +96,7 @@ def test_a_process_whose_output_is_refused_finishes_normally(tmp_path: Path) -> 
     assert int((tmp_path / "n").read_text()) >= 1  # stdout is block-buffered: counted as it flushes
 
 
-def test_a_short_command_still_fails_when_its_output_is_refused(tmp_path: Path) -> None:
-    res = _run([sys.executable, "-m", "hpcrl.cli", "--version"], tmp_path)
+@pytest.mark.parametrize("args", [["--version"], ["status", "."], ["run", "--help"]])
+def test_output_asked_for_still_fails_when_it_is_refused(tmp_path: Path, args: list[str]) -> None:
+    res = _run([sys.executable, "-m", "hpcrl.cli", *args], tmp_path)
     assert res.returncode != 0  # what the user asked for was not written: not a success

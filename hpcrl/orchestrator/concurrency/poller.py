@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -22,27 +23,34 @@ LOST_REPEAT_S = 60.0  # while a server keeps losing log lines, said again at mos
 
 
 class LostLines:
-    """When to name a server's lost log lines (its log's disk full, read-only or over quota, so its
-    own log cannot say it): at once when its count grows after a poll where it did not, then at most
-    every LOST_REPEAT_S while it keeps growing. Pure: counts and times in, a line or None out."""
+    """When to name a server process's lost log lines (its log's disk full, read-only or over quota,
+    so its own log cannot say it): at once when its count starts to grow after LOST_REPEAT_S without
+    growth, or with another cause; then at most every LOST_REPEAT_S while it keeps growing. Keyed by
+    process (a restarted server's counter starts again). Pure: counts and times in, a line or None out."""
 
     def __init__(self) -> None:
-        self.said: dict[str, int] = {}  # server -> count at the last scrape
-        self.growing: dict[str, bool] = {}
-        self.last_said: dict[str, float] = {}
-        self.told: dict[str, int] = {}  # server -> count at the last line said
+        self.count: dict[str, int] = {}  # process -> its count at the last scrape
+        self.grew_at: dict[str, float] = {}  # process -> when its count last grew
+        self.said_at: dict[str, float] = {}
+        self.said_why: dict[str, str | None] = {}
+        self.told: dict[str, int] = {}  # process -> its count at the last line said
 
-    def note(self, server: str, count: int, why: str | None, now: float) -> str | None:
-        before = self.said.get(server, 0)
-        self.said[server] = count
-        if count < before:  # a new process (restarted server): its counter starts again
-            self.told[server] = 0
-        grew, was_growing = count > before, self.growing.get(server, False)
-        self.growing[server] = grew
-        if not grew or (was_growing and now - self.last_said.get(server, -1e18) < LOST_REPEAT_S):
+    def note(self, proc: str, count: int, why: str | None, now: float) -> str | None:
+        before = self.count.get(proc, 0)
+        self.count[proc] = count
+        if count <= before:
             return None
-        new = count - self.told.get(server, 0)
-        self.last_said[server], self.told[server] = now, count
+        quiet = now - self.grew_at.get(proc, -math.inf) >= LOST_REPEAT_S
+        self.grew_at[proc] = now
+        news = (
+            quiet
+            or why != self.said_why.get(proc)
+            or now - self.said_at.get(proc, -math.inf) >= LOST_REPEAT_S
+        )
+        if not news:
+            return None
+        new = count - self.told.get(proc, 0)
+        self.said_at[proc], self.said_why[proc], self.told[proc] = now, why, count
         return f"{new} log line(s) lost: {why or 'its log refused them'} ({count} in all)"
 
 
@@ -134,12 +142,14 @@ class Poller:
             ld = loads.get(server_name(i))
             if ld is None:
                 continue
-            if servers is not None and i < len(servers):
+            known = servers is not None and i < len(servers)
+            proc = server_name(i)
+            if known:
                 servers.log_lost[i] = ld.log_lines_lost
-            line = self.lost.note(server_name(i), ld.log_lines_lost, ld.log_lost_why, now)
+                proc += f" pid {servers.infos[i].pid}"  # a restarted server counts from 0 again
+            line = self.lost.note(proc, ld.log_lines_lost, ld.log_lost_why, now)
             if line is not None:
-                who = servers.name(i) if servers is not None and i < len(servers) else self.pool.base_urls[i]
-                log.warning("%s: %s", who, line)
+                log.warning("%s: %s", servers.name(i) if known else self.pool.base_urls[i], line)
 
     async def run(self) -> None:
         """The poll loop (a watcher task of the orchestrator: cancelled at the end of the run)."""
