@@ -4,12 +4,11 @@ vision-language model's template renders (hpcrl.inference.vision)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 # The only image form the server takes (vLLM's contract too, without --allowed-local-media-path): a
 # path or an http(s) URL is refused before anything reads the filesystem or the network.
-DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,", re.ASCII)
+from hpcrl.models.vision_inputs import DATA_URL  # the one pattern of an image data URL
 
 
 class ContentError(ValueError):

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,", re.ASCII)
+DATA_URL = re.compile(
+    r"^data:image/[A-Za-z0-9.+-]+;base64,", re.ASCII
+)  # what the engine and the trainer take
 
 
 def image_ref(part: dict[str, Any], error: type[Exception] = ValueError) -> Any:
@@ -65,7 +67,7 @@ def load_image(ref: Any, base_dir: Path | None, where: str, error: type[Exceptio
     elif isinstance(ref, dict) and ref.get("path"):
         ref = ref["path"]
     if isinstance(ref, str):
-        if _DATA_URL.match(ref):
+        if DATA_URL.match(ref):
             ref = base64.b64decode(ref.split(",", 1)[1])
         elif ref.startswith(("http://", "https://")):
             raise error(f"{where}: image URLs are not fetched ({ref[:60]}); give a local path or base64")
