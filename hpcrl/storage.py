@@ -161,7 +161,7 @@ class Refusals:
                 self.role, self.what, why, free_space(err.filename), self.first_s, self.cap_s,
                 self.timeout_s, FIELD,
             )  # fmt: skip
-            _progress_waiting(f"writing {self.what}: {why}")
+            _progress_waiting(self.what, f"writing {self.what}: {why}")
         return max(0.0, min(next(self._waits), self.timeout_s - waited))
 
     def cleared(self) -> None:
@@ -169,27 +169,28 @@ class Refusals:
             log.warning(
                 "%s: wrote %s after %.0f s (it was: %s)", self.role, self.what, self.waited(), self.named
             )
-            _progress_done()
+            _progress_done(self.what)
 
 
 # The role's progress (hpcrl.monitor.progress registers itself when a role starts reporting): a
 # retried write shows in its stall line. A hook, not an import: the ground floor imports no role code.
-_progress: tuple[Callable[[str], None], Callable[[], None]] | None = None
+_progress: tuple[Callable[[str, str], None], Callable[[str], None]] | None = None
 
 
-def report_to(waiting: Callable[[str], None], done: Callable[[], None]) -> None:
+def report_to(waiting: Callable[[str, str], None], done: Callable[[str], None]) -> None:
+    """waiting(what, line) when a write of `what` is refused, done(what) once it went through."""
     global _progress
     _progress = (waiting, done)
 
 
-def _progress_waiting(on: str) -> None:
+def _progress_waiting(what: str, on: str) -> None:
     if _progress is not None:
-        _progress[0](on)
+        _progress[0](what, on)
 
 
-def _progress_done() -> None:
+def _progress_done(what: str) -> None:
     if _progress is not None:
-        _progress[1]()
+        _progress[1](what)
 
 
 def retry_blocking(

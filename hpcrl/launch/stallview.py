@@ -30,6 +30,8 @@ def health_lines(paths: RunPaths, running: bool) -> list[str]:
                 text += f"\n    {r['stall']}"
             elif r.get("waiting_on"):
                 text += f"\n    waiting on {r['waiting_on']} for {r.get('waiting_s') or 0:.0f} s"
+            for on, secs in r.get("refused") or []:  # a write still retried behind another wait
+                text += f"\n    waiting on {on} for {secs:.0f} s"
             lines.append(text)
             for name, server_state in (r.get("servers") or {}).items():
                 n, age = (r.get("inflight") or {}).get(name, (0, 0))

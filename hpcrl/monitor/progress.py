@@ -58,6 +58,8 @@ class Progress:
         self.on: str | None = None  # what the role waits on now
         self.peer: str | None = None  # the role that `on` comes from (its own report is quoted)
         self.on_since = now
+        # writes the storage policy retries (what -> (its line, since)), whichever thread makes them
+        self.refused: dict[str, tuple[str, float]] = {}
         self.step_no: int | None = None
         self.step_times: deque[float] = deque(maxlen=8)
         self._step_at: float | None = None
@@ -170,12 +172,15 @@ class Progress:
 
     def describe_wait(self, now: float) -> str | None:
         """ "waiting on <what> for N s", with the peer's own progress report when there is a peer."""
-        if self.on is None:
-            return None
-        text = f"waiting on {self.on} for {now - self.on_since:.0f} s"
-        if self.peer and self.progress_dir is not None:
-            text += "; " + report_of(self.progress_dir, self.peer)
-        return text
+        parts = [
+            f"waiting on {on} for {now - t:.0f} s" for on, t in list(self.refused.values()) if on != self.on
+        ]
+        if self.on is not None:
+            text = f"waiting on {self.on} for {now - self.on_since:.0f} s"
+            if self.peer and self.progress_dir is not None:
+                text += "; " + report_of(self.progress_dir, self.peer)
+            parts.insert(0, text)
+        return "; ".join(parts) or None
 
     # -- stacks ------------------------------------------------------------------------------------
     def dump_stacks(self, why: str) -> Path | None:
@@ -228,6 +233,7 @@ class Progress:
             "bound_s": round(self.bound(), 1),
             "waiting_on": self.on,
             "waiting_s": round(now - self.on_since, 1) if self.on else None,
+            "refused": [[on, round(now - t, 1)] for on, t in list(self.refused.values()) if on != self.on],
             "stall": stall,
             **self.extra(),
         }
@@ -279,16 +285,21 @@ def start(role: str, progress_dir: Path | None, stalls_dir: Path | None, bound_s
     return _current
 
 
-def _storage_waiting(on: str) -> None:
-    """A refused write (hpcrl.storage): what the role waits on, in its progress file at once."""
-    waiting(on)
+def _storage_waiting(what: str, on: str) -> None:
+    """A refused write (hpcrl.storage): what the role waits on, in its progress file at once. Kept
+    apart too (`refused`): the main loop's next wait must not hide a write a background thread (a
+    checkpoint's finaliser) still retries."""
     if _current is not None:
+        _current.waiting(on)
+        _current.refused[what] = (on, _current.refused.get(what, (on, time.monotonic()))[1])
         _current.nudge()
 
 
-def _storage_done() -> None:
-    done()
+def _storage_done(what: str) -> None:
     if _current is not None:
+        on, _ = _current.refused.pop(what, (None, 0.0))
+        if _current.on == on:  # not a wait the role took up since
+            _current.done()
         _current.nudge()
 
 

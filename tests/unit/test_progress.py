@@ -102,4 +102,40 @@ def test_a_refused_write_is_in_the_progress_file_at_once(tmp_path) -> None:
         _wait(lambda: waiting() is None, 1.5)
     finally:
         p.stop()
-        storage.report_to(lambda on: None, lambda: None)
+        storage.report_to(lambda what, on: None, lambda what: None)
+
+
+def test_a_write_retried_behind_another_wait_stays_in_status(tmp_path) -> None:
+    """A checkpoint's finaliser (a background thread) retries a refused write while the main loop
+    waits on something else: both stay in the progress file, the stall line and `hpcrl status`, and
+    the write going through clears only itself."""
+    import errno
+    import threading
+
+    from hpcrl import storage
+    from hpcrl.launch.stallview import health_lines
+    from hpcrl.monitor import progress
+    from hpcrl.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    p = progress.start("trainer_0", paths.progress_dir, None, bound_s=60)
+    r = storage.Refusals("trainer", "checkpoint step 4", 30, path=tmp_path / "ck")
+    try:
+        t = threading.Thread(
+            target=r.refused, args=(OSError(errno.EROFS, "Read-only file system", str(tmp_path / "ck")),)
+        )
+        t.start()
+        t.join()
+        progress.waiting("batch 5 from the orchestrator")  # the main loop's next wait
+        p.write(time.monotonic(), 0.0)
+        shown = "\n".join(health_lines(paths, running=True))
+        assert "waiting on batch 5 from the orchestrator for 0 s" in shown, shown
+        assert "waiting on writing checkpoint step 4: read-only filesystem at " in shown, shown
+        assert "writing checkpoint step 4" in (p.describe_wait(time.monotonic()) or "")
+        r.cleared()
+        p.write(time.monotonic(), 0.0)
+        shown = "\n".join(health_lines(paths, running=True))
+        assert "waiting on batch 5" in shown and "checkpoint step 4" not in shown, shown
+    finally:
+        p.stop()
+        storage.report_to(lambda what, on: None, lambda what: None)
