@@ -14,6 +14,9 @@ from typing import Any
 from hpcrl.launch.rundir_args import _parse, _parser, _run_dir
 from hpcrl.paths import RunPaths
 
+NOT_IN_QUEUE = "not in queue (finished, failed or cancelled)"
+SQUEUE_TIMEOUT_S = 10.0
+
 
 def read_job(paths: RunPaths) -> dict[str, Any]:
     try:
@@ -31,14 +34,18 @@ def write_job(paths: RunPaths, info: dict[str, Any]) -> None:
 def job_state(job: dict[str, Any]) -> str:
     if job.get("target") == "slurm":
         jid = str(job.get("job_id", ""))
+        cmd = ["squeue", "-h", "-j", jid, "-o", "%T"]
         try:
-            out = subprocess.run(
-                ["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True, timeout=10
-            )
-            states = sorted(set(out.stdout.split()))
-            return ",".join(states) if states else "not in queue (finished, failed or cancelled)"
-        except (OSError, subprocess.TimeoutExpired):
-            return "unknown (squeue unavailable)"
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"unknown (SLURM unreachable: squeue timed out after {SQUEUE_TIMEOUT_S:.0f} s)"
+        except OSError as e:
+            return f"unknown (squeue unavailable: {e.strerror or e})"
+        states = sorted(set(out.stdout.split()))
+        said = " ".join(out.stderr.split())
+        if not states and out.returncode != 0 and "invalid job id" not in said.lower():  # controller down
+            return f"unknown (SLURM unreachable: squeue: {said[:200] or f'exit {out.returncode}'})"
+        return ",".join(states) if states else NOT_IN_QUEUE
     pid = job.get("pid")
     if pid:
         try:
@@ -56,6 +63,7 @@ def status(argv: list[str]) -> int:
     from hpcrl.monitor.metrics import read_metrics
 
     job = read_job(paths)
+    state = job_state(job)
     recs = read_metrics(paths.metrics_file)
     trainer_steps = [r["step"] for r in recs if r.get("role") == "trainer" and "loss/mean" in r]
     orch = [r for r in recs if r.get("role") == "orchestrator" and "reward/all/mean" in r]
@@ -63,9 +71,9 @@ def status(argv: list[str]) -> int:
     valid = [s for s in ckpts if checkpoint.verify(paths, s, deep=False) is None]
     lines = [
         f"run:          {paths.root}",
-        f"job:          {job.get('target', 'unknown')} {job.get('job_id', job.get('pid', ''))} -> {job_state(job)}",
-        *([f"ended:        {job['ended']} (exit {job.get('exit_code')})"] if job.get("ended") else []),
-        f"trained:      step {max(trainer_steps) if trainer_steps else 0}",
+        f"job:          {job.get('target', 'unknown')} {job.get('job_id', job.get('pid', ''))} -> {state}",
+        *ended_lines(paths, job, state, max(trainer_steps, default=0)),
+        f"trained:      step {max(trainer_steps, default=0)}",
         f"reward:       {orch[-1]['reward/all/mean']:.3f} (step {orch[-1]['step']})"
         if orch
         else "reward:       -",
@@ -81,9 +89,22 @@ def status(argv: list[str]) -> int:
     env_lines = ["env servers:", *("  " + line for line in table(envs))] if envs else []
     from hpcrl.launch.stallview import health_lines
 
-    health = health_lines(paths, job_state(job) == "running" or job.get("target") == "slurm")
+    live = state == "running" or (job.get("target") == "slurm" and state != NOT_IN_QUEUE)
+    health = health_lines(paths, live)  # a role silent past the bound: unresponsive if live, else exited
     print("\n".join(lines + health + placement_table(paths) + env_lines))
     return 0
+
+
+def ended_lines(paths: RunPaths, job: dict[str, Any], state: str, trained: int) -> list[str]:
+    """What ended the run: the local launcher's last line (job.json), or, for a SLURM job that left the
+    queue, SLURM's state and the cause in the run's logs (hpcrl.launch.slurm_end)."""
+    if job.get("ended"):
+        return [f"ended:        {job['ended']} (exit {job.get('exit_code')})"]
+    if job.get("target") == "slurm" and state == NOT_IN_QUEUE:
+        from hpcrl.launch.slurm_end import slurm_ended_line
+
+        return [f"ended:        {slurm_ended_line(paths, job, trained)}"]
+    return []
 
 
 def saved_rollouts_line(paths: RunPaths) -> str:
