@@ -1,5 +1,18 @@
 """Run a test file as a script on N gloo ranks (torchrun-style environment), for the trainer's
-distributed tests: the ranks go through the same ``init_distributed`` / FSDP2 code as a real trainer."""
+distributed tests: the ranks go through the same ``init_distributed`` / FSDP2 code as a real trainer.
+
+Every launch is bounded and says why it failed: a rank that exits non-zero stops the others at once
+(they would wait in a collective for it until gloo's timeout, 30 min); ranks still running at the
+deadline first write their Python stacks to their logs (faulthandler on SIGUSR1), then are killed;
+the failure names every rank's state with the tail of its log.
+
+The rendezvous store is this test process's, as torchrun's agent hosts it
+(``TORCHELASTIC_USE_AGENT_STORE``: every rank joins as a client), bound to a port of the kernel's
+choice and held until the ranks end. With rank 0 hosting it on a ``free_port()`` the port was free
+only when picked: another process's socket (a concurrent test's gloo listener or server, under
+pytest-xdist) could take it before rank 0 bound it; rank 0 then failed with EADDRINUSE and the other
+ranks, connected to that stranger, waited past any timeout (reproduced: > 90 s at a 60 s timeout).
+"""
 
 from __future__ import annotations
 
@@ -12,60 +25,142 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
-from hpcrl.net import free_port
 from hpcrl.runtime import rank_env
 
 REPO = Path(__file__).resolve().parents[2]
+DUMP_SIGNAL = signal.SIGUSR1  # a rank writes every thread's Python stack to its log on it
+TAIL = 4000  # characters of a rank's log in a failure message
 
 
 def run_ranks(script: str, world: int, *args: str, timeout: float = 240) -> list[str]:
     """Start ``python script *args`` as ranks 0..world-1 and wait; fail with the failing rank's output.
     Returns every rank's output. The ranks are forks of a warm interpreter (tests/integration/zygote.py)
     unless HPCRL_TEST_ZYGOTE=0, which starts each as a fresh ``python``."""
-    port = free_port()
-    procs, logs = [], []
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    logs: list[Path] = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            **rank_env(rank, world, "127.0.0.1", port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        }
-        fd, log = tempfile.mkstemp(prefix=f"rank{rank}-", suffix=".log", dir=log_dir)
+        fd, name = tempfile.mkstemp(prefix=f"rank{rank}-", suffix=".log", dir=log_dir)
         os.close(fd)
-        logs.append(Path(log))
-        procs.append(start_rank(script, list(args), env, log))
-    deadline = time.monotonic() + timeout
+        logs.append(Path(name))
     try:
-        # A rank that fails leaves the others blocked in a collective: stop them at once.
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode not in (None, 0) for p in procs):
+        wait_ranks(Ranks(script, list(args), logs), timeout=timeout)
+        return [log.read_text(errors="replace") for log in logs]
+    finally:
+        for log in logs:
+            log.unlink(missing_ok=True)
+
+
+@dataclass
+class _Rank:
+    name: str
+    proc: Any  # Popen or _Forked
+    log: Path
+    stopped: bool = False  # killed by wait_ranks (not its own exit)
+
+
+class Ranks:
+    """``python script *args`` started as ranks 0..len(logs)-1 of one group, rank r's output to
+    ``logs[r]``, around a rendezvous store this process hosts. Wait with `wait_ranks`."""
+
+    def __init__(self, script: str, args: list[str], logs: list[Path], name: str = "") -> None:
+        from torch.distributed import TCPStore
+
+        world = len(logs)
+        # port 0: the kernel's pick, bound at once, so no other socket can take it before the ranks come
+        store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
+        self.store: TCPStore | None = store
+        self.ranks: list[_Rank] = []
+        try:
+            for rank, log in enumerate(logs):
+                env = {
+                    **os.environ,
+                    **rank_env(rank, world, "127.0.0.1", store.port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",  # torch: every rank a client of our store
+                    "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                }
+                proc = start_rank(script, args, env, str(log))
+                self.ranks.append(_Rank(f"{name}rank {rank}", proc, Path(log)))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, dump: bool = False) -> None:
+        """Kill the ranks still running (after a stack dump into their logs with `dump`)."""
+        running = [r for r in self.ranks if r.proc.poll() is None]
+        if dump and running:
+            for r in running:
+                r.proc.send_signal(DUMP_SIGNAL)
+            time.sleep(2)  # the dump is written from the signal handler, even in a blocked collective
+        for r in running:
+            if r.proc.poll() is None:
+                r.stopped = True
+                r.proc.kill()
+            r.proc.wait()
+        self.store = None  # every rank has ended: close the rendezvous port
+
+
+def wait_ranks(*groups: Ranks, timeout: float) -> None:
+    """Wait for every rank of `groups` to exit 0. A rank that exits otherwise stops all the others at
+    once; at `timeout` s those still running dump their stacks and are killed. Fails naming every
+    rank's state, with the tail of the logs of those that failed or were stopped."""
+    ranks = [r for g in groups for r in g.ranks]
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        while any(r.proc.poll() is None for r in ranks):
+            if any(r.proc.returncode not in (None, 0) for r in ranks):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
                 break
             time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    outs = []
-    for log in logs:
-        outs.append(log.read_text(errors="replace"))
-        log.unlink()
-    for rank, (p, text) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{text[-4000:]}"
-    return outs
+        for g in groups:
+            g.stop(dump=timed_out)
+    bad = [r for r in ranks if r.proc.returncode != 0]
+    if not bad:
+        return
+    # the ranks that failed on their own first: the cause; then those stopped (their stacks)
+    bad.sort(key=lambda r: r.stopped)
+    head = (
+        f"{len(bad)} rank(s) still running after {timeout:.0f} s, killed after a stack dump"
+        if timed_out
+        else "a rank failed; the others were stopped"
+    )
+    states = ", ".join(
+        f"{r.name}: {'stopped' if r.stopped else f'exited {r.proc.returncode}'}" for r in ranks
+    )
+    parts = [f"{head} ({states})"]
+    for r in bad:
+        text = r.log.read_text(errors="replace") if r.log.exists() else "(no log)"
+        how = "stopped, still running" if r.stopped else f"exited {r.proc.returncode}"
+        parts.append(f"--- {r.name} {how} ({r.log}):\n{text[-TAIL:]}")
+    raise AssertionError("\n".join(parts))
+
+
+# A fresh interpreter's rank (HPCRL_TEST_ZYGOTE=0): `python script *args` with the zygote's stack dump.
+_BOOT = (
+    "import faulthandler, os, runpy, signal, sys; "
+    f"faulthandler.register(signal.Signals({int(DUMP_SIGNAL)}), all_threads=True); "
+    "sys.argv = sys.argv[1:]; sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])); "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def start_rank(script: str, args: list[str], env: dict[str, str], log: str):
     """Start ``python script *args`` with `env`, its output to `log`: a fork of the zygote, or (with
-    HPCRL_TEST_ZYGOTE=0) a fresh interpreter. The result has Popen's poll / wait / kill / returncode."""
+    HPCRL_TEST_ZYGOTE=0) a fresh interpreter. The result has Popen's poll / wait / kill / send_signal
+    / returncode; either way the rank writes its Python stacks to `log` on DUMP_SIGNAL."""
     if os.environ.get("HPCRL_TEST_ZYGOTE", "1") == "0":
         with open(log, "w") as fh:
             return subprocess.Popen(
-                [sys.executable, script, *args], env=env, stdout=fh, stderr=subprocess.STDOUT
+                [sys.executable, "-c", _BOOT, script, *args], env=env, stdout=fh, stderr=subprocess.STDOUT
             )
     return _zygote().start(script, args, env, log)
 
@@ -87,8 +182,12 @@ class _Forked:
         return self.returncode
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped yet: the pid is still this rank's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
 
 class _Zygote:

@@ -14,17 +14,13 @@ through the same ``init_distributed`` / ``apply_fsdp`` code as a real trainer.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from hpcrl.net import free_port
-from hpcrl.runtime import rank_env
-from tests.integration.ranks import start_rank
+from tests.integration.ranks import Ranks, wait_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 LENS = [9, 5, 12, 3, 7, 8]
 RANK_SAMPLES = {
     1: [(0, 6)],
@@ -36,19 +32,9 @@ STEPS = 2
 ATOL = 1e-5
 
 
-def _launch(world: int, model_dir: Path, out: Path, impl: str = "hf", ep: int = 1) -> list:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ)
-        env.update(
-            rank_env(rank, world, "127.0.0.1", port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        )
-        log = out.parent / f"{out.name}.rank{rank}.log"
-        procs.append(start_rank(__file__, [str(model_dir), str(out), impl, str(ep)], env, str(log)))
-    return procs
+def _launch(world: int, model_dir: Path, out: Path, impl: str = "hf", ep: int = 1) -> Ranks:
+    logs = [out.parent / f"{out.name}.rank{rank}.log" for rank in range(world)]
+    return Ranks(__file__, [str(model_dir), str(out), impl, str(ep)], logs, name=f"{out.name} ")
 
 
 def test_two_rank_fsdp_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -148,12 +134,11 @@ def _check_equivalence(model_dir: Path, tmp_path: Path, impl: str, ep: int, worl
 
     tiny_model_dir = model_dir
     one, two = tmp_path / "one", tmp_path / "two"
-    procs = _launch(1, tiny_model_dir, one, impl) + _launch(world, tiny_model_dir, two, impl, ep)
-    for p in procs:
-        p.wait(timeout=300)
-    names = ["one.rank0", *(f"two.rank{r}" for r in range(world))]
-    for p, name in zip(procs, names, strict=True):
-        assert p.returncode == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
+    # one bound for all 1 + world ranks: a rank that fails stops the others at once (they would wait
+    # for it in a collective), ranks still running at 300 s dump their stacks into the failure
+    wait_ranks(
+        _launch(1, tiny_model_dir, one, impl), _launch(world, tiny_model_dir, two, impl, ep), timeout=300
+    )
 
     m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
     assert len(m1) == len(m2) == STEPS

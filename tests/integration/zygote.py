@@ -15,10 +15,12 @@ as ``Popen.returncode``: negative for a signal). EOF on stdin ends the zygote.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
 import select
+import signal
 import sys
 import traceback
 
@@ -53,6 +55,9 @@ def _child(job: dict, channel: tuple[int, int]) -> None:
     os.close(null)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stream
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # every thread's Python stack into the log on SIGUSR1 (ranks.DUMP_SIGNAL): what a rank that
+    # hangs was doing, even inside a blocked collective
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])

@@ -20,8 +20,8 @@ import pytest
 
 from hpcrl.errors import UserError
 from hpcrl.launch import manage
-from hpcrl.launch.manage import read_job, status, write_job
 from hpcrl.launch.local import FINISHED
+from hpcrl.launch.manage import read_job, status, write_job
 from hpcrl.launch.sft import INTERRUPTED, LastError, last_line, recorded
 from hpcrl.monitor import watchdog
 from hpcrl.paths import RunPaths
