@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ _HOST = socket.gethostname().replace("-", "_")  # keeps "<pid>-<host>" splittabl
 
 
 def tmp_name(path: Path) -> Path:
-    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{_HOST}")
+    """`<name>.tmp-<pid>.<thread>-<host>`: unique per writing thread (two threads of one process may
+    write the same file: the last rename wins, neither loses its tmp to the other's rename)."""
+    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}.{threading.get_native_id()}-{_HOST}")
 
 
 def is_tmp(path: Path | str) -> bool:
@@ -247,7 +250,8 @@ def clean_stale_tmp(directory: Path, *, max_age: float = 600.0, recursive: bool 
 
 def _writer_dead(name: str) -> bool:
     suffix = name.rsplit(TMP_MARK, 1)[-1]
-    pid_str, _, host = suffix.partition("-")
+    writer, _, host = suffix.partition("-")
+    pid_str = writer.split(".", 1)[0]  # <pid>.<thread>; names of before: <pid>
     if host != _HOST or not pid_str.isdigit():
         return False
     pid = int(pid_str)

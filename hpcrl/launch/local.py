@@ -17,7 +17,6 @@ exits; then the rest are stopped and `hpcrl resume --step -1` continues from exa
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from hpcrl.config.sections import environ as role_env
 from hpcrl.launch import restart
 from hpcrl.launch.console import ConsoleReporter
 from hpcrl.launch.keepalive import restart_delay
+from hpcrl.launch.logrecords import last_error
 from hpcrl.launch.placement import Placement, Slot
 from hpcrl.net import free_port
 from hpcrl.paths import RunPaths
@@ -42,9 +42,7 @@ from hpcrl.runtime import GPUS_PER_TASK_ENV, rank_env
 GRACE_S = 8.0
 
 
-# hpcrl.monitor.logging's format; a role may hold brackets itself (`[sft[0]]`)
 FINISHED = "hpcrl: run finished"  # the last line of a run that reached its end (console, job file)
-_ERROR_LINE = re.compile(r" ERROR +(?:\[(?:[^\[\]]|\[[^\]]*\])*\] )?(.*)")
 
 
 @dataclass
@@ -291,23 +289,6 @@ def supervise_then_stop(
         stop_children(children)
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def last_error(log_path: Path, tail: int = 65536, since: int = 0) -> str:
-    """The role's last ERROR log line (its one-line reason), without the timestamp prefix; "" if none.
-    Only lines past byte `since` count: those before were written by an earlier process (a resumed
-    run appends to the same log), and a process killed by a signal writes no ERROR line at all."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(since, f.seek(0, os.SEEK_END) - tail))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        m = _ERROR_LINE.search(line)
-        if m:
-            return m.group(1).strip()[:500]
-    return ""
 
 
 class CheckpointStop:

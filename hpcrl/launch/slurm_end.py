@@ -9,7 +9,7 @@ no launcher that outlives it, so status asks SLURM and reads the run's own files
   with that component's exit code (`code:signal`). Every call is bounded (TIMEOUT_S): an unreachable
   SLURM is named, never waited on.
 - the cause: the newest ERROR line of the role logs (hpcrl.launch.alerts.role_logs,
-  hpcrl.launch.local.last_error), naming its log; the role whose step ended the job, as the batch
+  hpcrl.launch.logrecords.last_error), naming its log; the role whose step ended the job, as the batch
   script's log says (`step 'trainer' FAILED (exit 1): ending the job`, hpcrl.launch.hetjob), first.
   A job that COMPLETED (or that SLURM forgot, whose trainer reached max_steps) finished: its ERROR
   lines, if any, did not end it. One that SLURM ended (CANCELLED, TIMEOUT, NODE_FAIL, ...) says how
@@ -43,7 +43,7 @@ class SlurmEnd:
 @dataclass(frozen=True)
 class LogError:
     seconds: float  # clock time of the ERROR line, seconds since midnight (-1: not found)
-    message: str  # without its time and level (hpcrl.launch.local.last_error)
+    message: str  # without its time and level (hpcrl.launch.logrecords.last_error)
     log: str  # the log's path relative to the run directory
 
 
@@ -201,7 +201,7 @@ def slurm_end(job_id: str) -> SlurmEnd:
 def role_errors(paths: RunPaths) -> list[LogError]:
     """The last ERROR line of each role log that has one, with its clock time."""
     from hpcrl.launch.alerts import role_logs
-    from hpcrl.launch.local import last_error
+    from hpcrl.launch.logrecords import last_error
 
     out = []
     for log in role_logs(paths):

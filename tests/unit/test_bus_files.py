@@ -84,12 +84,15 @@ def test_stale_tmp_cleaning(tmp_path):
     live_tmp = tmp_path / f"rank_1.msgpack{f.TMP_MARK}{os.getppid()}-{host}"
     remote_tmp = tmp_path / f"rank_2.msgpack{f.TMP_MARK}{dead.pid}-some_other_node"
     old_remote_tmp = tmp_path / f"rank_3.msgpack{f.TMP_MARK}{dead.pid}-some_other_node"
-    for p in (dead_tmp, live_tmp, remote_tmp, old_remote_tmp):
+    dead_thread_tmp = tmp_path / f"rank_4.msgpack{f.TMP_MARK}{dead.pid}.4242-{host}"  # <pid>.<thread>
+    live_thread_tmp = tmp_path / f"rank_5.msgpack{f.TMP_MARK}{os.getppid()}.4242-{host}"
+    for p in (dead_tmp, live_tmp, remote_tmp, old_remote_tmp, dead_thread_tmp, live_thread_tmp):
         p.write_bytes(b"half a file")
     os.utime(old_remote_tmp, (time.time() - 3600, time.time() - 3600))
     removed = f.clean_stale_tmp(tmp_path, max_age=600)
-    assert sorted(removed) == sorted([dead_tmp, old_remote_tmp])
-    assert live_tmp.exists() and remote_tmp.exists()
+    assert sorted(removed) == sorted([dead_tmp, old_remote_tmp, dead_thread_tmp])
+    assert live_tmp.exists() and remote_tmp.exists() and live_thread_tmp.exists()
+    assert fileio.tmp_name(tmp_path / "x").name.startswith(f"x{f.TMP_MARK}{os.getpid()}.")
     assert f.is_tmp(live_tmp) and not f.is_tmp(tmp_path / "rank_0.msgpack")
 
 
@@ -98,3 +101,27 @@ def test_large_arrays_go_to_disk_without_an_encode_copy(tmp_path):
     batch = make_batch(samples=1, sample_len=1 << 20, input_ids=arr)
     parts = f.encode_parts(batch)
     assert any(isinstance(p, memoryview) and np.shares_memory(np.asarray(p), arr) for p in parts)
+
+
+def test_two_threads_writing_one_file_never_take_each_others_tmp(tmp_path):
+    """The progress thread and a nudge, a finaliser and the main loop: each writer's tmp is its own,
+    so a rename never finds its tmp already renamed by the other thread (FileNotFoundError)."""
+    import threading
+
+    target, errors = tmp_path / "progress.json", []
+
+    def writer(tag: str) -> None:
+        try:
+            for i in range(300):
+                fileio.write_text(target, f"{tag} {i}", durable=False)
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert target.read_text() in {"a 299", "b 299"}
+    assert not [p for p in tmp_path.iterdir() if f.is_tmp(p)]

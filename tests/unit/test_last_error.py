@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcrl.launch.local import last_error
+from hpcrl.launch.logrecords import last_error
 
 
 def test_last_error_reads_only_what_the_process_wrote(tmp_path: Path) -> None:
