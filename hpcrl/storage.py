@@ -53,6 +53,7 @@ __all__ = [
     "WriteRefused",
     "backoff",
     "describe",
+    "open_log",
     "free_space",
     "report_to",
     "retry_async",
@@ -432,3 +433,21 @@ def tolerate_std_streams() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _TolerantStd):
             setattr(sys, name, _TolerantStd(stream))
+
+
+def open_log(path: Path, who: str) -> Any:
+    """A child process's log, opened for appending (unbuffered), or, when the filesystem refuses it
+    (read-only, full, over quota: a new file cannot be made, an existing one opened for writing),
+    os.devnull, named once at WARNING with the path and the cause: the child starts all the same and
+    its output is dropped until it is started again (a log is never worth a role)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "ab", buffering=0)  # noqa: SIM115 - the caller closes it (or the child's exit)
+    except OSError as e:
+        why = refused_write(e, path)
+        if why is None:
+            raise
+        log.warning("%s: cannot open its log: %s; its output is dropped until it starts again", who, why)
+        _DROPPED[0] += 1
+        _DROPPED[1] = why
+        return open(os.devnull, "ab", buffering=0)  # noqa: SIM115

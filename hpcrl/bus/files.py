@@ -179,10 +179,18 @@ def bus_entries(step_dir: Path) -> list[Path] | None:
 
 
 def remove_bus_part(step_dir: Path) -> None:
-    """Delete a step directory's bus files, or the whole directory when it holds nothing else."""
+    """Delete a step directory's bus files, or the whole directory when it holds nothing else. A
+    deletion the filesystem refuses (read-only, not writable: hpcrl.fileio.refused_error) is left for
+    the next cleanup: a cleanup is never worth the role that makes it."""
+    from hpcrl.fileio import refused_error
+
     entries = bus_entries(step_dir)
     for p in [step_dir] if entries is None else entries:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
-        else:
+            continue
+        try:
             p.unlink(missing_ok=True)
+        except OSError as e:
+            if refused_error(e, p) is None:
+                raise

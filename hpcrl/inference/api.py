@@ -499,10 +499,12 @@ def build_app(state: ServerState) -> FastAPI:
                 state.sync_error = f"weight update to step {step} failed verification: {problem}"
                 raise APIError(state.sync_error, status=409, type="WeightSyncError")
             state.sync_error = None
+        took = time.perf_counter() - t0
+        log.info("loaded policy %d (%s, %s) in %.2f s", step, transport, checksum, took)
         return {
             "step": step,
             "checksum": checksum,
-            "seconds": time.perf_counter() - t0,
+            "seconds": took,
             "num_tensors": engine.weights_info()["num_tensors"],
         }
 

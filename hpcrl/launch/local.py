@@ -95,9 +95,18 @@ def spawn(
 ) -> Child:
     """`hpcrl <kind> <args>` as a child; its output goes to `log_path`, or with ``capture = False``
     to our own stdout/stderr (the child then writes `log_path` itself)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = log_path.stat().st_size if log_path.exists() else 0  # a resumed run appends to the old log
-    fh = open(log_path, "ab", buffering=0) if capture else None  # noqa: SIM115 - closed in stop_children
+    from hpcrl.storage import open_log
+
+    try:
+        start = log_path.stat().st_size  # a resumed run appends to the old log
+    except OSError:
+        start = 0
+    fh = open_log(log_path, role) if capture else None  # closed in stop_children; refused: os.devnull
+    if not capture:  # the child writes log_path itself (a refused directory: the child's to say)
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
     cmd = [sys.executable, "-m", "hpcrl.cli", kind, *args]
     # Own session: the whole subtree can be signalled, and a Ctrl-C reaches only the launcher.
     proc = subprocess.Popen(

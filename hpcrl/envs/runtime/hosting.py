@@ -32,12 +32,12 @@ def server_command(spec: wire.ServerSpec) -> list[str]:
 
 def popen_server(spec: wire.ServerSpec, python: str | None = None) -> subprocess.Popen:
     """Start one env server, its output appended to logs/envs/<kind>/<env>/server.log."""
-    path = server_log(spec.log_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from hpcrl.storage import open_log
+
     cmd = server_command(spec)
     if python:
         cmd[0] = python
-    with open(path, "ab") as out:
+    with open_log(server_log(spec.log_dir), f"env server for {spec.kind} env {spec.name!r}") as out:
         # Its own session: a signal for the orchestrator (the launcher signals the role's process
         # group on a stop, SIGUSR2 before a requeue) is not one for its env server, which the
         # orchestrator stops itself (Stop, then SIGKILL) and which stops when its parent is gone.

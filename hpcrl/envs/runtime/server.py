@@ -163,9 +163,9 @@ class EnvServer:
     def start(self, w: Worker) -> None:
         w.ident = worker_ident(self.spec.restarts, w.index, w.restarts)
         w.started = time.monotonic()
-        path = worker_log(self.spec, w.index)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as out:
+        from hpcrl.storage import open_log
+
+        with open_log(worker_log(self.spec, w.index), f"env worker {w.index}") as out:
             w.proc = subprocess.Popen(
                 [
                     sys.executable,
