@@ -348,7 +348,9 @@ class _Tolerant:
                 record.name, logging.WARNING, __file__, 0,
                 "%d log line(s) lost: %s", (lost, why), None,
             )  # fmt: skip
-            super().emit(note)  # type: ignore[misc]
+            # the handler's filters, as for any record (the role filter sets what the format names)
+            if self.filter(note):  # type: ignore[attr-defined]
+                super().emit(note)  # type: ignore[misc]
             if self.lost:  # still refused: keep counting
                 self.lost += lost
                 return

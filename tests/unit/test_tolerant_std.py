@@ -100,3 +100,40 @@ def test_a_process_whose_output_is_refused_finishes_normally(tmp_path: Path) -> 
 def test_output_asked_for_still_fails_when_it_is_refused(tmp_path: Path, args: list[str]) -> None:
     res = _run([sys.executable, "-m", "hpcrl.cli", *args], tmp_path)
     assert res.returncode != 0  # what the user asked for was not written: not a success
+
+
+def test_the_lost_lines_note_goes_through_the_roles_format(tmp_path: Path) -> None:
+    """A role's handler formats `[%(role)s]`, set by its filter: the note it writes once the log
+    takes lines again went around the filter and failed with a traceback into the log (KeyError)."""
+    import logging
+
+    from hpcrl.monitor.logging import _FMT, _RoleFilter
+    from hpcrl.storage import TolerantStreamHandler
+
+    fh = FULL.open("w", buffering=1)
+    h = TolerantStreamHandler(fh)
+    h.setFormatter(logging.Formatter(_FMT, datefmt="%H:%M:%S"))
+    h.addFilter(_RoleFilter("inference"))
+    log = logging.getLogger("hpcrl.test_tolerant_note")
+    log.propagate, log.level = False, logging.INFO
+    log.addHandler(h)
+    try:
+        log.info("refused one")
+        log.info("refused two")
+        assert h.lost == 2
+        good = (tmp_path / "log").open("w", buffering=1)
+        h.stream = good  # the disk takes lines again
+        log.info("through")
+        good.close()
+    finally:
+        log.removeHandler(h)
+        try:
+            fh.close()
+        except OSError:
+            pass
+    lines = (tmp_path / "log").read_text().splitlines()
+    assert len(lines) == 2, lines  # no "--- Logging error ---" traceback
+    assert lines[0].endswith(
+        "WARNING [inference] 2 log line(s) lost: disk full at /dev/full (No space left on device)"
+    )
+    assert lines[1].endswith("INFO    [inference] through")
