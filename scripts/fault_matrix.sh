@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The fault matrix of issues 40 and 52 (tests/integration/test_fault_matrix.py and the fault tests
 # beside it), and its table in docs/fault_matrix.md: component x fault -> time to name it, what named
-# it and what it said, outcome, data check. About 10-12 minutes on 2 CPU cores (as root: tmpfs,
-# remount, chattr and quota cases; the quota needs gcc: tests/integration/quota.py).
+# it and what it said, outcome, data check. About 12-15 minutes on 2 CPU cores (as root: tmpfs,
+# bind mount, remount, chattr and quota cases; the quota and the logs' read-only cases need gcc for
+# the LD_PRELOAD shim: tests/integration/quota.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}

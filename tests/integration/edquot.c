@@ -1,4 +1,6 @@
-/* A disk quota that runs out, for a kernel without CONFIG_QUOTA (tests/integration/quota.py).
+/* A disk quota that runs out, for a kernel without CONFIG_QUOTA (tests/integration/quota.py), and
+ * other refusals a kernel cannot make on demand here (a read-only filesystem while files on it are
+ * open for writing: `mount -o remount,ro` says EBUSY).
  *
  * Preloaded (LD_PRELOAD) into every process of a run. While the control file named by
  * HPCRL_EDQUOT_CTL exists, each of its lines is a directory that is "over quota": libc's calls that
@@ -8,8 +10,11 @@
  *     symlink (the inode quota);
  *   - writing to a file under it: write, pwrite, writev, pwritev, fallocate, sendfile,
  *     copy_file_range (the block quota; the file's path is read from /proc/self/fd).
+ * A line may name another errno first, `ERRNAME /dir` (EDQUOT, ENOSPC, EROFS, EIO, EPERM, EACCES):
+ * the same calls fail with it. EROFS also refuses what a read-only filesystem refuses beyond that:
+ * opening an existing file for writing (O_WRONLY, O_RDWR, O_APPEND, O_TRUNC), rename, unlink, rmdir.
  * Everything else, and everything while the control file is absent, goes to libc unchanged (one
- * access(2) per call to look). The caller sees -1 and errno EDQUOT from the very libc call it made
+ * access(2) per call to look). The caller sees -1 and the errno from the very libc call it made
  * (Python's os.write / FileIO, Rust's std::fs, libstdc++'s filebuf all call these symbols).
  * Not seen: glibc's own internal calls (stdio's fwrite flushing through __write). */
 #define _GNU_SOURCE
@@ -43,13 +48,33 @@ static int over_quota(char *buf) {
     return 1;
 }
 
+static int errno_named(const char *name, size_t len) {
+    static const struct { const char *name; int value; } known[] = {
+        {"EDQUOT", EDQUOT}, {"ENOSPC", ENOSPC}, {"EROFS", EROFS}, {"EIO", EIO},
+        {"EPERM", EPERM}, {"EACCES", EACCES},
+    };
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+        if (strlen(known[i].name) == len && strncmp(name, known[i].name, len) == 0) return known[i].value;
+    return EDQUOT;
+}
+
+/* The errno of the first line of `dirs` that `path` is under (`[ERRNAME ]/dir`), or 0. */
 static int under(const char *path, const char *dirs) {
     const char *d = dirs;
     while (*d) {
         const char *end = strchr(d, '\n');
         size_t len = end ? (size_t)(end - d) : strlen(d);
+        int err = EDQUOT;
+        if (len && d[0] != '/') {  /* `ERRNAME /dir` */
+            const char *sp = memchr(d, ' ', len);
+            if (sp) {
+                err = errno_named(d, (size_t)(sp - d));
+                len -= (size_t)(sp + 1 - d);
+                d = sp + 1;
+            }
+        }
         while (len > 1 && d[len - 1] == '/') len--;
-        if (len && strncmp(path, d, len) == 0 && (path[len] == 0 || path[len] == '/')) return 1;
+        if (len && strncmp(path, d, len) == 0 && (path[len] == 0 || path[len] == '/')) return err;
         if (!end) break;
         d = end + 1;
     }
@@ -82,25 +107,42 @@ static int abs_path(int dirfd, const char *path, char *out) {
     return 1;
 }
 
+/* Each refuse_* returns the errno to fail with, or 0 to go on. */
 static int refuse_fd(int fd) {
     char dirs[CTL_MAX], p[PATH_MAX];
-    return over_quota(dirs) && fd_path(fd, p) && under(p, dirs);
+    return over_quota(dirs) && fd_path(fd, p) ? under(p, dirs) : 0;
 }
 
 static int refuse_name(int dirfd, const char *path) {
     char dirs[CTL_MAX], p[PATH_MAX];
-    return over_quota(dirs) && abs_path(dirfd, path, p) && under(p, dirs);
+    return over_quota(dirs) && abs_path(dirfd, path, p) ? under(p, dirs) : 0;
 }
 
-static int refuse_create(int dirfd, const char *path, int flags) {
+/* open: a new name (O_CREAT) takes an inode; on a read-only filesystem any opening for writing fails. */
+static int refuse_open(int dirfd, const char *path, int flags) {
+    int writing = (flags & (O_WRONLY | O_RDWR | O_APPEND | O_TRUNC | O_CREAT)) != 0;
+    if (!writing) return 0;
+    int err = refuse_name(dirfd, path);
+    if (!err || err == EROFS) return err;
     if (!(flags & O_CREAT)) return 0;
-    if (!refuse_name(dirfd, path)) return 0;
     struct stat st;  /* an existing file is opened (no new inode), as under a real quota */
-    return syscall(SYS_newfstatat, dirfd, path, &st, 0) != 0;
+    return syscall(SYS_newfstatat, dirfd, path, &st, 0) != 0 ? err : 0;
+}
+
+/* rename, unlink, rmdir: refused by a read-only filesystem only (a quota frees or moves space). */
+static int refuse_change(int dirfd, const char *path) {
+    int err = refuse_name(dirfd, path);
+    return err == EROFS ? err : 0;
+}
+
+static int refuse_either(int fromfd, const char *from, int tofd, const char *to) {
+    int err = refuse_change(fromfd, from);
+    return err ? err : refuse_change(tofd, to);
 }
 
 #define REAL(name) static __typeof__(name) *real_##name; if (!real_##name) real_##name = dlsym(RTLD_NEXT, #name)
-#define EDQUOT_IF(cond) do { if (cond) { errno = EDQUOT; return -1; } } while (0)
+/* Fail the call with the errno `expr` gives (0: go on). */
+#define FAIL_IF(expr) do { int e_ = (expr); if (e_) { errno = e_; return -1; } } while (0)
 
 static mode_t mode_of(int flags, va_list ap) {
     return (flags & (O_CREAT | O_TMPFILE)) ? (mode_t)va_arg(ap, int) : 0;
@@ -109,114 +151,141 @@ static mode_t mode_of(int flags, va_list ap) {
 int open(const char *path, int flags, ...) {
     va_list ap; va_start(ap, flags); mode_t m = mode_of(flags, ap); va_end(ap);
     REAL(open);
-    EDQUOT_IF(refuse_create(AT_FDCWD, path, flags));
+    FAIL_IF(refuse_open(AT_FDCWD, path, flags));
     return real_open(path, flags, m);
 }
 int open64(const char *path, int flags, ...) {
     va_list ap; va_start(ap, flags); mode_t m = mode_of(flags, ap); va_end(ap);
     REAL(open64);
-    EDQUOT_IF(refuse_create(AT_FDCWD, path, flags));
+    FAIL_IF(refuse_open(AT_FDCWD, path, flags));
     return real_open64(path, flags, m);
 }
 int openat(int dirfd, const char *path, int flags, ...) {
     va_list ap; va_start(ap, flags); mode_t m = mode_of(flags, ap); va_end(ap);
     REAL(openat);
-    EDQUOT_IF(refuse_create(dirfd, path, flags));
+    FAIL_IF(refuse_open(dirfd, path, flags));
     return real_openat(dirfd, path, flags, m);
 }
 int openat64(int dirfd, const char *path, int flags, ...) {
     va_list ap; va_start(ap, flags); mode_t m = mode_of(flags, ap); va_end(ap);
     REAL(openat64);
-    EDQUOT_IF(refuse_create(dirfd, path, flags));
+    FAIL_IF(refuse_open(dirfd, path, flags));
     return real_openat64(dirfd, path, flags, m);
 }
 int creat(const char *path, mode_t m) {
     REAL(creat);
-    EDQUOT_IF(refuse_create(AT_FDCWD, path, O_CREAT));
+    FAIL_IF(refuse_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC));
     return real_creat(path, m);
 }
 int creat64(const char *path, mode_t m) {
     REAL(creat64);
-    EDQUOT_IF(refuse_create(AT_FDCWD, path, O_CREAT));
+    FAIL_IF(refuse_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC));
     return real_creat64(path, m);
 }
 int mkdir(const char *path, mode_t m) {
     REAL(mkdir);
-    EDQUOT_IF(refuse_name(AT_FDCWD, path));
+    FAIL_IF(refuse_name(AT_FDCWD, path));
     return real_mkdir(path, m);
 }
 int mkdirat(int dirfd, const char *path, mode_t m) {
     REAL(mkdirat);
-    EDQUOT_IF(refuse_name(dirfd, path));
+    FAIL_IF(refuse_name(dirfd, path));
     return real_mkdirat(dirfd, path, m);
 }
 int symlink(const char *target, const char *path) {
     REAL(symlink);
-    EDQUOT_IF(refuse_name(AT_FDCWD, path));
+    FAIL_IF(refuse_name(AT_FDCWD, path));
     return real_symlink(target, path);
 }
 ssize_t write(int fd, const void *buf, size_t n) {
     REAL(write);
-    EDQUOT_IF(n && refuse_fd(fd));
+    FAIL_IF(n ? refuse_fd(fd) : 0);
     return real_write(fd, buf, n);
 }
 ssize_t pwrite(int fd, const void *buf, size_t n, off_t off) {
     REAL(pwrite);
-    EDQUOT_IF(n && refuse_fd(fd));
+    FAIL_IF(n ? refuse_fd(fd) : 0);
     return real_pwrite(fd, buf, n, off);
 }
 ssize_t pwrite64(int fd, const void *buf, size_t n, off64_t off) {
     REAL(pwrite64);
-    EDQUOT_IF(n && refuse_fd(fd));
+    FAIL_IF(n ? refuse_fd(fd) : 0);
     return real_pwrite64(fd, buf, n, off);
 }
 ssize_t writev(int fd, const struct iovec *iov, int cnt) {
     REAL(writev);
-    EDQUOT_IF(cnt && refuse_fd(fd));
+    FAIL_IF(cnt ? refuse_fd(fd) : 0);
     return real_writev(fd, iov, cnt);
 }
 ssize_t pwritev(int fd, const struct iovec *iov, int cnt, off_t off) {
     REAL(pwritev);
-    EDQUOT_IF(cnt && refuse_fd(fd));
+    FAIL_IF(cnt ? refuse_fd(fd) : 0);
     return real_pwritev(fd, iov, cnt, off);
 }
 ssize_t pwritev64(int fd, const struct iovec *iov, int cnt, off64_t off) {
     REAL(pwritev64);
-    EDQUOT_IF(cnt && refuse_fd(fd));
+    FAIL_IF(cnt ? refuse_fd(fd) : 0);
     return real_pwritev64(fd, iov, cnt, off);
 }
 int fallocate(int fd, int mode, off_t off, off_t len) {
     REAL(fallocate);
-    EDQUOT_IF(refuse_fd(fd));
+    FAIL_IF(refuse_fd(fd));
     return real_fallocate(fd, mode, off, len);
 }
 int fallocate64(int fd, int mode, off64_t off, off64_t len) {
     REAL(fallocate64);
-    EDQUOT_IF(refuse_fd(fd));
+    FAIL_IF(refuse_fd(fd));
     return real_fallocate64(fd, mode, off, len);
 }
 int posix_fallocate(int fd, off_t off, off_t len) {
     REAL(posix_fallocate);
-    if (refuse_fd(fd)) return EDQUOT;  /* returns the error, as posix_fallocate does */
+    int e = refuse_fd(fd);
+    if (e) return e;  /* returns the error, as posix_fallocate does */
     return real_posix_fallocate(fd, off, len);
 }
 int posix_fallocate64(int fd, off64_t off, off64_t len) {
     REAL(posix_fallocate64);
-    if (refuse_fd(fd)) return EDQUOT;
+    int e = refuse_fd(fd);
+    if (e) return e;
     return real_posix_fallocate64(fd, off, len);
 }
 ssize_t sendfile(int out, int in, off_t *off, size_t n) {
     REAL(sendfile);
-    EDQUOT_IF(n && refuse_fd(out));
+    FAIL_IF(n ? refuse_fd(out) : 0);
     return real_sendfile(out, in, off, n);
 }
 ssize_t sendfile64(int out, int in, off64_t *off, size_t n) {
     REAL(sendfile64);
-    EDQUOT_IF(n && refuse_fd(out));
+    FAIL_IF(n ? refuse_fd(out) : 0);
     return real_sendfile64(out, in, off, n);
 }
 ssize_t copy_file_range(int in, off64_t *in_off, int out, off64_t *out_off, size_t n, unsigned int f) {
     REAL(copy_file_range);
-    EDQUOT_IF(n && refuse_fd(out));
+    FAIL_IF(n ? refuse_fd(out) : 0);
     return real_copy_file_range(in, in_off, out, out_off, n, f);
+}
+int rename(const char *from, const char *to) {
+    REAL(rename);
+    FAIL_IF(refuse_either(AT_FDCWD, from, AT_FDCWD, to));
+    return real_rename(from, to);
+}
+int renameat(int fromfd, const char *from, int tofd, const char *to) {
+    REAL(renameat);
+    FAIL_IF(refuse_either(fromfd, from, tofd, to));
+    return real_renameat(fromfd, from, tofd, to);
+}
+int unlink(const char *path) {
+    REAL(unlink);
+    FAIL_IF(refuse_change(AT_FDCWD, path));
+    return real_unlink(path);
+}
+int unlinkat(int dirfd, const char *path, int flags) {
+    REAL(unlinkat);
+    FAIL_IF(refuse_change(dirfd, path));
+    return real_unlinkat(dirfd, path, flags);
+}
+int rmdir(const char *path) {
+    REAL(rmdir);
+    FAIL_IF(refuse_change(AT_FDCWD, path));
+    return real_rmdir(path);
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hpcrl import checkpoint
 from hpcrl.paths import RunPaths
-from tests.integration.naming import Console, Named, Watch, ended_watch, names_for
+from tests.integration.naming import Console, Named, ended_watch, names_for
 
 ROWS: list[dict] = []  # the table: one row per case (the matrix and the fault tests beside it)
 RETRIED = "retried with backoff; written once it cleared, run goes on"
@@ -446,73 +446,6 @@ def quota_refused(
         [what, "disk quota exceeded at " + str(d), "EDQUOT", "free of"],
         hold,
         within,
-    )
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def env_logs_over_quota(run: Run, quota: dict, hold: float) -> None:
-    """The train env's log directory (server.log, worker_0.log, components.json) over quota for
-    `hold` s while its worker is killed: the env server's lines (the restart) and its status file are
-    refused, dropped, never raised; it restarts the worker and stays up (same pid), rollouts go on.
-    Its first line once the quota cleared (the next worker kill) says how many lines were lost and
-    why: a log that cannot be written never ends an env. The console says so while over quota (the
-    orchestrator's line: the server's next Pong tells it), `hpcrl status` once its components.json
-    can be written again (the env-server row: `running (N log line(s) lost)`)."""
-    from tests.integration.quota import Quota
-
-    d = run.paths.env_server_dir("train", "reverse-text")
-    server, worker = run.pid("env-server"), run.pid("env-worker")
-    server_log, mark = d / "server.log", len(run.log("orchestrator"))
-    size = server_log.stat().st_size
-    lost = "log line(s) lost"  # the orchestrator's line (the server's Pong) and its components.json
-    seen = Watch(
-        run.console,
-        run.paths.root,
-        [[f"(pid {server}): ", lost]],
-        [["env-server", "train/reverse-text", lost]],
-    )
-    t0 = seen.t0
-    with Quota(quota, d):
-        os.kill(worker, signal.SIGKILL)
-        died = f"env worker 0 (pid {worker}) died"
-        _until(lambda: died in run.log("orchestrator")[mark:], 60, "the orchestrator naming the dead worker")
-        _until(lambda: seen.poll() or seen.console_s is not None, 60, "the console naming the lost lines")
-        run.wait_steps(2)  # rollouts go on with the new worker
-        assert server_log.stat().st_size == size, "the env server wrote its log over quota"
-        time.sleep(max(0.0, hold - (time.monotonic() - t0)))
-    assert run.pid("env-server") == server
-    new = [p for p in _children(server) if p != worker]
-    assert new, f"env server {server} has no worker"
-    os.kill(new[0], signal.SIGKILL)
-    _until(
-        lambda: "log line(s) lost" in server_log.read_text()[size:], 60, "the env server's lost-lines note"
-    )
-    took = time.monotonic() - t0
-    _until(seen.poll, 60, "`hpcrl status` naming the lost lines")
-    line = next(x for x in server_log.read_text()[size:].splitlines() if "log line(s) lost" in x)
-    assert f"disk quota exceeded at {server_log}" in line, line  # the stream's file, read from /proc
-    run.wait_steps(2)
-    assert run.pid("env-server") == server
-    ROWS.append(
-        {
-            "component": "env server (its logs, status file)",
-            "fault": f"quota exceeded on logs/envs/train/reverse-text/ (EDQUOT) for {hold:.0f} s, "
-            "its worker killed meanwhile",
-            "named_s": round(took, 1),
-            "named_by": "env server (its first line once it could write)",
-            "line": line.split("] ", 1)[-1][:200],
-            "outcome": "lines dropped, never raised; worker restarted, the env server never restarted; "
-            "run goes on",
-            # the console: the orchestrator's line (told by the server's next Pong, while over
-            # quota); `hpcrl status`: its components.json, written again once the quota cleared
-            **seen.cells(),
-        }
     )
 
 

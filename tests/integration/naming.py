@@ -134,11 +134,12 @@ def names_for(names: list[str]) -> tuple[list[str], list[str]]:
     return console, status
 
 
-Pred = list[list[str]]  # alternatives: a line names it when it holds every string of one of them
+# alternatives: a line names it when it holds every string of one of them (or a test on the line)
+Pred = list[list]
 
 
 def holds(line: str, alternatives: Pred) -> bool:
-    return any(all(s in line for s in alt) for alt in alternatives)
+    return any(all(s(line) if callable(s) else s in line for s in alt) for alt in alternatives)
 
 
 class Watch:

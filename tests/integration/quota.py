@@ -11,6 +11,11 @@ of a user's processes do. Nothing is patched in Python.
     env = quota_env(tmp_path)            # None: why in quota_unavailable()
     subprocess.Popen(cmd, env={**os.environ, **env})
     with Quota(env, run_dir / "checkpoints"): ...   # over quota inside the block
+    with Quota(env, run_dir / "logs", errno="EROFS"): ...   # read-only inside the block
+
+Another errno than EDQUOT (`errno=`: ENOSPC, EROFS, EIO, EPERM, EACCES) makes the same calls fail with
+it; EROFS also refuses opening an existing file for writing, rename, unlink and rmdir, as a
+read-only filesystem does (one whose files are open for writing cannot be remounted `ro`: EBUSY).
 """
 
 from __future__ import annotations
@@ -85,16 +90,21 @@ def quota_env(where: Path) -> dict[str, str] | None:
     return {"LD_PRELOAD": preload, CTL: str(where / "edquot.ctl")}
 
 
+ERRNOS = ("EDQUOT", "ENOSPC", "EROFS", "EIO", "EPERM", "EACCES")  # what edquot.c can return
+
+
 class Quota:
     """`dirs` over quota from start() (or entering the block) until stop(): every process started
-    with `env` gets EDQUOT creating or writing anything under them."""
+    with `env` gets EDQUOT (or `errno`, one of ERRNOS) creating or writing anything under them."""
 
-    def __init__(self, env: dict[str, str], *dirs: Path):
-        self.ctl, self.dirs = Path(env[CTL]), [str(d) for d in dirs]
+    def __init__(self, env: dict[str, str], *dirs: Path, errno: str = "EDQUOT"):
+        assert errno in ERRNOS, errno
+        self.ctl, self.dirs, self.errno = Path(env[CTL]), [str(d) for d in dirs], errno
 
     def start(self) -> Quota:
         tmp = self.ctl.with_suffix(".tmp")
-        tmp.write_text("\n".join(self.dirs) + "\n")
+        prefix = "" if self.errno == "EDQUOT" else f"{self.errno} "  # edquot.c: `[ERRNAME ]/dir`
+        tmp.write_text("".join(f"{prefix}{d}\n" for d in self.dirs))
         tmp.replace(self.ctl)  # every process sees the whole list or nothing
         return self
 
