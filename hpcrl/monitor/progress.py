@@ -71,6 +71,8 @@ class Progress:
         self.stalled_since: float | None = None  # monotonic time the stall was named
         self.named_at: float | None = None  # seconds of no progress when it was named (measured)
         self._seen_requests: set[str] = set()
+        # one writer at a time: a doc built before another thread's newer one must not land after it
+        self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # nudge(): write the progress file now
         self._poll = poll_s if poll_s is not None else max(0.2, min(2.0, bound_s / 10 if bound_s else 2.0))
@@ -220,6 +222,10 @@ class Progress:
     def write(self, now: float, idle: float, stall: str | None = None) -> None:
         if self.progress_dir is None:
             return
+        with self._write_lock:
+            self._write(now, idle, stall)
+
+    def _write(self, now: float, idle: float, stall: str | None) -> None:
         from hpcrl.fileio import write_text
 
         doc = {

@@ -139,3 +139,33 @@ def test_a_write_retried_behind_another_wait_stays_in_status(tmp_path) -> None:
     finally:
         p.stop()
         storage.report_to(lambda what, on: None, lambda what: None)
+
+
+def test_a_progress_file_built_earlier_never_lands_after_a_newer_one(tmp_path) -> None:
+    """The watcher thread (nudged by a refused write) and the main loop both write the progress file:
+    the one that read the role's state last writes last, so a stale wait never overwrites a newer
+    one (the race CI hit in the test above)."""
+    import threading
+
+    p = Progress("trainer_0", tmp_path, None, bound_s=60, poll_s=60)
+    entered, first = threading.Event(), [True]
+
+    def slow_extra() -> dict:  # the watcher's doc, built before the main loop's wait, lands slowly
+        if threading.current_thread().name == "hpcrl-progress" and first[0]:
+            first[0] = False
+            entered.set()
+            time.sleep(0.5)
+        return {}
+
+    try:
+        p.extra = slow_extra
+        p.waiting("writing checkpoint step 4: read-only filesystem")
+        p.nudge()
+        assert entered.wait(10)
+        p.waiting("batch 5 from the orchestrator")
+        p.write(time.monotonic(), 0.0)
+        time.sleep(0.7)  # the watcher's slow write has finished by now
+        doc = json.loads((tmp_path / "trainer_0.json").read_text())
+        assert doc["waiting_on"] == "batch 5 from the orchestrator", doc
+    finally:
+        p.stop()
