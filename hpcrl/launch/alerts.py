@@ -37,6 +37,10 @@ _RECOVERY = re.compile(r": moving again ")
 # with its own figures, however often the same text came before.
 _REFUSED = re.compile(r": cannot write .+; retrying in ")
 _WROTE = re.compile(r": wrote .+ after \d+ s \(it was: ")
+# A line naming a process (`(pid 123) died`) that names one not seen in it before is a new event (a
+# replacement killed in turn): printed with its own figures, at most once per PID_GAP_S per message.
+_PID = re.compile(r"\bpid (\d+)")
+PID_GAP_S = 10
 
 
 def role_logs(paths: RunPaths) -> list[Path]:
@@ -58,6 +62,10 @@ class Seen:
     line: str  # the first occurrence, as printed
     count: int = 0
     last: str = ""  # the clock time of the newest occurrence
+    newest: str = ""  # the newest occurrence, with its own figures
+    order: int = 0  # when the newest occurrence came, among all messages
+    pids: set[str] = field(default_factory=set)  # the processes its occurrences named
+    printed: float = -1e9  # seconds since midnight of its last printed line
 
 
 def _next_mark(n: int) -> bool:
@@ -72,9 +80,19 @@ class Alerts:
     seen: dict[str, Seen] = field(default_factory=dict)
     stall_shown: dict[str, bool] = field(default_factory=dict)  # role -> its latest stall was printed
     refused: set[str] = field(default_factory=set)  # roles with a refused write not yet cleared
+    n: int = 0  # occurrences seen, all messages
 
     def see(self, rec: Record) -> str | None:
         """The line to print now for `rec` (None: not a warning, or a repeat not due)."""
+        key_line = self._see(rec)
+        if key_line is None:
+            return None
+        s, line = key_line
+        if line is not None:
+            s.printed = rec.seconds
+        return line
+
+    def _see(self, rec: Record) -> tuple[Seen, str | None] | None:
         if rec.level < LEVELS["warning"]:
             return None
         m = _HEAD.match(rec.lines[0])
@@ -87,23 +105,35 @@ class Alerts:
         s = self.seen.get(key)
         if s is None:
             s = self.seen[key] = Seen(f"{clock} {level} [{role or '?'}] {_cut(message)}")
-        s.count += 1
-        s.last = clock
-        line = s.line if s.count == 1 else f"{s.line} (x{s.count})"
-        due = s.count == 1 or _next_mark(s.count)
+        self.n += 1
         who = role or "?"
         own = f"{clock} {level} [{who}] {_cut(message)}"  # this one, with its own figures
+        s.count, s.last, s.newest, s.order = s.count + 1, clock, own, self.n
+        pids = set(_PID.findall(message))
+        new_process = bool(pids - s.pids) and s.count > 1 and (rec.seconds - s.printed) % 86400 >= PID_GAP_S
+        s.pids |= pids
+        line = s.line if s.count == 1 else f"{s.line} (x{s.count})"
+        due = s.count == 1 or _next_mark(s.count)
         if _STALL.search(message):
-            self.stall_shown[who] = due
+            self.stall_shown[who] = due or new_process
         elif _RECOVERY.search(message) and self.stall_shown.pop(who, False) and not due:
-            return own
+            return s, own
         elif _REFUSED.search(message) and who not in self.refused:  # refused again after it cleared
             self.refused.add(who)
-            return line if due else own
+            return s, line if due else own
         elif _WROTE.search(message) and who in self.refused:
             self.refused.discard(who)
-            return line if due else own
-        return line if due else None
+            return s, line if due else own
+        return s, line if due else own if new_process else None
+
+    def recent(self, limit: int) -> list[str]:
+        """The `limit` messages seen last, oldest first, each as its newest occurrence with its count
+        and first time (`hpcrl status`)."""
+        newest = sorted(self.seen.values(), key=lambda s: s.order)[-limit:] if limit > 0 else []
+        return [
+            s.newest if s.count == 1 else f"{s.newest} (x{s.count} since {s.line.split(' ', 1)[0]})"
+            for s in newest
+        ]
 
     def summary(self) -> list[str]:
         """Every distinct message once, in order of first occurrence, with its count and last time."""
@@ -170,6 +200,45 @@ def distinct(recs: Iterable[Record]) -> list[str]:
     for r in recs:
         a.see(r)
     return a.summary()
+
+
+def recent_warnings(
+    paths: RunPaths,
+    window_s: float | None,
+    limit: int = 6,
+    tail_bytes: int = 256 << 10,
+    now: float | None = None,
+) -> list[str]:
+    """`hpcrl status`'s recent warnings: the distinct WARNING/ERROR messages of every role's log
+    (the last `tail_bytes` of each) within `window_s` of now (None: any age, for a run that ended),
+    the `limit` newest, oldest first. A process replaced, a server marked down, a write refused: named
+    here for as long as the window, where the progress rows show only what holds now."""
+    import time
+
+    now = time.time() if now is None else now
+    clock = now - time.mktime(time.localtime(now)[:3] + (0, 0, 0, 0, 0, -1))  # the logs' clock: local
+    recs: list[Record] = []
+    for p in role_logs(paths):
+        try:
+            if window_s is not None and os.stat(p).st_mtime < now - window_s:
+                continue
+            with open(p, "rb") as f:
+                start = max(0, f.seek(0, os.SEEK_END) - tail_bytes)
+                f.seek(start)
+                data = f.read()
+        except OSError:
+            continue
+        if start:
+            data = data[data.find(b"\n") + 1 :]  # its first line began before the tail
+        recs += (
+            r
+            for r in records(data.decode(errors="replace").splitlines(), p.name)
+            if r.seconds >= 0 and (window_s is None or (clock - r.seconds) % 86400 <= window_s)
+        )
+    alerts = Alerts()
+    for r in sorted(recs, key=lambda r: (clock - r.seconds) % 86400, reverse=True):  # oldest first
+        alerts.see(r)
+    return alerts.recent(limit)
 
 
 def show_warnings(paths: RunPaths, follow: bool, keep: Callable[[Record], bool] = lambda r: True) -> int:

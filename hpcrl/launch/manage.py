@@ -91,8 +91,25 @@ def status(argv: list[str]) -> int:
 
     live = state == "running" or (job.get("target") == "slurm" and state != NOT_IN_QUEUE)
     health = health_lines(paths, live)  # a role silent past the bound: unresponsive if live, else exited
-    print("\n".join(lines + health + placement_table(paths) + env_lines))
+    print("\n".join(lines + health + recent_lines(paths, live) + placement_table(paths) + env_lines))
     return 0
+
+
+RECENT_S = 600  # a running job's warnings shown by `hpcrl status`: those of the last 10 minutes
+
+
+def recent_lines(paths: RunPaths, live: bool) -> list[str]:
+    """The newest distinct WARNING/ERROR lines of the roles' logs (all of a run that ended)."""
+    from hpcrl.launch.alerts import recent_warnings
+
+    recent = recent_warnings(paths, RECENT_S if live else None)
+    if not recent:
+        return []
+    when = f"last {RECENT_S // 60} min" if live else "newest"
+    return [
+        f"recent warnings ({when}; all: hpcrl logs {paths.root} --warnings):",
+        *("  " + x for x in recent),
+    ]
 
 
 def ended_lines(paths: RunPaths, job: dict[str, Any], state: str, trained: int) -> list[str]:

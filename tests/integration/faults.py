@@ -151,48 +151,60 @@ def _remount(d: Path, mode: str) -> None:
     raise AssertionError(f"remount,{mode} {d}: {(res.stderr or res.stdout).strip()}")
 
 
-def refused(run: Run, role: str, row: dict, make, undo, names: list[str], hold: float, within: float) -> None:
+def refused(
+    run: Run, role: str | tuple[str, ...], row: dict, make, undo, names: list[str], hold: float, within: float
+) -> None:
     """Make `role`'s writes fail (make()) until its log names the refusal (a `cannot write` line with
     all of `names`), the console of the run prints it and `hpcrl status` shows the role waiting on
     that write, each within `within` s timed from make(), and `hold` s have passed; then undo(): the
     write must go through (`wrote ... after`) and the run go on. Appends `row` with what was said
-    and when each named it."""
-    mark = len(run.log(role))
+    and when each named it. With several roles, the first to meet the fault is the one asserted (a
+    checkpoint's parts: whichever of the trainer and the orchestrator writes first is refused, and
+    the other then waits on it)."""
+    roles = (role,) if isinstance(role, str) else role
+    marks = {r: len(run.log(r)) for r in roles}
     make()
     console, status = names_for(names)
-    seen = Named(run.console, run.paths.root, role, console_names=console, status_names=status)
+    seen = Named(run.console, run.paths.root, roles, console_names=console, status_names=status)
     t0 = seen.t0
     try:
-        log: list[float] = []
+        log: list[tuple[float, str, str]] = []
 
-        def named() -> str | None:
-            new = _new_lines(run.log(role), mark).splitlines()
-            return next((x for x in new if "cannot write" in x and all(n in x for n in names)), None)
+        def named() -> tuple[str, str] | None:
+            for r in roles:
+                new = _new_lines(run.log(r), marks[r]).splitlines()
+                hit = next((x for x in new if "cannot write" in x and all(n in x for n in names)), None)
+                if hit is not None:
+                    return r, hit
+            return None
 
         def everywhere() -> bool:
-            if not log and named() is not None:
-                log.append(time.monotonic() - t0)
+            if not log and (hit := named()) is not None:
+                log.append((time.monotonic() - t0, *hit))
             return seen.poll() and bool(log)
 
         try:
-            _until(everywhere, within, f"the {role} naming {row['fault']}")
-        except AssertionError as e:  # say what was missing and what the role did instead
+            _until(everywhere, within, f"the {' or '.join(roles)} naming {row['fault']}")
+        except AssertionError as e:  # say what was missing and what the roles did instead
             raise AssertionError(
-                f"{e}: missing {seen.missing()}{'' if log else ' and its log line'}\n--- {role} log since:\n"
-                f"{_new_lines(run.log(role), mark)[-4000:]}\n--- console since:\n"
+                f"{e}: missing {seen.missing()}{'' if log else ' and its log line'}"
+                + "".join(f"\n--- {r} log since:\n{_new_lines(run.log(r), marks[r])[-4000:]}" for r in roles)
+                + "\n--- console since:\n"
                 + "\n".join(line for _, line in run.console.since(t0))[-3000:]
             ) from None
-        took, line = log[0], named()
+        took, who, line = log[0]
         time.sleep(max(0.0, hold - (time.monotonic() - t0)))
     finally:
         undo()
-    _until(lambda: f"{role}: wrote " in run.log(role)[mark:], 90, "the write going through")
+    _until(lambda: f"{who}: wrote " in run.log(who)[marks[who] :], 90, "the write going through")
     run.wait_steps(2)
+    component = row["component"] if len(roles) == 1 else row["component"].format(role=who)
     ROWS.append(
         {
             **row,
+            "component": component,
             "named_s": round(took, 1),
-            "named_by": role,
+            "named_by": who,
             "line": _short(line.split("] ", 1)[-1])[:240],
             **seen.cells(),
         }
@@ -348,9 +360,9 @@ def checkpoint_disk_full(out: Path, hold: float, storage_s: float, quota: dict |
         filler: list[Filler] = []
         refused(
             run,
-            "trainer",
+            ("trainer", "orchestrator"),
             {
-                "component": "trainer (checkpoint)",
+                "component": "{role} (checkpoint)",
                 "fault": f"disk full writing a checkpoint (checkpoints/ a 1 GB tmpfs, filled) for {hold:.0f} s",
                 "outcome": RETRIED,
             },
@@ -369,8 +381,8 @@ def checkpoint_disk_full(out: Path, hold: float, storage_s: float, quota: dict |
         if quota is not None:  # the same, the user's quota of that disk exhausted (quota.py): EDQUOT
             quota_refused(
                 run,
-                "trainer",
-                {"component": "trainer (checkpoint)", "outcome": RETRIED},
+                ("trainer", "orchestrator"),
+                {"component": "{role} (checkpoint)", "outcome": RETRIED},
                 quota,
                 paths.checkpoints_dir,
                 "cannot write checkpoint step",
@@ -430,7 +442,14 @@ def checkpoint_disk_full(out: Path, hold: float, storage_s: float, quota: dict |
 
 
 def quota_refused(
-    run: Run, role: str, row: dict, quota: dict, d: Path, what: str, hold: float, within: float
+    run: Run,
+    role: str | tuple[str, ...],
+    row: dict,
+    quota: dict,
+    d: Path,
+    what: str,
+    hold: float,
+    within: float,
 ) -> None:
     """refused() with `d` over quota (EDQUOT from libc's own calls, every process of the run: quota.py)
     for `hold` s."""

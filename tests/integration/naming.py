@@ -138,6 +138,21 @@ def names_for(names: list[str]) -> tuple[list[str], list[str]]:
 Pred = list[list]
 
 
+_LOGGED = re.compile(r"^(\d\d):(\d\d):(\d\d) (?:WARNING|ERROR|CRITICAL) ")
+
+
+def logged_before(line: str, t0_wall: float) -> bool:
+    """A line of `hpcrl status`'s recent warnings logged before the fault (its leading clock, local,
+    a second or more before t0): it names an earlier fault, not this one."""
+    m = _LOGGED.match(line)
+    if m is None:
+        return False
+    at = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
+    t = time.localtime(t0_wall)
+    ago = (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec - at) % 86400
+    return 0 < ago < 43200
+
+
 def holds(line: str, alternatives: Pred) -> bool:
     return any(all(s(line) if callable(s) else s in line for s in alt) for alt in alternatives)
 
@@ -153,6 +168,7 @@ class Watch:
     def __init__(self, out: Console | None, root: Path, console: Pred, status: Pred, every: float = 0.4):
         self.out, self.root, self.cpred, self.spred, self.every = out, root, console, status, every
         self.t0 = time.monotonic()
+        self.t0_wall = time.time()
         self.console_s: float | None = None
         self.status_s: float | None = None
         self.console_line = self.status_line = ""
@@ -178,7 +194,9 @@ class Watch:
         if self.status_s is None and now >= self._next:
             self._next = now + self.every
             lines = (x.strip() for x in status_text(self.root).splitlines() if holds(x, self.spred))
-            line = next((x for x in lines if not self.tolerated(x)), None)
+            line = next(
+                (x for x in lines if not self.tolerated(x) and not logged_before(x, self.t0_wall)), None
+            )
             if line is not None:
                 self.status_s, self.status_line = time.monotonic() - self.t0, line
         return (self.console_s is not None or self.out is None) and self.status_s is not None

@@ -67,7 +67,11 @@ class Ranks:
     """``python script *args`` started as ranks 0..len(logs)-1 of one group, rank r's output to
     ``logs[r]``, around a rendezvous store this process hosts. Wait with `wait_ranks`."""
 
-    def __init__(self, script: str, args: list[str], logs: list[Path], name: str = "") -> None:
+    def __init__(
+        self, script: str, args: list[str], logs: list[Path], name: str = "", command: list[str] | None = None
+    ) -> None:
+        """With `command`, each rank is that command (`python -m hpcrl.cli trainer …`) in a fresh
+        process instead of `python script *args`."""
         from torch.distributed import TCPStore
 
         world = len(logs)
@@ -84,7 +88,9 @@ class Ranks:
                     "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 }
-                proc = start_rank(script, args, env, str(log))
+                proc = (
+                    start_rank(script, args, env, str(log)) if command is None else _start(command, env, log)
+                )
                 self.ranks.append(_Rank(f"{name}rank {rank}", proc, Path(log)))
         except BaseException:
             self.stop()
@@ -142,6 +148,11 @@ def wait_ranks(*groups: Ranks, timeout: float) -> None:
         how = "stopped, still running" if r.stopped else f"exited {r.proc.returncode}"
         parts.append(f"--- {r.name} {how} ({r.log}):\n{text[-TAIL:]}")
     raise AssertionError("\n".join(parts))
+
+
+def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as fh:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
 
 
 # A fresh interpreter's rank (HPCRL_TEST_ZYGOTE=0): `python script *args` with the zygote's stack dump.

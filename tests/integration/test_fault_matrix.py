@@ -228,12 +228,11 @@ def killed(run: Run, component: str, role: str, names: list[str], back: str | No
         f"the orchestrator naming the killed {component}",
     )
     line = named()
-    # Recorded, not asserted: the console and status of a replaced process are transient (the kill's
-    # line can be folded into an earlier one; status shows the cause only until the replacement), and
-    # on a loaded 2-core CI this failed once with the role's log naming it (asserted above).
-    deadline = time.monotonic() + BOUND + 60
-    while not seen.poll() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # The console prints a line naming a new process however often its message came before, and
+    # `hpcrl status` keeps it under "recent warnings" (it used to show the cause only until the
+    # replacement): both asserted.
+    _until(seen.poll, BOUND + 60 - took, f"the console and `hpcrl status` naming the killed {component}")
+    seen.named(BOUND + 60)
     if back is not None:
         _until(lambda: back in run.log("orchestrator")[mark:], DOWN_S + 120, f"the {component} back")
     run.wait_steps(2)
@@ -295,11 +294,10 @@ def frozen_env_server_restarted(run: Run) -> None:
         "the frozen server named",
     )
     took = time.monotonic() - t0
-    # Recorded, not asserted (as for a kill): status names it through the errored rollouts' cause, and
-    # under load the rollouts it held can be done or cancelled already (none counted: failed twice).
-    deadline = time.monotonic() + 2 * BOUND + 60 - took
-    while not seen.poll() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # `hpcrl status` names it under "recent warnings" (the orchestrator's line), not only through the
+    # errored rollouts' cause: under load the rollouts it held can be done or cancelled already.
+    _until(seen.poll, 2 * BOUND + 60 - took, "the console and `hpcrl status` naming the frozen env server")
+    seen.named(2 * BOUND + 60)
     _until(lambda: "restarted (restart 1)" in run.log("orchestrator")[mark:], 120, "the env server restarted")
     line = next(x for x in run.log("orchestrator")[mark:].splitlines() if "answered no ping" in x)
     run.wait_steps(2)
@@ -386,7 +384,11 @@ def faults_of_run_1(run: Run, out: Path, no_tmpfs: str | None, quota: dict | Non
             "inference",
             ["inference server 0", "is down"],
             "is back (pid",
-            status=[["inference server 0", ": down"], ["inference server 0", "unresponsive"]],
+            status=[
+                ["inference server 0", ": down"],
+                ["inference server 0", "unresponsive"],
+                ["inference server 0", "is down"],
+            ],
         )
         # The bus directory unwritable for a while, then its disk full: the writer names the path
         # and the cause at once, retries, and the batch is written once it clears.

@@ -4,7 +4,6 @@ inference server, and logs every step to metrics.jsonl."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +88,7 @@ def test_trainer_alone_trains_on_fake_batches(tiny_model_dir: Path, tmp_path: Pa
 
 def test_two_ranks_share_the_rows(tiny_model_dir: Path, tmp_path: Path):
     """batch_size is over all ranks (prime-rl's): 3 rows on 2 ranks train 2 + 1 rows a step, FSDP."""
-    from hpcrl.net import free_port
-    from hpcrl.runtime import rank_env
+    from tests.integration.ranks import Ranks, wait_ranks
 
     out = tmp_path / "run"
     cfg = tmp_path / "rl.toml"
@@ -98,27 +96,12 @@ def test_two_ranks_share_the_rows(tiny_model_dir: Path, tmp_path: Path):
         f'max_steps = 2\noutput_dir = "{out}"\n[data.fake]\nbatch_size = 3\n'
         f'[model]\nname = "{tiny_model_dir}"\nseq_len = 128\n'
     )
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, **rank_env(rank, 2, "127.0.0.1", port), "OMP_NUM_THREADS": "1"}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "hpcrl.cli", "trainer", "@", str(cfg)],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    # the rendezvous store is this process's, on a port the kernel picked and held (tests/integration/
+    # ranks.py): a port picked free, then bound seconds later, can be taken meanwhile (a rank left
+    # waiting on a stranger); a rank that fails stops the other at once
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    command = [sys.executable, "-m", "hpcrl.cli", "trainer", "@", str(cfg)]
+    wait_ranks(Ranks("", [], logs, command=command), timeout=300)
     rows = {r["step"]: r for r in read_metrics(RunPaths(out).metrics_file) if r.get("role") == "trainer"}
     assert sorted(rows) == [1, 2]
     assert all(r["progress/total_tokens"] == 3 * 128 * s for s, r in rows.items())

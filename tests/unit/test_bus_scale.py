@@ -166,10 +166,12 @@ def test_idle_wait_with_a_doorbell_touches_the_filesystem_rarely(buses, monkeypa
     monkeypatch.undo()
     ringing = buses("trainer", 0, poll_interval=0.05, control_every=4)
     opens, scans = idle_fs_ops(ringing, 1.0, 0.12, monkeypatch)
-    assert 15 <= old_opens <= 25 and 15 <= old_scans <= 25  # ~20/s each
-    assert 15 <= opens <= 25  # one look per poll, slices or not
-    assert 3 <= scans <= 7  # ~5/s: a quarter
-    assert scans <= old_scans / 3
+    # ~20/s each when idle; a loaded machine only stretches the polls (fewer per second), so the
+    # upper bounds are the claim and the lower ones only say the loop ran; the ratio is measured
+    # within one window (the two windows can see different load)
+    assert 5 <= old_opens <= 25 and old_opens - 2 <= old_scans <= 25  # a scan every poll
+    assert 5 <= opens <= 25  # one look per poll, slices or not
+    assert scans <= opens / 3 + 1  # ~a quarter
 
 
 def test_idle_wait_at_default_settings(buses, monkeypatch):
@@ -181,41 +183,42 @@ def test_idle_wait_at_default_settings(buses, monkeypatch):
 
 
 def test_a_control_ring_scans_at_once_and_a_lost_one_within_the_bound(buses, paths):
-    trainer = buses("trainer", poll_interval=0.05, control_every=4)
+    # the next scheduled scan of control/ is 100 polls (5 s) away: found sooner, it was the ring
+    trainer = buses("trainer", poll_interval=0.05, control_every=100)
     orch = buses("orchestrator")
     with pytest.raises(BusTimeout):
-        trainer.wait_batch(0, timeout=0.1)  # control/ scanned; the next scan is not due for 0.2 s
+        trainer.wait_batch(0, timeout=0.1)  # control/ scanned; the next scan is not due for 5 s
     later(0.05, orch.publish_control, Shutdown(reason="rung", origin="orchestrator"))
     t0 = time.monotonic()
     with pytest.raises(ShutdownRequested, match="rung"):
-        trainer.wait_batch(0, timeout=5)
-    assert time.monotonic() - t0 < 0.15  # the ring, not the schedule
+        trainer.wait_batch(0, timeout=10)
+    assert time.monotonic() - t0 < 2.5  # the ring, not the schedule (5 s)
     (paths.control_dir / "shutdown_orchestrator.msgpack").unlink()
 
-    quiet = buses("trainer", 1, poll_interval=0.05, control_every=4)
+    quiet = buses("trainer", 1, poll_interval=0.5, control_every=4)
     with pytest.raises(BusTimeout):
         quiet.wait_batch(0, timeout=0.1)
-    # no ring at all: found by the schedule, within control_every x poll_interval
+    # no ring at all: found by the schedule, within control_every x poll_interval (2 s)
     later(0.02, write_message, paths.control_file("shutdown_x"), Shutdown(reason="lost", origin="x"))
     t0 = time.monotonic()
     with pytest.raises(ShutdownRequested, match="lost"):
-        quiet.wait_batch(0, timeout=5)
-    assert time.monotonic() - t0 < 0.2 + 0.3
+        quiet.wait_batch(0, timeout=10)
+    assert time.monotonic() - t0 < 2 + 1
 
 
 def test_a_rescan_after_a_slice_waits_for_its_due_time_unless_rung(buses, paths):
-    trainer = buses("trainer", poll_interval=0.3)
+    trainer = buses("trainer", poll_interval=3)
+    t_look = time.monotonic()  # the first call looks at once; its next look is due 3 s after that
     with pytest.raises(BusTimeout):
         trainer.wait_batch(0, timeout=0.01)
     write_message(paths.rollout_file(0, 0), make_batch(step=0))  # no ring: the due look finds it
-    t0 = time.monotonic()
-    assert trainer.wait_batch(0, timeout=2).step == 0
-    assert 0.2 < time.monotonic() - t0 < 0.3 + 0.3
+    assert trainer.wait_batch(0, timeout=10).step == 0
+    assert 2.5 < time.monotonic() - t_look < 3 + 1.5
     DoorbellWriter(paths).ring("trainer_0", Ring("rollouts", 1))  # an early ring for step 1 ...
     write_message(paths.rollout_file(1, 0), make_batch(step=1))
     t0 = time.monotonic()
-    assert trainer.wait_batch(1, timeout=2).step == 1  # ... means "look now"
-    assert time.monotonic() - t0 < 0.2
+    assert trainer.wait_batch(1, timeout=10).step == 1  # ... means "look now"
+    assert time.monotonic() - t0 < 2  # not the due look (3 s)
 
 
 # -- 3. policy/ retention and the LATEST hint ------------------------------------------------------------

@@ -20,6 +20,7 @@ from hpcrl.paths import RunPaths
 SERVER = """
 import os, signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # before it says it runs: the test may stop it then
 runs, addr = Path(sys.argv[1]), Path(sys.argv[2])
 n = len(runs.read_text().split()) if runs.exists() else 0
 with open(runs, "a") as f:
@@ -28,7 +29,6 @@ addr.parent.mkdir(parents=True, exist_ok=True)
 addr.write_text(str(os.getpid()))
 if n == 0:
     os.kill(os.getpid(), signal.SIGKILL)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 time.sleep(60)
 """
 
@@ -103,9 +103,9 @@ def test_restart_backoff_doubles_and_is_capped() -> None:
 # Never exits by itself: it appends its pid to runs.txt and sleeps until killed or stopped.
 FOREVER = """
 import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # before it says it runs
 with open(sys.argv[1], "a") as f:
     f.write(f"{os.getpid()}\\n")
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 time.sleep(120)
 """
 

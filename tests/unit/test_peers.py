@@ -13,21 +13,19 @@ from hpcrl.inference.peers import in_daemon_thread, wait_for_listener
 from hpcrl.inference.protocol import APIError
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_nothing_listening_is_a_502_naming_the_peer():
-    port = _closed_port()
+    # bound but never listening, held for the whole test: connections to it are refused, and no
+    # other socket (another test's listener) can take the port meanwhile
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
 
-    async def main() -> None:
-        start = time.monotonic()
-        await wait_for_listener("127.0.0.1", port, start, start + 0.3)
+        async def main() -> None:
+            start = time.monotonic()
+            await wait_for_listener("127.0.0.1", port, start, start + 0.3)
 
-    with pytest.raises(APIError) as e:
-        asyncio.run(main())
+        with pytest.raises(APIError) as e:
+            asyncio.run(main())
     assert e.value.status == 502 and f"127.0.0.1:{port}" in e.value.message
     assert "ConnectionRefusedError" in e.value.message  # what the last attempt got
 

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import subprocess
 import threading
 import time
@@ -101,7 +102,7 @@ def test_the_policy_backs_off_names_once_and_gives_up_at_the_bound_in_one_line(m
     with caplog.at_level(logging.WARNING, "hpcrl.storage"), pytest.raises(WriteRefused) as got:
         retry_blocking("trainer", "policy 14", write, 60, sleep=sleep, clock=lambda: now[0])
     assert tries == [0, 1, 3, 7, 15, 31, 60] and sleeps == [1, 2, 4, 8, 16, 29]
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hpcrl.storage"]
     assert lines == [
         "trainer: cannot write policy 14: read-only filesystem at /r/broadcasts/step_14 (Read-only file "
         "system), EROFS; free space there: 12.3 MB free of 64.0 MB; retrying in 1 s, doubling to 30 s, "
@@ -129,7 +130,7 @@ def test_a_new_cause_is_named_again_and_other_errors_pass_at_once(caplog) -> Non
 
     with caplog.at_level(logging.WARNING, "hpcrl.storage"):
         assert retry_blocking("orchestrator", "x", write, 60, sleep=lambda s: None) == "ok"
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hpcrl.storage"]
     assert [("ENOSPC" in m, "EIO;" in m) for m in lines[:2]] == [(True, False), (False, True)]
     assert lines[2].startswith("orchestrator: wrote x after") and len(lines) == 3
 
@@ -154,7 +155,7 @@ def test_the_async_face_is_the_same_policy(caplog) -> None:
     with caplog.at_level(logging.WARNING, "hpcrl.storage"):
         got = asyncio.run(write_retrying("rollouts step 3", write, 30, first_s=0.01, cap_s=0.02))
     assert got == "done" and len(tries) == 4
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hpcrl.storage"]
     assert lines[0].startswith(
         "orchestrator: cannot write rollouts step 3: disk full at /r/rollouts/step_3/rank_0.msgpack"
     )
@@ -183,7 +184,7 @@ def test_a_real_unwritable_dir_is_waited_out_from_a_clean_start(tmp_path: Path, 
     named = {"w": torch.arange(6, dtype=torch.float32)}
     pub._write_files(1, named, None)
     how, undo = _make_unwritable(paths.broadcasts_dir)
-    clear = threading.Timer(1.0, lambda: subprocess.run(undo, check=True))
+    clear = threading.Timer(0.5, lambda: subprocess.run(undo, check=True))  # well before the 1 s try
     t0 = time.monotonic()
     try:
         clear.start()
@@ -193,8 +194,8 @@ def test_a_real_unwritable_dir_is_waited_out_from_a_clean_start(tmp_path: Path, 
         clear.cancel()
         subprocess.run(undo, check=False)
     took = time.monotonic() - t0
-    assert 1.0 <= took < 3.5, took  # tries at 0 and 1 s (refused while immutable), then 3 s at most
-    lines = [r.getMessage() for r in caplog.records]
+    assert 1.0 <= took < 5, took  # tries at 0 (refused while immutable) and 1 s; at 3 s if clearing was late
+    lines = [r.getMessage() for r in caplog.records if r.name == "hpcrl.storage"]
     assert lines[0].startswith("trainer: cannot write policy 2: not writable (") and len(lines) == 2, lines
     assert str(paths.broadcasts_dir) in lines[0] and " free of " in lines[0], (how, lines)
     assert ("EPERM" if how == "chattr +i" else "EACCES") in lines[0]
@@ -227,7 +228,11 @@ def test_a_real_full_disk_ends_the_writer_in_one_line_past_the_bound(full_disk) 
             "sft trainer", "checkpoint step 5", lambda: fileio.write_text(d / "a", "x" * 9000), 0.3
         )
     line = str(got.value)
-    assert line.startswith(f"cannot write checkpoint step 5 for 0 s: disk full at {d / 'a'} (No space left")
+    # the wait past a 0.3 s bound: "0 s", or "1 s" on a loaded machine
+    assert re.match(
+        rf"cannot write checkpoint step 5 for [01] s: disk full at {re.escape(str(d / 'a'))} \(No space left",
+        line,
+    ), line
     assert line.endswith("ENOSPC; free space there: 0 B free of 1.0 MB (storage_timeout_s = 0.3)"), line
     assert [p.name for p in d.iterdir()] == ["filler"]  # the refused write left nothing behind
 
@@ -245,12 +250,13 @@ def test_the_metrics_file_holds_its_lines_while_the_disk_is_full(full_disk, capl
         sink.write({"step": 3})  # the wait is over: all three, in order
     sink.close()
     assert [r["step"] for r in read_metrics(d / "metrics.jsonl")] == [1, 2, 3]
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hpcrl.storage"]
     assert (
         lines[0].startswith("trainer: cannot write metrics (1 line(s) held): disk full at ")
         and len(lines) == 2
     )
-    assert lines[1].startswith("trainer: wrote metrics (1 line(s) held) after 1 s")
+    # 1 s after the refusal; 2 s where stopping the filler (a thread mid top-up) was slow
+    assert re.match(r"trainer: wrote metrics \(1 line\(s\) held\) after [12] s", lines[1]), lines[1]
 
 
 def test_a_log_the_disk_refuses_never_raises_and_says_what_it_lost() -> None:
@@ -309,7 +315,7 @@ def test_the_trainers_policy_announcement_waits_out_an_unwritable_policy_dir(tmp
         with caplog.at_level(logging.WARNING, "hpcrl.storage"):
             assert bus.publish_policy(_policy(3)) == paths.policy_file(3)
         assert bus.latest_policy().step == 3
-        lines = [r.getMessage() for r in caplog.records]
+        lines = [r.getMessage() for r in caplog.records if r.name == "hpcrl.storage"]
         assert (
             lines[0].startswith("trainer_0: cannot write policy step 3: not writable (") and len(lines) == 2
         )

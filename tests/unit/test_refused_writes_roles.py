@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import subprocess
 import threading
 import time
@@ -120,7 +121,9 @@ def test_a_lora_adapter_refused_mid_file_is_never_left_as_complete(lora_model, t
         subprocess.run(["umount", "-l", str(paths.broadcasts_dir)], check=False)
         bus.close()
     line = str(got.value)
-    assert line.startswith("cannot write policy 4 (LoRA adapter) for 0 s: disk full at "), line
+    assert re.match(r"cannot write policy 4 \(LoRA adapter\) for [01] s: disk full at ", line), (
+        line
+    )  # 0.3 s bound
     assert str(paths.broadcasts_dir) in line and line.endswith("(storage_timeout_s = 0.3)"), line
     assert not paths.policy_file(4).exists()
     row(

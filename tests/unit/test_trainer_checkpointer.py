@@ -156,7 +156,8 @@ def test_retention_spares_a_step_whose_finaliser_is_waiting(tiny_model_dir: Path
     deadline = time.monotonic() + 30
     while not paths.complete_file(6).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # retention runs right after COMPLETE
+    while c.finalizing() != {5} and time.monotonic() < deadline:  # step 6's finaliser ends after
+        time.sleep(0.05)  # COMPLETE, with its retention pass
     assert ck.verify(paths, 6) is None
     assert paths.checkpoint_dir(5).is_dir() and c.finalizing() == {5}
     ck.begin_part(paths, 5, "orchestrator", clear=True)
