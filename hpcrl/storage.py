@@ -26,6 +26,7 @@ in `Refusals`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -438,10 +439,13 @@ def tolerate_std_streams() -> None:
 
 
 def open_log(path: Path, who: str) -> Any:
-    """A child process's log, opened for appending (unbuffered), or, when the filesystem refuses it
-    (read-only, full, over quota: a new file cannot be made, an existing one opened for writing),
-    os.devnull, named once at WARNING with the path and the cause: the child starts all the same and
-    its output is dropped until it is started again (a log is never worth a role)."""
+    """A child process's log, opened for appending (unbuffered). When the filesystem refuses it
+    (read-only, full, over quota: a new file cannot be made, an existing one opened for writing), the
+    refusal is named once at WARNING with the path and the cause, and the child gets a pipe instead:
+    a thread of this process relays its output to the log as soon as the log can be written again
+    (tried at most every RELAY_RETRY_S while output comes), with a line saying how many lines were
+    lost meanwhile; until then its output is dropped and counted (dropped_log_lines). The child
+    starts all the same: a log is never worth a role."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return open(path, "ab", buffering=0)  # noqa: SIM115 - the caller closes it (or the child's exit)
@@ -449,7 +453,61 @@ def open_log(path: Path, who: str) -> Any:
         why = refused_write(e, path)
         if why is None:
             raise
-        log.warning("%s: cannot open its log: %s; its output is dropped until it starts again", who, why)
-        _DROPPED[0] += 1
+        log.warning(
+            "%s: cannot open its log: %s; its output is relayed once the log can be written", who, why
+        )
         _DROPPED[1] = why
-        return open(os.devnull, "ab", buffering=0)  # noqa: SIM115
+        r, w = os.pipe()
+        import threading
+
+        threading.Thread(target=_relay, args=(r, path, who, why), name="hpcrl-log-relay", daemon=True).start()
+        return open(w, "wb", buffering=0)  # noqa: SIM115 - the caller closes it (the child keeps its copy)
+
+
+RELAY_RETRY_S = 5.0
+
+
+def _relay(fd: int, path: Path, who: str, why: str) -> None:
+    """Copy a child's output from the pipe `fd` to its log `path` until the child (and every other
+    holder of the pipe) is gone; output that arrives while the log cannot be written is dropped and
+    counted, then named in the log and here once it can."""
+    out, lost, next_try, since, open_line = None, 0, 0.0, time.monotonic(), False
+    with open(fd, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(1 << 16):
+            now = time.monotonic()
+            if out is None and now >= next_try:
+                try:
+                    out = open(path, "ab", buffering=0)  # noqa: SIM115 - closed below
+                    if lost:
+                        clock = time.strftime("%H:%M:%S")
+                        out.write(f"{clock} WARNING [{who}] {lost} log line(s) lost: {why}\n".encode())
+                    log.warning(
+                        "%s: its log can be written again after %.0f s; %d line(s) of its output lost: %s",
+                        who, now - since, lost, why,
+                    )  # fmt: skip
+                except OSError as e:
+                    out = _closed(out)
+                    why, next_try = refused_write(e, path) or str(e), now + RELAY_RETRY_S
+            if out is not None:
+                try:
+                    out.write(chunk)
+                    continue
+                except OSError as e:  # refused again: back to dropping, the log tried again later
+                    out = _closed(out)
+                    why, next_try, since, lost = refused_write(e, path) or str(e), now + RELAY_RETRY_S, now, 0
+            # lines, counted at their newline (a line can come in several chunks); an unfinished
+            # last line counts once the output ends
+            n = chunk.count(b"\n")
+            lost, open_line = lost + n, not chunk.endswith(b"\n")
+            _DROPPED[0] += n
+            _DROPPED[1] = why
+    if out is None and open_line:
+        _DROPPED[0] += 1
+    _closed(out)
+
+
+def _closed(f: Any) -> None:
+    if f is not None:
+        with contextlib.suppress(OSError):
+            f.close()
+    return None

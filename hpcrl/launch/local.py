@@ -101,7 +101,7 @@ def spawn(
         start = log_path.stat().st_size  # a resumed run appends to the old log
     except OSError:
         start = 0
-    fh = open_log(log_path, role) if capture else None  # closed in stop_children; refused: os.devnull
+    fh = open_log(log_path, role) if capture else None  # closed in stop_children; refused: a relay pipe
     if not capture:  # the child writes log_path itself (a refused directory: the child's to say)
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -133,7 +133,7 @@ def env_logs_refused(run: Run, how: str, hold: float, quota: dict | None) -> Non
     """The train env's log directory (server.log, worker_0.log, components.json) refused for `hold`
     s (`how`: "quota" EDQUOT, "full" its tmpfs filled: ENOSPC, "ro" EROFS) while the env server has
     something to log: its worker killed, and restarted on the refused directory (a worker log that
-    cannot be opened: hpcrl.storage.open_log, its output dropped until its next start; before, the
+    cannot be opened: hpcrl.storage.open_log, its output relayed once the log can be written; before, the
     env server died of it). The server's lines and its status file are refused,
     dropped, never raised; it stays up (same pid), rollouts go on. Named on the console while
     refused (the orchestrator's line: the server's next Pong carries the lost lines), by the server
@@ -190,8 +190,8 @@ def env_logs_refused(run: Run, how: str, hold: float, quota: dict | None) -> Non
             "named_s": round(took, 1),
             "named_by": "env server (its first line once it could write)",
             "line": line.group(0)[:200],
-            "outcome": "lines dropped, never raised; worker restarted (its log refused: output dropped "
-            "until its next start), the env server never restarted; run goes on",
+            "outcome": "lines dropped, never raised; worker restarted (a log it cannot open: its output "
+            "relayed once it can be written), the env server never restarted; run goes on",
             # the console: the orchestrator's line (the server's next Pong, while refused); `hpcrl
             # status`: its components.json, written again once it cleared
             **seen.cells(),

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,29 +27,57 @@ def _unwritable(d: Path):
     return ["chmod", "0755", str(d)]
 
 
-def test_a_child_whose_log_cannot_be_opened_starts_and_the_refusal_is_named(tmp_path, caplog) -> None:
+def _until(cond, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_child_whose_log_cannot_be_opened_starts_and_its_output_follows_once_it_can(
+    tmp_path, caplog, monkeypatch
+) -> None:
+    """The child starts on a pipe: what it prints while its log cannot be made is dropped and
+    counted; once the directory takes writes again, the rest reaches the log, after a line saying how
+    many were lost (before: /dev/null until the child's next start)."""
+    from hpcrl import storage
+
+    monkeypatch.setattr(storage, "RELAY_RETRY_S", 0.1)
     logs = tmp_path / "logs"
     logs.mkdir()
     undo = _unwritable(logs)
     before = dropped_log_lines()[0]
+    child = "print('one', flush=True); input(); print('two', flush=True); raise SystemExit(7)"
     try:
         with (
             caplog.at_level(logging.WARNING, logger="hpcrl.storage"),
             open_log(logs / "worker_0.log", "env worker 0") as out,
         ):
-            proc = subprocess.run([sys.executable, "-c", "print('hello'); raise SystemExit(7)"], stdout=out)
-    finally:
+            proc = subprocess.Popen([sys.executable, "-c", child], stdout=out, stdin=subprocess.PIPE)
+        _until(lambda: dropped_log_lines()[0] == before + 1)  # 'one': dropped, counted
+        assert not (logs / "worker_0.log").exists()
+    except BaseException:
         subprocess.run(undo, check=True)
-    assert proc.returncode == 7  # it ran, its output went nowhere
-    assert not (logs / "worker_0.log").exists()
-    (rec,) = [r for r in caplog.records if "cannot open its log" in r.getMessage()]
+        raise
+    subprocess.run(undo, check=True)
+    time.sleep(0.2)  # past RELAY_RETRY_S: the next output tries the log again
+    proc.communicate(b"go\n", timeout=30)
+    assert proc.returncode == 7  # it ran all along
+    _until(lambda: (logs / "worker_0.log").exists() and "two" in (logs / "worker_0.log").read_text())
+    note, rest = (logs / "worker_0.log").read_text().split("\n", 1)
+    assert note.endswith(
+        f"WARNING [env worker 0] 1 log line(s) lost: not writable (operation not permitted) at {logs}/worker_0.log (Operation not permitted)"
+    ) or ("permission denied" in note), note
+    assert rest == "two\n"
+    said = [r.getMessage() for r in caplog.records if r.name == "hpcrl.storage"]
     assert (
-        rec.getMessage().startswith(
+        said[0].startswith(
             f"env worker 0: cannot open its log: not writable (operation not permitted) at {logs}/worker_0.log"
         )
-        or "permission denied" in rec.getMessage()
-    )
-    assert dropped_log_lines()[0] == before + 1
+        or "permission denied" in said[0]
+    ), said
+    assert said[1].startswith("env worker 0: its log can be written again after "), said
+    assert "1 line(s) of its output lost" in said[1], said
 
 
 def test_a_log_that_can_be_opened_is_appended_to(tmp_path) -> None:
